@@ -1,0 +1,25 @@
+# Finds stepmesh's dependencies the standard way; every one is a Debian package
+# that scripts/install-deps.sh installs.
+find_package(Threads REQUIRED)
+find_package(absl CONFIG REQUIRED)
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(HWLOC REQUIRED IMPORTED_TARGET hwloc)
+
+set(STEPMESH_HAVE_RDMA OFF)
+if(STEPMESH_ENABLE_RDMA)
+  pkg_check_modules(IBVERBS IMPORTED_TARGET libibverbs)
+  if(IBVERBS_FOUND)
+    set(STEPMESH_HAVE_RDMA ON)
+  else()
+    message(STATUS "stepmesh: libibverbs not found, RDMA transport disabled")
+  endif()
+endif()
+
+if(STEPMESH_BUILD_TESTS)
+  find_package(Catch2 2 REQUIRED)
+  include(Catch)
+endif()
+if(STEPMESH_BUILD_BENCHMARKS)
+  find_package(benchmark REQUIRED)
+  pkg_check_modules(ZMQ IMPORTED_TARGET libzmq)
+endif()

@@ -1,0 +1,90 @@
+#pragma once
+
+// Monolithic reference forward built from the same AttentionSide and FfnSide
+// units the disaggregated run uses, so the two can agree bit for bit.
+//
+// Codecs:
+//  - kNone: fp32 throughout; the FFN is one partition fed the fp32 y.
+//  - kAfd:  the AFD wire emulated in process: y is FP8-quantised into A2F
+//           buffers, F FfnSide partitions each return a BF16 partial, and the
+//           partials are added in fp32 in partition order 0..F-1 before the
+//           residual add (AttentionSide::ApplyF2A).
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "examples/afd_model/attention_side.h"
+#include "examples/afd_model/config.h"
+#include "examples/afd_model/ffn_side.h"
+
+namespace afd {
+
+enum class Codec { kNone, kAfd };
+
+std::string CodecName(Codec codec);
+
+struct ReferenceOptions {
+  Codec codec = Codec::kNone;
+  int partitions = 1;  // FFN partitions F (kAfd only)
+  int max_sequences = 1;
+  int64_t max_seq_len = 128;
+};
+
+struct GenerationResult {
+  // tokens[s]: the greedy tokens of sequence s: one from the prefill, then
+  // one per decode step.
+  std::vector<std::vector<int32_t>> tokens;
+  // Per step (prefill first): normed final hidden [B, H] and logits [B, V]
+  // of each sequence's last token.
+  std::vector<std::vector<float>> step_final_hidden;
+  std::vector<std::vector<float>> step_logits;
+  double prefill_seconds = 0.0;
+  double decode_seconds = 0.0;
+};
+
+class ReferenceModel {
+ public:
+  ReferenceModel(const ModelConfig& config, const ReferenceOptions& options);
+
+  const ModelConfig& config() const { return config_; }
+  const ReferenceOptions& options() const { return options_; }
+  AttentionSide& attention() { return attention_; }
+
+  // The FFN of `layer` as this codec sees it: PrepareFfnInput (norm, router)
+  // then state->ffn_output = FFN(y). Leaves the residual alone, so tests can
+  // compare codecs on the same state (teacher forcing).
+  void ComputeFfnOutput(int layer, StepState* state);
+
+  // One step through every layer: embed, then per layer attention,
+  // ComputeFfnOutput and the residual add.
+  bool RunStep(std::span<const SequenceChunk> chunks,
+               std::span<const int32_t> tokens, StepState* state);
+
+  // Prefills prompts[s] into sequence slot s, then runs decode_steps greedy
+  // steps. If forced_tokens is given, decode step i of sequence s feeds
+  // forced_tokens[s][i] instead of its own previous greedy token (teacher
+  // forcing across codecs). Sequences must fit max_sequences/max_seq_len.
+  GenerationResult Generate(
+      const std::vector<std::vector<int32_t>>& prompts, int decode_steps,
+      const std::vector<std::vector<int32_t>>* forced_tokens = nullptr);
+
+ private:
+  ModelConfig config_;
+  ReferenceOptions options_;
+  AttentionSide attention_;
+  std::vector<FfnSide> ffn_partitions_;
+  FfnWorkspace ffn_workspace_;
+  // The emulated wire of the single micro-batch.
+  std::vector<uint8_t> a2f_codes_;
+  std::vector<float> a2f_scales_;
+  std::vector<int32_t> a2f_topk_ids_;
+  std::vector<float> a2f_topk_weights_;
+  std::vector<std::vector<uint16_t>> f2a_partials_;
+};
+
+// Relative L2 error ||a - b|| / ||b|| in double (0 when both are zero).
+double RelativeL2(std::span<const float> a, std::span<const float> b);
+
+}  // namespace afd

@@ -1,0 +1,153 @@
+// afd_reference: runs the monolithic Step-3 example forward (prefill a batch
+// of prompts, then greedy decode) and prints the tokens, timing and tokens/s.
+//
+//   afd_reference [--config tiny|full|step3|PATH] [--prompt-len N]
+//                 [--decode-steps N] [--batch B] [--codec none|afd]
+//                 [--partitions F] [--max-params N]
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "examples/afd_model/config.h"
+#include "examples/afd_model/model_weights.h"
+#include "examples/afd_model/reference.h"
+
+namespace {
+
+struct Flags {
+  std::string config = "tiny";
+  int prompt_len = 16;
+  int decode_steps = 16;
+  int batch = 4;
+  afd::Codec codec = afd::Codec::kNone;
+  int partitions = 2;
+  // Weights are materialised in fp32 host memory; refuse configs that would
+  // not fit instead of thrashing (full-width is for the GPU path).
+  int64_t max_params = 2'000'000'000;
+};
+
+void PrintUsage() {
+  std::fprintf(stderr,
+               "usage: afd_reference [--config tiny|full|step3|PATH] "
+               "[--prompt-len N] [--decode-steps N] [--batch B] "
+               "[--codec none|afd] [--partitions F] [--max-params N]\n");
+}
+
+bool ParsePositive(std::string_view text, int64_t* value) {
+  char* end = nullptr;
+  const std::string owned(text);
+  const long long parsed = std::strtoll(owned.c_str(), &end, 10);
+  if (owned.empty() || *end != '\0' || parsed <= 0) return false;
+  *value = parsed;
+  return true;
+}
+
+bool ParseFlags(int argc, char** argv, Flags* flags) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view name = argv[i];
+    if (name == "--help" || name == "-h") return false;
+    if (i + 1 >= argc) {
+      std::fprintf(stderr, "missing value for %s\n", argv[i]);
+      return false;
+    }
+    const std::string_view value = argv[++i];
+    int64_t number = 0;
+    const bool is_number = ParsePositive(value, &number);
+    if (name == "--config") {
+      flags->config = value;
+    } else if (name == "--codec" && (value == "none" || value == "afd")) {
+      flags->codec = value == "none" ? afd::Codec::kNone : afd::Codec::kAfd;
+    } else if (name == "--prompt-len" && is_number) {
+      flags->prompt_len = static_cast<int>(number);
+    } else if (name == "--decode-steps" && (is_number || value == "0")) {
+      flags->decode_steps = static_cast<int>(number);
+    } else if (name == "--batch" && is_number) {
+      flags->batch = static_cast<int>(number);
+    } else if (name == "--partitions" && is_number) {
+      flags->partitions = static_cast<int>(number);
+    } else if (name == "--max-params" && is_number) {
+      flags->max_params = number;
+    } else {
+      std::fprintf(stderr, "bad flag or value: %s %s\n", argv[i - 1], argv[i]);
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags flags;
+  if (!ParseFlags(argc, argv, &flags)) {
+    PrintUsage();
+    return 2;
+  }
+  std::string error;
+  const auto config =
+      afd::LoadModelConfig(flags.config, afd::BundledConfigDir(), &error);
+  if (!config) {
+    std::fprintf(stderr, "config: %s\n", error.c_str());
+    return 1;
+  }
+  const int64_t params = config->ParameterCount();
+  std::printf("model %s: %d layers, hidden %lld, %d experts top-%d, "
+              "%.3f B parameters\n",
+              config->name.c_str(), config->num_layers,
+              static_cast<long long>(config->hidden_size), config->num_experts,
+              config->top_k, static_cast<double>(params) * 1e-9);
+  if (params > flags.max_params) {
+    std::fprintf(stderr,
+                 "%lld parameters exceed --max-params %lld (fp32 host "
+                 "weights); use the CUDA path or raise the limit\n",
+                 static_cast<long long>(params),
+                 static_cast<long long>(flags.max_params));
+    return 1;
+  }
+  const int64_t max_len = int64_t{flags.prompt_len} + flags.decode_steps;
+  if (max_len > config->max_positions) {
+    std::fprintf(stderr, "prompt + decode exceeds max_position_embedding\n");
+    return 1;
+  }
+  if (flags.codec == afd::Codec::kAfd && flags.partitions > config->num_experts) {
+    std::fprintf(stderr, "--partitions must not exceed the expert count\n");
+    return 1;
+  }
+
+  const afd::ReferenceOptions options{flags.codec, flags.partitions,
+                                      flags.batch, max_len};
+  afd::ReferenceModel model(*config, options);
+  const std::vector<int32_t> flat =
+      afd::GeneratePromptTokens(*config, flags.batch, flags.prompt_len);
+  std::vector<std::vector<int32_t>> prompts(flags.batch);
+  for (int s = 0; s < flags.batch; ++s) {
+    prompts[s].assign(flat.begin() + int64_t{s} * flags.prompt_len,
+                      flat.begin() + int64_t{s + 1} * flags.prompt_len);
+  }
+  const afd::GenerationResult result =
+      model.Generate(prompts, flags.decode_steps);
+
+  std::printf("codec %s, partitions %d, batch %d, prompt %d, decode steps %d\n",
+              afd::CodecName(flags.codec).c_str(),
+              model.options().partitions, flags.batch, flags.prompt_len,
+              flags.decode_steps);
+  for (int s = 0; s < flags.batch; ++s) {
+    std::printf("seq %d:", s);
+    for (const int32_t token : result.tokens[s]) std::printf(" %d", token);
+    std::printf("\n");
+  }
+  const double prefill_tokens = double{1} * flags.batch * flags.prompt_len;
+  const double decode_tokens = double{1} * flags.batch * flags.decode_steps;
+  std::printf("prefill: %.3f s, %.1f tokens/s\n", result.prefill_seconds,
+              prefill_tokens / result.prefill_seconds);
+  if (flags.decode_steps > 0) {
+    std::printf("decode: %.3f s, TPOT %.3f ms, %.1f tokens/s\n",
+                result.decode_seconds,
+                1e3 * result.decode_seconds / flags.decode_steps,
+                decode_tokens / result.decode_seconds);
+  }
+  return 0;
+}

@@ -1,0 +1,113 @@
+#pragma once
+// Accelerator backends. A backend owns device memory, asynchronous streams
+// and events; stepmesh's send thread waits on events so the caller never
+// blocks, and a stream can wait for a host-side flag (an arrival) without a
+// host synchronisation. Implementations: "cpu_mock" (threads emulating
+// streams) and "cuda". No accelerator header is included here.
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include "absl/strings/string_view.h"
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "stepmesh/tensor.h"
+
+namespace stepmesh {
+
+class Stream;
+
+// An owned allocation; freed by its destructor.
+class Memory {
+ public:
+  virtual ~Memory() = default;
+  virtual void* data() const = 0;
+  virtual size_t bytes() const = 0;
+  virtual Device device() const = 0;
+  TensorView View(DType dtype, Shape shape) const { return {data(), dtype, shape, device()}; }
+};
+
+enum class MemoryKind : uint8_t {
+  kDevice,      // accelerator memory (host memory on cpu_mock)
+  kHostPinned,  // page-locked host memory, fast to copy
+  kHostMapped,  // pinned host memory also addressable from the device
+};
+
+// A point in a stream's work. Reusable: Record() again after completion.
+class Event {
+ public:
+  virtual ~Event() = default;
+  // Marks the point after all work enqueued on `stream` so far.
+  virtual absl::Status Record(Stream& stream) = 0;
+  // Non-blocking: true once the recorded point is reached (true if never recorded).
+  virtual absl::StatusOr<bool> Query() = 0;
+  // Blocks until reached, or DEADLINE_EXCEEDED.
+  virtual absl::Status Wait(absl::Duration timeout) = 0;
+};
+
+// A 32-bit word in host memory that both the host and the device can see.
+// Host writes are release stores; stream waits observe them without host sync.
+class HostFlag {
+ public:
+  virtual ~HostFlag() = default;
+  virtual void Store(uint32_t value) = 0;
+  virtual uint32_t Load() const = 0;
+};
+
+// An in-order queue of asynchronous work.
+class Stream {
+ public:
+  virtual ~Stream() = default;
+  virtual absl::Status CopyAsync(void* dst, const void* src, size_t bytes) = 0;
+  // Runs `fn` on the host when the stream reaches this point (the CPU kernels of
+  // the example run this way on cpu_mock; cudaLaunchHostFunc on CUDA).
+  virtual absl::Status LaunchHostFunc(std::function<void()> fn) = 0;
+  // Later work waits until flag >= value (cuStreamWaitValue32 or a wait kernel).
+  virtual absl::Status WaitHostFlag(HostFlag& flag, uint32_t value) = 0;
+  // The stream writes `value` to `flag` when it reaches this point.
+  virtual absl::Status SignalHostFlag(HostFlag& flag, uint32_t value) = 0;
+  virtual absl::Status Synchronize(absl::Duration timeout) = 0;
+};
+
+// Where memory lives, for choosing a nearby NIC and cores.
+struct MemoryLocation {
+  Device device;
+  int numa_node = -1;       // -1: unknown
+  std::string pci_bus_id;   // "0000:3b:00.0"; empty for host memory
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual absl::string_view name() const = 0;
+  virtual Device device() const = 0;
+
+  virtual absl::StatusOr<std::unique_ptr<Memory>> Allocate(size_t bytes, MemoryKind kind) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Stream>> CreateStream() = 0;
+  virtual absl::StatusOr<std::unique_ptr<Event>> CreateEvent() = 0;
+  virtual absl::StatusOr<std::unique_ptr<HostFlag>> CreateHostFlag() = 0;
+  // Synchronous copy between any two addresses this backend understands.
+  virtual absl::Status Copy(void* dst, const void* src, size_t bytes) = 0;
+  virtual absl::StatusOr<MemoryLocation> Locate(const void* ptr) = 0;
+  // A dma-buf fd for device memory (GPUDirect RDMA via ibv_reg_dmabuf_mr);
+  // UNIMPLEMENTED where the backend or platform has none. Caller closes the fd.
+  virtual absl::StatusOr<int> ExportDmabuf(const void* ptr, size_t bytes, uint64_t* offset) {
+    (void)ptr, (void)bytes, (void)offset;
+    return absl::UnimplementedError("dma-buf export not supported by this backend");
+  }
+};
+
+struct CpuMockOptions {
+  // Each stream item is held this long before it runs: makes ordering bugs visible.
+  absl::Duration injected_delay = absl::ZeroDuration();
+};
+
+// "cpu_mock" or "cuda" (when built with CUDA). NOT_FOUND / UNAVAILABLE otherwise.
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view name, int device);
+std::unique_ptr<Backend> CreateCpuMockBackend(const CpuMockOptions& options = {});
+
+}  // namespace stepmesh

@@ -1,0 +1,76 @@
+#pragma once
+// Configuration of one mesh participant. Build it explicitly, or start from
+// MeshOptions::FromEnv() which overlays STEPMESH_* (and StepMesh's DMLC_*)
+// variables on a base; docs/configuration.md lists every name.
+
+#include "absl/strings/string_view.h"
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace stepmesh {
+
+enum class Role : uint8_t { kScheduler = 0, kWorker = 1, kServer = 2 };
+absl::string_view RoleName(Role role);
+
+// How the progress threads and Wait() look for work.
+enum class PollMode : uint8_t {
+  kSpin,      // never sleeps: lowest latency, burns a core per thread
+  kAdaptive,  // spins for ThreadingOptions::spin_budget, then blocks
+  kBlocking,  // blocks in the kernel (epoll / condition variable)
+};
+absl::StatusOr<PollMode> ParsePollMode(absl::string_view name);
+absl::string_view PollModeName(PollMode mode);
+
+struct ThreadingOptions {
+  PollMode poll_mode = PollMode::kAdaptive;
+  absl::Duration spin_budget = absl::Microseconds(50);
+  // Core ids for the send and receive threads; empty means unpinned.
+  std::vector<int> send_cores;
+  std::vector<int> recv_cores;
+  // Pick cores near the device/NIC through hwloc (ignored when cores are given).
+  bool auto_pin = false;
+};
+
+struct TraceOptions {
+  bool enabled = true;  // stamps are cheap (a clock read each); off removes even that
+};
+
+struct MeshOptions {
+  Role role = Role::kWorker;
+  int rank = -1;  // -1: the scheduler assigns one in arrival order
+  int num_workers = 1;
+  int num_servers = 1;
+  std::string scheduler = "127.0.0.1:9000";  // host:port of the rendezvous
+  std::string bind_host = "127.0.0.1";       // interface the data listener binds
+
+  std::string transport = "auto";  // "tcp", "rdma" or "auto" (rdma when a device exists)
+  std::string backend = "cpu_mock";  // "cpu_mock" or "cuda"
+  int device = 0;
+
+  // RDMA knobs; empty / negative means "choose automatically".
+  std::string rdma_device;
+  int rdma_port = 0;
+  int rdma_gid_index = -1;
+  int rdma_traffic_class = 0;
+  int rdma_service_level = 0;
+  int rdma_qps_per_peer = 1;
+
+  ThreadingOptions threads;
+  absl::Duration timeout = absl::Seconds(30);            // connect, barrier, peer silence
+  absl::Duration heartbeat_interval = absl::Seconds(1);  // scheduler liveness probes
+  int max_inflight_requests = 64;  // worker request slots (bounded pool)
+  int max_registrations = 1024;    // per participant
+  std::string auth_token;          // optional shared secret (challenge-response, never sent)
+  TraceOptions trace;
+
+  // `base` with every set STEPMESH_* / DMLC_* variable applied. Bad values are errors.
+  static absl::StatusOr<MeshOptions> FromEnv(const MeshOptions& base);
+  static absl::StatusOr<MeshOptions> FromEnv();
+  absl::Status Validate() const;
+};
+
+}  // namespace stepmesh

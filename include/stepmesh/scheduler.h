@@ -1,0 +1,26 @@
+#pragma once
+// The rendezvous service: collects every participant's endpoint, hands out the
+// roster, runs barriers and tells everyone when a participant leaves. Runs in
+// any process (tests, the launcher) or as the stepmesh_scheduler program.
+
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "stepmesh/options.h"
+
+namespace stepmesh {
+
+class Scheduler {
+ public:
+  // Listens on options.scheduler (port 0 picks a free one: see address()).
+  static absl::StatusOr<std::unique_ptr<Scheduler>> Start(const MeshOptions& options);
+  virtual ~Scheduler() = default;
+  virtual std::string address() const = 0;  // "host:port" actually bound
+  // Blocks until every participant has joined and then left (or timeout).
+  virtual absl::Status WaitUntilDone(absl::Duration timeout) = 0;
+  virtual void Stop() = 0;
+};
+
+}  // namespace stepmesh

@@ -1,0 +1,81 @@
+#pragma once
+// The FFN side of AFD: receives every worker's pushes of a micro-batch into one
+// contiguous registered region (a slot per worker) and replies from another.
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "stepmesh/backend.h"
+#include "stepmesh/handle.h"
+#include "stepmesh/options.h"
+#include "stepmesh/tensor.h"
+#include "stepmesh/worker.h"
+
+namespace stepmesh {
+
+enum class BatchPolicy : uint8_t {
+  kAllWorkers,     // wait (up to the timeout) until every worker's request arrived
+  kReadyByDeadline,  // at the timeout, hand out whatever workers arrived (at least one)
+};
+
+// One received tensor of a batch: the whole registered region, worker w's data
+// at bytes [w * slot_bytes, w * slot_bytes + valid_bytes[w]).
+struct BatchTensor {
+  Key key = 0;
+  TensorView region;
+  size_t slot_bytes = 0;
+  absl::Span<const size_t> valid_bytes;  // per worker; 0 when the worker is absent
+};
+
+// Valid until Respond() for it returns.
+struct Batch {
+  BatchHandle handle;
+  Key group = 0;  // the first push key of the workers' requests: names the micro-batch
+  absl::Span<const int> workers;        // ranks present, ascending
+  absl::Span<const BatchTensor> tensors;  // in the workers' push order
+  // Key each present worker pulls from this server (parallel to `workers`), or
+  // kNoPull when that worker only pushed.
+  absl::Span<const Key> pull_keys;
+  static constexpr Key kNoPull = ~Key{0};
+};
+
+struct Reply {
+  int worker = 0;
+  size_t bytes = kWholeTensor;  // of the worker's slot in the reply region
+};
+
+class AFTensorServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<AFTensorServer>> Create(
+      const MeshOptions& options, std::shared_ptr<Backend> backend = nullptr);
+  virtual ~AFTensorServer() = default;
+
+  virtual int rank() const = 0;
+  virtual int num_workers() const = 0;
+  virtual Backend& backend() = 0;
+
+  // `region` holds num_workers equal slots (its first dimension must divide
+  // evenly); worker w's pushes under `key` land in slot w.
+  virtual absl::Status RegisterRecvTensor(Key key, TensorView region) = 0;
+  // The source of replies under `key` (a worker's pull key): slot w goes to worker w.
+  virtual absl::Status RegisterReplyTensor(Key key, TensorView region) = 0;
+  virtual absl::Status Unregister(Key key) = 0;
+
+  virtual absl::StatusOr<Batch> GetBatch(absl::Duration timeout,
+                                         BatchPolicy policy = BatchPolicy::kAllWorkers) = 0;
+  // Replies to every worker of the batch: worker w's slot of the reply region
+  // named by its pull key (workers that only pushed get an empty acknowledgement).
+  // Returns at once; sending waits for `options.ready`. Every worker with a pull
+  // must have a Reply; nothing is sent when the call fails.
+  virtual absl::Status Respond(const Batch& batch, absl::Span<const Reply> replies,
+                               const SendOptions& options = {}) = 0;
+
+  virtual absl::Status Barrier() = 0;
+  virtual absl::Status Shutdown() = 0;
+};
+
+}  // namespace stepmesh

@@ -1,0 +1,12 @@
+#pragma once
+// The whole public API.
+
+#include "stepmesh/backend.h"
+#include "stepmesh/handle.h"
+#include "stepmesh/options.h"
+#include "stepmesh/scheduler.h"
+#include "stepmesh/server.h"
+#include "stepmesh/status.h"
+#include "stepmesh/tensor.h"
+#include "stepmesh/trace.h"
+#include "stepmesh/worker.h"

@@ -1,0 +1,31 @@
+#pragma once
+// Per-request timing, stamped on the path and carried in frames so that the
+// differences between stamps of one host need no clock synchronisation.
+
+#include <cstdint>
+#include <vector>
+
+namespace stepmesh {
+
+// Nanoseconds of CLOCK_MONOTONIC on the host that took the stamp (0: not taken).
+struct TraceStamps {
+  uint64_t enqueue_ns = 0;        // worker: PushPull called              (worker clock)
+  uint64_t post_ns = 0;           // worker: send thread posted the push  (worker clock)
+  uint64_t server_arrival_ns = 0; // server: last push byte arrived      (server clock)
+  uint64_t server_handler_ns = 0; // server: batch handed to GetBatch    (server clock)
+  uint64_t server_reply_ns = 0;   // server: reply posted                (server clock)
+  uint64_t reply_arrival_ns = 0;  // worker: reply landed                (worker clock)
+};
+
+struct TraceRecord {
+  struct PerServer {
+    int server = -1;
+    TraceStamps stamps;
+  };
+  std::vector<PerServer> servers;
+  uint64_t complete_ns = 0;  // worker: the request completed
+};
+
+uint64_t MonotonicNowNs();
+
+}  // namespace stepmesh

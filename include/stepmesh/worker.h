@@ -1,0 +1,77 @@
+#pragma once
+// The attention side of AFD: pushes activations to FFN servers and pulls
+// their outputs back, into tensors registered ahead of time.
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "stepmesh/backend.h"
+#include "stepmesh/handle.h"
+#include "stepmesh/options.h"
+#include "stepmesh/tensor.h"
+#include "stepmesh/trace.h"
+
+namespace stepmesh {
+
+using Key = uint64_t;
+inline constexpr size_t kWholeTensor = ~size_t{0};
+
+struct Push {
+  Key key = 0;
+  size_t bytes = kWholeTensor;         // a prefix of the registered tensor
+  absl::Span<const int> servers = {};  // empty: every server
+};
+
+struct Pull {
+  Key key = 0;  // the key the server replies under; lands in RegisterPullTensor(key, server)
+  int server = 0;
+};
+
+struct SendOptions {
+  Event* ready = nullptr;  // the send waits (on the send thread) until this event completes
+};
+
+class AFTensorWorker {
+ public:
+  // Connects to the scheduler and every server. `backend` may be null: one is
+  // created from options.backend / options.device.
+  static absl::StatusOr<std::unique_ptr<AFTensorWorker>> Create(
+      const MeshOptions& options, std::shared_ptr<Backend> backend = nullptr);
+  virtual ~AFTensorWorker() = default;
+
+  virtual int rank() const = 0;
+  virtual int num_servers() const = 0;
+  virtual Backend& backend() = 0;
+
+  // `tensor` is the largest push under `key`; its memory must outlive the worker.
+  virtual absl::Status RegisterPushTensor(Key key, TensorView tensor) = 0;
+  // Receives `server`'s reply under `key`; one tensor per (key, server).
+  virtual absl::Status RegisterPullTensor(Key key, int server, TensorView tensor) = 0;
+  virtual absl::Status Unregister(Key key) = 0;
+
+  // Broadcasts the pushes and expects one reply per server addressed (a reply
+  // carries the pull for that server, if any). Returns at once; the send happens
+  // on the send thread once `options.ready` completes. A key may be in one
+  // request at a time.
+  virtual absl::StatusOr<RequestHandle> PushPull(absl::Span<const Push> pushes,
+                                                 absl::Span<const Pull> pulls,
+                                                 const SendOptions& options = {}) = 0;
+  // Blocks until done and returns the request's result, releasing the handle
+  // (a second Wait is FAILED_PRECONDITION). DEADLINE_EXCEEDED keeps it pending.
+  virtual absl::Status Wait(RequestHandle handle, absl::Duration timeout) = 0;
+  // Non-blocking: true once done (then Wait returns at once); never releases.
+  virtual absl::StatusOr<bool> Test(RequestHandle handle) = 0;
+  // The stamps of a completed request; valid after Wait until its slot is reused.
+  virtual absl::StatusOr<TraceRecord> FetchTrace(RequestHandle handle) = 0;
+
+  // Waits for every worker and server to reach the same barrier.
+  virtual absl::Status Barrier() = 0;
+  // Leaves the mesh; pending requests fail with CANCELLED. Also run by the destructor.
+  virtual absl::Status Shutdown() = 0;
+};
+
+}  // namespace stepmesh

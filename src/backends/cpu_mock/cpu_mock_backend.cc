@@ -1,0 +1,207 @@
+// The CPU mock backend: host memory, and streams that run their work in order
+// on a thread of their own, so that event/ordering mistakes surface on a
+// laptop exactly as they would on a GPU (add injected_delay to widen windows).
+
+#include "absl/strings/string_view.h"
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "src/core/thread_util.h"
+#include "stepmesh/backend.h"
+
+namespace stepmesh {
+namespace {
+
+constexpr size_t kAlignment = 4096;  // page-aligned: registrable, DMA-friendly
+
+class HostMemory final : public Memory {
+ public:
+  HostMemory(void* data, size_t bytes) : data_(data), bytes_(bytes) {}
+  ~HostMemory() override { std::free(data_); }
+  void* data() const override { return data_; }
+  size_t bytes() const override { return bytes_; }
+  Device device() const override { return Device::Cpu(); }
+
+ private:
+  void* data_;
+  size_t bytes_;
+};
+
+class MockHostFlag final : public HostFlag {
+ public:
+  void Store(uint32_t value) override { value_.store(value, std::memory_order_release); }
+  uint32_t Load() const override { return value_.load(std::memory_order_acquire); }
+
+ private:
+  alignas(64) std::atomic<uint32_t> value_{0};
+};
+
+class MockStream final : public Stream {
+ public:
+  explicit MockStream(absl::Duration injected_delay) : injected_delay_(injected_delay) {
+    worker_ = core::StartNamedThread("sm-mock-stream", {}, [this] { Run(); });
+  }
+  ~MockStream() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+
+  absl::Status CopyAsync(void* dst, const void* src, size_t bytes) override {
+    return LaunchHostFunc([dst, src, bytes] { std::memcpy(dst, src, bytes); });
+  }
+
+  absl::Status LaunchHostFunc(std::function<void()> fn) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return absl::FailedPreconditionError("stream is being destroyed");
+      queue_.push_back(std::move(fn));
+      ++enqueued_;
+    }
+    cv_.notify_all();
+    return absl::OkStatus();
+  }
+
+  absl::Status WaitHostFlag(HostFlag& flag, uint32_t value) override {
+    // Like a GPU stream-wait: later work on this stream stalls, the host does not.
+    return LaunchHostFunc([this, &flag, value] {
+      while (flag.Load() < value && !stopping_.load(std::memory_order_relaxed)) {
+        std::this_thread::yield();
+      }
+    });
+  }
+
+  absl::Status SignalHostFlag(HostFlag& flag, uint32_t value) override {
+    return LaunchHostFunc([&flag, value] { flag.Store(value); });
+  }
+
+  absl::Status Synchronize(absl::Duration timeout) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t target = enqueued_;
+    if (!cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout),
+                      [&] { return completed_ >= target; })) {
+      return absl::DeadlineExceededError("stream did not drain in time");
+    }
+    return absl::OkStatus();
+  }
+
+  // The ticket of the last item enqueued so far (events record it).
+  uint64_t Ticket() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return enqueued_;
+  }
+  uint64_t Completed() const { return completed_atomic_.load(std::memory_order_acquire); }
+  bool WaitCompleted(uint64_t ticket, absl::Duration timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout),
+                        [&] { return completed_ >= ticket; });
+  }
+
+ private:
+  void Run() {
+    for (;;) {
+      std::function<void()> fn;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping and drained
+        fn = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      if (injected_delay_ > absl::ZeroDuration()) absl::SleepFor(injected_delay_);
+      fn();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++completed_;
+        completed_atomic_.store(completed_, std::memory_order_release);
+      }
+      cv_.notify_all();
+    }
+  }
+
+  const absl::Duration injected_delay_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> queue_;
+  uint64_t enqueued_ = 0;
+  uint64_t completed_ = 0;
+  std::atomic<uint64_t> completed_atomic_{0};
+  std::atomic<bool> stopping_{false};
+  std::thread worker_;
+};
+
+class MockEvent final : public Event {
+ public:
+  absl::Status Record(Stream& stream) override {
+    auto* mock = dynamic_cast<MockStream*>(&stream);
+    if (mock == nullptr) return absl::InvalidArgumentError("not a cpu_mock stream");
+    stream_ = mock;
+    ticket_ = mock->Ticket();
+    return absl::OkStatus();
+  }
+  absl::StatusOr<bool> Query() override {
+    return stream_ == nullptr || stream_->Completed() >= ticket_;
+  }
+  absl::Status Wait(absl::Duration timeout) override {
+    if (stream_ == nullptr || stream_->WaitCompleted(ticket_, timeout)) return absl::OkStatus();
+    return absl::DeadlineExceededError("event not reached in time");
+  }
+
+ private:
+  MockStream* stream_ = nullptr;  // the stream must outlive a recorded event's use
+  uint64_t ticket_ = 0;
+};
+
+class CpuMockBackend final : public Backend {
+ public:
+  explicit CpuMockBackend(const CpuMockOptions& options) : options_(options) {}
+  absl::string_view name() const override { return "cpu_mock"; }
+  Device device() const override { return Device::Cpu(); }
+
+  absl::StatusOr<std::unique_ptr<Memory>> Allocate(size_t bytes, MemoryKind) override {
+    const size_t rounded = (std::max<size_t>(bytes, 1) + kAlignment - 1) / kAlignment * kAlignment;
+    void* data = std::aligned_alloc(kAlignment, rounded);
+    if (data == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes"));
+    }
+    std::memset(data, 0, rounded);
+    return std::make_unique<HostMemory>(data, bytes);
+  }
+  absl::StatusOr<std::unique_ptr<Stream>> CreateStream() override {
+    return std::make_unique<MockStream>(options_.injected_delay);
+  }
+  absl::StatusOr<std::unique_ptr<Event>> CreateEvent() override {
+    return std::make_unique<MockEvent>();
+  }
+  absl::StatusOr<std::unique_ptr<HostFlag>> CreateHostFlag() override {
+    return std::make_unique<MockHostFlag>();
+  }
+  absl::Status Copy(void* dst, const void* src, size_t bytes) override {
+    std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
+  }
+  absl::StatusOr<MemoryLocation> Locate(const void*) override {
+    return MemoryLocation{Device::Cpu(), -1, ""};
+  }
+
+ private:
+  const CpuMockOptions options_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> CreateCpuMockBackend(const CpuMockOptions& options) {
+  return std::make_unique<CpuMockBackend>(options);
+}
+
+}  // namespace stepmesh

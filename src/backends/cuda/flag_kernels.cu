@@ -1,0 +1,49 @@
+// One-thread kernels that wait on / write a 32-bit word in mapped host memory.
+// They occupy one SM slot while waiting, which is the price of being usable
+// inside a captured CUDA graph; outside graphs the backend prefers stream
+// memory operations, which use no SM at all.
+
+#include "src/backends/cuda/flag_kernels.h"
+
+namespace stepmesh::cuda {
+namespace {
+
+// Acquire at system scope: the host (or a NIC) writes the flag over PCIe, and
+// work after the wait must observe whatever was published before the flag.
+// A plain load could be hoisted out of the loop by the compiler (the bug in
+// StepMesh's spin flag); an ld.acquire.sys is re-issued on every iteration.
+__device__ __forceinline__ uint32_t LoadAcquireSystem(const uint32_t* flag) {
+  uint32_t value;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(flag) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void StoreReleaseSystem(uint32_t* flag, uint32_t value) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(flag), "r"(value) : "memory");
+}
+
+__global__ void WaitFlagKernel(const uint32_t* flag, uint32_t value) {
+  // Cyclic comparison, as CU_STREAM_WAIT_VALUE_GEQ: sequence numbers may wrap.
+  while (static_cast<int32_t>(LoadAcquireSystem(flag) - value) < 0) {
+    // Back off a little: every poll is a PCIe read of host memory.
+    __nanosleep(128);
+  }
+}
+
+__global__ void SignalFlagKernel(uint32_t* flag, uint32_t value) {
+  StoreReleaseSystem(flag, value);
+}
+
+}  // namespace
+
+cudaError_t LaunchWaitFlagKernel(cudaStream_t stream, const uint32_t* flag, uint32_t value) {
+  WaitFlagKernel<<<1, 1, 0, stream>>>(flag, value);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchSignalFlagKernel(cudaStream_t stream, uint32_t* flag, uint32_t value) {
+  SignalFlagKernel<<<1, 1, 0, stream>>>(flag, value);
+  return cudaGetLastError();
+}
+
+}  // namespace stepmesh::cuda

@@ -1,0 +1,20 @@
+#pragma once
+// Launchers for the one-thread flag kernels (flag_kernels.cu). They are the
+// graph-safe alternative to cuStreamWaitValue32/cuStreamWriteValue32: a kernel
+// node captures like any other, a stream memory operation may not.
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+namespace stepmesh::cuda {
+
+// Later work on `stream` waits until (int32_t)(*flag - value) >= 0. `flag` is
+// the device address of mapped pinned host memory (or device memory).
+cudaError_t LaunchWaitFlagKernel(cudaStream_t stream, const uint32_t* flag, uint32_t value);
+
+// Stores `value` to `flag` after all earlier work on `stream`, as a
+// system-scope release so the host sees the data written before it.
+cudaError_t LaunchSignalFlagKernel(cudaStream_t stream, uint32_t* flag, uint32_t value);
+
+}  // namespace stepmesh::cuda

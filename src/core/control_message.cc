@@ -1,0 +1,192 @@
+#include "src/core/control_message.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "src/core/net.h"
+#include "stepmesh/status.h"
+
+namespace stepmesh::core {
+namespace {
+
+constexpr uint32_t kMaxRosterEntries = 1 << 14;
+constexpr uint32_t kMaxText = 64 * 1024;
+
+class Writer {
+ public:
+  template <typename T>
+  void Int(T v) {
+    for (size_t i = 0; i < sizeof(T); ++i) out_.push_back(static_cast<char>((uint64_t(v) >> (8 * i)) & 0xFF));
+  }
+  void Text(const std::string& s) {
+    Int<uint32_t>(static_cast<uint32_t>(s.size()));
+    out_.append(s);
+  }
+  std::string& out() { return out_; }
+
+ private:
+  std::string out_;
+};
+
+class Reader {
+ public:
+  explicit Reader(absl::Span<const std::byte> in) : in_(in) {}
+  template <typename T>
+  absl::StatusOr<T> Int() {
+    if (in_.size() - pos_ < sizeof(T)) return absl::DataLossError("control message truncated");
+    uint64_t v = 0;
+    for (size_t i = 0; i < sizeof(T); ++i) v |= uint64_t(in_[pos_ + i]) << (8 * i);
+    pos_ += sizeof(T);
+    return static_cast<T>(v);
+  }
+  absl::StatusOr<std::string> Text() {
+    STEPMESH_ASSIGN_OR_RETURN(uint32_t n, Int<uint32_t>());
+    if (n > kMaxText || in_.size() - pos_ < n) {
+      return absl::DataLossError("control message string overruns the payload");
+    }
+    std::string s(reinterpret_cast<const char*>(in_.data() + pos_), n);
+    pos_ += n;
+    return s;
+  }
+  absl::Status Finish() const {
+    if (pos_ != in_.size()) return absl::DataLossError("trailing bytes in control message");
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Span<const std::byte> in_;
+  size_t pos_ = 0;
+};
+
+}  // namespace
+
+std::string EncodeControl(const ControlMessage& m) {
+  Writer payload;
+  switch (m.type) {
+    case ControlType::kJoin:
+      payload.Int<uint8_t>(m.role);
+      payload.Int<int32_t>(m.rank);
+      payload.Text(m.text);
+      break;
+    case ControlType::kRoster:
+      payload.Int<int32_t>(m.rank);
+      payload.Int<uint32_t>(static_cast<uint32_t>(m.roster.size()));
+      for (const RosterEntry& e : m.roster) {
+        payload.Int<uint32_t>(e.node);
+        payload.Text(e.endpoint);
+      }
+      break;
+    case ControlType::kBarrier:
+    case ControlType::kRelease:
+    case ControlType::kPing:
+    case ControlType::kPong:
+      payload.Int<uint64_t>(m.sequence);
+      break;
+    case ControlType::kLeave:
+      break;
+    case ControlType::kPeerLost:
+    case ControlType::kPeerJoined:
+      payload.Int<uint32_t>(m.node);
+      payload.Text(m.text);
+      break;
+    case ControlType::kReject:
+    case ControlType::kChallenge:
+    case ControlType::kProof:
+      payload.Text(m.text);
+      break;
+  }
+  Writer header;
+  header.Int<uint32_t>(kControlMagic);
+  header.Int<uint16_t>(kControlVersion);
+  header.Int<uint16_t>(static_cast<uint16_t>(m.type));
+  header.Int<uint32_t>(static_cast<uint32_t>(payload.out().size()));
+  return header.out() + payload.out();
+}
+
+absl::StatusOr<std::pair<ControlType, uint32_t>> DecodeControlHeader(
+    absl::Span<const std::byte> header) {
+  Reader r(header.subspan(0, std::min(header.size(), kControlHeaderBytes)));
+  STEPMESH_ASSIGN_OR_RETURN(uint32_t magic, r.Int<uint32_t>());
+  if (magic != kControlMagic) return absl::DataLossError("bad control magic");
+  STEPMESH_ASSIGN_OR_RETURN(uint16_t version, r.Int<uint16_t>());
+  if (version != kControlVersion) {
+    return absl::FailedPreconditionError(absl::StrCat("control protocol version ", version));
+  }
+  STEPMESH_ASSIGN_OR_RETURN(uint16_t type, r.Int<uint16_t>());
+  if (type < 1 || type > static_cast<uint16_t>(ControlType::kProof)) {
+    return absl::DataLossError(absl::StrCat("unknown control message type ", type));
+  }
+  STEPMESH_ASSIGN_OR_RETURN(uint32_t length, r.Int<uint32_t>());
+  if (length > kMaxControlPayload) {
+    return absl::OutOfRangeError(absl::StrCat("control payload of ", length, " bytes"));
+  }
+  return std::make_pair(static_cast<ControlType>(type), length);
+}
+
+absl::StatusOr<ControlMessage> DecodeControlPayload(ControlType type,
+                                                    absl::Span<const std::byte> payload) {
+  Reader r(payload);
+  ControlMessage m;
+  m.type = type;
+  switch (type) {
+    case ControlType::kJoin: {
+      STEPMESH_ASSIGN_OR_RETURN(m.role, r.Int<uint8_t>());
+      STEPMESH_ASSIGN_OR_RETURN(m.rank, r.Int<int32_t>());
+      STEPMESH_ASSIGN_OR_RETURN(m.text, r.Text());
+      if (m.role != 1 && m.role != 2) return absl::DataLossError("join with invalid role");
+      break;
+    }
+    case ControlType::kRoster: {
+      STEPMESH_ASSIGN_OR_RETURN(m.rank, r.Int<int32_t>());
+      STEPMESH_ASSIGN_OR_RETURN(uint32_t n, r.Int<uint32_t>());
+      if (n > kMaxRosterEntries) return absl::DataLossError("roster too large");
+      m.roster.reserve(n);
+      for (uint32_t i = 0; i < n; ++i) {
+        RosterEntry e;
+        STEPMESH_ASSIGN_OR_RETURN(e.node, r.Int<uint32_t>());
+        STEPMESH_ASSIGN_OR_RETURN(e.endpoint, r.Text());
+        m.roster.push_back(std::move(e));
+      }
+      break;
+    }
+    case ControlType::kBarrier:
+    case ControlType::kRelease:
+    case ControlType::kPing:
+    case ControlType::kPong: {
+      STEPMESH_ASSIGN_OR_RETURN(m.sequence, r.Int<uint64_t>());
+      break;
+    }
+    case ControlType::kLeave:
+      break;
+    case ControlType::kPeerLost:
+    case ControlType::kPeerJoined: {
+      STEPMESH_ASSIGN_OR_RETURN(m.node, r.Int<uint32_t>());
+      STEPMESH_ASSIGN_OR_RETURN(m.text, r.Text());
+      break;
+    }
+    case ControlType::kReject:
+    case ControlType::kChallenge:
+    case ControlType::kProof: {
+      STEPMESH_ASSIGN_OR_RETURN(m.text, r.Text());
+      break;
+    }
+  }
+  STEPMESH_RETURN_IF_ERROR(r.Finish());
+  return m;
+}
+
+absl::Status SendControl(int fd, const ControlMessage& message, absl::Time deadline) {
+  const std::string bytes = EncodeControl(message);
+  return WriteFully(fd, bytes.data(), bytes.size(), deadline);
+}
+
+absl::StatusOr<ControlMessage> ReceiveControl(int fd, absl::Time deadline) {
+  std::byte header[kControlHeaderBytes];
+  STEPMESH_RETURN_IF_ERROR(ReadFully(fd, header, sizeof(header), deadline));
+  STEPMESH_ASSIGN_OR_RETURN(auto type_and_length, DecodeControlHeader(header));
+  std::vector<std::byte> payload(type_and_length.second);
+  STEPMESH_RETURN_IF_ERROR(ReadFully(fd, payload.data(), payload.size(), deadline));
+  return DecodeControlPayload(type_and_length.first, payload);
+}
+
+}  // namespace stepmesh::core

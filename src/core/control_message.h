@@ -1,0 +1,63 @@
+#pragma once
+// The rendezvous protocol between participants and the scheduler: small,
+// length-prefixed, versioned messages whose decoder validates every field.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "src/core/frame.h"
+
+namespace stepmesh::core {
+
+inline constexpr uint32_t kControlMagic = 0x54434D53;  // "SMCT"
+inline constexpr uint16_t kControlVersion = 1;
+inline constexpr size_t kControlHeaderBytes = 12;
+inline constexpr uint32_t kMaxControlPayload = 1 << 20;
+
+enum class ControlType : uint16_t {
+  kJoin = 1,        // participant -> scheduler: role, wanted rank, data endpoint
+  kRoster = 2,      // scheduler -> participant: assigned rank, everyone's endpoint
+  kBarrier = 3,     // participant -> scheduler: reached barrier `sequence`
+  kRelease = 4,     // scheduler -> participant: barrier `sequence` passed
+  kLeave = 5,       // participant -> scheduler: orderly exit
+  kPeerLost = 6,    // scheduler -> participant: `node` left without kLeave / went silent
+  kPing = 7,        // scheduler -> participant
+  kPong = 8,        // participant -> scheduler
+  kReject = 9,      // scheduler -> participant: join refused, `reason`
+  kPeerJoined = 10, // scheduler -> participant: `node` (re)joined at `endpoint`
+  kChallenge = 11,  // either way: auth nonce
+  kProof = 12,      // either way: auth proof
+};
+
+struct RosterEntry {
+  NodeId node = kNoNode;
+  std::string endpoint;
+};
+
+// One decoded message; only the fields of its type are meaningful.
+struct ControlMessage {
+  ControlType type = ControlType::kPing;
+  uint8_t role = 0;
+  int32_t rank = -1;
+  NodeId node = kNoNode;
+  uint64_t sequence = 0;
+  std::string text;  // endpoint, reason, nonce or proof
+  std::vector<RosterEntry> roster;
+};
+
+std::string EncodeControl(const ControlMessage& message);  // header + payload
+// Decodes the 12-byte header: returns the type and payload length after checks.
+absl::StatusOr<std::pair<ControlType, uint32_t>> DecodeControlHeader(
+    absl::Span<const std::byte> header);
+absl::StatusOr<ControlMessage> DecodeControlPayload(ControlType type,
+                                                    absl::Span<const std::byte> payload);
+
+// Blocking helpers over a socket, bounded by `deadline`.
+absl::Status SendControl(int fd, const ControlMessage& message, absl::Time deadline);
+absl::StatusOr<ControlMessage> ReceiveControl(int fd, absl::Time deadline);
+
+}  // namespace stepmesh::core

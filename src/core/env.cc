@@ -1,0 +1,241 @@
+// The one place stepmesh reads the environment. Every name is in kEnvTable and
+// in docs/configuration.md; unknown STEPMESH_* names produce a warning.
+
+#include "absl/strings/string_view.h"
+#include <unistd.h>
+
+#include <cstdlib>
+#include <functional>
+#include <string>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "src/core/logging.h"
+#include "stepmesh/options.h"
+#include "stepmesh/status.h"
+
+extern char** environ;
+
+namespace stepmesh {
+namespace {
+
+absl::StatusOr<int> ParseInt(absl::string_view name, absl::string_view value) {
+  int out = 0;
+  if (!absl::SimpleAtoi(value, &out)) {
+    return absl::InvalidArgumentError(absl::StrCat(name, "='", value, "' is not an integer"));
+  }
+  return out;
+}
+
+absl::StatusOr<bool> ParseBool(absl::string_view name, absl::string_view value) {
+  bool out = false;
+  if (!absl::SimpleAtob(value, &out)) {
+    return absl::InvalidArgumentError(absl::StrCat(name, "='", value, "' is not a boolean"));
+  }
+  return out;
+}
+
+// Durations accept absl syntax ("250ms", "30s") or a bare number of milliseconds.
+absl::StatusOr<absl::Duration> ParseDuration(absl::string_view name, absl::string_view value) {
+  absl::Duration d;
+  if (absl::ParseDuration(value, &d)) return d;
+  int64_t ms = 0;
+  if (absl::SimpleAtoi(value, &ms)) return absl::Milliseconds(ms);
+  return absl::InvalidArgumentError(absl::StrCat(name, "='", value, "' is not a duration"));
+}
+
+absl::StatusOr<std::vector<int>> ParseCores(absl::string_view name, absl::string_view value) {
+  std::vector<int> cores;
+  for (absl::string_view part : absl::StrSplit(value, ',', absl::SkipEmpty())) {
+    STEPMESH_ASSIGN_OR_RETURN(int core, ParseInt(name, part));
+    if (core < 0) return absl::InvalidArgumentError(absl::StrCat(name, ": negative core"));
+    cores.push_back(core);
+  }
+  return cores;
+}
+
+absl::StatusOr<Role> ParseRole(absl::string_view name, absl::string_view value) {
+  // DMLC_ROLE uses worker/server/scheduler, as do we.
+  if (value == "worker") return Role::kWorker;
+  if (value == "server") return Role::kServer;
+  if (value == "scheduler") return Role::kScheduler;
+  return absl::InvalidArgumentError(absl::StrCat(name, "='", value, "' is not a role"));
+}
+
+struct EnvEntry {
+  const char* name;
+  std::function<absl::Status(absl::string_view, MeshOptions&)> apply;
+};
+
+#define STEPMESH_ENV_INT(field) \
+  [](absl::string_view v, MeshOptions& o) -> absl::Status { \
+    STEPMESH_ASSIGN_OR_RETURN(o.field, ParseInt(#field, v)); return absl::OkStatus(); }
+#define STEPMESH_ENV_STR(field) \
+  [](absl::string_view v, MeshOptions& o) -> absl::Status { o.field = std::string(v); return absl::OkStatus(); }
+#define STEPMESH_ENV_DURATION(field) \
+  [](absl::string_view v, MeshOptions& o) -> absl::Status { \
+    STEPMESH_ASSIGN_OR_RETURN(o.field, ParseDuration(#field, v)); return absl::OkStatus(); }
+
+// The documented table (docs/configuration.md mirrors it).
+const std::vector<EnvEntry>& EnvTable() {
+  static const std::vector<EnvEntry> table = {
+      {"STEPMESH_ROLE", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         STEPMESH_ASSIGN_OR_RETURN(o.role, ParseRole("STEPMESH_ROLE", v));
+         return absl::OkStatus();
+       }},
+      {"STEPMESH_RANK", STEPMESH_ENV_INT(rank)},
+      {"STEPMESH_NUM_WORKERS", STEPMESH_ENV_INT(num_workers)},
+      {"STEPMESH_NUM_SERVERS", STEPMESH_ENV_INT(num_servers)},
+      {"STEPMESH_SCHEDULER", STEPMESH_ENV_STR(scheduler)},
+      {"STEPMESH_BIND_HOST", STEPMESH_ENV_STR(bind_host)},
+      {"STEPMESH_TRANSPORT", STEPMESH_ENV_STR(transport)},
+      {"STEPMESH_BACKEND", STEPMESH_ENV_STR(backend)},
+      {"STEPMESH_DEVICE", STEPMESH_ENV_INT(device)},
+      {"STEPMESH_RDMA_DEVICE", STEPMESH_ENV_STR(rdma_device)},
+      {"STEPMESH_RDMA_PORT", STEPMESH_ENV_INT(rdma_port)},
+      {"STEPMESH_RDMA_GID_INDEX", STEPMESH_ENV_INT(rdma_gid_index)},
+      {"STEPMESH_RDMA_TRAFFIC_CLASS", STEPMESH_ENV_INT(rdma_traffic_class)},
+      {"STEPMESH_RDMA_SERVICE_LEVEL", STEPMESH_ENV_INT(rdma_service_level)},
+      {"STEPMESH_RDMA_QPS_PER_PEER", STEPMESH_ENV_INT(rdma_qps_per_peer)},
+      {"STEPMESH_POLL_MODE", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         STEPMESH_ASSIGN_OR_RETURN(o.threads.poll_mode, ParsePollMode(v));
+         return absl::OkStatus();
+       }},
+      {"STEPMESH_SPIN_BUDGET", STEPMESH_ENV_DURATION(threads.spin_budget)},
+      {"STEPMESH_SEND_CORES", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         if (v == "auto") { o.threads.auto_pin = true; return absl::OkStatus(); }
+         STEPMESH_ASSIGN_OR_RETURN(o.threads.send_cores, ParseCores("STEPMESH_SEND_CORES", v));
+         return absl::OkStatus();
+       }},
+      {"STEPMESH_RECV_CORES", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         if (v == "auto") { o.threads.auto_pin = true; return absl::OkStatus(); }
+         STEPMESH_ASSIGN_OR_RETURN(o.threads.recv_cores, ParseCores("STEPMESH_RECV_CORES", v));
+         return absl::OkStatus();
+       }},
+      {"STEPMESH_TIMEOUT", STEPMESH_ENV_DURATION(timeout)},
+      {"STEPMESH_HEARTBEAT_INTERVAL", STEPMESH_ENV_DURATION(heartbeat_interval)},
+      {"STEPMESH_MAX_INFLIGHT", STEPMESH_ENV_INT(max_inflight_requests)},
+      {"STEPMESH_MAX_REGISTRATIONS", STEPMESH_ENV_INT(max_registrations)},
+      {"STEPMESH_AUTH_TOKEN", STEPMESH_ENV_STR(auth_token)},
+      {"STEPMESH_TRACE", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         STEPMESH_ASSIGN_OR_RETURN(o.trace.enabled, ParseBool("STEPMESH_TRACE", v));
+         return absl::OkStatus();
+       }},
+      {"STEPMESH_LOG_LEVEL", [](absl::string_view v, MeshOptions&) -> absl::Status {
+         using core::LogLevel;
+         if (v == "debug") core::SetLogThreshold(LogLevel::kDebug);
+         else if (v == "info") core::SetLogThreshold(LogLevel::kInfo);
+         else if (v == "warning") core::SetLogThreshold(LogLevel::kWarning);
+         else if (v == "error") core::SetLogThreshold(LogLevel::kError);
+         else return absl::InvalidArgumentError(absl::StrCat("STEPMESH_LOG_LEVEL='", v, "'"));
+         return absl::OkStatus();
+       }},
+      // StepMesh / ps-lite names, so existing launch scripts keep working.
+      {"DMLC_ROLE", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         STEPMESH_ASSIGN_OR_RETURN(o.role, ParseRole("DMLC_ROLE", v));
+         return absl::OkStatus();
+       }},
+      {"DMLC_NUM_WORKER", STEPMESH_ENV_INT(num_workers)},
+      {"DMLC_NUM_SERVER", STEPMESH_ENV_INT(num_servers)},
+      {"DMLC_PS_ROOT_URI", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         const size_t colon = o.scheduler.rfind(':');
+         const std::string port = colon == std::string::npos ? "9000" : o.scheduler.substr(colon + 1);
+         o.scheduler = absl::StrCat(v, ":", port);
+         return absl::OkStatus();
+       }},
+      {"DMLC_PS_ROOT_PORT", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         STEPMESH_ASSIGN_OR_RETURN(int port, ParseInt("DMLC_PS_ROOT_PORT", v));
+         const size_t colon = o.scheduler.rfind(':');
+         o.scheduler = absl::StrCat(o.scheduler.substr(0, colon), ":", port);
+         return absl::OkStatus();
+       }},
+  };
+  return table;
+}
+
+}  // namespace
+
+absl::string_view RoleName(Role role) {
+  switch (role) {
+    case Role::kScheduler: return "scheduler";
+    case Role::kWorker: return "worker";
+    case Role::kServer: return "server";
+  }
+  return "invalid";
+}
+
+absl::StatusOr<PollMode> ParsePollMode(absl::string_view name) {
+  if (name == "spin") return PollMode::kSpin;
+  if (name == "adaptive") return PollMode::kAdaptive;
+  if (name == "blocking") return PollMode::kBlocking;
+  return absl::InvalidArgumentError(
+      absl::StrCat("poll mode '", name, "' (want spin, adaptive or blocking)"));
+}
+
+absl::string_view PollModeName(PollMode mode) {
+  switch (mode) {
+    case PollMode::kSpin: return "spin";
+    case PollMode::kAdaptive: return "adaptive";
+    case PollMode::kBlocking: return "blocking";
+  }
+  return "invalid";
+}
+
+absl::StatusOr<MeshOptions> MeshOptions::FromEnv(const MeshOptions& base) {
+  MeshOptions options = base;
+  // DMLC_* first so that STEPMESH_* (listed earlier) wins over them: apply in two passes.
+  for (bool dmlc_pass : {true, false}) {
+    for (const EnvEntry& entry : EnvTable()) {
+      if (absl::StartsWith(entry.name, "DMLC_") != dmlc_pass) continue;
+      const char* value = std::getenv(entry.name);
+      if (value == nullptr) continue;
+      STEPMESH_RETURN_IF_ERROR(entry.apply(value, options));
+    }
+  }
+  for (char** env = environ; env != nullptr && *env != nullptr; ++env) {
+    absl::string_view var(*env);
+    if (!absl::StartsWith(var, "STEPMESH_")) continue;
+    absl::string_view name = var.substr(0, var.find('='));
+    bool known = false;
+    for (const EnvEntry& entry : EnvTable()) known = known || name == entry.name;
+    if (!known) STEPMESH_LOG(kWarning, "unknown environment variable ", name, " ignored");
+  }
+  STEPMESH_RETURN_IF_ERROR(options.Validate());
+  return options;
+}
+
+absl::StatusOr<MeshOptions> MeshOptions::FromEnv() { return FromEnv(MeshOptions()); }
+
+absl::Status MeshOptions::Validate() const {
+  if (num_workers < 1 || num_workers > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat("num_workers=", num_workers, " (1..4096)"));
+  }
+  if (num_servers < 1 || num_servers > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat("num_servers=", num_servers, " (1..4096)"));
+  }
+  const int peers = role == Role::kWorker ? num_workers : num_servers;
+  if (role != Role::kScheduler && (rank < -1 || rank >= peers)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(RoleName(role), " rank ", rank, " out of range [0, ", peers, ")"));
+  }
+  if (scheduler.rfind(':') == std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("scheduler '", scheduler, "' is not host:port"));
+  }
+  if (transport != "tcp" && transport != "rdma" && transport != "auto") {
+    return absl::InvalidArgumentError(absl::StrCat("transport '", transport, "' (tcp|rdma|auto)"));
+  }
+  if (timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("timeout must be > 0");
+  if (max_inflight_requests < 1 || max_inflight_requests > (1 << 20)) {
+    return absl::InvalidArgumentError("max_inflight_requests out of range");
+  }
+  if (max_registrations < 1) return absl::InvalidArgumentError("max_registrations must be >= 1");
+  if (rdma_qps_per_peer < 1 || rdma_qps_per_peer > 8) {
+    return absl::InvalidArgumentError("rdma_qps_per_peer must be 1..8");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace stepmesh

@@ -1,0 +1,187 @@
+#include "src/core/mesh_node.h"
+
+#include "absl/strings/str_cat.h"
+#include "src/core/logging.h"
+#include "stepmesh/status.h"
+
+namespace stepmesh::core {
+
+MeshNode::MeshNode(const MeshOptions& options, std::shared_ptr<Backend> backend)
+    : options_(options), backend_(std::move(backend)) {}
+
+MeshNode::~MeshNode() { STEPMESH_CHECK(!started_ || stopped()); }
+
+absl::Status MeshNode::Start(const TransportFactory& factory) {
+  STEPMESH_ASSIGN_OR_RETURN(transport_, factory(options_));
+  STEPMESH_ASSIGN_OR_RETURN(std::string endpoint, transport_->LocalEndpoint());
+  STEPMESH_ASSIGN_OR_RETURN(rendezvous_, RendezvousClient::Join(options_, endpoint));
+  rank_ = rendezvous_->rank();
+  self_ = rendezvous_->self();
+
+  const uint8_t other = options_.role == Role::kWorker ? 2 : 1;
+  std::vector<PeerInfo> peers;
+  for (const RosterEntry& entry : rendezvous_->roster()) {
+    if (NodeRole(entry.node) == other) peers.push_back({entry.node, entry.endpoint});
+  }
+  STEPMESH_RETURN_IF_ERROR(
+      transport_->Connect(self_, peers, absl::Now() + options_.timeout));
+
+  {
+    absl::MutexLock lock(&queue_mu_);
+    queue_.resize(static_cast<size_t>(options_.max_inflight_requests) + 4 * peers.size() + 64);
+  }
+  std::vector<int> send_cores = options_.threads.send_cores;
+  std::vector<int> recv_cores = options_.threads.recv_cores;
+  if (options_.threads.auto_pin && send_cores.empty() && recv_cores.empty()) {
+    int numa = -1;
+    if (absl::StatusOr<MemoryLocation> where = backend_->Locate(nullptr); where.ok()) {
+      numa = where->numa_node;
+    }
+    std::vector<int> picked = PickProgressCores(numa, 2);
+    if (picked.size() == 2) {
+      send_cores = {picked[0]};
+      recv_cores = {picked[1]};
+    }
+  }
+  started_ = true;
+  const std::string tag = absl::StrCat(options_.role == Role::kWorker ? "w" : "s", rank_);
+  send_thread_ = StartNamedThread(absl::StrCat("sm-send-", tag), send_cores, [this] { SendLoop(); });
+  recv_thread_ = StartNamedThread(absl::StrCat("sm-recv-", tag), recv_cores, [this] { RecvLoop(); });
+  rendezvous_->StartMonitor({
+      .on_peer_lost = [this](NodeId peer, absl::Status why) { HandlePeerLost(peer, why); },
+      .on_peer_joined = nullptr,
+  });
+  return absl::OkStatus();
+}
+
+void MeshNode::Stop() {
+  if (stopping_.exchange(true)) return;
+  if (rendezvous_ != nullptr) rendezvous_->Leave();
+  {
+    absl::MutexLock lock(&queue_mu_);
+    queue_cv_.SignalAll();
+  }
+  if (transport_ != nullptr) transport_->Wake();
+  if (send_thread_.joinable()) send_thread_.join();
+  if (transport_ != nullptr) transport_->Shutdown();
+  if (recv_thread_.joinable()) recv_thread_.join();
+  CancelAll(absl::CancelledError("the mesh participant shut down"));
+  NotifyWaiters();
+  rendezvous_.reset();
+}
+
+NodeId MeshNode::PeerId(int rank) const {
+  return MakeNodeId(options_.role == Role::kWorker ? 2 : 1, static_cast<uint32_t>(rank));
+}
+
+int MeshNode::PeerCount() const {
+  return options_.role == Role::kWorker ? options_.num_servers : options_.num_workers;
+}
+
+absl::StatusOr<RegionId> MeshNode::RegisterRegion(RegionInfo info) {
+  info.id = next_region_.fetch_add(1);
+  STEPMESH_RETURN_IF_ERROR(transport_->RegisterRegion(info));
+  return info.id;
+}
+
+absl::Status MeshNode::EnqueueSend(const SendItem& item) {
+  {
+    absl::MutexLock lock(&queue_mu_);
+    if (queue_size_ == queue_.size()) {
+      return absl::ResourceExhaustedError("send queue full");
+    }
+    queue_[(queue_head_ + queue_size_) % queue_.size()] = item;
+    ++queue_size_;
+    queued_.fetch_add(1, std::memory_order_release);
+    if (send_sleeping_.load(std::memory_order_acquire)) queue_cv_.Signal();
+  }
+  return absl::OkStatus();
+}
+
+void MeshNode::WaitForSendWork() {
+  const PollMode mode = options_.threads.poll_mode;
+  if (mode != PollMode::kBlocking) {
+    const absl::Time until = absl::Now() + (mode == PollMode::kSpin ? absl::Milliseconds(20)
+                                                                    : options_.threads.spin_budget);
+    while (queued_.load(std::memory_order_acquire) == 0 && !stopped()) {
+      for (int i = 0; i < 64; ++i) CpuRelax();
+      if (absl::Now() >= until) break;
+    }
+    if (mode == PollMode::kSpin) return;
+  }
+  absl::MutexLock lock(&queue_mu_);
+  send_sleeping_.store(true, std::memory_order_release);
+  while (queue_size_ == 0 && !stopped()) {
+    queue_cv_.WaitWithTimeout(&queue_mu_, absl::Milliseconds(50));
+  }
+  send_sleeping_.store(false, std::memory_order_release);
+}
+
+void MeshNode::SendLoop() {
+  std::vector<SendItem> waiting;
+  waiting.reserve(queue_.size());
+  while (!stopped()) {
+    {
+      absl::MutexLock lock(&queue_mu_);
+      while (queue_size_ > 0) {
+        waiting.push_back(queue_[queue_head_]);
+        queue_head_ = (queue_head_ + 1) % queue_.size();
+        --queue_size_;
+        queued_.fetch_sub(1, std::memory_order_release);
+      }
+    }
+    size_t kept = 0;
+    bool progressed = false;
+    for (const SendItem& item : waiting) {
+      absl::Status ready;
+      if (item.ready != nullptr) {
+        absl::StatusOr<bool> reached = item.ready->Query();
+        if (reached.ok() && !*reached) {
+          waiting[kept++] = item;  // order among the waiting is preserved
+          continue;
+        }
+        ready = reached.status();
+      }
+      ExecuteSend(item, ready);
+      progressed = true;
+    }
+    waiting.resize(kept);
+    if (waiting.empty()) {
+      WaitForSendWork();
+    } else if (!progressed) {
+      if (options_.threads.poll_mode == PollMode::kBlocking) {
+        absl::SleepFor(absl::Microseconds(20));
+      } else {
+        CpuRelax();
+      }
+    }
+  }
+  // Items never sent fail through CancelAll once the receive side stopped too.
+}
+
+void MeshNode::RecvLoop() {
+  const PollMode mode = options_.threads.poll_mode;
+  absl::Time last_busy = absl::Now();
+  while (!stopped()) {
+    absl::Duration wait = absl::Milliseconds(50);
+    if (mode == PollMode::kSpin ||
+        (mode == PollMode::kAdaptive && absl::Now() - last_busy < options_.threads.spin_budget)) {
+      wait = absl::ZeroDuration();
+    }
+    const uint64_t activity_before = activity_;
+    absl::Status s = transport_->Poll(*this, wait);
+    if (!s.ok()) {
+      STEPMESH_LOG(kError, "receive loop: ", s.ToString());
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    if (activity_ != activity_before) last_busy = absl::Now();
+  }
+}
+
+void MeshNode::NotifyWaiters() {
+  if (sleepers_.load(std::memory_order_seq_cst) == 0) return;
+  absl::MutexLock lock(&wait_mu_);
+  wait_cv_.SignalAll();
+}
+
+}  // namespace stepmesh::core

@@ -1,0 +1,128 @@
+#pragma once
+// What a worker and a server share: joining the mesh, the transport, the send
+// and receive threads, the send queue, and waiting under the poll mode.
+
+#include <atomic>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "src/core/rendezvous.h"
+#include "src/core/thread_util.h"
+#include "src/core/transport.h"
+#include "stepmesh/backend.h"
+#include "stepmesh/options.h"
+
+namespace stepmesh::core {
+
+// Work for the send thread, by index: no allocation per send.
+struct SendItem {
+  uint32_t kind = 0;
+  uint32_t index = 0;
+  uint32_t generation = 0;
+  Event* ready = nullptr;  // sent once this completes
+};
+
+class MeshNode : public TransportSink {
+ public:
+  MeshNode(const MeshOptions& options, std::shared_ptr<Backend> backend);
+  ~MeshNode() override;
+  MeshNode(const MeshNode&) = delete;
+  MeshNode& operator=(const MeshNode&) = delete;
+
+ protected:
+  // Creates the transport, joins the rendezvous, connects to the other role's
+  // nodes and starts the progress threads.
+  absl::Status Start(const TransportFactory& factory);
+  // Leaves the mesh and stops the threads; idempotent. Derived destructors call it.
+  void Stop();
+  bool stopped() const { return stopping_.load(std::memory_order_acquire); }
+
+  absl::Status EnqueueSend(const SendItem& item);
+  // Runs on the send thread once `item.ready` completed (or failed: `ready`).
+  virtual void ExecuteSend(const SendItem& item, const absl::Status& ready) = 0;
+  // A peer is gone. Called from the receive or the rendezvous thread, maybe twice.
+  virtual void HandlePeerLost(NodeId peer, const absl::Status& why) = 0;
+  // Fails everything still pending (Stop() calls it after the threads ended).
+  virtual void CancelAll(const absl::Status& why) = 0;
+
+  void OnPeerLost(NodeId peer, absl::Status why) final { HandlePeerLost(peer, why); }
+
+  // Blocks until done() or the deadline, per the poll mode. Returns done().
+  template <typename Done>
+  bool AwaitUntil(Done done, absl::Time deadline);
+  void NotifyWaiters();
+  // Derived receive paths call this per frame so the adaptive receive loop
+  // knows the link is busy (receive thread only).
+  void MarkActivity() { ++activity_; }
+
+  absl::StatusOr<RegionId> RegisterRegion(RegionInfo info);
+  absl::Status UnregisterRegion(RegionId id) { return transport_->UnregisterRegion(id); }
+
+  NodeId PeerId(int rank) const;  // a node of the other role
+  int PeerCount() const;
+
+  const MeshOptions options_;
+  std::shared_ptr<Backend> backend_;
+  std::unique_ptr<Transport> transport_;
+  std::unique_ptr<RendezvousClient> rendezvous_;
+  NodeId self_ = kNoNode;
+  int rank_ = -1;
+
+ private:
+  void SendLoop();
+  void RecvLoop();
+  void WaitForSendWork();
+
+  uint64_t activity_ = 0;  // receive thread only
+  std::atomic<bool> stopping_{false};
+  bool started_ = false;
+  std::thread send_thread_;
+  std::thread recv_thread_;
+  std::atomic<RegionId> next_region_{1};
+
+  absl::Mutex queue_mu_;
+  absl::CondVar queue_cv_;
+  std::vector<SendItem> queue_ ABSL_GUARDED_BY(queue_mu_);  // ring
+  size_t queue_head_ ABSL_GUARDED_BY(queue_mu_) = 0;
+  size_t queue_size_ ABSL_GUARDED_BY(queue_mu_) = 0;
+  std::atomic<size_t> queued_{0};
+  std::atomic<bool> send_sleeping_{false};
+
+  absl::Mutex wait_mu_;
+  absl::CondVar wait_cv_;
+  std::atomic<int> sleepers_{0};
+};
+
+template <typename Done>
+bool MeshNode::AwaitUntil(Done done, absl::Time deadline) {
+  if (done()) return true;
+  const PollMode mode = options_.threads.poll_mode;
+  if (mode != PollMode::kBlocking) {
+    const absl::Time spin_until =
+        mode == PollMode::kSpin ? deadline : std::min(deadline, absl::Now() + options_.threads.spin_budget);
+    while (absl::Now() < spin_until) {
+      for (int i = 0; i < 64; ++i) {
+        if (done()) return true;
+        CpuRelax();
+      }
+    }
+    if (mode == PollMode::kSpin) return done();
+  }
+  sleepers_.fetch_add(1, std::memory_order_seq_cst);
+  absl::MutexLock lock(&wait_mu_);
+  while (!done()) {
+    const absl::Time now = absl::Now();
+    if (now >= deadline) break;
+    // Bounded slices: a notification racing with going to sleep costs at most one slice.
+    wait_cv_.WaitWithDeadline(&wait_mu_, std::min(deadline, now + absl::Milliseconds(2)));
+  }
+  sleepers_.fetch_sub(1, std::memory_order_acq_rel);
+  return done();
+}
+
+}  // namespace stepmesh::core

@@ -1,0 +1,308 @@
+// The rendezvous service (stepmesh/scheduler.h): one thread, poll() over a
+// handful of control connections. Ranks, roster, barriers, liveness.
+
+#include "stepmesh/scheduler.h"
+
+#include <poll.h>
+
+#include <atomic>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "src/core/control_message.h"
+#include "src/core/logging.h"
+#include "src/core/net.h"
+#include "src/core/thread_util.h"
+#include "stepmesh/status.h"
+
+namespace stepmesh {
+namespace {
+
+using core::ControlMessage;
+using core::ControlType;
+using core::NodeId;
+using core::UniqueFd;
+
+struct Member {
+  UniqueFd fd;
+  std::string endpoint;
+  bool joined = false;
+  bool left = false;
+  bool lost = false;
+  uint64_t barrier = 0;
+  absl::Time last_heard;
+  bool live() const { return joined && !left && !lost; }
+};
+
+class SchedulerImpl final : public Scheduler {
+ public:
+  SchedulerImpl(const MeshOptions& options, UniqueFd listener, std::string address)
+      : options_(options),
+        listener_(std::move(listener)),
+        address_(std::move(address)),
+        workers_(options.num_workers),
+        servers_(options.num_servers) {
+    thread_ = core::StartNamedThread("sm-scheduler", {}, [this] { Run(); });
+  }
+  ~SchedulerImpl() override { Stop(); }
+
+  std::string address() const override { return address_; }
+
+  absl::Status WaitUntilDone(absl::Duration timeout) override {
+    if (!done_.WaitForNotificationWithTimeout(timeout)) {
+      return absl::DeadlineExceededError("scheduler: participants still running");
+    }
+    return absl::OkStatus();
+  }
+
+  void Stop() override {
+    stop_.store(true);
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  std::vector<Member>& Group(uint8_t role) { return role == 1 ? workers_ : servers_; }
+  Member& At(NodeId node) { return Group(core::NodeRole(node))[core::NodeRank(node)]; }
+
+  template <typename Fn>
+  void ForEachMember(Fn fn) {
+    for (uint8_t role : {uint8_t{1}, uint8_t{2}}) {
+      auto& group = Group(role);
+      for (size_t r = 0; r < group.size(); ++r) fn(core::MakeNodeId(role, r), group[r]);
+    }
+  }
+
+  void Send(NodeId node, const ControlMessage& m) {
+    Member& member = At(node);
+    if (!member.fd.valid()) return;
+    absl::Status s = core::SendControl(member.fd.get(), m, absl::Now() + absl::Seconds(1));
+    if (!s.ok()) MarkLost(node, absl::StrCat("control write failed: ", s.message()));
+  }
+
+  void MarkLost(NodeId node, const std::string& reason) {
+    Member& member = At(node);
+    if (!member.live()) return;
+    member.lost = true;
+    member.fd.Reset();
+    STEPMESH_LOG(kWarning, "scheduler: ", core::NodeRole(node) == 1 ? "worker " : "server ",
+                 core::NodeRank(node), " lost: ", reason);
+    ControlMessage m;
+    m.type = ControlType::kPeerLost;
+    m.node = node;
+    m.text = absl::StrCat(core::NodeRole(node) == 1 ? "worker " : "server ",
+                          core::NodeRank(node), " lost: ", reason);
+    ForEachMember([&](NodeId other, Member& o) {
+      if (o.live()) Send(other, m);
+    });
+    MaybeReleaseBarrier();
+  }
+
+  void HandleJoin(UniqueFd fd, const ControlMessage& join) {
+    auto& group = Group(join.role);
+    int rank = join.rank;
+    if (rank < 0) {
+      for (size_t r = 0; r < group.size() && rank < 0; ++r) {
+        if (!group[r].joined) rank = static_cast<int>(r);
+      }
+    }
+    auto reject = [&](const std::string& reason) {
+      ControlMessage m;
+      m.type = ControlType::kReject;
+      m.text = reason;
+      (void)core::SendControl(fd.get(), m, absl::Now() + absl::Seconds(1));
+      STEPMESH_LOG(kWarning, "scheduler: refused a join: ", reason);
+    };
+    if (rank < 0 || rank >= static_cast<int>(group.size())) {
+      return reject(absl::StrCat("no free ", join.role == 1 ? "worker" : "server",
+                                 " rank (wanted ", join.rank, ", mesh has ", group.size(), ")"));
+    }
+    Member& member = group[rank];
+    const bool rejoin = roster_sent_ && member.joined && member.lost;
+    if (member.joined && !rejoin) {
+      return reject(absl::StrCat(join.role == 1 ? "worker" : "server", " rank ", rank,
+                                 " already joined"));
+    }
+    member.fd = std::move(fd);
+    member.endpoint = join.text;
+    member.joined = true;
+    member.left = member.lost = false;
+    member.last_heard = absl::Now();
+    const NodeId node = core::MakeNodeId(join.role, rank);
+    if (rejoin) {
+      SendRoster(node);
+      ControlMessage m;
+      m.type = ControlType::kPeerJoined;
+      m.node = node;
+      m.text = member.endpoint;
+      ForEachMember([&](NodeId other, Member& o) {
+        if (other != node && o.live()) Send(other, m);
+      });
+      return;
+    }
+    bool all = true;
+    ForEachMember([&](NodeId, Member& o) { all = all && o.joined; });
+    if (all) {
+      roster_sent_ = true;
+      ForEachMember([&](NodeId n, Member& o) {
+        if (o.live()) SendRoster(n);
+      });
+    }
+  }
+
+  void SendRoster(NodeId node) {
+    ControlMessage m;
+    m.type = ControlType::kRoster;
+    m.rank = static_cast<int32_t>(core::NodeRank(node));
+    ForEachMember([&](NodeId n, Member& o) { m.roster.push_back({n, o.endpoint}); });
+    Send(node, m);
+  }
+
+  void MaybeReleaseBarrier() {
+    uint64_t lowest = ~uint64_t{0};
+    bool any = false;
+    ForEachMember([&](NodeId, Member& o) {
+      if (!o.live()) return;
+      any = true;
+      lowest = std::min(lowest, o.barrier);
+    });
+    if (!any || lowest <= released_) return;
+    released_ = lowest;
+    ControlMessage m;
+    m.type = ControlType::kRelease;
+    m.sequence = lowest;
+    ForEachMember([&](NodeId n, Member& o) {
+      if (o.live()) Send(n, m);
+    });
+  }
+
+  void HandleMessage(NodeId node, const ControlMessage& m) {
+    Member& member = At(node);
+    member.last_heard = absl::Now();
+    switch (m.type) {
+      case ControlType::kBarrier:
+        member.barrier = m.sequence;
+        MaybeReleaseBarrier();
+        break;
+      case ControlType::kLeave:
+        member.left = true;
+        member.fd.Reset();
+        MaybeReleaseBarrier();
+        break;
+      case ControlType::kPong:
+        break;
+      default:
+        MarkLost(node, absl::StrCat("sent unexpected control message ", static_cast<int>(m.type)));
+    }
+  }
+
+  void Heartbeat() {
+    const absl::Time now = absl::Now();
+    if (now - last_ping_ < options_.heartbeat_interval) return;
+    last_ping_ = now;
+    ControlMessage ping;
+    ping.type = ControlType::kPing;
+    ping.sequence = ++ping_sequence_;
+    ForEachMember([&](NodeId n, Member& o) {
+      if (!o.live()) return;
+      if (now - o.last_heard > options_.timeout) {
+        MarkLost(n, absl::StrCat("silent for ", absl::FormatDuration(now - o.last_heard)));
+        return;
+      }
+      Send(n, ping);
+    });
+  }
+
+  void Run() {
+    std::vector<UniqueFd> pending;  // accepted, not yet joined
+    std::vector<pollfd> fds;
+    std::vector<NodeId> owners;  // parallel to fds: kNoNode for listener/pending
+    while (!stop_.load()) {
+      fds.clear();
+      owners.clear();
+      fds.push_back({listener_.get(), POLLIN, 0});
+      owners.push_back(core::kNoNode);
+      for (const UniqueFd& p : pending) {
+        fds.push_back({p.get(), POLLIN, 0});
+        owners.push_back(core::kNoNode);
+      }
+      ForEachMember([&](NodeId n, Member& o) {
+        if (o.live()) {
+          fds.push_back({o.fd.get(), POLLIN, 0});
+          owners.push_back(n);
+        }
+      });
+      const int ready = ::poll(fds.data(), fds.size(), 50);
+      if (ready > 0) {
+        const size_t num_pending = pending.size();
+        std::vector<UniqueFd> still_pending;
+        if (fds[0].revents & POLLIN) {
+          absl::StatusOr<UniqueFd> fd = core::AcceptTcp(listener_.get(), absl::Now());
+          if (fd.ok()) still_pending.push_back(*std::move(fd));
+        }
+        for (size_t i = 1; i < fds.size(); ++i) {
+          if (fds[i].revents == 0) {
+            if (i <= num_pending) still_pending.push_back(std::move(pending[i - 1]));
+            continue;
+          }
+          const absl::Time deadline = absl::Now() + absl::Seconds(1);
+          if (i <= num_pending) {
+            UniqueFd fd = std::move(pending[i - 1]);
+            absl::StatusOr<ControlMessage> m = core::ReceiveControl(fd.get(), deadline);
+            if (m.ok() && m->type == ControlType::kJoin) {
+              HandleJoin(std::move(fd), *m);
+            } else if (!m.ok()) {
+              STEPMESH_LOG(kInfo, "scheduler: dropped a connection before join: ",
+                           m.status().ToString());
+            }
+            continue;
+          }
+          const NodeId node = owners[i];
+          if (!At(node).live()) continue;
+          absl::StatusOr<ControlMessage> m = core::ReceiveControl(At(node).fd.get(), deadline);
+          if (!m.ok()) {
+            MarkLost(node, std::string(m.status().message()));
+          } else {
+            HandleMessage(node, *m);
+          }
+        }
+        pending = std::move(still_pending);
+      }
+      if (roster_sent_) {
+        Heartbeat();
+        bool anyone = false;
+        ForEachMember([&](NodeId, Member& o) { anyone = anyone || o.live(); });
+        if (!anyone && !done_.HasBeenNotified()) done_.Notify();
+      }
+    }
+  }
+
+  const MeshOptions options_;
+  UniqueFd listener_;
+  const std::string address_;
+  std::vector<Member> workers_;
+  std::vector<Member> servers_;
+  bool roster_sent_ = false;
+  uint64_t released_ = 0;
+  uint64_t ping_sequence_ = 0;
+  absl::Time last_ping_ = absl::InfinitePast();
+  std::atomic<bool> stop_{false};
+  absl::Notification done_;
+  std::thread thread_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Start(const MeshOptions& options) {
+  STEPMESH_RETURN_IF_ERROR(options.Validate());
+  STEPMESH_ASSIGN_OR_RETURN(core::HostPort where, core::ParseHostPort(options.scheduler));
+  STEPMESH_ASSIGN_OR_RETURN(UniqueFd listener, core::ListenTcp(where.host, where.port));
+  STEPMESH_ASSIGN_OR_RETURN(uint16_t port, core::LocalPort(listener.get()));
+  return std::unique_ptr<Scheduler>(
+      new SchedulerImpl(options, std::move(listener), absl::StrCat(where.host, ":", port)));
+}
+
+}  // namespace stepmesh

@@ -1,0 +1,110 @@
+#pragma once
+// The seam between the mesh logic (src/core) and the ways bytes move
+// (src/transport/*). A transport moves frames and their payloads between
+// registered regions; it never interprets requests or batches. The core tells
+// it where payloads may land and how to reach peers.
+
+#include "absl/strings/string_view.h"
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "src/core/frame.h"
+#include "stepmesh/options.h"
+#include "stepmesh/tensor.h"
+
+namespace stepmesh::core {
+
+using RegionId = uint32_t;
+
+// Memory the core registered. A receive region is split into `num_slots` equal
+// slots; slot i may only be written by `slot_peers[i]` (a server's recv region:
+// one slot per worker; a worker's pull tensor: one slot, its server).
+struct RegionInfo {
+  RegionId id = 0;
+  uint64_t key = 0;
+  void* base = nullptr;
+  size_t slot_bytes = 0;
+  uint32_t num_slots = 1;
+  Device device;
+  bool remote_writable = false;    // receive regions only
+  std::vector<NodeId> slot_peers;  // size num_slots when remote_writable
+  size_t bytes() const { return slot_bytes * num_slots; }
+};
+
+struct PeerInfo {
+  NodeId id = kNoNode;
+  std::string endpoint;  // the peer's Transport::LocalEndpoint(), via the scheduler
+};
+
+// Where an arriving payload lands, decided (and validated) by the core.
+struct Destination {
+  std::byte* data = nullptr;
+  size_t capacity = 0;
+  RegionId region = 0;
+};
+
+// Implemented by the core; called by the transport on its receive path only
+// (one thread: whoever calls Poll).
+class TransportSink {
+ public:
+  virtual ~TransportSink() = default;
+  // Where the payload of `header` from `peer` must go. An error rejects the frame:
+  // the transport discards its payload and reports OnFrame with that error.
+  virtual absl::StatusOr<Destination> Resolve(NodeId peer, const FrameHeader& header) = 0;
+  // The frame (and its payload, now at the resolved destination) arrived, or
+  // `status` says why it was rejected.
+  virtual void OnFrame(NodeId peer, const FrameHeader& header, absl::Status status) = 0;
+  // The peer is gone (closed, reset, timed out, failed auth, bad completion).
+  virtual void OnPeerLost(NodeId peer, absl::Status why) = 0;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual absl::string_view name() const = 0;
+
+  // Sets up local resources; the returned string is published in the roster.
+  virtual absl::StatusOr<std::string> LocalEndpoint() = 0;
+  // Connects to `peers` (the ones this node exchanges data with) by `deadline`.
+  // `self` is this node's id, known only once the scheduler assigned the rank.
+  // Workers initiate, servers accept. May be called again later with peers
+  // that (re)joined.
+  virtual absl::Status Connect(NodeId self, absl::Span<const PeerInfo> peers,
+                               absl::Time deadline) = 0;
+
+  virtual absl::Status RegisterRegion(const RegionInfo& region) = 0;
+  virtual absl::Status UnregisterRegion(RegionId id) = 0;
+
+  // Sends header + `bytes` from `src` (inside registered region `src_region`)
+  // to `peer`. `src_region == 0` marks a small unregistered payload (an error
+  // frame's text, at most 4 KiB) that the transport must copy (RDMA: into its
+  // own registered bounce buffer). Send-thread only. Returns once the source
+  // may be reused by the transport's rules (TCP: written; RDMA: posted — the
+  // core keeps sources untouched until the request completes). The remote
+  // destination is the peer's region for (header.key, this node's slot).
+  virtual absl::Status Send(NodeId peer, const FrameHeader& header, const void* src,
+                            RegionId src_region, size_t bytes) = 0;
+
+  // Receive-thread only: makes progress, calling `sink`, waiting at most `max_wait`
+  // when idle (zero: never blocks).
+  virtual absl::Status Poll(TransportSink& sink, absl::Duration max_wait) = 0;
+  // Wakes a Poll blocked in the kernel (from any thread).
+  virtual void Wake() = 0;
+
+  // Closes every connection (peers see a goodbye where possible).
+  virtual void Shutdown() = 0;
+};
+
+// Makes the transport a participant uses (tests inject fakes and decorators).
+using TransportFactory =
+    std::function<absl::StatusOr<std::unique_ptr<Transport>>(const MeshOptions& options)>;
+
+}  // namespace stepmesh::core

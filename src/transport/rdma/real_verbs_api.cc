@@ -1,0 +1,83 @@
+// RealVerbsApi: each method is the libibverbs call of the same name.
+
+#include <memory>
+
+#include "src/transport/rdma/verbs_api.h"
+
+namespace stepmesh::core {
+namespace {
+
+class RealVerbsApi final : public VerbsApi {
+ public:
+  ibv_device** GetDeviceList(int* num_devices) override { return ibv_get_device_list(num_devices); }
+  void FreeDeviceList(ibv_device** list) override { ibv_free_device_list(list); }
+  const char* GetDeviceName(ibv_device* device) override { return ibv_get_device_name(device); }
+  ibv_context* OpenDevice(ibv_device* device) override { return ibv_open_device(device); }
+  int CloseDevice(ibv_context* context) override { return ibv_close_device(context); }
+  int QueryDevice(ibv_context* context, ibv_device_attr* attr) override {
+    return ibv_query_device(context, attr);
+  }
+  int QueryPort(ibv_context* context, uint8_t port, ibv_port_attr* attr) override {
+    return ibv_query_port(context, port, attr);
+  }
+  int QueryGidEx(ibv_context* context, uint8_t port, uint32_t index,
+                 ibv_gid_entry* entry) override {
+    return ibv_query_gid_ex(context, port, index, entry, 0);
+  }
+
+  ibv_pd* AllocPd(ibv_context* context) override { return ibv_alloc_pd(context); }
+  int DeallocPd(ibv_pd* pd) override { return ibv_dealloc_pd(pd); }
+  ibv_mr* RegMr(ibv_pd* pd, void* addr, size_t length, int access) override {
+    return ibv_reg_mr(pd, addr, length, access);
+  }
+  ibv_mr* RegDmabufMr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd,
+                      int access) override {
+    return ibv_reg_dmabuf_mr(pd, offset, length, iova, fd, access);
+  }
+  int DeregMr(ibv_mr* mr) override { return ibv_dereg_mr(mr); }
+
+  ibv_comp_channel* CreateCompChannel(ibv_context* context) override {
+    return ibv_create_comp_channel(context);
+  }
+  int DestroyCompChannel(ibv_comp_channel* channel) override {
+    return ibv_destroy_comp_channel(channel);
+  }
+  ibv_cq* CreateCq(ibv_context* context, int cqe, void* cq_context, ibv_comp_channel* channel,
+                   int comp_vector) override {
+    return ibv_create_cq(context, cqe, cq_context, channel, comp_vector);
+  }
+  int DestroyCq(ibv_cq* cq) override { return ibv_destroy_cq(cq); }
+  int ReqNotifyCq(ibv_cq* cq, int solicited_only) override {
+    return ibv_req_notify_cq(cq, solicited_only);
+  }
+  int GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) override {
+    return ibv_get_cq_event(channel, cq, cq_context);
+  }
+  void AckCqEvents(ibv_cq* cq, unsigned int nevents) override { ibv_ack_cq_events(cq, nevents); }
+  int PollCq(ibv_cq* cq, int num_entries, ibv_wc* wc) override {
+    return ibv_poll_cq(cq, num_entries, wc);
+  }
+
+  ibv_qp* CreateQp(ibv_pd* pd, ibv_qp_init_attr* attr) override { return ibv_create_qp(pd, attr); }
+  int ModifyQp(ibv_qp* qp, ibv_qp_attr* attr, int attr_mask) override {
+    return ibv_modify_qp(qp, attr, attr_mask);
+  }
+  int DestroyQp(ibv_qp* qp) override { return ibv_destroy_qp(qp); }
+  int PostSend(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad_wr) override {
+    return ibv_post_send(qp, wr, bad_wr);
+  }
+  int PostRecv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad_wr) override {
+    return ibv_post_recv(qp, wr, bad_wr);
+  }
+
+  int GetAsyncEvent(ibv_context* context, ibv_async_event* event) override {
+    return ibv_get_async_event(context, event);
+  }
+  void AckAsyncEvent(ibv_async_event* event) override { ibv_ack_async_event(event); }
+};
+
+}  // namespace
+
+std::shared_ptr<VerbsApi> MakeRealVerbsApi() { return std::make_shared<RealVerbsApi>(); }
+
+}  // namespace stepmesh::core

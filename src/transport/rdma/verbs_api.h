@@ -1,0 +1,68 @@
+#pragma once
+// The only door to ibverbs. Every verbs call the RDMA transport makes goes
+// through a VerbsApi, so the transport runs in CI over an in-process fake
+// (tests/rdma/fake_verbs.h) and on hardware over RealVerbsApi. The methods
+// keep libibverbs' names, arguments and return conventions (pointers or null
+// with errno; int 0 or an errno value) so the real implementation is a
+// pass-through and the fake can be checked against the man pages.
+
+#include <infiniband/verbs.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+namespace stepmesh::core {
+
+class VerbsApi {
+ public:
+  virtual ~VerbsApi() = default;
+
+  // Devices.
+  virtual ibv_device** GetDeviceList(int* num_devices) = 0;
+  virtual void FreeDeviceList(ibv_device** list) = 0;
+  virtual const char* GetDeviceName(ibv_device* device) = 0;
+  virtual ibv_context* OpenDevice(ibv_device* device) = 0;
+  virtual int CloseDevice(ibv_context* context) = 0;
+  virtual int QueryDevice(ibv_context* context, ibv_device_attr* attr) = 0;
+  virtual int QueryPort(ibv_context* context, uint8_t port, ibv_port_attr* attr) = 0;
+  // Fills `entry` (GID bytes and RoCE v1/v2/IB type); nonzero for an empty slot.
+  virtual int QueryGidEx(ibv_context* context, uint8_t port, uint32_t index,
+                         ibv_gid_entry* entry) = 0;
+
+  // Protection domains and memory regions.
+  virtual ibv_pd* AllocPd(ibv_context* context) = 0;
+  virtual int DeallocPd(ibv_pd* pd) = 0;
+  virtual ibv_mr* RegMr(ibv_pd* pd, void* addr, size_t length, int access) = 0;
+  virtual ibv_mr* RegDmabufMr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova,
+                              int fd, int access) = 0;
+  virtual int DeregMr(ibv_mr* mr) = 0;
+
+  // Completion queues and their event channel.
+  virtual ibv_comp_channel* CreateCompChannel(ibv_context* context) = 0;
+  virtual int DestroyCompChannel(ibv_comp_channel* channel) = 0;
+  virtual ibv_cq* CreateCq(ibv_context* context, int cqe, void* cq_context,
+                           ibv_comp_channel* channel, int comp_vector) = 0;
+  virtual int DestroyCq(ibv_cq* cq) = 0;
+  virtual int ReqNotifyCq(ibv_cq* cq, int solicited_only) = 0;
+  virtual int GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) = 0;
+  virtual void AckCqEvents(ibv_cq* cq, unsigned int nevents) = 0;
+  virtual int PollCq(ibv_cq* cq, int num_entries, ibv_wc* wc) = 0;
+
+  // Queue pairs.
+  virtual ibv_qp* CreateQp(ibv_pd* pd, ibv_qp_init_attr* attr) = 0;
+  virtual int ModifyQp(ibv_qp* qp, ibv_qp_attr* attr, int attr_mask) = 0;
+  virtual int DestroyQp(ibv_qp* qp) = 0;
+  virtual int PostSend(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad_wr) = 0;
+  virtual int PostRecv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad_wr) = 0;
+
+  // Asynchronous events (port changes, QP/CQ fatal errors). The context's
+  // async_fd is what a poller waits on.
+  virtual int GetAsyncEvent(ibv_context* context, ibv_async_event* event) = 0;
+  virtual void AckAsyncEvent(ibv_async_event* event) = 0;
+};
+
+// Pass-through to libibverbs.
+std::shared_ptr<VerbsApi> MakeRealVerbsApi();
+
+}  // namespace stepmesh::core

@@ -1,0 +1,86 @@
+#pragma once
+// RAII owners for verbs objects (every one is released through the VerbsApi
+// that made it), plus device/port/GID selection.
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "src/core/logging.h"
+#include "src/transport/rdma/verbs_api.h"
+#include "stepmesh/options.h"
+
+namespace stepmesh::core {
+
+// Owns one verbs object; the VerbsApi must outlive it (the transport keeps the
+// shared_ptr as its first member).
+template <typename T, int (VerbsApi::*kRelease)(T*)>
+class VerbsHandle {
+ public:
+  VerbsHandle() = default;
+  VerbsHandle(VerbsApi* api, T* object) : api_(api), object_(object) {}
+  VerbsHandle(VerbsHandle&& other) noexcept
+      : api_(other.api_), object_(std::exchange(other.object_, nullptr)) {}
+  VerbsHandle& operator=(VerbsHandle&& other) noexcept {
+    if (this != &other) {
+      Reset();
+      api_ = other.api_;
+      object_ = std::exchange(other.object_, nullptr);
+    }
+    return *this;
+  }
+  VerbsHandle(const VerbsHandle&) = delete;
+  VerbsHandle& operator=(const VerbsHandle&) = delete;
+  ~VerbsHandle() { Reset(); }
+
+  T* get() const { return object_; }
+  T* operator->() const { return object_; }
+  explicit operator bool() const { return object_ != nullptr; }
+  void Reset() {
+    if (object_ == nullptr) return;
+    if (const int rc = (api_->*kRelease)(std::exchange(object_, nullptr)); rc != 0) {
+      STEPMESH_LOG(kWarning, "rdma: releasing a verbs object failed (", rc, ")");
+    }
+  }
+
+ private:
+  VerbsApi* api_ = nullptr;
+  T* object_ = nullptr;
+};
+
+using ContextHandle = VerbsHandle<ibv_context, &VerbsApi::CloseDevice>;
+using PdHandle = VerbsHandle<ibv_pd, &VerbsApi::DeallocPd>;
+using MrHandle = VerbsHandle<ibv_mr, &VerbsApi::DeregMr>;
+using CqHandle = VerbsHandle<ibv_cq, &VerbsApi::DestroyCq>;
+using ChannelHandle = VerbsHandle<ibv_comp_channel, &VerbsApi::DestroyCompChannel>;
+using QpHandle = VerbsHandle<ibv_qp, &VerbsApi::DestroyQp>;
+
+// The port and GID a transport uses.
+struct PortChoice {
+  ContextHandle context;
+  std::string device_name;
+  uint8_t port = 1;
+  int gid_index = 0;
+  ibv_gid gid{};
+  ibv_mtu active_mtu = IBV_MTU_1024;
+  bool roce = true;  // Ethernet link layer (RoCE): address vectors carry a GRH
+};
+
+// Opens the NIC named by options.rdma_device (or every NIC, choosing the best:
+// an active port with a RoCE v2 IPv4-mapped GID first, then RoCE v2, then IB;
+// among equals the one nearest the GPU options.device when the backend is CUDA
+// and hwloc knows the topology). options.rdma_port / rdma_gid_index override.
+absl::StatusOr<PortChoice> OpenPort(VerbsApi& verbs, const MeshOptions& options);
+
+// hwloc hop count between the NIC named `ib_device` and CUDA device
+// `gpu_index` (smaller is nearer); -1 when either is unknown.
+int PciDistanceToGpu(const std::string& ib_device, int gpu_index);
+
+std::string GidToString(const ibv_gid& gid);
+absl::StatusOr<ibv_gid> GidFromString(std::string_view text);
+// ibv_wc_status_str, without calling into libibverbs.
+const char* WcStatusName(ibv_wc_status status);
+
+}  // namespace stepmesh::core

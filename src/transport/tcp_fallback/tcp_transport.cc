@@ -1,0 +1,408 @@
+#include "absl/strings/string_view.h"
+#include "src/transport/tcp_fallback/tcp_transport.h"
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <poll.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "src/core/logging.h"
+#include "src/core/net.h"
+#include "stepmesh/status.h"
+
+namespace stepmesh::core {
+namespace {
+
+constexpr uint32_t kHelloMagic = 0x49484D53;  // "SMHI"
+constexpr size_t kHelloBytes = 12;
+constexpr size_t kMaxErrorText = 4096;
+constexpr int kSocketBufferBytes = 8 << 20;
+
+void PutU32(std::byte* p, uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<std::byte>((v >> (8 * i)) & 0xFF);
+}
+uint32_t GetU32(const std::byte* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= uint32_t(p[i]) << (8 * i);
+  return v;
+}
+
+// One peer's connection and the state of the frame being received on it.
+struct Connection {
+  enum class Stage { kHeader, kPayload, kDiscard };
+
+  NodeId peer = kNoNode;
+  UniqueFd fd;
+  std::atomic<bool> alive{true};
+  bool said_goodbye = false;
+
+  Stage stage = Stage::kHeader;
+  FrameBytes header_bytes{};
+  size_t header_got = 0;
+  FrameHeader header;
+  std::byte* dest = nullptr;   // kPayload: where the payload goes
+  size_t payload_got = 0;
+  absl::Status rejection;      // kDiscard: why
+  std::string error_text;      // kError payloads are read here
+};
+
+class TcpTransport final : public Transport {
+ public:
+  explicit TcpTransport(const MeshOptions& options) : options_(options) {}
+  ~TcpTransport() override { Shutdown(); }
+
+  absl::string_view name() const override { return "tcp"; }
+
+  absl::StatusOr<std::string> LocalEndpoint() override {
+    if (!listener_.valid()) {
+      STEPMESH_ASSIGN_OR_RETURN(listener_, ListenTcp(options_.bind_host, 0));
+    }
+    STEPMESH_ASSIGN_OR_RETURN(uint16_t port, LocalPort(listener_.get()));
+    return absl::StrCat(options_.bind_host, ":", port);
+  }
+
+  absl::Status Connect(NodeId self, absl::Span<const PeerInfo> peers,
+                       absl::Time deadline) override {
+    self_ = self;
+    if (epoll_fd_.get() < 0) {
+      epoll_fd_.Reset(::epoll_create1(EPOLL_CLOEXEC));
+      wake_fd_.Reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+      if (!epoll_fd_.valid() || !wake_fd_.valid()) {
+        return absl::InternalError(ErrnoMessage("epoll/eventfd", errno));
+      }
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.u64 = kWakeToken;
+      ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, wake_fd_.get(), &ev);
+    }
+    // Workers dial; servers accept. The hello names the dialler.
+    std::vector<NodeId> expected;
+    for (const PeerInfo& peer : peers) {
+      if (NodeRole(self_) == 1) {
+        STEPMESH_ASSIGN_OR_RETURN(HostPort where, ParseHostPort(peer.endpoint));
+        absl::StatusOr<UniqueFd> fd = ConnectTcp(where, deadline);
+        if (!fd.ok()) {
+          return absl::UnavailableError(absl::StrCat("connecting to peer ", NodeRank(peer.id),
+                                                     " at ", peer.endpoint, ": ",
+                                                     fd.status().message()));
+        }
+        std::byte hello[kHelloBytes];
+        PutU32(hello, kHelloMagic);
+        PutU32(hello + 4, kFrameVersion);
+        PutU32(hello + 8, self_);
+        STEPMESH_RETURN_IF_ERROR(WriteFully(fd->get(), hello, sizeof(hello), deadline));
+        STEPMESH_RETURN_IF_ERROR(Adopt(peer.id, *std::move(fd)));
+      } else {
+        expected.push_back(peer.id);
+      }
+    }
+    while (!expected.empty()) {
+      absl::StatusOr<UniqueFd> fd = AcceptTcp(listener_.get(), deadline);
+      if (!fd.ok()) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            expected.size(), " peer(s) never connected: ", fd.status().message()));
+      }
+      std::byte hello[kHelloBytes];
+      absl::Status read = ReadFully(fd->get(), hello, sizeof(hello), deadline);
+      const NodeId from = GetU32(hello + 8);
+      auto it = std::find(expected.begin(), expected.end(), from);
+      if (!read.ok() || GetU32(hello) != kHelloMagic || GetU32(hello + 4) != kFrameVersion ||
+          it == expected.end()) {
+        STEPMESH_LOG(kWarning, "tcp: refused a data connection with a bad hello");
+        continue;  // fd closes; keep waiting for the real peers
+      }
+      expected.erase(it);
+      STEPMESH_RETURN_IF_ERROR(Adopt(from, *std::move(fd)));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status RegisterRegion(const RegionInfo&) override { return absl::OkStatus(); }
+  absl::Status UnregisterRegion(RegionId) override { return absl::OkStatus(); }
+
+  absl::Status Send(NodeId peer, const FrameHeader& header, const void* src, RegionId,
+                    size_t bytes) override {
+    Connection* conn = Find(peer);
+    if (conn == nullptr) {
+      return absl::NotFoundError(absl::StrCat("no connection to node 0x", absl::Hex(peer)));
+    }
+    if (!conn->alive) return absl::UnavailableError("connection to peer is closed");
+    FrameBytes frame = EncodeFrame(header);
+    iovec iov[2] = {{frame.data(), frame.size()}, {const_cast<void*>(src), bytes}};
+    int iovcnt = bytes > 0 ? 2 : 1;
+    iovec* next = iov;
+    const absl::Time deadline = absl::Now() + options_.timeout;
+    while (iovcnt > 0) {
+      msghdr msg{};
+      msg.msg_iov = next;
+      msg.msg_iovlen = iovcnt;
+      const ssize_t n = ::sendmsg(conn->fd.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+          absl::StatusOr<bool> writable = WaitWritable(conn->fd.get(), deadline);
+          if (!writable.ok()) return writable.status();
+          if (!*writable) {
+            return absl::DeadlineExceededError(absl::StrCat(
+                "peer 0x", absl::Hex(peer), " did not drain its socket within ",
+                absl::FormatDuration(options_.timeout)));
+          }
+          continue;
+        }
+        return absl::UnavailableError(ErrnoMessage("send to peer", errno));
+      }
+      size_t left = static_cast<size_t>(n);
+      while (iovcnt > 0 && left >= next->iov_len) {
+        left -= next->iov_len;
+        ++next;
+        --iovcnt;
+      }
+      if (iovcnt > 0) {
+        next->iov_base = static_cast<char*>(next->iov_base) + left;
+        next->iov_len -= left;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Poll(TransportSink& sink, absl::Duration max_wait) override {
+    epoll_event events[32];
+    const int timeout_ms =
+        max_wait <= absl::ZeroDuration()
+            ? 0
+            : static_cast<int>(std::max<int64_t>(1, absl::ToInt64Milliseconds(max_wait)));
+    const int n = ::epoll_wait(epoll_fd_.get(), events, 32, timeout_ms);
+    if (n < 0) {
+      if (errno == EINTR) return absl::OkStatus();
+      return absl::InternalError(ErrnoMessage("epoll_wait", errno));
+    }
+    for (int i = 0; i < n; ++i) {
+      if (events[i].data.u64 == kWakeToken) {
+        uint64_t drain;
+        (void)!::read(wake_fd_.get(), &drain, sizeof(drain));
+        continue;
+      }
+      Connection* conn = connections_[events[i].data.u64].get();
+      if (conn->alive) ReadFrom(*conn, sink);
+    }
+    return absl::OkStatus();
+  }
+
+  void Wake() override {
+    const uint64_t one = 1;
+    if (wake_fd_.valid()) (void)!::write(wake_fd_.get(), &one, sizeof(one));
+  }
+
+  void Shutdown() override {
+    absl::MutexLock lock(&mu_);
+    for (auto& conn : connections_) {
+      if (conn->alive && conn->fd.valid()) {
+        FrameHeader bye;
+        bye.type = FrameType::kGoodbye;
+        bye.src = self_;
+        bye.dst = conn->peer;
+        FrameBytes frame = EncodeFrame(bye);
+        (void)::send(conn->fd.get(), frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+        ::shutdown(conn->fd.get(), SHUT_RDWR);
+      }
+      conn->alive = false;
+    }
+  }
+
+ private:
+  static constexpr uint64_t kWakeToken = ~uint64_t{0};
+
+  static absl::StatusOr<bool> WaitWritable(int fd, absl::Time deadline) {
+    pollfd pfd{fd, POLLOUT, 0};
+    for (;;) {
+      const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) return false;
+      const int rc = ::poll(&pfd, 1, static_cast<int>(absl::ToInt64Milliseconds(left) + 1));
+      if (rc > 0) return true;
+      if (rc == 0) return false;
+      if (errno != EINTR) return absl::InternalError(ErrnoMessage("poll", errno));
+    }
+  }
+
+  absl::Status Adopt(NodeId peer, UniqueFd fd) {
+    STEPMESH_RETURN_IF_ERROR(SetNoDelay(fd.get()));
+    STEPMESH_RETURN_IF_ERROR(SetBufferSizes(fd.get(), kSocketBufferBytes));
+    STEPMESH_RETURN_IF_ERROR(SetNonBlocking(fd.get(), true));
+    auto conn = std::make_unique<Connection>();
+    conn->peer = peer;
+    conn->fd = std::move(fd);
+    absl::MutexLock lock(&mu_);
+    const uint64_t token = connections_.size();
+    epoll_event ev{};
+    ev.events = EPOLLIN | EPOLLRDHUP;
+    ev.data.u64 = token;
+    if (::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, conn->fd.get(), &ev) != 0) {
+      return absl::InternalError(ErrnoMessage("epoll_ctl", errno));
+    }
+    by_peer_[peer] = conn.get();
+    connections_.push_back(std::move(conn));
+    return absl::OkStatus();
+  }
+
+  Connection* Find(NodeId peer) {
+    absl::MutexLock lock(&mu_);
+    auto it = by_peer_.find(peer);
+    return it == by_peer_.end() ? nullptr : it->second;
+  }
+
+  void Lose(Connection& conn, TransportSink& sink, absl::Status why) {
+    if (!conn.alive) return;
+    conn.alive = false;
+    ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, conn.fd.get(), nullptr);
+    ::shutdown(conn.fd.get(), SHUT_RDWR);
+    sink.OnPeerLost(conn.peer, std::move(why));
+  }
+
+  // Reads as much as is available, frame by frame, straight into destinations.
+  void ReadFrom(Connection& conn, TransportSink& sink) {
+    for (int rounds = 0; rounds < 64 && conn.alive; ++rounds) {
+      void* into;
+      size_t want;
+      std::byte scratch[64 * 1024];
+      switch (conn.stage) {
+        case Connection::Stage::kHeader:
+          into = conn.header_bytes.data() + conn.header_got;
+          want = kFrameBytes - conn.header_got;
+          break;
+        case Connection::Stage::kPayload:
+          into = conn.dest + conn.payload_got;
+          want = conn.header.payload_bytes - conn.payload_got;
+          break;
+        case Connection::Stage::kDiscard:
+          into = scratch;
+          want = std::min(sizeof(scratch), conn.header.payload_bytes - conn.payload_got);
+          break;
+      }
+      const ssize_t n = ::recv(conn.fd.get(), into, want, MSG_DONTWAIT);
+      if (n == 0) {
+        Lose(conn, sink, absl::UnavailableError(absl::StrCat(
+                             NodeRole(conn.peer) == 1 ? "worker " : "server ",
+                             NodeRank(conn.peer),
+                             conn.said_goodbye ? " left" : " closed its connection")));
+        return;
+      }
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+        Lose(conn, sink, absl::UnavailableError(ErrnoMessage("recv from peer", errno)));
+        return;
+      }
+      if (conn.stage == Connection::Stage::kHeader) {
+        conn.header_got += static_cast<size_t>(n);
+        if (conn.header_got == kFrameBytes) OnHeader(conn, sink);
+      } else {
+        if (conn.stage == Connection::Stage::kDiscard &&
+            conn.header.type == FrameType::kError) {
+          conn.error_text.append(reinterpret_cast<const char*>(scratch), static_cast<size_t>(n));
+        }
+        conn.payload_got += static_cast<size_t>(n);
+        if (conn.payload_got == conn.header.payload_bytes) FinishFrame(conn, sink);
+      }
+    }
+  }
+
+  void OnHeader(Connection& conn, TransportSink& sink) {
+    conn.header_got = 0;
+    absl::StatusOr<FrameHeader> header = DecodeFrame(conn.header_bytes);
+    if (!header.ok()) {
+      // The byte stream cannot be resynchronised after a bad header.
+      Lose(conn, sink, absl::DataLossError(absl::StrCat("malformed frame from peer: ",
+                                                        header.status().message())));
+      return;
+    }
+    if (header->src != conn.peer) {
+      Lose(conn, sink, absl::PermissionDeniedError("frame claims another sender"));
+      return;
+    }
+    conn.header = *header;
+    conn.payload_got = 0;
+    conn.rejection = absl::OkStatus();
+    conn.error_text.clear();
+    switch (header->type) {
+      case FrameType::kPush:
+      case FrameType::kReply: {
+        absl::StatusOr<Destination> dest = sink.Resolve(conn.peer, conn.header);
+        if (dest.ok() && dest->capacity < header->payload_bytes) {
+          dest = absl::OutOfRangeError("destination smaller than payload");
+        }
+        if (dest.ok()) {
+          conn.dest = dest->data;
+          conn.stage = Connection::Stage::kPayload;
+        } else {
+          conn.rejection = dest.status();
+          conn.stage = Connection::Stage::kDiscard;
+        }
+        break;
+      }
+      case FrameType::kError:
+        if (header->payload_bytes > kMaxErrorText) {
+          Lose(conn, sink, absl::DataLossError("oversized error frame"));
+          return;
+        }
+        conn.stage = Connection::Stage::kDiscard;
+        break;
+      case FrameType::kGoodbye:
+        conn.said_goodbye = true;
+        [[fallthrough]];
+      default:
+        conn.stage = Connection::Stage::kDiscard;  // no payload expected; drain any
+        break;
+    }
+    if (conn.header.payload_bytes == 0) FinishFrame(conn, sink);
+  }
+
+  void FinishFrame(Connection& conn, TransportSink& sink) {
+    const Connection::Stage stage = conn.stage;
+    conn.stage = Connection::Stage::kHeader;
+    switch (conn.header.type) {
+      case FrameType::kPush:
+      case FrameType::kReply:
+        sink.OnFrame(conn.peer, conn.header,
+                     stage == Connection::Stage::kPayload ? absl::OkStatus() : conn.rejection);
+        break;
+      case FrameType::kError:
+        sink.OnFrame(conn.peer, conn.header,
+                     absl::Status(static_cast<absl::StatusCode>(conn.header.status_code),
+                                  conn.error_text));
+        break;
+      default:
+        break;  // heartbeats and goodbyes need no delivery
+    }
+  }
+
+  const MeshOptions options_;
+  NodeId self_ = kNoNode;
+  UniqueFd listener_;
+  UniqueFd epoll_fd_;
+  UniqueFd wake_fd_;
+  absl::Mutex mu_;  // guards the tables (connections are added during Connect only)
+  std::vector<std::unique_ptr<Connection>> connections_;
+  absl::flat_hash_map<NodeId, Connection*> by_peer_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const MeshOptions& options) {
+  return std::make_unique<TcpTransport>(options);
+}
+
+}  // namespace stepmesh::core

@@ -1,0 +1,102 @@
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "stepmesh/options.h"
+#include "stepmesh/tensor.h"
+
+namespace stepmesh {
+namespace {
+
+// Sets environment variables for one test and restores them after.
+class ScopedEnv {
+ public:
+  ScopedEnv(std::initializer_list<std::pair<const char*, const char*>> vars) {
+    for (auto [name, value] : vars) {
+      const char* old = std::getenv(name);
+      saved_.emplace_back(name, old ? std::optional<std::string>(old) : std::nullopt);
+      setenv(name, value, 1);
+    }
+  }
+  ~ScopedEnv() {
+    for (auto& [name, value] : saved_) {
+      if (value) setenv(name.c_str(), value->c_str(), 1); else unsetenv(name.c_str());
+    }
+  }
+
+ private:
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+TEST_CASE("FromEnv overlays STEPMESH_* on the base", "[options]") {
+  ScopedEnv env({{"STEPMESH_ROLE", "server"},
+                 {"STEPMESH_RANK", "1"},
+                 {"STEPMESH_NUM_WORKERS", "4"},
+                 {"STEPMESH_NUM_SERVERS", "2"},
+                 {"STEPMESH_TRANSPORT", "tcp"},
+                 {"STEPMESH_POLL_MODE", "blocking"},
+                 {"STEPMESH_TIMEOUT", "250ms"},
+                 {"STEPMESH_SEND_CORES", "2,3"}});
+  MeshOptions base;
+  base.backend = "cpu_mock";
+  auto o = MeshOptions::FromEnv(base);
+  REQUIRE(o.ok());
+  CHECK(o->role == Role::kServer);
+  CHECK(o->rank == 1);
+  CHECK(o->num_workers == 4);
+  CHECK(o->num_servers == 2);
+  CHECK(o->transport == "tcp");
+  CHECK(o->threads.poll_mode == PollMode::kBlocking);
+  CHECK(o->timeout == absl::Milliseconds(250));
+  CHECK(o->threads.send_cores == std::vector<int>{2, 3});
+}
+
+TEST_CASE("FromEnv understands StepMesh's DMLC_* names, STEPMESH_* wins", "[options]") {
+  ScopedEnv env({{"DMLC_ROLE", "worker"},
+                 {"DMLC_NUM_WORKER", "3"},
+                 {"DMLC_NUM_SERVER", "5"},
+                 {"DMLC_PS_ROOT_URI", "10.1.2.3"},
+                 {"DMLC_PS_ROOT_PORT", "8123"},
+                 {"STEPMESH_NUM_SERVERS", "6"}});
+  auto o = MeshOptions::FromEnv();
+  REQUIRE(o.ok());
+  CHECK(o->role == Role::kWorker);
+  CHECK(o->num_workers == 3);
+  CHECK(o->num_servers == 6);
+  CHECK(o->scheduler == "10.1.2.3:8123");
+}
+
+TEST_CASE("FromEnv rejects bad values with the variable's name", "[options]") {
+  SECTION("integer") {
+    ScopedEnv env({{"STEPMESH_NUM_WORKERS", "many"}});
+    auto o = MeshOptions::FromEnv();
+    CHECK(absl::IsInvalidArgument(o.status()));
+  }
+  SECTION("poll mode") {
+    ScopedEnv env({{"STEPMESH_POLL_MODE", "sometimes"}});
+    CHECK(absl::IsInvalidArgument(MeshOptions::FromEnv().status()));
+  }
+  SECTION("rank out of range") {
+    ScopedEnv env({{"STEPMESH_RANK", "7"}, {"STEPMESH_NUM_WORKERS", "2"}});
+    CHECK(absl::IsInvalidArgument(MeshOptions::FromEnv().status()));
+  }
+}
+
+TEST_CASE("dtype sizes and names", "[tensor]") {
+  CHECK(DTypeSize(DType::kFloat8E4M3) == 1);
+  CHECK(DTypeSize(DType::kBFloat16) == 2);
+  CHECK(DTypeSize(DType::kInt64) == 8);
+  auto parsed = ParseDType("bfloat16");
+  REQUIRE(parsed.ok());
+  CHECK(*parsed == DType::kBFloat16);
+  CHECK_FALSE(ParseDType("float128").ok());
+  TensorView v{nullptr, DType::kBFloat16, Shape{128, 7168}, Device::Cpu()};
+  CHECK(v.bytes() == 128 * 7168 * 2);
+  CHECK_FALSE(Shape::Make(std::vector<int64_t>(9, 1).data(), 9).ok());
+}
+
+}  // namespace
+}  // namespace stepmesh

@@ -1,0 +1,673 @@
+// Logic tests of the CUDA backend over FakeCudaApi: no GPU, no driver. Every
+// test ends by checking the fake saw no call a real driver would reject.
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include <catch2/catch.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "src/backends/cuda/cuda_backend.h"
+#include "src/backends/cuda/cuda_status.h"
+#include "stepmesh/backend.h"
+#include "tests/cuda/fake_cuda_api.h"
+
+namespace stepmesh {
+namespace {
+
+using cuda::testing::FakeCudaApi;
+
+struct Fixture {
+  explicit Fixture(int devices = 1, CudaBackendOptions options = {}, int device = 0)
+      : Fixture(std::make_shared<FakeCudaApi>(devices), device, options) {}
+  Fixture(std::shared_ptr<FakeCudaApi> configured, int device, CudaBackendOptions options = {})
+      : fake(std::move(configured)) {
+    auto created = CreateCudaBackend(fake, device, options);
+    REQUIRE(created.ok());
+    backend = std::move(*created);
+  }
+  ~Fixture() { CHECK(fake->violations().empty()); }
+
+  std::unique_ptr<Stream> NewStream() {
+    auto stream = backend->CreateStream();
+    REQUIRE(stream.ok());
+    return std::move(*stream);
+  }
+  cudaStream_t Native(Stream& stream) {
+    auto handle = NativeCudaStream(stream);
+    REQUIRE(handle.ok());
+    return static_cast<cudaStream_t>(*handle);
+  }
+  bool Ready(Event& event) {
+    auto ready = event.Query();
+    REQUIRE(ready.ok());
+    return *ready;
+  }
+
+  std::shared_ptr<FakeCudaApi> fake;
+  std::unique_ptr<Backend> backend;
+};
+
+CudaBackendOptions Options(ReadyEventMode ready, StreamWaitMode wait = StreamWaitMode::kAuto) {
+  CudaBackendOptions options;
+  options.ready_event_mode = ready;
+  options.stream_wait_mode = wait;
+  options.initial_events = 2;
+  return options;
+}
+
+// --- Creation ---------------------------------------------------------------
+
+TEST_CASE("cuda: no driver or no device gives UNAVAILABLE with a clear message", "[cuda]") {
+  for (cudaError_t error : {cudaErrorNoDevice, cudaErrorInsufficientDriver, cudaErrorStubLibrary}) {
+    auto fake = std::make_shared<FakeCudaApi>(1);
+    fake->set_device_count_error(error);
+    auto backend = CreateCudaBackend(fake, 0);
+    REQUIRE_FALSE(backend.ok());
+    CHECK(backend.status().code() == absl::StatusCode::kUnavailable);
+    CHECK_THAT(std::string(backend.status().message()), Catch::Contains("cudaGetDeviceCount"));
+    CHECK_THAT(std::string(backend.status().message()), Catch::Contains(cudaGetErrorName(error)));
+    CHECK(cuda::CudaErrorFromStatus(backend.status()) == static_cast<int>(error));
+  }
+  auto zero = CreateCudaBackend(std::make_shared<FakeCudaApi>(0), 0);
+  CHECK(zero.status().code() == absl::StatusCode::kUnavailable);
+  CHECK_THAT(std::string(zero.status().message()), Catch::Contains("no CUDA device"));
+}
+
+TEST_CASE("cuda: the real CudaApi on a machine without a GPU fails cleanly, not by crashing",
+          "[cuda]") {
+  auto backend = CreateCudaBackend(0);
+  if (backend.ok()) {
+    SUCCEED("a GPU is present here");
+  } else {
+    CHECK(backend.status().code() == absl::StatusCode::kUnavailable);
+  }
+}
+
+TEST_CASE("cuda: device index out of range or negative is INVALID_ARGUMENT", "[cuda]") {
+  auto fake = std::make_shared<FakeCudaApi>(4);
+  auto high = CreateCudaBackend(fake, 4);
+  CHECK(high.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK_THAT(std::string(high.status().message()), Catch::Contains("4 visible"));
+  CHECK(CreateCudaBackend(fake, -1).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(CreateCudaBackend(nullptr, 0).status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(fake->LiveAllocations() == 0);
+}
+
+TEST_CASE("cuda: devices above 7 work and the caller's current device is left alone", "[cuda]") {
+  Fixture f(/*devices=*/16, {}, /*device=*/11);
+  CHECK(f.backend->name() == "cuda");
+  CHECK(f.backend->device() == Device::Cuda(11));
+  REQUIRE(f.fake->SetDevice(2) == cudaSuccess);  // the application's own choice
+  auto memory = f.backend->Allocate(1 << 20, MemoryKind::kDevice);
+  REQUIRE(memory.ok());
+  CHECK(f.fake->DeviceOf((*memory)->data()) == 11);
+  CHECK((*memory)->device() == Device::Cuda(11));
+  CHECK((*memory)->bytes() == size_t{1} << 20);
+  auto stream = f.NewStream();
+  CHECK(f.fake->DeviceOfStream(f.Native(*stream)) == 11);
+  CHECK(f.fake->FlagsOfStream(f.Native(*stream)) == cudaStreamNonBlocking);
+  CHECK(f.fake->CurrentDeviceOfThisThread() == 2);
+}
+
+// --- Memory -----------------------------------------------------------------
+
+TEST_CASE("cuda: allocation kinds map to cudaMalloc / pinned / mapped host memory", "[cuda]") {
+  Fixture f;
+  auto device = *f.backend->Allocate(100, MemoryKind::kDevice);
+  auto pinned = *f.backend->Allocate(100, MemoryKind::kHostPinned);
+  auto mapped = *f.backend->Allocate(100, MemoryKind::kHostMapped);
+  CHECK(f.fake->DeviceOf(device->data()) == 0);
+  CHECK(f.fake->DeviceOf(pinned->data()) == -1);
+  CHECK(f.fake->DeviceOf(mapped->data()) == -1);
+  CHECK((f.fake->HostFlagsOf(pinned->data()) & cudaHostAllocMapped) == 0);
+  CHECK((f.fake->HostFlagsOf(mapped->data()) & cudaHostAllocMapped) != 0);
+  CHECK(pinned->device() == Device::Cpu());
+  CHECK(mapped->device() == Device::Cpu());
+  auto empty = f.backend->Allocate(0, MemoryKind::kDevice);
+  REQUIRE(empty.ok());
+  CHECK((*empty)->data() != nullptr);
+  const size_t before = f.fake->LiveAllocations();
+  device.reset();
+  pinned.reset();
+  mapped.reset();
+  CHECK(f.fake->LiveAllocations() == before - 3);
+}
+
+TEST_CASE("cuda: out of memory is RESOURCE_EXHAUSTED naming the call and device", "[cuda]") {
+  Fixture f(4, {}, 3);
+  f.fake->FailNext("cudaMalloc", cudaErrorMemoryAllocation);
+  auto memory = f.backend->Allocate(1 << 30, MemoryKind::kDevice);
+  REQUIRE_FALSE(memory.ok());
+  CHECK(memory.status().code() == absl::StatusCode::kResourceExhausted);
+  const std::string message(memory.status().message());
+  CHECK_THAT(message, Catch::Contains("cudaMalloc of 1073741824 bytes on device 3"));
+  CHECK_THAT(message, Catch::Contains("cudaErrorMemoryAllocation"));
+  CHECK(cuda::CudaErrorFromStatus(memory.status()) == cudaErrorMemoryAllocation);
+}
+
+TEST_CASE("cuda: synchronous copy uses unified addressing", "[cuda]") {
+  Fixture f;
+  auto device = *f.backend->Allocate(16, MemoryKind::kDevice);
+  const char text[16] = "hello, device";
+  char back[16] = {};
+  REQUIRE(f.backend->Copy(device->data(), text, sizeof(text)).ok());
+  REQUIRE(f.backend->Copy(back, device->data(), sizeof(back)).ok());
+  CHECK(std::string(back) == "hello, device");
+  CHECK(f.fake->Calls("cudaMemcpy") >= 2);
+}
+
+// --- Error mapping ------------------------------------------------------------
+
+TEST_CASE("cuda: cudaError and CUresult map to canonical status codes", "[cuda]") {
+  using absl::StatusCode;
+  CHECK(cuda::CudaErrorCode(cudaSuccess) == StatusCode::kOk);
+  CHECK(cuda::CudaErrorCode(cudaErrorNoDevice) == StatusCode::kUnavailable);
+  CHECK(cuda::CudaErrorCode(cudaErrorInsufficientDriver) == StatusCode::kUnavailable);
+  CHECK(cuda::CudaErrorCode(cudaErrorMemoryAllocation) == StatusCode::kResourceExhausted);
+  CHECK(cuda::CudaErrorCode(cudaErrorInvalidValue) == StatusCode::kInvalidArgument);
+  CHECK(cuda::CudaErrorCode(cudaErrorNotSupported) == StatusCode::kUnimplemented);
+  CHECK(cuda::CudaErrorCode(cudaErrorStreamCaptureUnsupported) == StatusCode::kFailedPrecondition);
+  CHECK(cuda::CudaErrorCode(cudaErrorIllegalAddress) == StatusCode::kInternal);
+  CHECK(cuda::CudaErrorCode(cudaErrorLaunchFailure) == StatusCode::kInternal);
+  CHECK(cuda::CuResultCode(CUDA_ERROR_NOT_SUPPORTED) == StatusCode::kUnimplemented);
+  CHECK(cuda::CuResultCode(CUDA_ERROR_NOT_FOUND) == StatusCode::kUnimplemented);
+  CHECK(cuda::CuResultCode(CUDA_ERROR_OUT_OF_MEMORY) == StatusCode::kResourceExhausted);
+  CHECK(cuda::CuResultCode(CUDA_ERROR_ILLEGAL_ADDRESS) == StatusCode::kInternal);
+
+  FakeCudaApi fake;
+  CHECK(cuda::CudaStatus(fake, cudaSuccess, "x").ok());
+  const absl::Status status = cuda::CudaStatus(fake, cudaErrorIllegalAddress, "cudaEventQuery");
+  CHECK(status.code() == StatusCode::kInternal);
+  CHECK(status.message() ==
+        absl::StrCat("cudaEventQuery: cudaErrorIllegalAddress (700): ",
+                     cudaGetErrorString(cudaErrorIllegalAddress)));
+  const absl::Status driver = cuda::CuResultStatus(fake, CUDA_ERROR_NOT_SUPPORTED, "memop");
+  CHECK(driver.message() == "memop: CUDA_ERROR_NOT_SUPPORTED (801)");
+  CHECK(cuda::CudaErrorFromStatus(absl::InternalError("plain")) == -1);
+}
+
+// --- Event pool ---------------------------------------------------------------
+
+TEST_CASE("cuda: events come from a pool: destroyed events are reused, not re-created", "[cuda]") {
+  Fixture f(1, Options(ReadyEventMode::kCudaEvent));
+  CHECK(f.fake->Calls("cudaEventCreate") == 2);  // initial_events
+  for (int step = 0; step < 100; ++step) {
+    auto a = f.backend->CreateEvent();
+    auto b = f.backend->CreateEvent();
+    REQUIRE(a.ok());
+    REQUIRE(b.ok());
+  }
+  CHECK(f.fake->Calls("cudaEventCreate") == 2);
+  CHECK(f.fake->Calls("cudaEventDestroy") == 0);
+  {
+    auto a = *f.backend->CreateEvent();
+    auto b = *f.backend->CreateEvent();
+    auto c = *f.backend->CreateEvent();  // pool grows by one
+  }
+  CHECK(f.fake->Calls("cudaEventCreate") == 3);
+  auto again = *f.backend->CreateEvent();
+  CHECK(f.fake->Calls("cudaEventCreate") == 3);
+  f.backend.reset();
+  CHECK(f.fake->LiveEvents() == 3);  // `again` keeps the pool alive
+  again.reset();
+  CHECK(f.fake->LiveEvents() == 0);
+  CHECK(f.fake->LiveAllocations() == 0);
+}
+
+TEST_CASE("cuda: copy-engine events reuse pooled host words, no allocation per step", "[cuda]") {
+  Fixture f(1, Options(ReadyEventMode::kCopyEngineFlag));
+  const int host_allocs = f.fake->Calls("cudaHostAlloc");
+  CHECK(host_allocs == 1);  // one chunk of words for the whole pool
+  auto stream = f.NewStream();
+  for (int step = 0; step < 200; ++step) {
+    auto event = *f.backend->CreateEvent();
+    REQUIRE(event->Record(*stream).ok());
+    f.fake->RunAll();
+    CHECK(f.Ready(*event));
+  }
+  CHECK(f.fake->Calls("cudaHostAlloc") == host_allocs);
+  CHECK(f.fake->Calls("cudaEventCreate") == 0);
+}
+
+TEST_CASE("cuda: event pool growth failure is reported, later growth still works", "[cuda]") {
+  CudaBackendOptions options = Options(ReadyEventMode::kCudaEvent);
+  options.initial_events = 0;
+  Fixture f(1, options);
+  f.fake->FailNext("cudaEventCreate", cudaErrorMemoryAllocation);
+  auto event = f.backend->CreateEvent();
+  CHECK(event.status().code() == absl::StatusCode::kResourceExhausted);
+  CHECK(f.backend->CreateEvent().ok());
+}
+
+// --- Ready events, both modes ---------------------------------------------------
+
+TEST_CASE("cuda: CUDA-event mode: Record enqueues cudaEventRecord, Query polls cudaEventQuery",
+          "[cuda]") {
+  Fixture f(1, Options(ReadyEventMode::kCudaEvent));
+  auto stream = f.NewStream();
+  auto event = *f.backend->CreateEvent();
+  CHECK(f.Ready(*event));  // never recorded
+  auto device = *f.backend->Allocate(64, MemoryKind::kDevice);
+  auto host = *f.backend->Allocate(64, MemoryKind::kHostPinned);
+  REQUIRE(stream->CopyAsync(host->data(), device->data(), 64).ok());
+  REQUIRE(event->Record(*stream).ok());
+  CHECK(f.fake->PendingNames(f.Native(*stream)) ==
+        std::vector<std::string>{"memcpy", "event_record"});
+  CHECK_FALSE(f.Ready(*event));
+  CHECK(event->Wait(absl::Milliseconds(5)).code() == absl::StatusCode::kDeadlineExceeded);
+  f.fake->RunAll();
+  CHECK(f.Ready(*event));
+  REQUIRE(event->Wait(absl::Milliseconds(5)).ok());
+  CHECK(f.fake->Calls("cudaEventQuery") > 0);
+  CHECK(f.fake->Calls("cudaMemcpyAsync") == 1);  // nothing but the user's copy
+}
+
+TEST_CASE("cuda: copy-engine mode: Record is a 4-byte D2H copy, Query is a host load", "[cuda]") {
+  Fixture f(1, Options(ReadyEventMode::kCopyEngineFlag));
+  auto stream = f.NewStream();
+  auto event = *f.backend->CreateEvent();
+  CHECK(f.Ready(*event));
+  for (int round = 0; round < 3; ++round) {
+    REQUIRE(stream->LaunchHostFunc([] {}).ok());
+    REQUIRE(event->Record(*stream).ok());
+    CHECK(f.fake->PendingNames(f.Native(*stream)) ==
+          std::vector<std::string>{"host_func", "memcpy"});
+    CHECK_FALSE(f.Ready(*event));
+    f.fake->RunAll();
+    CHECK(f.Ready(*event));
+  }
+  // Two records in flight: ready only once the second copy has landed.
+  REQUIRE(event->Record(*stream).ok());
+  REQUIRE(stream->LaunchHostFunc([] {}).ok());
+  REQUIRE(event->Record(*stream).ok());
+  CHECK_FALSE(f.Ready(*event));
+  CHECK(f.fake->Calls("cudaEventRecord") == 0);
+  CHECK(f.fake->Calls("cudaEventQuery") == 0);
+  f.fake->RunAll();
+  CHECK(f.Ready(*event));
+}
+
+TEST_CASE("cuda: Event::Wait returns as soon as another thread's stream work lands", "[cuda]") {
+  for (ReadyEventMode mode : {ReadyEventMode::kCopyEngineFlag, ReadyEventMode::kCudaEvent}) {
+    Fixture f(1, Options(mode));
+    auto stream = f.NewStream();
+    auto event = *f.backend->CreateEvent();
+    REQUIRE(event->Record(*stream).ok());
+    std::thread gpu([&] {
+      absl::SleepFor(absl::Milliseconds(20));
+      f.fake->RunAll();
+    });
+    CHECK(event->Wait(absl::Seconds(10)).ok());
+    gpu.join();
+  }
+}
+
+TEST_CASE("cuda: a released pooled event starts as never-recorded for its next owner", "[cuda]") {
+  for (ReadyEventMode mode : {ReadyEventMode::kCopyEngineFlag, ReadyEventMode::kCudaEvent}) {
+    CudaBackendOptions options = Options(mode);
+    options.initial_events = 1;
+    Fixture f(1, options);
+    auto stream = f.NewStream();
+    {
+      auto event = *f.backend->CreateEvent();
+      REQUIRE(event->Record(*stream).ok());  // dropped while pending
+    }
+    auto reused = *f.backend->CreateEvent();
+    CHECK(f.Ready(*reused));
+    REQUIRE(reused->Record(*stream).ok());
+    CHECK_FALSE(f.Ready(*reused));
+    f.fake->RunAll();
+    CHECK(f.Ready(*reused));
+  }
+}
+
+TEST_CASE("cuda: copy-engine event pending on one stream cannot move to another", "[cuda]") {
+  Fixture f(1, Options(ReadyEventMode::kCopyEngineFlag));
+  auto first = f.NewStream();
+  auto second = f.NewStream();
+  auto event = *f.backend->CreateEvent();
+  REQUIRE(event->Record(*first).ok());
+  CHECK(event->Record(*second).code() == absl::StatusCode::kFailedPrecondition);
+  f.fake->RunAll();
+  REQUIRE(event->Record(*second).ok());  // fine once the first record landed
+  f.fake->RunAll();
+  CHECK(f.Ready(*event));
+}
+
+TEST_CASE("cuda: events and flags reject objects of another backend", "[cuda]") {
+  Fixture f;
+  auto mock = CreateCpuMockBackend();
+  auto mock_stream = *mock->CreateStream();
+  auto mock_flag = *mock->CreateHostFlag();
+  auto event = *f.backend->CreateEvent();
+  CHECK(event->Record(*mock_stream).code() == absl::StatusCode::kInvalidArgument);
+  auto stream = f.NewStream();
+  CHECK(stream->WaitHostFlag(*mock_flag, 1).code() == absl::StatusCode::kInvalidArgument);
+  CHECK(stream->SignalHostFlag(*mock_flag, 1).code() == absl::StatusCode::kInvalidArgument);
+  CHECK(NativeCudaStream(*mock_stream).status().code() == absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("cuda: a failed record reports the CUDA error and leaves the event unrecorded", "[cuda]") {
+  Fixture f(1, Options(ReadyEventMode::kCopyEngineFlag));
+  auto stream = f.NewStream();
+  auto event = *f.backend->CreateEvent();
+  f.fake->FailNext("cudaMemcpyAsync", cudaErrorLaunchFailure);
+  const absl::Status status = event->Record(*stream);
+  CHECK(status.code() == absl::StatusCode::kInternal);
+  CHECK_THAT(std::string(status.message()), Catch::Contains("ready flag"));
+  CHECK(f.Ready(*event));
+}
+
+// --- GPU waits on host flags ------------------------------------------------------
+
+// Enqueues wait(flag >= 5) then a copy and checks the copy runs only after the
+// flag reaches 5. Returns the names of what was enqueued for the wait.
+std::vector<std::string> CheckWaitOrdering(Fixture& f) {
+  auto stream = f.NewStream();
+  auto flag = *f.backend->CreateHostFlag();
+  auto device = *f.backend->Allocate(8, MemoryKind::kDevice);
+  auto host = *f.backend->Allocate(8, MemoryKind::kHostPinned);
+  const uint64_t payload = 0x1234'5678'9abc'def0;
+  REQUIRE(f.backend->Copy(device->data(), &payload, sizeof(payload)).ok());
+  std::memset(host->data(), 0, 8);
+  REQUIRE(stream->WaitHostFlag(*flag, 5).ok());
+  auto names = f.fake->PendingNames(f.Native(*stream));
+  REQUIRE(stream->CopyAsync(host->data(), device->data(), 8).ok());
+  f.fake->RunAll();
+  CHECK(*static_cast<uint64_t*>(host->data()) == 0);
+  flag->Store(4);
+  f.fake->RunAll();
+  CHECK(*static_cast<uint64_t*>(host->data()) == 0);
+  CHECK(stream->Synchronize(absl::Milliseconds(5)).code() ==
+        absl::StatusCode::kDeadlineExceeded);
+  flag->Store(5);
+  f.fake->RunAll();
+  CHECK(*static_cast<uint64_t*>(host->data()) == payload);
+  CHECK(stream->Synchronize(absl::Seconds(1)).ok());
+  return names;
+}
+
+TEST_CASE("cuda: WaitHostFlag uses cuStreamWaitValue32(GEQ) on the flag's device alias", "[cuda]") {
+  Fixture f;
+  CHECK(CheckWaitOrdering(f) == std::vector<std::string>{"wait_value"});
+  REQUIRE(f.fake->memops().size() == 1);
+  const auto op = f.fake->memops()[0];
+  CHECK(op.name == "wait");
+  CHECK(op.value == 5);
+  CHECK(op.flags == CU_STREAM_WAIT_VALUE_GEQ);
+  CHECK(op.address >= FakeCudaApi::kAliasOffset);  // the alias, not the host pointer
+  CHECK(f.fake->Calls("wait_kernel") == 0);
+}
+
+TEST_CASE("cuda: WaitHostFlag falls back to the wait kernel without stream memory ops", "[cuda]") {
+  auto fake = std::make_shared<FakeCudaApi>(12);
+  fake->set_has_stream_memops(false);
+  Fixture f(fake, 9);
+  REQUIRE(f.fake->SetDevice(1) == cudaSuccess);  // kernel launch must switch to 9 and back
+  CHECK(CheckWaitOrdering(f) == std::vector<std::string>{"wait_kernel"});
+  CHECK(f.fake->memops().empty());
+  CHECK(f.fake->Calls("cuStreamWaitValue32") == 0);
+  CHECK(f.fake->CurrentDeviceOfThisThread() == 1);
+}
+
+TEST_CASE("cuda: StreamWaitMode::kKernel always launches the kernel", "[cuda]") {
+  Fixture f(1, Options(ReadyEventMode::kCopyEngineFlag, StreamWaitMode::kKernel));
+  CHECK(CheckWaitOrdering(f) == std::vector<std::string>{"wait_kernel"});
+  CHECK(f.fake->Calls("cuStreamWaitValue32") == 0);
+}
+
+TEST_CASE("cuda: kAuto uses the kernel while the stream is being captured", "[cuda]") {
+  Fixture f;
+  auto stream = f.NewStream();
+  auto flag = *f.backend->CreateHostFlag();
+  f.fake->SetCapturing(f.Native(*stream), true);
+  REQUIRE(stream->WaitHostFlag(*flag, 1).ok());
+  REQUIRE(stream->SignalHostFlag(*flag, 2).ok());
+  CHECK(f.fake->PendingNames(f.Native(*stream)) ==
+        std::vector<std::string>{"wait_kernel", "signal_kernel"});
+  CHECK(f.fake->memops().empty());
+  // Host functions would be freed after their first replay: refused.
+  CHECK(stream->LaunchHostFunc([] {}).code() == absl::StatusCode::kFailedPrecondition);
+  f.fake->SetCapturing(f.Native(*stream), false);
+  REQUIRE(stream->WaitHostFlag(*flag, 3).ok());
+  CHECK(f.fake->memops().size() == 1);
+  flag->Store(1);
+  f.fake->RunAll();
+  CHECK(flag->Load() == 2);  // the signal kernel ran after the wait
+}
+
+TEST_CASE("cuda: kStreamMemOp without driver support is UNIMPLEMENTED", "[cuda]") {
+  auto fake = std::make_shared<FakeCudaApi>(1);
+  fake->set_has_stream_memops(false);
+  auto backend = *CreateCudaBackend(
+      fake, 0, Options(ReadyEventMode::kCopyEngineFlag, StreamWaitMode::kStreamMemOp));
+  auto stream = *backend->CreateStream();
+  auto flag = *backend->CreateHostFlag();
+  const absl::Status status = stream->WaitHostFlag(*flag, 1);
+  CHECK(status.code() == absl::StatusCode::kUnimplemented);
+  CHECK_THAT(std::string(status.message()), Catch::Contains("cuStreamWaitValue32"));
+  CHECK(fake->Calls("wait_kernel") == 0);
+  CHECK(fake->violations().empty());
+}
+
+TEST_CASE("cuda: kAuto switches to kernels for good when the driver refuses memops", "[cuda]") {
+  Fixture f;
+  auto stream = f.NewStream();
+  auto flag = *f.backend->CreateHostFlag();
+  f.fake->FailNextDriver("cuStreamWaitValue32", CUDA_ERROR_NOT_SUPPORTED);
+  REQUIRE(stream->WaitHostFlag(*flag, 1).ok());
+  REQUIRE(stream->WaitHostFlag(*flag, 2).ok());
+  REQUIRE(stream->SignalHostFlag(*flag, 3).ok());
+  CHECK(f.fake->Calls("cuStreamWaitValue32") == 1);
+  CHECK(f.fake->Calls("cuStreamWriteValue32") == 0);
+  CHECK(f.fake->PendingNames(f.Native(*stream)) ==
+        std::vector<std::string>{"wait_kernel", "wait_kernel", "signal_kernel"});
+}
+
+TEST_CASE("cuda: kStreamMemOp surfaces driver errors instead of falling back", "[cuda]") {
+  Fixture f(1, Options(ReadyEventMode::kCopyEngineFlag, StreamWaitMode::kStreamMemOp));
+  auto stream = f.NewStream();
+  auto flag = *f.backend->CreateHostFlag();
+  f.fake->FailNextDriver("cuStreamWaitValue32", CUDA_ERROR_NOT_SUPPORTED);
+  const absl::Status status = stream->WaitHostFlag(*flag, 1);
+  CHECK(status.code() == absl::StatusCode::kUnimplemented);
+  CHECK_THAT(std::string(status.message()), Catch::Contains("CUDA_ERROR_NOT_SUPPORTED"));
+  CHECK(f.fake->Calls("wait_kernel") == 0);
+}
+
+TEST_CASE("cuda: flush_remote_writes adds CU_STREAM_WAIT_VALUE_FLUSH", "[cuda]") {
+  CudaBackendOptions options;
+  options.flush_remote_writes = true;
+  Fixture f(1, options);
+  auto stream = f.NewStream();
+  auto flag = *f.backend->CreateHostFlag();
+  REQUIRE(stream->WaitHostFlag(*flag, 1).ok());
+  REQUIRE(f.fake->memops().size() == 1);
+  CHECK(f.fake->memops()[0].flags == (CU_STREAM_WAIT_VALUE_GEQ | CU_STREAM_WAIT_VALUE_FLUSH));
+}
+
+TEST_CASE("cuda: flag waits compare cyclically, as CU_STREAM_WAIT_VALUE_GEQ does", "[cuda]") {
+  for (StreamWaitMode mode : {StreamWaitMode::kStreamMemOp, StreamWaitMode::kKernel}) {
+    Fixture f(1, Options(ReadyEventMode::kCopyEngineFlag, mode));
+    auto stream = f.NewStream();
+    auto flag = *f.backend->CreateHostFlag();
+    auto done = *f.backend->CreateHostFlag();
+    flag->Store(0xFFFF'FFF0u);
+    REQUIRE(stream->WaitHostFlag(*flag, 0xFFFF'FFF8u).ok());
+    REQUIRE(stream->SignalHostFlag(*done, 1).ok());
+    f.fake->RunAll();
+    CHECK(done->Load() == 0);
+    flag->Store(3);  // wrapped past the target
+    f.fake->RunAll();
+    CHECK(done->Load() == 1);
+  }
+}
+
+TEST_CASE("cuda: SignalHostFlag writes after earlier work, via memop or kernel", "[cuda]") {
+  for (StreamWaitMode mode : {StreamWaitMode::kAuto, StreamWaitMode::kKernel}) {
+    Fixture f(1, Options(ReadyEventMode::kCopyEngineFlag, mode));
+    auto stream = f.NewStream();
+    auto flag = *f.backend->CreateHostFlag();
+    CHECK(flag->Load() == 0);
+    std::atomic<int> ran{0};
+    REQUIRE(stream->LaunchHostFunc([&] { ran = 1; }).ok());
+    REQUIRE(stream->SignalHostFlag(*flag, 42).ok());
+    CHECK(flag->Load() == 0);
+    f.fake->RunAll();
+    CHECK(ran == 1);
+    CHECK(flag->Load() == 42);
+    if (mode == StreamWaitMode::kAuto) {
+      REQUIRE(f.fake->memops().size() == 1);
+      CHECK(f.fake->memops()[0].flags == CU_STREAM_WRITE_VALUE_DEFAULT);
+    } else {
+      CHECK(f.fake->Calls("signal_kernel") == 1);
+    }
+  }
+}
+
+TEST_CASE("cuda: LaunchHostFunc runs in stream order and frees the closure on failure", "[cuda]") {
+  Fixture f;
+  auto stream = f.NewStream();
+  std::vector<int> order;
+  auto token = std::make_shared<int>(0);
+  REQUIRE(stream->LaunchHostFunc([&order, token] { order.push_back(1); }).ok());
+  REQUIRE(stream->LaunchHostFunc([&order] { order.push_back(2); }).ok());
+  CHECK(token.use_count() == 2);
+  f.fake->RunAll();
+  CHECK(order == std::vector<int>{1, 2});
+  CHECK(token.use_count() == 1);  // run once, then freed
+  f.fake->FailNext("cudaLaunchHostFunc", cudaErrorInvalidResourceHandle);
+  CHECK_FALSE(stream->LaunchHostFunc([token] {}).ok());
+  CHECK(token.use_count() == 1);
+}
+
+TEST_CASE("cuda: a wrapped external stream is used but not destroyed", "[cuda]") {
+  Fixture f;
+  cudaStream_t external = nullptr;
+  REQUIRE(f.fake->StreamCreateWithFlags(&external, 0) == cudaSuccess);
+  {
+    auto wrapped = WrapCudaStream(*f.backend, external);
+    REQUIRE(wrapped.ok());
+    auto event = *f.backend->CreateEvent();
+    REQUIRE(event->Record(**wrapped).ok());
+    CHECK(f.fake->Pending(external) == 1);
+  }
+  CHECK(f.fake->Calls("cudaStreamDestroy") == 0);
+  auto mock = CreateCpuMockBackend();
+  CHECK(WrapCudaStream(*mock, external).status().code() == absl::StatusCode::kInvalidArgument);
+  REQUIRE(f.fake->StreamDestroy(external) == cudaSuccess);
+}
+
+// --- Locate and dma-buf -----------------------------------------------------------
+
+TEST_CASE("cuda: Locate reports device, lower-case PCI id and sysfs NUMA node", "[cuda]") {
+  const std::filesystem::path root =
+      std::filesystem::temp_directory_path() / ("stepmesh_sysfs_" + std::to_string(getpid()));
+  std::filesystem::create_directories(root / "bus/pci/devices/0000:19:00.0");
+  std::ofstream(root / "bus/pci/devices/0000:19:00.0/numa_node") << "1\n";
+  CudaBackendOptions options;
+  options.sysfs_root = root.string();
+  Fixture f(12, options, 9);
+  auto device = *f.backend->Allocate(4096, MemoryKind::kDevice);
+  auto location = f.backend->Locate(static_cast<char*>(device->data()) + 100);
+  REQUIRE(location.ok());
+  CHECK(location->device == Device::Cuda(9));
+  CHECK(location->pci_bus_id == "0000:19:00.0");
+  CHECK(location->numa_node == 1);
+  auto again = f.backend->Locate(device->data());
+  CHECK(f.fake->Calls("cudaDeviceGetPCIBusId") == 1);  // cached per device
+
+  auto pinned = *f.backend->Allocate(64, MemoryKind::kHostPinned);
+  int on_stack = 0;
+  for (const void* host : {static_cast<const void*>(pinned->data()),
+                           static_cast<const void*>(&on_stack)}) {
+    auto where = f.backend->Locate(host);
+    REQUIRE(where.ok());
+    CHECK(where->device == Device::Cpu());
+    CHECK(where->numa_node == -1);
+    CHECK(where->pci_bus_id.empty());
+  }
+  std::filesystem::remove_all(root);
+}
+
+TEST_CASE("cuda: Locate without a sysfs entry gives NUMA -1", "[cuda]") {
+  CudaBackendOptions options;
+  options.sysfs_root = "/nonexistent-stepmesh-sysfs";
+  Fixture f(1, options);
+  auto device = *f.backend->Allocate(64, MemoryKind::kDevice);
+  auto location = *f.backend->Locate(device->data());
+  CHECK(location.numa_node == -1);
+  CHECK(location.pci_bus_id == "0000:10:00.0");
+}
+
+TEST_CASE("cuda: ExportDmabuf exports the page-aligned range and the offset into it", "[cuda]") {
+  Fixture f;
+  auto device = *f.backend->Allocate(3 * 4096, MemoryKind::kDevice);
+  char* base = static_cast<char*>(device->data());
+  uint64_t offset = 0;
+  auto fd = f.backend->ExportDmabuf(base + 100, 5000, &offset);
+  REQUIRE(fd.ok());
+  CHECK(*fd >= 0);
+  ::close(*fd);
+  CHECK(offset == 100);
+  REQUIRE(f.fake->exported_ranges().size() == 1);
+  CHECK(f.fake->exported_ranges()[0].first == reinterpret_cast<uintptr_t>(base));
+  CHECK(f.fake->exported_ranges()[0].second == 8192);  // covers [100, 5100)
+
+  auto pinned = *f.backend->Allocate(64, MemoryKind::kHostPinned);
+  CHECK(f.backend->ExportDmabuf(pinned->data(), 64, &offset).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(f.backend->ExportDmabuf(base, 0, &offset).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  CHECK(f.backend->ExportDmabuf(base, 64, nullptr).status().code() ==
+        absl::StatusCode::kInvalidArgument);
+  f.fake->FailNextDriver("cuMemGetHandleForAddressRange", CUDA_ERROR_NOT_SUPPORTED);
+  CHECK(f.backend->ExportDmabuf(base, 64, &offset).status().code() ==
+        absl::StatusCode::kUnimplemented);
+}
+
+TEST_CASE("cuda: ExportDmabuf is UNIMPLEMENTED when the driver lacks the entry point", "[cuda]") {
+  Fixture f;
+  f.fake->set_has_dmabuf(false);
+  auto device = *f.backend->Allocate(4096, MemoryKind::kDevice);
+  uint64_t offset = 0;
+  CHECK(f.backend->ExportDmabuf(device->data(), 4096, &offset).status().code() ==
+        absl::StatusCode::kUnimplemented);
+}
+
+// --- Lifetime -------------------------------------------------------------------------
+
+TEST_CASE("cuda: every CUDA resource is released, whatever the destruction order", "[cuda]") {
+  for (ReadyEventMode mode : {ReadyEventMode::kCopyEngineFlag, ReadyEventMode::kCudaEvent}) {
+    auto fake = std::make_shared<FakeCudaApi>(2);
+    {
+      auto backend = *CreateCudaBackend(fake, 1, Options(mode));
+      auto stream = *backend->CreateStream();
+      auto event = *backend->CreateEvent();
+      auto flag = *backend->CreateHostFlag();
+      auto memory = *backend->Allocate(128, MemoryKind::kHostMapped);
+      REQUIRE(event->Record(*stream).ok());
+      backend.reset();  // objects outlive their backend
+      REQUIRE(stream->WaitHostFlag(*flag, 0).ok());
+      fake->RunAll();
+      CHECK(*event->Query());
+    }
+    CHECK(fake->LiveAllocations() == 0);
+    CHECK(fake->LiveStreams() == 0);
+    CHECK(fake->LiveEvents() == 0);
+    CHECK(fake->violations().empty());
+  }
+}
+
+}  // namespace
+}  // namespace stepmesh

@@ -1,0 +1,245 @@
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include <catch2/catch.hpp>
+
+#include "examples/afd_model/kernels/cpu_kernels.h"
+
+namespace afd {
+namespace {
+
+std::vector<float> RandomVector(int64_t n, uint32_t seed, float stddev = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, stddev);
+  std::vector<float> v(n);
+  for (float& x : v) x = normal(rng);
+  return v;
+}
+
+double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  double m = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    m = std::max(m, std::fabs(static_cast<double>(a[i]) - b[i]));
+  }
+  return m;
+}
+
+TEST_CASE("rmsnorm matches the formula", "[kernels]") {
+  const int64_t rows = 3, dim = 40;
+  const auto x = RandomVector(rows * dim, 1);
+  const auto gamma = RandomVector(dim, 2);
+  std::vector<float> y(rows * dim);
+  cpu::RmsNorm(x.data(), gamma.data(), rows, dim, 1e-5f, y.data());
+  std::vector<float> expected(rows * dim);
+  for (int64_t r = 0; r < rows; ++r) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < dim; ++i) ss += double{x[r * dim + i]} * x[r * dim + i];
+    const double inv = 1.0 / std::sqrt(ss / dim + 1e-5);
+    for (int64_t i = 0; i < dim; ++i) {
+      expected[r * dim + i] = static_cast<float>(x[r * dim + i] * inv * gamma[i]);
+    }
+  }
+  CHECK(MaxAbsDiff(y, expected) < 1e-5);
+}
+
+TEST_CASE("neox rope matches the direct formula", "[kernels]") {
+  const int64_t tokens = 4, heads = 3, d = 64;
+  const double theta = 500000.0;
+  const std::vector<int32_t> positions = {0, 1, 17, 4000};
+  const auto x = RandomVector(tokens * heads * d, 3);
+  auto y = x;
+  cpu::RopeNeoxInPlace(y.data(), tokens, heads, d, positions.data(), 5e5f);
+  std::vector<float> expected(x.size());
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* in = x.data() + (t * heads + h) * d;
+      float* out = expected.data() + (t * heads + h) * d;
+      for (int64_t i = 0; i < d / 2; ++i) {
+        const double angle = positions[t] * std::pow(theta, -2.0 * i / d);
+        out[i] = static_cast<float>(in[i] * std::cos(angle) -
+                                    in[i + d / 2] * std::sin(angle));
+        out[i + d / 2] = static_cast<float>(in[i + d / 2] * std::cos(angle) +
+                                            in[i] * std::sin(angle));
+      }
+    }
+  }
+  CHECK(MaxAbsDiff(y, expected) < 1e-5);
+  // Position 0 is the identity.
+  CHECK(std::equal(y.begin(), y.begin() + heads * d, x.begin()));
+}
+
+// Naive O(T^2) causal MQA in double.
+std::vector<float> NaiveAttention(const std::vector<float>& q,
+                                  const std::vector<float>& k,
+                                  const std::vector<float>& v, int64_t tokens,
+                                  int64_t heads, int64_t d) {
+  std::vector<float> out(tokens * heads * d);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      std::vector<double> p(t + 1);
+      double max_score = -INFINITY;
+      for (int64_t s = 0; s <= t; ++s) {
+        double dot = 0.0;
+        for (int64_t c = 0; c < d; ++c) {
+          dot += double{q[(t * heads + h) * d + c]} * k[s * d + c];
+        }
+        p[s] = dot / std::sqrt(static_cast<double>(d));
+        max_score = std::max(max_score, p[s]);
+      }
+      double total = 0.0;
+      for (double& e : p) total += (e = std::exp(e - max_score));
+      for (int64_t c = 0; c < d; ++c) {
+        double acc = 0.0;
+        for (int64_t s = 0; s <= t; ++s) acc += p[s] * v[s * d + c];
+        out[(t * heads + h) * d + c] = static_cast<float>(acc / total);
+      }
+    }
+  }
+  return out;
+}
+
+TEST_CASE("mqa attention: prefill and cached decode match naive", "[kernels]") {
+  const int64_t tokens = 13, heads = 4, d = 32;
+  const auto q = RandomVector(tokens * heads * d, 4);
+  const auto k = RandomVector(tokens * d, 5);
+  const auto v = RandomVector(tokens * d, 6);
+  const auto expected = NaiveAttention(q, k, v, tokens, heads, d);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+
+  std::vector<int32_t> positions(tokens);
+  std::iota(positions.begin(), positions.end(), 0);
+  std::vector<float> prefill(tokens * heads * d);
+  cpu::MqaAttention(q.data(), tokens, heads, d, k.data(), v.data(), tokens,
+                    positions.data(), scale, prefill.data());
+  CHECK(MaxAbsDiff(prefill, expected) < 1e-5);
+
+  // Decode: token t alone against a cache holding rows 0..t.
+  std::vector<float> decode(tokens * heads * d);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int32_t pos = static_cast<int32_t>(t);
+    cpu::MqaAttention(q.data() + t * heads * d, 1, heads, d, k.data(),
+                      v.data(), t + 1, &pos, scale,
+                      decode.data() + t * heads * d);
+  }
+  CHECK(MaxAbsDiff(decode, expected) < 1e-5);
+  CHECK(MaxAbsDiff(decode, prefill) < 1e-6);
+}
+
+TEST_CASE("router: softmax top-3, ties to the lower id, no renorm",
+          "[kernels]") {
+  // Experts 2, 5, 9 and 11 tie at the top: the three lowest ids win.
+  std::vector<float> logits(2 * 12, 0.0f);
+  logits[2] = logits[5] = logits[9] = 3.0f;
+  logits[11] = 3.0f;
+  // Second token: distinct values with a tie between 4 and 6 at rank 3.
+  for (int e = 0; e < 12; ++e) logits[12 + e] = -static_cast<float>(e);
+  logits[12 + 3] = 5.0f;
+  logits[12 + 4] = 2.0f;
+  logits[12 + 6] = 2.0f;
+  std::vector<int32_t> ids(6);
+  std::vector<float> weights(6);
+  cpu::RouterSoftmaxTopK(logits.data(), 2, 12, 3, ids.data(), weights.data());
+  CHECK(ids[0] == 2);
+  CHECK(ids[1] == 5);
+  CHECK(ids[2] == 9);
+  CHECK(ids[3] == 3);
+  CHECK(ids[4] == 4);
+  CHECK(ids[5] == 6);
+  double denominator = 0.0;
+  for (int e = 0; e < 12; ++e) denominator += std::exp(double{logits[e]} - 3.0);
+  CHECK(weights[0] == Approx(1.0 / denominator).epsilon(1e-6));
+  CHECK(weights[0] + weights[1] + weights[2] < 1.0f);  // not renormalised
+}
+
+TEST_CASE("grouped experts match a dense evaluation of the chosen experts",
+          "[kernels]") {
+  const int64_t tokens = 9, hidden = 32, inter = 24, experts = 6;
+  const int k = 3;
+  const auto x = RandomVector(tokens * hidden, 7);
+  const auto gate = RandomVector(experts * inter * hidden, 8, 0.2f);
+  const auto up = RandomVector(experts * inter * hidden, 9, 0.2f);
+  const auto down = RandomVector(experts * hidden * inter, 10, 0.2f);
+  std::vector<int32_t> ids(tokens * k);
+  std::vector<float> weights(tokens * k);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int j = 0; j < k; ++j) {
+      ids[t * k + j] = static_cast<int32_t>((t + 2 * j) % experts);
+      weights[t * k + j] = 0.1f * (j + 1) + 0.01f * t;
+    }
+  }
+  // Dense evaluation: every token through each of its experts, one by one.
+  std::vector<float> expected(tokens * hidden, 0.0f);
+  std::vector<float> scratch(cpu::SwiGluScratchFloats(1, inter));
+  std::vector<float> one(hidden);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int j = 0; j < k; ++j) {
+      const int64_t e = ids[t * k + j];
+      cpu::SwiGlu(x.data() + t * hidden, 1, hidden,
+                  gate.data() + e * inter * hidden,
+                  up.data() + e * inter * hidden,
+                  down.data() + e * hidden * inter, inter, scratch.data(),
+                  one.data());
+      for (int64_t c = 0; c < hidden; ++c) {
+        expected[t * hidden + c] += weights[t * k + j] * one[c];
+      }
+    }
+  }
+  std::vector<int32_t> all_slots(experts);
+  std::iota(all_slots.begin(), all_slots.end(), 0);
+  std::vector<float> grouped(tokens * hidden, 0.0f);
+  std::vector<float> grouped_scratch(
+      cpu::GroupedExpertScratchFloats(tokens, hidden, inter));
+  cpu::GroupedExpertSwiGlu(x.data(), tokens, hidden, ids.data(),
+                           weights.data(), k, all_slots.data(), experts,
+                           experts, gate.data(), up.data(), down.data(), inter,
+                           grouped_scratch.data(), grouped.data());
+  CHECK(MaxAbsDiff(grouped, expected) < 1e-5);
+
+  // Two partitions (odd / even experts) accumulate to the same result.
+  std::vector<float> split(tokens * hidden, 0.0f);
+  for (int part = 0; part < 2; ++part) {
+    std::vector<int32_t> to_slot(experts, -1);
+    std::vector<float> g, u, dn;
+    int32_t slots = 0;
+    for (int64_t e = part; e < experts; e += 2) {
+      to_slot[e] = slots++;
+      g.insert(g.end(), gate.begin() + e * inter * hidden,
+               gate.begin() + (e + 1) * inter * hidden);
+      u.insert(u.end(), up.begin() + e * inter * hidden,
+               up.begin() + (e + 1) * inter * hidden);
+      dn.insert(dn.end(), down.begin() + e * hidden * inter,
+                down.begin() + (e + 1) * hidden * inter);
+    }
+    cpu::GroupedExpertSwiGlu(x.data(), tokens, hidden, ids.data(),
+                             weights.data(), k, to_slot.data(), experts, slots,
+                             g.data(), u.data(), dn.data(), inter,
+                             grouped_scratch.data(), split.data());
+  }
+  CHECK(MaxAbsDiff(split, expected) < 1e-5);
+}
+
+TEST_CASE("argmax ties go to the lower index", "[kernels]") {
+  const std::vector<float> logits = {0.0f, 2.0f, 2.0f, -1.0f,
+                                     5.0f, 1.0f, 5.0f, 5.0f};
+  std::vector<int32_t> ids(2);
+  cpu::ArgmaxRows(logits.data(), 2, 4, ids.data());
+  CHECK(ids[0] == 1);
+  CHECK(ids[1] == 0);
+}
+
+TEST_CASE("bf16 partial reduction adds in partition order", "[kernels]") {
+  const std::vector<uint16_t> p0 = {0x3F80, 0x4000};  // 1, 2
+  const std::vector<uint16_t> p1 = {0x3F00, 0xC000};  // 0.5, -2
+  const uint16_t* partials[] = {p0.data(), p1.data()};
+  std::vector<float> sum(2);
+  cpu::SumBf16Partials(partials, 2, 2, sum.data());
+  CHECK(sum[0] == 1.5f);
+  CHECK(sum[1] == 0.0f);
+}
+
+}  // namespace
+}  // namespace afd

@@ -1,0 +1,726 @@
+#include "tests/rdma/fake_verbs.h"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+
+namespace stepmesh::testing {
+
+namespace {
+
+struct FakeNic;
+struct FakeContext;
+struct FakePd;
+struct FakeQp;
+
+// Fake objects start with the ibv struct the caller sees, so a pointer to it
+// converts back (the same trick providers use).
+struct FakeChannel {
+  ibv_comp_channel channel{};
+  std::deque<ibv_cq*> events;
+};
+
+struct FakeCq {
+  struct Entry {
+    ibv_wc wc;
+    uint32_t frees_sq_slots = 0;  // send completions: slots released when polled
+  };
+  ibv_cq cq{};
+  FakeContext* ctx = nullptr;
+  FakeChannel* channel = nullptr;
+  int capacity = 0;
+  std::deque<Entry> entries;
+  bool armed = false;
+  bool overflowed = false;
+  uint32_t events_delivered = 0;
+  uint32_t events_acked = 0;
+  int users = 0;  // QPs attached
+};
+
+struct FakeMr {
+  ibv_mr mr{};
+  FakePd* pd = nullptr;
+  int access = 0;
+};
+
+struct FakePd {
+  ibv_pd pd{};
+  FakeContext* ctx = nullptr;
+  int users = 0;  // MRs and QPs
+};
+
+struct FakeQp {
+  ibv_qp qp{};
+  FakeContext* ctx = nullptr;
+  FakeCq* send_cq = nullptr;
+  FakeCq* recv_cq = nullptr;
+  FakePd* pd = nullptr;
+  ibv_qp_cap cap{};
+  bool sq_sig_all = false;
+  int access = 0;
+  ibv_mtu path_mtu = IBV_MTU_256;
+  uint32_t dest_qpn = 0;
+  ibv_gid dest_gid{};
+  uint32_t next_send_psn = 0;      // PSN of the next request we send
+  uint32_t expected_recv_psn = 0;  // PSN we expect from the peer
+  uint32_t sq_used = 0;            // slots held until a signalled CQE is polled
+  uint32_t unsignalled_run = 0;    // executed WRs waiting for a signalled one
+  std::deque<uint64_t> recv_queue;
+};
+
+struct FakeNic {
+  ibv_device device{};
+  FakeNicSpec spec;
+  ibv_gid gid_v2{};
+  ibv_gid gid_v1{};
+  std::map<uint32_t, FakeQp*> qps;  // by qp_num
+  std::map<uint32_t, FakeMr*> mrs_by_lkey;
+  std::map<uint32_t, FakeMr*> mrs_by_rkey;
+  std::vector<FakeContext*> contexts;
+};
+
+struct FakeContext {
+  ibv_context context{};
+  FakeNic* nic = nullptr;
+  std::deque<ibv_async_event> async_events;
+  std::vector<FakeQp*> qps;
+};
+
+ibv_gid MakeGid(uint32_t ipv4, bool v2) {
+  ibv_gid gid{};
+  if (v2) {
+    gid.raw[10] = 0xFF;
+    gid.raw[11] = 0xFF;
+    for (int i = 0; i < 4; ++i) gid.raw[12 + i] = static_cast<uint8_t>(ipv4 >> (24 - 8 * i));
+  } else {
+    gid.raw[0] = 0xFE;
+    gid.raw[1] = 0x80;
+    for (int i = 0; i < 4; ++i) gid.raw[12 + i] = static_cast<uint8_t>(ipv4 >> (24 - 8 * i));
+  }
+  return gid;
+}
+
+uint64_t MrBegin(const FakeMr* mr) { return reinterpret_cast<uintptr_t>(mr->mr.addr); }
+
+void Signal(int fd) {
+  const uint64_t one = 1;
+  (void)!::write(fd, &one, sizeof(one));
+}
+void Unsignal(int fd) {
+  uint64_t value;
+  (void)!::read(fd, &value, sizeof(value));
+}
+
+}  // namespace
+
+struct FakeFabric::State {
+  mutable absl::Mutex mu;
+  std::vector<std::unique_ptr<FakeNic>> nics ABSL_GUARDED_BY(mu);
+  uint32_t next_qpn ABSL_GUARDED_BY(mu) = 0x100;
+  uint32_t next_key ABSL_GUARDED_BY(mu) = 1;
+  FakeFabricStats stats ABSL_GUARDED_BY(mu);
+
+  FakeNic* FindNic(const ibv_gid& gid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (auto& nic : nics) {
+      if (std::memcmp(&nic->gid_v2, &gid, sizeof(gid)) == 0 ||
+          std::memcmp(&nic->gid_v1, &gid, sizeof(gid)) == 0) {
+        return nic.get();
+      }
+    }
+    return nullptr;
+  }
+
+  void PushCqe(FakeCq* cq, const ibv_wc& wc, uint32_t frees) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (cq->overflowed) return;
+    if (static_cast<int>(cq->entries.size()) >= cq->capacity) {
+      cq->overflowed = true;
+      ++stats.cq_overflows;
+      ibv_async_event event{};
+      event.event_type = IBV_EVENT_CQ_ERR;
+      event.element.cq = &cq->cq;
+      cq->ctx->async_events.push_back(event);
+      Signal(cq->ctx->context.async_fd);
+      for (FakeQp* qp : cq->ctx->qps) {
+        if (qp->send_cq == cq || qp->recv_cq == cq) qp->qp.state = IBV_QPS_ERR;
+      }
+      return;
+    }
+    cq->entries.push_back({wc, frees});
+    if (cq->armed && cq->channel != nullptr) {
+      cq->armed = false;
+      cq->channel->events.push_back(&cq->cq);
+      ++cq->events_delivered;
+      Signal(cq->channel->channel.fd);
+    }
+  }
+
+  void SendCqe(FakeQp* qp, uint64_t wr_id, ibv_wc_status status, bool signalled)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    ++qp->unsignalled_run;
+    if (status == IBV_WC_WR_FLUSH_ERR) ++stats.flushed;
+    // Errors always complete; successes only when asked to.
+    if (!signalled && status == IBV_WC_SUCCESS) return;
+    ibv_wc wc{};
+    wc.wr_id = wr_id;
+    wc.status = status;
+    wc.opcode = IBV_WC_RDMA_WRITE;
+    wc.qp_num = qp->qp.qp_num;
+    const uint32_t frees = std::exchange(qp->unsignalled_run, 0);
+    PushCqe(qp->send_cq, wc, frees);
+  }
+
+  void MoveToError(FakeQp* qp) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    qp->qp.state = IBV_QPS_ERR;
+    while (!qp->recv_queue.empty()) {
+      ibv_wc wc{};
+      wc.wr_id = qp->recv_queue.front();
+      qp->recv_queue.pop_front();
+      wc.status = IBV_WC_WR_FLUSH_ERR;
+      wc.opcode = IBV_WC_RECV;
+      wc.qp_num = qp->qp.qp_num;
+      ++stats.flushed;
+      PushCqe(qp->recv_cq, wc, 0);
+    }
+  }
+
+  // Executes one send WR from `qp` (in RTS); returns the completion status.
+  ibv_wc_status Execute(FakeQp* qp, const ibv_send_wr& wr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    // Gather: inline data was copied at post time by hardware; otherwise every
+    // SGE must sit inside a local MR of the QP's PD.
+    size_t total = 0;
+    for (int i = 0; i < wr.num_sge; ++i) {
+      const ibv_sge& sge = wr.sg_list[i];
+      total += sge.length;
+      if ((wr.send_flags & IBV_SEND_INLINE) || sge.length == 0) continue;
+      auto it = qp->ctx->nic->mrs_by_lkey.find(sge.lkey);
+      if (it == qp->ctx->nic->mrs_by_lkey.end() || it->second->pd != qp->pd ||
+          sge.addr < MrBegin(it->second) ||
+          sge.addr + sge.length > MrBegin(it->second) + it->second->mr.length) {
+        ++stats.access_errors;
+        return IBV_WC_LOC_PROT_ERR;
+      }
+    }
+    // The responder: must exist, be connected back to us, and be receiving.
+    FakeNic* nic = FindNic(qp->dest_gid);
+    FakeQp* peer = nullptr;
+    if (nic != nullptr) {
+      auto it = nic->qps.find(qp->dest_qpn);
+      if (it != nic->qps.end()) peer = it->second;
+    }
+    if (peer == nullptr || (peer->qp.state != IBV_QPS_RTR && peer->qp.state != IBV_QPS_RTS) ||
+        peer->dest_qpn != qp->qp.qp_num || peer->expected_recv_psn != qp->next_send_psn) {
+      return IBV_WC_RETRY_EXC_ERR;
+    }
+    // Remote access: rkey, PD, MR and QP access flags, bounds.
+    if (total > 0) {
+      auto it = nic->mrs_by_rkey.find(wr.wr.rdma.rkey);
+      const bool ok = it != nic->mrs_by_rkey.end() && it->second->pd == peer->pd &&
+                      (it->second->access & IBV_ACCESS_REMOTE_WRITE) &&
+                      (peer->access & IBV_ACCESS_REMOTE_WRITE) &&
+                      wr.wr.rdma.remote_addr >= MrBegin(it->second) &&
+                      wr.wr.rdma.remote_addr + total <=
+                          MrBegin(it->second) + it->second->mr.length;
+      if (!ok) {
+        ++stats.access_errors;
+        MoveToError(peer);
+        return IBV_WC_REM_ACCESS_ERR;
+      }
+    }
+    if (wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM && peer->recv_queue.empty()) {
+      ++stats.rnr_errors;
+      return IBV_WC_RNR_RETRY_EXC_ERR;
+    }
+    // Place the data.
+    auto* dst = reinterpret_cast<std::byte*>(wr.wr.rdma.remote_addr);
+    for (int i = 0; i < wr.num_sge; ++i) {
+      const ibv_sge& sge = wr.sg_list[i];
+      if (sge.length > 0) std::memmove(dst, reinterpret_cast<const void*>(sge.addr), sge.length);
+      dst += sge.length;
+    }
+    ++stats.writes;
+    stats.bytes_written += total;
+    const uint32_t packets =
+        std::max<uint32_t>(1, (total + (128u << qp->path_mtu) - 1) / (128u << qp->path_mtu));
+    qp->next_send_psn = (qp->next_send_psn + packets) & 0xFFFFFF;
+    peer->expected_recv_psn = (peer->expected_recv_psn + packets) & 0xFFFFFF;
+    if (wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM) {
+      ibv_wc wc{};
+      wc.wr_id = peer->recv_queue.front();
+      peer->recv_queue.pop_front();
+      wc.status = IBV_WC_SUCCESS;
+      wc.opcode = IBV_WC_RECV_RDMA_WITH_IMM;
+      wc.wc_flags = IBV_WC_WITH_IMM;
+      wc.imm_data = wr.imm_data;
+      wc.byte_len = static_cast<uint32_t>(total);
+      wc.qp_num = peer->qp.qp_num;
+      wc.src_qp = qp->qp.qp_num;
+      PushCqe(peer->recv_cq, wc, 0);
+    }
+    return IBV_WC_SUCCESS;
+  }
+};
+
+
+namespace {
+
+// One host's view of the fabric: its NICs only.
+class FakeVerbs final : public VerbsApi {
+ public:
+  using State = FakeFabric::State;
+  FakeVerbs(std::shared_ptr<State> state, std::vector<FakeNic*> nics)
+      : state_(std::move(state)), nics_(std::move(nics)) {}
+
+  ibv_device** GetDeviceList(int* num_devices) override {
+    auto** list = new ibv_device*[nics_.size() + 1];
+    for (size_t i = 0; i < nics_.size(); ++i) list[i] = &nics_[i]->device;
+    list[nics_.size()] = nullptr;
+    if (num_devices != nullptr) *num_devices = static_cast<int>(nics_.size());
+    return list;
+  }
+  void FreeDeviceList(ibv_device** list) override { delete[] list; }
+  const char* GetDeviceName(ibv_device* device) override { return device->name; }
+
+  ibv_context* OpenDevice(ibv_device* device) override {
+    absl::MutexLock lock(&state_->mu);
+    auto* ctx = new FakeContext;
+    ctx->nic = Nic(device);
+    ctx->context.device = device;
+    ctx->context.async_fd = ::eventfd(0, EFD_NONBLOCK | EFD_SEMAPHORE | EFD_CLOEXEC);
+    ctx->context.num_comp_vectors = 1;
+    ctx->nic->contexts.push_back(ctx);
+    return &ctx->context;
+  }
+  int CloseDevice(ibv_context* context) override {
+    absl::MutexLock lock(&state_->mu);
+    FakeContext* ctx = Ctx(context);
+    if (!ctx->qps.empty()) return EBUSY;
+    auto& list = ctx->nic->contexts;
+    list.erase(std::find(list.begin(), list.end(), ctx));
+    ::close(ctx->context.async_fd);
+    delete ctx;
+    return 0;
+  }
+  int QueryDevice(ibv_context* context, ibv_device_attr* attr) override {
+    absl::MutexLock lock(&state_->mu);
+    const FakeNicSpec& spec = Ctx(context)->nic->spec;
+    *attr = {};
+    attr->max_qp = 1 << 16;
+    attr->max_qp_wr = spec.max_qp_wr;
+    attr->max_sge = 30;
+    attr->max_cq = 1 << 16;
+    attr->max_cqe = spec.max_cqe;
+    attr->max_mr = 1 << 20;
+    attr->max_pd = 1 << 16;
+    attr->max_mr_size = uint64_t{1} << 40;
+    attr->phys_port_cnt = 1;
+    return 0;
+  }
+  int QueryPort(ibv_context* context, uint8_t port, ibv_port_attr* attr) override {
+    absl::MutexLock lock(&state_->mu);
+    if (port != 1) return EINVAL;
+    const FakeNicSpec& spec = Ctx(context)->nic->spec;
+    *attr = {};
+    attr->state = spec.port_state;
+    attr->max_mtu = IBV_MTU_4096;
+    attr->active_mtu = spec.active_mtu;
+    attr->gid_tbl_len = 2;
+    attr->link_layer = IBV_LINK_LAYER_ETHERNET;
+    attr->max_msg_sz = 1u << 31;
+    return 0;
+  }
+  int QueryGidEx(ibv_context* context, uint8_t port, uint32_t index,
+                 ibv_gid_entry* entry) override {
+    absl::MutexLock lock(&state_->mu);
+    if (port != 1 || index > 1) return ENODATA;
+    FakeNic* nic = Ctx(context)->nic;
+    *entry = {};
+    entry->gid = index == 0 ? nic->gid_v1 : nic->gid_v2;
+    entry->gid_index = index;
+    entry->port_num = port;
+    entry->gid_type = index == 0 ? IBV_GID_TYPE_ROCE_V1 : IBV_GID_TYPE_ROCE_V2;
+    return 0;
+  }
+
+  ibv_pd* AllocPd(ibv_context* context) override {
+    absl::MutexLock lock(&state_->mu);
+    auto* pd = new FakePd;
+    pd->ctx = Ctx(context);
+    pd->pd.context = context;
+    return &pd->pd;
+  }
+  int DeallocPd(ibv_pd* pd) override {
+    absl::MutexLock lock(&state_->mu);
+    FakePd* fake = Pd(pd);
+    if (fake->users != 0) return EBUSY;
+    delete fake;
+    return 0;
+  }
+  ibv_mr* RegMr(ibv_pd* pd, void* addr, size_t length, int access) override {
+    absl::MutexLock lock(&state_->mu);
+    // Remote write (or atomic) access requires local write, as in the kernel.
+    if ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
+        !(access & IBV_ACCESS_LOCAL_WRITE)) {
+      errno = EINVAL;
+      return nullptr;
+    }
+    if (addr == nullptr || length == 0) {
+      errno = EINVAL;
+      return nullptr;
+    }
+    FakePd* fake_pd = Pd(pd);
+    auto* mr = new FakeMr;
+    mr->pd = fake_pd;
+    mr->access = access;
+    mr->mr.context = pd->context;
+    mr->mr.pd = pd;
+    mr->mr.addr = addr;
+    mr->mr.length = length;
+    const uint32_t n = state_->next_key++;
+    mr->mr.lkey = n;
+    mr->mr.rkey = 0x40000000u | (n * 7919u);  // never equal to any lkey
+    ++fake_pd->users;
+    FakeNic* nic = fake_pd->ctx->nic;
+    nic->mrs_by_lkey[mr->mr.lkey] = mr;
+    nic->mrs_by_rkey[mr->mr.rkey] = mr;
+    return &mr->mr;
+  }
+  ibv_mr* RegDmabufMr(ibv_pd*, uint64_t, size_t, uint64_t, int, int) override {
+    errno = EOPNOTSUPP;  // no dma-buf exporter in-process
+    return nullptr;
+  }
+  int DeregMr(ibv_mr* mr) override {
+    absl::MutexLock lock(&state_->mu);
+    auto* fake = reinterpret_cast<FakeMr*>(mr);
+    FakeNic* nic = fake->pd->ctx->nic;
+    nic->mrs_by_lkey.erase(mr->lkey);
+    nic->mrs_by_rkey.erase(mr->rkey);
+    --fake->pd->users;
+    delete fake;
+    return 0;
+  }
+
+  ibv_comp_channel* CreateCompChannel(ibv_context* context) override {
+    auto* channel = new FakeChannel;
+    channel->channel.context = context;
+    channel->channel.fd = ::eventfd(0, EFD_NONBLOCK | EFD_SEMAPHORE | EFD_CLOEXEC);
+    return &channel->channel;
+  }
+  int DestroyCompChannel(ibv_comp_channel* channel) override {
+    absl::MutexLock lock(&state_->mu);
+    if (channel->refcnt != 0) return EBUSY;
+    ::close(channel->fd);
+    delete reinterpret_cast<FakeChannel*>(channel);
+    return 0;
+  }
+  ibv_cq* CreateCq(ibv_context* context, int cqe, void* cq_context, ibv_comp_channel* channel,
+                   int comp_vector) override {
+    absl::MutexLock lock(&state_->mu);
+    FakeContext* ctx = Ctx(context);
+    if (cqe <= 0 || cqe > ctx->nic->spec.max_cqe || comp_vector != 0) {
+      errno = EINVAL;
+      return nullptr;
+    }
+    auto* cq = new FakeCq;
+    cq->ctx = ctx;
+    cq->capacity = cqe;
+    cq->channel = reinterpret_cast<FakeChannel*>(channel);
+    if (channel != nullptr) ++channel->refcnt;
+    cq->cq.context = context;
+    cq->cq.channel = channel;
+    cq->cq.cq_context = cq_context;
+    cq->cq.cqe = cqe;
+    return &cq->cq;
+  }
+  int DestroyCq(ibv_cq* cq) override {
+    absl::MutexLock lock(&state_->mu);
+    FakeCq* fake = Cq(cq);
+    if (fake->users != 0 || fake->events_acked != fake->events_delivered) return EBUSY;
+    if (fake->channel != nullptr) {
+      --fake->channel->channel.refcnt;
+      auto& events = fake->channel->events;
+      events.erase(std::remove(events.begin(), events.end(), cq), events.end());
+    }
+    delete fake;
+    return 0;
+  }
+  int ReqNotifyCq(ibv_cq* cq, int solicited_only) override {
+    absl::MutexLock lock(&state_->mu);
+    FakeCq* fake = Cq(cq);
+    if (fake->channel == nullptr) return EINVAL;
+    fake->armed = true;
+    return 0;
+  }
+  int GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) override {
+    absl::MutexLock lock(&state_->mu);
+    auto* fake = reinterpret_cast<FakeChannel*>(channel);
+    if (fake->events.empty()) {
+      errno = EAGAIN;  // the transport reads only after the fd polled readable
+      return -1;
+    }
+    Unsignal(channel->fd);
+    *cq = fake->events.front();
+    fake->events.pop_front();
+    *cq_context = (*cq)->cq_context;
+    return 0;
+  }
+  void AckCqEvents(ibv_cq* cq, unsigned int nevents) override {
+    absl::MutexLock lock(&state_->mu);
+    Cq(cq)->events_acked += nevents;
+  }
+  int PollCq(ibv_cq* cq, int num_entries, ibv_wc* wc) override {
+    absl::MutexLock lock(&state_->mu);
+    FakeCq* fake = Cq(cq);
+    if (fake->overflowed) return -EOVERFLOW;
+    int n = 0;
+    while (n < num_entries && !fake->entries.empty()) {
+      const FakeCq::Entry& entry = fake->entries.front();
+      wc[n++] = entry.wc;
+      if (entry.frees_sq_slots > 0) {
+        auto it = fake->ctx->nic->qps.find(entry.wc.qp_num);
+        if (it != fake->ctx->nic->qps.end()) it->second->sq_used -= entry.frees_sq_slots;
+      }
+      fake->entries.pop_front();
+    }
+    return n;
+  }
+
+  ibv_qp* CreateQp(ibv_pd* pd, ibv_qp_init_attr* attr) override {
+    absl::MutexLock lock(&state_->mu);
+    FakePd* fake_pd = Pd(pd);
+    const FakeNicSpec& spec = fake_pd->ctx->nic->spec;
+    ibv_qp_cap& cap = attr->cap;
+    if (attr->qp_type != IBV_QPT_RC || attr->send_cq == nullptr || attr->recv_cq == nullptr ||
+        attr->srq != nullptr || cap.max_send_wr == 0 ||
+        cap.max_send_wr > static_cast<uint32_t>(spec.max_qp_wr) ||
+        cap.max_recv_wr > static_cast<uint32_t>(spec.max_qp_wr) || cap.max_send_sge > 30 ||
+        cap.max_recv_sge > 30 || cap.max_inline_data > spec.max_inline_data) {
+      errno = EINVAL;
+      return nullptr;
+    }
+    auto* qp = new FakeQp;
+    qp->ctx = fake_pd->ctx;
+    qp->pd = fake_pd;
+    qp->send_cq = Cq(attr->send_cq);
+    qp->recv_cq = Cq(attr->recv_cq);
+    qp->cap = cap;  // granted exactly what was asked (hardware may grant more)
+    qp->sq_sig_all = attr->sq_sig_all != 0;
+    qp->qp.context = pd->context;
+    qp->qp.qp_context = attr->qp_context;
+    qp->qp.pd = pd;
+    qp->qp.send_cq = attr->send_cq;
+    qp->qp.recv_cq = attr->recv_cq;
+    qp->qp.qp_num = state_->next_qpn++;
+    qp->qp.state = IBV_QPS_RESET;
+    qp->qp.qp_type = IBV_QPT_RC;
+    ++fake_pd->users;
+    ++qp->send_cq->users;
+    ++qp->recv_cq->users;
+    fake_pd->ctx->nic->qps[qp->qp.qp_num] = qp;
+    fake_pd->ctx->qps.push_back(qp);
+    return &qp->qp;
+  }
+
+  int ModifyQp(ibv_qp* qp, ibv_qp_attr* attr, int mask) override {
+    absl::MutexLock lock(&state_->mu);
+    FakeQp* fake = Qp(qp);
+    if (!(mask & IBV_QP_STATE)) return EINVAL;
+    const ibv_qp_state from = fake->qp.state;
+    const ibv_qp_state to = attr->qp_state;
+    auto has = [mask](int needed) { return (mask & needed) == needed; };
+    if (to == IBV_QPS_ERR) {
+      state_->MoveToError(fake);
+      return 0;
+    }
+    if (to == IBV_QPS_RESET) {
+      fake->qp.state = IBV_QPS_RESET;
+      fake->recv_queue.clear();
+      fake->sq_used = 0;
+      fake->unsignalled_run = 0;
+      return 0;
+    }
+    if (to == IBV_QPS_INIT && (from == IBV_QPS_RESET || from == IBV_QPS_INIT)) {
+      if (from == IBV_QPS_RESET &&
+          !has(IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS)) {
+        return EINVAL;
+      }
+      if ((mask & IBV_QP_PORT) && attr->port_num != 1) return EINVAL;
+      if (mask & IBV_QP_ACCESS_FLAGS) fake->access = attr->qp_access_flags;
+      fake->qp.state = IBV_QPS_INIT;
+      return 0;
+    }
+    if (to == IBV_QPS_RTR && from == IBV_QPS_INIT) {
+      if (!has(IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+               IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER)) {
+        return EINVAL;
+      }
+      // RoCE: the address vector must be global with a valid source GID index.
+      if (!attr->ah_attr.is_global || attr->ah_attr.grh.sgid_index > 1 ||
+          attr->ah_attr.port_num != 1) {
+        return EINVAL;
+      }
+      if (attr->path_mtu > fake->ctx->nic->spec.active_mtu || attr->path_mtu < IBV_MTU_256) {
+        return EINVAL;
+      }
+      fake->path_mtu = attr->path_mtu;
+      fake->dest_qpn = attr->dest_qp_num;
+      fake->dest_gid = attr->ah_attr.grh.dgid;
+      fake->expected_recv_psn = attr->rq_psn & 0xFFFFFF;
+      fake->qp.state = IBV_QPS_RTR;
+      return 0;
+    }
+    if (to == IBV_QPS_RTS && from == IBV_QPS_RTR) {
+      if (!has(IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+               IBV_QP_MAX_QP_RD_ATOMIC)) {
+        return EINVAL;
+      }
+      if (attr->retry_cnt > 7 || attr->rnr_retry > 7 || attr->timeout > 31) return EINVAL;
+      fake->next_send_psn = attr->sq_psn & 0xFFFFFF;
+      fake->qp.state = IBV_QPS_RTS;
+      return 0;
+    }
+    return EINVAL;
+  }
+
+  int DestroyQp(ibv_qp* qp) override {
+    absl::MutexLock lock(&state_->mu);
+    FakeQp* fake = Qp(qp);
+    fake->ctx->nic->qps.erase(fake->qp.qp_num);
+    auto& list = fake->ctx->qps;
+    list.erase(std::find(list.begin(), list.end(), fake));
+    --fake->pd->users;
+    --fake->send_cq->users;
+    --fake->recv_cq->users;
+    delete fake;
+    return 0;
+  }
+
+  int PostSend(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad_wr) override {
+    absl::MutexLock lock(&state_->mu);
+    FakeQp* fake = Qp(qp);
+    for (; wr != nullptr; wr = wr->next) {
+      const ibv_qp_state state = fake->qp.state;
+      if (state != IBV_QPS_RTS && state != IBV_QPS_ERR) return Bad(bad_wr, wr, EINVAL);
+      if (wr->opcode != IBV_WR_RDMA_WRITE && wr->opcode != IBV_WR_RDMA_WRITE_WITH_IMM) {
+        return Bad(bad_wr, wr, EINVAL);  // the only opcodes the transport may use
+      }
+      if (wr->num_sge < 0 || static_cast<uint32_t>(wr->num_sge) > fake->cap.max_send_sge) {
+        return Bad(bad_wr, wr, EINVAL);
+      }
+      if (wr->send_flags & IBV_SEND_INLINE) {
+        size_t total = 0;
+        for (int i = 0; i < wr->num_sge; ++i) total += wr->sg_list[i].length;
+        if (total > fake->cap.max_inline_data) return Bad(bad_wr, wr, EINVAL);
+      }
+      if (fake->sq_used >= fake->cap.max_send_wr) return Bad(bad_wr, wr, ENOMEM);
+      ++fake->sq_used;
+      const bool signalled = fake->sq_sig_all || (wr->send_flags & IBV_SEND_SIGNALED);
+      if (state == IBV_QPS_ERR) {
+        state_->SendCqe(fake, wr->wr_id, IBV_WC_WR_FLUSH_ERR, true);
+        continue;
+      }
+      const ibv_wc_status status = state_->Execute(fake, *wr);
+      state_->SendCqe(fake, wr->wr_id, status, signalled);
+      if (status != IBV_WC_SUCCESS) state_->MoveToError(fake);
+    }
+    return 0;
+  }
+
+  int PostRecv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad_wr) override {
+    absl::MutexLock lock(&state_->mu);
+    FakeQp* fake = Qp(qp);
+    for (; wr != nullptr; wr = wr->next) {
+      if (fake->qp.state == IBV_QPS_RESET) return Bad(bad_wr, wr, EINVAL);
+      if (wr->num_sge < 0 || static_cast<uint32_t>(wr->num_sge) > fake->cap.max_recv_sge) {
+        return Bad(bad_wr, wr, EINVAL);
+      }
+      if (fake->recv_queue.size() >= fake->cap.max_recv_wr) return Bad(bad_wr, wr, ENOMEM);
+      fake->recv_queue.push_back(wr->wr_id);
+      if (fake->qp.state == IBV_QPS_ERR) state_->MoveToError(fake);
+    }
+    return 0;
+  }
+
+  int GetAsyncEvent(ibv_context* context, ibv_async_event* event) override {
+    absl::MutexLock lock(&state_->mu);
+    FakeContext* ctx = Ctx(context);
+    if (ctx->async_events.empty()) {
+      errno = EAGAIN;
+      return -1;
+    }
+    Unsignal(context->async_fd);
+    *event = ctx->async_events.front();
+    ctx->async_events.pop_front();
+    return 0;
+  }
+  void AckAsyncEvent(ibv_async_event*) override {}
+
+ private:
+  template <typename Wr>
+  static int Bad(Wr** bad_wr, Wr* wr, int err) {
+    if (bad_wr != nullptr) *bad_wr = wr;
+    return err;
+  }
+  FakeNic* Nic(ibv_device* device) {
+    for (FakeNic* nic : nics_) {
+      if (&nic->device == device) return nic;
+    }
+    return nullptr;
+  }
+  static FakeContext* Ctx(ibv_context* c) { return reinterpret_cast<FakeContext*>(c); }
+  static FakePd* Pd(ibv_pd* p) { return reinterpret_cast<FakePd*>(p); }
+  static FakeCq* Cq(ibv_cq* c) { return reinterpret_cast<FakeCq*>(c); }
+  static FakeQp* Qp(ibv_qp* q) { return reinterpret_cast<FakeQp*>(q); }
+
+  std::shared_ptr<State> state_;
+  std::vector<FakeNic*> nics_;
+};
+
+}  // namespace
+
+FakeFabric::FakeFabric() : state_(std::make_shared<State>()) {}
+FakeFabric::~FakeFabric() = default;
+
+std::shared_ptr<VerbsApi> FakeFabric::AddHost(const FakeNicSpec& spec) {
+  return AddHost(std::vector<FakeNicSpec>{spec});
+}
+
+std::shared_ptr<VerbsApi> FakeFabric::AddHost(const std::vector<FakeNicSpec>& specs) {
+  absl::MutexLock lock(&state_->mu);
+  std::vector<FakeNic*> nics;
+  for (const FakeNicSpec& spec : specs) {
+    auto nic = std::make_unique<FakeNic>();
+    nic->spec = spec;
+    std::snprintf(nic->device.name, sizeof(nic->device.name), "%s", spec.name.c_str());
+    nic->device.node_type = IBV_NODE_CA;
+    nic->device.transport_type = IBV_TRANSPORT_IB;
+    nic->gid_v1 = MakeGid(spec.ipv4, false);
+    nic->gid_v2 = MakeGid(spec.ipv4, true);
+    nics.push_back(nic.get());
+    state_->nics.push_back(std::move(nic));
+  }
+  return std::make_shared<FakeVerbs>(state_, std::move(nics));
+}
+
+void FakeFabric::FailNic(const std::string& name) {
+  absl::MutexLock lock(&state_->mu);
+  for (auto& nic : state_->nics) {
+    if (nic->spec.name != name) continue;
+    for (auto& [qpn, qp] : nic->qps) state_->MoveToError(qp);
+  }
+}
+
+FakeFabricStats FakeFabric::stats() const {
+  absl::MutexLock lock(&state_->mu);
+  return state_->stats;
+}
+
+}  // namespace stepmesh::testing
