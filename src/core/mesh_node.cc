@@ -49,9 +49,15 @@ absl::Status MeshNode::Start(const TransportFactory& factory) {
   recv_thread_ = StartNamedThread(absl::StrCat("sm-recv-", tag), recv_cores, [this] { RecvLoop(); });
   rendezvous_->StartMonitor({
       .on_peer_lost = [this](NodeId peer, absl::Status why) { HandlePeerLost(peer, why); },
-      .on_peer_joined = nullptr,
+      .on_peer_joined = [this](NodeId peer,
+                               const std::string& endpoint) { HandlePeerJoined(peer, endpoint); },
   });
   return absl::OkStatus();
+}
+
+void MeshNode::HandlePeerJoined(NodeId peer, const std::string& endpoint) {
+  STEPMESH_LOG(kWarning, RoleName(options_.role), " ", rank_, ": node 0x", absl::Hex(peer),
+               " rejoined at ", endpoint, "; this role does not reconnect to it");
 }
 
 void MeshNode::Stop() {
@@ -78,10 +84,34 @@ int MeshNode::PeerCount() const {
   return options_.role == Role::kWorker ? options_.num_servers : options_.num_workers;
 }
 
-absl::StatusOr<RegionId> MeshNode::RegisterRegion(RegionInfo info) {
-  info.id = next_region_.fetch_add(1);
-  STEPMESH_RETURN_IF_ERROR(transport_->RegisterRegion(info));
+absl::StatusOr<RegionId> MeshNode::RegisterTensor(uint64_t key, const TensorView& view,
+                                                  uint32_t num_slots, std::vector<NodeId> writers) {
+  if (view.data == nullptr || view.bytes() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot register an empty tensor (key ", key, ")"));
+  }
+  RegionInfo info;
+  info.key = key;
+  info.base = view.data;
+  info.slot_bytes = view.bytes() / num_slots;
+  info.num_slots = num_slots;
+  info.device = view.device;
+  info.remote_writable = !writers.empty();
+  info.slot_peers = std::move(writers);
+  absl::MutexLock lock(&regions_mu_);
+  STEPMESH_RETURN_IF_ERROR(regions_.Add(view.data, view.bytes(), info.remote_writable, key));
+  info.id = next_region_++;
+  if (absl::Status s = transport_->RegisterRegion(info); !s.ok()) {
+    regions_.Remove(view.data, key);
+    return s;
+  }
   return info.id;
+}
+
+absl::Status MeshNode::UnregisterTensor(RegionId id, const void* base, uint64_t key) {
+  absl::MutexLock lock(&regions_mu_);
+  STEPMESH_RETURN_IF_ERROR(transport_->UnregisterRegion(id));
+  regions_.Remove(base, key);
+  return absl::OkStatus();
 }
 
 absl::Status MeshNode::EnqueueSend(const SendItem& item) {

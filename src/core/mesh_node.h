@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "src/core/region_table.h"
 #include "src/core/rendezvous.h"
 #include "src/core/thread_util.h"
 #include "src/core/transport.h"
@@ -47,6 +48,9 @@ class MeshNode : public TransportSink {
   virtual void ExecuteSend(const SendItem& item, const absl::Status& ready) = 0;
   // A peer is gone. Called from the receive or the rendezvous thread, maybe twice.
   virtual void HandlePeerLost(NodeId peer, const absl::Status& why) = 0;
+  // A peer that was lost rejoined the mesh at `endpoint` (rendezvous thread).
+  // Default: ignored (the data plane stays without it).
+  virtual void HandlePeerJoined(NodeId peer, const std::string& endpoint);
   // Fails everything still pending (Stop() calls it after the threads ended).
   virtual void CancelAll(const absl::Status& why) = 0;
 
@@ -60,8 +64,12 @@ class MeshNode : public TransportSink {
   // knows the link is busy (receive thread only).
   void MarkActivity() { ++activity_; }
 
-  absl::StatusOr<RegionId> RegisterRegion(RegionInfo info);
-  absl::Status UnregisterRegion(RegionId id) { return transport_->UnregisterRegion(id); }
+  // Registers `view` with the transport as `num_slots` equal slots; `writers`
+  // (one per slot) may write remotely, none when empty. Refuses memory that
+  // aliases another registration if either side receives remote writes.
+  absl::StatusOr<RegionId> RegisterTensor(uint64_t key, const TensorView& view, uint32_t num_slots,
+                                          std::vector<NodeId> writers);
+  absl::Status UnregisterTensor(RegionId id, const void* base, uint64_t key);
 
   NodeId PeerId(int rank) const;  // a node of the other role
   int PeerCount() const;
@@ -83,7 +91,9 @@ class MeshNode : public TransportSink {
   bool started_ = false;
   std::thread send_thread_;
   std::thread recv_thread_;
-  std::atomic<RegionId> next_region_{1};
+  absl::Mutex regions_mu_;
+  RegionTable regions_ ABSL_GUARDED_BY(regions_mu_);
+  RegionId next_region_ ABSL_GUARDED_BY(regions_mu_) = 1;
 
   absl::Mutex queue_mu_;
   absl::CondVar queue_cv_;

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "src/core/auth.h"
 #include "src/core/logging.h"
 #include "src/core/thread_util.h"
 #include "stepmesh/status.h"
@@ -18,6 +19,9 @@ absl::StatusOr<std::unique_ptr<RendezvousClient>> RendezvousClient::Join(
                                                options.scheduler, ": ", fd.status().message()));
   }
   std::unique_ptr<RendezvousClient> client(new RendezvousClient(*std::move(fd), options.timeout));
+  if (!options.auth_token.empty()) {
+    STEPMESH_RETURN_IF_ERROR(client->Authenticate(options.auth_token, deadline));
+  }
 
   ControlMessage join;
   join.type = ControlType::kJoin;
@@ -51,6 +55,43 @@ absl::StatusOr<std::unique_ptr<RendezvousClient>> RendezvousClient::Join(
     client->roster_ = std::move(reply->roster);
     return client;
   }
+}
+
+absl::Status RendezvousClient::Authenticate(const std::string& secret, absl::Time deadline) {
+  // Mutual: the scheduler proves the secret first, so a participant never
+  // joins (and reveals its endpoint to) an impostor scheduler.
+  STEPMESH_ASSIGN_OR_RETURN(AuthNonce ours, RandomNonce());
+  ControlMessage challenge;
+  challenge.type = ControlType::kChallenge;
+  challenge.text = std::string(AsText(ours));
+  STEPMESH_RETURN_IF_ERROR(SendControl(fd_.get(), challenge, deadline));
+  auto expect = [&](ControlType type) -> absl::StatusOr<ControlMessage> {
+    STEPMESH_ASSIGN_OR_RETURN(ControlMessage m, ReceiveControl(fd_.get(), deadline));
+    if (m.type == ControlType::kReject) {
+      return absl::PermissionDeniedError(absl::StrCat("scheduler refused: ", m.text));
+    }
+    if (m.type != type) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          "scheduler did not authenticate (sent message ", static_cast<int>(m.type), ")"));
+    }
+    return m;
+  };
+  STEPMESH_ASSIGN_OR_RETURN(ControlMessage theirs, expect(ControlType::kChallenge));
+  AuthNonce scheduler_nonce;
+  if (!NonceFromText(theirs.text, &scheduler_nonce)) {
+    return absl::PermissionDeniedError("scheduler sent a malformed challenge");
+  }
+  STEPMESH_ASSIGN_OR_RETURN(ControlMessage proof, expect(ControlType::kProof));
+  if (!CheckAuthProof(secret, AuthSide::kAcceptor, "control", ours, scheduler_nonce,
+                      proof.text)) {
+    STEPMESH_LOG(kWarning, "the scheduler failed authentication (wrong auth token?)");
+    return absl::PermissionDeniedError("the scheduler failed authentication (wrong auth token?)");
+  }
+  ControlMessage answer;
+  answer.type = ControlType::kProof;
+  answer.text = std::string(AsText(AuthProof(secret, AuthSide::kDialer, "control", ours,
+                                             scheduler_nonce)));
+  return SendControl(fd_.get(), answer, deadline);
 }
 
 RendezvousClient::~RendezvousClient() {

@@ -44,6 +44,8 @@ class RendezvousClient {
  private:
   RendezvousClient(UniqueFd fd, absl::Duration timeout) : fd_(std::move(fd)), timeout_(timeout) {}
   void MonitorLoop();
+  // Challenge-response with the scheduler (options.auth_token set).
+  absl::Status Authenticate(const std::string& secret, absl::Time deadline);
   absl::Status Send(const ControlMessage& message);
 
   UniqueFd fd_;

@@ -13,6 +13,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
+#include "src/core/auth.h"
 #include "src/core/control_message.h"
 #include "src/core/logging.h"
 #include "src/core/net.h"
@@ -37,6 +38,20 @@ struct Member {
   absl::Time last_heard;
   bool live() const { return joined && !left && !lost; }
 };
+
+// A connection accepted but not yet joined. With an auth token it must first
+// complete the challenge-response (kChallenge, then kProof) before kJoin.
+struct Pending {
+  enum class Stage { kHello, kProof, kJoin };
+  UniqueFd fd;
+  Stage stage = Stage::kHello;
+  core::AuthNonce dialer_nonce{};
+  core::AuthNonce acceptor_nonce{};
+  absl::Time deadline;  // dropped when it has not joined by then (no fd hoarding)
+};
+
+// The context string both ends put into control-connection proofs.
+constexpr char kControlAuthContext[] = "control";
 
 class SchedulerImpl final : public Scheduler {
  public:
@@ -184,6 +199,15 @@ class SchedulerImpl final : public Scheduler {
     member.last_heard = absl::Now();
     switch (m.type) {
       case ControlType::kBarrier:
+        if (m.sequence <= released_) {
+          // A rejoined process counts its barriers from 1 again: ones the mesh
+          // already passed are released at once instead of never.
+          ControlMessage release;
+          release.type = ControlType::kRelease;
+          release.sequence = m.sequence;
+          Send(node, release);
+          break;
+        }
         member.barrier = m.sequence;
         MaybeReleaseBarrier();
         break;
@@ -216,8 +240,83 @@ class SchedulerImpl final : public Scheduler {
     });
   }
 
+  // Refuses a connection before it joined: tells it why, logs, closes.
+  void Refuse(UniqueFd fd, const std::string& reason) {
+    ControlMessage m;
+    m.type = ControlType::kReject;
+    m.text = reason;
+    (void)core::SendControl(fd.get(), m, absl::Now() + absl::Seconds(1));
+    STEPMESH_LOG(kWarning, "scheduler: refused a connection: ", reason);
+  }
+
+  // One step of a not-yet-joined connection; false when it is finished (joined,
+  // refused or dropped), true when it stays pending.
+  bool Advance(Pending& p, absl::Time deadline) {
+    absl::StatusOr<ControlMessage> m = core::ReceiveControl(p.fd.get(), deadline);
+    if (!m.ok()) {
+      STEPMESH_LOG(kInfo, "scheduler: dropped a connection before join: ", m.status().ToString());
+      return false;
+    }
+    const bool need_auth = !options_.auth_token.empty();
+    switch (p.stage) {
+      case Pending::Stage::kHello:
+        if (m->type == ControlType::kChallenge) {
+          if (!need_auth) {
+            Refuse(std::move(p.fd), "this scheduler has no auth token; the participant has one");
+            return false;
+          }
+          absl::StatusOr<core::AuthNonce> nonce = core::RandomNonce();
+          if (!core::NonceFromText(m->text, &p.dialer_nonce) || !nonce.ok()) {
+            Refuse(std::move(p.fd), "malformed authentication challenge");
+            return false;
+          }
+          p.acceptor_nonce = *nonce;
+          ControlMessage challenge;
+          challenge.type = ControlType::kChallenge;
+          challenge.text = std::string(core::AsText(p.acceptor_nonce));
+          ControlMessage proof;
+          proof.type = ControlType::kProof;
+          proof.text = std::string(core::AsText(
+              core::AuthProof(options_.auth_token, core::AuthSide::kAcceptor,
+                              kControlAuthContext, p.dialer_nonce, p.acceptor_nonce)));
+          if (!core::SendControl(p.fd.get(), challenge, deadline).ok() ||
+              !core::SendControl(p.fd.get(), proof, deadline).ok()) {
+            return false;
+          }
+          p.stage = Pending::Stage::kProof;
+          return true;
+        }
+        if (m->type == ControlType::kJoin && !need_auth) {
+          HandleJoin(std::move(p.fd), *m);
+          return false;
+        }
+        Refuse(std::move(p.fd), m->type == ControlType::kJoin
+                                    ? "authentication required (set STEPMESH_AUTH_TOKEN)"
+                                    : "expected a join");
+        return false;
+      case Pending::Stage::kProof:
+        if (m->type != ControlType::kProof ||
+            !core::CheckAuthProof(options_.auth_token, core::AuthSide::kDialer,
+                                  kControlAuthContext, p.dialer_nonce, p.acceptor_nonce,
+                                  m->text)) {
+          Refuse(std::move(p.fd), "authentication failed (wrong auth token?)");
+          return false;
+        }
+        p.stage = Pending::Stage::kJoin;
+        return true;
+      case Pending::Stage::kJoin:
+        if (m->type != ControlType::kJoin) {
+          Refuse(std::move(p.fd), "expected a join after authenticating");
+          return false;
+        }
+        HandleJoin(std::move(p.fd), *m);
+        return false;
+    }
+    return false;
+  }
+
   void Run() {
-    std::vector<UniqueFd> pending;  // accepted, not yet joined
+    std::vector<Pending> pending;  // accepted, not yet joined
     std::vector<pollfd> fds;
     std::vector<NodeId> owners;  // parallel to fds: kNoNode for listener/pending
     while (!stop_.load()) {
@@ -225,8 +324,8 @@ class SchedulerImpl final : public Scheduler {
       owners.clear();
       fds.push_back({listener_.get(), POLLIN, 0});
       owners.push_back(core::kNoNode);
-      for (const UniqueFd& p : pending) {
-        fds.push_back({p.get(), POLLIN, 0});
+      for (const Pending& p : pending) {
+        fds.push_back({p.fd.get(), POLLIN, 0});
         owners.push_back(core::kNoNode);
       }
       ForEachMember([&](NodeId n, Member& o) {
@@ -238,26 +337,30 @@ class SchedulerImpl final : public Scheduler {
       const int ready = ::poll(fds.data(), fds.size(), 50);
       if (ready > 0) {
         const size_t num_pending = pending.size();
-        std::vector<UniqueFd> still_pending;
+        std::vector<Pending> still_pending;
         if (fds[0].revents & POLLIN) {
           absl::StatusOr<UniqueFd> fd = core::AcceptTcp(listener_.get(), absl::Now());
-          if (fd.ok()) still_pending.push_back(*std::move(fd));
+          if (fd.ok()) {
+            Pending p;
+            p.fd = *std::move(fd);
+            p.deadline = absl::Now() + options_.timeout;
+            still_pending.push_back(std::move(p));
+          }
         }
         for (size_t i = 1; i < fds.size(); ++i) {
           if (fds[i].revents == 0) {
-            if (i <= num_pending) still_pending.push_back(std::move(pending[i - 1]));
+            if (i <= num_pending && absl::Now() < pending[i - 1].deadline) {
+              still_pending.push_back(std::move(pending[i - 1]));
+            } else if (i <= num_pending) {
+              STEPMESH_LOG(kWarning, "scheduler: dropped a connection that did not join in ",
+                           absl::FormatDuration(options_.timeout));
+            }
             continue;
           }
           const absl::Time deadline = absl::Now() + absl::Seconds(1);
           if (i <= num_pending) {
-            UniqueFd fd = std::move(pending[i - 1]);
-            absl::StatusOr<ControlMessage> m = core::ReceiveControl(fd.get(), deadline);
-            if (m.ok() && m->type == ControlType::kJoin) {
-              HandleJoin(std::move(fd), *m);
-            } else if (!m.ok()) {
-              STEPMESH_LOG(kInfo, "scheduler: dropped a connection before join: ",
-                           m.status().ToString());
-            }
+            Pending p = std::move(pending[i - 1]);
+            if (Advance(p, deadline)) still_pending.push_back(std::move(p));
             continue;
           }
           const NodeId node = owners[i];

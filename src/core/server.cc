@@ -117,21 +117,13 @@ class Server final : public AFTensorServer, public MeshNode {
   Backend& backend() override { return *backend_; }
 
   absl::Status RegisterRecvTensor(Key key, TensorView region) override {
-    STEPMESH_ASSIGN_OR_RETURN(size_t slot_bytes, SlotBytes(region, "receive"));
     absl::MutexLock lock(&reg_mu_);
-    STEPMESH_RETURN_IF_ERROR(CheckCapacity());
-    if (recv_regs_.contains(key)) {
-      return absl::AlreadyExistsError(absl::StrCat("receive key ", key, " already registered"));
-    }
-    RegionInfo info;
-    info.key = key;
-    info.base = region.data;
-    info.slot_bytes = slot_bytes;
-    info.num_slots = static_cast<uint32_t>(options_.num_workers);
-    info.device = region.device;
-    info.remote_writable = true;
-    for (int w = 0; w < options_.num_workers; ++w) info.slot_peers.push_back(PeerId(w));
-    STEPMESH_ASSIGN_OR_RETURN(RegionId id, RegisterRegion(info));
+    STEPMESH_RETURN_IF_ERROR(CheckNewKey(key, recv_regs_.contains(key), "receive"));
+    STEPMESH_ASSIGN_OR_RETURN(size_t slot_bytes, SlotBytes(region, "receive"));
+    std::vector<NodeId> writers;
+    for (int w = 0; w < options_.num_workers; ++w) writers.push_back(PeerId(w));
+    STEPMESH_ASSIGN_OR_RETURN(RegionId id,
+                              RegisterTensor(key, region, options_.num_workers, std::move(writers)));
     auto reg = std::make_unique<RecvRegistration>();
     reg->view = region;
     reg->region = id;
@@ -143,20 +135,12 @@ class Server final : public AFTensorServer, public MeshNode {
   }
 
   absl::Status RegisterReplyTensor(Key key, TensorView region) override {
-    STEPMESH_ASSIGN_OR_RETURN(size_t slot_bytes, SlotBytes(region, "reply"));
     absl::MutexLock lock(&reg_mu_);
-    STEPMESH_RETURN_IF_ERROR(CheckCapacity());
-    if (reply_regs_.contains(key)) {
-      return absl::AlreadyExistsError(absl::StrCat("reply key ", key, " already registered"));
-    }
-    RegionInfo info;
-    info.key = key;
-    info.base = region.data;
-    info.slot_bytes = slot_bytes;
-    info.num_slots = static_cast<uint32_t>(options_.num_workers);
-    info.device = region.device;
-    STEPMESH_ASSIGN_OR_RETURN(RegionId id, RegisterRegion(info));
-    reply_regs_[key] = std::make_unique<ReplyRegistration>(ReplyRegistration{region, id, slot_bytes});
+    STEPMESH_RETURN_IF_ERROR(CheckNewKey(key, reply_regs_.contains(key), "reply"));
+    STEPMESH_ASSIGN_OR_RETURN(size_t slot_bytes, SlotBytes(region, "reply"));
+    STEPMESH_ASSIGN_OR_RETURN(RegionId id, RegisterTensor(key, region, options_.num_workers, {}));
+    reply_regs_[key] =
+        std::make_unique<ReplyRegistration>(ReplyRegistration{region, id, slot_bytes});
     return absl::OkStatus();
   }
 
@@ -190,11 +174,13 @@ class Server final : public AFTensorServer, public MeshNode {
       }
     }
     if (recv != recv_regs_.end()) {
-      STEPMESH_RETURN_IF_ERROR(UnregisterRegion(recv->second->region));
+      STEPMESH_RETURN_IF_ERROR(
+          UnregisterTensor(recv->second->region, recv->second->view.data, key));
       recv_regs_.erase(recv);
     }
     if (reply != reply_regs_.end()) {
-      STEPMESH_RETURN_IF_ERROR(UnregisterRegion(reply->second->region));
+      STEPMESH_RETURN_IF_ERROR(
+          UnregisterTensor(reply->second->region, reply->second->view.data, key));
       reply_regs_.erase(reply);
     }
     return absl::OkStatus();
@@ -203,8 +189,13 @@ class Server final : public AFTensorServer, public MeshNode {
   absl::StatusOr<Batch> GetBatch(absl::Duration timeout, BatchPolicy policy) override {
     if (stopped()) return absl::FailedPreconditionError("server is shut down");
     const absl::Time deadline = absl::Now() + timeout;
-    AwaitUntil([this] { return ready_count_.load(std::memory_order_acquire) > 0 || stopped(); },
-               deadline);
+    // Also wakes when the last worker is gone: nothing can arrive any more.
+    AwaitUntil(
+        [this] {
+          return ready_count_.load(std::memory_order_acquire) > 0 || stopped() ||
+                 live_workers() == 0;
+        },
+        deadline);
     absl::MutexLock lock(&batch_mu_);
     uint32_t index;
     if (!ready_.empty()) {
@@ -609,7 +600,11 @@ class Server final : public AFTensorServer, public MeshNode {
     return region.bytes() / options_.num_workers;
   }
 
-  absl::Status CheckCapacity() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(reg_mu_) {
+  absl::Status CheckNewKey(Key key, bool exists, absl::string_view what) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(reg_mu_) {
+    if (exists) {
+      return absl::AlreadyExistsError(absl::StrCat(what, " key ", key, " already registered"));
+    }
     if (recv_regs_.size() + reply_regs_.size() >= static_cast<size_t>(options_.max_registrations)) {
       return absl::ResourceExhaustedError(
           absl::StrCat("registration limit ", options_.max_registrations, " reached"));

@@ -88,24 +88,17 @@ class Worker final : public AFTensorWorker, public MeshNode {
   Backend& backend() override { return *backend_; }
 
   absl::Status RegisterPushTensor(Key key, TensorView tensor) override {
-    STEPMESH_RETURN_IF_ERROR(CheckTensor(tensor));
     absl::MutexLock lock(&reg_mu_);
     STEPMESH_RETURN_IF_ERROR(CheckCapacity());
     if (push_regs_.contains(key)) {
       return absl::AlreadyExistsError(absl::StrCat("push key ", key, " already registered"));
     }
-    RegionInfo info;
-    info.key = key;
-    info.base = tensor.data;
-    info.slot_bytes = tensor.bytes();
-    info.device = tensor.device;
-    STEPMESH_ASSIGN_OR_RETURN(RegionId region, RegisterRegion(info));
+    STEPMESH_ASSIGN_OR_RETURN(RegionId region, RegisterTensor(key, tensor, 1, {}));
     push_regs_[key] = std::make_unique<Registration>(Registration{tensor, region, false});
     return absl::OkStatus();
   }
 
   absl::Status RegisterPullTensor(Key key, int server, TensorView tensor) override {
-    STEPMESH_RETURN_IF_ERROR(CheckTensor(tensor));
     if (server < 0 || server >= options_.num_servers) {
       return absl::InvalidArgumentError(absl::StrCat("server ", server, " out of range [0, ",
                                                      options_.num_servers, ")"));
@@ -116,14 +109,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
       return absl::AlreadyExistsError(
           absl::StrCat("pull key ", key, " from server ", server, " already registered"));
     }
-    RegionInfo info;
-    info.key = key;
-    info.base = tensor.data;
-    info.slot_bytes = tensor.bytes();
-    info.device = tensor.device;
-    info.remote_writable = true;
-    info.slot_peers = {PeerId(server)};
-    STEPMESH_ASSIGN_OR_RETURN(RegionId region, RegisterRegion(info));
+    STEPMESH_ASSIGN_OR_RETURN(RegionId region, RegisterTensor(key, tensor, 1, {PeerId(server)}));
     pull_regs_[{key, server}] = std::make_unique<Registration>(Registration{tensor, region, false});
     return absl::OkStatus();
   }
@@ -144,11 +130,13 @@ class Worker final : public AFTensorWorker, public MeshNode {
       return absl::NotFoundError(absl::StrCat("key ", key, " is not registered"));
     }
     if (push != push_regs_.end()) {
-      STEPMESH_RETURN_IF_ERROR(UnregisterRegion(push->second->region));
+      STEPMESH_RETURN_IF_ERROR(
+          UnregisterTensor(push->second->region, push->second->view.data, key));
       push_regs_.erase(push);
     }
     for (const auto& id : pulls) {
-      STEPMESH_RETURN_IF_ERROR(UnregisterRegion(pull_regs_[id]->region));
+      const Registration& reg = *pull_regs_[id];
+      STEPMESH_RETURN_IF_ERROR(UnregisterTensor(reg.region, reg.view.data, key));
       pull_regs_.erase(id);
     }
     return absl::OkStatus();
@@ -456,6 +444,27 @@ class Worker final : public AFTensorWorker, public MeshNode {
     }
   }
 
+  // A restarted server rejoined: dial it again and let requests address it.
+  // Requests that were in flight when it was lost already failed (UNAVAILABLE);
+  // the new process starts empty, so its registrations are the app's to redo.
+  void HandlePeerJoined(NodeId peer, const std::string& endpoint) override {
+    if (NodeRole(peer) != 2 || stopped()) return;
+    const int s = static_cast<int>(NodeRank(peer));
+    if (s >= options_.num_servers) return;
+    // A server that never looked lost to this worker (its connection is still
+    // open) is still superseded: the old connection belongs to a dead process.
+    HandlePeerLost(peer, absl::UnavailableError("server restarted"));
+    absl::Status connected =
+        transport_->Connect(self_, {PeerInfo{peer, endpoint}}, absl::Now() + options_.timeout);
+    if (!connected.ok()) {
+      STEPMESH_LOG(kWarning, "worker ", rank_, ": cannot reconnect to rejoined server ", s, ": ",
+                   connected.ToString());
+      return;
+    }
+    lost_servers_[s].store(false, std::memory_order_release);
+    STEPMESH_LOG(kInfo, "worker ", rank_, ": server ", s, " rejoined at ", endpoint);
+  }
+
   void CancelAll(const absl::Status& why) override {
     // Threads are stopped: nothing else touches the requests now.
     for (auto& r : requests_) {
@@ -542,13 +551,6 @@ class Worker final : public AFTensorWorker, public MeshNode {
     }
     if (state == RequestState::kFree) return absl::InvalidArgumentError("invalid request handle");
     return r;
-  }
-
-  absl::Status CheckTensor(const TensorView& tensor) const {
-    if (tensor.data == nullptr || tensor.bytes() == 0) {
-      return absl::InvalidArgumentError("cannot register an empty tensor");
-    }
-    return absl::OkStatus();
   }
 
   absl::Status CheckCapacity() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(reg_mu_) {

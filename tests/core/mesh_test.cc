@@ -116,9 +116,20 @@ TEST_CASE("bad input gets a clear status and leaves other traffic intact", "[mes
     CHECK(absl::IsInvalidArgument(mesh.worker->RegisterPushTensor(5, {nullptr, DType::kUInt8, Shape{4}})));
     CHECK(absl::IsInvalidArgument(mesh.worker->RegisterPullTensor(6, 3, push_view)));
     CHECK(absl::IsNotFound(mesh.worker->Unregister(77)));
-    // Server regions must split into equal per-worker slots.
-    OneByOne two_workers_not_needed;  // separate mesh: the check is local
-    (void)two_workers_not_needed;
+    // Pull tensors receive remote writes: they may not alias anything registered.
+    CHECK(absl::IsInvalidArgument(
+        mesh.worker->RegisterPullTensor(8, 0, BytesView(push.data() + 16, 32))));
+    CHECK(absl::IsInvalidArgument(
+        mesh.worker->RegisterPushTensor(9, BytesView(pull.data() + 8, 8))));
+    // Two push tensors may share memory: both are only read.
+    CHECK(mesh.worker->RegisterPushTensor(10, BytesView(push.data(), 16)).ok());
+    CHECK(absl::IsInvalidArgument(
+        mesh.server->RegisterRecvTensor(11, BytesView(recv.data() + 100, 10))));
+    CHECK(absl::IsInvalidArgument(
+        mesh.server->RegisterReplyTensor(12, BytesView(recv.data(), 10))));
+    // Unregistering frees the range for reuse.
+    REQUIRE(mesh.worker->Unregister(10).ok());
+    CHECK(absl::IsNotFound(mesh.worker->Unregister(10)));
   }
   SECTION("unregistered key") {
     const Push p{99};
@@ -202,6 +213,33 @@ TEST_CASE("bad input gets a clear status and leaves other traffic intact", "[mes
     REQUIRE(mesh.worker->Wait(*h, absl::Seconds(5)).ok());
     round_trip();
   }
+}
+
+TEST_CASE("server regions must split into one equal slot per worker", "[mesh][bad-input]") {
+  MeshOptions o = TcpOptions();
+  o.num_workers = 2;
+  o.num_servers = 1;
+  o.scheduler = "127.0.0.1:0";
+  auto scheduler = *Scheduler::Start(o);
+  o.scheduler = scheduler->address();
+  auto make_worker = [o](int rank) {
+    MeshOptions wo = o;
+    wo.role = Role::kWorker;
+    wo.rank = rank;
+    return AFTensorWorker::Create(wo);
+  };
+  auto w0 = std::async(std::launch::async, make_worker, 0);
+  auto w1 = std::async(std::launch::async, make_worker, 1);
+  MeshOptions so = o;
+  so.role = Role::kServer;
+  auto server = AFTensorServer::Create(so);
+  REQUIRE(server.ok());
+  REQUIRE(w0.get().ok());
+  REQUIRE(w1.get().ok());
+  std::vector<uint8_t> region(4 * 64);
+  CHECK(absl::IsInvalidArgument(
+      (*server)->RegisterRecvTensor(1, {region.data(), DType::kUInt8, Shape{3, 64}})));
+  CHECK((*server)->RegisterRecvTensor(1, {region.data(), DType::kUInt8, Shape{4, 64}}).ok());
 }
 
 TEST_CASE("traces carry stamps in causal order", "[mesh][trace]") {

@@ -1,9 +1,12 @@
 // Logic tests of the CUDA backend over FakeCudaApi: no GPU, no driver. Every
 // test ends by checking the fake saw no call a real driver would reject.
 
+#include "src/backends/cuda/cuda_backend.h"
+
 #include <unistd.h>
 
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -12,11 +15,8 @@
 #include <string>
 #include <thread>
 
-#include <catch2/catch.hpp>
-
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "src/backends/cuda/cuda_backend.h"
 #include "src/backends/cuda/cuda_status.h"
 #include "stepmesh/backend.h"
 #include "tests/cuda/fake_cuda_api.h"
@@ -188,9 +188,8 @@ TEST_CASE("cuda: cudaError and CUresult map to canonical status codes", "[cuda]"
   CHECK(cuda::CudaStatus(fake, cudaSuccess, "x").ok());
   const absl::Status status = cuda::CudaStatus(fake, cudaErrorIllegalAddress, "cudaEventQuery");
   CHECK(status.code() == StatusCode::kInternal);
-  CHECK(status.message() ==
-        absl::StrCat("cudaEventQuery: cudaErrorIllegalAddress (700): ",
-                     cudaGetErrorString(cudaErrorIllegalAddress)));
+  CHECK(status.message() == absl::StrCat("cudaEventQuery: cudaErrorIllegalAddress (700): ",
+                                         cudaGetErrorString(cudaErrorIllegalAddress)));
   const absl::Status driver = cuda::CuResultStatus(fake, CUDA_ERROR_NOT_SUPPORTED, "memop");
   CHECK(driver.message() == "memop: CUDA_ERROR_NOT_SUPPORTED (801)");
   CHECK(cuda::CudaErrorFromStatus(absl::InternalError("plain")) == -1);
@@ -357,7 +356,8 @@ TEST_CASE("cuda: events and flags reject objects of another backend", "[cuda]") 
   CHECK(NativeCudaStream(*mock_stream).status().code() == absl::StatusCode::kInvalidArgument);
 }
 
-TEST_CASE("cuda: a failed record reports the CUDA error and leaves the event unrecorded", "[cuda]") {
+TEST_CASE("cuda: a failed record reports the CUDA error and leaves the event unrecorded",
+          "[cuda]") {
   Fixture f(1, Options(ReadyEventMode::kCopyEngineFlag));
   auto stream = f.NewStream();
   auto event = *f.backend->CreateEvent();
@@ -388,8 +388,7 @@ std::vector<std::string> CheckWaitOrdering(Fixture& f) {
   flag->Store(4);
   f.fake->RunAll();
   CHECK(*static_cast<uint64_t*>(host->data()) == 0);
-  CHECK(stream->Synchronize(absl::Milliseconds(5)).code() ==
-        absl::StatusCode::kDeadlineExceeded);
+  CHECK(stream->Synchronize(absl::Milliseconds(5)).code() == absl::StatusCode::kDeadlineExceeded);
   flag->Store(5);
   f.fake->RunAll();
   CHECK(*static_cast<uint64_t*>(host->data()) == payload);
@@ -589,8 +588,8 @@ TEST_CASE("cuda: Locate reports device, lower-case PCI id and sysfs NUMA node", 
 
   auto pinned = *f.backend->Allocate(64, MemoryKind::kHostPinned);
   int on_stack = 0;
-  for (const void* host : {static_cast<const void*>(pinned->data()),
-                           static_cast<const void*>(&on_stack)}) {
+  for (const void* host :
+       {static_cast<const void*>(pinned->data()), static_cast<const void*>(&on_stack)}) {
     auto where = f.backend->Locate(host);
     REQUIRE(where.ok());
     CHECK(where->device == Device::Cpu());

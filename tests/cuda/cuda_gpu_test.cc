@@ -6,12 +6,11 @@
 // another thread) releases, which also exercises the wait paths themselves.
 
 #define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
-
 #include <cuda_runtime_api.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <cstdio>
 #include <cstring>
 #include <numeric>

@@ -107,7 +107,8 @@ class FakeCudaApi final : public CudaApi {
   int RunAll() {
     std::lock_guard<std::recursive_mutex> lock(mu_);
     int ran = 0;
-    for (auto& [handle, stream] : streams_) ran += RunStream(reinterpret_cast<cudaStream_t>(handle));
+    for (auto& [handle, stream] : streams_)
+      ran += RunStream(reinterpret_cast<cudaStream_t>(handle));
     return ran;
   }
   size_t Pending(cudaStream_t stream) {
@@ -193,7 +194,8 @@ class FakeCudaApi final : public CudaApi {
   cudaError_t SetDevice(int device) override {
     Lock lock(this, "cudaSetDevice");
     if (cudaError_t e = lock.injected()) return e;
-    if (device < 0 || device >= device_count_) return Violation(cudaErrorInvalidDevice, "SetDevice");
+    if (device < 0 || device >= device_count_)
+      return Violation(cudaErrorInvalidDevice, "SetDevice");
     current_[std::this_thread::get_id()] = device;
     return cudaSuccess;
   }
@@ -388,13 +390,11 @@ class FakeCudaApi final : public CudaApi {
     if (cudaError_t e = lock.injected()) return e;
     if (cudaError_t e = CheckLaunch(stream, flag, "wait kernel")) return e;
     auto* word = static_cast<uint32_t*>(Resolve(const_cast<uint32_t*>(flag)));
-    LiveStream(stream)->ops.push_back({"wait_kernel", [word, value] {
-                                         return static_cast<int32_t>(Load(word) - value) >= 0;
-                                       }});
+    LiveStream(stream)->ops.push_back(
+        {"wait_kernel", [word, value] { return static_cast<int32_t>(Load(word) - value) >= 0; }});
     return cudaSuccess;
   }
-  cudaError_t LaunchSignalFlagKernel(cudaStream_t stream, uint32_t* flag,
-                                     uint32_t value) override {
+  cudaError_t LaunchSignalFlagKernel(cudaStream_t stream, uint32_t* flag, uint32_t value) override {
     Lock lock(this, "signal_kernel");
     if (cudaError_t e = lock.injected()) return e;
     if (cudaError_t e = CheckLaunch(stream, flag, "signal kernel")) return e;
@@ -418,9 +418,8 @@ class FakeCudaApi final : public CudaApi {
     memops_.push_back({"wait", static_cast<uintptr_t>(addr), value, flags});
     auto* word = static_cast<uint32_t*>(Resolve(reinterpret_cast<void*>(addr)));
     LiveStream(reinterpret_cast<cudaStream_t>(stream))
-        ->ops.push_back({"wait_value", [word, value] {
-                           return static_cast<int32_t>(Load(word) - value) >= 0;
-                         }});
+        ->ops.push_back({"wait_value",
+                         [word, value] { return static_cast<int32_t>(Load(word) - value) >= 0; }});
     return CUDA_SUCCESS;
   }
   CUresult StreamWriteValue32(CUstream stream, CUdeviceptr addr, uint32_t value,
@@ -449,7 +448,8 @@ class FakeCudaApi final : public CudaApi {
     if (type != CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD || flags != 0 || address % kPage != 0 ||
         bytes % kPage != 0 || bytes == 0 || a == nullptr || a->device < 0 ||
         Find(address + bytes - 1) != a) {
-      Violation(cudaErrorInvalidValue, "dma-buf range not page aligned / not one device allocation");
+      Violation(cudaErrorInvalidValue,
+                "dma-buf range not page aligned / not one device allocation");
       return CUDA_ERROR_INVALID_VALUE;
     }
     exported_.push_back({address, bytes});
@@ -561,7 +561,8 @@ class FakeCudaApi final : public CudaApi {
 
   cudaError_t CheckLaunch(cudaStream_t stream, const void* flag, const char* what) {
     FakeStream* s = LiveStream(stream);
-    if (s == nullptr) return Violation(cudaErrorInvalidResourceHandle, std::string(what) + " stream");
+    if (s == nullptr)
+      return Violation(cudaErrorInvalidResourceHandle, std::string(what) + " stream");
     if (current_[std::this_thread::get_id()] != s->device) {
       return Violation(cudaErrorInvalidResourceHandle,
                        std::string(what) + " launched with another device current");
@@ -581,7 +582,8 @@ class FakeCudaApi final : public CudaApi {
       return CUDA_ERROR_INVALID_HANDLE;
     }
     if (s->capturing) {
-      Violation(cudaErrorStreamCaptureUnsupported, std::string("memop ") + what + " while capturing");
+      Violation(cudaErrorStreamCaptureUnsupported,
+                std::string("memop ") + what + " while capturing");
       return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     }
     if (flags != 0) {  // GEQ for waits, DEFAULT for writes

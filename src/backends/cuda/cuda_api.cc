@@ -4,9 +4,10 @@
 // version pins the ABI we were compiled against; a newer driver still hands
 // back that version of the function.
 
+#include "src/backends/cuda/cuda_api.h"
+
 #include <mutex>
 
-#include "src/backends/cuda/cuda_api.h"
 #include "src/backends/cuda/flag_kernels.h"
 
 namespace stepmesh::cuda {
@@ -54,8 +55,7 @@ class RuntimeCudaApi final : public CudaApi {
     return cudaHostAlloc(ptr, bytes, flags);
   }
   cudaError_t FreeHost(void* ptr) override { return cudaFreeHost(ptr); }
-  cudaError_t HostGetDevicePointer(void** device_ptr, void* host_ptr,
-                                   unsigned int flags) override {
+  cudaError_t HostGetDevicePointer(void** device_ptr, void* host_ptr, unsigned int flags) override {
     return cudaHostGetDevicePointer(device_ptr, host_ptr, flags);
   }
   cudaError_t PointerGetAttributes(cudaPointerAttributes* attributes, const void* ptr) override {
@@ -96,8 +96,7 @@ class RuntimeCudaApi final : public CudaApi {
                                    uint32_t value) override {
     return cuda::LaunchWaitFlagKernel(stream, flag, value);
   }
-  cudaError_t LaunchSignalFlagKernel(cudaStream_t stream, uint32_t* flag,
-                                     uint32_t value) override {
+  cudaError_t LaunchSignalFlagKernel(cudaStream_t stream, uint32_t* flag, uint32_t value) override {
     return cuda::LaunchSignalFlagKernel(stream, flag, value);
   }
 

@@ -10,12 +10,12 @@
 // Methods mirror the CUDA calls one to one (same arguments, same error codes);
 // the only additions are the two flag kernels and Has*() capability queries.
 
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-
-#include <cuda.h>
-#include <cuda_runtime_api.h>
 
 namespace stepmesh::cuda {
 
@@ -36,8 +36,7 @@ class CudaApi {
   virtual cudaError_t FreeHost(void* ptr) = 0;
   virtual cudaError_t HostGetDevicePointer(void** device_ptr, void* host_ptr,
                                            unsigned int flags) = 0;
-  virtual cudaError_t PointerGetAttributes(cudaPointerAttributes* attributes,
-                                           const void* ptr) = 0;
+  virtual cudaError_t PointerGetAttributes(cudaPointerAttributes* attributes, const void* ptr) = 0;
   virtual cudaError_t Memcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) = 0;
   virtual cudaError_t MemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind,
                                   cudaStream_t stream) = 0;
@@ -46,8 +45,7 @@ class CudaApi {
   virtual cudaError_t StreamCreateWithFlags(cudaStream_t* stream, unsigned int flags) = 0;
   virtual cudaError_t StreamDestroy(cudaStream_t stream) = 0;
   virtual cudaError_t StreamQuery(cudaStream_t stream) = 0;
-  virtual cudaError_t StreamIsCapturing(cudaStream_t stream,
-                                        cudaStreamCaptureStatus* status) = 0;
+  virtual cudaError_t StreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status) = 0;
   virtual cudaError_t LaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void* user_data) = 0;
   virtual cudaError_t EventCreateWithFlags(cudaEvent_t* event, unsigned int flags) = 0;
   virtual cudaError_t EventDestroy(cudaEvent_t event) = 0;

@@ -139,9 +139,9 @@ class DeviceContext {
     if (memop) {
       // The default flag orders the write after all earlier work (a system
       // fence), which is what makes the flag mean "data before it is there".
-      const CUresult result = api_->StreamWriteValue32(
-          reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(device_flag), value,
-          CU_STREAM_WRITE_VALUE_DEFAULT);
+      const CUresult result = api_->StreamWriteValue32(reinterpret_cast<CUstream>(stream),
+                                                       reinterpret_cast<CUdeviceptr>(device_flag),
+                                                       value, CU_STREAM_WRITE_VALUE_DEFAULT);
       if (result == CUDA_SUCCESS) return absl::OkStatus();
       if (!FallBackFromMemOps(result)) {
         return CuResultStatus(*api_, result, "cuStreamWriteValue32");
@@ -240,8 +240,8 @@ class CudaMemory final : public Memory {
     const bool on_device = kind_ == MemoryKind::kDevice;
     const cudaError_t error = on_device ? api_->Free(data_) : api_->FreeHost(data_);
     if (error != cudaSuccess) {
-      STEPMESH_LOG(kWarning, CudaStatus(*api_, error, on_device ? "cudaFree" : "cudaFreeHost")
-                                 .ToString());
+      STEPMESH_LOG(kWarning,
+                   CudaStatus(*api_, error, on_device ? "cudaFree" : "cudaFreeHost").ToString());
     }
   }
   void* data() const override { return data_; }
@@ -299,7 +299,7 @@ struct EventSlot {
 class EventPool {
  public:
   static absl::StatusOr<std::shared_ptr<EventPool>> Create(std::shared_ptr<DeviceContext> context,
-                                                          int initial) {
+                                                           int initial) {
     auto pool = std::shared_ptr<EventPool>(new EventPool(std::move(context)));
     CudaApi& api = pool->context_->api();
     ScopedDevice scoped(api, pool->context_->device());
@@ -312,7 +312,8 @@ class EventPool {
       std::vector<uint32_t> values(kRampSize);
       for (uint32_t i = 0; i < kRampSize; ++i) values[i] = i + 1;
       STEPMESH_RETURN_IF_ERROR(CudaStatus(
-          api, api.Memcpy(ramp, values.data(), kRampSize * sizeof(uint32_t), cudaMemcpyHostToDevice),
+          api,
+          api.Memcpy(ramp, values.data(), kRampSize * sizeof(uint32_t), cudaMemcpyHostToDevice),
           "cudaMemcpy(event ramp)"));
     }
     std::lock_guard<std::mutex> lock(pool->mu_);
@@ -368,9 +369,9 @@ class EventPool {
     } else {
       if (next_word_ == kWordsPerChunk || chunks_.empty()) {
         void* chunk = nullptr;
-        STEPMESH_RETURN_IF_ERROR(CudaStatus(
-            api, api.HostAlloc(&chunk, kWordsPerChunk * kWordStride, kMappedFlags),
-            "cudaHostAlloc(event words)"));
+        STEPMESH_RETURN_IF_ERROR(
+            CudaStatus(api, api.HostAlloc(&chunk, kWordsPerChunk * kWordStride, kMappedFlags),
+                       "cudaHostAlloc(event words)"));
         std::memset(chunk, 0, kWordsPerChunk * kWordStride);
         chunks_.push_back(chunk);
         next_word_ = 0;
@@ -498,11 +499,11 @@ class CudaEvent final : public Event {
       }
       const uint32_t sequence = slot_->sequence + 1;
       const uint32_t index = sequence % kRampSize;
-      STEPMESH_RETURN_IF_ERROR(CudaStatus(
-          api,
-          api.MemcpyAsync(slot_->host_word, pool_->ramp() + index, sizeof(uint32_t),
-                          cudaMemcpyDeviceToHost, handle),
-          "cudaMemcpyAsync(ready flag)"));
+      STEPMESH_RETURN_IF_ERROR(
+          CudaStatus(api,
+                     api.MemcpyAsync(slot_->host_word, pool_->ramp() + index, sizeof(uint32_t),
+                                     cudaMemcpyDeviceToHost, handle),
+                     "cudaMemcpyAsync(ready flag)"));
       slot_->sequence = sequence;
       slot_->expected = index + 1;
     }
@@ -695,8 +696,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(std::shared_ptr<cuda:
   }
   if (count == 0) return absl::UnavailableError("cuda backend: no CUDA device is visible");
   if (device >= count) {
-    return absl::InvalidArgumentError(absl::StrCat("cuda backend: device ", device,
-                                                   " does not exist (", count, " visible)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda backend: device ", device, " does not exist (", count, " visible)"));
   }
   auto context = std::make_shared<cuda::DeviceContext>(std::move(api), device, options);
   STEPMESH_ASSIGN_OR_RETURN(auto pool, cuda::EventPool::Create(context, options.initial_events));

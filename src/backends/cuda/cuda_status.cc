@@ -1,4 +1,3 @@
-#include "absl/strings/string_view.h"
 #include "src/backends/cuda/cuda_status.h"
 
 #include <string>
@@ -6,6 +5,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace stepmesh::cuda {
 
@@ -89,9 +89,8 @@ absl::Status CudaStatus(CudaApi& api, cudaError_t error, absl::string_view what)
 
 absl::Status CuResultStatus(CudaApi& api, CUresult error, absl::string_view what) {
   if (error == CUDA_SUCCESS) return absl::OkStatus();
-  absl::Status status(CuResultCode(error),
-                      absl::StrCat(what, ": ", api.GetDriverErrorName(error), " (",
-                                   static_cast<int>(error), ")"));
+  absl::Status status(CuResultCode(error), absl::StrCat(what, ": ", api.GetDriverErrorName(error),
+                                                        " (", static_cast<int>(error), ")"));
   status.SetPayload(kCuResultPayload, absl::Cord(absl::StrCat(static_cast<int>(error))));
   return status;
 }

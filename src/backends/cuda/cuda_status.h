@@ -3,9 +3,8 @@
 // docs/errors.md. Messages read "<what>: <name> (<code>): <description>" and
 // the numeric code rides along as a payload so callers can assert on it.
 
-#include "absl/strings/string_view.h"
-
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "src/backends/cuda/cuda_api.h"
 
 namespace stepmesh::cuda {

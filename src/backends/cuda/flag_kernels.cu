@@ -14,12 +14,12 @@ namespace {
 // StepMesh's spin flag); an ld.acquire.sys is re-issued on every iteration.
 __device__ __forceinline__ uint32_t LoadAcquireSystem(const uint32_t* flag) {
   uint32_t value;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(flag) : "memory");
+  asm volatile("ld.acquire.sys.u32 %0, [%1];" : "=r"(value) : "l"(flag) : "memory");
   return value;
 }
 
 __device__ __forceinline__ void StoreReleaseSystem(uint32_t* flag, uint32_t value) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(flag), "r"(value) : "memory");
+  asm volatile("st.release.sys.u32 [%0], %1;" ::"l"(flag), "r"(value) : "memory");
 }
 
 __global__ void WaitFlagKernel(const uint32_t* flag, uint32_t value) {
@@ -36,14 +36,19 @@ __global__ void SignalFlagKernel(uint32_t* flag, uint32_t value) {
 
 }  // namespace
 
+// cudaLaunchKernel rather than <<<>>>: it returns the launch error itself,
+// where cudaGetLastError could report (and clear) an unrelated earlier error
+// of the calling thread.
 cudaError_t LaunchWaitFlagKernel(cudaStream_t stream, const uint32_t* flag, uint32_t value) {
-  WaitFlagKernel<<<1, 1, 0, stream>>>(flag, value);
-  return cudaGetLastError();
+  void* args[] = {&flag, &value};
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&WaitFlagKernel), dim3(1), dim3(1), args, 0,
+                          stream);
 }
 
 cudaError_t LaunchSignalFlagKernel(cudaStream_t stream, uint32_t* flag, uint32_t value) {
-  SignalFlagKernel<<<1, 1, 0, stream>>>(flag, value);
-  return cudaGetLastError();
+  void* args[] = {&flag, &value};
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&SignalFlagKernel), dim3(1), dim3(1), args,
+                          0, stream);
 }
 
 }  // namespace stepmesh::cuda

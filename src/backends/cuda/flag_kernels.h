@@ -3,9 +3,9 @@
 // graph-safe alternative to cuStreamWaitValue32/cuStreamWriteValue32: a kernel
 // node captures like any other, a stream memory operation may not.
 
-#include <cstdint>
-
 #include <cuda_runtime_api.h>
+
+#include <cstdint>
 
 namespace stepmesh::cuda {
 

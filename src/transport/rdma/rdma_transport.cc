@@ -176,6 +176,8 @@ class RdmaTransport final : public Transport {
 
   ~RdmaTransport() override {
     Shutdown();
+    // Unacknowledged CQ events would make ibv_destroy_cq wait forever.
+    ConsumeCqEvents();
     // Peers (QPs, CQs, MRs) go before the regions, the channel, the PD and the context.
     for (auto& peer : peers_) peer.reset();
     regions_.clear();
@@ -923,6 +925,7 @@ class RdmaTransport final : public Transport {
   }
 
   void ConsumeCqEvents() {
+    if (!channel_) return;
     ibv_cq* cq;
     void* context;
     while (verbs_->GetCqEvent(channel_.get(), &cq, &context) == 0) verbs_->AckCqEvents(cq, 1);

@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "src/core/auth.h"
 #include "src/core/logging.h"
 #include "src/core/net.h"
 #include "stepmesh/status.h"
@@ -27,8 +28,23 @@
 namespace stepmesh::core {
 namespace {
 
+// Data-connection handshake (the dialler is always the worker):
+//   dialler  -> acceptor: hello = magic, version, dialler id, flags, dialler nonce (48 bytes)
+//   acceptor -> dialler : verdict (kVerdictAccept / kVerdictRefuse)
+// and with an auth token (flags & kHelloAuth), instead of that verdict:
+//   acceptor -> dialler : kVerdictAccept, acceptor nonce, acceptor proof
+//   dialler  -> acceptor: dialler proof
+//   acceptor -> dialler : final verdict
+// The dialler adopts the connection only after an accepting verdict, so a
+// refusal is a synchronous error of Connect rather than a later disconnect.
 constexpr uint32_t kHelloMagic = 0x49484D53;  // "SMHI"
-constexpr size_t kHelloBytes = 12;
+constexpr size_t kHelloBytes = 16 + kAuthNonceBytes;
+constexpr uint32_t kHelloAuth = 1;
+constexpr uint32_t kVerdictAccept = 0x4B4F4D53;  // "SMOK"
+constexpr uint32_t kVerdictRefuse = 0x4F4E4D53;  // "SMNO"
+// A dialler gets this long to complete its handshake, so one silent client
+// cannot hold up the acceptance of the real peers until the Connect deadline.
+constexpr absl::Duration kHandshakeTimeout = absl::Seconds(5);
 constexpr size_t kMaxErrorText = 4096;
 constexpr int kSocketBufferBytes = 8 << 20;
 
@@ -48,6 +64,7 @@ struct Connection {
   NodeId peer = kNoNode;
   UniqueFd fd;
   std::atomic<bool> alive{true};
+  std::atomic<bool> superseded{false};  // replaced by a newer connection to the same peer
   bool said_goodbye = false;
 
   Stage stage = Stage::kHeader;
@@ -62,7 +79,8 @@ struct Connection {
 
 class TcpTransport final : public Transport {
  public:
-  explicit TcpTransport(const MeshOptions& options) : options_(options) {}
+  TcpTransport(const MeshOptions& options, TcpWireHook hook)
+      : options_(options), hook_(std::move(hook)) {}
   ~TcpTransport() override { Shutdown(); }
 
   absl::string_view name() const override { return "tcp"; }
@@ -77,35 +95,28 @@ class TcpTransport final : public Transport {
 
   absl::Status Connect(NodeId self, absl::Span<const PeerInfo> peers,
                        absl::Time deadline) override {
-    self_ = self;
-    if (epoll_fd_.get() < 0) {
-      epoll_fd_.Reset(::epoll_create1(EPOLL_CLOEXEC));
-      wake_fd_.Reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
-      if (!epoll_fd_.valid() || !wake_fd_.valid()) {
-        return absl::InternalError(ErrnoMessage("epoll/eventfd", errno));
+    // Connect may run again (a peer rejoined) while the receive thread polls:
+    // the epoll set, the tables and each Connection stay valid throughout.
+    {
+      absl::MutexLock lock(&mu_);
+      if (self_ != self) self_ = self;
+      if (!epoll_fd_.valid()) {
+        epoll_fd_.Reset(::epoll_create1(EPOLL_CLOEXEC));
+        wake_fd_.Reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+        if (!epoll_fd_.valid() || !wake_fd_.valid()) {
+          return absl::InternalError(ErrnoMessage("epoll/eventfd", errno));
+        }
+        epoll_event ev{};
+        ev.events = EPOLLIN;
+        ev.data.u64 = kWakeToken;
+        ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, wake_fd_.get(), &ev);
       }
-      epoll_event ev{};
-      ev.events = EPOLLIN;
-      ev.data.u64 = kWakeToken;
-      ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, wake_fd_.get(), &ev);
     }
     // Workers dial; servers accept. The hello names the dialler.
     std::vector<NodeId> expected;
     for (const PeerInfo& peer : peers) {
-      if (NodeRole(self_) == 1) {
-        STEPMESH_ASSIGN_OR_RETURN(HostPort where, ParseHostPort(peer.endpoint));
-        absl::StatusOr<UniqueFd> fd = ConnectTcp(where, deadline);
-        if (!fd.ok()) {
-          return absl::UnavailableError(absl::StrCat("connecting to peer ", NodeRank(peer.id),
-                                                     " at ", peer.endpoint, ": ",
-                                                     fd.status().message()));
-        }
-        std::byte hello[kHelloBytes];
-        PutU32(hello, kHelloMagic);
-        PutU32(hello + 4, kFrameVersion);
-        PutU32(hello + 8, self_);
-        STEPMESH_RETURN_IF_ERROR(WriteFully(fd->get(), hello, sizeof(hello), deadline));
-        STEPMESH_RETURN_IF_ERROR(Adopt(peer.id, *std::move(fd)));
+      if (NodeRole(self) == 1) {
+        STEPMESH_RETURN_IF_ERROR(Dial(self, peer, deadline));
       } else {
         expected.push_back(peer.id);
       }
@@ -116,17 +127,14 @@ class TcpTransport final : public Transport {
         return absl::DeadlineExceededError(absl::StrCat(
             expected.size(), " peer(s) never connected: ", fd.status().message()));
       }
-      std::byte hello[kHelloBytes];
-      absl::Status read = ReadFully(fd->get(), hello, sizeof(hello), deadline);
-      const NodeId from = GetU32(hello + 8);
-      auto it = std::find(expected.begin(), expected.end(), from);
-      if (!read.ok() || GetU32(hello) != kHelloMagic || GetU32(hello + 4) != kFrameVersion ||
-          it == expected.end()) {
-        STEPMESH_LOG(kWarning, "tcp: refused a data connection with a bad hello");
+      absl::StatusOr<NodeId> from = Welcome(self, fd->get(), expected,
+                                            std::min(deadline, absl::Now() + kHandshakeTimeout));
+      if (!from.ok()) {
+        STEPMESH_LOG(kWarning, "tcp: refused a data connection: ", from.status().ToString());
         continue;  // fd closes; keep waiting for the real peers
       }
-      expected.erase(it);
-      STEPMESH_RETURN_IF_ERROR(Adopt(from, *std::move(fd)));
+      expected.erase(std::find(expected.begin(), expected.end(), *from));
+      STEPMESH_RETURN_IF_ERROR(Adopt(*from, *std::move(fd)));
     }
     return absl::OkStatus();
   }
@@ -142,6 +150,15 @@ class TcpTransport final : public Transport {
     }
     if (!conn->alive) return absl::UnavailableError("connection to peer is closed");
     FrameBytes frame = EncodeFrame(header);
+    TcpWireFault fault;
+    if (hook_) fault = hook_(peer, header, frame);
+    std::string corrupted;  // the caller's source is never modified
+    if (fault.flip_payload_byte < bytes) {
+      corrupted.assign(static_cast<const char*>(src), bytes);
+      corrupted[fault.flip_payload_byte] ^= 0x5A;
+      src = corrupted.data();
+    }
+    if (fault.truncate_payload_to < bytes) bytes = fault.truncate_payload_to;
     iovec iov[2] = {{frame.data(), frame.size()}, {const_cast<void*>(src), bytes}};
     int iovcnt = bytes > 0 ? 2 : 1;
     iovec* next = iov;
@@ -176,6 +193,10 @@ class TcpTransport final : public Transport {
         next->iov_len -= left;
       }
     }
+    if (fault.close_after) {
+      // Emulates a sender dying mid-frame: the receiver sees EOF inside the frame.
+      ::shutdown(conn->fd.get(), SHUT_RDWR);
+    }
     return absl::OkStatus();
   }
 
@@ -196,7 +217,9 @@ class TcpTransport final : public Transport {
         (void)!::read(wake_fd_.get(), &drain, sizeof(drain));
         continue;
       }
-      Connection* conn = connections_[events[i].data.u64].get();
+      // Connections live as long as the transport, so the pointer stays valid
+      // even when Connect adds or supersedes connections concurrently.
+      auto* conn = static_cast<Connection*>(events[i].data.ptr);
       if (conn->alive) ReadFrom(*conn, sink);
     }
     return absl::OkStatus();
@@ -238,6 +261,112 @@ class TcpTransport final : public Transport {
     }
   }
 
+  std::string AuthContext(NodeId dialler, NodeId acceptor) const {
+    return absl::StrCat("data:", absl::Hex(dialler), ">", absl::Hex(acceptor));
+  }
+
+  // Worker side: connects to `peer`, completes the handshake, adopts the connection.
+  absl::Status Dial(NodeId self, const PeerInfo& peer, absl::Time deadline) {
+    STEPMESH_ASSIGN_OR_RETURN(HostPort where, ParseHostPort(peer.endpoint));
+    absl::StatusOr<UniqueFd> fd = ConnectTcp(where, deadline);
+    if (!fd.ok()) {
+      return absl::UnavailableError(absl::StrCat("connecting to peer ", NodeRank(peer.id), " at ",
+                                                 peer.endpoint, ": ", fd.status().message()));
+    }
+    const bool auth = !options_.auth_token.empty();
+    STEPMESH_ASSIGN_OR_RETURN(AuthNonce ours, RandomNonce());
+    std::byte hello[kHelloBytes];
+    PutU32(hello, kHelloMagic);
+    PutU32(hello + 4, kFrameVersion);
+    PutU32(hello + 8, self);
+    PutU32(hello + 12, auth ? kHelloAuth : 0);
+    std::memcpy(hello + 16, ours.data(), kAuthNonceBytes);
+    auto refused = [&](absl::string_view why) {
+      STEPMESH_LOG(kWarning, "tcp: server ", NodeRank(peer.id), " at ", peer.endpoint, ": ", why);
+      return absl::PermissionDeniedError(absl::StrCat("data connection to server ",
+                                                      NodeRank(peer.id), ": ", why));
+    };
+    auto read_verdict = [&]() -> absl::Status {
+      std::byte verdict[4];
+      absl::Status read = ReadFully(fd->get(), verdict, sizeof(verdict), deadline);
+      if (absl::IsUnavailable(read)) return refused("refused (closed during the handshake)");
+      STEPMESH_RETURN_IF_ERROR(read);
+      if (GetU32(verdict) != kVerdictAccept) {
+        return refused("refused (bad hello, unexpected peer or authentication mismatch)");
+      }
+      return absl::OkStatus();
+    };
+    STEPMESH_RETURN_IF_ERROR(WriteFully(fd->get(), hello, sizeof(hello), deadline));
+    STEPMESH_RETURN_IF_ERROR(read_verdict());
+    if (auth) {
+      std::byte reply[kAuthNonceBytes + kSha256Bytes];
+      STEPMESH_RETURN_IF_ERROR(ReadFully(fd->get(), reply, sizeof(reply), deadline));
+      AuthNonce theirs;
+      std::memcpy(theirs.data(), reply, kAuthNonceBytes);
+      const absl::string_view proof(reinterpret_cast<const char*>(reply) + kAuthNonceBytes,
+                                    kSha256Bytes);
+      const std::string context = AuthContext(self, peer.id);
+      if (!CheckAuthProof(options_.auth_token, AuthSide::kAcceptor, context, ours, theirs,
+                          proof)) {
+        return refused("failed authentication (wrong auth token?)");
+      }
+      const Sha256Digest answer =
+          AuthProof(options_.auth_token, AuthSide::kDialer, context, ours, theirs);
+      STEPMESH_RETURN_IF_ERROR(WriteFully(fd->get(), answer.data(), answer.size(), deadline));
+      STEPMESH_RETURN_IF_ERROR(read_verdict());
+    }
+    return Adopt(peer.id, *std::move(fd));
+  }
+
+  // Server side: checks a dialler's hello (and proof); returns who it is.
+  absl::StatusOr<NodeId> Welcome(NodeId self, int fd, const std::vector<NodeId>& expected,
+                                 absl::Time deadline) {
+    auto refuse = [&](absl::string_view why) {
+      std::byte verdict[4];
+      PutU32(verdict, kVerdictRefuse);
+      (void)WriteFully(fd, verdict, sizeof(verdict), deadline);
+      return absl::PermissionDeniedError(why);
+    };
+    std::byte hello[kHelloBytes];
+    STEPMESH_RETURN_IF_ERROR(ReadFully(fd, hello, sizeof(hello), deadline));
+    const NodeId from = GetU32(hello + 8);
+    if (GetU32(hello) != kHelloMagic || GetU32(hello + 4) != kFrameVersion) {
+      return refuse("bad hello");
+    }
+    if (std::find(expected.begin(), expected.end(), from) == expected.end()) {
+      return refuse(absl::StrCat("hello from unexpected node 0x", absl::Hex(from)));
+    }
+    const bool auth = !options_.auth_token.empty();
+    const bool dialler_auth = (GetU32(hello + 12) & kHelloAuth) != 0;
+    if (auth != dialler_auth) {
+      return refuse(auth ? "peer did not authenticate (no auth token)"
+                         : "peer wants authentication but this node has no auth token");
+    }
+    std::byte verdict[4];
+    PutU32(verdict, kVerdictAccept);
+    STEPMESH_RETURN_IF_ERROR(WriteFully(fd, verdict, sizeof(verdict), deadline));
+    if (!auth) return from;
+    AuthNonce theirs;
+    std::memcpy(theirs.data(), hello + 16, kAuthNonceBytes);
+    STEPMESH_ASSIGN_OR_RETURN(AuthNonce ours, RandomNonce());
+    const std::string context = AuthContext(from, self);
+    const Sha256Digest proof =
+        AuthProof(options_.auth_token, AuthSide::kAcceptor, context, theirs, ours);
+    std::byte reply[kAuthNonceBytes + kSha256Bytes];
+    std::memcpy(reply, ours.data(), kAuthNonceBytes);
+    std::memcpy(reply + kAuthNonceBytes, proof.data(), kSha256Bytes);
+    STEPMESH_RETURN_IF_ERROR(WriteFully(fd, reply, sizeof(reply), deadline));
+    std::byte answer[kSha256Bytes];
+    STEPMESH_RETURN_IF_ERROR(ReadFully(fd, answer, sizeof(answer), deadline));
+    if (!CheckAuthProof(options_.auth_token, AuthSide::kDialer, context, theirs, ours,
+                        absl::string_view(reinterpret_cast<const char*>(answer),
+                                          sizeof(answer)))) {
+      return refuse(absl::StrCat("node 0x", absl::Hex(from), " failed authentication"));
+    }
+    STEPMESH_RETURN_IF_ERROR(WriteFully(fd, verdict, sizeof(verdict), deadline));
+    return from;
+  }
+
   absl::Status Adopt(NodeId peer, UniqueFd fd) {
     STEPMESH_RETURN_IF_ERROR(SetNoDelay(fd.get()));
     STEPMESH_RETURN_IF_ERROR(SetBufferSizes(fd.get(), kSocketBufferBytes));
@@ -246,12 +375,22 @@ class TcpTransport final : public Transport {
     conn->peer = peer;
     conn->fd = std::move(fd);
     absl::MutexLock lock(&mu_);
-    const uint64_t token = connections_.size();
     epoll_event ev{};
     ev.events = EPOLLIN | EPOLLRDHUP;
-    ev.data.u64 = token;
+    ev.data.ptr = conn.get();
     if (::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, conn->fd.get(), &ev) != 0) {
       return absl::InternalError(ErrnoMessage("epoll_ctl", errno));
+    }
+    auto old = by_peer_.find(peer);
+    if (old != by_peer_.end()) {
+      // A rejoined peer replaces its old connection; closing the old one must
+      // not report the (new) peer as lost, hence `superseded` before `alive`.
+      Connection& stale = *old->second;
+      stale.superseded = true;
+      if (stale.alive.exchange(false)) {
+        ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, stale.fd.get(), nullptr);
+        ::shutdown(stale.fd.get(), SHUT_RDWR);
+      }
     }
     by_peer_[peer] = conn.get();
     connections_.push_back(std::move(conn));
@@ -265,10 +404,13 @@ class TcpTransport final : public Transport {
   }
 
   void Lose(Connection& conn, TransportSink& sink, absl::Status why) {
-    if (!conn.alive) return;
-    conn.alive = false;
-    ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, conn.fd.get(), nullptr);
-    ::shutdown(conn.fd.get(), SHUT_RDWR);
+    {
+      absl::MutexLock lock(&mu_);
+      if (!conn.alive.exchange(false)) return;
+      ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, conn.fd.get(), nullptr);
+      ::shutdown(conn.fd.get(), SHUT_RDWR);
+      if (conn.superseded) return;  // the peer is on a newer connection
+    }
     sink.OnPeerLost(conn.peer, std::move(why));
   }
 
@@ -390,11 +532,12 @@ class TcpTransport final : public Transport {
   }
 
   const MeshOptions options_;
-  NodeId self_ = kNoNode;
+  const TcpWireHook hook_;
+  NodeId self_ ABSL_GUARDED_BY(mu_) = kNoNode;
   UniqueFd listener_;
   UniqueFd epoll_fd_;
   UniqueFd wake_fd_;
-  absl::Mutex mu_;  // guards the tables (connections are added during Connect only)
+  absl::Mutex mu_;  // guards the tables; Connect may add connections while Poll runs
   std::vector<std::unique_ptr<Connection>> connections_;
   absl::flat_hash_map<NodeId, Connection*> by_peer_;
 };
@@ -402,7 +545,12 @@ class TcpTransport final : public Transport {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const MeshOptions& options) {
-  return std::make_unique<TcpTransport>(options);
+  return std::make_unique<TcpTransport>(options, nullptr);
+}
+
+absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const MeshOptions& options,
+                                                              TcpWireHook hook) {
+  return std::make_unique<TcpTransport>(options, std::move(hook));
 }
 
 }  // namespace stepmesh::core

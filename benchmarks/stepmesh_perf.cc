@@ -1,0 +1,712 @@
+// stepmesh_perf: end-to-end latency of the AF exchange (push to every server,
+// every server's reply back) with baselines measured in the same run,
+// interleaved, over the same bytes and processes (ARCHITECTURE.md §9: only
+// ratios against a same-run baseline mean anything on a shared machine).
+//
+// One machine (default): launches an xAyF mesh on 127.0.0.1 as child
+// processes of itself (--threads: threads of this process), measures on
+// worker 0 (this process) and prints an ib_write_lat-like table per size:
+//   stepmesh_perf --transport tcp --pattern 1A1F --push-bytes 917504 \
+//       --pull-bytes 1835008 --iters 2000 --baseline raw-tcp,zmq --json out.json
+// Two hosts: run the roles yourself (docs/benchmarks.md):
+//   host A: stepmesh_perf --role scheduler --scheduler A:9000 --pattern 1A1F
+//   host A: stepmesh_perf --role server --rank 0 --scheduler A:9000 --host A ...
+//   host B: stepmesh_perf --role worker --rank 0 --scheduler A:9000 --host B --server-hosts A ...
+// Every participant must get the same plan flags (pattern, sizes, iters, warmup,
+// reps, micro-batches, baselines): the phases are lock-stepped by mesh barriers.
+
+#include <signal.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "benchmarks/perf_baselines.h"
+#include "benchmarks/perf_report.h"
+#include "src/core/net.h"
+#include "stepmesh/stepmesh.h"
+#include "tests/core/child_process.h"
+
+namespace stepmesh::bench {
+namespace {
+
+using core::HostPort;
+
+constexpr size_t kDefaultSweep[] = {8, 4096, 917504, 1835008, 3670016};
+
+struct Flags {
+  std::string role = "launch";  // launch | worker | server | scheduler
+  std::string scheduler = "127.0.0.1:0";
+  int rank = -1;
+  std::string transport = "tcp";
+  std::string backend = "cpu_mock";
+  int device = 0;
+  std::string pattern = "1A1F";
+  int workers = 1;
+  int servers = 1;
+  std::vector<std::pair<size_t, size_t>> sizes;  // (push, pull) per server
+  int micro_batches = 1;
+  int warmup = 100;
+  int iters = 1000;
+  int reps = 3;
+  std::string poll_mode = "adaptive";
+  std::vector<int> send_cores;
+  std::vector<int> recv_cores;
+  std::vector<std::string> baselines;
+  std::string json;
+  std::string host = "127.0.0.1";         // this node's data / baseline listeners
+  std::vector<std::string> server_hosts;  // worker: server s's host (default: host)
+  int baseline_port = 0;                  // server s: raw base+2s, zmq base+2s+1
+  int deadline_s = 900;                   // the whole run, then every process is killed
+  int timeout_ms = 30000;                 // one wait, connect or barrier
+  int sockbuf = 8 << 20;                  // raw-tcp SO_SNDBUF/SO_RCVBUF, as the TCP transport
+  bool threads = false;
+  int parent_pid = 0;                     // internal: set on children
+  std::string command_line;
+};
+
+int Usage(const char* why) {
+  if (why != nullptr) std::fprintf(stderr, "stepmesh_perf: %s\n\n", why);
+  std::fprintf(stderr,
+      "usage: stepmesh_perf [--role launch|worker|server|scheduler] [--scheduler H:P] [--rank R]\n"
+      "  [--transport tcp|rdma] [--backend cpu_mock|cuda] [--device N]\n"
+      "  [--pattern 1A1F|1A2F|2A1F|2A2F|xAyF] [--workers X --servers Y (with xAyF)]\n"
+      "  [--push-bytes B] [--pull-bytes B] | [--sizes P:Q,P:Q,...]   (default sweep 8 B..3.5 MiB)\n"
+      "  [--micro-batches M] [--warmup N] [--iters N] [--reps R]\n"
+      "  [--poll-mode spin|adaptive|blocking] [--send-cores C,..] [--recv-cores C,..]\n"
+      "  [--baseline raw-tcp,zmq,memcpy] [--json FILE]\n"
+      "  [--host IP] [--server-hosts IP,..] [--baseline-port P] [--threads]\n"
+      "  [--deadline-s S] [--timeout-ms T] [--sockbuf BYTES]\n");
+  return 2;
+}
+
+bool ParseInts(absl::string_view text, std::vector<int>* out) {
+  out->clear();
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    int v = 0;
+    if (!absl::SimpleAtoi(part, &v)) return false;
+    out->push_back(v);
+  }
+  return true;
+}
+
+// "2A2F" -> (2, 2); "xAyF" keeps --workers/--servers.
+bool ParsePattern(const std::string& p, int* workers, int* servers) {
+  if (p == "xAyF") return true;
+  const size_t a = p.find('A');
+  if (a == std::string::npos || p.empty() || p.back() != 'F') return false;
+  return absl::SimpleAtoi(p.substr(0, a), workers) &&
+         absl::SimpleAtoi(p.substr(a + 1, p.size() - a - 2), servers) && *workers > 0 &&
+         *servers > 0;
+}
+
+absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
+  Flags f;
+  f.command_line = absl::StrJoin(argv, argv + argc, " ");
+  size_t push = 0, pull = 0;
+  std::string sizes_text;
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    std::string value;
+    if (const size_t eq = flag.find('='); eq != std::string::npos) {
+      value = flag.substr(eq + 1);
+      flag.resize(eq);
+    } else if (flag == "--threads") {
+      f.threads = true;
+      continue;
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("missing value for ", flag));
+    }
+    bool ok = true;
+    if (flag == "--role") f.role = value;
+    else if (flag == "--scheduler") f.scheduler = value;
+    else if (flag == "--rank") ok = absl::SimpleAtoi(value, &f.rank);
+    else if (flag == "--transport") f.transport = value;
+    else if (flag == "--backend") f.backend = value;
+    else if (flag == "--device") ok = absl::SimpleAtoi(value, &f.device);
+    else if (flag == "--pattern") f.pattern = value;
+    else if (flag == "--workers") ok = absl::SimpleAtoi(value, &f.workers);
+    else if (flag == "--servers") ok = absl::SimpleAtoi(value, &f.servers);
+    else if (flag == "--push-bytes") ok = absl::SimpleAtoi(value, &push);
+    else if (flag == "--pull-bytes") ok = absl::SimpleAtoi(value, &pull);
+    else if (flag == "--sizes") sizes_text = value;
+    else if (flag == "--micro-batches") ok = absl::SimpleAtoi(value, &f.micro_batches);
+    else if (flag == "--warmup") ok = absl::SimpleAtoi(value, &f.warmup);
+    else if (flag == "--iters") ok = absl::SimpleAtoi(value, &f.iters);
+    else if (flag == "--reps") ok = absl::SimpleAtoi(value, &f.reps);
+    else if (flag == "--poll-mode") f.poll_mode = value;
+    else if (flag == "--send-cores") ok = ParseInts(value, &f.send_cores);
+    else if (flag == "--recv-cores") ok = ParseInts(value, &f.recv_cores);
+    else if (flag == "--baseline") f.baselines = absl::StrSplit(value, ',', absl::SkipEmpty());
+    else if (flag == "--json") f.json = value;
+    else if (flag == "--host") f.host = value;
+    else if (flag == "--server-hosts") f.server_hosts = absl::StrSplit(value, ',', absl::SkipEmpty());
+    else if (flag == "--baseline-port") ok = absl::SimpleAtoi(value, &f.baseline_port);
+    else if (flag == "--deadline-s") ok = absl::SimpleAtoi(value, &f.deadline_s);
+    else if (flag == "--timeout-ms") ok = absl::SimpleAtoi(value, &f.timeout_ms);
+    else if (flag == "--sockbuf") ok = absl::SimpleAtoi(value, &f.sockbuf);
+    else if (flag == "--parent-pid") ok = absl::SimpleAtoi(value, &f.parent_pid);
+    else return absl::InvalidArgumentError(absl::StrCat("unknown flag ", flag));
+    if (!ok) return absl::InvalidArgumentError(absl::StrCat("bad value for ", flag, ": ", value));
+  }
+  if (!ParsePattern(f.pattern, &f.workers, &f.servers) || f.workers < 1 || f.servers < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("bad pattern ", f.pattern));
+  }
+  if (!sizes_text.empty()) {
+    for (absl::string_view pair : absl::StrSplit(sizes_text, ',', absl::SkipEmpty())) {
+      std::pair<std::string, std::string> pq = absl::StrSplit(pair, absl::MaxSplits(':', 1));
+      size_t p = 0, q = 0;
+      if (!absl::SimpleAtoi(pq.first, &p)) return absl::InvalidArgumentError("bad --sizes");
+      if (pq.second.empty()) q = p;
+      else if (!absl::SimpleAtoi(pq.second, &q)) return absl::InvalidArgumentError("bad --sizes");
+      f.sizes.push_back({p, q});
+    }
+  } else if (push > 0 || pull > 0) {
+    f.sizes.push_back({push > 0 ? push : pull, pull > 0 ? pull : push});
+  } else {
+    for (size_t s : kDefaultSweep) f.sizes.push_back({s, s});
+  }
+  for (const auto& [p, q] : f.sizes) {
+    if (p == 0 || q == 0) return absl::InvalidArgumentError("sizes must be at least 1 byte");
+  }
+  for (const std::string& b : f.baselines) {
+    if (b != "raw-tcp" && b != "zmq" && b != "memcpy") {
+      return absl::InvalidArgumentError(absl::StrCat("unknown baseline ", b));
+    }
+  }
+  if (f.micro_batches < 1 || f.micro_batches > 32 || f.iters < 1 || f.warmup < 0 || f.reps < 1 ||
+      f.reps > f.iters) {
+    return absl::InvalidArgumentError("bad --micro-batches/--iters/--warmup/--reps");
+  }
+  if (!ParsePollMode(f.poll_mode).ok()) return absl::InvalidArgumentError("bad --poll-mode");
+  return f;
+}
+
+bool Wants(const Flags& f, absl::string_view baseline) {
+  return std::find(f.baselines.begin(), f.baselines.end(), baseline) != f.baselines.end();
+}
+
+// The lock-stepped plan every participant derives from the same flags.
+std::vector<std::string> Methods(const Flags& f) {
+  std::vector<std::string> m = {"stepmesh"};
+  for (const char* b : {"raw-tcp", "zmq", "memcpy"}) {
+    if (Wants(f, b)) m.push_back(b);
+  }
+  return m;
+}
+// Measured iterations of repetition `rep`: the total split as evenly as possible.
+int ItersInRep(const Flags& f, int rep) {
+  return f.iters / f.reps + (rep < f.iters % f.reps ? 1 : 0);
+}
+
+Key PushKey(size_t size_index, int m) { return 1000 + size_index * 64 + m; }
+Key PullKey(size_t size_index, int m) { return 100000 + size_index * 64 + m; }
+
+MeshOptions MakeOptions(const Flags& f, Role role) {
+  MeshOptions o;
+  o.role = role;
+  o.rank = f.rank;
+  o.num_workers = f.workers;
+  o.num_servers = f.servers;
+  o.scheduler = f.scheduler;
+  o.bind_host = f.host;
+  o.transport = f.transport;
+  o.backend = f.backend;
+  o.device = f.device;
+  o.threads.poll_mode = *ParsePollMode(f.poll_mode);
+  o.threads.send_cores = f.send_cores;
+  o.threads.recv_cores = f.recv_cores;
+  o.timeout = absl::Milliseconds(f.timeout_ms);
+  o.max_inflight_requests = std::max(64, 2 * f.micro_batches);
+  return o;
+}
+
+// Registered memory of one participant, owned for the whole run.
+struct Buffers {
+  std::vector<std::unique_ptr<Memory>> owned;
+  absl::StatusOr<void*> Allocate(Backend& backend, size_t bytes) {
+    STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<Memory> m,
+                              backend.Allocate(bytes, MemoryKind::kDevice));
+    void* p = m->data();
+    owned.push_back(std::move(m));
+    return p;
+  }
+};
+
+TensorView View2d(void* data, int64_t rows, size_t cols, Device device) {
+  return TensorView{data, DType::kUInt8, Shape{rows, static_cast<int64_t>(cols)}, device};
+}
+
+// ---------------------------------------------------------------- server
+
+absl::Status RunServerRole(const Flags& f) {
+  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<Backend> made, CreateBackend(f.backend, f.device));
+  std::shared_ptr<Backend> backend = std::move(made);
+  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<AFTensorServer> server,
+                            AFTensorServer::Create(MakeOptions(f, Role::kServer), backend));
+  const int s = server->rank();
+  std::unique_ptr<BaselineServers> baselines;
+  if (Wants(f, "raw-tcp") || Wants(f, "zmq")) {
+    if (f.baseline_port <= 0) return absl::InvalidArgumentError("baselines need --baseline-port");
+    STEPMESH_ASSIGN_OR_RETURN(
+        baselines, BaselineServers::Start(f.host, static_cast<uint16_t>(f.baseline_port + 2 * s),
+                                          Wants(f, "zmq") ? f.baseline_port + 2 * s + 1 : 0,
+                                          f.sockbuf));
+  }
+  Buffers buffers;
+  const int64_t workers = f.workers;
+  for (size_t z = 0; z < f.sizes.size(); ++z) {
+    const auto [push, pull] = f.sizes[z];
+    for (int m = 0; m < f.micro_batches; ++m) {
+      STEPMESH_ASSIGN_OR_RETURN(void* recv, buffers.Allocate(*backend, workers * push));
+      STEPMESH_ASSIGN_OR_RETURN(void* reply, buffers.Allocate(*backend, workers * pull));
+      // A recognisable reply: worker 0 checks one byte per phase.
+      STEPMESH_RETURN_IF_ERROR(backend->Copy(reply, std::vector<uint8_t>(workers * pull,
+                                   static_cast<uint8_t>(s + 1)).data(), workers * pull));
+      STEPMESH_RETURN_IF_ERROR(server->RegisterRecvTensor(
+          PushKey(z, m), View2d(recv, workers, push, backend->device())));
+      STEPMESH_RETURN_IF_ERROR(server->RegisterReplyTensor(
+          PullKey(z, m), View2d(reply, workers, pull, backend->device())));
+    }
+  }
+  STEPMESH_RETURN_IF_ERROR(server->Barrier());  // registered; baseline listeners up
+  const absl::Duration timeout = absl::Milliseconds(f.timeout_ms);
+  std::vector<Reply> replies;
+  for (size_t z = 0; z < f.sizes.size(); ++z) {
+    for (int rep = 0; rep < f.reps; ++rep) {
+      for (const std::string& method : Methods(f)) {
+        STEPMESH_RETURN_IF_ERROR(server->Barrier());
+        if (method != "stepmesh") continue;  // baselines are served by their own threads
+        const int batches = f.warmup + ItersInRep(f, rep);
+        for (int b = 0; b < batches; ++b) {
+          STEPMESH_ASSIGN_OR_RETURN(Batch batch, server->GetBatch(timeout));
+          replies.clear();
+          for (int w : batch.workers) replies.push_back({w, f.sizes[z].second});
+          STEPMESH_RETURN_IF_ERROR(server->Respond(batch, replies));
+        }
+      }
+    }
+  }
+  STEPMESH_RETURN_IF_ERROR(server->Barrier());  // every worker is done with the baselines
+  return server->Shutdown();
+}
+
+// ---------------------------------------------------------------- worker
+
+struct Accumulated {
+  std::vector<uint64_t> samples_ns;
+  uint64_t process_cpu_ns = 0;
+  uint64_t thread_cpu_ns = 0;
+  uint64_t measured = 0;
+  std::string error;
+};
+
+// Worker 0 keeps samples; the others run the same lock-stepped loops so that
+// the servers see every worker, and discard theirs.
+absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
+  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<Backend> made, CreateBackend(f.backend, f.device));
+  std::shared_ptr<Backend> backend = std::move(made);
+  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<AFTensorWorker> worker,
+                            AFTensorWorker::Create(MakeOptions(f, Role::kWorker), backend));
+  const int y = worker->num_servers();
+  const int M = f.micro_batches;
+  Buffers buffers;
+  size_t max_push = 0, max_pull = 0;
+  // push_mem[z][m], pull_mem[z][m][s]
+  std::vector<std::vector<void*>> push_mem(f.sizes.size());
+  std::vector<std::vector<std::vector<void*>>> pull_mem(f.sizes.size());
+  for (size_t z = 0; z < f.sizes.size(); ++z) {
+    const auto [push, pull] = f.sizes[z];
+    max_push = std::max(max_push, push);
+    max_pull = std::max(max_pull, pull);
+    for (int m = 0; m < M; ++m) {
+      STEPMESH_ASSIGN_OR_RETURN(void* p, buffers.Allocate(*backend, push));
+      STEPMESH_RETURN_IF_ERROR(
+          backend->Copy(p, std::vector<uint8_t>(push, 0x5A).data(), push));
+      STEPMESH_RETURN_IF_ERROR(
+          worker->RegisterPushTensor(PushKey(z, m), BytesView(p, push, backend->device())));
+      push_mem[z].push_back(p);
+      pull_mem[z].emplace_back();
+      for (int s = 0; s < y; ++s) {
+        STEPMESH_ASSIGN_OR_RETURN(void* q, buffers.Allocate(*backend, pull));
+        STEPMESH_RETURN_IF_ERROR(
+            worker->RegisterPullTensor(PullKey(z, m), s, BytesView(q, pull, backend->device())));
+        pull_mem[z][m].push_back(q);
+      }
+    }
+  }
+  // Baselines move host memory (the same bytes; on cuda the mesh moves device memory).
+  std::vector<uint8_t> host_push(max_push, 0x5A), host_scratch(std::max(max_push, max_pull), 0);
+  std::vector<std::vector<uint8_t>> host_pull(y, std::vector<uint8_t>(max_pull, 0));
+  std::vector<void*> host_pull_ptrs;
+  for (auto& v : host_pull) host_pull_ptrs.push_back(v.data());
+
+  STEPMESH_RETURN_IF_ERROR(worker->Barrier());  // servers registered, baseline listeners up
+  const absl::Duration timeout = absl::Milliseconds(f.timeout_ms);
+  std::vector<HostPort> raw_addrs, zmq_addrs;
+  for (int s = 0; s < y; ++s) {
+    const std::string host =
+        f.server_hosts.empty() ? f.host : f.server_hosts[std::min<size_t>(s, f.server_hosts.size() - 1)];
+    raw_addrs.push_back({host, static_cast<uint16_t>(f.baseline_port + 2 * s)});
+    zmq_addrs.push_back({host, static_cast<uint16_t>(f.baseline_port + 2 * s + 1)});
+  }
+  std::unique_ptr<BaselineClient> raw, zmq;
+  std::string raw_error, zmq_error;
+  if (Wants(f, "raw-tcp")) {
+    absl::StatusOr<std::unique_ptr<BaselineClient>> c = ConnectRawTcp(raw_addrs, f.sockbuf, timeout);
+    if (c.ok()) raw = *std::move(c);
+    else raw_error = c.status().ToString();
+  }
+  if (Wants(f, "zmq")) {
+    absl::StatusOr<std::unique_ptr<BaselineClient>> c = ConnectZmq(zmq_addrs, timeout);
+    if (c.ok()) zmq = *std::move(c);
+    else zmq_error = c.status().ToString();
+  }
+
+  const std::vector<std::string> methods = Methods(f);
+  std::vector<SizeResult> results;
+  std::vector<Pull> pulls(y);
+  for (size_t z = 0; z < f.sizes.size(); ++z) {
+    const auto [push_bytes, pull_bytes] = f.sizes[z];
+    std::vector<Accumulated> acc(methods.size());
+    for (int rep = 0; rep < f.reps; ++rep) {
+      const int measured = ItersInRep(f, rep);
+      const int total = f.warmup + measured;
+      for (size_t k = 0; k < methods.size(); ++k) {
+        STEPMESH_RETURN_IF_ERROR(worker->Barrier());
+        const std::string& method = methods[k];
+        Accumulated& a = acc[k];
+        CpuClock cpu_start;
+        auto record = [&](int i, uint64_t ns) {
+          if (i == f.warmup) cpu_start = CpuNow();
+          if (i >= f.warmup) a.samples_ns.push_back(ns);
+        };
+        if (method == "stepmesh") {
+          // M requests in flight, one key each; request i reuses key i % M once
+          // request i - M completed. Latency: PushPull() to Wait() returning.
+          std::vector<RequestHandle> handles(M);
+          std::vector<uint64_t> issued(M);
+          for (int i = 0; i < total + M; ++i) {
+            const int m = i % M;
+            if (i >= M) {
+              STEPMESH_RETURN_IF_ERROR(worker->Wait(handles[m], timeout));
+              record(i - M, MonotonicNowNs() - issued[m]);
+            }
+            if (i >= total) continue;
+            if (i == f.warmup && M == 1) cpu_start = CpuNow();
+            for (int s = 0; s < y; ++s) pulls[s] = {PullKey(z, m), s};
+            const Push p{PushKey(z, m), push_bytes};
+            issued[m] = MonotonicNowNs();
+            STEPMESH_ASSIGN_OR_RETURN(handles[m], worker->PushPull({&p, 1}, pulls));
+          }
+          // Sanity: the reply really arrived (server s fills its reply with s + 1).
+          uint8_t got = 0;
+          STEPMESH_RETURN_IF_ERROR(backend->Copy(&got, pull_mem[z][0][y - 1], 1));
+          if (got != static_cast<uint8_t>(y)) {
+            return absl::DataLossError(absl::StrCat("reply byte ", int{got}, ", expected ", y));
+          }
+        } else if (method == "memcpy") {
+          // The same bytes through one thread's memcpy: push out to every
+          // server's slot, every reply back.
+          for (int i = 0; i < total; ++i) {
+            const uint64_t t0 = MonotonicNowNs();
+            for (int s = 0; s < y; ++s) std::memcpy(host_scratch.data(), host_push.data(), push_bytes);
+            for (int s = 0; s < y; ++s) std::memcpy(host_pull[s].data(), host_scratch.data(), pull_bytes);
+            record(i, MonotonicNowNs() - t0);
+          }
+        } else {
+          BaselineClient* client = method == "raw-tcp" ? raw.get() : zmq.get();
+          if (client == nullptr) {
+            a.error = method == "raw-tcp" ? raw_error : zmq_error;
+            continue;
+          }
+          for (int i = 0; i < total; ++i) {
+            const uint64_t t0 = MonotonicNowNs();
+            absl::Status st = client->Exchange(host_push.data(), push_bytes, host_pull_ptrs, pull_bytes);
+            if (!st.ok()) return absl::Status(st.code(), absl::StrCat(method, ": ", st.message()));
+            record(i, MonotonicNowNs() - t0);
+          }
+        }
+        const CpuClock cpu_end = CpuNow();
+        if (measured > 0) {
+          a.process_cpu_ns += cpu_end.process_ns - cpu_start.process_ns;
+          a.thread_cpu_ns += cpu_end.thread_ns - cpu_start.thread_ns;
+          a.measured += measured;
+        }
+      }
+    }
+    SizeResult r;
+    r.push_bytes = push_bytes;
+    r.pull_bytes = pull_bytes;
+    for (size_t k = 0; k < methods.size(); ++k) {
+      MethodResult mr;
+      mr.method = methods[k];
+      if (!acc[k].error.empty() || acc[k].samples_ns.empty()) {
+        mr.available = false;
+        mr.note = acc[k].error.empty() ? "no samples" : acc[k].error;
+      } else {
+        mr.stats = ComputeStats(std::move(acc[k].samples_ns));
+        const double bytes = static_cast<double>(push_bytes + pull_bytes) * y;
+        mr.goodput_gbps = mr.stats.mean_us > 0 ? bytes * 8 / (mr.stats.mean_us * 1e3) : 0;
+        mr.cpu_us_per_iter = acc[k].process_cpu_ns / 1e3 / static_cast<double>(acc[k].measured);
+        mr.thread_cpu_us_per_iter = acc[k].thread_cpu_ns / 1e3 / static_cast<double>(acc[k].measured);
+        if (mr.method != "stepmesh" && M > 1) mr.note = "baselines run one request at a time";
+      }
+      r.methods.push_back(std::move(mr));
+    }
+    DeriveRatios(r);
+    if (worker->rank() == 0) {
+      PrintSizeTable(r);
+      std::fflush(stdout);
+    }
+    results.push_back(std::move(r));
+  }
+  raw.reset();  // close the baseline connections before the servers stop serving
+  zmq.reset();
+  STEPMESH_RETURN_IF_ERROR(worker->Barrier());
+  STEPMESH_RETURN_IF_ERROR(worker->Shutdown());
+  return results;
+}
+
+// ---------------------------------------------------------------- launcher
+
+// PIDs the watchdog kills when the deadline passes (async-signal-safe reads).
+std::atomic<pid_t> g_children[64];
+
+void StartWatchdog(int deadline_s) {
+  std::thread([deadline_s] {
+    absl::SleepFor(absl::Seconds(deadline_s));
+    std::fprintf(stderr, "stepmesh_perf: deadline of %d s passed, killing the run\n", deadline_s);
+    for (auto& pid : g_children) {
+      const pid_t p = pid.load();
+      if (p > 0) ::kill(p, SIGKILL);
+    }
+    std::_Exit(124);
+  }).detach();
+}
+
+// Free TCP ports for the baseline listeners: bound and released here, so a
+// race with another program is possible but harmless (the bind then fails loudly).
+absl::StatusOr<int> PickBaselinePort(int servers) {
+  for (int attempt = 0; attempt < 50; ++attempt) {
+    STEPMESH_ASSIGN_OR_RETURN(core::UniqueFd probe, core::ListenTcp("127.0.0.1", 0));
+    STEPMESH_ASSIGN_OR_RETURN(uint16_t base, core::LocalPort(probe.get()));
+    if (base + 2 * servers >= 65535) continue;
+    probe.Reset();
+    bool all_free = true;
+    for (int p = base; p < base + 2 * servers; ++p) {
+      if (!core::ListenTcp("127.0.0.1", static_cast<uint16_t>(p)).ok()) all_free = false;
+    }
+    if (all_free) return base;
+  }
+  return absl::UnavailableError("no free port range for the baselines");
+}
+
+std::string SelfPath() {
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+}
+
+std::vector<std::string> PlanArgs(const Flags& f) {
+  std::vector<std::string> sizes;
+  for (const auto& [p, q] : f.sizes) sizes.push_back(absl::StrCat(p, ":", q));
+  std::vector<std::string> a = {
+      "--scheduler", f.scheduler, "--transport", f.transport, "--backend", f.backend,
+      "--device", absl::StrCat(f.device), "--pattern", absl::StrCat(f.workers, "A", f.servers, "F"),
+      "--sizes", absl::StrJoin(sizes, ","), "--micro-batches", absl::StrCat(f.micro_batches),
+      "--warmup", absl::StrCat(f.warmup), "--iters", absl::StrCat(f.iters),
+      "--reps", absl::StrCat(f.reps), "--poll-mode", f.poll_mode,
+      "--host", f.host, "--baseline-port", absl::StrCat(f.baseline_port),
+      "--deadline-s", absl::StrCat(f.deadline_s), "--timeout-ms", absl::StrCat(f.timeout_ms),
+      "--sockbuf", absl::StrCat(f.sockbuf)};
+  if (!f.baselines.empty()) {
+    a.push_back("--baseline");
+    a.push_back(absl::StrJoin(f.baselines, ","));
+  }
+  if (!f.send_cores.empty()) {
+    a.push_back("--send-cores");
+    a.push_back(absl::StrJoin(f.send_cores, ","));
+  }
+  if (!f.recv_cores.empty()) {
+    a.push_back("--recv-cores");
+    a.push_back(absl::StrJoin(f.recv_cores, ","));
+  }
+  return a;
+}
+
+int RunLaunch(Flags f) {
+  MeshOptions sched_options = MakeOptions(f, Role::kScheduler);
+  sched_options.scheduler = "127.0.0.1:0";
+  absl::StatusOr<std::unique_ptr<Scheduler>> scheduler = Scheduler::Start(sched_options);
+  if (!scheduler.ok()) {
+    std::fprintf(stderr, "stepmesh_perf: scheduler: %s\n", scheduler.status().ToString().c_str());
+    return 1;
+  }
+  f.scheduler = (*scheduler)->address();
+  if (f.baseline_port == 0 && (Wants(f, "raw-tcp") || Wants(f, "zmq"))) {
+    absl::StatusOr<int> port = PickBaselinePort(f.servers);
+    if (!port.ok()) {
+      std::fprintf(stderr, "stepmesh_perf: %s\n", port.status().ToString().c_str());
+      return 1;
+    }
+    f.baseline_port = *port;
+  }
+  PrintHeader({f.command_line, f.pattern, f.workers, f.servers, f.transport, f.backend,
+               f.poll_mode, f.micro_batches, f.warmup, f.iters, f.reps, !f.threads},
+              GetMachineInfo());
+  std::fflush(stdout);
+
+  // Other participants: child processes of this binary, or threads.
+  std::vector<testing::ChildProcess> children;
+  std::vector<std::thread> threads;
+  absl::Mutex error_mu;
+  std::string thread_error;
+  auto spawn = [&](const std::string& role, int rank) -> absl::Status {
+    Flags g = f;
+    g.rank = rank;
+    if (f.threads) {
+      threads.emplace_back([g, role, &error_mu, &thread_error] {
+        absl::Status s = role == "server" ? RunServerRole(g) : RunWorkerRole(g).status();
+        if (!s.ok()) {
+          absl::MutexLock lock(&error_mu);
+          absl::StrAppend(&thread_error, role, " ", g.rank, ": ", s.ToString(), "; ");
+        }
+      });
+      return absl::OkStatus();
+    }
+    std::vector<std::string> argv = {SelfPath(), "--role", role, "--rank", absl::StrCat(rank),
+                                     "--parent-pid", absl::StrCat(::getpid())};
+    for (std::string& a : PlanArgs(g)) argv.push_back(std::move(a));
+    STEPMESH_ASSIGN_OR_RETURN(testing::ChildProcess child, testing::ChildProcess::Spawn(argv));
+    g_children[children.size()].store(child.pid());
+    children.push_back(std::move(child));
+    return absl::OkStatus();
+  };
+  absl::Status spawned;
+  for (int s = 0; s < f.servers && spawned.ok(); ++s) spawned = spawn("server", s);
+  for (int w = 1; w < f.workers && spawned.ok(); ++w) spawned = spawn("worker", w);
+  int rc = 0;
+  if (!spawned.ok()) {
+    std::fprintf(stderr, "stepmesh_perf: %s\n", spawned.ToString().c_str());
+    rc = 1;
+  }
+  absl::StatusOr<std::vector<SizeResult>> results = absl::CancelledError("not run");
+  if (rc == 0) {
+    Flags me = f;
+    me.rank = 0;
+    results = RunWorkerRole(me);
+    if (!results.ok()) {
+      std::fprintf(stderr, "stepmesh_perf: worker 0: %s\n", results.status().ToString().c_str());
+      rc = 1;
+    }
+  }
+  for (size_t i = 0; i < children.size(); ++i) {
+    // After a failure here the children would only wait for their timeouts: end them now.
+    if (rc != 0) children[i].Kill();
+    absl::StatusOr<int> code = children[i].Wait(absl::Milliseconds(f.timeout_ms) + absl::Seconds(5));
+    g_children[i].store(0);
+    if (rc == 0 && (!code.ok() || *code != 0)) {
+      std::fprintf(stderr, "stepmesh_perf: child %zu ended with %s\n", i,
+                   code.ok() ? absl::StrCat("exit code ", *code).c_str()
+                             : code.status().ToString().c_str());
+      rc = 1;
+    }
+  }
+  for (std::thread& t : threads) t.join();
+  if (!thread_error.empty()) {
+    std::fprintf(stderr, "stepmesh_perf: %s\n", thread_error.c_str());
+    rc = 1;
+  }
+  (*scheduler)->Stop();
+  if (rc == 0 && !f.json.empty()) {
+    absl::Status written =
+        WriteJson(f.json, {f.command_line, f.pattern, f.workers, f.servers, f.transport, f.backend,
+                           f.poll_mode, f.micro_batches, f.warmup, f.iters, f.reps, !f.threads},
+                  GetMachineInfo(), *results);
+    if (!written.ok()) {
+      std::fprintf(stderr, "stepmesh_perf: %s\n", written.ToString().c_str());
+      rc = 1;
+    } else {
+      std::printf("\n wrote %s\n", f.json.c_str());
+    }
+  }
+  return rc;
+}
+
+int Main(int argc, char** argv) {
+  absl::StatusOr<Flags> parsed = ParseFlags(argc, argv);
+  if (!parsed.ok()) return Usage(std::string(parsed.status().message()).c_str());
+  Flags f = *std::move(parsed);
+  if (f.parent_pid > 0) {
+    // A child of the launcher dies with it, even when the launcher is SIGKILLed.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != f.parent_pid) return 1;
+  }
+  StartWatchdog(f.deadline_s);
+  if (f.role == "launch") return RunLaunch(std::move(f));
+  if (f.role == "scheduler") {
+    MeshOptions o = MakeOptions(f, Role::kScheduler);
+    absl::StatusOr<std::unique_ptr<Scheduler>> s = Scheduler::Start(o);
+    if (!s.ok()) {
+      std::fprintf(stderr, "stepmesh_perf: %s\n", s.status().ToString().c_str());
+      return 1;
+    }
+    std::printf("scheduler at %s for %d worker(s) and %d server(s)\n", (*s)->address().c_str(),
+                f.workers, f.servers);
+    std::fflush(stdout);
+    absl::Status done = (*s)->WaitUntilDone(absl::Seconds(f.deadline_s));
+    (*s)->Stop();
+    return done.ok() ? 0 : 1;
+  }
+  if (f.role == "server") {
+    absl::Status s = RunServerRole(f);
+    if (!s.ok()) std::fprintf(stderr, "stepmesh_perf: server %d: %s\n", f.rank, s.ToString().c_str());
+    return s.ok() ? 0 : 1;
+  }
+  if (f.role == "worker") {
+    const bool reporter = f.rank == 0 && f.parent_pid == 0;
+    if (reporter) {
+      PrintHeader({f.command_line, f.pattern, f.workers, f.servers, f.transport, f.backend,
+                   f.poll_mode, f.micro_batches, f.warmup, f.iters, f.reps, true},
+                  GetMachineInfo());
+    }
+    absl::StatusOr<std::vector<SizeResult>> r = RunWorkerRole(f);
+    if (!r.ok()) {
+      std::fprintf(stderr, "stepmesh_perf: worker %d: %s\n", f.rank, r.status().ToString().c_str());
+      return 1;
+    }
+    if (reporter && !f.json.empty()) {
+      absl::Status w = WriteJson(f.json, {f.command_line, f.pattern, f.workers, f.servers,
+                                          f.transport, f.backend, f.poll_mode, f.micro_batches,
+                                          f.warmup, f.iters, f.reps, true},
+                                 GetMachineInfo(), *r);
+      if (!w.ok()) std::fprintf(stderr, "stepmesh_perf: %s\n", w.ToString().c_str());
+      return w.ok() ? 0 : 1;
+    }
+    return 0;
+  }
+  return Usage("unknown --role");
+}
+
+}  // namespace
+}  // namespace stepmesh::bench
+
+int main(int argc, char** argv) { return stepmesh::bench::Main(argc, argv); }

@@ -1,0 +1,371 @@
+// The fake must refuse what hardware refuses, or transport tests prove nothing.
+
+#include "tests/rdma/fake_verbs.h"
+
+#include <poll.h>
+
+#include <catch2/catch.hpp>
+#include <cstring>
+#include <vector>
+
+#include "src/transport/rdma/verbs_resources.h"
+
+namespace stepmesh::testing {
+namespace {
+
+using core::ChannelHandle;
+using core::ContextHandle;
+using core::CqHandle;
+using core::MrHandle;
+using core::PdHandle;
+using core::QpHandle;
+
+// One side of a fake RC connection with its own buffer.
+struct Side {
+  std::shared_ptr<VerbsApi> verbs;
+  ContextHandle ctx;
+  PdHandle pd;
+  ChannelHandle channel;
+  CqHandle send_cq;
+  CqHandle recv_cq;
+  QpHandle qp;
+  std::vector<std::byte> buffer = std::vector<std::byte>(4096);
+  MrHandle mr;
+  ibv_gid gid{};
+
+  Side(FakeFabric& fabric, uint32_t ip, int cqe = 64, uint32_t max_send_wr = 16,
+       int mr_access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE) {
+    FakeNicSpec spec;
+    spec.name = "fake" + std::to_string(ip & 0xFF);
+    spec.ipv4 = ip;
+    verbs = fabric.AddHost(spec);
+    int n = 0;
+    ibv_device** list = verbs->GetDeviceList(&n);
+    REQUIRE(n == 1);
+    ctx = ContextHandle(verbs.get(), verbs->OpenDevice(list[0]));
+    verbs->FreeDeviceList(list);
+    pd = PdHandle(verbs.get(), verbs->AllocPd(ctx.get()));
+    channel = ChannelHandle(verbs.get(), verbs->CreateCompChannel(ctx.get()));
+    send_cq = CqHandle(verbs.get(), verbs->CreateCq(ctx.get(), cqe, nullptr, nullptr, 0));
+    recv_cq = CqHandle(verbs.get(), verbs->CreateCq(ctx.get(), cqe, nullptr, channel.get(), 0));
+    ibv_qp_init_attr attr{};
+    attr.send_cq = send_cq.get();
+    attr.recv_cq = recv_cq.get();
+    attr.qp_type = IBV_QPT_RC;
+    attr.cap.max_send_wr = max_send_wr;
+    attr.cap.max_recv_wr = 16;
+    attr.cap.max_send_sge = 1;
+    attr.cap.max_recv_sge = 1;
+    attr.cap.max_inline_data = 64;
+    qp = QpHandle(verbs.get(), verbs->CreateQp(pd.get(), &attr));
+    REQUIRE(qp);
+    mr = MrHandle(verbs.get(), verbs->RegMr(pd.get(), buffer.data(), buffer.size(), mr_access));
+    REQUIRE(mr);
+    ibv_gid_entry entry{};
+    REQUIRE(verbs->QueryGidEx(ctx.get(), 1, 1, &entry) == 0);
+    gid = entry.gid;
+  }
+
+  int ToInit() {
+    ibv_qp_attr a{};
+    a.qp_state = IBV_QPS_INIT;
+    a.port_num = 1;
+    a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+    return verbs->ModifyQp(qp.get(), &a,
+                           IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
+  }
+  int ToRtr(const Side& peer) {
+    ibv_qp_attr a{};
+    a.qp_state = IBV_QPS_RTR;
+    a.path_mtu = IBV_MTU_1024;
+    a.dest_qp_num = peer.qp->qp_num;
+    a.rq_psn = 100;
+    a.max_dest_rd_atomic = 1;
+    a.min_rnr_timer = 12;
+    a.ah_attr.is_global = 1;
+    a.ah_attr.grh.dgid = peer.gid;
+    a.ah_attr.grh.sgid_index = 1;
+    a.ah_attr.port_num = 1;
+    return verbs->ModifyQp(qp.get(), &a,
+                           IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+                               IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
+  }
+  int ToRts() {
+    ibv_qp_attr a{};
+    a.qp_state = IBV_QPS_RTS;
+    a.timeout = 14;
+    a.retry_cnt = 7;
+    a.rnr_retry = 3;
+    a.sq_psn = 100;
+    a.max_rd_atomic = 1;
+    return verbs->ModifyQp(qp.get(), &a,
+                           IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
+                               IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC);
+  }
+  int PostRecv(uint64_t id) {
+    ibv_recv_wr wr{};
+    wr.wr_id = id;
+    ibv_recv_wr* bad;
+    return verbs->PostRecv(qp.get(), &wr, &bad);
+  }
+  // RDMA_WRITE(_WITH_IMM) of `len` bytes from buffer+src_off to peer buffer+dst_off.
+  int Write(const Side& peer, size_t src_off, size_t dst_off, uint32_t len, bool imm = false,
+            unsigned flags = IBV_SEND_SIGNALED, uint32_t rkey = 0, uint32_t lkey = 0,
+            uint64_t wr_id = 1) {
+    ibv_sge sge{reinterpret_cast<uintptr_t>(buffer.data() + src_off), len,
+                lkey ? lkey : mr->lkey};
+    ibv_send_wr wr{};
+    wr.wr_id = wr_id;
+    wr.sg_list = &sge;
+    wr.num_sge = 1;
+    wr.opcode = imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
+    wr.send_flags = flags;
+    wr.imm_data = 0xABCD;
+    wr.wr.rdma.remote_addr = reinterpret_cast<uintptr_t>(peer.buffer.data()) + dst_off;
+    wr.wr.rdma.rkey = rkey ? rkey : peer.mr->rkey;
+    ibv_send_wr* bad;
+    return verbs->PostSend(qp.get(), &wr, &bad);
+  }
+  std::vector<ibv_wc> Drain(const CqHandle& cq) {
+    std::vector<ibv_wc> out(64);
+    const int n = verbs->PollCq(cq.get(), 64, out.data());
+    out.resize(n < 0 ? 0 : n);
+    return out;
+  }
+};
+
+void Connect(Side& a, Side& b) {
+  REQUIRE(a.ToInit() == 0);
+  REQUIRE(b.ToInit() == 0);
+  REQUIRE(a.ToRtr(b) == 0);
+  REQUIRE(b.ToRtr(a) == 0);
+  REQUIRE(a.ToRts() == 0);
+  REQUIRE(b.ToRts() == 0);
+}
+
+TEST_CASE("fake verbs: a write inside a remote-writable MR lands", "[rdma][fake]") {
+  FakeFabric fabric;
+  Side a(fabric, 0x0A000001), b(fabric, 0x0A000002);
+  Connect(a, b);
+  std::memset(a.buffer.data(), 0x5A, 100);
+  REQUIRE(a.Write(b, 0, 200, 100) == 0);
+  auto wcs = a.Drain(a.send_cq);
+  REQUIRE(wcs.size() == 1);
+  CHECK(wcs[0].status == IBV_WC_SUCCESS);
+  CHECK(b.buffer[200] == std::byte{0x5A});
+  CHECK(b.buffer[299] == std::byte{0x5A});
+  CHECK(b.buffer[300] == std::byte{0});
+}
+
+TEST_CASE("fake verbs: remote faults complete with REM_ACCESS_ERR and error the QP",
+          "[rdma][fake]") {
+  FakeFabric fabric;
+  Side a(fabric, 0x0A000001), b(fabric, 0x0A000002);
+  Connect(a, b);
+  SECTION("write past the end of the MR") { REQUIRE(a.Write(b, 0, 4000, 200) == 0); }
+  SECTION("wrong rkey") { REQUIRE(a.Write(b, 0, 0, 8, false, IBV_SEND_SIGNALED, 0x1234) == 0); }
+  SECTION("lkey used as rkey") {
+    REQUIRE(a.Write(b, 0, 0, 8, false, IBV_SEND_SIGNALED, b.mr->lkey) == 0);
+  }
+  auto wcs = a.Drain(a.send_cq);
+  REQUIRE(wcs.size() == 1);
+  CHECK(wcs[0].status == IBV_WC_REM_ACCESS_ERR);
+  // The QP is in ERR: a later WR is flushed, never executed.
+  REQUIRE(a.Write(b, 0, 0, 8) == 0);
+  wcs = a.Drain(a.send_cq);
+  REQUIRE(wcs.size() == 1);
+  CHECK(wcs[0].status == IBV_WC_WR_FLUSH_ERR);
+  CHECK(fabric.stats().access_errors == 1);
+}
+
+TEST_CASE("fake verbs: an MR without REMOTE_WRITE refuses remote writes", "[rdma][fake]") {
+  FakeFabric fabric;
+  Side a(fabric, 0x0A000001);
+  Side b(fabric, 0x0A000002, 64, 16, IBV_ACCESS_LOCAL_WRITE);
+  Connect(a, b);
+  REQUIRE(a.Write(b, 0, 0, 8) == 0);
+  auto wcs = a.Drain(a.send_cq);
+  REQUIRE(wcs.size() == 1);
+  CHECK(wcs[0].status == IBV_WC_REM_ACCESS_ERR);
+}
+
+TEST_CASE("fake verbs: REMOTE_WRITE without LOCAL_WRITE is refused at registration",
+          "[rdma][fake]") {
+  FakeFabric fabric;
+  Side a(fabric, 0x0A000001);
+  std::vector<std::byte> mem(64);
+  CHECK(a.verbs->RegMr(a.pd.get(), mem.data(), mem.size(), IBV_ACCESS_REMOTE_WRITE) == nullptr);
+}
+
+TEST_CASE("fake verbs: a bad lkey completes with LOC_PROT_ERR", "[rdma][fake]") {
+  FakeFabric fabric;
+  Side a(fabric, 0x0A000001), b(fabric, 0x0A000002);
+  Connect(a, b);
+  REQUIRE(a.Write(b, 0, 0, 8, false, IBV_SEND_SIGNALED, 0, 0x7777) == 0);
+  auto wcs = a.Drain(a.send_cq);
+  REQUIRE(wcs.size() == 1);
+  CHECK(wcs[0].status == IBV_WC_LOC_PROT_ERR);
+}
+
+TEST_CASE("fake verbs: the QP state machine gates posting", "[rdma][fake]") {
+  FakeFabric fabric;
+  Side a(fabric, 0x0A000001), b(fabric, 0x0A000002);
+  CHECK(a.PostRecv(1) == EINVAL);  // RESET
+  CHECK(a.Write(b, 0, 0, 8) == EINVAL);
+  // RTR without INIT, RTS without RTR: refused.
+  CHECK(a.ToRtr(b) == EINVAL);
+  CHECK(a.ToRts() == EINVAL);
+  REQUIRE(a.ToInit() == 0);
+  CHECK(a.PostRecv(1) == 0);  // receives may be posted from INIT
+  CHECK(a.Write(b, 0, 0, 8) == EINVAL);
+  // RTR needs its full attribute mask.
+  ibv_qp_attr attr{};
+  attr.qp_state = IBV_QPS_RTR;
+  CHECK(a.verbs->ModifyQp(a.qp.get(), &attr, IBV_QP_STATE) == EINVAL);
+  REQUIRE(a.ToRtr(b) == 0);
+  CHECK(a.Write(b, 0, 0, 8) == EINVAL);  // RTR cannot send
+  REQUIRE(a.ToRts() == 0);
+}
+
+TEST_CASE("fake verbs: inline data over the granted cap is refused", "[rdma][fake]") {
+  FakeFabric fabric;
+  Side a(fabric, 0x0A000001), b(fabric, 0x0A000002);
+  Connect(a, b);
+  CHECK(a.Write(b, 0, 0, 64, false, IBV_SEND_INLINE | IBV_SEND_SIGNALED) == 0);
+  CHECK(a.Write(b, 0, 0, 65, false, IBV_SEND_INLINE | IBV_SEND_SIGNALED) == EINVAL);
+  // Asking for more than the NIC can grant fails QP creation.
+  ibv_qp_init_attr attr{};
+  attr.send_cq = a.send_cq.get();
+  attr.recv_cq = a.recv_cq.get();
+  attr.qp_type = IBV_QPT_RC;
+  attr.cap.max_send_wr = 4;
+  attr.cap.max_inline_data = 4096;
+  CHECK(a.verbs->CreateQp(a.pd.get(), &attr) == nullptr);
+}
+
+TEST_CASE("fake verbs: WRITE_WITH_IMM consumes a posted receive, in order", "[rdma][fake]") {
+  FakeFabric fabric;
+  Side a(fabric, 0x0A000001), b(fabric, 0x0A000002);
+  Connect(a, b);
+  REQUIRE(b.PostRecv(11) == 0);
+  REQUIRE(b.PostRecv(12) == 0);
+  REQUIRE(a.Write(b, 0, 0, 16, true) == 0);
+  REQUIRE(a.Write(b, 0, 16, 32, true) == 0);
+  auto wcs = b.Drain(b.recv_cq);
+  REQUIRE(wcs.size() == 2);
+  CHECK(wcs[0].wr_id == 11);
+  CHECK(wcs[0].opcode == IBV_WC_RECV_RDMA_WITH_IMM);
+  CHECK(wcs[0].imm_data == 0xABCD);
+  CHECK(wcs[0].byte_len == 16);
+  CHECK(wcs[1].wr_id == 12);
+  CHECK(wcs[1].byte_len == 32);
+  CHECK(wcs[1].src_qp == a.qp->qp_num);
+}
+
+TEST_CASE("fake verbs: WRITE_WITH_IMM without a posted receive is an RNR error",
+          "[rdma][fake]") {
+  FakeFabric fabric;
+  Side a(fabric, 0x0A000001), b(fabric, 0x0A000002);
+  Connect(a, b);
+  REQUIRE(a.Write(b, 0, 0, 8, true, 0) == 0);  // unsignalled: errors complete anyway
+  auto wcs = a.Drain(a.send_cq);
+  REQUIRE(wcs.size() == 1);
+  CHECK(wcs[0].status == IBV_WC_RNR_RETRY_EXC_ERR);
+  CHECK(fabric.stats().rnr_errors == 1);
+}
+
+TEST_CASE("fake verbs: send-queue slots come back only with signalled completions",
+          "[rdma][fake]") {
+  FakeFabric fabric;
+  Side a(fabric, 0x0A000001, 64, 4), b(fabric, 0x0A000002);
+  Connect(a, b);
+  for (int i = 0; i < 4; ++i) REQUIRE(a.Write(b, 0, 0, 8, false, 0) == 0);
+  CHECK(a.Write(b, 0, 0, 8, false, 0) == ENOMEM);
+  CHECK(a.Drain(a.send_cq).empty());  // nothing signalled, nothing to reap
+  // Reset and try again with the last one signalled: polling it frees all four.
+  FakeFabric fabric2;
+  Side c(fabric2, 0x0A000001, 64, 4), d(fabric2, 0x0A000002);
+  Connect(c, d);
+  for (int i = 0; i < 3; ++i) REQUIRE(c.Write(d, 0, 0, 8, false, 0) == 0);
+  REQUIRE(c.Write(d, 0, 0, 8, false, IBV_SEND_SIGNALED) == 0);
+  CHECK(c.Write(d, 0, 0, 8, false, 0) == ENOMEM);
+  CHECK(c.Drain(c.send_cq).size() == 1);
+  CHECK(c.Write(d, 0, 0, 8, false, 0) == 0);
+}
+
+TEST_CASE("fake verbs: a PSN mismatch or missing peer QP is a retry error", "[rdma][fake]") {
+  FakeFabric fabric;
+  Side a(fabric, 0x0A000001), b(fabric, 0x0A000002);
+  REQUIRE(a.ToInit() == 0);
+  REQUIRE(b.ToInit() == 0);
+  REQUIRE(a.ToRtr(b) == 0);
+  REQUIRE(a.ToRts() == 0);  // b never reaches RTR
+  REQUIRE(a.Write(b, 0, 0, 8) == 0);
+  auto wcs = a.Drain(a.send_cq);
+  REQUIRE(wcs.size() == 1);
+  CHECK(wcs[0].status == IBV_WC_RETRY_EXC_ERR);
+}
+
+TEST_CASE("fake verbs: CQ overflow raises CQ_ERR and errors the QP", "[rdma][fake]") {
+  FakeFabric fabric;
+  Side a(fabric, 0x0A000001, 2), b(fabric, 0x0A000002);
+  Connect(a, b);
+  for (int i = 0; i < 3; ++i) REQUIRE(a.Write(b, 0, 0, 8) == 0);
+  ibv_wc wc[4];
+  CHECK(a.verbs->PollCq(a.send_cq.get(), 4, wc) < 0);
+  ibv_async_event event;
+  REQUIRE(a.verbs->GetAsyncEvent(a.ctx.get(), &event) == 0);
+  CHECK(event.event_type == IBV_EVENT_CQ_ERR);
+  CHECK(fabric.stats().cq_overflows == 1);
+}
+
+TEST_CASE("fake verbs: moving to ERR flushes posted receives", "[rdma][fake]") {
+  FakeFabric fabric;
+  Side a(fabric, 0x0A000001), b(fabric, 0x0A000002);
+  Connect(a, b);
+  REQUIRE(b.PostRecv(1) == 0);
+  REQUIRE(b.PostRecv(2) == 0);
+  fabric.FailNic(b.verbs->GetDeviceName(b.ctx->device));
+  auto wcs = b.Drain(b.recv_cq);
+  REQUIRE(wcs.size() == 2);
+  CHECK(wcs[0].status == IBV_WC_WR_FLUSH_ERR);
+  CHECK(wcs[1].wr_id == 2);
+  // The peer's next write finds no receiving QP.
+  REQUIRE(a.Write(b, 0, 0, 8) == 0);
+  wcs = a.Drain(a.send_cq);
+  REQUIRE(wcs.size() == 1);
+  CHECK(wcs[0].status == IBV_WC_RETRY_EXC_ERR);
+}
+
+TEST_CASE("fake verbs: an armed CQ signals its channel once", "[rdma][fake]") {
+  FakeFabric fabric;
+  Side a(fabric, 0x0A000001), b(fabric, 0x0A000002);
+  Connect(a, b);
+  REQUIRE(b.PostRecv(1) == 0);
+  REQUIRE(b.PostRecv(2) == 0);
+  REQUIRE(b.verbs->ReqNotifyCq(b.recv_cq.get(), 0) == 0);
+  REQUIRE(a.Write(b, 0, 0, 8, true) == 0);
+  REQUIRE(a.Write(b, 0, 0, 8, true) == 0);
+  pollfd pfd{b.channel->fd, POLLIN, 0};
+  REQUIRE(::poll(&pfd, 1, 0) == 1);
+  ibv_cq* cq;
+  void* ctx;
+  REQUIRE(b.verbs->GetCqEvent(b.channel.get(), &cq, &ctx) == 0);
+  CHECK(cq == b.recv_cq.get());
+  CHECK(b.verbs->GetCqEvent(b.channel.get(), &cq, &ctx) != 0);  // one event per arm
+  // Unacked events keep the CQ alive (ibv_destroy_cq would block).
+  b.qp.Reset();
+  CHECK(b.verbs->DestroyCq(b.recv_cq.get()) == EBUSY);
+  b.verbs->AckCqEvents(cq, 1);
+}
+
+TEST_CASE("fake verbs: resources in use cannot be released", "[rdma][fake]") {
+  FakeFabric fabric;
+  Side a(fabric, 0x0A000001);
+  CHECK(a.verbs->DestroyCq(a.send_cq.get()) == EBUSY);  // the QP uses it
+  CHECK(a.verbs->DeallocPd(a.pd.get()) == EBUSY);       // MR and QP
+  CHECK(a.verbs->DestroyCompChannel(a.channel.get()) == EBUSY);
+}
+
+}  // namespace
+}  // namespace stepmesh::testing

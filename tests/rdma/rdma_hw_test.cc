@@ -1,0 +1,71 @@
+// The RDMA conformance scenarios on real verbs: every participant is a thread
+// of this process and all of them share the selected NIC (loopback through the
+// adapter). Exits 77 (ctest: skipped) when no RDMA device with an active port
+// exists. The device comes from STEPMESH_RDMA_DEVICE / STEPMESH_RDMA_GID_INDEX
+// etc. (MeshOptions::FromEnv), or is chosen automatically.
+
+#define CATCH_CONFIG_RUNNER
+#include <catch2/catch.hpp>
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "src/core/mesh.h"
+#include "src/transport/rdma/rdma_transport.h"
+#include "src/transport/rdma/verbs_resources.h"
+#include "tests/core/mesh_scenarios.h"
+
+namespace stepmesh {
+namespace {
+
+MeshOptions HwOptions(int qps) {
+  absl::StatusOr<MeshOptions> env = MeshOptions::FromEnv();
+  MeshOptions o = env.ok() ? *env : MeshOptions();
+  o.transport = "rdma";
+  o.timeout = absl::Seconds(20);
+  o.rdma_qps_per_peer = qps;
+  return o;
+}
+
+core::TransportFactory RealRdma() {
+  return [](const MeshOptions& options) { return core::CreateRdmaTransport(options); };
+}
+
+TEST_CASE("hw conformance: 1A1F, 1A2F, 2A2F, 3 micro-batches", "[rdma][hw]") {
+  for (auto [w, s] : {std::pair{1, 1}, std::pair{1, 2}, std::pair{2, 2}}) {
+    testing::Scenario sc;
+    sc.workers = w;
+    sc.servers = s;
+    sc.iterations = 200;
+    INFO(w << "A" << s << "F");
+    absl::Status result = testing::RunInProcess(sc, HwOptions(1), RealRdma());
+    CHECK(result.ok());
+    if (!result.ok()) FAIL_CHECK(result.ToString());
+  }
+}
+
+TEST_CASE("hw conformance: two QPs per peer (striped payloads)", "[rdma][hw]") {
+  testing::Scenario sc;
+  sc.iterations = 200;
+  absl::Status result = testing::RunInProcess(sc, HwOptions(2), RealRdma());
+  CHECK(result.ok());
+  if (!result.ok()) FAIL_CHECK(result.ToString());
+}
+
+}  // namespace
+}  // namespace stepmesh
+
+int main(int argc, char** argv) {
+  if (!stepmesh::core::RdmaDeviceAvailable()) {
+    std::fprintf(stderr, "rdma_hw_tests: no RDMA device with an active port; skipping\n");
+    return 77;
+  }
+  absl::StatusOr<stepmesh::MeshOptions> env = stepmesh::MeshOptions::FromEnv();
+  if (env.ok() && !env->rdma_device.empty()) {
+    auto verbs = stepmesh::core::MakeRealVerbsApi();
+    if (!stepmesh::core::OpenPort(*verbs, *env).ok()) {
+      std::fprintf(stderr, "rdma_hw_tests: device %s unusable; skipping\n", env->rdma_device.c_str());
+      return 77;
+    }
+  }
+  return Catch::Session().run(argc, argv);
+}
