@@ -6,8 +6,8 @@
 // One machine (default): launches an xAyF mesh on 127.0.0.1 as child
 // processes of itself (--threads: threads of this process), measures on
 // worker 0 (this process) and prints an ib_write_lat-like table per size:
-//   stepmesh_perf --transport tcp --pattern 1A1F --push-bytes 917504 \
-//       --pull-bytes 1835008 --iters 2000 --baseline raw-tcp,zmq --json out.json
+//   stepmesh_perf --transport tcp --pattern 1A1F --push-bytes 917504
+//       (cont.) --pull-bytes 1835008 --iters 2000 --baseline raw-tcp,zmq --json out.json
 // Two hosts: run the roles yourself (docs/benchmarks.md):
 //   host A: stepmesh_perf --role scheduler --scheduler A:9000 --pattern 1A1F
 //   host A: stepmesh_perf --role server --rank 0 --scheduler A:9000 --host A ...

@@ -66,7 +66,9 @@ class Stream {
   // Runs `fn` on the host when the stream reaches this point (the CPU kernels of
   // the example run this way on cpu_mock; cudaLaunchHostFunc on CUDA).
   virtual absl::Status LaunchHostFunc(std::function<void()> fn) = 0;
-  // Later work waits until flag >= value (cuStreamWaitValue32 or a wait kernel).
+  // Later work waits until flag >= value, compared wrap-safe as
+  // int32_t(flag - value) >= 0 so counters may run past 2^32 (cuStreamWaitValue32
+  // GEQ semantics, or a wait kernel).
   virtual absl::Status WaitHostFlag(HostFlag& flag, uint32_t value) = 0;
   // The stream writes `value` to `flag` when it reaches this point.
   virtual absl::Status SignalHostFlag(HostFlag& flag, uint32_t value) = 0;

@@ -75,7 +75,8 @@ class MockStream final : public Stream {
   absl::Status WaitHostFlag(HostFlag& flag, uint32_t value) override {
     // Like a GPU stream-wait: later work on this stream stalls, the host does not.
     return LaunchHostFunc([this, &flag, value] {
-      while (flag.Load() < value && !stopping_.load(std::memory_order_relaxed)) {
+      while (static_cast<int32_t>(flag.Load() - value) < 0 &&
+             !stopping_.load(std::memory_order_relaxed)) {
         std::this_thread::yield();
       }
     });

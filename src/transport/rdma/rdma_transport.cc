@@ -16,6 +16,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -162,6 +163,11 @@ struct Peer {
   }
 };
 
+struct ReceiveSlot {
+  std::byte* data = nullptr;
+  size_t bytes = 0;
+};
+
 struct LocalRegion {
   RegionInfo info;
   MrHandle local_mr;
@@ -288,10 +294,19 @@ class RdmaTransport final : public Transport {
     if (regions_.contains(info.id)) {
       return absl::AlreadyExistsError(absl::StrCat("rdma: region ", info.id, " registered twice"));
     }
+    for (NodeId writer : info.slot_peers) {
+      if (receive_slots_.contains({info.key, writer})) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "rdma: ", PeerName(writer), " already has a receive slot for key ", info.key));
+      }
+    }
     LocalRegion* raw = region.get();
     regions_.emplace(info.id, std::move(region));
     if (info.remote_writable) {
-      receive_keys_[info.key] = raw;
+      for (uint32_t slot = 0; slot < info.num_slots; ++slot) {
+        receive_slots_[{info.key, info.slot_peers[slot]}] = ReceiveSlot{
+            static_cast<std::byte*>(info.base) + slot * info.slot_bytes, info.slot_bytes};
+      }
       for (uint32_t slot = 0; slot < info.num_slots; ++slot) {
         if (Peer* peer = FindPeer(info.slot_peers[slot]); peer != nullptr && !peer->lost) {
           SendAdvert(*peer, *raw, slot);
@@ -311,7 +326,7 @@ class RdmaTransport final : public Transport {
       regions_.erase(it);
       const RegionInfo& info = region->info;
       if (info.remote_writable) {
-        receive_keys_.erase(info.key);
+        for (NodeId writer : info.slot_peers) receive_slots_.erase({info.key, writer});
         std::byte msg[rdma::kBootHeaderBytes + rdma::kMaxBootBody];
         const size_t n = rdma::EncodeWithdraw(info.key, msg);
         for (NodeId owner : info.slot_peers) {
@@ -1057,19 +1072,17 @@ class RdmaTransport final : public Transport {
       return absl::OutOfRangeError("destination smaller than payload");
     }
     absl::MutexLock lock(&regions_mu_);
-    auto it = receive_keys_.find(header.key);
-    if (it == receive_keys_.end()) {
-      return absl::NotFoundError(absl::StrCat("rdma: no receive region for key ", header.key));
+    auto it = receive_slots_.find({header.key, writer});
+    if (it == receive_slots_.end()) {
+      return absl::NotFoundError(absl::StrCat("rdma: no receive slot for key ", header.key,
+                                              " from ", PeerName(writer)));
     }
-    const RegionInfo& info = it->second->info;
-    for (uint32_t slot = 0; slot < info.num_slots; ++slot) {
-      if (info.slot_peers[slot] != writer) continue;
-      auto* landed = static_cast<std::byte*>(info.base) + slot * info.slot_bytes;
-      if (dest.data == landed && header.payload_bytes <= info.slot_bytes) return absl::OkStatus();
+    if (dest.data != it->second.data || header.payload_bytes > it->second.bytes) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rdma: the destination for key ", header.key, " is not ", PeerName(writer),
+          "'s advertised slot"));
     }
-    return absl::FailedPreconditionError(absl::StrCat(
-        "rdma: the destination for key ", header.key, " is not ", PeerName(writer),
-        "'s advertised slot"));
+    return absl::OkStatus();
   }
 
   // Re-posts the consumed receive and, every quarter window, tells the peer.
@@ -1170,7 +1183,9 @@ class RdmaTransport final : public Transport {
 
   absl::Mutex regions_mu_;  // before peers_mu_ and any peer's write_mu
   absl::flat_hash_map<RegionId, std::unique_ptr<LocalRegion>> regions_ ABSL_GUARDED_BY(regions_mu_);
-  absl::flat_hash_map<uint64_t, LocalRegion*> receive_keys_ ABSL_GUARDED_BY(regions_mu_);
+  // Where each (key, writer) pair's payloads land: the slot advertised to it.
+  absl::flat_hash_map<std::pair<uint64_t, NodeId>, ReceiveSlot> receive_slots_
+      ABSL_GUARDED_BY(regions_mu_);
 
   absl::Mutex peers_mu_;
   absl::flat_hash_map<NodeId, Peer*> by_id_ ABSL_GUARDED_BY(peers_mu_);

@@ -1,0 +1,487 @@
+// afd_launch: runs a disaggregated Step-3 decode on this host and checks it.
+//
+//   afd_launch --attention X --ffn Y [--requests R] [--prompt-len 32]
+//              [--decode-steps 16] [--micro-batches 3] [--config tiny]
+//              [--transport tcp|rdma] [--backend cpu_mock|cuda]
+//              [--poll-mode adaptive|spin|blocking] [--timeout-ms 30000]
+//              [--deadline-s 300] [--chrome-trace FILE] [--work-dir DIR]
+//              [--scheduler-binary PATH] [--no-reference] [--no-layer-check]
+//              [--kill-ffn-after-ms N [--kill-ffn P] --expect-failure]
+//
+// Starts the stepmesh scheduler (in this process on a free 127.0.0.1 port,
+// or the stepmesh_scheduler program), X afd_attention and Y afd_ffn
+// processes from this program's directory, waits for them under a deadline,
+// prints the report and runs Gate A against the monolithic AFD-emulation
+// reference. The last line is "reference check: PASS (...)" or
+// "reference check: FAIL (...)" and the exit status follows it; any process
+// failing fails the run. Children are killed by PID on every failure path and
+// get PR_SET_PDEATHSIG, so none outlives the launcher.
+//
+// --kill-ffn-after-ms N kills FFN P (default the last) N ms after the start;
+// with --expect-failure the run passes when every attention instance exits
+// with an error naming that server within the mesh timeout ("failure check:
+// PASS (...)").
+
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "examples/afd_model/afd_common.h"
+#include "examples/afd_model/afd_report.h"
+#include "examples/afd_model/config.h"
+#include "stepmesh/stepmesh.h"
+
+namespace afd::example {
+namespace {
+
+volatile sig_atomic_t g_interrupted = 0;
+void OnSignal(int) { g_interrupted = 1; }
+
+// A child process: stdout/stderr go to files; killed and reaped by PID when
+// dropped while still running.
+class Child {
+ public:
+  static absl::StatusOr<std::unique_ptr<Child>> Start(std::string name,
+                                                      const std::vector<std::string>& argv,
+                                                      const std::string& out_path,
+                                                      const std::string& err_path) {
+    std::vector<char*> args;
+    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    const int out = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    const int err = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (out < 0 || err < 0) {
+      if (out >= 0) ::close(out);
+      if (err >= 0) ::close(err);
+      return absl::UnavailableError(absl::StrCat("cannot create log files for ", name));
+    }
+    const pid_t parent = ::getpid();
+    const pid_t pid = ::fork();
+    if (pid < 0) {
+      ::close(out);
+      ::close(err);
+      return absl::UnavailableError(absl::StrCat("fork: ", std::strerror(errno)));
+    }
+    if (pid == 0) {
+      // Only async-signal-safe calls until exec (the parent has threads).
+      // The kernel kills the child if the launcher dies, even by SIGKILL
+      // (a ctest timeout), so nothing is left behind.
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(127);
+      ::dup2(out, STDOUT_FILENO);
+      ::dup2(err, STDERR_FILENO);
+      ::execv(args[0], args.data());
+      ::_exit(127);
+    }
+    ::close(out);
+    ::close(err);
+    return std::unique_ptr<Child>(new Child(std::move(name), pid, out_path, err_path));
+  }
+
+  ~Child() { Kill(); }
+
+  // Non-blocking; true once exited (exit_code() then valid).
+  bool Poll() {
+    if (pid_ <= 0) return true;
+    int status = 0;
+    if (::waitpid(pid_, &status, WNOHANG) != pid_) return false;
+    exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    pid_ = -1;
+    return true;
+  }
+  void Kill() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    if (exit_code_ < 0) exit_code_ = 128 + SIGKILL;
+    killed_ = true;
+    pid_ = -1;
+  }
+  // SIGKILL without reaping (the kill test: the child's exit is observed by Poll).
+  void Signal(int sig) {
+    if (pid_ > 0) ::kill(pid_, sig);
+  }
+
+  const std::string& name() const { return name_; }
+  int exit_code() const { return exit_code_; }
+  bool killed_by_launcher() const { return killed_; }
+  bool running() const { return pid_ > 0; }
+  std::string Stdout() const { return ReadFile(out_path_); }
+  std::string Stderr() const { return ReadFile(err_path_); }
+
+ private:
+  Child(std::string name, pid_t pid, std::string out_path, std::string err_path)
+      : name_(std::move(name)), pid_(pid), out_path_(std::move(out_path)),
+        err_path_(std::move(err_path)) {}
+  static std::string ReadFile(const std::string& path) {
+    std::ifstream in(path);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+
+  std::string name_;
+  pid_t pid_;
+  std::string out_path_, err_path_;
+  int exit_code_ = -1;
+  bool killed_ = false;
+};
+
+std::string SelfDir() {
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return ".";
+  std::string path(buf, n);
+  return path.substr(0, path.rfind('/'));
+}
+
+// The last `lines` lines of `text`, indented.
+std::string Tail(const std::string& text, int lines) {
+  size_t pos = text.size();
+  for (int i = 0; i <= lines && pos > 0; ++i) {
+    const size_t nl = text.rfind('\n', pos - 1);
+    if (nl == std::string::npos) {
+      pos = 0;
+      break;
+    }
+    if (i < lines) pos = nl;
+    else pos = nl + 1;
+  }
+  std::string out;
+  std::istringstream in(text.substr(pos));
+  for (std::string line; std::getline(in, line);) absl::StrAppend(&out, "    ", line, "\n");
+  return out;
+}
+
+// Removes the launcher's own temporary directory (flat: logs and results).
+void RemoveWorkDir(const std::string& dir) {
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      if (name != "." && name != "..") ::unlink((dir + "/" + name).c_str());
+    }
+    ::closedir(d);
+  }
+  ::rmdir(dir.c_str());
+}
+
+struct LaunchFlags {
+  RunShape shape;
+  int64_t deadline_s = 300;
+  std::string chrome_trace;
+  std::string work_dir;
+  std::string scheduler_binary;
+  bool reference = true;
+  bool layer_check = true;
+  int64_t kill_ffn_after_ms = -1;
+  int kill_ffn = -1;
+  bool expect_failure = false;
+};
+
+int Fail(absl::string_view line) {
+  std::fflush(stderr);
+  std::printf("reference check: FAIL (%s)\n", std::string(line).c_str());
+  return 1;
+}
+
+class Launcher {
+ public:
+  explicit Launcher(LaunchFlags flags) : f_(std::move(flags)) {}
+  int Run();
+
+ private:
+  absl::Status StartScheduler();
+  absl::Status StartChildren();
+  // Waits for every child: true when all exited 0. Applies the kill test.
+  bool WaitChildren(absl::Time deadline, std::string* why);
+  int CheckExpectedFailure();
+
+  LaunchFlags f_;
+  std::optional<ModelConfig> config_;
+  std::unique_ptr<stepmesh::Scheduler> scheduler_;
+  std::unique_ptr<Child> scheduler_process_;
+  std::string scheduler_address_;
+  std::vector<std::unique_ptr<Child>> attention_;
+  std::vector<std::unique_ptr<Child>> ffn_;
+  absl::Time started_;
+  absl::Time ffn_killed_at_;
+};
+
+absl::Status Launcher::StartScheduler() {
+  if (f_.scheduler_binary.empty()) {
+    stepmesh::MeshOptions o;
+    o.role = stepmesh::Role::kScheduler;
+    o.num_workers = f_.shape.attention;
+    o.num_servers = f_.shape.ffn;
+    o.scheduler = "127.0.0.1:0";  // the kernel picks a free port
+    o.timeout = f_.shape.timeout;
+    STEPMESH_ASSIGN_OR_RETURN(scheduler_, stepmesh::Scheduler::Start(o));
+    scheduler_address_ = scheduler_->address();
+    return absl::OkStatus();
+  }
+  // The external program needs a port up front: borrow a free one from the
+  // kernel. (A small race with other binders; the in-process default has none.)
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    if (fd >= 0) ::close(fd);
+    return absl::UnavailableError("cannot find a free port");
+  }
+  ::close(fd);
+  scheduler_address_ = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  STEPMESH_ASSIGN_OR_RETURN(
+      scheduler_process_,
+      Child::Start("scheduler",
+                   {f_.scheduler_binary, "--address", scheduler_address_, "--num-workers",
+                    absl::StrCat(f_.shape.attention), "--num-servers",
+                    absl::StrCat(f_.shape.ffn)},
+                   f_.work_dir + "/scheduler.out", f_.work_dir + "/scheduler.err"));
+  absl::SleepFor(absl::Milliseconds(200));  // let it bind before clients dial
+  return absl::OkStatus();
+}
+
+absl::Status Launcher::StartChildren() {
+  const std::string dir = SelfDir();
+  for (int p = 0; p < f_.shape.ffn; ++p) {
+    std::vector<std::string> argv = {dir + "/afd_ffn", "--scheduler", scheduler_address_,
+                                     "--rank", absl::StrCat(p)};
+    AppendRunFlags(f_.shape, &argv);
+    const std::string base = absl::StrCat(f_.work_dir, "/ffn-", p);
+    STEPMESH_ASSIGN_OR_RETURN(auto child, Child::Start(absl::StrCat("ffn ", p), argv,
+                                                       base + ".out", base + ".err"));
+    ffn_.push_back(std::move(child));
+  }
+  for (int a = 0; a < f_.shape.attention; ++a) {
+    std::vector<std::string> argv = {dir + "/afd_attention", "--scheduler", scheduler_address_,
+                                     "--rank", absl::StrCat(a), "--results",
+                                     absl::StrCat(f_.work_dir, "/attention-", a, ".results")};
+    if (f_.reference && f_.layer_check) argv.push_back("--dump-layers");
+    AppendRunFlags(f_.shape, &argv);
+    const std::string base = absl::StrCat(f_.work_dir, "/attention-", a);
+    STEPMESH_ASSIGN_OR_RETURN(auto child, Child::Start(absl::StrCat("attention ", a), argv,
+                                                       base + ".out", base + ".err"));
+    attention_.push_back(std::move(child));
+  }
+  return absl::OkStatus();
+}
+
+bool Launcher::WaitChildren(absl::Time deadline, std::string* why) {
+  // After the first failure the others get the mesh timeout (plus slack) to
+  // notice and exit on their own with their own diagnosis; then they are
+  // killed.
+  std::optional<absl::Time> grace_deadline;
+  bool kill_done = f_.kill_ffn_after_ms < 0;
+  for (;;) {
+    bool all_done = true;
+    bool any_failed = false;
+    for (auto* group : {&attention_, &ffn_}) {
+      for (auto& c : *group) {
+        if (!c->Poll()) all_done = false;
+        else if (c->exit_code() != 0) any_failed = true;
+      }
+    }
+    if (all_done) break;
+    const absl::Time now = absl::Now();
+    if (!kill_done && now - started_ >= absl::Milliseconds(f_.kill_ffn_after_ms)) {
+      ffn_[f_.kill_ffn]->Signal(SIGKILL);
+      ffn_killed_at_ = now;
+      std::printf("afd_launch: killed ffn %d after %lld ms\n", f_.kill_ffn,
+                  static_cast<long long>(f_.kill_ffn_after_ms));
+      std::fflush(stdout);
+      kill_done = true;
+    }
+    if (any_failed && !grace_deadline) grace_deadline = now + f_.shape.timeout + absl::Seconds(5);
+    const bool over = now > deadline || (grace_deadline && now > *grace_deadline);
+    if (over || g_interrupted) {
+      *why = g_interrupted ? "interrupted" : now > deadline ? "deadline exceeded" : "";
+      for (auto* group : {&attention_, &ffn_}) {
+        for (auto& c : *group) {
+          if (c->running()) c->Kill();
+        }
+      }
+      break;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  bool ok = why->empty();
+  for (auto* group : {&attention_, &ffn_}) {
+    for (auto& c : *group) {
+      if (c->exit_code() == 0) continue;
+      ok = false;
+      if (!why->empty()) absl::StrAppend(why, "; ");
+      absl::StrAppend(why, c->name(),
+                      c->killed_by_launcher() ? " killed by the launcher"
+                                              : absl::StrCat(" exited ", c->exit_code()));
+    }
+  }
+  return ok;
+}
+
+int Launcher::CheckExpectedFailure() {
+  // Every attention instance must have failed on its own, naming the lost
+  // server, within the mesh timeout of the kill.
+  const std::string needle = absl::StrCat("server ", f_.kill_ffn);
+  std::vector<std::string> problems;
+  const absl::Duration took = absl::Now() - ffn_killed_at_;
+  for (auto& c : attention_) {
+    const std::string err = c->Stderr();
+    std::printf("%s exited %d; its error:\n%s", c->name().c_str(), c->exit_code(),
+                Tail(err, 3).c_str());
+    if (c->exit_code() == 0) problems.push_back(absl::StrCat(c->name(), " succeeded"));
+    else if (c->killed_by_launcher()) problems.push_back(absl::StrCat(c->name(), " hung (killed)"));
+    else if (!absl::StrContains(err, needle)) {
+      problems.push_back(absl::StrCat(c->name(), "'s error does not name ", needle));
+    }
+  }
+  if (ffn_killed_at_ == absl::Time()) problems.push_back("the run ended before the kill");
+  if (!problems.empty()) {
+    std::printf("failure check: FAIL (%s)\n", absl::StrJoin(problems, "; ").c_str());
+    return 1;
+  }
+  std::printf("failure check: PASS (every attention instance exited with an error naming %s "
+              "within %.1f s of the kill; mesh timeout %.1f s)\n",
+              needle.c_str(), absl::ToDoubleSeconds(took), absl::ToDoubleSeconds(f_.shape.timeout));
+  return 0;
+}
+
+int Launcher::Run() {
+  std::string error;
+  config_ = LoadModelConfig(f_.shape.config, BundledConfigDir(), &error);
+  if (!config_) return Fail(absl::StrCat("config: ", error));
+  if (f_.kill_ffn < 0) f_.kill_ffn = f_.shape.ffn - 1;
+  if (f_.kill_ffn >= f_.shape.ffn) return Fail("--kill-ffn out of range");
+
+  if (absl::Status s = StartScheduler(); !s.ok()) return Fail(absl::StrCat("scheduler: ", s.ToString()));
+  started_ = absl::Now();
+  if (absl::Status s = StartChildren(); !s.ok()) return Fail(s.ToString());
+  std::printf("afd_launch: %dA%dF %s on %s, scheduler %s, logs in %s\n", f_.shape.attention,
+              f_.shape.ffn, f_.shape.config.c_str(), f_.shape.transport.c_str(),
+              scheduler_address_.c_str(), f_.work_dir.c_str());
+  std::fflush(stdout);
+
+  std::string why;
+  const bool ok = WaitChildren(started_ + absl::Seconds(f_.deadline_s), &why);
+  if (scheduler_) scheduler_->Stop();
+  if (scheduler_process_) scheduler_process_->Kill();
+  const double wall = absl::ToDoubleSeconds(absl::Now() - started_);
+
+  if (f_.expect_failure) return CheckExpectedFailure();
+  if (!ok) {
+    for (auto* group : {&attention_, &ffn_}) {
+      for (auto& c : *group) {
+        if (c->exit_code() == 0) continue;
+        std::printf("--- %s stderr (tail):\n%s", c->name().c_str(), Tail(c->Stderr(), 8).c_str());
+      }
+    }
+    return Fail(absl::StrCat("run failed after ", absl::StrFormat("%.1f", wall), " s: ", why));
+  }
+  for (auto* group : {&attention_, &ffn_}) {
+    for (auto& c : *group) std::printf("%s", c->Stdout().c_str());
+  }
+
+  std::vector<AttentionResults> results;
+  for (int a = 0; a < f_.shape.attention; ++a) {
+    absl::StatusOr<AttentionResults> r =
+        ReadResults(absl::StrCat(f_.work_dir, "/attention-", a, ".results"));
+    if (!r.ok()) return Fail(r.status().ToString());
+    results.push_back(std::move(*r));
+  }
+  std::printf("\n%s", FormatReport(f_.shape, *config_, results).c_str());
+  std::printf("(all processes done in %.2f s wall, including weight generation)\n", wall);
+  if (!f_.chrome_trace.empty()) {
+    if (absl::Status s = WriteChromeTrace(f_.chrome_trace, f_.shape, results); !s.ok()) {
+      return Fail(s.ToString());
+    }
+    std::printf("chrome trace: %s\n", f_.chrome_trace.c_str());
+  }
+  if (!f_.reference) {
+    std::printf("reference check: PASS (skipped: --no-reference; all processes succeeded)\n");
+    return 0;
+  }
+  std::fflush(stdout);
+  const ReferenceCheck check = CheckAgainstReference(f_.shape, *config_, results);
+  std::printf("reference check: %s (%s)\n", check.pass ? "PASS" : "FAIL", check.summary.c_str());
+  return check.pass ? 0 : 1;
+}
+
+int Main(int argc, char** argv) {
+  absl::StatusOr<Flags> flags = Flags::Parse(
+      argc, argv, {"no-reference", "no-layer-check", "expect-failure", "keep-work-dir"});
+  if (!flags.ok()) return Fail(flags.status().ToString());
+  LaunchFlags f;
+  absl::StatusOr<RunShape> shape = ParseRunFlags(*flags);
+  if (!shape.ok()) return Fail(shape.status().ToString());
+  f.shape = *shape;
+  absl::StatusOr<int64_t> deadline = flags->Int("deadline-s", f.deadline_s);
+  absl::StatusOr<int64_t> kill_after = flags->Int("kill-ffn-after-ms", -1);
+  absl::StatusOr<int64_t> kill_ffn = flags->Int("kill-ffn", -1);
+  for (const auto* s : {&deadline, &kill_after, &kill_ffn}) {
+    if (!s->ok()) return Fail(s->status().ToString());
+  }
+  f.deadline_s = *deadline;
+  f.kill_ffn_after_ms = *kill_after;
+  f.kill_ffn = static_cast<int>(*kill_ffn);
+  f.chrome_trace = flags->Str("chrome-trace", "");
+  f.work_dir = flags->Str("work-dir", "");
+  f.scheduler_binary = flags->Str("scheduler-binary", "");
+  f.reference = !flags->Bool("no-reference");
+  f.layer_check = !flags->Bool("no-layer-check");
+  f.expect_failure = flags->Bool("expect-failure");
+  const bool keep = flags->Bool("keep-work-dir") || !f.work_dir.empty();
+  if (absl::Status s = flags->CheckAllUsed(); !s.ok()) return Fail(s.ToString());
+  if (f.expect_failure && f.kill_ffn_after_ms < 0) {
+    return Fail("--expect-failure needs --kill-ffn-after-ms");
+  }
+
+  if (f.work_dir.empty()) {
+    char tmpl[] = "/tmp/afd_launch.XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr) return Fail("mkdtemp failed");
+    f.work_dir = tmpl;
+  } else {
+    ::mkdir(f.work_dir.c_str(), 0755);
+  }
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+
+  const std::string work_dir = f.work_dir;
+  const int rc = Launcher(std::move(f)).Run();
+  if (!keep && rc == 0) RemoveWorkDir(work_dir);
+  return rc;
+}
+
+}  // namespace
+}  // namespace afd::example
+
+int main(int argc, char** argv) { return afd::example::Main(argc, argv); }

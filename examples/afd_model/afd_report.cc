@@ -1,0 +1,395 @@
+#include "examples/afd_model/afd_report.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "examples/afd_model/kernels/cpu_kernels.h"
+#include "examples/afd_model/model_weights.h"
+#include "examples/afd_model/reference.h"
+
+namespace afd::example {
+namespace {
+
+constexpr double kLogitsBound = 1e-4;
+constexpr double kLayerBound = 1e-5;
+
+double Ms(uint64_t ns) { return static_cast<double>(ns) * 1e-6; }
+
+// b - a in ns, or -1 when a stamp is missing or out of order.
+int64_t Span(uint64_t a, uint64_t b) {
+  if (a == 0 || b == 0 || b < a) return -1;
+  return static_cast<int64_t>(b - a);
+}
+
+struct Mean {
+  double sum = 0.0;
+  int64_t n = 0;
+  void Add(int64_t ns) {
+    if (ns < 0) return;
+    sum += static_cast<double>(ns);
+    ++n;
+  }
+  double ms() const { return n == 0 ? 0.0 : sum / n * 1e-6; }
+};
+
+uint64_t StepEnd(const AttentionResults& r, int step) {
+  uint64_t end = 0;
+  for (int m = 0; m < r.micro_batches; ++m) {
+    end = std::max(end, r.step_end_ns[size_t(step) * r.micro_batches + m]);
+  }
+  return end;
+}
+
+using Interval = std::pair<uint64_t, uint64_t>;
+
+// Sorted, disjoint union of the intervals.
+std::vector<Interval> Union(std::vector<Interval> v) {
+  std::sort(v.begin(), v.end());
+  std::vector<Interval> out;
+  for (const Interval& i : v) {
+    if (!out.empty() && i.first <= out.back().second) {
+      out.back().second = std::max(out.back().second, i.second);
+    } else {
+      out.push_back(i);
+    }
+  }
+  return out;
+}
+
+// Length of [a, b) covered by the sorted disjoint `busy` intervals.
+uint64_t Covered(const std::vector<Interval>& busy, uint64_t a, uint64_t b) {
+  uint64_t covered = 0;
+  auto it = std::upper_bound(busy.begin(), busy.end(), Interval{a, ~uint64_t{0}});
+  if (it != busy.begin()) --it;
+  for (; it != busy.end() && it->first < b; ++it) {
+    const uint64_t lo = std::max(a, it->first);
+    const uint64_t hi = std::min(b, it->second);
+    if (hi > lo) covered += hi - lo;
+  }
+  return covered;
+}
+
+}  // namespace
+
+std::string FormatReport(const RunShape& shape, const ModelConfig& config,
+                         const std::vector<AttentionResults>& results) {
+  std::string out;
+  const int layers = config.num_layers;
+  const int mbs = shape.micro_batches;
+  const int servers = shape.ffn;
+  const int64_t total_requests = int64_t{shape.attention} * shape.requests;
+  absl::StrAppendFormat(
+      &out,
+      "AFD run: %s (%d layers, hidden %d, %d experts top-%d), %dA%dF over %s, backend %s\n"
+      "  %d requests per attention instance in %d micro-batches, prompt %d tokens, %d decode "
+      "steps\n",
+      config.name, layers, config.hidden_size, config.num_experts, config.top_k, shape.attention,
+      shape.ffn, shape.transport, shape.backend, shape.requests, mbs, shape.prompt_len,
+      shape.decode_steps);
+
+  // Throughput: every instance runs the same schedule; the slowest sets the pace.
+  double prefill_s = 0.0;
+  double decode_s = 0.0;
+  for (const AttentionResults& r : results) {
+    prefill_s = std::max(prefill_s, Ms(StepEnd(r, 0) - r.start_ns) * 1e-3);
+    if (shape.decode_steps > 0) {
+      decode_s = std::max(decode_s, Ms(StepEnd(r, shape.decode_steps) - StepEnd(r, 0)) * 1e-3);
+    }
+  }
+  absl::StrAppendFormat(&out, "tokens generated: %d (%d requests x %d)\n",
+                        total_requests * shape.steps(), total_requests, shape.steps());
+  absl::StrAppendFormat(&out, "prefill: %.1f ms, %.0f prompt tokens/s\n", prefill_s * 1e3,
+                        total_requests * shape.prompt_len / prefill_s);
+  if (shape.decode_steps > 0) {
+    absl::StrAppendFormat(&out, "decode: TPOT %.3f ms, %.0f tokens/s (%d steps, batch %d)\n",
+                          decode_s * 1e3 / shape.decode_steps,
+                          total_requests * shape.decode_steps / decode_s, shape.decode_steps,
+                          total_requests);
+  }
+
+  // Per layer and micro-batch, decode steps only (the steady state; prefill
+  // stages are 32x bigger and would dominate the means).
+  const int first_step = shape.decode_steps > 0 ? 1 : 0;
+  absl::StrAppendFormat(&out,
+                        "per layer and micro-batch, %s, mean ms over steps, attention instances "
+                        "and FFN servers:\n",
+                        first_step == 1 ? "decode" : "prefill");
+  absl::StrAppendFormat(&out, "  %5s %3s %10s %9s %9s %9s\n", "layer", "mb", "attention", "A2F",
+                        "FFN", "F2A");
+  Mean total_attn, total_a2f, total_ffn, total_f2a;
+  for (int l = 0; l < layers; ++l) {
+    for (int m = 0; m < mbs; ++m) {
+      Mean attn, a2f, ffn, f2a;
+      for (const AttentionResults& r : results) {
+        for (int s = first_step; s < shape.steps(); ++s) {
+          const size_t stage = r.StageIndex(s, l, m);
+          attn.Add(Span(r.attention[stage].begin_ns, r.attention[stage].end_ns));
+          for (int p = 0; p < servers; ++p) {
+            const stepmesh::TraceStamps& t = r.traces[stage * servers + p];
+            a2f.Add(Span(t.post_ns, t.server_arrival_ns));
+            ffn.Add(Span(t.server_handler_ns, t.server_reply_ns));
+            f2a.Add(Span(t.server_reply_ns, t.reply_arrival_ns));
+          }
+        }
+      }
+      absl::StrAppendFormat(&out, "  %5d %3d %10.3f %9.3f %9.3f %9.3f\n", l, m, attn.ms(),
+                            a2f.ms(), ffn.ms(), f2a.ms());
+      total_attn.sum += attn.sum, total_attn.n += attn.n;
+      total_a2f.sum += a2f.sum, total_a2f.n += a2f.n;
+      total_ffn.sum += ffn.sum, total_ffn.n += ffn.n;
+      total_f2a.sum += f2a.sum, total_f2a.n += f2a.n;
+    }
+  }
+  absl::StrAppendFormat(&out, "  %9s %10.3f %9.3f %9.3f %9.3f\n", "all", total_attn.ms(),
+                        total_a2f.ms(), total_ffn.ms(), total_f2a.ms());
+
+  // Peers: mean FFN time and round trip per server, and how often each was
+  // the last reply a request waited for.
+  std::vector<Mean> peer_ffn(servers), peer_rtt(servers);
+  std::vector<int64_t> last_count(servers, 0);
+  int64_t requests_seen = 0;
+  for (const AttentionResults& r : results) {
+    for (int s = first_step; s < shape.steps(); ++s) {
+      for (int l = 0; l < layers; ++l) {
+        for (int m = 0; m < mbs; ++m) {
+          const size_t stage = r.StageIndex(s, l, m);
+          int last = -1;
+          uint64_t last_ns = 0;
+          for (int p = 0; p < servers; ++p) {
+            const stepmesh::TraceStamps& t = r.traces[stage * servers + p];
+            peer_ffn[p].Add(Span(t.server_handler_ns, t.server_reply_ns));
+            peer_rtt[p].Add(Span(t.post_ns, t.reply_arrival_ns));
+            if (t.reply_arrival_ns >= last_ns) last_ns = t.reply_arrival_ns, last = p;
+          }
+          if (last >= 0) ++last_count[last], ++requests_seen;
+        }
+      }
+    }
+  }
+  int slowest = 0;
+  for (int p = 0; p < servers; ++p) {
+    absl::StrAppendFormat(&out,
+                          "  ffn %d: FFN %.3f ms, round trip %.3f ms, last reply in %.0f%% of "
+                          "requests\n",
+                          p, peer_ffn[p].ms(), peer_rtt[p].ms(),
+                          requests_seen == 0 ? 0.0 : 100.0 * last_count[p] / requests_seen);
+    if (peer_rtt[p].ms() > peer_rtt[slowest].ms()) slowest = p;
+  }
+  absl::StrAppendFormat(&out, "slowest peer: ffn %d (round trip %.3f ms)\n", slowest,
+                        peer_rtt[slowest].ms());
+
+  // Hiding: the share of each transfer (A2F, F2A) and of the whole remote
+  // round trip during which this attention instance was computing another
+  // micro-batch's attention. Same host, so worker and server stamps share
+  // CLOCK_MONOTONIC.
+  uint64_t comm = 0, comm_hidden = 0, remote = 0, remote_hidden = 0;
+  for (const AttentionResults& r : results) {
+    std::vector<Interval> busy;
+    for (int s = first_step; s < shape.steps(); ++s) {
+      for (int l = 0; l < layers; ++l) {
+        for (int m = 0; m < mbs; ++m) {
+          const StageTiming& t = r.attention[r.StageIndex(s, l, m)];
+          if (Span(t.begin_ns, t.end_ns) >= 0) busy.push_back({t.begin_ns, t.end_ns});
+        }
+      }
+    }
+    busy = Union(std::move(busy));
+    for (int s = first_step; s < shape.steps(); ++s) {
+      for (int l = 0; l < layers; ++l) {
+        for (int m = 0; m < mbs; ++m) {
+          const size_t stage = r.StageIndex(s, l, m);
+          for (int p = 0; p < servers; ++p) {
+            const stepmesh::TraceStamps& t = r.traces[stage * servers + p];
+            for (auto [a, b] : {Interval{t.post_ns, t.server_arrival_ns},
+                                Interval{t.server_reply_ns, t.reply_arrival_ns}}) {
+              if (Span(a, b) < 0) continue;
+              comm += b - a;
+              comm_hidden += Covered(busy, a, b);
+            }
+            if (Span(t.post_ns, t.reply_arrival_ns) >= 0) {
+              remote += t.reply_arrival_ns - t.post_ns;
+              remote_hidden += Covered(busy, t.post_ns, t.reply_arrival_ns);
+            }
+          }
+        }
+      }
+    }
+  }
+  absl::StrAppendFormat(&out,
+                        "communication hidden by the pipeline: %.1f%% of A2F+F2A (%.1f of %.1f "
+                        "ms); %.1f%% of the whole FFN round trip (%.1f of %.1f ms)\n",
+                        comm == 0 ? 0.0 : 100.0 * comm_hidden / comm, Ms(comm_hidden), Ms(comm),
+                        remote == 0 ? 0.0 : 100.0 * remote_hidden / remote, Ms(remote_hidden),
+                        Ms(remote));
+  return out;
+}
+
+absl::Status WriteChromeTrace(const std::string& path, const RunShape& shape,
+                              const std::vector<AttentionResults>& results) {
+  uint64_t origin = ~uint64_t{0};
+  for (const AttentionResults& r : results) origin = std::min(origin, r.start_ns);
+  std::string json = "{\"traceEvents\":[\n";
+  bool first = true;
+  auto event = [&](absl::string_view name, int pid, int tid, uint64_t a, uint64_t b) {
+    if (Span(a, b) < 0 || a < origin) return;
+    absl::StrAppendFormat(&json,
+                          "%s{\"name\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,"
+                          "\"dur\":%.3f}",
+                          first ? "" : ",\n", name, pid, tid, (a - origin) * 1e-3, (b - a) * 1e-3);
+    first = false;
+  };
+  auto meta = [&](int pid, absl::string_view name) {
+    absl::StrAppendFormat(&json,
+                          "%s{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,\"args\":{\"name\":"
+                          "\"%s\"}}",
+                          first ? "" : ",\n", pid, name);
+    first = false;
+  };
+  for (int a = 0; a < shape.attention; ++a) meta(1 + a, absl::StrCat("attention ", a));
+  for (int p = 0; p < shape.ffn; ++p) meta(100 + p, absl::StrCat("ffn ", p));
+  for (const AttentionResults& r : results) {
+    const int pid = 1 + r.instance;
+    for (int s = 0; s < r.steps; ++s) {
+      for (int l = 0; l < r.layers; ++l) {
+        for (int m = 0; m < r.micro_batches; ++m) {
+          const size_t stage = r.StageIndex(s, l, m);
+          const std::string tag = absl::StrCat("s", s, " L", l, " mb", m);
+          event(absl::StrCat("attention ", tag), pid, 1 + m, r.attention[stage].begin_ns,
+                r.attention[stage].end_ns);
+          for (int p = 0; p < r.servers; ++p) {
+            const stepmesh::TraceStamps& t = r.traces[stage * r.servers + p];
+            event(absl::StrCat("A2F->ffn", p, " ", tag), pid, 10 + 10 * p + m, t.post_ns,
+                  t.server_arrival_ns);
+            event(absl::StrCat("F2A<-ffn", p, " ", tag), pid, 10 + 10 * p + m, t.server_reply_ns,
+                  t.reply_arrival_ns);
+            // A batch spans every attention instance; draw it once.
+            if (r.instance == 0) {
+              event(absl::StrCat("FFN ", tag), 100 + p, 1 + m, t.server_handler_ns,
+                    t.server_reply_ns);
+            }
+          }
+        }
+      }
+    }
+  }
+  json += "\n]}\n";
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "w"), &std::fclose);
+  if (!f) return absl::UnavailableError(absl::StrCat("cannot write ", path));
+  if (std::fwrite(json.data(), 1, json.size(), f.get()) != json.size()) {
+    return absl::DataLossError(absl::StrCat("short write to ", path));
+  }
+  return absl::OkStatus();
+}
+
+ReferenceCheck CheckAgainstReference(const RunShape& shape, const ModelConfig& config,
+                                     const std::vector<AttentionResults>& results) {
+  const int total = shape.attention * shape.requests;
+  const int64_t h = config.hidden_size;
+  const int64_t v = config.vocab_size;
+  const bool layers_dumped =
+      std::all_of(results.begin(), results.end(), [](const AttentionResults& r) {
+        return !r.layer_hidden.empty();
+      });
+
+  const auto start = std::chrono::steady_clock::now();
+  ReferenceModel model(config, ReferenceOptions{Codec::kAfd, shape.ffn, total,
+                                                int64_t{shape.prompt_len} + shape.decode_steps});
+  AttentionSide& side = model.attention();
+  const std::vector<int32_t> prompts = GeneratePromptTokens(config, total, shape.prompt_len);
+
+  // RunStep by hand so the residual stream after every layer can be compared.
+  StepState state;
+  std::vector<SequenceChunk> chunks;
+  std::vector<int32_t> inputs = prompts;
+  for (int g = 0; g < total; ++g) {
+    side.ResetSequence(g);
+    chunks.push_back({g, shape.prompt_len});
+  }
+  std::vector<int32_t> next(total);
+  int64_t token_mismatches = 0;
+  double worst_logits = 0.0;
+  double worst_layer = 0.0;
+  bool logits_bitwise = true;
+  bool layers_bitwise = true;
+  std::string first_mismatch;
+  for (int step = 0; step < shape.steps(); ++step) {
+    if (!side.BeginStep(chunks, inputs, &state)) {
+      return {false, "the reference could not start a step (KV cache overflow)"};
+    }
+    const int64_t per_request = shape.TokensPerRequest(step);
+    const int64_t rows_before =
+        step == 0 ? 0
+                  : int64_t{shape.prompt_len} * shape.requests * config.num_layers +
+                        int64_t{step - 1} * shape.requests * config.num_layers;
+    for (int l = 0; l < config.num_layers; ++l) {
+      side.Attention(l, &state);
+      model.ComputeFfnOutput(l, &state);
+      side.AddFfnOutput(&state);
+      if (!layers_dumped) continue;
+      // Instance a's rows of this step are the reference's rows of its
+      // requests [a*R, (a+1)*R): the same request-major order.
+      const int64_t instance_rows = per_request * shape.requests;
+      for (const AttentionResults& r : results) {
+        const int64_t row = rows_before + l * instance_rows;
+        std::span<const float> got(r.layer_hidden.data() + row * h, instance_rows * h);
+        std::span<const float> want(state.hidden.data() + r.instance * instance_rows * h,
+                                    instance_rows * h);
+        worst_layer = std::max(worst_layer, RelativeL2(got, want));
+        layers_bitwise =
+            layers_bitwise && std::memcmp(got.data(), want.data(), got.size_bytes()) == 0;
+      }
+    }
+    std::vector<float> logits;
+    side.LastTokenLogits(state, nullptr, &logits);
+    cpu::ArgmaxRows(logits.data(), total, v, next.data());
+    for (const AttentionResults& r : results) {
+      for (int i = 0; i < shape.requests; ++i) {
+        const int g = r.instance * shape.requests + i;
+        const int32_t got = r.tokens[size_t(i) * r.steps + step];
+        if (got != next[g]) {
+          if (token_mismatches++ == 0) {
+            first_mismatch = absl::StrCat("; first token mismatch: request ", g, " step ", step,
+                                          ": ", got, " vs ", next[g]);
+          }
+        }
+        std::span<const float> got_logits(r.logits.data() + (size_t(step) * r.requests + i) * v,
+                                          v);
+        std::span<const float> want_logits(logits.data() + g * v, v);
+        worst_logits = std::max(worst_logits, RelativeL2(got_logits, want_logits));
+        logits_bitwise = logits_bitwise && std::memcmp(got_logits.data(), want_logits.data(),
+                                                       got_logits.size_bytes()) == 0;
+      }
+    }
+    // The reference decodes its own greedy tokens (not the run's), so a
+    // divergence shows up as mismatches instead of being masked.
+    chunks.assign(chunks.size(), {});
+    inputs.assign(next.begin(), next.end());
+    for (int g = 0; g < total; ++g) chunks[g] = {g, 1};
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  const int64_t tokens = int64_t{total} * shape.steps();
+  ReferenceCheck check;
+  check.pass = token_mismatches == 0 && worst_logits <= kLogitsBound &&
+               (!layers_dumped || worst_layer <= kLayerBound);
+  check.summary = absl::StrFormat(
+      "%d/%d tokens identical, logits max rel-L2 %.3g%s (<= %g), per-layer max rel-L2 %s; "
+      "reference afd codec, %d partitions, %.2f s%s",
+      tokens - token_mismatches, tokens, worst_logits, logits_bitwise ? " bitwise equal" : "",
+      kLogitsBound,
+      layers_dumped ? absl::StrFormat("%.3g%s (<= %g)", worst_layer,
+                                      layers_bitwise ? " bitwise equal" : "", kLayerBound)
+                    : std::string("not dumped"),
+      shape.ffn, seconds, first_mismatch);
+  return check;
+}
+
+}  // namespace afd::example

@@ -1,0 +1,212 @@
+#include "tests/reliability/fault_transport.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "src/transport/tcp_fallback/tcp_transport.h"
+#include "stepmesh/status.h"
+
+namespace stepmesh::testing {
+
+// Hands a byte-level fault from the decorator to the TCP wire hook. Both run on
+// the node's send thread, inside one Send call, so a plain field suffices.
+struct WireFaultSlot {
+  std::optional<FaultAction> next;
+};
+
+void FaultPlan::Add(const FaultRule& rule) {
+  absl::MutexLock lock(&mu_);
+  rules_.push_back({rule, 0, 0});
+}
+
+void FaultPlan::RefuseConnect(core::NodeId node) {
+  absl::MutexLock lock(&mu_);
+  refused_.push_back(node);
+}
+
+void FaultPlan::Stall(core::NodeId node, absl::Duration duration) {
+  absl::MutexLock lock(&mu_);
+  stalls_[node] = absl::Now() + duration;
+}
+
+int FaultPlan::fired(FaultAction action) const {
+  absl::MutexLock lock(&mu_);
+  auto it = fired_.find(action);
+  return it == fired_.end() ? 0 : it->second;
+}
+
+std::optional<FaultRule> FaultPlan::Match(const core::FrameHeader& h) {
+  absl::MutexLock lock(&mu_);
+  for (Armed& a : rules_) {
+    const FaultRule& r = a.rule;
+    if (r.type.has_value() && *r.type != h.type) continue;
+    if (r.from != core::kNoNode && r.from != h.src) continue;
+    if (r.to != core::kNoNode && r.to != h.dst) continue;
+    if (a.seen++ < r.skip) continue;
+    if (r.count >= 0 && a.hit >= r.count) continue;
+    ++a.hit;
+    ++fired_[r.action];
+    return r;
+  }
+  return std::nullopt;
+}
+
+bool FaultPlan::refuses(core::NodeId node) const {
+  absl::MutexLock lock(&mu_);
+  for (core::NodeId n : refused_) {
+    if (n == node) return true;
+  }
+  return false;
+}
+
+absl::Time FaultPlan::stalled_until(core::NodeId node) const {
+  absl::MutexLock lock(&mu_);
+  auto it = stalls_.find(node);
+  return it == stalls_.end() ? absl::InfinitePast() : it->second;
+}
+
+namespace {
+
+class FaultTransport final : public core::Transport {
+ public:
+  FaultTransport(std::unique_ptr<core::Transport> inner, std::shared_ptr<FaultPlan> plan,
+                 std::shared_ptr<WireFaultSlot> wire)
+      : inner_(std::move(inner)), plan_(std::move(plan)), wire_(std::move(wire)) {}
+
+  absl::string_view name() const override { return inner_->name(); }
+  absl::StatusOr<std::string> LocalEndpoint() override { return inner_->LocalEndpoint(); }
+
+  absl::Status Connect(core::NodeId self, absl::Span<const core::PeerInfo> peers,
+                       absl::Time deadline) override {
+    self_.store(self);
+    if (plan_->refuses(self)) {
+      return absl::UnavailableError("fault injection: connection refused");
+    }
+    return inner_->Connect(self, peers, deadline);
+  }
+
+  absl::Status RegisterRegion(const core::RegionInfo& region) override {
+    return inner_->RegisterRegion(region);
+  }
+  absl::Status UnregisterRegion(core::RegionId id) override { return inner_->UnregisterRegion(id); }
+
+  absl::Status Send(core::NodeId peer, const core::FrameHeader& header, const void* src,
+                    core::RegionId src_region, size_t bytes) override {
+    if (killed_.load()) return absl::UnavailableError("fault injection: this node's link is dead");
+    std::optional<FaultRule> rule = plan_->Match(header);
+    if (!rule.has_value()) return inner_->Send(peer, header, src, src_region, bytes);
+    core::FrameHeader h = header;
+    switch (rule->action) {
+      case FaultAction::kDrop:
+        return absl::OkStatus();
+      case FaultAction::kDelay:
+        absl::SleepFor(rule->delay);
+        return inner_->Send(peer, h, src, src_region, bytes);
+      case FaultAction::kDuplicate:
+        STEPMESH_RETURN_IF_ERROR(inner_->Send(peer, h, src, src_region, bytes));
+        return inner_->Send(peer, h, src, src_region, bytes);
+      case FaultAction::kRewriteKey:
+        h.key = rule->new_key;
+        return inner_->Send(peer, h, src, src_region, bytes);
+      case FaultAction::kForgeSource:
+        h.src = rule->new_src;
+        return inner_->Send(peer, h, src, src_region, bytes);
+      case FaultAction::kKill:
+        killed_.store(true);
+        inner_->Shutdown();
+        return absl::UnavailableError("fault injection: this node's link died");
+      case FaultAction::kCorruptHeader:
+      case FaultAction::kCorruptPayload:
+      case FaultAction::kTruncate: {
+        if (wire_ == nullptr) {
+          return absl::UnimplementedError(
+              absl::StrCat("fault injection: transport '", inner_->name(),
+                           "' exposes no wire for byte-level faults"));
+        }
+        wire_->next = rule->action;
+        absl::Status sent = inner_->Send(peer, h, src, src_region, bytes);
+        wire_->next.reset();
+        return sent;
+      }
+    }
+    return inner_->Send(peer, h, src, src_region, bytes);
+  }
+
+  absl::Status Poll(core::TransportSink& sink, absl::Duration max_wait) override {
+    const absl::Time until = plan_->stalled_until(self_.load());
+    const absl::Time now = absl::Now();
+    if (killed_.load() || now < until) {
+      // Deliver nothing (the frames wait in the socket, as with a stopped process).
+      const absl::Duration nap = killed_.load() ? max_wait : std::min(max_wait, until - now);
+      if (nap > absl::ZeroDuration()) absl::SleepFor(std::min(nap, absl::Milliseconds(5)));
+      return absl::OkStatus();
+    }
+    return inner_->Poll(sink, max_wait);
+  }
+
+  void Wake() override { inner_->Wake(); }
+  void Shutdown() override { inner_->Shutdown(); }
+
+ private:
+  std::unique_ptr<core::Transport> inner_;
+  std::shared_ptr<FaultPlan> plan_;
+  std::shared_ptr<WireFaultSlot> wire_;
+  std::atomic<core::NodeId> self_{core::kNoNode};
+  std::atomic<bool> killed_{false};
+};
+
+}  // namespace
+
+std::unique_ptr<core::Transport> WrapWithFaults(std::unique_ptr<core::Transport> inner,
+                                                std::shared_ptr<FaultPlan> plan,
+                                                std::shared_ptr<WireFaultSlot> wire) {
+  return std::make_unique<FaultTransport>(std::move(inner), std::move(plan), std::move(wire));
+}
+
+core::TransportFactory Faulty(core::TransportFactory inner, std::shared_ptr<FaultPlan> plan) {
+  return [inner = std::move(inner), plan = std::move(plan)](const MeshOptions& options)
+             -> absl::StatusOr<std::unique_ptr<core::Transport>> {
+    STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<core::Transport> t, inner(options));
+    return WrapWithFaults(std::move(t), plan);
+  };
+}
+
+core::TransportFactory FaultyTcp(std::shared_ptr<FaultPlan> plan) {
+  return [plan = std::move(plan)](const MeshOptions& options)
+             -> absl::StatusOr<std::unique_ptr<core::Transport>> {
+    auto wire = std::make_shared<WireFaultSlot>();
+    core::TcpWireHook hook = [wire](core::NodeId, const core::FrameHeader&,
+                                    core::FrameBytes& encoded) {
+      core::TcpWireFault fault;
+      if (!wire->next.has_value()) return fault;
+      switch (*wire->next) {
+        case FaultAction::kCorruptHeader:
+          encoded[20] ^= std::byte{0x01};  // inside `key`: only the CRC can tell
+          break;
+        case FaultAction::kCorruptPayload:
+          fault.flip_payload_byte = 0;
+          break;
+        case FaultAction::kTruncate:
+          fault.truncate_payload_to = 0;  // set below from the header
+          fault.close_after = true;
+          break;
+        default:
+          break;
+      }
+      return fault;
+    };
+    // Truncation keeps half the payload: the hook sees the header's size.
+    core::TcpWireHook sized = [hook](core::NodeId peer, const core::FrameHeader& h,
+                                     core::FrameBytes& encoded) {
+      core::TcpWireFault fault = hook(peer, h, encoded);
+      if (fault.close_after) fault.truncate_payload_to = h.payload_bytes / 2;
+      return fault;
+    };
+    STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<core::Transport> t,
+                              core::CreateTcpTransport(options, std::move(sized)));
+    return WrapWithFaults(std::move(t), plan, wire);
+  };
+}
+
+}  // namespace stepmesh::testing

@@ -1,0 +1,229 @@
+#include "tests/reliability/harness.h"
+
+#include <dirent.h>
+
+#include <cstring>
+#include <future>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "src/core/mesh.h"
+#include "stepmesh/status.h"
+
+namespace stepmesh::testing {
+namespace {
+
+int CountEntries(const char* dir) {
+  DIR* d = ::opendir(dir);
+  if (d == nullptr) return -1;
+  int n = 0;
+  while (dirent* e = ::readdir(d)) {
+    if (e->d_name[0] != '.') ++n;
+  }
+  ::closedir(d);
+  return n - 1;  // opendir's own descriptor (fd dir) / harmless for task
+}
+
+}  // namespace
+
+int OpenFdCount() { return CountEntries("/proc/self/fd"); }
+int ThreadCount() { return CountEntries("/proc/self/task") + 1; }
+
+Harness::Harness(const HarnessConfig& config, const core::TransportFactory& transport)
+    : config_(config) {
+  const int W = config.workers, S = config.servers, M = config.keys;
+  MeshOptions base = config.options;
+  base.num_workers = W;
+  base.num_servers = S;
+  base.scheduler = "127.0.0.1:0";
+  absl::StatusOr<std::unique_ptr<Scheduler>> scheduler = Scheduler::Start(base);
+  if (!scheduler.ok()) {
+    status_ = scheduler.status();
+    return;
+  }
+  scheduler_ = *std::move(scheduler);
+  base.scheduler = scheduler_->address();
+
+  pulls_.assign(W, std::vector<std::vector<std::vector<uint8_t>>>(
+                       M, std::vector<std::vector<uint8_t>>(S, std::vector<uint8_t>(config.bytes))));
+  pushes_flat_.assign(W * M, std::vector<uint8_t>(config.bytes));
+  recvs_.assign(S, std::vector<std::vector<uint8_t>>(M, std::vector<uint8_t>(config.bytes * W)));
+  replies_.assign(S, std::vector<std::vector<uint8_t>>(M, std::vector<uint8_t>(config.bytes * W)));
+  serving_.reset(new std::atomic<bool>[S]);
+  exits_.assign(S, absl::OkStatus());
+
+  std::vector<std::future<absl::StatusOr<std::unique_ptr<AFTensorServer>>>> servers;
+  for (int s = 0; s < S; ++s) {
+    MeshOptions o = base;
+    o.role = Role::kServer;
+    o.rank = s;
+    servers.push_back(std::async(std::launch::async, [o, transport] {
+      return core::CreateServer(o, CreateCpuMockBackend(), transport);
+    }));
+  }
+  std::vector<std::future<absl::StatusOr<std::unique_ptr<AFTensorWorker>>>> workers;
+  for (int w = 0; w < W; ++w) {
+    MeshOptions o = base;
+    o.role = Role::kWorker;
+    o.rank = w;
+    workers.push_back(std::async(std::launch::async, [o, transport] {
+      return core::CreateWorker(o, CreateCpuMockBackend(), transport);
+    }));
+  }
+  auto keep = [this](absl::Status s) {
+    if (status_.ok() && !s.ok()) status_ = s;
+  };
+  for (auto& f : workers) {
+    auto w = f.get();
+    keep(w.status());
+    workers_.push_back(w.ok() ? *std::move(w) : nullptr);
+  }
+  for (auto& f : servers) {
+    auto s = f.get();
+    keep(s.status());
+    servers_.push_back(s.ok() ? *std::move(s) : nullptr);
+  }
+  if (!status_.ok()) return;
+  const int64_t rows = W;
+  for (int s = 0; s < S; ++s) {
+    for (int m = 0; m < M; ++m) {
+      keep(servers_[s]->RegisterRecvTensor(
+          RelPushKey(m), {recvs_[s][m].data(), DType::kUInt8,
+                          Shape{rows, static_cast<int64_t>(config.bytes)}, Device::Cpu()}));
+      keep(servers_[s]->RegisterReplyTensor(
+          RelPullKey(m), {replies_[s][m].data(), DType::kUInt8,
+                          Shape{rows, static_cast<int64_t>(config.bytes)}, Device::Cpu()}));
+    }
+  }
+  for (int w = 0; w < W; ++w) {
+    for (int m = 0; m < M; ++m) {
+      keep(workers_[w]->RegisterPushTensor(RelPushKey(m),
+                                           BytesView(pushes_flat_[w * M + m].data(), config.bytes)));
+      for (int s = 0; s < S; ++s) {
+        keep(workers_[w]->RegisterPullTensor(RelPullKey(m), s,
+                                             BytesView(pulls_[w][m][s].data(), config.bytes)));
+      }
+    }
+  }
+  if (!status_.ok()) return;
+  for (int s = 0; s < S; ++s) {
+    serving_[s] = true;
+    serve_threads_.emplace_back([this, s] { ServeLoop(s); });
+  }
+}
+
+Harness::~Harness() {
+  stop_ = true;
+  for (auto& t : serve_threads_) t.join();
+  for (auto& w : workers_) {
+    if (w != nullptr) (void)w->Shutdown();
+  }
+  for (auto& s : servers_) {
+    if (s != nullptr) (void)s->Shutdown();
+  }
+  workers_.clear();
+  servers_.clear();
+  scheduler_.reset();
+}
+
+void Harness::ServeLoop(int s) {
+  AFTensorServer& server = *servers_[s];
+  absl::Status last;
+  while (!stop_.load() && serving_[s].load()) {
+    absl::StatusOr<Batch> batch = server.GetBatch(absl::Milliseconds(50));
+    if (!batch.ok()) {
+      last = batch.status();
+      if (absl::IsDeadlineExceeded(last)) continue;
+      if (absl::IsUnavailable(last) || absl::IsCancelled(last) ||
+          absl::IsFailedPrecondition(last)) {
+        break;  // every worker gone, or this server shut down
+      }
+      absl::MutexLock lock(&mu_);
+      errors_.push_back(last.ToString());
+      continue;
+    }
+    std::vector<Reply> replies;
+    for (size_t k = 0; k < batch->workers.size(); ++k) {
+      const int w = batch->workers[k];
+      const BatchTensor& t = batch->tensors[0];
+      const int m = static_cast<int>(t.key - RelPushKey(0));
+      const auto* in = static_cast<const uint8_t*>(t.region.data) + w * t.slot_bytes;
+      uint8_t* out = replies_[s][m].data() + w * config_.bytes;
+      for (size_t j = 0; j < config_.bytes; ++j) out[j] = in[j] ^ ReplyMask(s);
+      if (batch->pull_keys[k] != Batch::kNoPull) replies.push_back({w});
+    }
+    absl::Status responded = server.Respond(*batch, replies);
+    if (!responded.ok() && !stop_.load()) {
+      absl::MutexLock lock(&mu_);
+      errors_.push_back(absl::StrCat("respond: ", responded.ToString()));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  exits_[s] = last;
+}
+
+absl::StatusOr<RequestHandle> Harness::Start(int w, int m, uint8_t fill, std::vector<int> servers) {
+  if (servers.empty()) {
+    for (int s = 0; s < config_.servers; ++s) servers.push_back(s);
+  }
+  std::vector<uint8_t>& push = pushes_flat_[w * config_.keys + m];
+  for (size_t j = 0; j < push.size(); ++j) push[j] = static_cast<uint8_t>(fill + j * 7);
+  Push p{RelPushKey(m)};
+  p.servers = servers;
+  std::vector<Pull> pulls;
+  for (int s : servers) pulls.push_back({RelPullKey(m), s});
+  return workers_[w]->PushPull({&p, 1}, pulls);
+}
+
+absl::Status Harness::Finish(int w, int m, RequestHandle handle, uint8_t fill,
+                             absl::Duration timeout, std::vector<int> servers) {
+  if (servers.empty()) {
+    for (int s = 0; s < config_.servers; ++s) servers.push_back(s);
+  }
+  STEPMESH_RETURN_IF_ERROR(workers_[w]->Wait(handle, timeout));
+  for (int s : servers) {
+    const std::vector<uint8_t>& got = pulls_[w][m][s];
+    for (size_t j = 0; j < got.size(); ++j) {
+      const uint8_t want = static_cast<uint8_t>(fill + j * 7) ^ ReplyMask(s);
+      if (got[j] != want) {
+        return absl::DataLossError(absl::StrCat("worker ", w, " key ", m, " server ", s,
+                                                ": byte ", j, " is ", int{got[j]}, ", expected ",
+                                                int{want}));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Harness::RoundTrip(int w, int m, uint8_t fill, absl::Duration timeout,
+                                std::vector<int> servers) {
+  STEPMESH_ASSIGN_OR_RETURN(RequestHandle h, Start(w, m, fill, servers));
+  return Finish(w, m, h, fill, timeout, servers);
+}
+
+std::vector<std::string> Harness::server_errors() {
+  absl::MutexLock lock(&mu_);
+  return errors_;
+}
+
+void Harness::StopWorker(int w) {
+  if (workers_[w] != nullptr) (void)workers_[w]->Shutdown();
+}
+
+void Harness::StopServer(int s) {
+  serving_[s] = false;
+  if (s < static_cast<int>(serve_threads_.size()) && serve_threads_[s].joinable()) {
+    serve_threads_[s].join();
+  }
+  if (servers_[s] != nullptr) (void)servers_[s]->Shutdown();
+}
+
+absl::Status Harness::server_exit(int s) {
+  if (s < static_cast<int>(serve_threads_.size()) && serve_threads_[s].joinable()) {
+    serve_threads_[s].join();
+  }
+  absl::MutexLock lock(&mu_);
+  return exits_[s];
+}
+
+}  // namespace stepmesh::testing

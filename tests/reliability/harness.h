@@ -1,0 +1,89 @@
+#pragma once
+// An in-process mesh for the reliability tests: a scheduler, W workers driven
+// by the test, and S servers answering on their own threads. Every server's
+// reply to worker w is worker w's push XOR (0x10 + server rank), so a worker can
+// check that each pull tensor got exactly its own answer.
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "src/core/transport.h"
+#include "stepmesh/scheduler.h"
+#include "stepmesh/server.h"
+#include "stepmesh/worker.h"
+
+namespace stepmesh::testing {
+
+inline Key RelPushKey(int m) { return 100 + m; }
+inline Key RelPullKey(int m) { return 200 + m; }
+inline uint8_t ReplyMask(int server) { return static_cast<uint8_t>(0x10 + server); }
+
+struct HarnessConfig {
+  int workers = 1;
+  int servers = 2;
+  int keys = 2;          // micro-batch keys per worker
+  size_t bytes = 4096;   // push and pull size
+  MeshOptions options;   // base; sizes and addresses are filled in
+};
+
+class Harness {
+ public:
+  // Starts everything; `status()` says whether it came up.
+  Harness(const HarnessConfig& config, const core::TransportFactory& transport);
+  ~Harness();
+  absl::Status status() const { return status_; }
+
+  AFTensorWorker& worker(int w) { return *workers_[w]; }
+  Scheduler& scheduler() { return *scheduler_; }
+  // Runs a PushPull of micro-batch key `m` from worker `w` to `servers` (all when empty).
+  absl::StatusOr<RequestHandle> Start(int w, int m, uint8_t fill, std::vector<int> servers = {});
+  // Waits for it and checks each server's reply bytes.
+  absl::Status Finish(int w, int m, RequestHandle handle, uint8_t fill,
+                      absl::Duration timeout, std::vector<int> servers = {});
+  absl::Status RoundTrip(int w, int m, uint8_t fill, absl::Duration timeout = absl::Seconds(5),
+                         std::vector<int> servers = {});
+
+  std::vector<uint8_t>& pull(int w, int m, int s) { return pulls_[w][m][s]; }
+  std::vector<uint8_t>& recv(int s, int m) { return recvs_[s][m]; }
+  // Errors the server loops saw other than timeouts and shutdown.
+  std::vector<std::string> server_errors();
+
+  // Shuts a participant down now (tests of shutdown order).
+  void StopWorker(int w);
+  void StopServer(int s);
+  void StopScheduler() { scheduler_.reset(); }
+  // Last GetBatch status of server `s` once its loop ended.
+  absl::Status server_exit(int s);
+
+ private:
+  void ServeLoop(int s);
+
+  HarnessConfig config_;
+  absl::Status status_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::vector<std::unique_ptr<AFTensorWorker>> workers_;
+  std::vector<std::unique_ptr<AFTensorServer>> servers_;
+  std::vector<std::vector<std::vector<std::vector<uint8_t>>>> pulls_;  // [w][m][s]
+  std::vector<std::vector<uint8_t>> pushes_flat_;                      // [w*keys+m]
+  std::vector<std::vector<std::vector<uint8_t>>> recvs_;               // [s][m]
+  std::vector<std::vector<std::vector<uint8_t>>> replies_;             // [s][m]
+  std::vector<std::thread> serve_threads_;
+  std::unique_ptr<std::atomic<bool>[]> serving_;
+  std::atomic<bool> stop_{false};
+  absl::Mutex mu_;
+  std::vector<std::string> errors_ ABSL_GUARDED_BY(mu_);
+  std::vector<absl::Status> exits_ ABSL_GUARDED_BY(mu_);
+};
+
+// Open file descriptors and threads of this process (leak checks).
+int OpenFdCount();
+int ThreadCount();
+
+}  // namespace stepmesh::testing
