@@ -169,6 +169,13 @@ void PrintSizeTable(const SizeResult& r) {
     std::printf(" software overhead vs raw-tcp (same bytes): p50 %+.2f us (%+.1f%% of raw p50), mean %+.2f us\n",
                 r.overhead_p50_us, r.overhead_p50_pct, r.overhead_mean_us);
   }
+  if (!r.stages.empty()) {
+    std::string line = " stepmesh stages p50/p99 us:";
+    for (const SizeResult::Stage& st : r.stages) {
+      absl::StrAppendFormat(&line, " %s %.1f/%.1f", st.name, st.p50_us, st.p99_us);
+    }
+    std::printf("%s\n", line.c_str());
+  }
 }
 
 absl::Status WriteJson(const std::string& path, const RunInfo& run, const MachineInfo& m,
@@ -210,6 +217,15 @@ absl::Status WriteJson(const std::string& path, const RunInfo& run, const Machin
       absl::StrAppend(&out, ", \"overhead_vs_raw\": {\"p50_us\": ", Num(r.overhead_p50_us),
                       ", \"mean_us\": ", Num(r.overhead_mean_us), ", \"p50_pct_of_raw\": ",
                       Num(r.overhead_p50_pct), "}");
+    }
+    if (!r.stages.empty()) {
+      absl::StrAppend(&out, ", \"stepmesh_stages\": [");
+      for (size_t k = 0; k < r.stages.size(); ++k) {
+        absl::StrAppend(&out, k ? ", " : "", "{\"stage\": \"", r.stages[k].name,
+                        "\", \"p50_us\": ", Num(r.stages[k].p50_us), ", \"p99_us\": ",
+                        Num(r.stages[k].p99_us), ", \"mean_us\": ", Num(r.stages[k].mean_us), "}");
+      }
+      absl::StrAppend(&out, "]");
     }
     absl::StrAppend(&out, "}", i + 1 < results.size() ? "," : "", "\n");
   }

@@ -316,7 +316,43 @@ struct Accumulated {
   uint64_t thread_cpu_ns = 0;
   uint64_t measured = 0;
   std::string error;
+  // stepmesh only: per-stage samples from the request's trace stamps (kStages).
+  std::vector<std::vector<uint64_t>> stages;
 };
+
+// Where one request's time goes, from its trace stamps (include/stepmesh/trace.h).
+// Differences of stamps from two hosts are only meaningful on one host (the
+// launcher's default); the two-host tables omit them.
+constexpr const char* kStageNames[] = {
+    "submit",    // PushPull() -> send thread posts (send-queue hand-off)
+    "push",      // posted -> last push byte at the server (write, wire, read)
+    "dispatch",  // arrival -> GetBatch() returns it (server receive -> application)
+    "respond",   // GetBatch() returned -> server send thread posts the reply
+    "reply",     // reply posted -> landed at the worker
+    "complete",  // reply landed -> request complete (all servers)
+    "wake",      // complete -> Wait() returned to the caller
+};
+constexpr size_t kStages = sizeof(kStageNames) / sizeof(kStageNames[0]);
+
+void AddStages(const TraceRecord& t, uint64_t returned_ns, std::vector<std::vector<uint64_t>>& out) {
+  // The server whose reply landed last decides the request's latency.
+  const TraceRecord::PerServer* last = nullptr;
+  for (const TraceRecord::PerServer& s : t.servers) {
+    if (last == nullptr || s.stamps.reply_arrival_ns > last->stamps.reply_arrival_ns) last = &s;
+  }
+  if (last == nullptr) return;
+  const TraceStamps& x = last->stamps;
+  const uint64_t points[] = {x.enqueue_ns,        x.post_ns,         x.server_arrival_ns,
+                             x.server_handler_ns, x.server_reply_ns, x.reply_arrival_ns,
+                             t.complete_ns,       returned_ns};
+  for (uint64_t p : points) {
+    if (p == 0) return;  // tracing off
+  }
+  out.resize(kStages);
+  for (size_t i = 0; i < kStages; ++i) {
+    out[i].push_back(points[i + 1] >= points[i] ? points[i + 1] - points[i] : 0);
+  }
+}
 
 // Worker 0 keeps samples; the others run the same lock-stepped loops so that
 // the servers see every worker, and discard theirs.
@@ -381,6 +417,8 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
   }
 
   const std::vector<std::string> methods = Methods(f);
+  // Every node on this host (the launcher, or all addresses loopback): stamps compare.
+  const bool same_host = f.server_hosts.empty() && f.role == "launch";
   std::vector<SizeResult> results;
   std::vector<Pull> pulls(y);
   for (size_t z = 0; z < f.sizes.size(); ++z) {
@@ -407,7 +445,12 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
             const int m = i % M;
             if (i >= M) {
               STEPMESH_RETURN_IF_ERROR(worker->Wait(handles[m], timeout));
-              record(i - M, MonotonicNowNs() - issued[m]);
+              const uint64_t returned = MonotonicNowNs();
+              record(i - M, returned - issued[m]);
+              if (same_host && i - M >= f.warmup) {
+                absl::StatusOr<TraceRecord> t = worker->FetchTrace(handles[m]);
+                if (t.ok()) AddStages(*t, returned, a.stages);
+              }
             }
             if (i >= total) continue;
             if (i == f.warmup && M == 1) cpu_start = CpuNow();
@@ -468,6 +511,10 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
         mr.cpu_us_per_iter = acc[k].process_cpu_ns / 1e3 / static_cast<double>(acc[k].measured);
         mr.thread_cpu_us_per_iter = acc[k].thread_cpu_ns / 1e3 / static_cast<double>(acc[k].measured);
         if (mr.method != "stepmesh" && M > 1) mr.note = "baselines run one request at a time";
+        for (size_t st = 0; st < acc[k].stages.size(); ++st) {
+          const LatencyStats ss = ComputeStats(std::move(acc[k].stages[st]));
+          r.stages.push_back({kStageNames[st], ss.p50_us, ss.p99_us, ss.mean_us});
+        }
       }
       r.methods.push_back(std::move(mr));
     }

@@ -33,6 +33,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -111,6 +112,7 @@ class Child {
     int status = 0;
     if (::waitpid(pid_, &status, WNOHANG) != pid_) return false;
     exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    exited_at_ = absl::Now();
     pid_ = -1;
     return true;
   }
@@ -120,6 +122,7 @@ class Child {
     int status = 0;
     ::waitpid(pid_, &status, 0);
     if (exit_code_ < 0) exit_code_ = 128 + SIGKILL;
+    exited_at_ = absl::Now();
     killed_ = true;
     pid_ = -1;
   }
@@ -130,6 +133,7 @@ class Child {
 
   const std::string& name() const { return name_; }
   int exit_code() const { return exit_code_; }
+  absl::Time exited_at() const { return exited_at_; }
   bool killed_by_launcher() const { return killed_; }
   bool running() const { return pid_ > 0; }
   std::string Stdout() const { return ReadFile(out_path_); }
@@ -150,6 +154,7 @@ class Child {
   pid_t pid_;
   std::string out_path_, err_path_;
   int exit_code_ = -1;
+  absl::Time exited_at_;
   bool killed_ = false;
 };
 
@@ -262,8 +267,8 @@ absl::Status Launcher::StartScheduler() {
   STEPMESH_ASSIGN_OR_RETURN(
       scheduler_process_,
       Child::Start("scheduler",
-                   {f_.scheduler_binary, "--address", scheduler_address_, "--num-workers",
-                    absl::StrCat(f_.shape.attention), "--num-servers",
+                   {f_.scheduler_binary, "--address", scheduler_address_, "--workers",
+                    absl::StrCat(f_.shape.attention), "--servers",
                     absl::StrCat(f_.shape.ffn)},
                    f_.work_dir + "/scheduler.out", f_.work_dir + "/scheduler.err"));
   absl::SleepFor(absl::Milliseconds(200));  // let it bind before clients dial
@@ -352,8 +357,9 @@ int Launcher::CheckExpectedFailure() {
   // server, within the mesh timeout of the kill.
   const std::string needle = absl::StrCat("server ", f_.kill_ffn);
   std::vector<std::string> problems;
-  const absl::Duration took = absl::Now() - ffn_killed_at_;
+  absl::Duration took;
   for (auto& c : attention_) {
+    took = std::max(took, c->exited_at() - ffn_killed_at_);
     const std::string err = c->Stderr();
     std::printf("%s exited %d; its error:\n%s", c->name().c_str(), c->exit_code(),
                 Tail(err, 3).c_str());
@@ -363,7 +369,12 @@ int Launcher::CheckExpectedFailure() {
       problems.push_back(absl::StrCat(c->name(), "'s error does not name ", needle));
     }
   }
-  if (ffn_killed_at_ == absl::Time()) problems.push_back("the run ended before the kill");
+  if (ffn_killed_at_ == absl::Time()) {
+    problems.push_back("the run ended before the kill");
+  } else if (took > f_.shape.timeout) {
+    problems.push_back(absl::StrCat("the attention instances took ", absl::FormatDuration(took),
+                                    " to fail, over the mesh timeout"));
+  }
   if (!problems.empty()) {
     std::printf("failure check: FAIL (%s)\n", absl::StrJoin(problems, "; ").c_str());
     return 1;
