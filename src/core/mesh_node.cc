@@ -56,6 +56,7 @@ absl::Status MeshNode::Start(const TransportFactory& factory) {
 }
 
 void MeshNode::HandlePeerJoined(NodeId peer, const std::string& endpoint) {
+  if (NodeRole(peer) == static_cast<uint8_t>(options_.role)) return;  // no data path between them
   STEPMESH_LOG(kWarning, RoleName(options_.role), " ", rank_, ": node 0x", absl::Hex(peer),
                " rejoined at ", endpoint, "; this role does not reconnect to it");
 }

@@ -217,6 +217,7 @@ TEST_CASE("fault: a stalled server costs deadlines, then traffic resumes", "[fau
   REQUIRE_OK(mesh.status());
   REQUIRE_OK(mesh.RoundTrip(0, 0, 1));
   plan->Stall(kServer1, absl::Milliseconds(1500));
+  absl::SleepFor(absl::Milliseconds(150));  // its receive thread leaves the poll it is in
   auto h = mesh.Start(0, 0, 2);
   REQUIRE(h.ok());
   const absl::Status early = mesh.worker(0).Wait(*h, absl::Milliseconds(300));

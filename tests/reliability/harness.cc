@@ -114,7 +114,9 @@ Harness::Harness(const HarnessConfig& config, const core::TransportFactory& tran
 
 Harness::~Harness() {
   stop_ = true;
-  for (auto& t : serve_threads_) t.join();
+  for (auto& t : serve_threads_) {
+    if (t.joinable()) t.join();
+  }
   for (auto& w : workers_) {
     if (w != nullptr) (void)w->Shutdown();
   }

@@ -44,8 +44,8 @@ __global__ void MqaAttentionKernel(const float* __restrict__ q,
                        threadIdx.x / 32;
   if (warp >= queries * heads) return;
   const int64_t query = warp / heads;
-  const int64_t visible =
-      min(kv_len, static_cast<int64_t>(positions[query]) + 1);
+  const int64_t last = static_cast<int64_t>(positions[query]);
+  const int64_t visible = last + 1 < kv_len ? last + 1 : kv_len;
   const float* query_row = q + warp * kHeadDim;
   float q_reg[kPerLane];
   float acc[kPerLane];
@@ -153,7 +153,8 @@ __global__ void __launch_bounds__(kDecodeThreads, 1)
   const int64_t kv_len = kv_lens[batch_index];
   const int64_t first = static_cast<int64_t>(split) * kChunk;
   if (first >= kv_len) return;  // the merge kernel skips empty splits
-  const int count = static_cast<int>(min<int64_t>(kChunk, kv_len - first));
+  const int count =
+      static_cast<int>(kv_len - first < kChunk ? kv_len - first : kChunk);
   const int tiles = (count + kTile - 1) / kTile;
   const int64_t end = first + count;
   const float* k_seq = k_cache + batch_index * cache_stride_rows * kHeadDim;
