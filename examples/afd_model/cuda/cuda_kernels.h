@@ -185,8 +185,8 @@ cudaError_t SumBf16Partials(const uint16_t* const* partials, int num_partials,
 // Informational: counts the fp32 bit patterns in [first, first + count) on
 // which cuda_fp8.h's saturating E4M3 conversion (NaN mapped to +0 first)
 // disagrees with EncodeFp8E4m3; the first disagreeing pattern goes to
-// *first_mismatch (0xFFFFFFFF if none). Both outputs are device pointers,
-// *mismatches must be zeroed by the caller.
+// *first_mismatch (0xFFFFFFFF if none). Both outputs are device pointers;
+// the function resets them on `stream` before counting.
 cudaError_t CompareCudaFp8Conversion(uint64_t first, uint64_t count,
                                      unsigned long long* mismatches,
                                      unsigned int* first_mismatch,

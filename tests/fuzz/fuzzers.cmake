@@ -1,0 +1,20 @@
+# Defines the libFuzzer executables; shared by tests/fuzz/CMakeLists.txt and
+# fuzz_project_include.cmake.
+function(stepmesh_define_fuzzers dir)
+  if(TARGET stepmesh_fuzz_frame)
+    return()
+  endif()
+  if(NOT CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+    message(WARNING "stepmesh: fuzzers need clang; not building them")
+    return()
+  endif()
+  foreach(target frame control)
+    add_executable(stepmesh_fuzz_${target} ${dir}/fuzz_${target}.cc)
+    target_link_libraries(stepmesh_fuzz_${target} PRIVATE stepmesh)
+    target_include_directories(stepmesh_fuzz_${target} PRIVATE ${PROJECT_SOURCE_DIR})
+    target_compile_options(stepmesh_fuzz_${target} PRIVATE -fsanitize=fuzzer)
+    target_link_options(stepmesh_fuzz_${target} PRIVATE -fsanitize=fuzzer)
+    set_target_properties(stepmesh_fuzz_${target} PROPERTIES
+      RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests/fuzz)
+  endforeach()
+endfunction()
