@@ -123,6 +123,18 @@ void DeriveRatios(SizeResult& r) {
     if (!b.available || b.stats.count == 0 || ours.stats.count == 0) continue;
     b.ratio_p50 = b.stats.p50_us > 0 ? ours.stats.p50_us / b.stats.p50_us : 0;
     b.ratio_p99 = b.stats.p99_us > 0 ? ours.stats.p99_us / b.stats.p99_us : 0;
+    std::vector<double> per_rep;
+    for (size_t k = 0; k < b.rep_p50_us.size() && k < ours.rep_p50_us.size(); ++k) {
+      if (b.rep_p50_us[k] > 0) per_rep.push_back(ours.rep_p50_us[k] / b.rep_p50_us[k]);
+    }
+    if (!per_rep.empty()) {
+      std::sort(per_rep.begin(), per_rep.end());
+      const size_t n = per_rep.size();
+      b.rep_ratio_p50_median =
+          n % 2 ? per_rep[n / 2] : (per_rep[n / 2 - 1] + per_rep[n / 2]) / 2;
+      b.rep_ratio_p50_min = per_rep.front();
+      b.rep_ratio_p50_max = per_rep.back();
+    }
     if (b.method == "raw-tcp") {
       r.has_overhead = true;
       r.overhead_p50_us = ours.stats.p50_us - b.stats.p50_us;
@@ -165,6 +177,14 @@ void PrintSizeTable(const SizeResult& r) {
                 s.mean_us, s.stdev_us, m.goodput_gbps, m.cpu_us_per_iter,
                 s.p50_us > 0 ? s.p99_us / s.p50_us : 0.0, rp50.c_str(), rp99.c_str());
   }
+  std::string reps;
+  for (const MethodResult& m : r.methods) {
+    if (m.rep_ratio_p50_median > 0) {
+      absl::StrAppendFormat(&reps, " %s %.3f [%.3f..%.3f]", m.method, m.rep_ratio_p50_median,
+                            m.rep_ratio_p50_min, m.rep_ratio_p50_max);
+    }
+  }
+  if (!reps.empty()) std::printf(" x_p50 per repetition, median [min..max]:%s\n", reps.c_str());
   if (r.has_overhead) {
     std::printf(" software overhead vs raw-tcp (same bytes): p50 %+.2f us (%+.1f%% of raw p50), mean %+.2f us\n",
                 r.overhead_p50_us, r.overhead_p50_pct, r.overhead_mean_us);
@@ -208,8 +228,18 @@ absl::Status WriteJson(const std::string& path, const RunInfo& run, const Machin
                       ", \"thread_cpu_us_per_iter\": ", Num(mr.thread_cpu_us_per_iter));
       if (j > 0) {
         absl::StrAppend(&out, ", \"ratio_p50\": ", mr.ratio_p50 > 0 ? Num(mr.ratio_p50) : "null",
-                        ", \"ratio_p99\": ", mr.ratio_p99 > 0 ? Num(mr.ratio_p99) : "null");
+                        ", \"ratio_p99\": ", mr.ratio_p99 > 0 ? Num(mr.ratio_p99) : "null",
+                        ", \"rep_ratio_p50\": {\"median\": ",
+                        mr.rep_ratio_p50_median > 0 ? Num(mr.rep_ratio_p50_median) : "null",
+                        ", \"min\": ", mr.rep_ratio_p50_min > 0 ? Num(mr.rep_ratio_p50_min) : "null",
+                        ", \"max\": ", mr.rep_ratio_p50_max > 0 ? Num(mr.rep_ratio_p50_max) : "null",
+                        "}");
       }
+      absl::StrAppend(&out, ", \"rep_p50_us\": [");
+      for (size_t k = 0; k < mr.rep_p50_us.size(); ++k) {
+        absl::StrAppend(&out, k ? ", " : "", Num(mr.rep_p50_us[k]));
+      }
+      absl::StrAppend(&out, "]");
       absl::StrAppend(&out, "}", j + 1 < r.methods.size() ? "," : "", "\n");
     }
     absl::StrAppend(&out, "     ]");

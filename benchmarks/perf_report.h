@@ -50,6 +50,11 @@ struct MethodResult {
   // ours ÷ this method (filled for baselines only; 0 when not applicable).
   double ratio_p50 = 0;
   double ratio_p99 = 0;
+  // p50 of each interleaved repetition alone, and for baselines the ratio
+  // ours ÷ this method per repetition: its median resists load that drifts
+  // between repetitions (perf_anchors.md §8: medians of the repetitions).
+  std::vector<double> rep_p50_us;
+  double rep_ratio_p50_median = 0, rep_ratio_p50_min = 0, rep_ratio_p50_max = 0;
 };
 
 struct SizeResult {

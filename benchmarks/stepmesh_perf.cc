@@ -318,6 +318,7 @@ struct Accumulated {
   std::string error;
   // stepmesh only: per-stage samples from the request's trace stamps (kStages).
   std::vector<std::vector<uint64_t>> stages;
+  std::vector<double> rep_p50_us;  // p50 of each repetition alone
 };
 
 // Where one request's time goes, from its trace stamps (include/stepmesh/trace.h).
@@ -431,9 +432,9 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
         STEPMESH_RETURN_IF_ERROR(worker->Barrier());
         const std::string& method = methods[k];
         Accumulated& a = acc[k];
-        CpuClock cpu_start;
+        // CPU is read when the first measured iteration starts and after the last.
+        CpuClock cpu_start = CpuNow();
         auto record = [&](int i, uint64_t ns) {
-          if (i == f.warmup) cpu_start = CpuNow();
           if (i >= f.warmup) a.samples_ns.push_back(ns);
         };
         if (method == "stepmesh") {
@@ -453,7 +454,7 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
               }
             }
             if (i >= total) continue;
-            if (i == f.warmup && M == 1) cpu_start = CpuNow();
+            if (i == f.warmup) cpu_start = CpuNow();
             for (int s = 0; s < y; ++s) pulls[s] = {PullKey(z, m), s};
             const Push p{PushKey(z, m), push_bytes};
             issued[m] = MonotonicNowNs();
@@ -469,6 +470,7 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
           // The same bytes through one thread's memcpy: push out to every
           // server's slot, every reply back.
           for (int i = 0; i < total; ++i) {
+            if (i == f.warmup) cpu_start = CpuNow();
             const uint64_t t0 = MonotonicNowNs();
             for (int s = 0; s < y; ++s) std::memcpy(host_scratch.data(), host_push.data(), push_bytes);
             for (int s = 0; s < y; ++s) std::memcpy(host_pull[s].data(), host_scratch.data(), pull_bytes);
@@ -481,6 +483,7 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
             continue;
           }
           for (int i = 0; i < total; ++i) {
+            if (i == f.warmup) cpu_start = CpuNow();
             const uint64_t t0 = MonotonicNowNs();
             absl::Status st = client->Exchange(host_push.data(), push_bytes, host_pull_ptrs, pull_bytes);
             if (!st.ok()) return absl::Status(st.code(), absl::StrCat(method, ": ", st.message()));
@@ -488,6 +491,11 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
           }
         }
         const CpuClock cpu_end = CpuNow();
+        if (measured > 0 && a.samples_ns.size() >= static_cast<size_t>(measured)) {
+          a.rep_p50_us.push_back(
+              ComputeStats(std::vector<uint64_t>(a.samples_ns.end() - measured, a.samples_ns.end()))
+                  .p50_us);
+        }
         if (measured > 0) {
           a.process_cpu_ns += cpu_end.process_ns - cpu_start.process_ns;
           a.thread_cpu_ns += cpu_end.thread_ns - cpu_start.thread_ns;
@@ -516,6 +524,7 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
           r.stages.push_back({kStageNames[st], ss.p50_us, ss.p99_us, ss.mean_us});
         }
       }
+      mr.rep_p50_us = acc[k].rep_p50_us;
       r.methods.push_back(std::move(mr));
     }
     DeriveRatios(r);
@@ -729,7 +738,7 @@ int Main(int argc, char** argv) {
     return s.ok() ? 0 : 1;
   }
   if (f.role == "worker") {
-    const bool reporter = f.rank == 0 && f.parent_pid == 0;
+    const bool reporter = f.rank <= 0 && f.parent_pid == 0;
     if (reporter) {
       PrintHeader({f.command_line, f.pattern, f.workers, f.servers, f.transport, f.backend,
                    f.poll_mode, f.micro_batches, f.warmup, f.iters, f.reps, true},

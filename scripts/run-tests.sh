@@ -9,6 +9,7 @@ scripts/install-deps.sh
 
 jobs=$(nproc)
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DSTEPMESH_BUILD_TESTS=ON -DSTEPMESH_BUILD_BENCHMARKS=ON -DSTEPMESH_BUILD_EXAMPLES=ON
+  -DSTEPMESH_BUILD_TESTS=ON -DSTEPMESH_BUILD_BENCHMARKS=ON -DSTEPMESH_BUILD_EXAMPLES=ON \
+  -DSTEPMESH_ENABLE_CUDA=ON -DSTEPMESH_ENABLE_RDMA=ON
 cmake --build build -j "$jobs"
 ctest --test-dir build --output-on-failure --timeout 900 -j "$jobs" "$@"

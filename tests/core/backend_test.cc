@@ -54,7 +54,7 @@ TEST_CASE("cpu_mock stream waits on a host flag without blocking the host", "[ba
   CHECK(signal->Load() == 9);
 }
 
-TEST_CASE("cpu_mock memory is aligned and zeroed; unknown backends are errors", "[backend]") {
+TEST_CASE("cpu_mock memory is aligned and zeroed, unknown backends are errors", "[backend]") {
   auto backend = CreateCpuMockBackend();
   auto mem = backend->Allocate(10000, MemoryKind::kDevice);
   REQUIRE(mem.ok());

@@ -322,7 +322,7 @@ TEST_CASE("rdma: sends check the advertised slot and the source region", "[rdma]
   CHECK(pair.fabric.stats().writes == 0);
 }
 
-TEST_CASE("rdma: a region registered after Connect is advertised; sends wait for it",
+TEST_CASE("rdma: a region registered after Connect is advertised, sends wait for it",
           "[rdma][transport]") {
   Pair pair({}, 1, absl::Milliseconds(400));
   Buffers buf;
@@ -354,7 +354,7 @@ TEST_CASE("rdma: a region registered after Connect is advertised; sends wait for
   CHECK(pair.fabric.stats().access_errors == 0);
 }
 
-TEST_CASE("rdma: credits bound what is in flight; no RNR ever", "[rdma][transport]") {
+TEST_CASE("rdma: credits bound what is in flight, no RNR ever", "[rdma][transport]") {
   RdmaTuning tuning;
   tuning.recv_depth = 8;
   Pair pair(tuning, 1, absl::Milliseconds(300));

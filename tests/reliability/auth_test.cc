@@ -215,7 +215,7 @@ TEST_CASE("auth: data connections need the secret on both ends", "[auth]") {
   }
 }
 
-TEST_CASE("auth: a junk client on the data port is refused; the real peer still gets in",
+TEST_CASE("auth: a junk client on the data port is refused, the real peer still gets in",
           "[auth]") {
   MeshOptions o = AuthOptions("k");
   auto server = *core::CreateTcpTransport(o);

@@ -88,7 +88,7 @@ TEST_CASE("fault: a delayed frame only delays", "[fault]") {
   REQUIRE_OK(mesh.RoundTrip(0, 0, 4));
 }
 
-TEST_CASE("fault: a duplicated reply is dropped; the request's data is exact", "[fault]") {
+TEST_CASE("fault: a duplicated reply is dropped, the request's data is exact", "[fault]") {
   auto plan = std::make_shared<FaultPlan>();
   plan->Add({.action = FaultAction::kDuplicate, .type = FrameType::kReply, .from = kServer1,
              .count = 3});

@@ -64,7 +64,7 @@ struct ProcessWorker {
   std::vector<int> servers_;
 };
 
-TEST_CASE("liveness: a stopped server is declared lost in time; a restarted one rejoins",
+TEST_CASE("liveness: a stopped server is declared lost in time, a restarted one rejoins",
           "[liveness][process]") {
   MeshOptions o;
   o.transport = "tcp";
