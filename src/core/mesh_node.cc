@@ -85,17 +85,26 @@ int MeshNode::PeerCount() const {
   return options_.role == Role::kWorker ? options_.num_servers : options_.num_workers;
 }
 
-absl::StatusOr<RegionId> MeshNode::RegisterTensor(uint64_t key, const TensorView& view,
-                                                  uint32_t num_slots, std::vector<NodeId> writers) {
+absl::StatusOr<WireTensor> MeshNode::RegisterTensor(uint64_t key, const TensorView& view,
+                                                    uint32_t num_slots,
+                                                    std::vector<NodeId> writers) {
   if (view.data == nullptr || view.bytes() == 0) {
     return absl::InvalidArgumentError(absl::StrCat("cannot register an empty tensor (key ", key, ")"));
   }
+  WireTensor out;
+  out.wire = static_cast<std::byte*>(view.data);
+  std::unique_ptr<Memory> staging;
+  if (!transport_->CanAccess(view.device)) {
+    STEPMESH_ASSIGN_OR_RETURN(staging, backend_->Allocate(view.bytes(), MemoryKind::kHostPinned));
+    out.wire = static_cast<std::byte*>(staging->data());
+    out.staged = true;
+  }
   RegionInfo info;
   info.key = key;
-  info.base = view.data;
+  info.base = out.wire;
   info.slot_bytes = view.bytes() / num_slots;
   info.num_slots = num_slots;
-  info.device = view.device;
+  info.device = out.staged ? Device::Cpu() : view.device;
   info.remote_writable = !writers.empty();
   info.slot_peers = std::move(writers);
   absl::MutexLock lock(&regions_mu_);
@@ -105,14 +114,28 @@ absl::StatusOr<RegionId> MeshNode::RegisterTensor(uint64_t key, const TensorView
     regions_.Remove(view.data, key);
     return s;
   }
-  return info.id;
+  out.region = info.id;
+  if (staging != nullptr) staging_[info.id] = std::move(staging);
+  return out;
 }
 
 absl::Status MeshNode::UnregisterTensor(RegionId id, const void* base, uint64_t key) {
   absl::MutexLock lock(&regions_mu_);
   STEPMESH_RETURN_IF_ERROR(transport_->UnregisterRegion(id));
   regions_.Remove(base, key);
+  staging_.erase(id);
   return absl::OkStatus();
+}
+
+absl::Status MeshNode::StageOut(const WireTensor& t, const void* tensor, size_t offset,
+                                size_t bytes) {
+  if (!t.staged || bytes == 0) return absl::OkStatus();
+  return backend_->Copy(t.wire + offset, static_cast<const std::byte*>(tensor) + offset, bytes);
+}
+
+absl::Status MeshNode::StageIn(const WireTensor& t, void* tensor, size_t offset, size_t bytes) {
+  if (!t.staged || bytes == 0) return absl::OkStatus();
+  return backend_->Copy(static_cast<std::byte*>(tensor) + offset, t.wire + offset, bytes);
 }
 
 absl::Status MeshNode::EnqueueSend(const SendItem& item) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -19,6 +20,14 @@
 #include "stepmesh/options.h"
 
 namespace stepmesh::core {
+
+// A registered tensor as the transport sees it: `wire` is the tensor itself,
+// or a pinned host copy when the transport cannot reach the tensor's device.
+struct WireTensor {
+  RegionId region = 0;
+  std::byte* wire = nullptr;
+  bool staged = false;
+};
 
 // Work for the send thread, by index: no allocation per send.
 struct SendItem {
@@ -67,9 +76,13 @@ class MeshNode : public TransportSink {
   // Registers `view` with the transport as `num_slots` equal slots; `writers`
   // (one per slot) may write remotely, none when empty. Refuses memory that
   // aliases another registration if either side receives remote writes.
-  absl::StatusOr<RegionId> RegisterTensor(uint64_t key, const TensorView& view, uint32_t num_slots,
-                                          std::vector<NodeId> writers);
+  absl::StatusOr<WireTensor> RegisterTensor(uint64_t key, const TensorView& view,
+                                            uint32_t num_slots, std::vector<NodeId> writers);
   absl::Status UnregisterTensor(RegionId id, const void* base, uint64_t key);
+  // Copies between a staged tensor and its wire copy (no-ops when not staged):
+  // before a send, and after an arrival. Synchronous, on the calling thread.
+  absl::Status StageOut(const WireTensor& t, const void* tensor, size_t offset, size_t bytes);
+  absl::Status StageIn(const WireTensor& t, void* tensor, size_t offset, size_t bytes);
 
   NodeId PeerId(int rank) const;  // a node of the other role
   int PeerCount() const;
@@ -94,6 +107,7 @@ class MeshNode : public TransportSink {
   absl::Mutex regions_mu_;
   RegionTable regions_ ABSL_GUARDED_BY(regions_mu_);
   RegionId next_region_ ABSL_GUARDED_BY(regions_mu_) = 1;
+  absl::flat_hash_map<RegionId, std::unique_ptr<Memory>> staging_ ABSL_GUARDED_BY(regions_mu_);
 
   absl::Mutex queue_mu_;
   absl::CondVar queue_cv_;

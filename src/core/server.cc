@@ -27,14 +27,14 @@ constexpr uint32_t kSendError = 2;
 
 struct RecvRegistration {
   TensorView view;
-  RegionId region = 0;
+  WireTensor wire;
   size_t slot_bytes = 0;
   std::unique_ptr<std::atomic<bool>[]> busy;  // per worker: slot holds unanswered data
 };
 
 struct ReplyRegistration {
   TensorView view;
-  RegionId region = 0;
+  WireTensor wire;
   size_t slot_bytes = 0;
 };
 
@@ -122,11 +122,11 @@ class Server final : public AFTensorServer, public MeshNode {
     STEPMESH_ASSIGN_OR_RETURN(size_t slot_bytes, SlotBytes(region, "receive"));
     std::vector<NodeId> writers;
     for (int w = 0; w < options_.num_workers; ++w) writers.push_back(PeerId(w));
-    STEPMESH_ASSIGN_OR_RETURN(RegionId id,
+    STEPMESH_ASSIGN_OR_RETURN(WireTensor wire,
                               RegisterTensor(key, region, options_.num_workers, std::move(writers)));
     auto reg = std::make_unique<RecvRegistration>();
     reg->view = region;
-    reg->region = id;
+    reg->wire = wire;
     reg->slot_bytes = slot_bytes;
     reg->busy.reset(new std::atomic<bool>[options_.num_workers]);
     for (int w = 0; w < options_.num_workers; ++w) reg->busy[w] = false;
@@ -138,9 +138,10 @@ class Server final : public AFTensorServer, public MeshNode {
     absl::MutexLock lock(&reg_mu_);
     STEPMESH_RETURN_IF_ERROR(CheckNewKey(key, reply_regs_.contains(key), "reply"));
     STEPMESH_ASSIGN_OR_RETURN(size_t slot_bytes, SlotBytes(region, "reply"));
-    STEPMESH_ASSIGN_OR_RETURN(RegionId id, RegisterTensor(key, region, options_.num_workers, {}));
+    STEPMESH_ASSIGN_OR_RETURN(WireTensor wire,
+                              RegisterTensor(key, region, options_.num_workers, {}));
     reply_regs_[key] =
-        std::make_unique<ReplyRegistration>(ReplyRegistration{region, id, slot_bytes});
+        std::make_unique<ReplyRegistration>(ReplyRegistration{region, wire, slot_bytes});
     return absl::OkStatus();
   }
 
@@ -175,12 +176,12 @@ class Server final : public AFTensorServer, public MeshNode {
     }
     if (recv != recv_regs_.end()) {
       STEPMESH_RETURN_IF_ERROR(
-          UnregisterTensor(recv->second->region, recv->second->view.data, key));
+          UnregisterTensor(recv->second->wire.region, recv->second->view.data, key));
       recv_regs_.erase(recv);
     }
     if (reply != reply_regs_.end()) {
       STEPMESH_RETURN_IF_ERROR(
-          UnregisterTensor(reply->second->region, reply->second->view.data, key));
+          UnregisterTensor(reply->second->wire.region, reply->second->view.data, key));
       reply_regs_.erase(reply);
     }
     return absl::OkStatus();
@@ -357,10 +358,12 @@ class Server final : public AFTensorServer, public MeshNode {
           h.key = e.pull_key;
           h.dtype = e.reply->view.dtype;
           h.payload_bytes = e.reply_bytes;
-          src = static_cast<const std::byte*>(e.reply->view.data) + w * e.reply->slot_bytes;
-          region = e.reply->region;
+          const size_t offset = w * e.reply->slot_bytes;
+          src = e.reply->wire.wire + offset;
+          region = e.reply->wire.region;
+          sent = StageOut(e.reply->wire, e.reply->view.data, offset, e.reply_bytes);
         }
-        sent = transport_->Send(h.dst, h, src, region, h.payload_bytes);
+        if (sent.ok()) sent = transport_->Send(h.dst, h, src, region, h.payload_bytes);
       }
       if (!sent.ok()) {
         STEPMESH_LOG(kWarning, "server ", rank_, ": reply to worker ", w, " failed: ",
@@ -415,8 +418,7 @@ class Server final : public AFTensorServer, public MeshNode {
       return absl::FailedPreconditionError(absl::StrCat(
           "push under key ", h.key, " while the previous one is still being processed"));
     }
-    return Destination{static_cast<std::byte*>(reg.view.data) + w * reg.slot_bytes,
-                       reg.slot_bytes, reg.region};
+    return Destination{reg.wire.wire + w * reg.slot_bytes, reg.slot_bytes, reg.wire.region};
   }
 
   void OnFrame(NodeId peer, const FrameHeader& h, absl::Status status) override {
@@ -458,6 +460,15 @@ class Server final : public AFTensorServer, public MeshNode {
       a->stamps.server_arrival_ns = options_.trace.enabled ? MonotonicNowNs() : 0;
     }
     if (++a->parts_done < a->part_count) return;
+    for (int i = 0; i < a->num_keys && !a->failed; ++i) {
+      // Staged regions: move the worker's bytes from the wire copy to the tensor.
+      const RecvRegistration& reg = *a->regs[i];
+      if (absl::Status s = StageIn(reg.wire, reg.view.data, w * reg.slot_bytes, a->bytes[i]);
+          !s.ok()) {
+        QueueError(peer, h.request_id, s);
+        a->failed = true;
+      }
+    }
     if (a->failed) {
       for (int i = 0; i < a->num_keys; ++i) a->regs[i]->busy[w].store(false);
     } else {

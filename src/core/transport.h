@@ -80,6 +80,11 @@ class Transport {
   virtual absl::Status Connect(NodeId self, absl::Span<const PeerInfo> peers,
                                absl::Time deadline) = 0;
 
+  // Whether payloads may move straight from/to memory on `device` (RDMA with
+  // GPUDirect could). Where not, the core stages them through pinned host
+  // memory it registers instead.
+  virtual bool CanAccess(const Device& device) const { return device.kind == DeviceKind::kCpu; }
+
   virtual absl::Status RegisterRegion(const RegionInfo& region) = 0;
   virtual absl::Status UnregisterRegion(RegionId id) = 0;
 

@@ -21,7 +21,7 @@ constexpr Key kNoPull = ~Key{0};
 
 struct Registration {
   TensorView view;
-  RegionId region = 0;
+  WireTensor wire;
   bool in_flight = false;  // guarded by the worker's reg_mu_
 };
 
@@ -93,8 +93,8 @@ class Worker final : public AFTensorWorker, public MeshNode {
     if (push_regs_.contains(key)) {
       return absl::AlreadyExistsError(absl::StrCat("push key ", key, " already registered"));
     }
-    STEPMESH_ASSIGN_OR_RETURN(RegionId region, RegisterTensor(key, tensor, 1, {}));
-    push_regs_[key] = std::make_unique<Registration>(Registration{tensor, region, false});
+    STEPMESH_ASSIGN_OR_RETURN(WireTensor wire, RegisterTensor(key, tensor, 1, {}));
+    push_regs_[key] = std::make_unique<Registration>(Registration{tensor, wire, false});
     return absl::OkStatus();
   }
 
@@ -109,8 +109,8 @@ class Worker final : public AFTensorWorker, public MeshNode {
       return absl::AlreadyExistsError(
           absl::StrCat("pull key ", key, " from server ", server, " already registered"));
     }
-    STEPMESH_ASSIGN_OR_RETURN(RegionId region, RegisterTensor(key, tensor, 1, {PeerId(server)}));
-    pull_regs_[{key, server}] = std::make_unique<Registration>(Registration{tensor, region, false});
+    STEPMESH_ASSIGN_OR_RETURN(WireTensor wire, RegisterTensor(key, tensor, 1, {PeerId(server)}));
+    pull_regs_[{key, server}] = std::make_unique<Registration>(Registration{tensor, wire, false});
     return absl::OkStatus();
   }
 
@@ -131,12 +131,12 @@ class Worker final : public AFTensorWorker, public MeshNode {
     }
     if (push != push_regs_.end()) {
       STEPMESH_RETURN_IF_ERROR(
-          UnregisterTensor(push->second->region, push->second->view.data, key));
+          UnregisterTensor(push->second->wire.region, push->second->view.data, key));
       push_regs_.erase(push);
     }
     for (const auto& id : pulls) {
       const Registration& reg = *pull_regs_[id];
-      STEPMESH_RETURN_IF_ERROR(UnregisterTensor(reg.region, reg.view.data, key));
+      STEPMESH_RETURN_IF_ERROR(UnregisterTensor(reg.wire.region, reg.view.data, key));
       pull_regs_.erase(id);
     }
     return absl::OkStatus();
@@ -199,8 +199,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
           r->targets[i * num_servers + s] = 1;
         }
         for (int s = 0; s < num_servers; ++s) r->addressed[s] |= r->targets[i * num_servers + s];
-        r->pushes[i] = {push.key, static_cast<const std::byte*>(reg.view.data), bytes,
-                        reg.view.dtype, reg.region, &reg};
+        r->pushes[i] = {push.key, reg.wire.wire, bytes, reg.view.dtype, reg.wire.region, &reg};
       }
       for (const Pull& pull : pulls) {
         if (pull.server < 0 || pull.server >= num_servers) {
@@ -318,11 +317,17 @@ class Worker final : public AFTensorWorker, public MeshNode {
   void ExecuteSend(const SendItem& item, const absl::Status& ready) override {
     Request& r = *requests_[item.index];
     const int num_servers = options_.num_servers;
+    absl::Status failed =
+        ready.ok() ? absl::OkStatus()
+                   : absl::Status(ready.code(), absl::StrCat("ready event failed: ", ready.message()));
+    for (int i = 0; i < r.num_pushes && failed.ok(); ++i) {
+      const PlannedPush& p = r.pushes[i];
+      failed = StageOut(p.reg->wire, p.reg->view.data, 0, p.bytes);
+    }
     for (int s = 0; s < num_servers; ++s) {
       if (!r.addressed[s]) continue;
-      if (!ready.ok()) {
-        Settle(r, s, absl::Status(ready.code(),
-                                  absl::StrCat("ready event failed: ", ready.message())));
+      if (!failed.ok()) {
+        Settle(r, s, failed);
         continue;
       }
       if (lost_servers_[s].load(std::memory_order_acquire)) {
@@ -390,7 +395,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
                                                 h.key, " exceeds the pull tensor's ",
                                                 reg.view.bytes()));
     }
-    return Destination{static_cast<std::byte*>(reg.view.data), reg.view.bytes(), reg.region};
+    return Destination{reg.wire.wire, reg.view.bytes(), reg.wire.region};
   }
 
   void OnFrame(NodeId peer, const FrameHeader& h, absl::Status status) override {
@@ -403,6 +408,10 @@ class Worker final : public AFTensorWorker, public MeshNode {
       return;
     }
     const int s = static_cast<int>(NodeRank(peer));
+    if (h.type == FrameType::kReply && status.ok() && (*r)->pull_key[s] != kNoPull) {
+      const Registration& reg = *(*r)->pull_reg[s];
+      status = StageIn(reg.wire, reg.view.data, 0, h.payload_bytes);
+    }
     if (h.type == FrameType::kReply && status.ok()) {
       TraceStamps& t = (*r)->stamps[s];
       t.server_arrival_ns = h.stamps.server_arrival_ns;

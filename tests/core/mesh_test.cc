@@ -11,6 +11,7 @@
 #include "src/core/mesh.h"
 #include "stepmesh/scheduler.h"
 #include "tests/core/child_process.h"
+#include "tests/core/forwarding_transport.h"
 #include "tests/core/mesh_scenarios.h"
 
 namespace stepmesh {
@@ -57,6 +58,29 @@ TEST_CASE("in-process mesh works in every poll mode", "[mesh][tcp]") {
     CHECK(result.ok());
     if (!result.ok()) FAIL_CHECK(result.ToString());
   }
+}
+
+// A transport that cannot reach any memory directly, as TCP cannot reach GPU
+// memory: every tensor is staged through host memory the core registers.
+class NoDirectAccessTransport final : public testing::ForwardingTransport {
+ public:
+  using ForwardingTransport::ForwardingTransport;
+  bool CanAccess(const Device&) const override { return false; }
+};
+
+TEST_CASE("tensors a transport cannot reach are staged, byte-exact both ways", "[mesh][staging]") {
+  Scenario sc;
+  sc.iterations = 10;
+  sc.push_bytes = 64 * 1024;
+  sc.pull_bytes = 128 * 1024;
+  auto factory = [](const MeshOptions& o) -> absl::StatusOr<std::unique_ptr<core::Transport>> {
+    auto inner = core::CreateTransport(o);
+    if (!inner.ok()) return inner.status();
+    return std::unique_ptr<core::Transport>(new NoDirectAccessTransport(*std::move(inner)));
+  };
+  absl::Status result = testing::RunInProcess(sc, TcpOptions(), factory);
+  CHECK(result.ok());
+  if (!result.ok()) FAIL_CHECK(result.ToString());
 }
 
 // A scheduler, one worker and one server in this process; the test drives both.
