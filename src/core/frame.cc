@@ -44,11 +44,34 @@ constexpr Crc32cTable kCrcTable;
 
 }  // namespace
 
+uint32_t Crc32cPortable(const uint8_t* p, size_t bytes, uint32_t crc) {
+  for (size_t i = 0; i < bytes; ++i) crc = kCrcTable.entries[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
+  return crc;
+}
+
+#if defined(__x86_64__)
+// SSE4.2 has CRC32C in hardware: ~20x faster than the table on a 100-byte header.
+__attribute__((target("sse4.2"))) uint32_t Crc32cSse42(const uint8_t* p, size_t bytes,
+                                                       uint32_t crc) {
+  uint64_t c = crc;
+  for (; bytes >= 8; bytes -= 8, p += 8) {
+    uint64_t word;
+    std::memcpy(&word, p, 8);
+    c = __builtin_ia32_crc32di(c, word);
+  }
+  uint32_t c32 = static_cast<uint32_t>(c);
+  for (; bytes > 0; --bytes, ++p) c32 = __builtin_ia32_crc32qi(c32, *p);
+  return c32;
+}
+const bool kHaveSse42 = __builtin_cpu_supports("sse4.2");
+#endif
+
 uint32_t Crc32c(const void* data, size_t bytes, uint32_t seed) {
   const auto* p = static_cast<const uint8_t*>(data);
-  uint32_t crc = ~seed;
-  for (size_t i = 0; i < bytes; ++i) crc = kCrcTable.entries[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
-  return ~crc;
+#if defined(__x86_64__)
+  if (kHaveSse42) return ~Crc32cSse42(p, bytes, ~seed);
+#endif
+  return ~Crc32cPortable(p, bytes, ~seed);
 }
 
 bool IsValidFrameType(uint8_t raw) {

@@ -27,7 +27,7 @@ absl::Status MeshNode::Start(const TransportFactory& factory) {
       transport_->Connect(self_, peers, absl::Now() + options_.timeout));
 
   {
-    absl::MutexLock lock(&queue_mu_);
+    ::stepmesh::core::MutexLock lock(&queue_mu_);
     queue_.resize(static_cast<size_t>(options_.max_inflight_requests) + 4 * peers.size() + 64);
   }
   std::vector<int> send_cores = options_.threads.send_cores;
@@ -65,7 +65,7 @@ void MeshNode::Stop() {
   if (stopping_.exchange(true)) return;
   if (rendezvous_ != nullptr) rendezvous_->Leave();
   {
-    absl::MutexLock lock(&queue_mu_);
+    ::stepmesh::core::MutexLock lock(&queue_mu_);
     queue_cv_.SignalAll();
   }
   if (transport_ != nullptr) transport_->Wake();
@@ -107,7 +107,7 @@ absl::StatusOr<WireTensor> MeshNode::RegisterTensor(uint64_t key, const TensorVi
   info.device = out.staged ? Device::Cpu() : view.device;
   info.remote_writable = !writers.empty();
   info.slot_peers = std::move(writers);
-  absl::MutexLock lock(&regions_mu_);
+  ::stepmesh::core::MutexLock lock(&regions_mu_);
   STEPMESH_RETURN_IF_ERROR(regions_.Add(view.data, view.bytes(), info.remote_writable, key));
   info.id = next_region_++;
   if (absl::Status s = transport_->RegisterRegion(info); !s.ok()) {
@@ -120,7 +120,7 @@ absl::StatusOr<WireTensor> MeshNode::RegisterTensor(uint64_t key, const TensorVi
 }
 
 absl::Status MeshNode::UnregisterTensor(RegionId id, const void* base, uint64_t key) {
-  absl::MutexLock lock(&regions_mu_);
+  ::stepmesh::core::MutexLock lock(&regions_mu_);
   STEPMESH_RETURN_IF_ERROR(transport_->UnregisterRegion(id));
   regions_.Remove(base, key);
   staging_.erase(id);
@@ -140,7 +140,7 @@ absl::Status MeshNode::StageIn(const WireTensor& t, void* tensor, size_t offset,
 
 absl::Status MeshNode::EnqueueSend(const SendItem& item) {
   {
-    absl::MutexLock lock(&queue_mu_);
+    ::stepmesh::core::MutexLock lock(&queue_mu_);
     if (queue_size_ == queue_.size()) {
       return absl::ResourceExhaustedError("send queue full");
     }
@@ -159,11 +159,12 @@ void MeshNode::WaitForSendWork() {
                                                                     : options_.threads.spin_budget);
     while (queued_.load(std::memory_order_acquire) == 0 && !stopped()) {
       for (int i = 0; i < 64; ++i) CpuRelax();
+      std::this_thread::yield();  // see AwaitUntil
       if (absl::Now() >= until) break;
     }
     if (mode == PollMode::kSpin) return;
   }
-  absl::MutexLock lock(&queue_mu_);
+  ::stepmesh::core::MutexLock lock(&queue_mu_);
   send_sleeping_.store(true, std::memory_order_release);
   while (queue_size_ == 0 && !stopped()) {
     queue_cv_.WaitWithTimeout(&queue_mu_, absl::Milliseconds(50));
@@ -176,7 +177,7 @@ void MeshNode::SendLoop() {
   waiting.reserve(queue_.size());
   while (!stopped()) {
     {
-      absl::MutexLock lock(&queue_mu_);
+      ::stepmesh::core::MutexLock lock(&queue_mu_);
       while (queue_size_ > 0) {
         waiting.push_back(queue_[queue_head_]);
         queue_head_ = (queue_head_ + 1) % queue_.size();
@@ -228,13 +229,17 @@ void MeshNode::RecvLoop() {
       STEPMESH_LOG(kError, "receive loop: ", s.ToString());
       absl::SleepFor(absl::Milliseconds(1));
     }
-    if (activity_ != activity_before) last_busy = absl::Now();
+    if (activity_ != activity_before) {
+      last_busy = absl::Now();
+    } else if (wait == absl::ZeroDuration()) {
+      std::this_thread::yield();  // an empty spin round: let the thread we wait for run
+    }
   }
 }
 
 void MeshNode::NotifyWaiters() {
   if (sleepers_.load(std::memory_order_seq_cst) == 0) return;
-  absl::MutexLock lock(&wait_mu_);
+  ::stepmesh::core::MutexLock lock(&wait_mu_);
   wait_cv_.SignalAll();
 }
 

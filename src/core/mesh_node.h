@@ -10,7 +10,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
+#include "src/core/sync.h"
 #include "absl/time/clock.h"
 #include "src/core/region_table.h"
 #include "src/core/rendezvous.h"
@@ -104,21 +104,21 @@ class MeshNode : public TransportSink {
   bool started_ = false;
   std::thread send_thread_;
   std::thread recv_thread_;
-  absl::Mutex regions_mu_;
+  ::stepmesh::core::Mutex regions_mu_;
   RegionTable regions_ ABSL_GUARDED_BY(regions_mu_);
   RegionId next_region_ ABSL_GUARDED_BY(regions_mu_) = 1;
   absl::flat_hash_map<RegionId, std::unique_ptr<Memory>> staging_ ABSL_GUARDED_BY(regions_mu_);
 
-  absl::Mutex queue_mu_;
-  absl::CondVar queue_cv_;
+  ::stepmesh::core::Mutex queue_mu_;
+  ::stepmesh::core::CondVar queue_cv_;
   std::vector<SendItem> queue_ ABSL_GUARDED_BY(queue_mu_);  // ring
   size_t queue_head_ ABSL_GUARDED_BY(queue_mu_) = 0;
   size_t queue_size_ ABSL_GUARDED_BY(queue_mu_) = 0;
   std::atomic<size_t> queued_{0};
   std::atomic<bool> send_sleeping_{false};
 
-  absl::Mutex wait_mu_;
-  absl::CondVar wait_cv_;
+  ::stepmesh::core::Mutex wait_mu_;
+  ::stepmesh::core::CondVar wait_cv_;
   std::atomic<int> sleepers_{0};
 };
 
@@ -134,11 +134,14 @@ bool MeshNode::AwaitUntil(Done done, absl::Time deadline) {
         if (done()) return true;
         CpuRelax();
       }
+      // With more threads than cores a pure spinner holds the core the thread it
+      // waits for needs: yielding makes each hand-off microseconds, not a time slice.
+      std::this_thread::yield();
     }
     if (mode == PollMode::kSpin) return done();
   }
   sleepers_.fetch_add(1, std::memory_order_seq_cst);
-  absl::MutexLock lock(&wait_mu_);
+  ::stepmesh::core::MutexLock lock(&wait_mu_);
   while (!done()) {
     const absl::Time now = absl::Now();
     if (now >= deadline) break;

@@ -106,7 +106,7 @@ void RendezvousClient::StartMonitor(RendezvousEvents events) {
 }
 
 absl::Status RendezvousClient::Send(const ControlMessage& message) {
-  absl::MutexLock lock(&write_mu_);
+  ::stepmesh::core::MutexLock lock(&write_mu_);
   return SendControl(fd_.get(), message, absl::Now() + timeout_);
 }
 
@@ -120,7 +120,7 @@ void RendezvousClient::MonitorLoop() {
       if (!stop_.load() && !left_.load()) {
         STEPMESH_LOG(kWarning, "lost the scheduler connection: ", m.status().ToString());
       }
-      absl::MutexLock lock(&mu_);
+      ::stepmesh::core::MutexLock lock(&mu_);
       scheduler_status_ = absl::UnavailableError(
           absl::StrCat("scheduler connection lost: ", m.status().message()));
       return;
@@ -134,7 +134,7 @@ void RendezvousClient::MonitorLoop() {
         break;
       }
       case ControlType::kRelease: {
-        absl::MutexLock lock(&mu_);
+        ::stepmesh::core::MutexLock lock(&mu_);
         barrier_released_ = std::max(barrier_released_, m->sequence);
         break;
       }
@@ -155,7 +155,7 @@ void RendezvousClient::MonitorLoop() {
 absl::Status RendezvousClient::Barrier(absl::Duration timeout) {
   uint64_t sequence;
   {
-    absl::MutexLock lock(&mu_);
+    ::stepmesh::core::MutexLock lock(&mu_);
     STEPMESH_RETURN_IF_ERROR(scheduler_status_);
     sequence = ++barrier_sent_;
   }
@@ -163,11 +163,11 @@ absl::Status RendezvousClient::Barrier(absl::Duration timeout) {
   m.type = ControlType::kBarrier;
   m.sequence = sequence;
   STEPMESH_RETURN_IF_ERROR(Send(m));
-  absl::MutexLock lock(&mu_);
+  ::stepmesh::core::MutexLock lock(&mu_);
   auto released = [this, sequence]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return barrier_released_ >= sequence || !scheduler_status_.ok();
   };
-  if (!mu_.AwaitWithTimeout(absl::Condition(&released), timeout)) {
+  if (!mu_.AwaitWithTimeout(released, timeout)) {
     return absl::DeadlineExceededError(absl::StrCat("barrier ", sequence, " not reached in ",
                                                     absl::FormatDuration(timeout)));
   }

@@ -12,7 +12,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "src/core/sync.h"
 #include "src/core/control_message.h"
 #include "src/core/net.h"
 #include "stepmesh/options.h"
@@ -57,8 +57,8 @@ class RendezvousClient {
   std::thread monitor_;
   std::atomic<bool> stop_{false};
 
-  absl::Mutex write_mu_;  // the monitor (pongs) and callers (barriers) both write
-  absl::Mutex mu_;
+  ::stepmesh::core::Mutex write_mu_;  // the monitor (pongs) and callers (barriers) both write
+  ::stepmesh::core::Mutex mu_;
   uint64_t barrier_sent_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t barrier_released_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status scheduler_status_ ABSL_GUARDED_BY(mu_);

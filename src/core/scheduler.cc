@@ -10,8 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
-#include "absl/synchronization/notification.h"
+#include "src/core/sync.h"
 #include "absl/time/clock.h"
 #include "src/core/auth.h"
 #include "src/core/control_message.h"
@@ -393,7 +392,7 @@ class SchedulerImpl final : public Scheduler {
   uint64_t ping_sequence_ = 0;
   absl::Time last_ping_ = absl::InfinitePast();
   std::atomic<bool> stop_{false};
-  absl::Notification done_;
+  ::stepmesh::core::Notification done_;
   std::thread thread_;
 };
 

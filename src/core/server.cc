@@ -117,7 +117,7 @@ class Server final : public AFTensorServer, public MeshNode {
   Backend& backend() override { return *backend_; }
 
   absl::Status RegisterRecvTensor(Key key, TensorView region) override {
-    absl::MutexLock lock(&reg_mu_);
+    ::stepmesh::core::MutexLock lock(&reg_mu_);
     STEPMESH_RETURN_IF_ERROR(CheckNewKey(key, recv_regs_.contains(key), "receive"));
     STEPMESH_ASSIGN_OR_RETURN(size_t slot_bytes, SlotBytes(region, "receive"));
     std::vector<NodeId> writers;
@@ -135,7 +135,7 @@ class Server final : public AFTensorServer, public MeshNode {
   }
 
   absl::Status RegisterReplyTensor(Key key, TensorView region) override {
-    absl::MutexLock lock(&reg_mu_);
+    ::stepmesh::core::MutexLock lock(&reg_mu_);
     STEPMESH_RETURN_IF_ERROR(CheckNewKey(key, reply_regs_.contains(key), "reply"));
     STEPMESH_ASSIGN_OR_RETURN(size_t slot_bytes, SlotBytes(region, "reply"));
     STEPMESH_ASSIGN_OR_RETURN(WireTensor wire,
@@ -146,7 +146,7 @@ class Server final : public AFTensorServer, public MeshNode {
   }
 
   absl::Status Unregister(Key key) override {
-    absl::MutexLock lock(&reg_mu_);
+    ::stepmesh::core::MutexLock lock(&reg_mu_);
     auto recv = recv_regs_.find(key);
     auto reply = reply_regs_.find(key);
     if (recv == recv_regs_.end() && reply == reply_regs_.end()) {
@@ -161,7 +161,7 @@ class Server final : public AFTensorServer, public MeshNode {
       }
     }
     {
-      absl::MutexLock batch_lock(&batch_mu_);
+      ::stepmesh::core::MutexLock batch_lock(&batch_mu_);
       if (reply != reply_regs_.end()) {
         for (const auto& slot : slots_) {
           if (slot->state != BatchState::kResponding) continue;
@@ -197,7 +197,7 @@ class Server final : public AFTensorServer, public MeshNode {
                  live_workers() == 0;
         },
         deadline);
-    absl::MutexLock lock(&batch_mu_);
+    ::stepmesh::core::MutexLock lock(&batch_mu_);
     uint32_t index;
     if (!ready_.empty()) {
       index = ready_.front();
@@ -249,8 +249,8 @@ class Server final : public AFTensorServer, public MeshNode {
     if (!handle.valid() || handle.index() >= slots_.size()) {
       return absl::InvalidArgumentError("invalid batch handle");
     }
-    absl::ReaderMutexLock reg_lock(&reg_mu_);
-    absl::MutexLock lock(&batch_mu_);
+    ::stepmesh::core::ReaderMutexLock reg_lock(&reg_mu_);
+    ::stepmesh::core::MutexLock lock(&batch_mu_);
     BatchSlot& slot = *slots_[handle.index()];
     if (slot.generation != handle.generation() || slot.state != BatchState::kHandedOut) {
       return absl::FailedPreconditionError("batch already answered (or handle is stale)");
@@ -370,14 +370,14 @@ class Server final : public AFTensorServer, public MeshNode {
                      sent.ToString());
       }
     }
-    absl::MutexLock lock(&batch_mu_);
+    ::stepmesh::core::MutexLock lock(&batch_mu_);
     FreeSlot(item.index);
   }
 
   void SendError(uint32_t index) {
     ErrorRecord record;
     {
-      absl::MutexLock lock(&error_mu_);
+      ::stepmesh::core::MutexLock lock(&error_mu_);
       record = std::move(errors_[index]);
     }
     FrameHeader h;
@@ -397,7 +397,7 @@ class Server final : public AFTensorServer, public MeshNode {
     if (NodeRole(peer) != 1 || w >= static_cast<uint32_t>(options_.num_workers)) {
       return absl::PermissionDeniedError("push from a node that is not a worker");
     }
-    absl::ReaderMutexLock lock(&reg_mu_);
+    ::stepmesh::core::ReaderMutexLock lock(&reg_mu_);
     auto it = recv_regs_.find(h.key);
     if (it == recv_regs_.end()) {
       return absl::NotFoundError(
@@ -440,7 +440,7 @@ class Server final : public AFTensorServer, public MeshNode {
       if (h.part_index == 0) a->group = h.key;
       RecvRegistration* reg = nullptr;
       {
-        absl::ReaderMutexLock lock(&reg_mu_);
+        ::stepmesh::core::ReaderMutexLock lock(&reg_mu_);
         auto it = recv_regs_.find(h.key);
         if (it != recv_regs_.end()) reg = it->second.get();
       }
@@ -493,7 +493,7 @@ class Server final : public AFTensorServer, public MeshNode {
   }
 
   void AddToBatch(int w, const Assembly& a) {
-    absl::MutexLock lock(&batch_mu_);
+    ::stepmesh::core::MutexLock lock(&batch_mu_);
     BatchSlot* slot = nullptr;
     uint32_t index = 0;
     for (uint32_t i = 0; i < slots_.size(); ++i) {
@@ -567,7 +567,7 @@ class Server final : public AFTensorServer, public MeshNode {
   void QueueError(NodeId worker, uint64_t request_id, const absl::Status& status) {
     uint32_t index;
     {
-      absl::MutexLock lock(&error_mu_);
+      ::stepmesh::core::MutexLock lock(&error_mu_);
       index = static_cast<uint32_t>(next_error_++ % errors_.size());
       errors_[index] = {worker, request_id, status.code(), std::string(status.message())};
     }
@@ -584,7 +584,7 @@ class Server final : public AFTensorServer, public MeshNode {
     const int w = static_cast<int>(NodeRank(peer));
     if (w >= options_.num_workers || lost_workers_[w].exchange(true)) return;
     STEPMESH_LOG(kInfo, "server ", rank_, ": worker ", w, " gone: ", why.ToString());
-    absl::MutexLock lock(&batch_mu_);
+    ::stepmesh::core::MutexLock lock(&batch_mu_);
     // Batches that waited only for this worker are complete now.
     for (uint32_t i = 0; i < slots_.size(); ++i) {
       if (slots_[i]->state == BatchState::kCollecting) MaybeReady(i);
@@ -593,7 +593,7 @@ class Server final : public AFTensorServer, public MeshNode {
   }
 
   void CancelAll(const absl::Status&) override {
-    absl::MutexLock lock(&batch_mu_);
+    ::stepmesh::core::MutexLock lock(&batch_mu_);
     ready_.clear();
     ready_count_.store(0);
   }
@@ -623,7 +623,7 @@ class Server final : public AFTensorServer, public MeshNode {
     return absl::OkStatus();
   }
 
-  absl::Mutex reg_mu_;
+  ::stepmesh::core::Mutex reg_mu_;
   absl::flat_hash_map<Key, std::unique_ptr<RecvRegistration>> recv_regs_ ABSL_GUARDED_BY(reg_mu_);
   absl::flat_hash_map<Key, std::unique_ptr<ReplyRegistration>> reply_regs_
       ABSL_GUARDED_BY(reg_mu_);
@@ -631,14 +631,14 @@ class Server final : public AFTensorServer, public MeshNode {
   std::vector<std::vector<Assembly>> assemblies_;  // receive thread only
   std::unique_ptr<std::atomic<bool>[]> lost_workers_;
 
-  absl::Mutex batch_mu_;
+  ::stepmesh::core::Mutex batch_mu_;
   std::vector<std::unique_ptr<BatchSlot>> slots_;
   std::vector<uint32_t> free_slots_ ABSL_GUARDED_BY(batch_mu_);
   std::vector<uint32_t> ready_ ABSL_GUARDED_BY(batch_mu_);
   std::atomic<int> ready_count_{0};
   uint64_t opened_sequence_ ABSL_GUARDED_BY(batch_mu_) = 0;
 
-  absl::Mutex error_mu_;
+  ::stepmesh::core::Mutex error_mu_;
   std::vector<ErrorRecord> errors_ ABSL_GUARDED_BY(error_mu_);
   uint64_t next_error_ ABSL_GUARDED_BY(error_mu_) = 0;
 };

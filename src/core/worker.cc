@@ -59,7 +59,7 @@ struct Request {
   std::vector<TraceStamps> stamps;
   uint64_t enqueue_ns = 0;
   uint64_t complete_ns = 0;
-  absl::Mutex status_mu;
+  ::stepmesh::core::Mutex status_mu;
   absl::Status status ABSL_GUARDED_BY(status_mu);
 };
 
@@ -88,7 +88,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
   Backend& backend() override { return *backend_; }
 
   absl::Status RegisterPushTensor(Key key, TensorView tensor) override {
-    absl::MutexLock lock(&reg_mu_);
+    ::stepmesh::core::MutexLock lock(&reg_mu_);
     STEPMESH_RETURN_IF_ERROR(CheckCapacity());
     if (push_regs_.contains(key)) {
       return absl::AlreadyExistsError(absl::StrCat("push key ", key, " already registered"));
@@ -103,7 +103,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
       return absl::InvalidArgumentError(absl::StrCat("server ", server, " out of range [0, ",
                                                      options_.num_servers, ")"));
     }
-    absl::MutexLock lock(&reg_mu_);
+    ::stepmesh::core::MutexLock lock(&reg_mu_);
     STEPMESH_RETURN_IF_ERROR(CheckCapacity());
     if (pull_regs_.contains({key, server})) {
       return absl::AlreadyExistsError(
@@ -115,7 +115,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
   }
 
   absl::Status Unregister(Key key) override {
-    absl::MutexLock lock(&reg_mu_);
+    ::stepmesh::core::MutexLock lock(&reg_mu_);
     std::vector<std::pair<Key, int>> pulls;
     for (const auto& [id, reg] : pull_regs_) {
       if (id.first != key) continue;
@@ -156,7 +156,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
     uint32_t index;
     Request* r;
     {
-      absl::MutexLock lock(&reg_mu_);
+      ::stepmesh::core::MutexLock lock(&reg_mu_);
       if (free_.empty()) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "all ", requests_.size(), " request slots in flight (max_inflight_requests)"));
@@ -248,7 +248,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
       r->enqueue_ns = enqueue_ns;
       r->complete_ns = 0;
       {
-        absl::MutexLock status_lock(&r->status_mu);
+        ::stepmesh::core::MutexLock status_lock(&r->status_mu);
         r->status = absl::OkStatus();
       }
       r->state.store(RequestState::kPending, std::memory_order_release);
@@ -276,10 +276,10 @@ class Worker final : public AFTensorWorker, public MeshNode {
     }
     absl::Status result;
     {
-      absl::MutexLock lock(&r->status_mu);
+      ::stepmesh::core::MutexLock lock(&r->status_mu);
       result = r->status;
     }
-    absl::MutexLock lock(&reg_mu_);
+    ::stepmesh::core::MutexLock lock(&reg_mu_);
     free_.push_back(handle.index());
     return result;
   }
@@ -433,7 +433,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
         absl::UnavailableError(absl::StrCat("server ", s, " lost: ", why.message()));
     std::vector<std::pair<uint32_t, uint32_t>> pending;
     {
-      absl::MutexLock lock(&reg_mu_);
+      ::stepmesh::core::MutexLock lock(&reg_mu_);
       for (uint32_t i = 0; i < requests_.size(); ++i) {
         Request& r = *requests_[i];
         if (r.state.load() == RequestState::kPending && r.addressed[s]) {
@@ -479,7 +479,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
     for (auto& r : requests_) {
       if (r->state.load() != RequestState::kPending) continue;
       {
-        absl::MutexLock lock(&r->status_mu);
+        ::stepmesh::core::MutexLock lock(&r->status_mu);
         if (r->status.ok()) r->status = why;
       }
       Complete(*r);
@@ -509,7 +509,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
   void Settle(Request& r, int server, const absl::Status& status) {
     if (r.settled[server].exchange(true, std::memory_order_acq_rel)) return;
     if (!status.ok()) {
-      absl::MutexLock lock(&r.status_mu);
+      ::stepmesh::core::MutexLock lock(&r.status_mu);
       if (r.status.ok()) r.status = status;
     }
     Release(r);
@@ -521,7 +521,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
 
   void Complete(Request& r) {
     {
-      absl::MutexLock lock(&reg_mu_);
+      ::stepmesh::core::MutexLock lock(&reg_mu_);
       for (int i = 0; i < r.num_pushes; ++i) r.pushes[i].reg->in_flight = false;
       for (int s = 0; s < options_.num_servers; ++s) {
         if (r.pull_key[s] != kNoPull) r.pull_reg[s]->in_flight = false;
@@ -535,12 +535,12 @@ class Worker final : public AFTensorWorker, public MeshNode {
   // Used when a request could not even be queued: undo as if it never happened.
   void Fail(Request& r, const absl::Status& why) {
     {
-      absl::MutexLock lock(&r.status_mu);
+      ::stepmesh::core::MutexLock lock(&r.status_mu);
       r.status = why;
     }
     Complete(r);
     r.state.store(RequestState::kReleased);
-    absl::MutexLock lock(&reg_mu_);
+    ::stepmesh::core::MutexLock lock(&reg_mu_);
     for (uint32_t i = 0; i < requests_.size(); ++i) {
       if (requests_[i].get() == &r) free_.push_back(i);
     }
@@ -570,7 +570,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
     return absl::OkStatus();
   }
 
-  absl::Mutex reg_mu_;
+  ::stepmesh::core::Mutex reg_mu_;
   absl::flat_hash_map<Key, std::unique_ptr<Registration>> push_regs_ ABSL_GUARDED_BY(reg_mu_);
   absl::flat_hash_map<std::pair<Key, int>, std::unique_ptr<Registration>> pull_regs_
       ABSL_GUARDED_BY(reg_mu_);

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
+#include "src/core/sync.h"
 #include "src/core/mesh.h"
 #include "stepmesh/scheduler.h"
 #include "stepmesh/status.h"
@@ -153,10 +153,10 @@ absl::Status RunInProcess(const Scenario& sc, MeshOptions base,
   STEPMESH_ASSIGN_OR_RETURN(auto scheduler, Scheduler::Start(base));
   base.scheduler = scheduler->address();
 
-  absl::Mutex mu;
+  ::stepmesh::core::Mutex mu;
   absl::Status first_error;
   auto record = [&](const absl::Status& s) {
-    absl::MutexLock lock(&mu);
+    ::stepmesh::core::MutexLock lock(&mu);
     if (first_error.ok() && !s.ok()) first_error = s;
   };
   std::vector<std::thread> threads;

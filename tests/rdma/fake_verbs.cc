@@ -11,7 +11,7 @@
 #include <map>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
+#include "src/core/sync.h"
 
 namespace stepmesh::testing {
 
@@ -123,7 +123,7 @@ void Unsignal(int fd) {
 }  // namespace
 
 struct FakeFabric::State {
-  mutable absl::Mutex mu;
+  mutable ::stepmesh::core::Mutex mu;
   std::vector<std::unique_ptr<FakeNic>> nics ABSL_GUARDED_BY(mu);
   uint32_t next_qpn ABSL_GUARDED_BY(mu) = 0x100;
   uint32_t next_key ABSL_GUARDED_BY(mu) = 1;
@@ -290,7 +290,7 @@ class FakeVerbs final : public VerbsApi {
   const char* GetDeviceName(ibv_device* device) override { return device->name; }
 
   ibv_context* OpenDevice(ibv_device* device) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     auto* ctx = new FakeContext;
     ctx->nic = Nic(device);
     ctx->context.device = device;
@@ -300,7 +300,7 @@ class FakeVerbs final : public VerbsApi {
     return &ctx->context;
   }
   int CloseDevice(ibv_context* context) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     FakeContext* ctx = Ctx(context);
     if (!ctx->qps.empty()) return EBUSY;
     auto& list = ctx->nic->contexts;
@@ -310,7 +310,7 @@ class FakeVerbs final : public VerbsApi {
     return 0;
   }
   int QueryDevice(ibv_context* context, ibv_device_attr* attr) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     const FakeNicSpec& spec = Ctx(context)->nic->spec;
     *attr = {};
     attr->max_qp = 1 << 16;
@@ -325,7 +325,7 @@ class FakeVerbs final : public VerbsApi {
     return 0;
   }
   int QueryPort(ibv_context* context, uint8_t port, ibv_port_attr* attr) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     if (port != 1) return EINVAL;
     const FakeNicSpec& spec = Ctx(context)->nic->spec;
     *attr = {};
@@ -339,7 +339,7 @@ class FakeVerbs final : public VerbsApi {
   }
   int QueryGidEx(ibv_context* context, uint8_t port, uint32_t index,
                  ibv_gid_entry* entry) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     if (port != 1 || index > 1) return ENODATA;
     FakeNic* nic = Ctx(context)->nic;
     *entry = {};
@@ -351,21 +351,21 @@ class FakeVerbs final : public VerbsApi {
   }
 
   ibv_pd* AllocPd(ibv_context* context) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     auto* pd = new FakePd;
     pd->ctx = Ctx(context);
     pd->pd.context = context;
     return &pd->pd;
   }
   int DeallocPd(ibv_pd* pd) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     FakePd* fake = Pd(pd);
     if (fake->users != 0) return EBUSY;
     delete fake;
     return 0;
   }
   ibv_mr* RegMr(ibv_pd* pd, void* addr, size_t length, int access) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     // Remote write (or atomic) access requires local write, as in the kernel.
     if ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
         !(access & IBV_ACCESS_LOCAL_WRITE)) {
@@ -398,7 +398,7 @@ class FakeVerbs final : public VerbsApi {
     return nullptr;
   }
   int DeregMr(ibv_mr* mr) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     auto* fake = reinterpret_cast<FakeMr*>(mr);
     FakeNic* nic = fake->pd->ctx->nic;
     nic->mrs_by_lkey.erase(mr->lkey);
@@ -415,7 +415,7 @@ class FakeVerbs final : public VerbsApi {
     return &channel->channel;
   }
   int DestroyCompChannel(ibv_comp_channel* channel) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     if (channel->refcnt != 0) return EBUSY;
     ::close(channel->fd);
     delete reinterpret_cast<FakeChannel*>(channel);
@@ -423,7 +423,7 @@ class FakeVerbs final : public VerbsApi {
   }
   ibv_cq* CreateCq(ibv_context* context, int cqe, void* cq_context, ibv_comp_channel* channel,
                    int comp_vector) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     FakeContext* ctx = Ctx(context);
     if (cqe <= 0 || cqe > ctx->nic->spec.max_cqe || comp_vector != 0) {
       errno = EINVAL;
@@ -441,7 +441,7 @@ class FakeVerbs final : public VerbsApi {
     return &cq->cq;
   }
   int DestroyCq(ibv_cq* cq) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     FakeCq* fake = Cq(cq);
     if (fake->users != 0 || fake->events_acked != fake->events_delivered) return EBUSY;
     if (fake->channel != nullptr) {
@@ -453,14 +453,14 @@ class FakeVerbs final : public VerbsApi {
     return 0;
   }
   int ReqNotifyCq(ibv_cq* cq, int solicited_only) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     FakeCq* fake = Cq(cq);
     if (fake->channel == nullptr) return EINVAL;
     fake->armed = true;
     return 0;
   }
   int GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     auto* fake = reinterpret_cast<FakeChannel*>(channel);
     if (fake->events.empty()) {
       errno = EAGAIN;  // the transport reads only after the fd polled readable
@@ -473,11 +473,11 @@ class FakeVerbs final : public VerbsApi {
     return 0;
   }
   void AckCqEvents(ibv_cq* cq, unsigned int nevents) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     Cq(cq)->events_acked += nevents;
   }
   int PollCq(ibv_cq* cq, int num_entries, ibv_wc* wc) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     FakeCq* fake = Cq(cq);
     if (fake->overflowed) return -EOVERFLOW;
     int n = 0;
@@ -494,7 +494,7 @@ class FakeVerbs final : public VerbsApi {
   }
 
   ibv_qp* CreateQp(ibv_pd* pd, ibv_qp_init_attr* attr) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     FakePd* fake_pd = Pd(pd);
     const FakeNicSpec& spec = fake_pd->ctx->nic->spec;
     ibv_qp_cap& cap = attr->cap;
@@ -530,7 +530,7 @@ class FakeVerbs final : public VerbsApi {
   }
 
   int ModifyQp(ibv_qp* qp, ibv_qp_attr* attr, int mask) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     FakeQp* fake = Qp(qp);
     if (!(mask & IBV_QP_STATE)) return EINVAL;
     const ibv_qp_state from = fake->qp.state;
@@ -591,7 +591,7 @@ class FakeVerbs final : public VerbsApi {
   }
 
   int DestroyQp(ibv_qp* qp) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     FakeQp* fake = Qp(qp);
     fake->ctx->nic->qps.erase(fake->qp.qp_num);
     auto& list = fake->ctx->qps;
@@ -604,7 +604,7 @@ class FakeVerbs final : public VerbsApi {
   }
 
   int PostSend(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad_wr) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     FakeQp* fake = Qp(qp);
     for (; wr != nullptr; wr = wr->next) {
       const ibv_qp_state state = fake->qp.state;
@@ -635,7 +635,7 @@ class FakeVerbs final : public VerbsApi {
   }
 
   int PostRecv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad_wr) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     FakeQp* fake = Qp(qp);
     for (; wr != nullptr; wr = wr->next) {
       if (fake->qp.state == IBV_QPS_RESET) return Bad(bad_wr, wr, EINVAL);
@@ -650,7 +650,7 @@ class FakeVerbs final : public VerbsApi {
   }
 
   int GetAsyncEvent(ibv_context* context, ibv_async_event* event) override {
-    absl::MutexLock lock(&state_->mu);
+    ::stepmesh::core::MutexLock lock(&state_->mu);
     FakeContext* ctx = Ctx(context);
     if (ctx->async_events.empty()) {
       errno = EAGAIN;
@@ -694,7 +694,7 @@ std::shared_ptr<VerbsApi> FakeFabric::AddHost(const FakeNicSpec& spec) {
 }
 
 std::shared_ptr<VerbsApi> FakeFabric::AddHost(const std::vector<FakeNicSpec>& specs) {
-  absl::MutexLock lock(&state_->mu);
+  ::stepmesh::core::MutexLock lock(&state_->mu);
   std::vector<FakeNic*> nics;
   for (const FakeNicSpec& spec : specs) {
     auto nic = std::make_unique<FakeNic>();
@@ -711,7 +711,7 @@ std::shared_ptr<VerbsApi> FakeFabric::AddHost(const std::vector<FakeNicSpec>& sp
 }
 
 void FakeFabric::FailNic(const std::string& name) {
-  absl::MutexLock lock(&state_->mu);
+  ::stepmesh::core::MutexLock lock(&state_->mu);
   for (auto& nic : state_->nics) {
     if (nic->spec.name != name) continue;
     for (auto& [qpn, qp] : nic->qps) state_->MoveToError(qp);
@@ -719,7 +719,7 @@ void FakeFabric::FailNic(const std::string& name) {
 }
 
 FakeFabricStats FakeFabric::stats() const {
-  absl::MutexLock lock(&state_->mu);
+  ::stepmesh::core::MutexLock lock(&state_->mu);
   return state_->stats;
 }
 

@@ -11,7 +11,7 @@
 #include <thread>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
+#include "src/core/sync.h"
 #include "absl/time/clock.h"
 #include "src/transport/rdma/verbs_resources.h"
 #include "tests/rdma/fake_verbs.h"
@@ -42,23 +42,23 @@ class RecordingSink final : public TransportSink {
     return resolve(peer, header);
   }
   void OnFrame(NodeId peer, const FrameHeader& header, absl::Status status) override {
-    absl::MutexLock lock(&mu_);
+    ::stepmesh::core::MutexLock lock(&mu_);
     events_.push_back({false, peer, header, std::move(status)});
   }
   void OnPeerLost(NodeId peer, absl::Status why) override {
-    absl::MutexLock lock(&mu_);
+    ::stepmesh::core::MutexLock lock(&mu_);
     events_.push_back({true, peer, {}, std::move(why)});
   }
   // Waits until `n` events were recorded; returns a copy of them.
   std::vector<Event> WaitFor(size_t n, absl::Duration timeout = absl::Seconds(5)) {
-    absl::MutexLock lock(&mu_);
+    ::stepmesh::core::MutexLock lock(&mu_);
     auto enough = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return events_.size() >= n; };
-    mu_.AwaitWithTimeout(absl::Condition(&enough), timeout);
+    mu_.AwaitWithTimeout(enough, timeout);
     return events_;
   }
 
  private:
-  absl::Mutex mu_;
+  ::stepmesh::core::Mutex mu_;
   std::vector<Event> events_ ABSL_GUARDED_BY(mu_);
 };
 

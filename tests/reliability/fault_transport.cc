@@ -16,28 +16,28 @@ struct WireFaultSlot {
 };
 
 void FaultPlan::Add(const FaultRule& rule) {
-  absl::MutexLock lock(&mu_);
+  ::stepmesh::core::MutexLock lock(&mu_);
   rules_.push_back({rule, 0, 0});
 }
 
 void FaultPlan::RefuseConnect(core::NodeId node) {
-  absl::MutexLock lock(&mu_);
+  ::stepmesh::core::MutexLock lock(&mu_);
   refused_.push_back(node);
 }
 
 void FaultPlan::Stall(core::NodeId node, absl::Duration duration) {
-  absl::MutexLock lock(&mu_);
+  ::stepmesh::core::MutexLock lock(&mu_);
   stalls_[node] = absl::Now() + duration;
 }
 
 int FaultPlan::fired(FaultAction action) const {
-  absl::MutexLock lock(&mu_);
+  ::stepmesh::core::MutexLock lock(&mu_);
   auto it = fired_.find(action);
   return it == fired_.end() ? 0 : it->second;
 }
 
 std::optional<FaultRule> FaultPlan::Match(const core::FrameHeader& h) {
-  absl::MutexLock lock(&mu_);
+  ::stepmesh::core::MutexLock lock(&mu_);
   for (Armed& a : rules_) {
     const FaultRule& r = a.rule;
     if (r.type.has_value() && *r.type != h.type) continue;
@@ -53,7 +53,7 @@ std::optional<FaultRule> FaultPlan::Match(const core::FrameHeader& h) {
 }
 
 bool FaultPlan::refuses(core::NodeId node) const {
-  absl::MutexLock lock(&mu_);
+  ::stepmesh::core::MutexLock lock(&mu_);
   for (core::NodeId n : refused_) {
     if (n == node) return true;
   }
@@ -61,7 +61,7 @@ bool FaultPlan::refuses(core::NodeId node) const {
 }
 
 absl::Time FaultPlan::stalled_until(core::NodeId node) const {
-  absl::MutexLock lock(&mu_);
+  ::stepmesh::core::MutexLock lock(&mu_);
   auto it = stalls_.find(node);
   return it == stalls_.end() ? absl::InfinitePast() : it->second;
 }

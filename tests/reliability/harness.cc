@@ -140,7 +140,7 @@ void Harness::ServeLoop(int s) {
           absl::IsFailedPrecondition(last)) {
         break;  // every worker gone, or this server shut down
       }
-      absl::MutexLock lock(&mu_);
+      ::stepmesh::core::MutexLock lock(&mu_);
       errors_.push_back(last.ToString());
       continue;
     }
@@ -156,11 +156,11 @@ void Harness::ServeLoop(int s) {
     }
     absl::Status responded = server.Respond(*batch, replies);
     if (!responded.ok() && !stop_.load()) {
-      absl::MutexLock lock(&mu_);
+      ::stepmesh::core::MutexLock lock(&mu_);
       errors_.push_back(absl::StrCat("respond: ", responded.ToString()));
     }
   }
-  absl::MutexLock lock(&mu_);
+  ::stepmesh::core::MutexLock lock(&mu_);
   exits_[s] = last;
 }
 
@@ -204,7 +204,7 @@ absl::Status Harness::RoundTrip(int w, int m, uint8_t fill, absl::Duration timeo
 }
 
 std::vector<std::string> Harness::server_errors() {
-  absl::MutexLock lock(&mu_);
+  ::stepmesh::core::MutexLock lock(&mu_);
   return errors_;
 }
 
@@ -224,7 +224,7 @@ absl::Status Harness::server_exit(int s) {
   if (s < static_cast<int>(serve_threads_.size()) && serve_threads_[s].joinable()) {
     serve_threads_[s].join();
   }
-  absl::MutexLock lock(&mu_);
+  ::stepmesh::core::MutexLock lock(&mu_);
   return exits_[s];
 }
 

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
+#include "src/core/sync.h"
 #include "absl/time/time.h"
 #include "src/core/transport.h"
 #include "stepmesh/scheduler.h"
@@ -77,7 +77,7 @@ class Harness {
   std::vector<std::thread> serve_threads_;
   std::unique_ptr<std::atomic<bool>[]> serving_;
   std::atomic<bool> stop_{false};
-  absl::Mutex mu_;
+  ::stepmesh::core::Mutex mu_;
   std::vector<std::string> errors_ ABSL_GUARDED_BY(mu_);
   std::vector<absl::Status> exits_ ABSL_GUARDED_BY(mu_);
 };

@@ -21,7 +21,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
+#include "src/core/sync.h"
 #include "absl/time/clock.h"
 #include "src/core/logging.h"
 #include "src/core/net.h"
@@ -87,7 +87,7 @@ struct QueuePair {
   uint32_t max_inline = 0;
   uint32_t signal_interval = 1;
 
-  absl::Mutex mu;
+  ::stepmesh::core::Mutex mu;
   uint64_t posted = 0;     // WRs posted; wr_id = this count after posting
   uint64_t completed = 0;  // WRs whose slots a polled signalled completion released
   uint32_t since_signal = 0;
@@ -125,7 +125,7 @@ struct Peer {
   uint32_t depth = 0;
 
   UniqueFd socket;
-  absl::Mutex write_mu;
+  ::stepmesh::core::Mutex write_mu;
 
   // Control block: [remote part: rings, mailboxes][local part: send rings, credit words].
   AlignedBytes memory;
@@ -137,12 +137,12 @@ struct Peer {
   CqHandle recv_cq;
   std::array<QueuePair, rdma::kMaxQpsPerPeer> qps;  // after recv_cq: destroyed first
 
-  absl::Mutex advert_mu;
+  ::stepmesh::core::Mutex advert_mu;
   absl::flat_hash_map<uint64_t, RemoteSlot> adverts ABSL_GUARDED_BY(advert_mu);
 
   std::atomic<bool> lost{false};    // reported (or shut down); receive thread sets it
   std::atomic<bool> failed{false};  // a send-side failure waits to be reported
-  absl::Mutex fail_mu;
+  ::stepmesh::core::Mutex fail_mu;
   absl::Status failure ABSL_GUARDED_BY(fail_mu);
   bool said_goodbye = false;
 
@@ -156,7 +156,7 @@ struct Peer {
   size_t parked_count = 0;
 
   void RecordFailure(absl::Status why) {
-    absl::MutexLock lock(&fail_mu);
+    ::stepmesh::core::MutexLock lock(&fail_mu);
     if (failed.load()) return;
     failure = std::move(why);
     failed.store(true, std::memory_order_release);
@@ -290,7 +290,7 @@ class RdmaTransport final : public Transport {
         region->slot_mrs.push_back(std::move(mr));
       }
     }
-    absl::MutexLock lock(&regions_mu_);
+    ::stepmesh::core::MutexLock lock(&regions_mu_);
     if (regions_.contains(info.id)) {
       return absl::AlreadyExistsError(absl::StrCat("rdma: region ", info.id, " registered twice"));
     }
@@ -319,7 +319,7 @@ class RdmaTransport final : public Transport {
   absl::Status UnregisterRegion(RegionId id) override {
     std::unique_ptr<LocalRegion> region;
     {
-      absl::MutexLock lock(&regions_mu_);
+      ::stepmesh::core::MutexLock lock(&regions_mu_);
       auto it = regions_.find(id);
       if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("rdma: no region ", id));
       region = std::move(it->second);
@@ -480,7 +480,7 @@ class RdmaTransport final : public Transport {
       Peer& peer = *peers_[i];
       if (peer.lost.exchange(true)) continue;
       {
-        absl::MutexLock lock(&peer.write_mu);
+        ::stepmesh::core::MutexLock lock(&peer.write_mu);
         (void)::send(peer.socket.get(), bye, n, MSG_NOSIGNAL | MSG_DONTWAIT);
         ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, peer.socket.get(), nullptr);
         ::shutdown(peer.socket.get(), SHUT_RDWR);
@@ -706,10 +706,10 @@ class RdmaTransport final : public Transport {
   }
 
   absl::Status Publish(std::unique_ptr<Peer> peer) {
-    absl::MutexLock regions_lock(&regions_mu_);
+    ::stepmesh::core::MutexLock regions_lock(&regions_mu_);
     Peer* raw = peer.get();
     {
-      absl::MutexLock lock(&peers_mu_);
+      ::stepmesh::core::MutexLock lock(&peers_mu_);
       const size_t slot = peer_count_.load(std::memory_order_relaxed);
       if (slot >= kMaxPeers) return absl::ResourceExhaustedError("rdma: too many connections");
       raw->token = slot;
@@ -745,7 +745,7 @@ class RdmaTransport final : public Transport {
   }
 
   void WriteControl(Peer& peer, const std::byte* msg, size_t n) {
-    absl::MutexLock lock(&peer.write_mu);
+    ::stepmesh::core::MutexLock lock(&peer.write_mu);
     absl::Status st = WriteFully(peer.socket.get(), msg, n, absl::Now() + options_.timeout);
     if (!st.ok()) peer.RecordFailure(absl::UnavailableError(absl::StrCat(
         "rdma: bootstrap connection to ", PeerName(peer.id), " failed: ", st.message())));
@@ -799,14 +799,14 @@ class RdmaTransport final : public Transport {
       case rdma::BootType::kAdvert: {
         absl::StatusOr<rdma::Advert> a = rdma::DecodeAdvert(body, h.body_bytes);
         if (!a.ok()) return Lose(peer, sink, a.status());
-        absl::MutexLock lock(&peer.advert_mu);
+        ::stepmesh::core::MutexLock lock(&peer.advert_mu);
         peer.adverts[a->key] = RemoteSlot{a->addr, a->bytes, a->rkey};
         return;
       }
       case rdma::BootType::kWithdraw: {
         absl::StatusOr<uint64_t> key = rdma::DecodeWithdraw(body, h.body_bytes);
         if (!key.ok()) return Lose(peer, sink, key.status());
-        absl::MutexLock lock(&peer.advert_mu);
+        ::stepmesh::core::MutexLock lock(&peer.advert_mu);
         peer.adverts.erase(*key);
         return;
       }
@@ -819,11 +819,11 @@ class RdmaTransport final : public Transport {
   }
 
   absl::StatusOr<RemoteSlot> WaitForAdvert(Peer& peer, uint64_t key, absl::Time deadline) {
-    absl::MutexLock lock(&peer.advert_mu);
+    ::stepmesh::core::MutexLock lock(&peer.advert_mu);
     auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer.advert_mu) {
       return peer.adverts.contains(key) || peer.lost.load() || shut_down_.load();
     };
-    peer.advert_mu.AwaitWithDeadline(absl::Condition(&ready), deadline);
+    peer.advert_mu.AwaitWithDeadline(ready, deadline);
     auto it = peer.adverts.find(key);
     if (it != peer.adverts.end()) return it->second;
     if (peer.lost) return absl::UnavailableError(absl::StrCat("rdma: ", PeerName(peer.id), " is gone"));
@@ -833,11 +833,11 @@ class RdmaTransport final : public Transport {
   }
 
   void WakeAdvertWaiters(Peer& peer) {
-    absl::MutexLock lock(&peer.advert_mu);  // unlocking re-evaluates the waiters' conditions
+    ::stepmesh::core::MutexLock lock(&peer.advert_mu);  // unlocking re-evaluates the waiters' conditions
   }
 
   absl::StatusOr<uint32_t> SourceKey(RegionId id, const std::byte* src, size_t bytes) {
-    absl::MutexLock lock(&regions_mu_);
+    ::stepmesh::core::MutexLock lock(&regions_mu_);
     auto it = regions_.find(id);
     if (it == regions_.end()) {
       return absl::InvalidArgumentError(absl::StrCat("rdma: source region ", id, " is not registered"));
@@ -872,7 +872,7 @@ class RdmaTransport final : public Transport {
   // Posts a chain of `count` WRs, reserving send-queue slots and signalling
   // every signal_interval-th WR so slots keep coming back.
   absl::Status Post(Peer& peer, QueuePair& qp, ibv_send_wr* wrs, int count, absl::Time deadline) {
-    absl::MutexLock lock(&qp.mu);
+    ::stepmesh::core::MutexLock lock(&qp.mu);
     while (qp.posted - qp.completed + count > qp.max_send_wr) {
       STEPMESH_RETURN_IF_ERROR(ReapSends(peer, qp));
       if (qp.posted - qp.completed + count <= qp.max_send_wr) break;
@@ -954,7 +954,7 @@ class RdmaTransport final : public Transport {
       if (!peer.failed.load(std::memory_order_acquire) || peer.lost) continue;
       absl::Status why;
       {
-        absl::MutexLock lock(&peer.fail_mu);
+        ::stepmesh::core::MutexLock lock(&peer.fail_mu);
         why = peer.failure;
       }
       Lose(peer, sink, why);
@@ -1071,7 +1071,7 @@ class RdmaTransport final : public Transport {
     if (dest.capacity < header.payload_bytes) {
       return absl::OutOfRangeError("destination smaller than payload");
     }
-    absl::MutexLock lock(&regions_mu_);
+    ::stepmesh::core::MutexLock lock(&regions_mu_);
     auto it = receive_slots_.find({header.key, writer});
     if (it == receive_slots_.end()) {
       return absl::NotFoundError(absl::StrCat("rdma: no receive slot for key ", header.key,
@@ -1162,7 +1162,7 @@ class RdmaTransport final : public Transport {
 
   Peer* FindPeer(NodeId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(regions_mu_) { return FindPeerLocked(id); }
   Peer* FindPeerLocked(NodeId id) {
-    absl::MutexLock lock(&peers_mu_);
+    ::stepmesh::core::MutexLock lock(&peers_mu_);
     auto it = by_id_.find(id);
     return it == by_id_.end() ? nullptr : it->second;
   }
@@ -1181,13 +1181,13 @@ class RdmaTransport final : public Transport {
   std::atomic<bool> shut_down_{false};
   uint64_t busy_polls_ = 0;
 
-  absl::Mutex regions_mu_;  // before peers_mu_ and any peer's write_mu
+  ::stepmesh::core::Mutex regions_mu_;  // before peers_mu_ and any peer's write_mu
   absl::flat_hash_map<RegionId, std::unique_ptr<LocalRegion>> regions_ ABSL_GUARDED_BY(regions_mu_);
   // Where each (key, writer) pair's payloads land: the slot advertised to it.
   absl::flat_hash_map<std::pair<uint64_t, NodeId>, ReceiveSlot> receive_slots_
       ABSL_GUARDED_BY(regions_mu_);
 
-  absl::Mutex peers_mu_;
+  ::stepmesh::core::Mutex peers_mu_;
   absl::flat_hash_map<NodeId, Peer*> by_id_ ABSL_GUARDED_BY(peers_mu_);
   // Fixed-size: slots below peer_count_ never move, so the receive thread reads
   // them without the lock; a replaced peer stays until the transport goes.

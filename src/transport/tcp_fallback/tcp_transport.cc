@@ -18,7 +18,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
+#include "src/core/sync.h"
 #include "absl/time/clock.h"
 #include "src/core/auth.h"
 #include "src/core/logging.h"
@@ -98,7 +98,7 @@ class TcpTransport final : public Transport {
     // Connect may run again (a peer rejoined) while the receive thread polls:
     // the epoll set, the tables and each Connection stay valid throughout.
     {
-      absl::MutexLock lock(&mu_);
+      ::stepmesh::core::MutexLock lock(&mu_);
       if (self_ != self) self_ = self;
       if (!epoll_fd_.valid()) {
         epoll_fd_.Reset(::epoll_create1(EPOLL_CLOEXEC));
@@ -231,7 +231,7 @@ class TcpTransport final : public Transport {
   }
 
   void Shutdown() override {
-    absl::MutexLock lock(&mu_);
+    ::stepmesh::core::MutexLock lock(&mu_);
     for (auto& conn : connections_) {
       if (conn->alive && conn->fd.valid()) {
         FrameHeader bye;
@@ -374,7 +374,7 @@ class TcpTransport final : public Transport {
     auto conn = std::make_unique<Connection>();
     conn->peer = peer;
     conn->fd = std::move(fd);
-    absl::MutexLock lock(&mu_);
+    ::stepmesh::core::MutexLock lock(&mu_);
     epoll_event ev{};
     ev.events = EPOLLIN | EPOLLRDHUP;
     ev.data.ptr = conn.get();
@@ -398,14 +398,14 @@ class TcpTransport final : public Transport {
   }
 
   Connection* Find(NodeId peer) {
-    absl::MutexLock lock(&mu_);
+    ::stepmesh::core::MutexLock lock(&mu_);
     auto it = by_peer_.find(peer);
     return it == by_peer_.end() ? nullptr : it->second;
   }
 
   void Lose(Connection& conn, TransportSink& sink, absl::Status why) {
     {
-      absl::MutexLock lock(&mu_);
+      ::stepmesh::core::MutexLock lock(&mu_);
       if (!conn.alive.exchange(false)) return;
       ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, conn.fd.get(), nullptr);
       ::shutdown(conn.fd.get(), SHUT_RDWR);
@@ -417,8 +417,8 @@ class TcpTransport final : public Transport {
   // Reads as much as is available, frame by frame, straight into destinations.
   void ReadFrom(Connection& conn, TransportSink& sink) {
     for (int rounds = 0; rounds < 64 && conn.alive; ++rounds) {
-      void* into;
-      size_t want;
+      void* into = nullptr;
+      size_t want = 0;
       std::byte scratch[64 * 1024];
       switch (conn.stage) {
         case Connection::Stage::kHeader:
@@ -537,7 +537,7 @@ class TcpTransport final : public Transport {
   UniqueFd listener_;
   UniqueFd epoll_fd_;
   UniqueFd wake_fd_;
-  absl::Mutex mu_;  // guards the tables; Connect may add connections while Poll runs
+  ::stepmesh::core::Mutex mu_;  // guards the tables; Connect may add connections while Poll runs
   std::vector<std::unique_ptr<Connection>> connections_;
   absl::flat_hash_map<NodeId, Connection*> by_peer_;
 };

@@ -1,0 +1,132 @@
+#pragma once
+// Locks and condition variables over the C++ standard library, with Abseil's
+// API shape and thread-safety annotations. Why not absl::Mutex: Debian's
+// Abseil is not built with ThreadSanitizer, which then cannot see absl::Mutex
+// and reports every field it guards as racy; std::mutex is intercepted by
+// TSan, so the TSan CI run checks our real synchronisation.
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace stepmesh::core {
+
+class ABSL_LOCKABLE Mutex {
+ public:
+  void Lock() ABSL_EXCLUSIVE_LOCK_FUNCTION() { mu_.lock(); }
+  void Unlock() ABSL_UNLOCK_FUNCTION() {
+    mu_.unlock();
+    // Await() conditions are re-evaluated whenever the lock is released.
+    if (awaiters_.load(std::memory_order_acquire) > 0) changed_.notify_all();
+  }
+  void ReaderLock() ABSL_SHARED_LOCK_FUNCTION() { Lock(); }
+  void ReaderUnlock() ABSL_UNLOCK_FUNCTION() { Unlock(); }
+  void AssertHeld() const ABSL_ASSERT_EXCLUSIVE_LOCK() {}
+
+  // BasicLockable, for std::condition_variable_any.
+  void lock() ABSL_EXCLUSIVE_LOCK_FUNCTION() { Lock(); }
+  void unlock() ABSL_UNLOCK_FUNCTION() { Unlock(); }
+
+  // With the lock held: waits (releasing it) until `condition()` is true or the
+  // deadline passes; returns condition().
+  template <typename Condition>
+  bool AwaitWithDeadline(Condition condition, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
+    std::unique_lock<std::mutex> lock(mu_, std::adopt_lock);
+    ++awaiters_;
+    while (!condition()) {
+      const absl::Time now = absl::Now();
+      if (now >= deadline) break;
+      // Bounded slices: an unlock between the check and the wait costs one slice.
+      changed_.wait_for(lock, absl::ToChronoNanoseconds(std::min(deadline - now, absl::Milliseconds(5))));
+    }
+    --awaiters_;
+    lock.release();
+    return condition();
+  }
+  template <typename Condition>
+  bool AwaitWithTimeout(Condition condition, absl::Duration timeout)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
+    return AwaitWithDeadline(condition, absl::Now() + timeout);
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable changed_;
+  std::atomic<int> awaiters_{0};  // read after unlocking, so atomic
+};
+
+class ABSL_SCOPED_LOCKABLE MutexLock {
+ public:
+  explicit MutexLock(Mutex* mu) ABSL_EXCLUSIVE_LOCK_FUNCTION(mu) : mu_(mu) { mu_->Lock(); }
+  ~MutexLock() ABSL_UNLOCK_FUNCTION() { mu_->Unlock(); }
+  MutexLock(const MutexLock&) = delete;
+  MutexLock& operator=(const MutexLock&) = delete;
+
+ private:
+  Mutex* const mu_;
+};
+
+// Shared in name (for the annotations); exclusive in fact: our readers are few.
+class ABSL_SCOPED_LOCKABLE ReaderMutexLock {
+ public:
+  explicit ReaderMutexLock(Mutex* mu) ABSL_SHARED_LOCK_FUNCTION(mu) : mu_(mu) { mu_->ReaderLock(); }
+  ~ReaderMutexLock() ABSL_UNLOCK_FUNCTION() { mu_->ReaderUnlock(); }
+  ReaderMutexLock(const ReaderMutexLock&) = delete;
+  ReaderMutexLock& operator=(const ReaderMutexLock&) = delete;
+
+ private:
+  Mutex* const mu_;
+};
+
+class CondVar {
+ public:
+  void Signal() { cv_.notify_one(); }
+  void SignalAll() { cv_.notify_all(); }
+  void Wait(Mutex* mu) { cv_.wait(*mu); }
+  // True if the deadline passed (as absl::CondVar).
+  bool WaitWithDeadline(Mutex* mu, absl::Time deadline) {
+    return cv_.wait_for(*mu, absl::ToChronoNanoseconds(deadline - absl::Now())) ==
+           std::cv_status::timeout;
+  }
+  bool WaitWithTimeout(Mutex* mu, absl::Duration timeout) {
+    return cv_.wait_for(*mu, absl::ToChronoNanoseconds(timeout)) == std::cv_status::timeout;
+  }
+
+ private:
+  std::condition_variable_any cv_;
+};
+
+class Notification {
+ public:
+  void Notify() {
+    MutexLock lock(&mu_);
+    notified_ = true;
+  }
+  bool HasBeenNotified() {
+    MutexLock lock(&mu_);
+    return notified_;
+  }
+  void WaitForNotification() {
+    MutexLock lock(&mu_);
+    mu_.AwaitWithDeadline([this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return notified_; },
+                          absl::InfiniteFuture());
+  }
+  bool WaitForNotificationWithTimeout(absl::Duration timeout) {
+    MutexLock lock(&mu_);
+    return mu_.AwaitWithTimeout([this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return notified_; },
+                                timeout);
+  }
+
+ private:
+  Mutex mu_;
+  bool notified_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace stepmesh::core
