@@ -220,7 +220,13 @@ Key PushKey(size_t size_index, int m) { return 1000 + size_index * 64 + m; }
 Key PullKey(size_t size_index, int m) { return 100000 + size_index * 64 + m; }
 
 MeshOptions MakeOptions(const Flags& f, Role role) {
-  MeshOptions o;
+  // STEPMESH_* variables (spin budget, RDMA knobs, ...) apply; the flags below win.
+  absl::StatusOr<MeshOptions> from_env = MeshOptions::FromEnv();
+  if (!from_env.ok()) {
+    std::fprintf(stderr, "stepmesh_perf: ignoring the environment: %s\n",
+                 from_env.status().ToString().c_str());
+  }
+  MeshOptions o = from_env.ok() ? *from_env : MeshOptions();
   o.role = role;
   o.rank = f.rank;
   o.num_workers = f.workers;

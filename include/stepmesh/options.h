@@ -27,7 +27,7 @@ absl::string_view PollModeName(PollMode mode);
 
 struct ThreadingOptions {
   PollMode poll_mode = PollMode::kAdaptive;
-  absl::Duration spin_budget = absl::Microseconds(50);
+  absl::Duration spin_budget = absl::Milliseconds(1);
   // Core ids for the send and receive threads; empty means unpinned.
   std::vector<int> send_cores;
   std::vector<int> recv_cores;
