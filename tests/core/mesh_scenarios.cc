@@ -34,6 +34,19 @@ void ComputeReply(const uint8_t* push, size_t push_bytes, uint8_t digest, uint8_
   }
 }
 
+// Shuts a participant down when it goes out of scope: declared after the
+// tensors, it runs before they are freed, on every return path (registered
+// memory must outlive the progress threads that may still touch it).
+template <typename Participant>
+class ShutdownOnExit {
+ public:
+  explicit ShutdownOnExit(Participant& p) : p_(p) {}
+  ~ShutdownOnExit() { (void)p_.Shutdown(); }
+
+ private:
+  Participant& p_;
+};
+
 }  // namespace
 
 absl::Status RunWorker(AFTensorWorker& worker, const Scenario& sc) {
@@ -42,6 +55,7 @@ absl::Status RunWorker(AFTensorWorker& worker, const Scenario& sc) {
   std::vector<std::vector<std::vector<uint8_t>>> pull(
       sc.micro_batches,
       std::vector<std::vector<uint8_t>>(sc.servers, std::vector<uint8_t>(sc.pull_bytes)));
+  ShutdownOnExit<AFTensorWorker> shutdown(worker);
   for (int m = 0; m < sc.micro_batches; ++m) {
     STEPMESH_RETURN_IF_ERROR(worker.RegisterPushTensor(
         PushKey(m), {push[m].data(), DType::kFloat8E4M3,
@@ -99,6 +113,7 @@ absl::Status RunServer(AFTensorServer& server, const Scenario& sc) {
                                          std::vector<uint8_t>(sc.push_bytes * workers));
   std::vector<std::vector<uint8_t>> reply(sc.micro_batches,
                                           std::vector<uint8_t>(sc.pull_bytes * workers));
+  ShutdownOnExit<AFTensorServer> shutdown(server);
   for (int m = 0; m < sc.micro_batches; ++m) {
     STEPMESH_RETURN_IF_ERROR(server.RegisterRecvTensor(
         PushKey(m), {recv[m].data(), DType::kFloat8E4M3,

@@ -26,7 +26,8 @@ struct Scenario {
   absl::Duration step_timeout = absl::Seconds(20);
 };
 
-// Registers the scenario's tensors and runs it; the tensors live inside.
+// Registers the scenario's tensors and runs it; the tensors live inside, so
+// both end by shutting the participant down.
 absl::Status RunWorker(AFTensorWorker& worker, const Scenario& scenario);
 absl::Status RunServer(AFTensorServer& server, const Scenario& scenario);
 

@@ -108,9 +108,10 @@ struct OneByOne {
 };
 
 TEST_CASE("bad input gets a clear status and leaves other traffic intact", "[mesh][bad-input]") {
-  OneByOne mesh;
   std::vector<uint8_t> push(256, 7), pull(512, 0), other_push(256, 9);
   std::vector<uint8_t> recv(256), reply(512, 3), recv_bf16(512);
+  std::vector<uint8_t> wrong(256), big(1024), small(128);  // for single sections
+  OneByOne mesh;  // after the tensors: registered memory outlives the mesh
   const TensorView push_view{push.data(), DType::kFloat8E4M3, Shape{1, 256}, Device::Cpu()};
   REQUIRE(mesh.worker->RegisterPushTensor(1, push_view).ok());
   REQUIRE(mesh.worker->RegisterPullTensor(2, 0, {pull.data(), DType::kBFloat16, Shape{1, 256}}).ok());
@@ -196,7 +197,6 @@ TEST_CASE("bad input gets a clear status and leaves other traffic intact", "[mes
     CHECK(absl::IsInvalidArgument(mesh.worker->Wait(RequestHandle(), absl::Seconds(1))));
   }
   SECTION("dtype mismatch is refused by the server and reported to the worker") {
-    std::vector<uint8_t> wrong(256);
     REQUIRE(mesh.worker->RegisterPushTensor(3, {wrong.data(), DType::kUInt8, Shape{256}}).ok());
     REQUIRE(mesh.server->RegisterRecvTensor(3, {recv_bf16.data(), DType::kBFloat16, Shape{1, 256}}).ok());
     const Push p{3};
@@ -209,8 +209,6 @@ TEST_CASE("bad input gets a clear status and leaves other traffic intact", "[mes
     round_trip();
   }
   SECTION("push larger than the server's slot") {
-    std::vector<uint8_t> big(1024);
-    std::vector<uint8_t> small(128);
     REQUIRE(mesh.worker->RegisterPushTensor(4, {big.data(), DType::kUInt8, Shape{1024}}).ok());
     REQUIRE(mesh.server->RegisterRecvTensor(4, {small.data(), DType::kUInt8, Shape{128}}).ok());
     const Push p{4};
@@ -267,8 +265,8 @@ TEST_CASE("server regions must split into one equal slot per worker", "[mesh][ba
 }
 
 TEST_CASE("traces carry stamps in causal order", "[mesh][trace]") {
-  OneByOne mesh;
   std::vector<uint8_t> push(64, 1), pull(64), recv(64), reply(64);
+  OneByOne mesh;  // after the tensors: registered memory outlives the mesh
   REQUIRE(mesh.worker->RegisterPushTensor(1, BytesView(push.data(), 64)).ok());
   REQUIRE(mesh.worker->RegisterPullTensor(2, 0, BytesView(pull.data(), 64)).ok());
   REQUIRE(mesh.server->RegisterRecvTensor(1, BytesView(recv.data(), 64)).ok());
@@ -296,8 +294,8 @@ TEST_CASE("traces carry stamps in causal order", "[mesh][trace]") {
 }
 
 TEST_CASE("a send gated on an event waits for it on the send thread", "[mesh][event]") {
-  OneByOne mesh;
   std::vector<uint8_t> push(64, 0), pull(64), recv(64), reply(64);
+  OneByOne mesh;  // after the tensors: registered memory outlives the mesh
   REQUIRE(mesh.worker->RegisterPushTensor(1, BytesView(push.data(), 64)).ok());
   REQUIRE(mesh.worker->RegisterPullTensor(2, 0, BytesView(pull.data(), 64)).ok());
   REQUIRE(mesh.server->RegisterRecvTensor(1, BytesView(recv.data(), 64)).ok());
