@@ -46,7 +46,8 @@ struct Request {
         settled(new std::atomic<bool>[num_servers]),
         stamps(num_servers) {}
 
-  uint32_t generation = 0;
+  // Read by the receive thread to reject stale frames while a new request fills the slot.
+  std::atomic<uint32_t> generation{0};
   std::atomic<RequestState> state{RequestState::kFree};
   int num_pushes = 0;
   std::array<PlannedPush, kMaxPushesPerRequest> pushes;
@@ -239,7 +240,8 @@ class Worker final : public AFTensorWorker, public MeshNode {
       for (size_t i = 0; i < pushes.size(); ++i) r->pushes[i].reg->in_flight = true;
       for (const Pull& pull : pulls) r->pull_reg[pull.server]->in_flight = true;
       r->num_pushes = static_cast<int>(pushes.size());
-      r->generation = r->generation == UINT32_MAX ? 1 : r->generation + 1;
+      const uint32_t previous = r->generation.load(std::memory_order_relaxed);
+      r->generation.store(previous == UINT32_MAX ? 1 : previous + 1, std::memory_order_relaxed);
       for (int s = 0; s < num_servers; ++s) {
         r->settled[s].store(!r->addressed[s], std::memory_order_relaxed);
         r->stamps[s] = TraceStamps{};
@@ -253,8 +255,9 @@ class Worker final : public AFTensorWorker, public MeshNode {
       }
       r->state.store(RequestState::kPending, std::memory_order_release);
     }
-    const RequestHandle handle(index, r->generation);
-    absl::Status queued = EnqueueSend({kSendRequest, index, r->generation, send_options.ready});
+    const uint32_t generation = r->generation.load(std::memory_order_relaxed);
+    const RequestHandle handle(index, generation);
+    absl::Status queued = EnqueueSend({kSendRequest, index, generation, send_options.ready});
     if (!queued.ok()) {
       Fail(*r, queued);
       return queued;
@@ -494,8 +497,10 @@ class Worker final : public AFTensorWorker, public MeshNode {
     if (NodeRole(peer) != 2 || s >= static_cast<uint32_t>(options_.num_servers)) {
       return absl::PermissionDeniedError("frame from a node that is not a server");
     }
-    if (index >= requests_.size() || requests_[index]->generation != generation ||
-        requests_[index]->state.load(std::memory_order_acquire) != RequestState::kPending) {
+    // State first (acquire): a pending request's fields are published with it.
+    if (index >= requests_.size() ||
+        requests_[index]->state.load(std::memory_order_acquire) != RequestState::kPending ||
+        requests_[index]->generation.load(std::memory_order_acquire) != generation) {
       return absl::FailedPreconditionError("reply for an unknown or finished request");
     }
     Request* r = requests_[index].get();

@@ -167,3 +167,49 @@ TEST_CASE("conformance over rdma (fake verbs): bad input and peer loss", "[rdma]
 
 }  // namespace
 }  // namespace stepmesh
+
+namespace stepmesh {
+namespace {
+
+// Bootstrap sockets run the same challenge-response as TCP data connections.
+absl::Status ConnectPair(const std::string& worker_secret, const std::string& server_secret,
+                         absl::Status* server_result) {
+  auto fabric = std::make_shared<testing::FakeFabric>();
+  auto factory = FakeRdmaFactory(fabric);
+  MeshOptions wo = RdmaOptions();
+  wo.auth_token = worker_secret;
+  MeshOptions so = RdmaOptions();
+  so.auth_token = server_secret;
+  auto worker = factory(wo);
+  auto server = factory(so);
+  if (!worker.ok()) return worker.status();
+  if (!server.ok()) return server.status();
+  auto worker_endpoint = (*worker)->LocalEndpoint();
+  auto server_endpoint = (*server)->LocalEndpoint();
+  if (!worker_endpoint.ok() || !server_endpoint.ok()) return absl::InternalError("endpoints");
+  const core::NodeId w = core::MakeNodeId(1, 0), s = core::MakeNodeId(2, 0);
+  const absl::Time deadline = absl::Now() + absl::Seconds(2);
+  auto accepted = std::async(std::launch::async, [&] {
+    const core::PeerInfo peer{w, *worker_endpoint};
+    return (*server)->Connect(s, {&peer, 1}, deadline);
+  });
+  const core::PeerInfo peer{s, *server_endpoint};
+  absl::Status dialled = (*worker)->Connect(w, {&peer, 1}, deadline);
+  *server_result = accepted.get();
+  (*worker)->Shutdown();
+  (*server)->Shutdown();
+  return dialled;
+}
+
+TEST_CASE("rdma bootstrap connections need the shared secret on both ends", "[rdma][auth]") {
+  absl::Status server;
+  CHECK(ConnectPair("alpha", "alpha", &server).ok());
+  CHECK(server.ok());
+  CHECK(absl::IsPermissionDenied(ConnectPair("alpha", "beta", &server)));
+  CHECK_FALSE(server.ok());  // the impostor never became a peer
+  CHECK(absl::IsPermissionDenied(ConnectPair("", "beta", &server)));
+  CHECK_FALSE(server.ok());
+}
+
+}  // namespace
+}  // namespace stepmesh

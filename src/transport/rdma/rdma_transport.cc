@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "src/core/sync.h"
 #include "absl/time/clock.h"
+#include "src/core/handshake.h"
 #include "src/core/logging.h"
 #include "src/core/net.h"
 #include "src/transport/rdma/rdma_wire.h"
@@ -242,7 +243,9 @@ class RdmaTransport final : public Transport {
                                                    " at ", info.endpoint, ": ",
                                                    fd.status().message()));
       }
-      STEPMESH_RETURN_IF_ERROR(Handshake(info.id, *std::move(fd), nullptr, deadline));
+      STEPMESH_RETURN_IF_ERROR(
+          DialHandshake(fd->get(), self_, info.id, options_.auth_token, deadline));
+      STEPMESH_RETURN_IF_ERROR(Handshake(info.id, *std::move(fd), deadline));
     }
     while (!expected.empty()) {
       absl::StatusOr<UniqueFd> fd = AcceptTcp(listener_.get(), deadline);
@@ -250,16 +253,16 @@ class RdmaTransport final : public Transport {
         return absl::DeadlineExceededError(absl::StrCat(
             "rdma: ", expected.size(), " peer(s) never connected: ", fd.status().message()));
       }
-      absl::StatusOr<rdma::Hello> hello = ReadHello(fd->get(), deadline);
-      auto it = hello.ok() ? std::find(expected.begin(), expected.end(), hello->node)
-                           : expected.end();
-      if (it == expected.end()) {
-        STEPMESH_LOG(kWarning, "rdma: refused a bootstrap connection: ",
-                     hello.ok() ? "unexpected node" : std::string(hello.status().message()));
+      // Who dials, and (with a secret) proof of it, before any verbs resource is built.
+      absl::StatusOr<NodeId> from =
+          AcceptHandshake(fd->get(), self_, expected, options_.auth_token,
+                          std::min(deadline, absl::Now() + absl::Seconds(5)));
+      if (!from.ok()) {
+        STEPMESH_LOG(kWarning, "rdma: refused a bootstrap connection: ", from.status().ToString());
         continue;
       }
-      expected.erase(it);
-      STEPMESH_RETURN_IF_ERROR(Handshake(hello->node, *std::move(fd), &*hello, deadline));
+      expected.erase(std::find(expected.begin(), expected.end(), *from));
+      STEPMESH_RETURN_IF_ERROR(Handshake(*from, *std::move(fd), deadline));
     }
     return absl::OkStatus();
   }
@@ -521,10 +524,9 @@ class RdmaTransport final : public Transport {
     return rdma::DecodeHello(body, h.body_bytes);
   }
 
-  // Builds the peer's QPs and memory, swaps hellos (the dialler speaks first),
+  // Builds the peer's QPs and memory, swaps hellos,
   // brings the QPs to RTS, swaps "ready", then publishes the peer.
-  absl::Status Handshake(NodeId peer_id, UniqueFd fd, const rdma::Hello* their_hello,
-                         absl::Time deadline) {
+  absl::Status Handshake(NodeId peer_id, UniqueFd fd, absl::Time deadline) {
     auto peer = std::make_unique<Peer>();
     peer->id = peer_id;
     peer->num_qps = static_cast<uint32_t>(options_.rdma_qps_per_peer);
@@ -533,14 +535,9 @@ class RdmaTransport final : public Transport {
     STEPMESH_RETURN_IF_ERROR(BuildPeer(*peer, mine));
     std::byte msg[rdma::kBootHeaderBytes + rdma::kMaxBootBody];
     const size_t len = rdma::EncodeHello(mine, msg);
-    rdma::Hello theirs;
-    if (their_hello == nullptr) {
-      STEPMESH_RETURN_IF_ERROR(WriteFully(fd.get(), msg, len, deadline));
-      STEPMESH_ASSIGN_OR_RETURN(theirs, ReadHello(fd.get(), deadline));
-    } else {
-      theirs = *their_hello;
-      STEPMESH_RETURN_IF_ERROR(WriteFully(fd.get(), msg, len, deadline));
-    }
+    // Both ends write, then read: the hellos are small enough for the socket buffers.
+    STEPMESH_RETURN_IF_ERROR(WriteFully(fd.get(), msg, len, deadline));
+    STEPMESH_ASSIGN_OR_RETURN(rdma::Hello theirs, ReadHello(fd.get(), deadline));
     if (theirs.node != peer_id) {
       return absl::FailedPreconditionError(absl::StrCat(
           "rdma: expected ", PeerName(peer_id), ", reached ", PeerName(theirs.node)));

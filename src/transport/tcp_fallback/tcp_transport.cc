@@ -20,7 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "src/core/sync.h"
 #include "absl/time/clock.h"
-#include "src/core/auth.h"
+#include "src/core/handshake.h"
 #include "src/core/logging.h"
 #include "src/core/net.h"
 #include "stepmesh/status.h"
@@ -28,34 +28,11 @@
 namespace stepmesh::core {
 namespace {
 
-// Data-connection handshake (the dialler is always the worker):
-//   dialler  -> acceptor: hello = magic, version, dialler id, flags, dialler nonce (48 bytes)
-//   acceptor -> dialler : verdict (kVerdictAccept / kVerdictRefuse)
-// and with an auth token (flags & kHelloAuth), instead of that verdict:
-//   acceptor -> dialler : kVerdictAccept, acceptor nonce, acceptor proof
-//   dialler  -> acceptor: dialler proof
-//   acceptor -> dialler : final verdict
-// The dialler adopts the connection only after an accepting verdict, so a
-// refusal is a synchronous error of Connect rather than a later disconnect.
-constexpr uint32_t kHelloMagic = 0x49484D53;  // "SMHI"
-constexpr size_t kHelloBytes = 16 + kAuthNonceBytes;
-constexpr uint32_t kHelloAuth = 1;
-constexpr uint32_t kVerdictAccept = 0x4B4F4D53;  // "SMOK"
-constexpr uint32_t kVerdictRefuse = 0x4F4E4D53;  // "SMNO"
 // A dialler gets this long to complete its handshake, so one silent client
 // cannot hold up the acceptance of the real peers until the Connect deadline.
 constexpr absl::Duration kHandshakeTimeout = absl::Seconds(5);
 constexpr size_t kMaxErrorText = 4096;
 constexpr int kSocketBufferBytes = 8 << 20;
-
-void PutU32(std::byte* p, uint32_t v) {
-  for (int i = 0; i < 4; ++i) p[i] = static_cast<std::byte>((v >> (8 * i)) & 0xFF);
-}
-uint32_t GetU32(const std::byte* p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= uint32_t(p[i]) << (8 * i);
-  return v;
-}
 
 // One peer's connection and the state of the frame being received on it.
 struct Connection {
@@ -127,8 +104,9 @@ class TcpTransport final : public Transport {
         return absl::DeadlineExceededError(absl::StrCat(
             expected.size(), " peer(s) never connected: ", fd.status().message()));
       }
-      absl::StatusOr<NodeId> from = Welcome(self, fd->get(), expected,
-                                            std::min(deadline, absl::Now() + kHandshakeTimeout));
+      absl::StatusOr<NodeId> from =
+          AcceptHandshake(fd->get(), self, expected, options_.auth_token,
+                          std::min(deadline, absl::Now() + kHandshakeTimeout));
       if (!from.ok()) {
         STEPMESH_LOG(kWarning, "tcp: refused a data connection: ", from.status().ToString());
         continue;  // fd closes; keep waiting for the real peers
@@ -261,10 +239,6 @@ class TcpTransport final : public Transport {
     }
   }
 
-  std::string AuthContext(NodeId dialler, NodeId acceptor) const {
-    return absl::StrCat("data:", absl::Hex(dialler), ">", absl::Hex(acceptor));
-  }
-
   // Worker side: connects to `peer`, completes the handshake, adopts the connection.
   absl::Status Dial(NodeId self, const PeerInfo& peer, absl::Time deadline) {
     STEPMESH_ASSIGN_OR_RETURN(HostPort where, ParseHostPort(peer.endpoint));
@@ -273,98 +247,9 @@ class TcpTransport final : public Transport {
       return absl::UnavailableError(absl::StrCat("connecting to peer ", NodeRank(peer.id), " at ",
                                                  peer.endpoint, ": ", fd.status().message()));
     }
-    const bool auth = !options_.auth_token.empty();
-    STEPMESH_ASSIGN_OR_RETURN(AuthNonce ours, RandomNonce());
-    std::byte hello[kHelloBytes];
-    PutU32(hello, kHelloMagic);
-    PutU32(hello + 4, kFrameVersion);
-    PutU32(hello + 8, self);
-    PutU32(hello + 12, auth ? kHelloAuth : 0);
-    std::memcpy(hello + 16, ours.data(), kAuthNonceBytes);
-    auto refused = [&](absl::string_view why) {
-      STEPMESH_LOG(kWarning, "tcp: server ", NodeRank(peer.id), " at ", peer.endpoint, ": ", why);
-      return absl::PermissionDeniedError(absl::StrCat("data connection to server ",
-                                                      NodeRank(peer.id), ": ", why));
-    };
-    auto read_verdict = [&]() -> absl::Status {
-      std::byte verdict[4];
-      absl::Status read = ReadFully(fd->get(), verdict, sizeof(verdict), deadline);
-      if (absl::IsUnavailable(read)) return refused("refused (closed during the handshake)");
-      STEPMESH_RETURN_IF_ERROR(read);
-      if (GetU32(verdict) != kVerdictAccept) {
-        return refused("refused (bad hello, unexpected peer or authentication mismatch)");
-      }
-      return absl::OkStatus();
-    };
-    STEPMESH_RETURN_IF_ERROR(WriteFully(fd->get(), hello, sizeof(hello), deadline));
-    STEPMESH_RETURN_IF_ERROR(read_verdict());
-    if (auth) {
-      std::byte reply[kAuthNonceBytes + kSha256Bytes];
-      STEPMESH_RETURN_IF_ERROR(ReadFully(fd->get(), reply, sizeof(reply), deadline));
-      AuthNonce theirs;
-      std::memcpy(theirs.data(), reply, kAuthNonceBytes);
-      const absl::string_view proof(reinterpret_cast<const char*>(reply) + kAuthNonceBytes,
-                                    kSha256Bytes);
-      const std::string context = AuthContext(self, peer.id);
-      if (!CheckAuthProof(options_.auth_token, AuthSide::kAcceptor, context, ours, theirs,
-                          proof)) {
-        return refused("failed authentication (wrong auth token?)");
-      }
-      const Sha256Digest answer =
-          AuthProof(options_.auth_token, AuthSide::kDialer, context, ours, theirs);
-      STEPMESH_RETURN_IF_ERROR(WriteFully(fd->get(), answer.data(), answer.size(), deadline));
-      STEPMESH_RETURN_IF_ERROR(read_verdict());
-    }
+    STEPMESH_RETURN_IF_ERROR(DialHandshake(fd->get(), self, peer.id, options_.auth_token,
+                                           deadline));
     return Adopt(peer.id, *std::move(fd));
-  }
-
-  // Server side: checks a dialler's hello (and proof); returns who it is.
-  absl::StatusOr<NodeId> Welcome(NodeId self, int fd, const std::vector<NodeId>& expected,
-                                 absl::Time deadline) {
-    auto refuse = [&](absl::string_view why) {
-      std::byte verdict[4];
-      PutU32(verdict, kVerdictRefuse);
-      (void)WriteFully(fd, verdict, sizeof(verdict), deadline);
-      return absl::PermissionDeniedError(why);
-    };
-    std::byte hello[kHelloBytes];
-    STEPMESH_RETURN_IF_ERROR(ReadFully(fd, hello, sizeof(hello), deadline));
-    const NodeId from = GetU32(hello + 8);
-    if (GetU32(hello) != kHelloMagic || GetU32(hello + 4) != kFrameVersion) {
-      return refuse("bad hello");
-    }
-    if (std::find(expected.begin(), expected.end(), from) == expected.end()) {
-      return refuse(absl::StrCat("hello from unexpected node 0x", absl::Hex(from)));
-    }
-    const bool auth = !options_.auth_token.empty();
-    const bool dialler_auth = (GetU32(hello + 12) & kHelloAuth) != 0;
-    if (auth != dialler_auth) {
-      return refuse(auth ? "peer did not authenticate (no auth token)"
-                         : "peer wants authentication but this node has no auth token");
-    }
-    std::byte verdict[4];
-    PutU32(verdict, kVerdictAccept);
-    STEPMESH_RETURN_IF_ERROR(WriteFully(fd, verdict, sizeof(verdict), deadline));
-    if (!auth) return from;
-    AuthNonce theirs;
-    std::memcpy(theirs.data(), hello + 16, kAuthNonceBytes);
-    STEPMESH_ASSIGN_OR_RETURN(AuthNonce ours, RandomNonce());
-    const std::string context = AuthContext(from, self);
-    const Sha256Digest proof =
-        AuthProof(options_.auth_token, AuthSide::kAcceptor, context, theirs, ours);
-    std::byte reply[kAuthNonceBytes + kSha256Bytes];
-    std::memcpy(reply, ours.data(), kAuthNonceBytes);
-    std::memcpy(reply + kAuthNonceBytes, proof.data(), kSha256Bytes);
-    STEPMESH_RETURN_IF_ERROR(WriteFully(fd, reply, sizeof(reply), deadline));
-    std::byte answer[kSha256Bytes];
-    STEPMESH_RETURN_IF_ERROR(ReadFully(fd, answer, sizeof(answer), deadline));
-    if (!CheckAuthProof(options_.auth_token, AuthSide::kDialer, context, theirs, ours,
-                        absl::string_view(reinterpret_cast<const char*>(answer),
-                                          sizeof(answer)))) {
-      return refuse(absl::StrCat("node 0x", absl::Hex(from), " failed authentication"));
-    }
-    STEPMESH_RETURN_IF_ERROR(WriteFully(fd, verdict, sizeof(verdict), deadline));
-    return from;
   }
 
   absl::Status Adopt(NodeId peer, UniqueFd fd) {
