@@ -8,6 +8,7 @@ packages=(
   libabsl-dev libhwloc-dev libibverbs-dev
   catch2 libbenchmark-dev libzmq3-dev
   gnuplot-nox
+  clang-14 libclang-rt-14-dev   # libFuzzer (scripts/run-fuzz.sh)
 )
 
 missing=()

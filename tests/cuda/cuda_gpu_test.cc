@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <future>
 #include <catch2/catch.hpp>
 #include <cstdio>
 #include <cstring>
@@ -20,6 +21,9 @@
 #include "absl/time/clock.h"
 #include "src/backends/cuda/cuda_backend.h"
 #include "stepmesh/backend.h"
+#include "stepmesh/scheduler.h"
+#include "stepmesh/server.h"
+#include "stepmesh/worker.h"
 
 namespace stepmesh {
 namespace {
@@ -180,9 +184,64 @@ TEST_CASE("gpu: event pool reuses events across many steps", "[cuda_gpu]") {
   }
 }
 
-// TODO(issue 5): end-to-end 1A1F exchange over TCP with device tensors (copy
-// path when GPUDirect is unavailable), once the core worker/server path is
-// validated with device-kind tensors.
+// 1A1F over TCP with every tensor in device memory: TCP cannot reach it, so
+// the core stages through pinned host memory (the path without GPUDirect).
+TEST_CASE("gpu: 1A1F exchange over TCP with device tensors", "[cuda_gpu][e2e]") {
+  MeshOptions o;
+  o.transport = "tcp";
+  o.backend = "cuda";
+  o.timeout = absl::Seconds(20);
+  o.scheduler = "127.0.0.1:0";
+  auto scheduler = Scheduler::Start(o);
+  REQUIRE(scheduler.ok());
+  o.scheduler = (*scheduler)->address();
+  MeshOptions so = o;
+  so.role = Role::kServer;
+  so.rank = 0;
+  auto server_future = std::async(std::launch::async, [so] { return AFTensorServer::Create(so); });
+  o.role = Role::kWorker;
+  o.rank = 0;
+  auto worker = AFTensorWorker::Create(o);
+  auto server = server_future.get();
+  REQUIRE(worker.ok());
+  REQUIRE(server.ok());
+  Backend& wb = (*worker)->backend();
+  Backend& sb = (*server)->backend();
+  REQUIRE(wb.name() == "cuda");
+
+  constexpr int64_t kPush = 128 * 7168, kPull = 2 * kPush;
+  auto push = *wb.Allocate(kPush, MemoryKind::kDevice);
+  auto pull = *wb.Allocate(kPull, MemoryKind::kDevice);
+  auto recv = *sb.Allocate(kPush, MemoryKind::kDevice);
+  auto reply = *sb.Allocate(kPull, MemoryKind::kDevice);
+  REQUIRE((*worker)->RegisterPushTensor(1, push->View(DType::kFloat8E4M3, {128, 7168})).ok());
+  REQUIRE((*worker)->RegisterPullTensor(2, 0, pull->View(DType::kBFloat16, {128, 7168})).ok());
+  REQUIRE((*server)->RegisterRecvTensor(1, recv->View(DType::kFloat8E4M3, {128, 7168})).ok());
+  REQUIRE((*server)->RegisterReplyTensor(2, reply->View(DType::kBFloat16, {128, 7168})).ok());
+
+  std::vector<uint8_t> host_push(kPush), host_reply(kPull), seen(kPush), got(kPull);
+  for (int step = 0; step < 20; ++step) {
+    for (int64_t i = 0; i < kPush; ++i) host_push[i] = static_cast<uint8_t>(i * 7 + step);
+    for (int64_t i = 0; i < kPull; ++i) host_reply[i] = static_cast<uint8_t>(i * 3 + step + 1);
+    REQUIRE(wb.Copy(push->data(), host_push.data(), kPush).ok());
+    const Push p{1};
+    const Pull q{2, 0};
+    auto handle = (*worker)->PushPull({&p, 1}, {&q, 1});
+    REQUIRE(handle.ok());
+    auto batch = (*server)->GetBatch(absl::Seconds(10));
+    REQUIRE(batch.ok());
+    REQUIRE(sb.Copy(seen.data(), recv->data(), kPush).ok());
+    CHECK(seen == host_push);  // landed in device memory
+    REQUIRE(sb.Copy(reply->data(), host_reply.data(), kPull).ok());
+    const Reply r{0};
+    REQUIRE((*server)->Respond(*batch, {&r, 1}).ok());
+    REQUIRE((*worker)->Wait(*handle, absl::Seconds(10)).ok());
+    REQUIRE(wb.Copy(got.data(), pull->data(), kPull).ok());
+    CHECK(got == host_reply);
+  }
+  (void)(*worker)->Shutdown();
+  (void)(*server)->Shutdown();
+}
 
 }  // namespace
 }  // namespace stepmesh
