@@ -13,6 +13,7 @@
 #include "src/transport/rdma/rdma_transport.h"
 #include "stepmesh/backend.h"
 #include "stepmesh/scheduler.h"
+#include "tests/core/conformance_suite.h"
 #include "tests/core/mesh_scenarios.h"
 #include "tests/rdma/fake_verbs.h"
 
@@ -76,93 +77,14 @@ TEST_CASE("conformance over rdma (fake verbs): two QPs per peer, small credit wi
   CHECK(fabric->stats().rnr_errors == 0);
 }
 
-// One worker and one server on the fake fabric, driven by the test.
-struct OneByOne {
-  std::shared_ptr<FakeFabric> fabric = std::make_shared<FakeFabric>();
-  std::unique_ptr<Scheduler> scheduler;
-  std::unique_ptr<AFTensorWorker> worker;
-  std::unique_ptr<AFTensorServer> server;
-
-  OneByOne() {
+TEST_CASE("conformance over rdma (fake verbs): bad input and peer loss", "[rdma][conformance]") {
+  auto fabric = std::make_shared<FakeFabric>();
+  testing::RunBadInputConformance([fabric] {
     MeshOptions o = RdmaOptions();
     o.timeout = absl::Seconds(3);
-    o.scheduler = "127.0.0.1:0";
-    scheduler = *Scheduler::Start(o);
-    o.scheduler = scheduler->address();
-    const core::TransportFactory factory = FakeRdmaFactory(fabric);
-    MeshOptions so = o;
-    so.role = Role::kServer;
-    auto s = std::async(std::launch::async, [&] {
-      return core::CreateServer(so, CreateCpuMockBackend(), factory);
-    });
-    o.role = Role::kWorker;
-    auto w = core::CreateWorker(o, CreateCpuMockBackend(), factory);
-    auto sv = s.get();
-    REQUIRE(w.ok());
-    REQUIRE(sv.ok());
-    worker = *std::move(w);
-    server = *std::move(sv);
-  }
-};
-
-TEST_CASE("conformance over rdma (fake verbs): bad input and peer loss", "[rdma][conformance]") {
-  OneByOne mesh;
-  std::vector<uint8_t> push(256, 7), pull(512, 0), recv(256), reply(512, 3);
-  REQUIRE(mesh.worker->RegisterPushTensor(1, {push.data(), DType::kFloat8E4M3, Shape{1, 256}}).ok());
-  REQUIRE(mesh.worker->RegisterPullTensor(2, 0, {pull.data(), DType::kBFloat16, Shape{1, 256}}).ok());
-  REQUIRE(mesh.server->RegisterRecvTensor(1, {recv.data(), DType::kFloat8E4M3, Shape{1, 256}}).ok());
-  REQUIRE(mesh.server->RegisterReplyTensor(2, {reply.data(), DType::kBFloat16, Shape{1, 256}}).ok());
-  auto round_trip = [&] {
-    const Push p{1};
-    const Pull q{2, 0};
-    auto h = mesh.worker->PushPull({&p, 1}, {&q, 1});
-    REQUIRE(h.ok());
-    auto batch = mesh.server->GetBatch(absl::Seconds(5));
-    REQUIRE(batch.ok());
-    CHECK(recv == push);
-    const Reply r{0};
-    REQUIRE(mesh.server->Respond(*batch, {&r, 1}).ok());
-    REQUIRE(mesh.worker->Wait(*h, absl::Seconds(5)).ok());
-    CHECK(pull == reply);
-  };
-  round_trip();
-
-  SECTION("dtype mismatch is refused by the server and reported to the worker") {
-    std::vector<uint8_t> wrong(256), recv_bf16(512);
-    REQUIRE(mesh.worker->RegisterPushTensor(3, {wrong.data(), DType::kUInt8, Shape{256}}).ok());
-    REQUIRE(mesh.server->RegisterRecvTensor(3, {recv_bf16.data(), DType::kBFloat16, Shape{1, 256}}).ok());
-    const Push p{3};
-    auto h = mesh.worker->PushPull({&p, 1}, {});
-    REQUIRE(h.ok());
-    CHECK(absl::IsInvalidArgument(mesh.worker->Wait(*h, absl::Seconds(5))));
-    round_trip();
-  }
-  SECTION("push larger than the server's slot") {
-    std::vector<uint8_t> big(1024), small(128);
-    REQUIRE(mesh.worker->RegisterPushTensor(4, {big.data(), DType::kUInt8, Shape{1024}}).ok());
-    REQUIRE(mesh.server->RegisterRecvTensor(4, {small.data(), DType::kUInt8, Shape{128}}).ok());
-    const Push p{4};
-    auto h = mesh.worker->PushPull({&p, 1}, {});
-    if (h.ok()) {
-      CHECK(absl::IsOutOfRange(mesh.worker->Wait(*h, absl::Seconds(5))));
-    } else {
-      CHECK(absl::IsOutOfRange(h.status()));
-    }
-    round_trip();
-  }
-  SECTION("a server that goes away fails the worker's request, not the process") {
-    const Push p{1};
-    const Pull q{2, 0};
-    auto h = mesh.worker->PushPull({&p, 1}, {&q, 1});
-    REQUIRE(h.ok());
-    REQUIRE(mesh.server->GetBatch(absl::Seconds(5)).ok());
-    const absl::Time gone = absl::Now();
-    mesh.server.reset();
-    absl::Status s = mesh.worker->Wait(*h, absl::Seconds(10));
-    CHECK(absl::IsUnavailable(s));
-    CHECK(absl::Now() - gone < absl::Seconds(5));
-  }
-  CHECK(mesh.fabric->stats().rnr_errors == 0);
+    return std::make_unique<testing::MeshPair>(o, FakeRdmaFactory(fabric));
+  });
+  CHECK(fabric->stats().rnr_errors == 0);
 }
 
 }  // namespace

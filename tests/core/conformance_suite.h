@@ -1,0 +1,28 @@
+#pragma once
+// Conformance cases every transport must pass with one worker and one server:
+// bad input gets a clear status and changes nothing, other traffic goes on, a
+// vanished peer fails requests instead of the process. Call from a TEST_CASE
+// (the suite uses Catch SECTIONs); `make` builds a fresh mesh each time.
+
+#include <functional>
+#include <memory>
+
+#include "src/core/transport.h"
+#include "stepmesh/options.h"
+#include "stepmesh/scheduler.h"
+#include "stepmesh/server.h"
+#include "stepmesh/worker.h"
+
+namespace stepmesh::testing {
+
+// A scheduler, one worker and one server in this process, over `transport`.
+struct MeshPair {
+  MeshPair(MeshOptions options, const core::TransportFactory& transport);
+  std::unique_ptr<Scheduler> scheduler;
+  std::unique_ptr<AFTensorWorker> worker;
+  std::unique_ptr<AFTensorServer> server;
+};
+
+void RunBadInputConformance(const std::function<std::unique_ptr<MeshPair>()>& make);
+
+}  // namespace stepmesh::testing
