@@ -197,7 +197,7 @@ struct ProcessMesh {
             "--servers", std::to_string(sc.servers), "--iterations", std::to_string(sc.iterations),
             "--micro-batches", std::to_string(sc.micro_batches), "--push-bytes",
             std::to_string(sc.push_bytes), "--pull-bytes", std::to_string(sc.pull_bytes),
-            "--timeout-ms", "10000"};
+            "--timeout-ms", "30000"};
   }
   std::unique_ptr<Scheduler> scheduler;
 };
