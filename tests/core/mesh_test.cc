@@ -94,31 +94,104 @@ TEST_CASE("bad input gets a clear status and leaves other traffic intact", "[mes
       [] { return std::make_unique<testing::MeshPair>(TcpOptions(), core::CreateTransport); });
 }
 
+// Two workers and one server over TCP in this process.
+struct TwoByOne {
+  TwoByOne() {
+    MeshOptions o = TcpOptions();
+    o.num_workers = 2;
+    o.num_servers = 1;
+    o.scheduler = "127.0.0.1:0";
+    scheduler = *Scheduler::Start(o);
+    o.scheduler = scheduler->address();
+    auto make_worker = [o](int rank) {
+      MeshOptions wo = o;
+      wo.role = Role::kWorker;
+      wo.rank = rank;
+      return AFTensorWorker::Create(wo);
+    };
+    auto w0 = std::async(std::launch::async, make_worker, 0);
+    auto w1 = std::async(std::launch::async, make_worker, 1);
+    MeshOptions so = o;
+    so.role = Role::kServer;
+    auto s = AFTensorServer::Create(so);
+    REQUIRE(s.ok());
+    server = *std::move(s);
+    for (auto* w : {&w0, &w1}) {
+      auto worker = w->get();
+      REQUIRE(worker.ok());
+      workers.push_back(*std::move(worker));
+    }
+  }
+  std::unique_ptr<Scheduler> scheduler;
+  std::unique_ptr<AFTensorServer> server;
+  std::vector<std::unique_ptr<AFTensorWorker>> workers;
+};
+
 TEST_CASE("server regions must split into one equal slot per worker", "[mesh][bad-input]") {
-  MeshOptions o = TcpOptions();
-  o.num_workers = 2;
-  o.num_servers = 1;
-  o.scheduler = "127.0.0.1:0";
-  auto scheduler = *Scheduler::Start(o);
-  o.scheduler = scheduler->address();
-  auto make_worker = [o](int rank) {
-    MeshOptions wo = o;
-    wo.role = Role::kWorker;
-    wo.rank = rank;
-    return AFTensorWorker::Create(wo);
-  };
-  auto w0 = std::async(std::launch::async, make_worker, 0);
-  auto w1 = std::async(std::launch::async, make_worker, 1);
-  MeshOptions so = o;
-  so.role = Role::kServer;
-  auto server = AFTensorServer::Create(so);
-  REQUIRE(server.ok());
-  REQUIRE(w0.get().ok());
-  REQUIRE(w1.get().ok());
   std::vector<uint8_t> region(4 * 64);
+  TwoByOne mesh;
   CHECK(absl::IsInvalidArgument(
-      (*server)->RegisterRecvTensor(1, {region.data(), DType::kUInt8, Shape{3, 64}})));
-  CHECK((*server)->RegisterRecvTensor(1, {region.data(), DType::kUInt8, Shape{4, 64}}).ok());
+      mesh.server->RegisterRecvTensor(1, {region.data(), DType::kUInt8, Shape{3, 64}})));
+  CHECK(mesh.server->RegisterRecvTensor(1, {region.data(), DType::kUInt8, Shape{4, 64}}).ok());
+}
+
+TEST_CASE("batch policies: all workers, or whoever arrived by the deadline", "[mesh][batch]") {
+  std::vector<uint8_t> push0(64, 1), push1(64, 2), pull0(64), pull1(64);
+  std::vector<uint8_t> recv(2 * 64), reply(2 * 64);
+  TwoByOne mesh;
+  REQUIRE(mesh.workers[0]->RegisterPushTensor(1, BytesView(push0.data(), 64)).ok());
+  REQUIRE(mesh.workers[1]->RegisterPushTensor(1, BytesView(push1.data(), 64)).ok());
+  REQUIRE(mesh.workers[0]->RegisterPullTensor(2, 0, BytesView(pull0.data(), 64)).ok());
+  REQUIRE(mesh.workers[1]->RegisterPullTensor(2, 0, BytesView(pull1.data(), 64)).ok());
+  REQUIRE(mesh.server->RegisterRecvTensor(1, {recv.data(), DType::kUInt8, Shape{2, 64}}).ok());
+  REQUIRE(mesh.server->RegisterReplyTensor(2, {reply.data(), DType::kUInt8, Shape{2, 64}}).ok());
+  const Push p{1, 48};  // a prefix: valid_bytes must say 48
+  const Pull q{2, 0};
+
+  // Only worker 0 sends: kAllWorkers waits for worker 1 and times out...
+  auto h0 = mesh.workers[0]->PushPull({&p, 1}, {&q, 1});
+  REQUIRE(h0.ok());
+  CHECK(absl::IsDeadlineExceeded(
+      mesh.server->GetBatch(absl::Milliseconds(200), BatchPolicy::kAllWorkers).status()));
+  // ...kReadyByDeadline hands out the partial batch.
+  auto partial = mesh.server->GetBatch(absl::Milliseconds(200), BatchPolicy::kReadyByDeadline);
+  REQUIRE(partial.ok());
+  REQUIRE(partial->workers.size() == 1);
+  CHECK(partial->workers[0] == 0);
+  CHECK(partial->tensors[0].valid_bytes[0] == 48);
+  CHECK(partial->tensors[0].valid_bytes[1] == 0);
+  CHECK(recv[0] == 1);
+  std::fill(reply.begin(), reply.begin() + 64, 0x5A);
+  const Reply r0{0, 64};
+  REQUIRE(mesh.server->Respond(*partial, {&r0, 1}).ok());
+  REQUIRE(mesh.workers[0]->Wait(*h0, absl::Seconds(5)).ok());
+  CHECK(pull0[63] == 0x5A);
+
+  // The latecomer forms a batch of its own; a full batch needs no deadline.
+  auto h1 = mesh.workers[1]->PushPull({&p, 1}, {&q, 1});
+  REQUIRE(h1.ok());
+  auto late = mesh.server->GetBatch(absl::Milliseconds(200), BatchPolicy::kReadyByDeadline);
+  REQUIRE(late.ok());
+  REQUIRE(late->workers.size() == 1);
+  CHECK(late->workers[0] == 1);
+  CHECK(recv[64] == 2);
+  std::fill(reply.begin() + 64, reply.end(), 0xA5);
+  const Reply r1{1, 64};
+  REQUIRE(mesh.server->Respond(*late, {&r1, 1}).ok());
+  REQUIRE(mesh.workers[1]->Wait(*h1, absl::Seconds(5)).ok());
+  CHECK(pull1[0] == 0xA5);
+
+  auto a = mesh.workers[0]->PushPull({&p, 1}, {&q, 1});
+  auto b = mesh.workers[1]->PushPull({&p, 1}, {&q, 1});
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  auto full = mesh.server->GetBatch(absl::Seconds(5), BatchPolicy::kAllWorkers);
+  REQUIRE(full.ok());
+  CHECK(full->workers.size() == 2);
+  const Reply both[] = {{0, 64}, {1, 64}};
+  REQUIRE(mesh.server->Respond(*full, both).ok());
+  CHECK(mesh.workers[0]->Wait(*a, absl::Seconds(5)).ok());
+  CHECK(mesh.workers[1]->Wait(*b, absl::Seconds(5)).ok());
 }
 
 TEST_CASE("traces carry stamps in causal order", "[mesh][trace]") {
