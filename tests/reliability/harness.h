@@ -82,7 +82,7 @@ class Harness {
   std::vector<absl::Status> exits_ ABSL_GUARDED_BY(mu_);
 };
 
-// Open file descriptors and threads of this process (leak checks).
+// Open file descriptors of this process and stepmesh threads ("sm-*") in it (leak checks).
 int OpenFdCount();
 int ThreadCount();
 
