@@ -11,6 +11,8 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -33,6 +35,33 @@ using core::UniqueFd;
 struct SizeHeader {
   uint64_t push_bytes = 0;
   uint64_t pull_bytes = 0;
+  uint64_t batch = 1;  // clients the server hears from before it answers any (an AF batch)
+};
+
+// The AF batch barrier for the raw floor: an FFN server computes on every
+// worker's push together, so it answers none before all of them arrived.
+class CyclicBarrier {
+ public:
+  // False on timeout (a client vanished): the caller drops its connection.
+  bool Arrive(uint64_t parties, absl::Duration timeout) {
+    if (parties <= 1) return true;
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t generation = generation_;
+    if (++arrived_ >= parties) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return true;
+    }
+    return cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout),
+                        [&] { return generation_ != generation; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t arrived_ = 0;
+  uint64_t generation_ = 0;
 };
 constexpr size_t kMaxBaselineBytes = size_t{1} << 30;  // refuse absurd sizes from a stray peer
 
@@ -160,6 +189,7 @@ class BaselineServersImpl final : public BaselineServers {
       if (in.size() < h.push_bytes) in.resize(h.push_bytes);
       if (out.size() < h.pull_bytes) out.resize(h.pull_bytes, 1);
       if (!ReadAll(fd.get(), in.data(), h.push_bytes).ok()) break;
+      if (!batch_.Arrive(h.batch, absl::Seconds(60))) break;
       iovec iov{out.data(), h.pull_bytes};
       if (h.pull_bytes > 0 && !WriteAll(fd.get(), &iov, 1).ok()) break;
     }
@@ -199,6 +229,7 @@ class BaselineServersImpl final : public BaselineServers {
 #endif
 
   int sockbuf_ = 0;
+  CyclicBarrier batch_;
   std::atomic<bool> stop_{false};
   UniqueFd listener_;
   std::thread acceptor_;
@@ -210,11 +241,11 @@ class BaselineServersImpl final : public BaselineServers {
 
 class RawTcpClient final : public BaselineClient {
  public:
-  explicit RawTcpClient(std::vector<UniqueFd> fds) : fds_(std::move(fds)) {}
+  RawTcpClient(std::vector<UniqueFd> fds, int batch) : fds_(std::move(fds)), batch_(batch) {}
 
   absl::Status Exchange(const void* push, size_t push_bytes, absl::Span<void* const> pull,
                         size_t pull_bytes) override {
-    const SizeHeader h{push_bytes, pull_bytes};
+    const SizeHeader h{push_bytes, pull_bytes, static_cast<uint64_t>(batch_)};
     // Header and payload in one writev, as the TCP transport sends frame + payload.
     for (const UniqueFd& fd : fds_) {
       iovec iov[2] = {{const_cast<SizeHeader*>(&h), sizeof(h)},
@@ -229,6 +260,7 @@ class RawTcpClient final : public BaselineClient {
 
  private:
   std::vector<UniqueFd> fds_;
+  int batch_;
 };
 
 #ifdef STEPMESH_HAVE_ZMQ
@@ -310,7 +342,8 @@ absl::StatusOr<std::unique_ptr<BaselineServers>> BaselineServers::Start(const st
 }
 
 absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectRawTcp(const std::vector<HostPort>& servers,
-                                                              int sockbuf, absl::Duration timeout) {
+                                                              int sockbuf, absl::Duration timeout,
+                                                              int batch) {
   std::vector<UniqueFd> fds;
   for (const HostPort& hp : servers) {
     STEPMESH_ASSIGN_OR_RETURN(UniqueFd fd, core::ConnectTcp(hp, absl::Now() + timeout));
@@ -319,7 +352,7 @@ absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectRawTcp(const std::vector<
     STEPMESH_RETURN_IF_ERROR(ConfigureRaw(fd.get(), sockbuf, timeout));
     fds.push_back(std::move(fd));
   }
-  return std::make_unique<RawTcpClient>(std::move(fds));
+  return std::make_unique<RawTcpClient>(std::move(fds), batch);
 }
 
 absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectZmq(const std::vector<HostPort>& servers,

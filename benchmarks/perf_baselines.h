@@ -45,8 +45,10 @@ class BaselineClient {
                                 absl::Span<void* const> pull, size_t pull_bytes) = 0;
 };
 
+// `batch`: the number of workers; each raw server answers a round only once all
+// of them pushed, as an FFN server must (the AF batch barrier).
 absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectRawTcp(
-    const std::vector<core::HostPort>& servers, int sockbuf, absl::Duration timeout);
+    const std::vector<core::HostPort>& servers, int sockbuf, absl::Duration timeout, int batch);
 absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectZmq(
     const std::vector<core::HostPort>& servers, absl::Duration timeout);
 

@@ -413,7 +413,7 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
   std::unique_ptr<BaselineClient> raw, zmq;
   std::string raw_error, zmq_error;
   if (Wants(f, "raw-tcp")) {
-    absl::StatusOr<std::unique_ptr<BaselineClient>> c = ConnectRawTcp(raw_addrs, f.sockbuf, timeout);
+    absl::StatusOr<std::unique_ptr<BaselineClient>> c = ConnectRawTcp(raw_addrs, f.sockbuf, timeout, f.workers);
     if (c.ok()) raw = *std::move(c);
     else raw_error = c.status().ToString();
   }
