@@ -28,7 +28,7 @@ void LogLine(LogLevel level, absl::string_view file, int line, absl::string_view
   const size_t slash = file.rfind('/');
   if (slash != absl::string_view::npos) file.remove_prefix(slash + 1);
   const std::string stamp =
-      absl::FormatTime("%H:%M:%E6S", absl::Now(), absl::LocalTimeZone());
+      absl::FormatTime("%H:%M:%E6SZ", absl::Now(), absl::UTCTimeZone());
   // One fprintf per line so lines of different threads do not interleave.
   std::fprintf(stderr, "[stepmesh %s %s %d %.*s:%d] %.*s\n", kLevelNames[static_cast<int>(level)],
                stamp.c_str(), static_cast<int>(getpid()), static_cast<int>(file.size()),
