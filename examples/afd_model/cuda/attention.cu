@@ -22,6 +22,10 @@
 namespace afd::cuda {
 namespace {
 
+using internal::CpAsync16;
+using internal::CpAsyncCommit;
+using internal::CpAsyncWait;
+
 using internal::LaunchStatus;
 namespace wmma = nvcuda::wmma;
 
@@ -95,22 +99,6 @@ constexpr size_t DecodeSmemBytes() {
                           2 * kTile * (kHeadDim + 4));
 }
 
-__device__ __forceinline__ void CpAsync16(void* shared, const void* global,
-                                          bool valid) {
-  const unsigned int address =
-      static_cast<unsigned int>(__cvta_generic_to_shared(shared));
-  // src-size 0 zero-fills the 16 bytes: rows past the cache end become 0,
-  // so 0-probability x garbage can never produce a NaN.
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address),
-               "l"(global), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void CpAsyncCommit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int kPending>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
 
 template <int kHeadDim>
 __device__ __forceinline__ void LoadKvTile(const float* __restrict__ cache,

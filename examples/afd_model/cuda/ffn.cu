@@ -26,6 +26,10 @@
 namespace afd::cuda {
 namespace {
 
+using internal::CpAsync16;
+using internal::CpAsyncCommit;
+using internal::CpAsyncWait;
+
 using internal::ElementwiseBlocks;
 using internal::kElementwiseThreads;
 using internal::LaunchStatus;
@@ -72,20 +76,6 @@ struct GemmParams {
   int64_t rows = 0;
 };
 
-__device__ __forceinline__ void CpAsync16(void* shared, const void* global,
-                                          bool valid) {
-  const unsigned int address =
-      static_cast<unsigned int>(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address),
-               "l"(global), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void CpAsyncCommit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int kPending>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
 
 // Grid (m-tiles, n-tiles). Requires k % 8 == 0 (16-byte rows chunks).
 __global__ void __launch_bounds__(kGemmThreads)
