@@ -101,6 +101,11 @@ class Backend {
     (void)ptr, (void)bytes, (void)offset;
     return absl::UnimplementedError("dma-buf export not supported by this backend");
   }
+  // Makes writes a NIC made straight into this backend's device memory
+  // (GPUDirect RDMA) visible to stream work enqueued after the call returns.
+  // The core calls it after such an arrival and before it reports one; a no-op
+  // where the device orders those writes itself.
+  virtual absl::Status FlushRemoteWrites() { return absl::OkStatus(); }
 };
 
 struct CpuMockOptions {

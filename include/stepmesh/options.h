@@ -25,6 +25,17 @@ enum class PollMode : uint8_t {
 absl::StatusOr<PollMode> ParsePollMode(absl::string_view name);
 absl::string_view PollModeName(PollMode mode);
 
+// Whether the RDMA transport moves device (GPU) tensors straight between the
+// NIC and device memory (GPUDirect RDMA: a dma-buf MR, or a plain MR on a
+// driver with nvidia-peermem) instead of staging them through pinned host memory.
+enum class GpuDirect : uint8_t {
+  kAuto,     // register device memory directly; stage a tensor the NIC refuses
+  kOff,      // always stage
+  kRequire,  // registering a device tensor fails rather than stage it
+};
+absl::StatusOr<GpuDirect> ParseGpuDirect(absl::string_view name);
+absl::string_view GpuDirectName(GpuDirect mode);
+
 struct ThreadingOptions {
   PollMode poll_mode = PollMode::kAdaptive;
   absl::Duration spin_budget = absl::Milliseconds(1);
@@ -58,6 +69,7 @@ struct MeshOptions {
   int rdma_traffic_class = 0;
   int rdma_service_level = 0;
   int rdma_qps_per_peer = 1;
+  GpuDirect rdma_gpudirect = GpuDirect::kAuto;
 
   ThreadingOptions threads;
   absl::Duration timeout = absl::Seconds(30);            // connect, barrier, peer silence

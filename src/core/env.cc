@@ -100,6 +100,10 @@ const std::vector<EnvEntry>& EnvTable() {
       {"STEPMESH_RDMA_TRAFFIC_CLASS", STEPMESH_ENV_INT(rdma_traffic_class)},
       {"STEPMESH_RDMA_SERVICE_LEVEL", STEPMESH_ENV_INT(rdma_service_level)},
       {"STEPMESH_RDMA_QPS_PER_PEER", STEPMESH_ENV_INT(rdma_qps_per_peer)},
+      {"STEPMESH_RDMA_GPUDIRECT", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         STEPMESH_ASSIGN_OR_RETURN(o.rdma_gpudirect, ParseGpuDirect(v));
+         return absl::OkStatus();
+       }},
       {"STEPMESH_POLL_MODE", [](absl::string_view v, MeshOptions& o) -> absl::Status {
          STEPMESH_ASSIGN_OR_RETURN(o.threads.poll_mode, ParsePollMode(v));
          return absl::OkStatus();
@@ -180,6 +184,23 @@ absl::string_view PollModeName(PollMode mode) {
     case PollMode::kSpin: return "spin";
     case PollMode::kAdaptive: return "adaptive";
     case PollMode::kBlocking: return "blocking";
+  }
+  return "invalid";
+}
+
+absl::StatusOr<GpuDirect> ParseGpuDirect(absl::string_view name) {
+  if (name == "auto") return GpuDirect::kAuto;
+  if (name == "off") return GpuDirect::kOff;
+  if (name == "require") return GpuDirect::kRequire;
+  return absl::InvalidArgumentError(
+      absl::StrCat("GPUDirect mode '", name, "' (want auto, off or require)"));
+}
+
+absl::string_view GpuDirectName(GpuDirect mode) {
+  switch (mode) {
+    case GpuDirect::kAuto: return "auto";
+    case GpuDirect::kOff: return "off";
+    case GpuDirect::kRequire: return "require";
   }
   return "invalid";
 }

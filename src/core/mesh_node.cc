@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "src/core/logging.h"
+#include "src/core/net.h"
 #include "stepmesh/status.h"
 
 namespace stepmesh::core {
@@ -91,31 +92,60 @@ absl::StatusOr<WireTensor> MeshNode::RegisterTensor(uint64_t key, const TensorVi
   if (view.data == nullptr || view.bytes() == 0) {
     return absl::InvalidArgumentError(absl::StrCat("cannot register an empty tensor (key ", key, ")"));
   }
-  WireTensor out;
-  out.wire = static_cast<std::byte*>(view.data);
-  std::unique_ptr<Memory> staging;
-  if (!transport_->CanAccess(view.device)) {
-    STEPMESH_ASSIGN_OR_RETURN(staging, backend_->Allocate(view.bytes(), MemoryKind::kHostPinned));
-    out.wire = static_cast<std::byte*>(staging->data());
-    out.staged = true;
-  }
   RegionInfo info;
   info.key = key;
-  info.base = out.wire;
   info.slot_bytes = view.bytes() / num_slots;
   info.num_slots = num_slots;
-  info.device = out.staged ? Device::Cpu() : view.device;
   info.remote_writable = !writers.empty();
   info.slot_peers = std::move(writers);
   ::stepmesh::core::MutexLock lock(&regions_mu_);
   STEPMESH_RETURN_IF_ERROR(regions_.Add(view.data, view.bytes(), info.remote_writable, key));
-  info.id = next_region_++;
-  if (absl::Status s = transport_->RegisterRegion(info); !s.ok()) {
-    regions_.Remove(view.data, key);
-    return s;
+  absl::StatusOr<WireTensor> out = RegisterWire(std::move(info), view);
+  if (!out.ok()) regions_.Remove(view.data, key);
+  return out;
+}
+
+absl::StatusOr<WireTensor> MeshNode::RegisterWire(RegionInfo info, const TensorView& view) {
+  const bool on_device = view.device.kind != DeviceKind::kCpu;
+  const bool require_direct = on_device && options_.rdma_gpudirect == GpuDirect::kRequire;
+  if (!on_device || (options_.rdma_gpudirect != GpuDirect::kOff &&
+                     transport_->CanAccess(view.device))) {
+    info.id = next_region_++;
+    info.base = view.data;
+    info.device = view.device;
+    UniqueFd dmabuf;
+    if (on_device) {
+      // Without a dma-buf the transport still tries the address itself (peer memory).
+      uint64_t offset = 0;
+      if (absl::StatusOr<int> fd = backend_->ExportDmabuf(view.data, view.bytes(), &offset);
+          fd.ok()) {
+        dmabuf.Reset(*fd);
+        info.dmabuf_fd = dmabuf.get();
+        info.dmabuf_offset = offset;
+      }
+    }
+    absl::Status direct = transport_->RegisterRegion(info);
+    if (direct.ok()) {
+      return WireTensor{info.id, static_cast<std::byte*>(view.data), false, on_device};
+    }
+    if (!on_device || require_direct) return direct;
+    STEPMESH_LOG(kWarning, "key ", info.key, ": ", transport_->name(), " cannot register ",
+                 DeviceName(view.device), " memory directly (", direct.message(),
+                 "); staging it through pinned host memory");
+    info.dmabuf_fd = -1;
+  } else if (require_direct) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "key ", info.key, ": GPUDirect is required but the ", transport_->name(),
+        " transport cannot reach ", DeviceName(view.device), " memory"));
   }
-  out.region = info.id;
-  if (staging != nullptr) staging_[info.id] = std::move(staging);
+  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<Memory> staging,
+                            backend_->Allocate(view.bytes(), MemoryKind::kHostPinned));
+  info.id = next_region_++;
+  info.base = staging->data();
+  info.device = Device::Cpu();
+  STEPMESH_RETURN_IF_ERROR(transport_->RegisterRegion(info));
+  WireTensor out{info.id, static_cast<std::byte*>(staging->data()), true, false};
+  staging_[info.id] = std::move(staging);
   return out;
 }
 
@@ -134,6 +164,7 @@ absl::Status MeshNode::StageOut(const WireTensor& t, const void* tensor, size_t 
 }
 
 absl::Status MeshNode::StageIn(const WireTensor& t, void* tensor, size_t offset, size_t bytes) {
+  if (t.device_direct && bytes != 0) return backend_->FlushRemoteWrites();
   if (!t.staged || bytes == 0) return absl::OkStatus();
   return backend_->Copy(static_cast<std::byte*>(tensor) + offset, t.wire + offset, bytes);
 }

@@ -23,10 +23,13 @@ namespace stepmesh::core {
 
 // A registered tensor as the transport sees it: `wire` is the tensor itself,
 // or a pinned host copy when the transport cannot reach the tensor's device.
+// How a registered tensor meets the transport: in place (`wire` is the tensor),
+// or staged through a pinned host copy the transport can reach.
 struct WireTensor {
   RegionId region = 0;
   std::byte* wire = nullptr;
   bool staged = false;
+  bool device_direct = false;  // device memory the NIC reads and writes (GPUDirect)
 };
 
 // Work for the send thread, by index: no allocation per send.
@@ -81,6 +84,8 @@ class MeshNode : public TransportSink {
   absl::Status UnregisterTensor(RegionId id, const void* base, uint64_t key);
   // Copies between a staged tensor and its wire copy (no-ops when not staged):
   // before a send, and after an arrival. Synchronous, on the calling thread.
+  // After an arrival into device memory the NIC wrote directly, StageIn makes
+  // those writes visible to the device's streams instead.
   absl::Status StageOut(const WireTensor& t, const void* tensor, size_t offset, size_t bytes);
   absl::Status StageIn(const WireTensor& t, void* tensor, size_t offset, size_t bytes);
 
@@ -95,6 +100,10 @@ class MeshNode : public TransportSink {
   int rank_ = -1;
 
  private:
+  // The transport registration behind RegisterTensor: in place where the
+  // transport reaches the memory, else through pinned host staging.
+  absl::StatusOr<WireTensor> RegisterWire(RegionInfo info, const TensorView& view)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(regions_mu_);
   void SendLoop();
   void RecvLoop();
   void WaitForSendWork();

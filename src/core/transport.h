@@ -36,6 +36,13 @@ struct RegionInfo {
   Device device;
   bool remote_writable = false;    // receive regions only
   std::vector<NodeId> slot_peers;  // size num_slots when remote_writable
+  // Device memory only: a dma-buf fd covering [base, base + bytes()) starting
+  // `dmabuf_offset` bytes into the buffer, for ibv_reg_dmabuf_mr. Open only
+  // while RegisterRegion runs (an MR keeps its own reference to the buffer).
+  // -1: register `base` as a plain address (host memory, or device memory on
+  // a driver with peer-memory support).
+  int dmabuf_fd = -1;
+  uint64_t dmabuf_offset = 0;
   size_t bytes() const { return slot_bytes * num_slots; }
 };
 
@@ -81,8 +88,9 @@ class Transport {
                                absl::Time deadline) = 0;
 
   // Whether payloads may move straight from/to memory on `device` (RDMA with
-  // GPUDirect could). Where not, the core stages them through pinned host
-  // memory it registers instead.
+  // GPUDirect). Where not, the core stages them through pinned host memory it
+  // registers instead; it also stages a device region whose RegisterRegion
+  // failed, unless the options require GPUDirect.
   virtual bool CanAccess(const Device& device) const { return device.kind == DeviceKind::kCpu; }
 
   virtual absl::Status RegisterRegion(const RegionInfo& region) = 0;

@@ -38,6 +38,7 @@ TEST_CASE("FromEnv overlays STEPMESH_* on the base", "[options]") {
                  {"STEPMESH_NUM_SERVERS", "2"},
                  {"STEPMESH_TRANSPORT", "tcp"},
                  {"STEPMESH_POLL_MODE", "blocking"},
+                 {"STEPMESH_RDMA_GPUDIRECT", "require"},
                  {"STEPMESH_TIMEOUT", "250ms"},
                  {"STEPMESH_SEND_CORES", "2,3"}});
   MeshOptions base;
@@ -50,6 +51,7 @@ TEST_CASE("FromEnv overlays STEPMESH_* on the base", "[options]") {
   CHECK(o->num_servers == 2);
   CHECK(o->transport == "tcp");
   CHECK(o->threads.poll_mode == PollMode::kBlocking);
+  CHECK(o->rdma_gpudirect == GpuDirect::kRequire);
   CHECK(o->timeout == absl::Milliseconds(250));
   CHECK(o->threads.send_cores == std::vector<int>{2, 3});
 }
@@ -77,6 +79,10 @@ TEST_CASE("FromEnv rejects bad values with the variable's name", "[options]") {
   }
   SECTION("poll mode") {
     ScopedEnv env({{"STEPMESH_POLL_MODE", "sometimes"}});
+    CHECK(absl::IsInvalidArgument(MeshOptions::FromEnv().status()));
+  }
+  SECTION("GPUDirect mode") {
+    ScopedEnv env({{"STEPMESH_RDMA_GPUDIRECT", "maybe"}});
     CHECK(absl::IsInvalidArgument(MeshOptions::FromEnv().status()));
   }
   SECTION("rank out of range") {

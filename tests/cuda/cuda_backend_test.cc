@@ -644,6 +644,51 @@ TEST_CASE("cuda: ExportDmabuf is UNIMPLEMENTED when the driver lacks the entry p
         absl::StatusCode::kUnimplemented);
 }
 
+TEST_CASE("cuda: device allocations are whole pages, so any export stays inside one", "[cuda]") {
+  Fixture f;
+  auto device = *f.backend->Allocate(5000, MemoryKind::kDevice);
+  CHECK(device->bytes() == 5000);
+  uint64_t offset = 0;
+  auto fd = f.backend->ExportDmabuf(static_cast<char*>(device->data()) + 4000, 1000, &offset);
+  REQUIRE(fd.ok());  // the range rounds up to 8192: still this allocation
+  ::close(*fd);
+  CHECK(offset == 4000);
+}
+
+TEST_CASE("cuda: FlushRemoteWrites flushes only where the GPU needs and allows it", "[cuda]") {
+  SECTION("writes not ordered, host flush available: one flush per call, on the device") {
+    auto fake = std::make_shared<FakeCudaApi>(4);
+    fake->set_attribute(cudaDevAttrGPUDirectRDMAFlushWritesOptions,
+                        cudaFlushGPUDirectRDMAWritesOptionHost);
+    Fixture f(fake, 3);
+    REQUIRE(f.fake->SetDevice(1) == cudaSuccess);
+    CHECK(f.backend->FlushRemoteWrites().ok());
+    CHECK(f.backend->FlushRemoteWrites().ok());
+    CHECK(f.fake->Calls("cudaDeviceFlushGPUDirectRDMAWrites") == 2);
+    CHECK(f.fake->Calls("cudaDeviceGetAttribute") == 2);  // probed once
+    CHECK(f.fake->CurrentDeviceOfThisThread() == 1);
+  }
+  SECTION("writes ordered for the owner: nothing to do") {
+    auto fake = std::make_shared<FakeCudaApi>(1);
+    fake->set_attribute(cudaDevAttrGPUDirectRDMAWritesOrdering,
+                        cudaGPUDirectRDMAWritesOrderingOwner);
+    Fixture f(fake, 0);
+    CHECK(f.backend->FlushRemoteWrites().ok());
+    CHECK(f.fake->Calls("cudaDeviceFlushGPUDirectRDMAWrites") == 0);
+  }
+  SECTION("neither: no flush call (the device would refuse it)") {
+    Fixture f;
+    CHECK(f.backend->FlushRemoteWrites().ok());
+    CHECK(f.fake->Calls("cudaDeviceFlushGPUDirectRDMAWrites") == 0);
+  }
+  SECTION("a failing probe is reported") {
+    auto fake = std::make_shared<FakeCudaApi>(1);
+    fake->FailNext("cudaDeviceGetAttribute", cudaErrorInvalidDevice);
+    Fixture f(fake, 0);
+    CHECK(!f.backend->FlushRemoteWrites().ok());
+  }
+}
+
 // --- Lifetime -------------------------------------------------------------------------
 
 TEST_CASE("cuda: every CUDA resource is released, whatever the destruction order", "[cuda]") {

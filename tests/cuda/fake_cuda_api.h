@@ -78,6 +78,11 @@ class FakeCudaApi final : public CudaApi {
   void set_device_count_error(cudaError_t error) { device_count_error_ = error; }
   void set_has_stream_memops(bool has) { has_memops_ = has; }
   void set_has_dmabuf(bool has) { has_dmabuf_ = has; }
+  // cudaDeviceGetAttribute answers (every device alike); unset ones read 0.
+  void set_attribute(cudaDeviceAttr attr, int value) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    attributes_[attr] = value;
+  }
   // The next call named `call` (the CUDA name, e.g. "cudaMalloc") fails.
   void FailNext(const std::string& call, cudaError_t error) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
@@ -205,6 +210,29 @@ class FakeCudaApi final : public CudaApi {
     if (device < 0 || device >= device_count_) return cudaErrorInvalidDevice;
     // Upper-case hex, as the real call returns it.
     std::snprintf(bus_id, static_cast<size_t>(len), "0000:%02X:00.0", 0x10 + device);
+    return cudaSuccess;
+  }
+
+  cudaError_t DeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) override {
+    Lock lock(this, "cudaDeviceGetAttribute");
+    if (cudaError_t e = lock.injected()) return e;
+    if (device < 0 || device >= device_count_) return cudaErrorInvalidDevice;
+    auto it = attributes_.find(attr);
+    *value = it == attributes_.end() ? 0 : it->second;
+    return cudaSuccess;
+  }
+  cudaError_t DeviceFlushGPUDirectRDMAWrites(cudaFlushGPUDirectRDMAWritesTarget target,
+                                             cudaFlushGPUDirectRDMAWritesScope scope) override {
+    Lock lock(this, "cudaDeviceFlushGPUDirectRDMAWrites");
+    if (cudaError_t e = lock.injected()) return e;
+    auto it = attributes_.find(cudaDevAttrGPUDirectRDMAFlushWritesOptions);
+    if (it == attributes_.end() || (it->second & cudaFlushGPUDirectRDMAWritesOptionHost) == 0) {
+      return Violation(cudaErrorNotSupported, "GPUDirect RDMA flush on a device without it");
+    }
+    if (target != cudaFlushGPUDirectRDMAWritesTargetCurrentDevice ||
+        scope < cudaFlushGPUDirectRDMAWritesToOwner) {
+      return Violation(cudaErrorInvalidValue, "GPUDirect RDMA flush: bad target or scope");
+    }
     return cudaSuccess;
   }
 
@@ -617,6 +645,7 @@ class FakeCudaApi final : public CudaApi {
   cudaError_t device_count_error_ = cudaSuccess;
   bool has_memops_ = true;
   bool has_dmabuf_ = true;
+  std::map<cudaDeviceAttr, int> attributes_;
   std::map<std::thread::id, int> current_;
   std::map<uintptr_t, Allocation> allocations_;
   std::map<void*, std::unique_ptr<FakeStream>> streams_;

@@ -1,5 +1,6 @@
 #include "tests/rdma/fake_verbs.h"
 
+#include <fcntl.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -128,6 +129,24 @@ struct FakeFabric::State {
   uint32_t next_qpn ABSL_GUARDED_BY(mu) = 0x100;
   uint32_t next_key ABSL_GUARDED_BY(mu) = 1;
   FakeFabricStats stats ABSL_GUARDED_BY(mu);
+  std::vector<std::pair<uintptr_t, size_t>> device_memory ABSL_GUARDED_BY(mu);
+  bool dmabuf ABSL_GUARDED_BY(mu) = true;
+  bool peer_memory ABSL_GUARDED_BY(mu) = false;
+
+  // The device range wholly containing [address, address + bytes), if any.
+  const std::pair<uintptr_t, size_t>* DeviceRange(uintptr_t address, size_t bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (const auto& range : device_memory) {
+      if (address >= range.first && address + bytes <= range.first + range.second) return &range;
+    }
+    return nullptr;
+  }
+  bool TouchesDevice(uintptr_t address, size_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (const auto& [base, size] : device_memory) {
+      if (address < base + size && base < address + bytes) return true;
+    }
+    return false;
+  }
 
   FakeNic* FindNic(const ibv_gid& gid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (auto& nic : nics) {
@@ -366,36 +385,40 @@ class FakeVerbs final : public VerbsApi {
   }
   ibv_mr* RegMr(ibv_pd* pd, void* addr, size_t length, int access) override {
     ::stepmesh::core::MutexLock lock(&state_->mu);
-    // Remote write (or atomic) access requires local write, as in the kernel.
-    if ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
-        !(access & IBV_ACCESS_LOCAL_WRITE)) {
-      errno = EINVAL;
-      return nullptr;
-    }
     if (addr == nullptr || length == 0) {
       errno = EINVAL;
       return nullptr;
     }
-    FakePd* fake_pd = Pd(pd);
-    auto* mr = new FakeMr;
-    mr->pd = fake_pd;
-    mr->access = access;
-    mr->mr.context = pd->context;
-    mr->mr.pd = pd;
-    mr->mr.addr = addr;
-    mr->mr.length = length;
-    const uint32_t n = state_->next_key++;
-    mr->mr.lkey = n;
-    mr->mr.rkey = 0x40000000u | (n * 7919u);  // never equal to any lkey
-    ++fake_pd->users;
-    FakeNic* nic = fake_pd->ctx->nic;
-    nic->mrs_by_lkey[mr->mr.lkey] = mr;
-    nic->mrs_by_rkey[mr->mr.rkey] = mr;
-    return &mr->mr;
+    if (!state_->peer_memory &&
+        state_->TouchesDevice(reinterpret_cast<uintptr_t>(addr), length)) {
+      errno = EFAULT;  // get_user_pages cannot pin GPU memory without peer memory
+      return nullptr;
+    }
+    return NewMr(pd, addr, length, access);
   }
-  ibv_mr* RegDmabufMr(ibv_pd*, uint64_t, size_t, uint64_t, int, int) override {
-    errno = EOPNOTSUPP;  // no dma-buf exporter in-process
-    return nullptr;
+  ibv_mr* RegDmabufMr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd,
+                      int access) override {
+    ::stepmesh::core::MutexLock lock(&state_->mu);
+    if (!state_->dmabuf) {
+      errno = EOPNOTSUPP;
+      return nullptr;
+    }
+    if (fd < 0 || ::fcntl(fd, F_GETFD) == -1) {
+      errno = EBADF;
+      return nullptr;
+    }
+    // The buffer was exported from a page-aligned start inside device memory;
+    // iova - offset must land there, or the MR would map other memory.
+    const uintptr_t export_start = static_cast<uintptr_t>(iova - offset);
+    if (length == 0 || offset > iova || export_start % 4096 != 0 ||
+        state_->DeviceRange(export_start, static_cast<size_t>(iova + length - export_start)) ==
+            nullptr) {
+      errno = EINVAL;
+      return nullptr;
+    }
+    ibv_mr* mr = NewMr(pd, reinterpret_cast<void*>(static_cast<uintptr_t>(iova)), length, access);
+    if (mr != nullptr) ++state_->stats.dmabuf_mrs;
+    return mr;
   }
   int DeregMr(ibv_mr* mr) override {
     ::stepmesh::core::MutexLock lock(&state_->mu);
@@ -675,6 +698,33 @@ class FakeVerbs final : public VerbsApi {
     }
     return nullptr;
   }
+  // The MR both registration calls make once their own checks passed.
+  ibv_mr* NewMr(ibv_pd* pd, void* addr, size_t length, int access)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(state_->mu) {
+    // Remote write (or atomic) access requires local write, as in the kernel.
+    if ((access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC)) &&
+        !(access & IBV_ACCESS_LOCAL_WRITE)) {
+      errno = EINVAL;
+      return nullptr;
+    }
+    FakePd* fake_pd = Pd(pd);
+    auto* mr = new FakeMr;
+    mr->pd = fake_pd;
+    mr->access = access;
+    mr->mr.context = pd->context;
+    mr->mr.pd = pd;
+    mr->mr.addr = addr;
+    mr->mr.length = length;
+    const uint32_t n = state_->next_key++;
+    mr->mr.lkey = n;
+    mr->mr.rkey = 0x40000000u | (n * 7919u);  // never equal to any lkey
+    ++fake_pd->users;
+    FakeNic* nic = fake_pd->ctx->nic;
+    nic->mrs_by_lkey[mr->mr.lkey] = mr;
+    nic->mrs_by_rkey[mr->mr.rkey] = mr;
+    return &mr->mr;
+  }
+
   static FakeContext* Ctx(ibv_context* c) { return reinterpret_cast<FakeContext*>(c); }
   static FakePd* Pd(ibv_pd* p) { return reinterpret_cast<FakePd*>(p); }
   static FakeCq* Cq(ibv_cq* c) { return reinterpret_cast<FakeCq*>(c); }
@@ -716,6 +766,17 @@ void FakeFabric::FailNic(const std::string& name) {
     if (nic->spec.name != name) continue;
     for (auto& [qpn, qp] : nic->qps) state_->MoveToError(qp);
   }
+}
+
+void FakeFabric::AddDeviceMemory(const void* base, size_t bytes) {
+  ::stepmesh::core::MutexLock lock(&state_->mu);
+  state_->device_memory.emplace_back(reinterpret_cast<uintptr_t>(base), bytes);
+}
+
+void FakeFabric::SetGpuDirect(bool dmabuf, bool peer_memory) {
+  ::stepmesh::core::MutexLock lock(&state_->mu);
+  state_->dmabuf = dmabuf;
+  state_->peer_memory = peer_memory;
 }
 
 FakeFabricStats FakeFabric::stats() const {

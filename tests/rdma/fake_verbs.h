@@ -50,6 +50,7 @@ struct FakeFabricStats {
   uint64_t access_errors = 0;    // local or remote protection/access faults
   uint64_t flushed = 0;          // IBV_WC_WR_FLUSH_ERR completions generated
   uint64_t cq_overflows = 0;
+  uint64_t dmabuf_mrs = 0;       // MRs registered through ibv_reg_dmabuf_mr
 };
 
 class FakeFabric {
@@ -66,6 +67,15 @@ class FakeFabric {
 
   // Moves every QP of the NIC named `nic` to ERR (a cable pull / NIC reset).
   void FailNic(const std::string& nic);
+
+  // GPUDirect. [base, base + bytes) stands for GPU memory (the test's fake GPU
+  // keeps it in host memory). ibv_reg_mr refuses it with EFAULT, as the kernel
+  // does without a peer-memory module, unless `peer_memory` is set.
+  // ibv_reg_dmabuf_mr accepts only ranges of such memory, with an open fd and
+  // an offset that maps the iova back to a page-aligned export; with
+  // `dmabuf` unset it fails with EOPNOTSUPP (a kernel or NIC without dma-buf).
+  void AddDeviceMemory(const void* base, size_t bytes);
+  void SetGpuDirect(bool dmabuf, bool peer_memory);
   FakeFabricStats stats() const;
 
   struct State;  // opaque, shared with the hosts' VerbsApis

@@ -48,6 +48,13 @@ class RuntimeCudaApi final : public CudaApi {
   cudaError_t DeviceGetPCIBusId(char* bus_id, int len, int device) override {
     return cudaDeviceGetPCIBusId(bus_id, len, device);
   }
+  cudaError_t DeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) override {
+    return cudaDeviceGetAttribute(value, attr, device);
+  }
+  cudaError_t DeviceFlushGPUDirectRDMAWrites(cudaFlushGPUDirectRDMAWritesTarget target,
+                                             cudaFlushGPUDirectRDMAWritesScope scope) override {
+    return cudaDeviceFlushGPUDirectRDMAWrites(target, scope);
+  }
 
   cudaError_t Malloc(void** ptr, size_t bytes) override { return cudaMalloc(ptr, bytes); }
   cudaError_t Free(void* ptr) override { return cudaFree(ptr); }

@@ -28,6 +28,11 @@ class CudaApi {
   virtual cudaError_t GetDevice(int* device) = 0;
   virtual cudaError_t SetDevice(int device) = 0;
   virtual cudaError_t DeviceGetPCIBusId(char* bus_id, int len, int device) = 0;
+  virtual cudaError_t DeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) = 0;
+  // Waits until GPUDirect RDMA writes that reached the current device are
+  // visible to it (CUDA 11.3+; the device must list the host flush option).
+  virtual cudaError_t DeviceFlushGPUDirectRDMAWrites(cudaFlushGPUDirectRDMAWritesTarget target,
+                                                     cudaFlushGPUDirectRDMAWritesScope scope) = 0;
 
   // --- Runtime: memory ------------------------------------------------------
   virtual cudaError_t Malloc(void** ptr, size_t bytes) = 0;

@@ -549,7 +549,13 @@ class CudaBackend final : public Backend {
     ScopedDevice scoped(api, context_->device());
     STEPMESH_RETURN_IF_ERROR(scoped.status());
     // cudaMalloc(0) succeeds with a null pointer; hand out a real one instead.
-    const size_t request = std::max<size_t>(bytes, 1);
+    size_t request = std::max<size_t>(bytes, 1);
+    if (kind == MemoryKind::kDevice) {
+      // Whole host pages, so that ExportDmabuf's page-rounded range stays
+      // inside this one allocation (GPUDirect registration).
+      const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+      request = (request + page - 1) / page * page;
+    }
     void* data = nullptr;
     cudaError_t error = cudaSuccess;
     const char* call = "cudaMalloc";
@@ -655,9 +661,46 @@ class CudaBackend final : public Backend {
     return fd;
   }
 
+  absl::Status FlushRemoteWrites() override {
+    std::call_once(remote_writes_once_, [this] { remote_writes_ = ProbeRemoteWrites(); });
+    if (!remote_writes_.ok()) return remote_writes_.status();
+    if (*remote_writes_ != RemoteWrites::kFlushFromHost) return absl::OkStatus();
+    CudaApi& api = context_->api();
+    ScopedDevice scoped(api, context_->device());
+    STEPMESH_RETURN_IF_ERROR(scoped.status());
+    return CudaStatus(api,
+                      api.DeviceFlushGPUDirectRDMAWrites(
+                          cudaFlushGPUDirectRDMAWritesTargetCurrentDevice,
+                          cudaFlushGPUDirectRDMAWritesToOwner),
+                      "cudaDeviceFlushGPUDirectRDMAWrites");
+  }
+
   const std::shared_ptr<DeviceContext>& context() const { return context_; }
 
  private:
+  enum class RemoteWrites : uint8_t { kOrdered, kFlushFromHost, kUnflushable };
+
+  // What this device needs before its streams may read what a NIC wrote.
+  absl::StatusOr<RemoteWrites> ProbeRemoteWrites() {
+    CudaApi& api = context_->api();
+    const int device = context_->device();
+    int ordering = 0;
+    int flush_options = 0;
+    STEPMESH_RETURN_IF_ERROR(CudaStatus(
+        api, api.DeviceGetAttribute(&ordering, cudaDevAttrGPUDirectRDMAWritesOrdering, device),
+        "cudaDeviceGetAttribute(GPUDirectRDMAWritesOrdering)"));
+    if (ordering >= cudaGPUDirectRDMAWritesOrderingOwner) return RemoteWrites::kOrdered;
+    STEPMESH_RETURN_IF_ERROR(CudaStatus(
+        api,
+        api.DeviceGetAttribute(&flush_options, cudaDevAttrGPUDirectRDMAFlushWritesOptions, device),
+        "cudaDeviceGetAttribute(GPUDirectRDMAFlushWritesOptions)"));
+    if (flush_options & cudaFlushGPUDirectRDMAWritesOptionHost) return RemoteWrites::kFlushFromHost;
+    STEPMESH_LOG(kWarning, "cuda:", device,
+                 " neither orders GPUDirect RDMA writes nor can flush them from the host; "
+                 "wait on arrivals with StreamWaitHostFlag and flush_remote_writes");
+    return RemoteWrites::kUnflushable;
+  }
+
   absl::StatusOr<cudaPointerAttributes> Attributes(const void* ptr) {
     CudaApi& api = context_->api();
     cudaPointerAttributes attributes{};
@@ -673,6 +716,8 @@ class CudaBackend final : public Backend {
 
   const std::shared_ptr<DeviceContext> context_;
   const std::shared_ptr<EventPool> pool_;
+  std::once_flag remote_writes_once_;
+  absl::StatusOr<RemoteWrites> remote_writes_ = absl::UnknownError("not probed");
 };
 
 }  // namespace

@@ -267,6 +267,10 @@ class RdmaTransport final : public Transport {
     return absl::OkStatus();
   }
 
+  bool CanAccess(const Device& device) const override {
+    return device.kind == DeviceKind::kCpu || options_.rdma_gpudirect != GpuDirect::kOff;
+  }
+
   absl::Status RegisterRegion(const RegionInfo& info) override {
     if (info.base == nullptr || info.bytes() == 0) {
       return absl::InvalidArgumentError("rdma: empty region");
@@ -278,18 +282,17 @@ class RdmaTransport final : public Transport {
     region->info = info;
     // Local access only for sending; receive slots get REMOTE_WRITE, one MR each,
     // so a peer's rkey reaches only the slot it owns.
-    region->local_mr = Register(info.base, info.bytes(), IBV_ACCESS_LOCAL_WRITE);
-    if (!region->local_mr) {
-      return absl::InternalError(ErrnoMessage(
-          absl::StrCat("rdma: registering region ", info.id, " (", DeviceName(info.device), ")"),
-          errno));
-    }
+    const std::string what =
+        absl::StrCat("rdma: registering region ", info.id, " (", DeviceName(info.device),
+                     info.dmabuf_fd >= 0 ? " memory by dma-buf)" : " memory)");
+    region->local_mr = RegisterPart(info, info.base, info.bytes(), IBV_ACCESS_LOCAL_WRITE);
+    if (!region->local_mr) return absl::InternalError(ErrnoMessage(what, errno));
     if (info.remote_writable) {
       for (uint32_t slot = 0; slot < info.num_slots; ++slot) {
-        MrHandle mr = Register(static_cast<std::byte*>(info.base) + slot * info.slot_bytes,
-                               info.slot_bytes,
-                               IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
-        if (!mr) return absl::InternalError(ErrnoMessage("rdma: registering a slot", errno));
+        MrHandle mr = RegisterPart(info, static_cast<std::byte*>(info.base) + slot * info.slot_bytes,
+                                   info.slot_bytes,
+                                   IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+        if (!mr) return absl::InternalError(ErrnoMessage(absl::StrCat(what, ", slot ", slot), errno));
         region->slot_mrs.push_back(std::move(mr));
       }
     }
@@ -508,6 +511,18 @@ class RdmaTransport final : public Transport {
     return absl::OkStatus();
   }
 
+  // [addr, addr + bytes) inside `region`. Device memory goes by its dma-buf
+  // when the core exported one, mapped at its own address (the iova) so work
+  // requests name it like host memory; otherwise by address, which for device
+  // memory needs the peer-memory kernel module (nvidia-peermem).
+  MrHandle RegisterPart(const RegionInfo& region, void* addr, size_t bytes, int access) {
+    if (region.dmabuf_fd < 0) return Register(addr, bytes, access);
+    const uint64_t offset = region.dmabuf_offset + static_cast<uint64_t>(
+                                static_cast<std::byte*>(addr) - static_cast<std::byte*>(region.base));
+    return MrHandle(verbs_.get(),
+                    verbs_->RegDmabufMr(pd_.get(), offset, bytes, reinterpret_cast<uintptr_t>(addr),
+                                        region.dmabuf_fd, access));
+  }
   MrHandle Register(void* addr, size_t bytes, int access) {
     return MrHandle(verbs_.get(), verbs_->RegMr(pd_.get(), addr, bytes, access));
   }

@@ -1,0 +1,333 @@
+// GPUDirect RDMA through the core: device tensors of the CUDA backend (over
+// FakeCudaApi, whose "device" memory is host memory the test can read) moved
+// by the RDMA transport over fake verbs that treat that memory as a GPU's:
+// a plain ibv_reg_mr on it fails unless peer memory is on, ibv_reg_dmabuf_mr
+// checks the exported fd and offset. Each case runs a 1A1F exchange and checks
+// every byte, then which path the bytes took.
+
+#include <dirent.h>
+
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "src/backends/cuda/cuda_backend.h"
+#include "src/core/mesh.h"
+#include "src/transport/rdma/rdma_transport.h"
+#include "stepmesh/scheduler.h"
+#include "stepmesh/status.h"
+#include "tests/cuda/fake_cuda_api.h"
+#include "tests/rdma/fake_verbs.h"
+
+namespace stepmesh {
+namespace {
+
+using cuda::testing::FakeCudaApi;
+using testing::FakeFabric;
+using testing::FakeNicSpec;
+
+constexpr Key kPushKey = 7;
+constexpr Key kPullKey = 8;
+constexpr size_t kPushBytes = 3 * 4096 + 100;  // not page-sized: exports must round
+constexpr size_t kPullBytes = 2 * kPushBytes;
+constexpr int kIterations = 12;
+
+uint8_t PushByte(int iteration, size_t j) { return static_cast<uint8_t>(iteration * 31 + j * 7); }
+uint8_t ReplyByte(int iteration, size_t j) {
+  return static_cast<uint8_t>(PushByte(iteration, j % kPushBytes) ^ 0x5A);
+}
+
+struct Setup {
+  bool nic_dmabuf = true;       // the NIC and kernel take dma-buf MRs
+  bool peer_memory = false;     // ibv_reg_mr works on GPU memory (nvidia-peermem)
+  bool driver_dmabuf = true;    // the CUDA driver exports dma-bufs
+  bool ordered_writes = false;  // the GPU orders NIC writes itself (no flush needed)
+  GpuDirect mode = GpuDirect::kAuto;
+  bool tcp = false;  // the TCP fallback instead of RDMA (it never reaches device memory)
+};
+
+// What one participant's fake GPU saw.
+struct SideCounts {
+  int memcpys = 0;  // staging copies
+  int flushes = 0;
+  size_t exports = 0;
+  std::vector<std::string> violations;
+};
+
+struct Outcome {
+  absl::Status worker = absl::OkStatus();
+  absl::Status server = absl::OkStatus();
+  SideCounts worker_gpu;
+  SideCounts server_gpu;
+  uint64_t dmabuf_mrs = 0;
+  uint64_t access_errors = 0;
+};
+
+std::shared_ptr<FakeCudaApi> MakeGpu(const Setup& setup) {
+  auto api = std::make_shared<FakeCudaApi>(1);
+  api->set_has_dmabuf(setup.driver_dmabuf);
+  api->set_attribute(cudaDevAttrGPUDirectRDMAFlushWritesOptions,
+                     cudaFlushGPUDirectRDMAWritesOptionHost);
+  api->set_attribute(cudaDevAttrGPUDirectRDMAWritesOrdering,
+                     setup.ordered_writes ? cudaGPUDirectRDMAWritesOrderingOwner
+                                          : cudaGPUDirectRDMAWritesOrderingNone);
+  return api;
+}
+
+// `setup_memcpys`: the copies the backend made for itself when it was created.
+SideCounts Counts(FakeCudaApi& api, int setup_memcpys) {
+  return {api.Calls("cudaMemcpy") - setup_memcpys, api.Calls("cudaDeviceFlushGPUDirectRDMAWrites"),
+          api.exported_ranges().size(), api.violations()};
+}
+
+absl::StatusOr<std::unique_ptr<Memory>> DeviceTensor(Backend& backend, FakeFabric& fabric,
+                                                     size_t bytes) {
+  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<Memory> memory,
+                            backend.Allocate(bytes, MemoryKind::kDevice));
+  fabric.AddDeviceMemory(memory->data(), memory->bytes());
+  return memory;
+}
+
+absl::Status RunServer(AFTensorServer& server, Backend& backend, FakeFabric& fabric) {
+  STEPMESH_ASSIGN_OR_RETURN(auto recv, DeviceTensor(backend, fabric, kPushBytes));
+  STEPMESH_ASSIGN_OR_RETURN(auto reply, DeviceTensor(backend, fabric, kPullBytes));
+  absl::Status status = [&]() -> absl::Status {
+    STEPMESH_RETURN_IF_ERROR(server.RegisterRecvTensor(
+        kPushKey, recv->View(DType::kUInt8, Shape{1, static_cast<int64_t>(kPushBytes)})));
+    STEPMESH_RETURN_IF_ERROR(server.RegisterReplyTensor(
+        kPullKey, reply->View(DType::kUInt8, Shape{1, static_cast<int64_t>(kPullBytes)})));
+    STEPMESH_RETURN_IF_ERROR(server.Barrier());
+    for (int i = 0; i < kIterations; ++i) {
+      STEPMESH_ASSIGN_OR_RETURN(Batch batch, server.GetBatch(absl::Seconds(10)));
+      const auto* in = static_cast<const uint8_t*>(batch.tensors.at(0).region.data);
+      for (size_t j = 0; j < kPushBytes; ++j) {
+        if (in[j] != PushByte(i, j)) {
+          return absl::DataLossError(absl::StrCat("server: iteration ", i, " byte ", j));
+        }
+      }
+      auto* out = static_cast<uint8_t*>(reply->data());
+      for (size_t j = 0; j < kPullBytes; ++j) out[j] = in[j % kPushBytes] ^ 0x5A;
+      const Reply r{0};
+      STEPMESH_RETURN_IF_ERROR(server.Respond(batch, {&r, 1}));
+    }
+    return server.Barrier();
+  }();
+  (void)server.Shutdown();  // before the tensors go
+  return status;
+}
+
+absl::Status RunWorker(AFTensorWorker& worker, Backend& backend, FakeFabric& fabric) {
+  STEPMESH_ASSIGN_OR_RETURN(auto push, DeviceTensor(backend, fabric, kPushBytes));
+  STEPMESH_ASSIGN_OR_RETURN(auto pull, DeviceTensor(backend, fabric, kPullBytes));
+  absl::Status status = [&]() -> absl::Status {
+    STEPMESH_RETURN_IF_ERROR(worker.RegisterPushTensor(
+        kPushKey, push->View(DType::kUInt8, Shape{1, static_cast<int64_t>(kPushBytes)})));
+    STEPMESH_RETURN_IF_ERROR(worker.RegisterPullTensor(
+        kPullKey, 0, pull->View(DType::kUInt8, Shape{1, static_cast<int64_t>(kPullBytes)})));
+    STEPMESH_RETURN_IF_ERROR(worker.Barrier());
+    for (int i = 0; i < kIterations; ++i) {
+      auto* in = static_cast<uint8_t*>(push->data());
+      for (size_t j = 0; j < kPushBytes; ++j) in[j] = PushByte(i, j);
+      const Push p{kPushKey};
+      const Pull q{kPullKey, 0};
+      STEPMESH_ASSIGN_OR_RETURN(RequestHandle handle, worker.PushPull({&p, 1}, {&q, 1}));
+      STEPMESH_RETURN_IF_ERROR(worker.Wait(handle, absl::Seconds(10)));
+      const auto* out = static_cast<const uint8_t*>(pull->data());
+      for (size_t j = 0; j < kPullBytes; ++j) {
+        if (out[j] != ReplyByte(i, j)) {
+          return absl::DataLossError(absl::StrCat("worker: iteration ", i, " byte ", j, " is ",
+                                                  int{out[j]}, ", expected ",
+                                                  int{ReplyByte(i, j)}));
+        }
+      }
+    }
+    return worker.Barrier();
+  }();
+  (void)worker.Shutdown();
+  return status;
+}
+
+Outcome RunExchange(const Setup& setup) {
+  Outcome outcome;
+  auto fabric = std::make_shared<FakeFabric>();
+  fabric->SetGpuDirect(setup.nic_dmabuf, setup.peer_memory);
+  MeshOptions base;
+  base.transport = "rdma";
+  base.timeout = absl::Seconds(10);
+  base.rdma_gpudirect = setup.mode;
+  base.scheduler = "127.0.0.1:0";
+  auto scheduler = Scheduler::Start(base);
+  REQUIRE(scheduler.ok());
+  base.scheduler = (*scheduler)->address();
+  auto next_host = std::make_shared<std::atomic<uint32_t>>(1);
+  core::TransportFactory factory =
+      [fabric, next_host, tcp = setup.tcp](
+          const MeshOptions& options) -> absl::StatusOr<std::unique_ptr<core::Transport>> {
+    if (tcp) {
+      MeshOptions o = options;
+      o.transport = "tcp";
+      return core::CreateTransport(o);
+    }
+    const uint32_t n = next_host->fetch_add(1);
+    FakeNicSpec spec;
+    spec.name = absl::StrCat("fake_mlx5_", n);
+    spec.ipv4 = 0x0A000000 + n;
+    return core::CreateRdmaTransport(options, fabric->AddHost(spec));
+  };
+
+  auto worker_gpu = MakeGpu(setup);
+  auto server_gpu = MakeGpu(setup);
+  std::atomic<int> worker_setup_memcpys = 0, server_setup_memcpys = 0;
+  {
+    std::thread server_thread([&] {
+      MeshOptions o = base;
+      o.role = Role::kServer;
+      o.rank = 0;
+      auto backend = CreateCudaBackend(server_gpu, 0);
+      server_setup_memcpys = server_gpu->Calls("cudaMemcpy");
+      if (!backend.ok()) {
+        outcome.server = backend.status();
+        return;
+      }
+      std::shared_ptr<Backend> shared = *std::move(backend);
+      auto server = core::CreateServer(o, shared, factory);
+      outcome.server = server.ok() ? RunServer(**server, *shared, *fabric) : server.status();
+    });
+    MeshOptions o = base;
+    o.role = Role::kWorker;
+    o.rank = 0;
+    auto backend = CreateCudaBackend(worker_gpu, 0);
+    worker_setup_memcpys = worker_gpu->Calls("cudaMemcpy");
+    if (backend.ok()) {
+      std::shared_ptr<Backend> shared = *std::move(backend);
+      auto worker = core::CreateWorker(o, shared, factory);
+      outcome.worker = worker.ok() ? RunWorker(**worker, *shared, *fabric) : worker.status();
+    } else {
+      outcome.worker = backend.status();
+    }
+    server_thread.join();
+  }
+  outcome.worker_gpu = Counts(*worker_gpu, worker_setup_memcpys);
+  outcome.server_gpu = Counts(*server_gpu, server_setup_memcpys);
+  outcome.dmabuf_mrs = fabric->stats().dmabuf_mrs;
+  outcome.access_errors = fabric->stats().access_errors;
+  return outcome;
+}
+
+int OpenFds() {
+  int n = 0;
+  if (DIR* dir = ::opendir("/proc/self/fd")) {
+    while (::readdir(dir) != nullptr) ++n;
+    ::closedir(dir);
+  }
+  return n;
+}
+
+void CheckDelivered(const Outcome& o) {
+  INFO("worker: " << o.worker.ToString() << " / server: " << o.server.ToString());
+  CHECK(o.worker.ok());
+  CHECK(o.server.ok());
+  CHECK(o.access_errors == 0);
+  for (const std::string& v : o.worker_gpu.violations) FAIL_CHECK("worker's GPU: " << v);
+  for (const std::string& v : o.server_gpu.violations) FAIL_CHECK("server's GPU: " << v);
+}
+
+TEST_CASE("gpudirect: device tensors registered by dma-buf, no staging, flushed per arrival",
+          "[rdma][gpudirect]") {
+  const int fds_before = OpenFds();
+  const Outcome o = RunExchange({});
+  CheckDelivered(o);
+  // Push, pull, recv and reply tensors each exported once; each MR'd by dma-buf
+  // (the two receive tensors also once per slot).
+  CHECK(o.worker_gpu.exports == 2);
+  CHECK(o.server_gpu.exports == 2);
+  CHECK(o.dmabuf_mrs == 6);
+  CHECK(o.worker_gpu.memcpys == 0);
+  CHECK(o.server_gpu.memcpys == 0);
+  // One flush per arrival: each pull on the worker, each push on the server.
+  CHECK(o.worker_gpu.flushes == kIterations);
+  CHECK(o.server_gpu.flushes == kIterations);
+  // The exported fds were closed once registered (the MRs hold the buffers).
+  CHECK(OpenFds() == fds_before);
+}
+
+TEST_CASE("gpudirect: a GPU that orders NIC writes itself is not flushed", "[rdma][gpudirect]") {
+  Setup setup;
+  setup.ordered_writes = true;
+  const Outcome o = RunExchange(setup);
+  CheckDelivered(o);
+  CHECK(o.dmabuf_mrs == 6);
+  CHECK(o.worker_gpu.flushes == 0);
+  CHECK(o.server_gpu.flushes == 0);
+}
+
+TEST_CASE("gpudirect: without dma-buf export, peer memory registers the device address",
+          "[rdma][gpudirect]") {
+  Setup setup;
+  setup.driver_dmabuf = false;
+  setup.peer_memory = true;
+  const Outcome o = RunExchange(setup);
+  CheckDelivered(o);
+  CHECK(o.dmabuf_mrs == 0);
+  CHECK(o.worker_gpu.memcpys == 0);
+  CHECK(o.server_gpu.memcpys == 0);
+  CHECK(o.worker_gpu.flushes == kIterations);
+}
+
+TEST_CASE("gpudirect: a NIC that refuses device memory gets staged copies (auto)",
+          "[rdma][gpudirect]") {
+  Setup setup;
+  setup.nic_dmabuf = false;  // EOPNOTSUPP, and no peer memory: EFAULT
+  const Outcome o = RunExchange(setup);
+  CheckDelivered(o);
+  CHECK(o.dmabuf_mrs == 0);
+  // Every push staged out and every reply staged in, on both sides.
+  CHECK(o.worker_gpu.memcpys == 2 * kIterations);
+  CHECK(o.server_gpu.memcpys == 2 * kIterations);
+  CHECK(o.worker_gpu.flushes == 0);
+}
+
+TEST_CASE("gpudirect: off stages even where dma-buf would work", "[rdma][gpudirect]") {
+  Setup setup;
+  setup.mode = GpuDirect::kOff;
+  const Outcome o = RunExchange(setup);
+  CheckDelivered(o);
+  CHECK(o.worker_gpu.exports == 0);
+  CHECK(o.dmabuf_mrs == 0);
+  CHECK(o.worker_gpu.memcpys == 2 * kIterations);
+}
+
+TEST_CASE("gpudirect: require fails the registration instead of staging", "[rdma][gpudirect]") {
+  Setup setup;
+  setup.mode = GpuDirect::kRequire;
+  setup.nic_dmabuf = false;
+  const Outcome o = RunExchange(setup);
+  INFO(o.worker.ToString() << " / " << o.server.ToString());
+  CHECK(absl::IsInternal(o.worker));
+  CHECK(absl::StrContains(o.worker.message(), "dma-buf"));
+  CHECK(o.worker_gpu.memcpys == 0);
+  CHECK(o.access_errors == 0);
+}
+
+TEST_CASE("gpudirect: the TCP fallback stages device tensors, and refuses them under require",
+          "[rdma][gpudirect]") {
+  Setup setup;
+  setup.tcp = true;
+  Outcome o = RunExchange(setup);
+  CheckDelivered(o);
+  CHECK(o.worker_gpu.exports == 0);
+  CHECK(o.worker_gpu.memcpys == 2 * kIterations);
+
+  setup.mode = GpuDirect::kRequire;
+  o = RunExchange(setup);
+  CHECK(absl::IsFailedPrecondition(o.worker));
+  CHECK(absl::StrContains(o.worker.message(), "tcp transport cannot reach cuda:0"));
+}
+
+}  // namespace
+}  // namespace stepmesh
