@@ -56,12 +56,6 @@ absl::Status MeshNode::Start(const TransportFactory& factory) {
   return absl::OkStatus();
 }
 
-void MeshNode::HandlePeerJoined(NodeId peer, const std::string& endpoint) {
-  if (NodeRole(peer) == static_cast<uint8_t>(options_.role)) return;  // no data path between them
-  STEPMESH_LOG(kWarning, RoleName(options_.role), " ", rank_, ": node 0x", absl::Hex(peer),
-               " rejoined at ", endpoint, "; this role does not reconnect to it");
-}
-
 void MeshNode::Stop() {
   if (stopping_.exchange(true)) return;
   if (rendezvous_ != nullptr) rendezvous_->Leave();

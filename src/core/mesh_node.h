@@ -60,9 +60,8 @@ class MeshNode : public TransportSink {
   virtual void ExecuteSend(const SendItem& item, const absl::Status& ready) = 0;
   // A peer is gone. Called from the receive or the rendezvous thread, maybe twice.
   virtual void HandlePeerLost(NodeId peer, const absl::Status& why) = 0;
-  // A peer that was lost rejoined the mesh at `endpoint` (rendezvous thread).
-  // Default: ignored (the data plane stays without it).
-  virtual void HandlePeerJoined(NodeId peer, const std::string& endpoint);
+  // A peer's new process took over its rank at `endpoint` (rendezvous thread).
+  virtual void HandlePeerJoined(NodeId peer, const std::string& endpoint) = 0;
   // Fails everything still pending (Stop() calls it after the threads ended).
   virtual void CancelAll(const absl::Status& why) = 0;
 

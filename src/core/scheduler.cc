@@ -117,10 +117,16 @@ class SchedulerImpl final : public Scheduler {
 
   void HandleJoin(UniqueFd fd, const ControlMessage& join) {
     auto& group = Group(join.role);
+    // Once the mesh formed, a rank whose process was lost or left may be taken
+    // by a new process (a restart); before that, every rank is joined once.
+    auto replaceable = [&](const Member& m) { return roster_sent_ && m.joined && (m.lost || m.left); };
     int rank = join.rank;
     if (rank < 0) {
       for (size_t r = 0; r < group.size() && rank < 0; ++r) {
         if (!group[r].joined) rank = static_cast<int>(r);
+      }
+      for (size_t r = 0; r < group.size() && rank < 0; ++r) {
+        if (replaceable(group[r])) rank = static_cast<int>(r);
       }
     }
     auto reject = [&](const std::string& reason) {
@@ -135,7 +141,7 @@ class SchedulerImpl final : public Scheduler {
                                  " rank (wanted ", join.rank, ", mesh has ", group.size(), ")"));
     }
     Member& member = group[rank];
-    const bool rejoin = roster_sent_ && member.joined && member.lost;
+    const bool rejoin = replaceable(member);
     if (member.joined && !rejoin) {
       return reject(absl::StrCat(join.role == 1 ? "worker" : "server", " rank ", rank,
                                  " already joined"));

@@ -100,8 +100,13 @@ class Server final : public AFTensorServer, public MeshNode {
       : MeshNode(options, std::move(backend)),
         assemblies_(options.num_workers, std::vector<Assembly>(kAssembliesPerWorker)),
         lost_workers_(new std::atomic<bool>[options.num_workers]),
+        worker_epochs_(new std::atomic<uint32_t>[options.num_workers]),
+        seen_epochs_(options.num_workers, 0),
         errors_(kErrorRing) {
-    for (int w = 0; w < options.num_workers; ++w) lost_workers_[w] = false;
+    for (int w = 0; w < options.num_workers; ++w) {
+      lost_workers_[w] = false;
+      worker_epochs_[w] = 0;
+    }
     for (int i = 0; i < kBatchSlots; ++i) {
       slots_.push_back(std::make_unique<BatchSlot>(options.num_workers));
       free_slots_.push_back(kBatchSlots - 1 - i);
@@ -397,6 +402,7 @@ class Server final : public AFTensorServer, public MeshNode {
     if (NodeRole(peer) != 1 || w >= static_cast<uint32_t>(options_.num_workers)) {
       return absl::PermissionDeniedError("push from a node that is not a worker");
     }
+    ForgetPreviousProcess(static_cast<int>(w));
     ::stepmesh::core::ReaderMutexLock lock(&reg_mu_);
     auto it = recv_regs_.find(h.key);
     if (it == recv_regs_.end()) {
@@ -426,6 +432,7 @@ class Server final : public AFTensorServer, public MeshNode {
     if (h.type != FrameType::kPush) return;
     const int w = static_cast<int>(NodeRank(peer));
     if (NodeRole(peer) != 1 || w >= options_.num_workers) return;
+    ForgetPreviousProcess(w);
     Assembly* a = FindAssembly(w, h);
     if (a == nullptr) {
       QueueError(peer, h.request_id,
@@ -475,6 +482,32 @@ class Server final : public AFTensorServer, public MeshNode {
       AddToBatch(w, *a);
     }
     a->used = false;
+  }
+
+  // Receive thread, before any frame of worker `w`: once a restarted `w`
+  // rejoined, drops what its previous process left half-received (request ids
+  // restart with the process) and frees the receive slots those pushes held.
+  // Slots held by batches the application has not answered stay held.
+  void ForgetPreviousProcess(int w) {
+    const uint32_t epoch = worker_epochs_[w].load(std::memory_order_acquire);
+    if (seen_epochs_[w] == epoch) return;
+    seen_epochs_[w] = epoch;
+    for (Assembly& a : assemblies_[w]) a.used = false;
+    std::vector<const RecvRegistration*> held;
+    {
+      ::stepmesh::core::MutexLock lock(&batch_mu_);
+      for (const auto& slot : slots_) {
+        if (slot->state == BatchState::kFree || !slot->entries[w].present) continue;
+        for (size_t t = 0; t < slot->regs.size(); ++t) {
+          if (slot->entries[w].pushed_mask & (1u << t)) held.push_back(slot->regs[t]);
+        }
+      }
+    }
+    // Only this thread sets busy flags, so none can become held meanwhile.
+    ::stepmesh::core::ReaderMutexLock lock(&reg_mu_);
+    for (auto& [key, reg] : recv_regs_) {
+      if (std::find(held.begin(), held.end(), reg.get()) == held.end()) reg->busy[w].store(false);
+    }
   }
 
   Assembly* FindAssembly(int w, const FrameHeader& h) {
@@ -585,11 +618,52 @@ class Server final : public AFTensorServer, public MeshNode {
     if (w >= options_.num_workers || lost_workers_[w].exchange(true)) return;
     STEPMESH_LOG(kInfo, "server ", rank_, ": worker ", w, " gone: ", why.ToString());
     ::stepmesh::core::MutexLock lock(&batch_mu_);
-    // Batches that waited only for this worker are complete now.
     for (uint32_t i = 0; i < slots_.size(); ++i) {
-      if (slots_[i]->state == BatchState::kCollecting) MaybeReady(i);
+      BatchSlot& slot = *slots_[i];
+      if (slot.state != BatchState::kCollecting) continue;
+      // Its pushes in batches not yet handed out can never be answered: drop them.
+      WorkerEntry& e = slot.entries[w];
+      if (e.present) {
+        for (size_t t = 0; t < slot.regs.size(); ++t) {
+          if (!(e.pushed_mask & (1u << t))) continue;
+          slot.valid[t][w] = 0;
+          slot.regs[t]->busy[w].store(false);
+        }
+        e = WorkerEntry{};
+        bool anyone = false;
+        for (const WorkerEntry& other : slot.entries) anyone = anyone || other.present;
+        if (!anyone) {
+          FreeSlot(i);
+          continue;
+        }
+      }
+      // Batches that waited only for this worker are complete now.
+      MaybeReady(i);
     }
     NotifyWaiters();
+  }
+
+  // A restarted attention process rejoined under the same rank: accept its
+  // connection and count it in batches again. Requests of its previous process
+  // were dropped when that was lost; its registrations are the new process's own.
+  void HandlePeerJoined(NodeId peer, const std::string& endpoint) override {
+    if (NodeRole(peer) != 1 || stopped()) return;
+    const int w = static_cast<int>(NodeRank(peer));
+    if (w >= options_.num_workers) return;
+    // A worker that never looked lost (its old connection still open) is superseded.
+    HandlePeerLost(peer, absl::UnavailableError("worker restarted"));
+    worker_epochs_[w].fetch_add(1, std::memory_order_acq_rel);
+    // Counted before its connection exists, so no batch forms without it meanwhile.
+    lost_workers_[w].store(false, std::memory_order_release);
+    absl::Status connected =
+        transport_->Connect(self_, {PeerInfo{peer, endpoint}}, absl::Now() + options_.timeout);
+    if (!connected.ok()) {
+      HandlePeerLost(peer, connected);
+      STEPMESH_LOG(kWarning, "server ", rank_, ": rejoined worker ", w, " never connected: ",
+                   connected.ToString());
+      return;
+    }
+    STEPMESH_LOG(kInfo, "server ", rank_, ": worker ", w, " rejoined at ", endpoint);
   }
 
   void CancelAll(const absl::Status&) override {
@@ -630,6 +704,9 @@ class Server final : public AFTensorServer, public MeshNode {
 
   std::vector<std::vector<Assembly>> assemblies_;  // receive thread only
   std::unique_ptr<std::atomic<bool>[]> lost_workers_;
+  // Bumped when a worker's new process rejoins; the receive thread compares.
+  std::unique_ptr<std::atomic<uint32_t>[]> worker_epochs_;
+  std::vector<uint32_t> seen_epochs_;  // receive thread only
 
   ::stepmesh::core::Mutex batch_mu_;
   std::vector<std::unique_ptr<BatchSlot>> slots_;

@@ -2,6 +2,7 @@
 
 #include <array>
 #include <memory>
+#include <random>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -75,8 +76,13 @@ class Worker final : public AFTensorWorker, public MeshNode {
         lost_servers_(new std::atomic<bool>[options.num_servers]) {
     for (int s = 0; s < options.num_servers; ++s) lost_servers_[s] = false;
     requests_.reserve(options.max_inflight_requests);
+    // Generations start at a random point per process: a reply addressed to a
+    // previous process under this rank (a server answering a batch from before
+    // a restart) then matches no request of this one.
+    const uint32_t first_generation = std::random_device{}() | 1;
     for (int i = 0; i < options.max_inflight_requests; ++i) {
       requests_.push_back(std::make_unique<Request>(options.num_servers));
+      requests_.back()->generation.store(first_generation, std::memory_order_relaxed);
       free_.push_back(options.max_inflight_requests - 1 - i);
     }
   }

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,6 +42,14 @@ class ChildProcess {
 
   pid_t pid() const { return pid_; }
   void Kill() { ::kill(pid_, SIGKILL); }
+
+  // Non-blocking: the exit code (128+signal when killed) once it ended, else nullopt.
+  std::optional<int> TryWait() {
+    int status = 0;
+    if (pid_ <= 0 || ::waitpid(pid_, &status, WNOHANG) != pid_) return std::nullopt;
+    pid_ = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
 
   // The exit code, 128+signal when killed, or DEADLINE_EXCEEDED (then killed).
   absl::StatusOr<int> Wait(absl::Duration timeout) {

@@ -4,6 +4,7 @@
 
 #include <signal.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -142,6 +143,98 @@ TEST_CASE("liveness: a stopped server is declared lost in time, a restarted one 
   REQUIRE(code1.ok());
   CHECK(*code0 == 0);
   CHECK(*code1 == 0);
+}
+
+TEST_CASE("liveness: a killed worker leaves the batches, a restarted one rejoins them",
+          "[liveness][process]") {
+  // One FFN process; attention rank 0 here, rank 1 a child process that is
+  // killed mid-traffic and started again. Every batch holds every live worker
+  // (kAllWorkers), so rank 0's round trips only complete while the server
+  // counts rank 1 correctly: present, then dropped, then back.
+  MeshOptions o;
+  o.transport = "tcp";
+  o.num_workers = 2;
+  o.num_servers = 1;
+  o.timeout = absl::Seconds(3);
+  o.heartbeat_interval = absl::Milliseconds(100);
+  o.scheduler = "127.0.0.1:0";
+  auto scheduler = Scheduler::Start(o);
+  REQUIRE(scheduler.ok());
+  o.scheduler = (*scheduler)->address();
+  auto args = [&](const char* role, int rank, int rounds) {
+    return std::vector<std::string>{
+        STEPMESH_RELIABILITY_NODE_PATH, "--role", role, "--scheduler", o.scheduler, "--rank",
+        std::to_string(rank), "--workers", "2", "--servers", "1", "--keys", "1", "--bytes",
+        std::to_string(kBytes), "--timeout-ms", "3000", "--heartbeat-ms", "100", "--rounds",
+        std::to_string(rounds)};
+  };
+  ChildProcess server = *ChildProcess::Spawn(args("server", 0, 0));
+  auto worker1 = std::make_unique<ChildProcess>(*ChildProcess::Spawn(args("worker", 1, 0)));
+  o.role = Role::kWorker;
+  o.rank = 0;
+  auto created = AFTensorWorker::Create(o);
+  INFO(created.status().ToString());
+  REQUIRE(created.ok());
+  ProcessWorker pw(**created, 1);
+  auto eventually = [&](uint8_t fill) {
+    const absl::Time until = absl::Now() + absl::Seconds(15);
+    absl::Status s;
+    do {
+      s = pw.RoundTrip(fill, {0}, absl::Seconds(2));
+      if (s.ok()) return s;
+      absl::SleepFor(absl::Milliseconds(50));
+    } while (absl::Now() < until);
+    return s;
+  };
+  REQUIRE(eventually(1).ok());
+  for (int i = 0; i < 10; ++i) {
+    REQUIRE(pw.RoundTrip(static_cast<uint8_t>(2 + i), {0}, absl::Seconds(5)).ok());
+  }
+
+  // Killed: its half-finished pushes go, and batches stop waiting for it.
+  worker1.reset();  // SIGKILL + reap
+  REQUIRE(eventually(20).ok());
+  for (int i = 0; i < 10; ++i) {
+    REQUIRE(pw.RoundTrip(static_cast<uint8_t>(21 + i), {0}, absl::Seconds(5)).ok());
+  }
+
+  // Restarted under rank 1: checked round trips of its own, while rank 0
+  // keeps going. The scheduler may still be seeing the old process die:
+  // the new one then exits 3 and is started again (bounded).
+  auto run_new_worker1 = [&](int rounds) {
+    std::optional<int> exit_code;
+    int data_errors = 0;
+    for (int attempt = 0; attempt < 20; ++attempt) {
+      worker1 = std::make_unique<ChildProcess>(*ChildProcess::Spawn(args("worker", 1, rounds)));
+      const absl::Time until = absl::Now() + absl::Seconds(30);
+      uint8_t fill = 40;
+      while (!(exit_code = worker1->TryWait()) && absl::Now() < until) {
+        // Rank 0's rounds complete only in batches shared with the new rank 1
+        // (or alone while it is not yet counted); failures while it connects
+        // are allowed, wrong bytes are not.
+        data_errors += absl::IsDataLoss(pw.RoundTrip(fill++, {0}, absl::Seconds(2)));
+      }
+      if (exit_code != 3) break;
+      absl::SleepFor(absl::Milliseconds(200));
+    }
+    CHECK(data_errors == 0);
+    return exit_code;
+  };
+  std::optional<int> exit_code = run_new_worker1(30);
+  REQUIRE(exit_code.has_value());
+  CHECK(*exit_code == 0);  // its 30 round trips all came back right
+  // Gone again, orderly this time: rank 0 carries on alone.
+  REQUIRE(eventually(90).ok());
+  // A rank that left in order may be taken by a new process too (a rolling restart).
+  exit_code = run_new_worker1(10);
+  REQUIRE(exit_code.has_value());
+  CHECK(*exit_code == 0);
+  REQUIRE(eventually(100).ok());
+
+  REQUIRE((*created)->Shutdown().ok());
+  auto code = server.Wait(absl::Seconds(10));
+  REQUIRE(code.ok());
+  CHECK(*code == 0);
 }
 
 }  // namespace

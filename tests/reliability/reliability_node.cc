@@ -1,38 +1,29 @@
-// A server process for the liveness and rejoin tests: registers the harness's
-// tensors (tests/reliability/harness.h layout) and answers every batch with
-// push XOR (0x10 + rank) until every worker is gone, or it is killed.
+// A participant process for the liveness and rejoin tests, with the tensors
+// of the harness (tests/reliability/harness.h layout).
 //   stepmesh_reliability_node --scheduler H:P --rank R --workers W --servers S
-//       [--keys K] [--bytes B] [--timeout-ms T] [--heartbeat-ms H]
+//       [--role server|worker] [--keys K] [--bytes B] [--timeout-ms T]
+//       [--heartbeat-ms H] [--rounds N]
+// server (default): answers every batch with push XOR (0x10 + rank) until
+//   every worker is gone (exit 0), or it is killed.
+// worker: round trips on key 0 to every server, checking each reply byte; N
+//   rounds then an orderly exit 0 (N = 0: until killed). Exit 3 when it cannot
+//   join (e.g. the scheduler has not yet seen its previous process die), 1 on a
+//   failed round.
 
 #include <cstdio>
 #include <string>
 #include <vector>
 
 #include "absl/strings/numbers.h"
+#include "absl/time/clock.h"
 #include "stepmesh/server.h"
+#include "stepmesh/worker.h"
 
-int main(int argc, char** argv) {
-  stepmesh::MeshOptions options;
-  options.transport = "tcp";
-  options.role = stepmesh::Role::kServer;
-  int64_t keys = 2, bytes = 4096;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i], value = argv[i + 1];
-    int64_t n = 0;
-    const bool numeric = absl::SimpleAtoi(value, &n);
-    if (flag == "--scheduler") options.scheduler = value;
-    else if (flag == "--rank" && numeric) options.rank = static_cast<int>(n);
-    else if (flag == "--workers" && numeric) options.num_workers = static_cast<int>(n);
-    else if (flag == "--servers" && numeric) options.num_servers = static_cast<int>(n);
-    else if (flag == "--keys" && numeric) keys = n;
-    else if (flag == "--bytes" && numeric) bytes = n;
-    else if (flag == "--timeout-ms" && numeric) options.timeout = absl::Milliseconds(n);
-    else if (flag == "--heartbeat-ms" && numeric) options.heartbeat_interval = absl::Milliseconds(n);
-    else {
-      std::fprintf(stderr, "bad flag %s %s\n", flag.c_str(), value.c_str());
-      return 2;
-    }
-  }
+namespace {
+
+uint8_t Mask(int server) { return static_cast<uint8_t>(0x10 + server); }
+
+int RunServer(const stepmesh::MeshOptions& options, int64_t keys, int64_t bytes) {
   auto server = stepmesh::AFTensorServer::Create(options);
   if (!server.ok()) {
     std::fprintf(stderr, "server %d: %s\n", options.rank, server.status().ToString().c_str());
@@ -48,7 +39,7 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  const uint8_t mask = static_cast<uint8_t>(0x10 + (*server)->rank());
+  const uint8_t mask = Mask((*server)->rank());
   for (;;) {
     absl::StatusOr<stepmesh::Batch> batch = (*server)->GetBatch(absl::Milliseconds(200));
     if (absl::IsDeadlineExceeded(batch.status())) continue;
@@ -68,4 +59,89 @@ int main(int argc, char** argv) {
     }
     (void)(*server)->Respond(*batch, replies);
   }
+}
+
+int RunWorker(const stepmesh::MeshOptions& options, int64_t bytes, int64_t rounds) {
+  auto worker = stepmesh::AFTensorWorker::Create(options);
+  if (!worker.ok()) {
+    std::fprintf(stderr, "worker %d: %s\n", options.rank, worker.status().ToString().c_str());
+    return 3;
+  }
+  const int servers = options.num_servers;
+  std::vector<uint8_t> push(bytes);
+  std::vector<std::vector<uint8_t>> pulls(servers, std::vector<uint8_t>(bytes));
+  if (!(*worker)->RegisterPushTensor(100, stepmesh::BytesView(push.data(), bytes)).ok()) return 1;
+  std::vector<stepmesh::Pull> pull_list;
+  for (int s = 0; s < servers; ++s) {
+    if (!(*worker)->RegisterPullTensor(200, s, stepmesh::BytesView(pulls[s].data(), bytes)).ok()) {
+      return 1;
+    }
+    pull_list.push_back({200, s});
+  }
+  auto round_trip = [&](int64_t round) -> absl::Status {
+    const uint8_t fill = static_cast<uint8_t>(round * 7 + options.rank);
+    for (int64_t j = 0; j < bytes; ++j) push[j] = static_cast<uint8_t>(fill + j);
+    const stepmesh::Push p{100};
+    absl::StatusOr<stepmesh::RequestHandle> h = (*worker)->PushPull({&p, 1}, pull_list);
+    if (!h.ok()) return h.status();
+    if (absl::Status s = (*worker)->Wait(*h, options.timeout); !s.ok()) return s;
+    for (int s = 0; s < servers; ++s) {
+      for (int64_t j = 0; j < bytes; ++j) {
+        if (pulls[s][j] != (static_cast<uint8_t>(fill + j) ^ Mask(s))) {
+          return absl::DataLossError("reply byte mismatch");
+        }
+      }
+    }
+    return absl::OkStatus();
+  };
+  // The servers take the connection right after the join; the first round may
+  // need a retry while they do.
+  absl::Status first = round_trip(0);
+  for (int tries = 0; !first.ok() && tries < 50; ++tries) {
+    absl::SleepFor(absl::Milliseconds(100));
+    first = round_trip(0);
+  }
+  for (int64_t round = 1; first.ok() && (rounds == 0 || round < rounds); ++round) {
+    if (absl::Status s = round_trip(round); !s.ok()) {
+      std::fprintf(stderr, "worker %d round %lld: %s\n", options.rank,
+                   static_cast<long long>(round), s.ToString().c_str());
+      return 1;
+    }
+  }
+  if (!first.ok()) {
+    std::fprintf(stderr, "worker %d: %s\n", options.rank, first.ToString().c_str());
+    return 1;
+  }
+  return (*worker)->Shutdown().ok() ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  stepmesh::MeshOptions options;
+  options.transport = "tcp";
+  options.role = stepmesh::Role::kServer;
+  int64_t keys = 2, bytes = 4096, rounds = 0;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], value = argv[i + 1];
+    int64_t n = 0;
+    const bool numeric = absl::SimpleAtoi(value, &n);
+    if (flag == "--scheduler") options.scheduler = value;
+    else if (flag == "--role" && (value == "server" || value == "worker")) {
+      options.role = value == "server" ? stepmesh::Role::kServer : stepmesh::Role::kWorker;
+    } else if (flag == "--rank" && numeric) options.rank = static_cast<int>(n);
+    else if (flag == "--workers" && numeric) options.num_workers = static_cast<int>(n);
+    else if (flag == "--servers" && numeric) options.num_servers = static_cast<int>(n);
+    else if (flag == "--keys" && numeric) keys = n;
+    else if (flag == "--bytes" && numeric) bytes = n;
+    else if (flag == "--rounds" && numeric) rounds = n;
+    else if (flag == "--timeout-ms" && numeric) options.timeout = absl::Milliseconds(n);
+    else if (flag == "--heartbeat-ms" && numeric) options.heartbeat_interval = absl::Milliseconds(n);
+    else {
+      std::fprintf(stderr, "bad flag %s %s\n", flag.c_str(), value.c_str());
+      return 2;
+    }
+  }
+  return options.role == stepmesh::Role::kServer ? RunServer(options, keys, bytes)
+                                                 : RunWorker(options, bytes, rounds);
 }
