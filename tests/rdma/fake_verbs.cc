@@ -76,6 +76,7 @@ struct FakeQp {
   uint32_t sq_used = 0;            // slots held until a signalled CQE is polled
   uint32_t unsignalled_run = 0;    // executed WRs waiting for a signalled one
   std::deque<uint64_t> recv_queue;
+  uint8_t lag_port = 0;  // mlx5dv_modify_qp_lag_port; 0: never set
 };
 
 struct FakeNic {
@@ -552,6 +553,32 @@ class FakeVerbs final : public VerbsApi {
     return &qp->qp;
   }
 
+  int QueryLagPorts(ibv_context* context, uint8_t* num_lag_ports) override {
+    ::stepmesh::core::MutexLock lock(&state_->mu);
+    const uint8_t lag = Ctx(context)->nic->spec.lag_ports;
+    if (lag == 0) return EOPNOTSUPP;
+    *num_lag_ports = lag;
+    return 0;
+  }
+  int ModifyQpLagPort(ibv_qp* qp, uint8_t port) override {
+    ::stepmesh::core::MutexLock lock(&state_->mu);
+    FakeQp* fake = Qp(qp);
+    const uint8_t lag = fake->ctx->nic->spec.lag_ports;
+    if (lag < 2) return EOPNOTSUPP;  // "not in LAG mode"
+    // A later state change may re-pick the port, so only RTS is accepted here.
+    if (fake->qp.state != IBV_QPS_RTS || port < 1 || port > lag) return EINVAL;
+    fake->lag_port = port;
+    return 0;
+  }
+  int QueryQpLagPort(ibv_qp* qp, uint8_t* port, uint8_t* active_port) override {
+    ::stepmesh::core::MutexLock lock(&state_->mu);
+    FakeQp* fake = Qp(qp);
+    if (fake->ctx->nic->spec.lag_ports < 2) return EOPNOTSUPP;
+    *port = fake->lag_port;
+    *active_port = fake->lag_port == 0 ? 1 : fake->lag_port;
+    return 0;
+  }
+
   int ModifyQp(ibv_qp* qp, ibv_qp_attr* attr, int mask) override {
     ::stepmesh::core::MutexLock lock(&state_->mu);
     FakeQp* fake = Qp(qp);
@@ -777,6 +804,16 @@ void FakeFabric::SetGpuDirect(bool dmabuf, bool peer_memory) {
   ::stepmesh::core::MutexLock lock(&state_->mu);
   state_->dmabuf = dmabuf;
   state_->peer_memory = peer_memory;
+}
+
+std::vector<uint8_t> FakeFabric::LagPorts(const std::string& nic) const {
+  ::stepmesh::core::MutexLock lock(&state_->mu);
+  std::vector<uint8_t> ports;
+  for (const auto& n : state_->nics) {
+    if (n->spec.name != nic) continue;
+    for (const auto& [qpn, qp] : n->qps) ports.push_back(qp->lag_port);
+  }
+  return ports;
 }
 
 FakeFabricStats FakeFabric::stats() const {

@@ -19,7 +19,11 @@
 //   - a QP in ERR flushes every outstanding and later WR with IBV_WC_WR_FLUSH_ERR;
 //   - completions of one QP are delivered in posting order;
 //   - destroying a CQ still used by a QP or with unacked events, or a PD with
-//     MRs/QPs, fails with EBUSY (catches RAII ordering bugs).
+//     MRs/QPs, fails with EBUSY (catches RAII ordering bugs);
+//   - GPUDirect: plain MRs of device memory fail (EFAULT) unless peer memory
+//     is on; dma-buf MRs need an open fd and an offset that maps back inside
+//     device memory;
+//   - mlx5 LAG: only a bonded NIC (spec.lag_ports > 1) pins QPs, only in RTS.
 // Work requests execute synchronously inside PostSend (the wire is instant).
 
 #include <cstdint>
@@ -41,6 +45,9 @@ struct FakeNicSpec {
   uint32_t max_inline_data = 220;  // the most a QP may be granted
   int max_qp_wr = 8192;
   int max_cqe = 1 << 16;
+  // mlx5 LAG: > 1 is a bonded device with that many ports; 0 is not mlx5
+  // (the LAG calls fail with EOPNOTSUPP).
+  uint8_t lag_ports = 0;
 };
 
 struct FakeFabricStats {
@@ -76,6 +83,10 @@ class FakeFabric {
   // `dmabuf` unset it fails with EOPNOTSUPP (a kernel or NIC without dma-buf).
   void AddDeviceMemory(const void* base, size_t bytes);
   void SetGpuDirect(bool dmabuf, bool peer_memory);
+
+  // The LAG port each live QP of NIC `nic` is pinned to (0: never pinned), in
+  // QP-number order.
+  std::vector<uint8_t> LagPorts(const std::string& nic) const;
   FakeFabricStats stats() const;
 
   struct State;  // opaque, shared with the hosts' VerbsApis

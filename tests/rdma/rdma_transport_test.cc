@@ -104,16 +104,18 @@ struct Pair {
   Node server;
 
   explicit Pair(RdmaTuning tuning = {}, int qps = 1,
-                absl::Duration timeout = absl::Seconds(3)) {
+                absl::Duration timeout = absl::Seconds(3), uint8_t lag_ports = 0) {
     MeshOptions o;
     o.timeout = timeout;
     o.rdma_qps_per_peer = qps;
     FakeNicSpec a;
     a.name = "fake_w";
     a.ipv4 = 0x0A000001;
+    a.lag_ports = lag_ports;
     FakeNicSpec b;
     b.name = "fake_s";
     b.ipv4 = 0x0A000002;
+    b.lag_ports = lag_ports;
     auto w = CreateRdmaTransport(o, fabric.AddHost(a), tuning);
     auto s = CreateRdmaTransport(o, fabric.AddHost(b), tuning);
     REQUIRE(w.ok());
@@ -404,6 +406,39 @@ TEST_CASE("rdma: two QPs per peer stripe large payloads", "[rdma][transport]") {
     CHECK(Same(buf.WorkerSlot(), bytes, round));
   }
   CHECK(pair.fabric.stats().rnr_errors == 0);
+}
+
+TEST_CASE("rdma: on a bonded device each QP of a peer is pinned to its own LAG port",
+          "[rdma][transport]") {
+  RdmaTuning tuning;
+  tuning.stripe_min_bytes = 8192;
+  SECTION("two QPs, two bonded ports: one QP per port, striped traffic still exact") {
+    Pair pair(tuning, 2, absl::Seconds(3), /*lag_ports=*/2);
+    CHECK(pair.fabric.LagPorts("fake_w") == std::vector<uint8_t>{1, 2});
+    CHECK(pair.fabric.LagPorts("fake_s") == std::vector<uint8_t>{1, 2});
+    Buffers buf;
+    RegisterAll(pair, buf);
+    ResolveToBuffers(pair, buf);
+    pair.worker.StartPolling();
+    pair.server.StartPolling();
+    Fill(buf.src.data(), 100000, 3);
+    REQUIRE(pair.worker.transport
+                ->Send(kServer, Header(FrameType::kPush, kWorker, kServer, 7, 100000, 1),
+                       buf.src.data(), 2, 100000)
+                .ok());
+    auto events = pair.server.sink.WaitFor(1);
+    REQUIRE(events.size() == 1);
+    CHECK(events[0].status.ok());
+    CHECK(Same(buf.WorkerSlot(), 100000, 3));
+  }
+  SECTION("one QP per peer: left to the bond's hash") {
+    Pair pair(tuning, 1, absl::Seconds(3), /*lag_ports=*/2);
+    CHECK(pair.fabric.LagPorts("fake_w") == std::vector<uint8_t>{0});
+  }
+  SECTION("not an mlx5 bond: nothing pinned, nothing fails") {
+    Pair pair(tuning, 2, absl::Seconds(3), /*lag_ports=*/0);
+    CHECK(pair.fabric.LagPorts("fake_w") == std::vector<uint8_t>{0, 0});
+  }
 }
 
 TEST_CASE("rdma: a peer that goes away is reported, never fatal", "[rdma][transport]") {

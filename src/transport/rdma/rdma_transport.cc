@@ -217,6 +217,14 @@ class RdmaTransport final : public Transport {
     STEPMESH_ASSIGN_OR_RETURN(listener_, ListenTcp(options_.bind_host, 0));
     STEPMESH_LOG(kInfo, "rdma: using ", port_.device_name, " port ", int{port_.port},
                  " GID index ", port_.gid_index, " (", GidToString(port_.gid), ")");
+    // A bonded (LAG) device: each of a peer's QPs gets its own physical port
+    // (BringUp), so striped payloads use both links instead of one hash bucket.
+    if (uint8_t lag = 0; options_.rdma_qps_per_peer > 1 &&
+                         verbs_->QueryLagPorts(port_.context.get(), &lag) == 0 && lag > 1) {
+      lag_ports_ = lag;
+      STEPMESH_LOG(kInfo, "rdma: ", port_.device_name, " bonds ", int{lag},
+                   " ports; QP q of each peer goes out on LAG port 1 + q % ", int{lag});
+    }
     return absl::OkStatus();
   }
 
@@ -705,9 +713,24 @@ class RdmaTransport final : public Transport {
                                           IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
                                           IBV_QP_MAX_QP_RD_ATOMIC,
                                       "RTS"));
+      if (lag_ports_ > 1) PinLagPort(peer, q);
     }
     if (peer.num_qps > 1) peer.parked.resize(peer.depth);
     return absl::OkStatus();
+  }
+
+  // Best effort: a QP left to the bond's hash still works, only less evenly.
+  void PinLagPort(Peer& peer, uint32_t q) {
+    ibv_qp* qp = peer.qps[q].qp.get();
+    const uint8_t want = static_cast<uint8_t>(1 + q % lag_ports_);
+    uint8_t configured = 0, active = 0;
+    if (const int rc = verbs_->ModifyQpLagPort(qp, want); rc != 0) {
+      STEPMESH_LOG(kWarning, "rdma: ", PeerName(peer.id), " QP ", q, " stays on the bond's hash: ",
+                   ErrnoMessage("mlx5dv_modify_qp_lag_port", rc));
+    } else if (verbs_->QueryQpLagPort(qp, &configured, &active) == 0 && active != want) {
+      STEPMESH_LOG(kInfo, "rdma: ", PeerName(peer.id), " QP ", q, " pinned to LAG port ",
+                   int{want}, " but sends on port ", int{active}, " (a link of the bond is down?)");
+    }
   }
 
   absl::Status Modify(QueuePair& qp, ibv_qp_attr& attr, int mask, const char* state) {
@@ -1190,6 +1213,7 @@ class RdmaTransport final : public Transport {
   UniqueFd wake_fd_;
   NodeId self_ = kNoNode;
   std::mt19937 rng_{std::random_device{}()};
+  uint8_t lag_ports_ = 0;  // > 1: a bonded device, QPs pinned per port
   std::atomic<bool> shut_down_{false};
   uint64_t busy_polls_ = 0;
 

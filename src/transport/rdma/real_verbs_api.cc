@@ -1,11 +1,60 @@
-// RealVerbsApi: each method is the libibverbs call of the same name.
+// RealVerbsApi: each method is the libibverbs call of the same name; the mlx5
+// LAG calls come from libmlx5, opened on first use (never linked).
 
+#include <dlfcn.h>
+#include <infiniband/mlx5dv.h>
+
+#include <cerrno>
 #include <memory>
+#include <mutex>
 
 #include "src/transport/rdma/verbs_api.h"
 
 namespace stepmesh::core {
 namespace {
+
+// The mlx5 direct-verbs entry points the LAG calls need; null where missing.
+// Opened by the first LAG call of a RealVerbsApi, closed with it.
+class Mlx5Calls {
+ public:
+  Mlx5Calls() = default;
+  Mlx5Calls(const Mlx5Calls&) = delete;
+  Mlx5Calls& operator=(const Mlx5Calls&) = delete;
+  ~Mlx5Calls() {
+    if (library_ != nullptr) ::dlclose(library_);
+  }
+
+  // The calls, if `context` is an mlx5 device and libmlx5 has them.
+  const Mlx5Calls* For(ibv_context* context) {
+    std::call_once(once_, [this] { Open(); });
+    if (is_supported == nullptr || context == nullptr || !is_supported(context->device)) {
+      return nullptr;
+    }
+    return this;
+  }
+
+  bool (*is_supported)(ibv_device*) = nullptr;
+  int (*query_device)(ibv_context*, mlx5dv_context*) = nullptr;
+  int (*modify_qp_lag_port)(ibv_qp*, uint8_t) = nullptr;
+  int (*query_qp_lag_port)(ibv_qp*, uint8_t*, uint8_t*) = nullptr;
+
+ private:
+  template <typename Fn>
+  void Resolve(Fn*& fn, const char* name) {
+    fn = reinterpret_cast<Fn*>(::dlsym(library_, name));
+  }
+  void Open() {
+    library_ = ::dlopen("libmlx5.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (library_ == nullptr) return;
+    Resolve(is_supported, "mlx5dv_is_supported");
+    Resolve(query_device, "mlx5dv_query_device");
+    Resolve(modify_qp_lag_port, "mlx5dv_modify_qp_lag_port");
+    Resolve(query_qp_lag_port, "mlx5dv_query_qp_lag_port");
+  }
+
+  std::once_flag once_;
+  void* library_ = nullptr;
+};
 
 class RealVerbsApi final : public VerbsApi {
  public:
@@ -35,6 +84,27 @@ class RealVerbsApi final : public VerbsApi {
     return ibv_reg_dmabuf_mr(pd, offset, length, iova, fd, access);
   }
   int DeregMr(ibv_mr* mr) override { return ibv_dereg_mr(mr); }
+
+  int QueryLagPorts(ibv_context* context, uint8_t* num_lag_ports) override {
+    const Mlx5Calls* mlx5 = mlx5_.For(context);
+    if (mlx5 == nullptr || mlx5->query_device == nullptr) return EOPNOTSUPP;
+    mlx5dv_context attributes{};
+    attributes.comp_mask = MLX5DV_CONTEXT_MASK_NUM_LAG_PORTS;
+    if (const int rc = mlx5->query_device(context, &attributes); rc != 0) return rc;
+    if (!(attributes.comp_mask & MLX5DV_CONTEXT_MASK_NUM_LAG_PORTS)) return EOPNOTSUPP;
+    *num_lag_ports = attributes.num_lag_ports;
+    return 0;
+  }
+  int ModifyQpLagPort(ibv_qp* qp, uint8_t port) override {
+    const Mlx5Calls* mlx5 = mlx5_.For(qp->context);
+    if (mlx5 == nullptr || mlx5->modify_qp_lag_port == nullptr) return EOPNOTSUPP;
+    return mlx5->modify_qp_lag_port(qp, port);
+  }
+  int QueryQpLagPort(ibv_qp* qp, uint8_t* port, uint8_t* active_port) override {
+    const Mlx5Calls* mlx5 = mlx5_.For(qp->context);
+    if (mlx5 == nullptr || mlx5->query_qp_lag_port == nullptr) return EOPNOTSUPP;
+    return mlx5->query_qp_lag_port(qp, port, active_port);
+  }
 
   ibv_comp_channel* CreateCompChannel(ibv_context* context) override {
     return ibv_create_comp_channel(context);
@@ -74,6 +144,9 @@ class RealVerbsApi final : public VerbsApi {
     return ibv_get_async_event(context, event);
   }
   void AckAsyncEvent(ibv_async_event* event) override { ibv_ack_async_event(event); }
+
+ private:
+  Mlx5Calls mlx5_;
 };
 
 }  // namespace

@@ -56,6 +56,16 @@ class VerbsApi {
   virtual int PostSend(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad_wr) = 0;
   virtual int PostRecv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad_wr) = 0;
 
+  // mlx5 LAG (a bonded pair of RoCE ports behind one device), resolved from
+  // libmlx5 at run time so that other providers, or none, still load.
+  // Each returns 0 or an errno: EOPNOTSUPP when the device is not mlx5, the
+  // library lacks the call, or the ports are not bonded.
+  virtual int QueryLagPorts(ibv_context* context, uint8_t* num_lag_ports) = 0;
+  // Pins `qp`'s traffic to LAG port `port` (1-based). Call in RTS: later state
+  // changes may re-pick the port.
+  virtual int ModifyQpLagPort(ibv_qp* qp, uint8_t port) = 0;
+  virtual int QueryQpLagPort(ibv_qp* qp, uint8_t* port, uint8_t* active_port) = 0;
+
   // Asynchronous events (port changes, QP/CQ fatal errors). The context's
   // async_fd is what a poller waits on.
   virtual int GetAsyncEvent(ibv_context* context, ibv_async_event* event) = 0;
