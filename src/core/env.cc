@@ -253,8 +253,9 @@ absl::Status MeshOptions::Validate() const {
     return absl::InvalidArgumentError("max_inflight_requests out of range");
   }
   if (max_registrations < 1) return absl::InvalidArgumentError("max_registrations must be >= 1");
-  if (rdma_qps_per_peer < 1 || rdma_qps_per_peer > 8) {
-    return absl::InvalidArgumentError("rdma_qps_per_peer must be 1..8");
+  if (rdma_qps_per_peer < 1 || rdma_qps_per_peer > 2) {  // rdma::kMaxQpsPerPeer
+    return absl::InvalidArgumentError(
+        absl::StrCat("rdma_qps_per_peer=", rdma_qps_per_peer, " (1 or 2)"));
   }
   return absl::OkStatus();
 }
