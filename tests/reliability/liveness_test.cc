@@ -65,6 +65,19 @@ struct ProcessWorker {
   std::vector<int> servers_;
 };
 
+// Round trips until one succeeds (peers register or reconnect right after
+// joining), for at most 15 s; the last status.
+absl::Status Eventually(ProcessWorker& pw, uint8_t fill, std::vector<int> servers) {
+  const absl::Time until = absl::Now() + absl::Seconds(15);
+  absl::Status s;
+  do {
+    s = pw.RoundTrip(fill, servers, absl::Seconds(2));
+    if (s.ok()) return s;
+    absl::SleepFor(absl::Milliseconds(50));
+  } while (absl::Now() < until);
+  return s;
+}
+
 TEST_CASE("liveness: a stopped server is declared lost in time, a restarted one rejoins",
           "[liveness][process]") {
   MeshOptions o;
@@ -95,14 +108,7 @@ TEST_CASE("liveness: a stopped server is declared lost in time, a restarted one 
 
   // The servers register right after joining: retry until they have.
   auto eventually = [&](uint8_t fill, std::vector<int> servers) {
-    const absl::Time until = absl::Now() + absl::Seconds(15);
-    absl::Status s;
-    do {
-      s = pw.RoundTrip(fill, servers, absl::Seconds(2));
-      if (s.ok()) return s;
-      absl::SleepFor(absl::Milliseconds(50));
-    } while (absl::Now() < until);
-    return s;
+    return Eventually(pw, fill, std::move(servers));
   };
   {
     const absl::Status s = eventually(1, {0, 1});
@@ -176,16 +182,7 @@ TEST_CASE("liveness: a killed worker leaves the batches, a restarted one rejoins
   INFO(created.status().ToString());
   REQUIRE(created.ok());
   ProcessWorker pw(**created, 1);
-  auto eventually = [&](uint8_t fill) {
-    const absl::Time until = absl::Now() + absl::Seconds(15);
-    absl::Status s;
-    do {
-      s = pw.RoundTrip(fill, {0}, absl::Seconds(2));
-      if (s.ok()) return s;
-      absl::SleepFor(absl::Milliseconds(50));
-    } while (absl::Now() < until);
-    return s;
-  };
+  auto eventually = [&](uint8_t fill) { return Eventually(pw, fill, {0}); };
   REQUIRE(eventually(1).ok());
   for (int i = 0; i < 10; ++i) {
     REQUIRE(pw.RoundTrip(static_cast<uint8_t>(2 + i), {0}, absl::Seconds(5)).ok());
