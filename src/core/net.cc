@@ -28,13 +28,22 @@ int PollTimeoutMs(absl::Time deadline) {
   return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1 << 30));
 }
 
-absl::Status WaitFor(int fd, short events, absl::Time deadline) {
+// 1: ready (errors surface from the following read/write), 0: timed out,
+// -1: poll failed (errno). No status object: idle waits must not allocate.
+int PollFor(int fd, short events, absl::Time deadline) {
   for (;;) {
     pollfd pfd{fd, events, 0};
     const int n = ::poll(&pfd, 1, PollTimeoutMs(deadline));
-    if (n > 0) return absl::OkStatus();  // errors surface from the following read/write
-    if (n == 0) return absl::DeadlineExceededError("socket I/O timed out");
-    if (errno != EINTR) return absl::InternalError(ErrnoMessage("poll", errno));
+    if (n >= 0) return n > 0 ? 1 : 0;
+    if (errno != EINTR) return -1;
+  }
+}
+
+absl::Status WaitFor(int fd, short events, absl::Time deadline) {
+  switch (PollFor(fd, events, deadline)) {
+    case 1: return absl::OkStatus();
+    case 0: return absl::DeadlineExceededError("socket I/O timed out");
+    default: return absl::InternalError(ErrnoMessage("poll", errno));
   }
 }
 
@@ -213,10 +222,9 @@ absl::Status ReadFully(int fd, void* data, size_t bytes, absl::Time deadline) {
 }
 
 absl::StatusOr<bool> WaitReadable(int fd, absl::Time deadline) {
-  absl::Status s = WaitFor(fd, POLLIN, deadline);
-  if (absl::IsDeadlineExceeded(s)) return false;
-  if (!s.ok()) return s;
-  return true;
+  const int ready = PollFor(fd, POLLIN, deadline);
+  if (ready < 0) return absl::InternalError(ErrnoMessage("poll", errno));
+  return ready == 1;
 }
 
 }  // namespace stepmesh::core
