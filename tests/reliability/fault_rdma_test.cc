@@ -9,7 +9,9 @@
 #include <catch2/catch.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "src/core/mesh.h"
 #include "src/transport/rdma/rdma_transport.h"
+#include "stepmesh/status.h"
 #include "tests/rdma/fake_verbs.h"
 #include "tests/reliability/fault_transport.h"
 #include "tests/reliability/harness.h"
@@ -90,6 +92,38 @@ TEST_CASE("fault over rdma: drop, duplicate, rewritten key, dead link", "[fault]
     INFO(s.ToString());
     CHECK(absl::IsUnavailable(s));
     CHECK(mesh.RoundTrip(0, 1, 2, absl::Seconds(5), {0}).ok());
+  }
+}
+
+TEST_CASE("rejoin: a worker restarted in place is served again, over tcp and rdma",
+          "[rejoin][rdma]") {
+  for (const bool rdma : {false, true}) {
+    INFO((rdma ? "rdma (fake verbs)" : "tcp"));
+    auto fabric = std::make_shared<FakeFabric>();
+    HarnessConfig config = RdmaConfig(/*workers=*/2, /*servers=*/2);
+    if (!rdma) config.options.transport = "tcp";
+    Harness mesh(config, rdma ? FakeRdma(fabric) : core::TransportFactory(core::CreateTransport));
+    REQUIRE(mesh.status().ok());
+    // Batches hold both workers (kAllWorkers): each round needs both.
+    auto both = [&](uint8_t fill) -> absl::Status {
+      STEPMESH_ASSIGN_OR_RETURN(RequestHandle h0, mesh.Start(0, 0, fill));
+      STEPMESH_ASSIGN_OR_RETURN(RequestHandle h1, mesh.Start(1, 0, fill + 1));
+      STEPMESH_RETURN_IF_ERROR(mesh.Finish(0, 0, h0, fill, absl::Seconds(5)));
+      return mesh.Finish(1, 0, h1, fill + 1, absl::Seconds(5));
+    };
+    for (int i = 0; i < 5; ++i) REQUIRE(both(static_cast<uint8_t>(10 * i)).ok());
+    for (int restart = 0; restart < 2; ++restart) {
+      const absl::Status restarted = mesh.RestartWorker(1);
+      INFO(restarted.ToString());
+      REQUIRE(restarted.ok());
+      for (int i = 0; i < 5; ++i) {
+        const absl::Status s = both(static_cast<uint8_t>(100 + 10 * i));
+        INFO(s.ToString());
+        REQUIRE(s.ok());
+      }
+    }
+    CHECK(mesh.server_errors().empty());
+    if (rdma) CHECK(fabric->stats().access_errors == 0);
   }
 }
 

@@ -49,7 +49,7 @@ int ThreadCount() {
 }
 
 Harness::Harness(const HarnessConfig& config, const core::TransportFactory& transport)
-    : config_(config) {
+    : config_(config), transport_(transport) {
   const int W = config.workers, S = config.servers, M = config.keys;
   MeshOptions base = config.options;
   base.num_workers = W;
@@ -62,6 +62,7 @@ Harness::Harness(const HarnessConfig& config, const core::TransportFactory& tran
   }
   scheduler_ = *std::move(scheduler);
   base.scheduler = scheduler_->address();
+  base_ = base;
 
   pulls_.assign(W, std::vector<std::vector<std::vector<uint8_t>>>(
                        M, std::vector<std::vector<uint8_t>>(S, std::vector<uint8_t>(config.bytes))));
@@ -114,16 +115,7 @@ Harness::Harness(const HarnessConfig& config, const core::TransportFactory& tran
                           Shape{rows, static_cast<int64_t>(config.bytes)}, Device::Cpu()}));
     }
   }
-  for (int w = 0; w < W; ++w) {
-    for (int m = 0; m < M; ++m) {
-      keep(workers_[w]->RegisterPushTensor(RelPushKey(m),
-                                           BytesView(pushes_flat_[w * M + m].data(), config.bytes)));
-      for (int s = 0; s < S; ++s) {
-        keep(workers_[w]->RegisterPullTensor(RelPullKey(m), s,
-                                             BytesView(pulls_[w][m][s].data(), config.bytes)));
-      }
-    }
-  }
+  for (int w = 0; w < W; ++w) keep(RegisterWorkerTensors(w));
   if (!status_.ok()) return;
   for (int s = 0; s < S; ++s) {
     serving_[s] = true;
@@ -229,6 +221,36 @@ std::vector<std::string> Harness::server_errors() {
 
 void Harness::StopWorker(int w) {
   if (workers_[w] != nullptr) (void)workers_[w]->Shutdown();
+}
+
+absl::Status Harness::RegisterWorkerTensors(int w) {
+  const int M = config_.keys;
+  for (int m = 0; m < M; ++m) {
+    STEPMESH_RETURN_IF_ERROR(workers_[w]->RegisterPushTensor(
+        RelPushKey(m), BytesView(pushes_flat_[w * M + m].data(), config_.bytes)));
+    for (int s = 0; s < config_.servers; ++s) {
+      STEPMESH_RETURN_IF_ERROR(workers_[w]->RegisterPullTensor(
+          RelPullKey(m), s, BytesView(pulls_[w][m][s].data(), config_.bytes)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Harness::RestartWorker(int w) {
+  StopWorker(w);
+  workers_[w].reset();
+  MeshOptions o = base_;
+  o.role = Role::kWorker;
+  o.rank = w;
+  absl::StatusOr<std::unique_ptr<AFTensorWorker>> worker;
+  for (int attempt = 0; attempt < 50; ++attempt) {  // the leave may not have reached the scheduler
+    worker = core::CreateWorker(o, CreateCpuMockBackend(), transport_);
+    if (worker.ok()) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  STEPMESH_RETURN_IF_ERROR(worker.status());
+  workers_[w] = *std::move(worker);
+  return RegisterWorkerTensors(w);
 }
 
 void Harness::StopServer(int s) {

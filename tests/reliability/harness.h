@@ -57,6 +57,10 @@ class Harness {
 
   // Shuts a participant down now (tests of shutdown order).
   void StopWorker(int w);
+  // A rolling restart: shuts worker `w` down, starts a new one under the same
+  // rank (retrying while the scheduler still sees the old one) and registers
+  // its tensors again.
+  absl::Status RestartWorker(int w);
   void StopServer(int s);
   void StopScheduler() { scheduler_.reset(); }
   // Last GetBatch status of server `s` once its loop ended.
@@ -64,8 +68,11 @@ class Harness {
 
  private:
   void ServeLoop(int s);
+  absl::Status RegisterWorkerTensors(int w);
 
   HarnessConfig config_;
+  MeshOptions base_;  // with the scheduler's address
+  core::TransportFactory transport_;
   absl::Status status_;
   std::unique_ptr<Scheduler> scheduler_;
   std::vector<std::unique_ptr<AFTensorWorker>> workers_;
