@@ -243,12 +243,18 @@ absl::Status Harness::RestartWorker(int w) {
   o.role = Role::kWorker;
   o.rank = w;
   absl::StatusOr<std::unique_ptr<AFTensorWorker>> worker;
+  absl::Status first;
   for (int attempt = 0; attempt < 50; ++attempt) {  // the leave may not have reached the scheduler
     worker = core::CreateWorker(o, CreateCpuMockBackend(), transport_);
     if (worker.ok()) break;
+    if (first.ok()) first = worker.status();
     absl::SleepFor(absl::Milliseconds(50));
   }
-  STEPMESH_RETURN_IF_ERROR(worker.status());
+  if (!worker.ok()) {
+    return absl::Status(worker.status().code(),
+                        absl::StrCat(worker.status().message(), " (first attempt: ",
+                                     first.ToString(), ")"));
+  }
   workers_[w] = *std::move(worker);
   return RegisterWorkerTensors(w);
 }
