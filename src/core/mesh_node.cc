@@ -154,9 +154,10 @@ absl::Status MeshNode::EnqueueSend(const SendItem& item) {
 
 void MeshNode::WaitForSendWork() {
   const PollMode mode = options_.threads.poll_mode;
-  if (mode != PollMode::kBlocking) {
-    const absl::Time until = absl::Now() + (mode == PollMode::kSpin ? absl::Milliseconds(20)
-                                                                    : options_.threads.spin_budget);
+  const absl::Time start = absl::Now();
+  if (mode == PollMode::kSpin || (mode == PollMode::kAdaptive && send_advice_.ShouldSpin())) {
+    const absl::Time until =
+        start + (mode == PollMode::kSpin ? absl::Milliseconds(20) : options_.threads.spin_budget);
     while (queued_.load(std::memory_order_acquire) == 0 && !stopped()) {
       for (int i = 0; i < 64; ++i) CpuRelax();
       std::this_thread::yield();  // see AwaitUntil
@@ -164,12 +165,15 @@ void MeshNode::WaitForSendWork() {
     }
     if (mode == PollMode::kSpin) return;
   }
-  ::stepmesh::core::MutexLock lock(&queue_mu_);
-  send_sleeping_.store(true, std::memory_order_release);
-  while (queue_size_ == 0 && !stopped()) {
-    queue_cv_.WaitWithTimeout(&queue_mu_, absl::Milliseconds(50));
+  {
+    ::stepmesh::core::MutexLock lock(&queue_mu_);
+    send_sleeping_.store(true, std::memory_order_release);
+    while (queue_size_ == 0 && !stopped()) {
+      queue_cv_.WaitWithTimeout(&queue_mu_, absl::Milliseconds(50));
+    }
+    send_sleeping_.store(false, std::memory_order_release);
   }
-  send_sleeping_.store(false, std::memory_order_release);
+  if (mode == PollMode::kAdaptive) send_advice_.Record(absl::Now() - start, options_.threads.spin_budget);
 }
 
 void MeshNode::SendLoop() {
@@ -217,10 +221,11 @@ void MeshNode::SendLoop() {
 void MeshNode::RecvLoop() {
   const PollMode mode = options_.threads.poll_mode;
   absl::Time last_busy = absl::Now();
+  bool spin = mode != PollMode::kBlocking;  // after the latest frame
   while (!stopped()) {
     absl::Duration wait = absl::Milliseconds(50);
     if (mode == PollMode::kSpin ||
-        (mode == PollMode::kAdaptive && absl::Now() - last_busy < options_.threads.spin_budget)) {
+        (spin && absl::Now() - last_busy < options_.threads.spin_budget)) {
       wait = absl::ZeroDuration();
     }
     const uint64_t activity_before = activity_;
@@ -230,7 +235,13 @@ void MeshNode::RecvLoop() {
       absl::SleepFor(absl::Milliseconds(1));
     }
     if (activity_ != activity_before) {
-      last_busy = absl::Now();
+      const absl::Time now = absl::Now();
+      if (mode == PollMode::kAdaptive) {
+        // The gap since the previous frame: whether polling through gaps like it pays.
+        recv_advice_.Record(now - last_busy, options_.threads.spin_budget);
+        spin = recv_advice_.ShouldSpin();
+      }
+      last_busy = now;
     } else if (wait == absl::ZeroDuration()) {
       std::this_thread::yield();  // an empty spin round: let the thread we wait for run
     }
