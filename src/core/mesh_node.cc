@@ -64,10 +64,7 @@ void MeshNode::HandlePeerJoined(NodeId peer, const std::string& endpoint) {
 void MeshNode::Stop() {
   if (stopping_.exchange(true)) return;
   if (rendezvous_ != nullptr) rendezvous_->Leave();
-  {
-    ::stepmesh::core::MutexLock lock(&queue_mu_);
-    queue_cv_.SignalAll();
-  }
+  send_wake_.Bump();
   if (transport_ != nullptr) transport_->Wake();
   if (send_thread_.joinable()) send_thread_.join();
   if (transport_ != nullptr) transport_->Shutdown();
@@ -146,9 +143,10 @@ absl::Status MeshNode::EnqueueSend(const SendItem& item) {
     }
     queue_[(queue_head_ + queue_size_) % queue_.size()] = item;
     ++queue_size_;
-    queued_.fetch_add(1, std::memory_order_release);
-    if (send_sleeping_.load(std::memory_order_acquire)) queue_cv_.Signal();
+    queued_.fetch_add(1, std::memory_order_seq_cst);
   }
+  // Woken outside the lock: the send thread takes queue_mu_ first thing.
+  if (send_sleeping_.load(std::memory_order_seq_cst)) send_wake_.Bump();
   return absl::OkStatus();
 }
 
@@ -165,14 +163,13 @@ void MeshNode::WaitForSendWork() {
     }
     if (mode == PollMode::kSpin) return;
   }
-  {
-    ::stepmesh::core::MutexLock lock(&queue_mu_);
-    send_sleeping_.store(true, std::memory_order_release);
-    while (queue_size_ == 0 && !stopped()) {
-      queue_cv_.WaitWithTimeout(&queue_mu_, absl::Milliseconds(50));
-    }
-    send_sleeping_.store(false, std::memory_order_release);
+  send_sleeping_.store(true, std::memory_order_seq_cst);  // announce, then re-check (WakeWord)
+  for (;;) {
+    const uint32_t seen = send_wake_.Load();
+    if (queued_.load(std::memory_order_seq_cst) != 0 || stopped()) break;
+    send_wake_.WaitWhile(seen, absl::Milliseconds(50));
   }
+  send_sleeping_.store(false, std::memory_order_relaxed);
   if (mode == PollMode::kAdaptive) send_advice_.Record(absl::Now() - start, options_.threads.spin_budget);
 }
 
@@ -250,8 +247,7 @@ void MeshNode::RecvLoop() {
 
 void MeshNode::NotifyWaiters() {
   if (sleepers_.load(std::memory_order_seq_cst) == 0) return;
-  ::stepmesh::core::MutexLock lock(&wait_mu_);
-  wait_cv_.SignalAll();
+  wait_wake_.Bump();
 }
 
 }  // namespace stepmesh::core

@@ -136,15 +136,14 @@ class MeshNode : public TransportSink {
   absl::flat_hash_map<RegionId, std::unique_ptr<Memory>> staging_ ABSL_GUARDED_BY(regions_mu_);
 
   ::stepmesh::core::Mutex queue_mu_;
-  ::stepmesh::core::CondVar queue_cv_;
   std::vector<SendItem> queue_ ABSL_GUARDED_BY(queue_mu_);  // ring
   size_t queue_head_ ABSL_GUARDED_BY(queue_mu_) = 0;
   size_t queue_size_ ABSL_GUARDED_BY(queue_mu_) = 0;
   std::atomic<size_t> queued_{0};
   std::atomic<bool> send_sleeping_{false};
+  WakeWord send_wake_;  // the send thread sleeps on it (WaitForSendWork)
 
-  ::stepmesh::core::Mutex wait_mu_;
-  ::stepmesh::core::CondVar wait_cv_;
+  WakeWord wait_wake_;  // AwaitUntil sleeps on it; NotifyWaiters bumps it
   std::atomic<int> sleepers_{0};
 };
 
@@ -173,15 +172,17 @@ bool MeshNode::AwaitUntil(Done done, absl::Time deadline) {
     }
     if (mode == PollMode::kSpin) return done();
   }
+  // Announce, then re-check (see WakeWord): a NotifyWaiters after the announcement
+  // bumps the word, one before it is seen by done().
   sleepers_.fetch_add(1, std::memory_order_seq_cst);
-  {
-    ::stepmesh::core::MutexLock lock(&wait_mu_);
-    while (!done()) {
-      const absl::Time now = absl::Now();
-      if (now >= deadline) break;
-      // Bounded slices: a notification racing with going to sleep costs at most one slice.
-      wait_cv_.WaitWithDeadline(&wait_mu_, std::min(deadline, now + absl::Milliseconds(2)));
-    }
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  for (;;) {
+    const uint32_t seen = wait_wake_.Load();
+    if (done()) break;
+    const absl::Time now = absl::Now();
+    if (now >= deadline) break;
+    // Bounded slices, for conditions that change without a NotifyWaiters.
+    wait_wake_.WaitWhile(seen, std::min(deadline - now, absl::Milliseconds(2)));
   }
   sleepers_.fetch_sub(1, std::memory_order_acq_rel);
   return finish(done());
