@@ -19,7 +19,8 @@ absl::string_view RoleName(Role role);
 // How the progress threads and Wait() look for work.
 enum class PollMode : uint8_t {
   kSpin,      // never sleeps: lowest latency, burns a core per thread
-  kAdaptive,  // spins for ThreadingOptions::spin_budget, then blocks
+  kAdaptive,  // spins for ThreadingOptions::spin_budget, then blocks; a wait site
+              // whose recent waits mostly outlasted the budget blocks at once
   kBlocking,  // blocks in the kernel (epoll / condition variable)
 };
 absl::StatusOr<PollMode> ParsePollMode(absl::string_view name);

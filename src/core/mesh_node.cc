@@ -59,10 +59,7 @@ absl::Status MeshNode::Start(const TransportFactory& factory) {
 void MeshNode::Stop() {
   if (stopping_.exchange(true)) return;
   if (rendezvous_ != nullptr) rendezvous_->Leave();
-  {
-    ::stepmesh::core::MutexLock lock(&queue_mu_);
-    queue_cv_.SignalAll();
-  }
+  send_wake_.Bump();
   if (transport_ != nullptr) transport_->Wake();
   if (send_thread_.joinable()) send_thread_.join();
   if (transport_ != nullptr) transport_->Shutdown();
@@ -171,17 +168,19 @@ absl::Status MeshNode::EnqueueSend(const SendItem& item) {
     }
     queue_[(queue_head_ + queue_size_) % queue_.size()] = item;
     ++queue_size_;
-    queued_.fetch_add(1, std::memory_order_release);
-    if (send_sleeping_.load(std::memory_order_acquire)) queue_cv_.Signal();
+    queued_.fetch_add(1, std::memory_order_seq_cst);
   }
+  // Woken outside the lock: the send thread takes queue_mu_ first thing.
+  if (send_sleeping_.load(std::memory_order_seq_cst)) send_wake_.Bump();
   return absl::OkStatus();
 }
 
 void MeshNode::WaitForSendWork() {
   const PollMode mode = options_.threads.poll_mode;
-  if (mode != PollMode::kBlocking) {
-    const absl::Time until = absl::Now() + (mode == PollMode::kSpin ? absl::Milliseconds(20)
-                                                                    : options_.threads.spin_budget);
+  const absl::Time start = absl::Now();
+  if (mode == PollMode::kSpin || (mode == PollMode::kAdaptive && send_advice_.ShouldSpin())) {
+    const absl::Time until =
+        start + (mode == PollMode::kSpin ? absl::Milliseconds(20) : options_.threads.spin_budget);
     while (queued_.load(std::memory_order_acquire) == 0 && !stopped()) {
       for (int i = 0; i < 64; ++i) CpuRelax();
       std::this_thread::yield();  // see AwaitUntil
@@ -189,12 +188,14 @@ void MeshNode::WaitForSendWork() {
     }
     if (mode == PollMode::kSpin) return;
   }
-  ::stepmesh::core::MutexLock lock(&queue_mu_);
-  send_sleeping_.store(true, std::memory_order_release);
-  while (queue_size_ == 0 && !stopped()) {
-    queue_cv_.WaitWithTimeout(&queue_mu_, absl::Milliseconds(50));
+  send_sleeping_.store(true, std::memory_order_seq_cst);  // announce, then re-check (WakeWord)
+  for (;;) {
+    const uint32_t seen = send_wake_.Load();
+    if (queued_.load(std::memory_order_seq_cst) != 0 || stopped()) break;
+    send_wake_.WaitWhile(seen, absl::Milliseconds(50));
   }
-  send_sleeping_.store(false, std::memory_order_release);
+  send_sleeping_.store(false, std::memory_order_relaxed);
+  if (mode == PollMode::kAdaptive) send_advice_.Record(absl::Now() - start, options_.threads.spin_budget);
 }
 
 void MeshNode::SendLoop() {
@@ -242,10 +243,11 @@ void MeshNode::SendLoop() {
 void MeshNode::RecvLoop() {
   const PollMode mode = options_.threads.poll_mode;
   absl::Time last_busy = absl::Now();
+  bool spin = mode != PollMode::kBlocking;  // after the latest frame
   while (!stopped()) {
     absl::Duration wait = absl::Milliseconds(50);
     if (mode == PollMode::kSpin ||
-        (mode == PollMode::kAdaptive && absl::Now() - last_busy < options_.threads.spin_budget)) {
+        (spin && absl::Now() - last_busy < options_.threads.spin_budget)) {
       wait = absl::ZeroDuration();
     }
     const uint64_t activity_before = activity_;
@@ -255,7 +257,13 @@ void MeshNode::RecvLoop() {
       absl::SleepFor(absl::Milliseconds(1));
     }
     if (activity_ != activity_before) {
-      last_busy = absl::Now();
+      const absl::Time now = absl::Now();
+      if (mode == PollMode::kAdaptive) {
+        // The gap since the previous frame: whether polling through gaps like it pays.
+        recv_advice_.Record(now - last_busy, options_.threads.spin_budget);
+        spin = recv_advice_.ShouldSpin();
+      }
+      last_busy = now;
     } else if (wait == absl::ZeroDuration()) {
       std::this_thread::yield();  // an empty spin round: let the thread we wait for run
     }
@@ -264,8 +272,7 @@ void MeshNode::RecvLoop() {
 
 void MeshNode::NotifyWaiters() {
   if (sleepers_.load(std::memory_order_seq_cst) == 0) return;
-  ::stepmesh::core::MutexLock lock(&wait_mu_);
-  wait_cv_.SignalAll();
+  wait_wake_.Bump();
 }
 
 }  // namespace stepmesh::core

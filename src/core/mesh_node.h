@@ -3,6 +3,8 @@
 // and receive threads, the send queue, and waiting under the poll mode.
 
 #include <atomic>
+#include <bit>
+#include <cstdint>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -38,6 +40,27 @@ struct SendItem {
   uint32_t index = 0;
   uint32_t generation = 0;
   Event* ready = nullptr;  // sent once this completes
+};
+
+// Whether one wait site should spin before it blocks (adaptive poll mode). A
+// spin pays off when the wait ends within the spin budget. When the waits of a
+// site keep outlasting the budget (2A2F layers take about 2 ms against 1 ms),
+// the spin ends in a sleep anyway, and meanwhile takes the core from the
+// threads doing the copies the wait is for. Remembers the last 8 waits of its
+// site, so it follows a change of load within a few waits. Concurrent waiters
+// of one site may lose a sample to a racing update, which is harmless.
+class SpinAdvisor {
+ public:
+  bool ShouldSpin() const {
+    return std::popcount(history_.load(std::memory_order_relaxed) & 0xFFu) < 4;
+  }
+  void Record(absl::Duration waited, absl::Duration budget) {
+    const uint32_t h = history_.load(std::memory_order_relaxed);
+    history_.store((h << 1) | (waited > budget ? 1u : 0u), std::memory_order_relaxed);
+  }
+
+ private:
+  std::atomic<uint32_t> history_{0};
 };
 
 class MeshNode : public TransportSink {
@@ -108,6 +131,9 @@ class MeshNode : public TransportSink {
   void WaitForSendWork();
 
   uint64_t activity_ = 0;  // receive thread only
+  SpinAdvisor await_advice_;  // AwaitUntil (Wait, GetBatch)
+  SpinAdvisor send_advice_;   // the send thread waiting for work
+  SpinAdvisor recv_advice_;   // the receive thread between frames
   std::atomic<bool> stopping_{false};
   bool started_ = false;
   std::thread send_thread_;
@@ -118,15 +144,14 @@ class MeshNode : public TransportSink {
   absl::flat_hash_map<RegionId, std::unique_ptr<Memory>> staging_ ABSL_GUARDED_BY(regions_mu_);
 
   ::stepmesh::core::Mutex queue_mu_;
-  ::stepmesh::core::CondVar queue_cv_;
   std::vector<SendItem> queue_ ABSL_GUARDED_BY(queue_mu_);  // ring
   size_t queue_head_ ABSL_GUARDED_BY(queue_mu_) = 0;
   size_t queue_size_ ABSL_GUARDED_BY(queue_mu_) = 0;
   std::atomic<size_t> queued_{0};
   std::atomic<bool> send_sleeping_{false};
+  WakeWord send_wake_;  // the send thread sleeps on it (WaitForSendWork)
 
-  ::stepmesh::core::Mutex wait_mu_;
-  ::stepmesh::core::CondVar wait_cv_;
+  WakeWord wait_wake_;  // AwaitUntil sleeps on it; NotifyWaiters bumps it
   std::atomic<int> sleepers_{0};
 };
 
@@ -134,12 +159,19 @@ template <typename Done>
 bool MeshNode::AwaitUntil(Done done, absl::Time deadline) {
   if (done()) return true;
   const PollMode mode = options_.threads.poll_mode;
-  if (mode != PollMode::kBlocking) {
+  const absl::Time start = absl::Now();
+  const auto finish = [&](bool result) {
+    if (mode == PollMode::kAdaptive) {
+      await_advice_.Record(absl::Now() - start, options_.threads.spin_budget);
+    }
+    return result;
+  };
+  if (mode == PollMode::kSpin || (mode == PollMode::kAdaptive && await_advice_.ShouldSpin())) {
     const absl::Time spin_until =
-        mode == PollMode::kSpin ? deadline : std::min(deadline, absl::Now() + options_.threads.spin_budget);
+        mode == PollMode::kSpin ? deadline : std::min(deadline, start + options_.threads.spin_budget);
     while (absl::Now() < spin_until) {
       for (int i = 0; i < 64; ++i) {
-        if (done()) return true;
+        if (done()) return finish(true);
         CpuRelax();
       }
       // With more threads than cores a pure spinner holds the core the thread it
@@ -148,16 +180,20 @@ bool MeshNode::AwaitUntil(Done done, absl::Time deadline) {
     }
     if (mode == PollMode::kSpin) return done();
   }
+  // Announce, then re-check (see WakeWord): a NotifyWaiters after the announcement
+  // bumps the word, one before it is seen by done().
   sleepers_.fetch_add(1, std::memory_order_seq_cst);
-  ::stepmesh::core::MutexLock lock(&wait_mu_);
-  while (!done()) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  for (;;) {
+    const uint32_t seen = wait_wake_.Load();
+    if (done()) break;
     const absl::Time now = absl::Now();
     if (now >= deadline) break;
-    // Bounded slices: a notification racing with going to sleep costs at most one slice.
-    wait_cv_.WaitWithDeadline(&wait_mu_, std::min(deadline, now + absl::Milliseconds(2)));
+    // Bounded slices, for conditions that change without a NotifyWaiters.
+    wait_wake_.WaitWhile(seen, std::min(deadline - now, absl::Milliseconds(2)));
   }
   sleepers_.fetch_sub(1, std::memory_order_acq_rel);
-  return done();
+  return finish(done());
 }
 
 }  // namespace stepmesh::core

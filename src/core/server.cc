@@ -334,7 +334,13 @@ class Server final : public AFTensorServer, public MeshNode {
     }
     BatchSlot& slot = *slots_[item.index];
     const uint64_t reply_ns = options_.trace.enabled ? MonotonicNowNs() : 0;
-    for (int w : slot.workers) {
+    // Server s starts with the s-th worker (a rotation), so that no worker is
+    // every server's last: with every server starting at worker 0, the last
+    // worker always waits for all the others' replies, and its next push
+    // holds up every server's next batch.
+    const size_t n = slot.workers.size();
+    for (size_t i = 0; i < n; ++i) {
+      const int w = slot.workers[(i + static_cast<size_t>(rank_)) % n];
       WorkerEntry& e = slot.entries[w];
       // Free the worker's receive slots first: its next push may follow our reply at once.
       for (size_t t = 0; t < slot.regs.size(); ++t) {

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <mutex>
 
 #include "absl/base/thread_annotations.h"
@@ -101,6 +102,28 @@ class CondVar {
 
  private:
   std::condition_variable_any cv_;
+};
+
+// A word threads sleep on until another thread bumps it (a Linux futex). A
+// hand-off through it costs the waker one system call, and only when someone
+// sleeps: no mutex changes hands, so the woken thread cannot block again on a
+// lock its waker still holds, as it can behind a condition variable. The
+// condition itself lives in the caller's atomics (which is what ThreadSanitizer
+// sees); the protocol, for a waker that made the condition true:
+//   waiter: announce (seq_cst) -> seen = Load() -> re-check condition -> WaitWhile(seen)
+//   waker:  make condition true (seq_cst) -> if someone announced: Bump()
+class WakeWord {
+ public:
+  uint32_t Load() const { return word_.load(std::memory_order_seq_cst); }
+  // Sleeps while the word still equals `seen`, at most `timeout`. May return
+  // early (a bump, a signal, a spurious wake): callers re-check.
+  void WaitWhile(uint32_t seen, absl::Duration timeout);
+  // Changes the word and wakes every sleeper.
+  void Bump();
+
+ private:
+  std::atomic<uint32_t> word_{0};
+  static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t));
 };
 
 class Notification {

@@ -333,7 +333,9 @@ class Worker final : public AFTensorWorker, public MeshNode {
       const PlannedPush& p = r.pushes[i];
       failed = StageOut(p.reg->wire, p.reg->view.data, 0, p.bytes);
     }
-    for (int s = 0; s < num_servers; ++s) {
+    // Worker w starts with server w (a rotation; see the server's ExecuteSend).
+    for (int i = 0; i < num_servers; ++i) {
+      const int s = (i + rank_) % num_servers;
       if (!r.addressed[s]) continue;
       if (!failed.ok()) {
         Settle(r, s, failed);

@@ -33,6 +33,12 @@ namespace {
 constexpr absl::Duration kHandshakeTimeout = absl::Seconds(5);
 constexpr size_t kMaxErrorText = 4096;
 constexpr int kSocketBufferBytes = 8 << 20;
+// The most SO_RCVLOWAT asks for (see SetLowWater): large payloads still wake
+// the receive thread every 256 KiB, so its copy-out trails the sender's
+// copy-in by at most that much. The kernel also caps it at half the receive
+// buffer and reports readable anyway under memory pressure or a closing
+// window, so a low water mark above what can arrive never stalls a frame.
+constexpr size_t kLowWaterCap = 256 << 10;
 
 // One peer's connection and the state of the frame being received on it.
 struct Connection {
@@ -52,6 +58,7 @@ struct Connection {
   size_t payload_got = 0;
   absl::Status rejection;      // kDiscard: why
   std::string error_text;      // kError payloads are read here
+  int lowat = 1;               // the socket's SO_RCVLOWAT (receive thread only)
 };
 
 class TcpTransport final : public Transport {
@@ -329,7 +336,10 @@ class TcpTransport final : public Transport {
       }
       if (n < 0) {
         if (errno == EINTR) continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+          SetLowWater(conn);
+          return;
+        }
         Lose(conn, sink, absl::UnavailableError(ErrnoMessage("recv from peer", errno)));
         return;
       }
@@ -344,6 +354,33 @@ class TcpTransport final : public Transport {
         conn.payload_got += static_cast<size_t>(n);
         if (conn.payload_got == conn.header.payload_bytes) FinishFrame(conn, sink);
       }
+    }
+    // Out of rounds with bytes maybe still queued: the mark must fit the frame
+    // now being read, or the rest of a short one would never be reported.
+    if (conn.alive) SetLowWater(conn);
+  }
+
+  // Asks the kernel to report the connection readable (and wake the receive
+  // thread) only once the rest of the current frame is there, or kLowWaterCap
+  // of it. Without it, the receive thread chases the sender segment by
+  // segment: a wake-up, an epoll round and a small copy per 64 KiB, with the
+  // socket's lock and counters bouncing between the cores (measured in
+  // docs/benchmarks.md). Set only when it changes, when leaving ReadFrom.
+  void SetLowWater(Connection& conn) {
+    size_t want = 0;
+    switch (conn.stage) {
+      case Connection::Stage::kHeader:
+        want = kFrameBytes - conn.header_got;
+        break;
+      case Connection::Stage::kPayload:
+      case Connection::Stage::kDiscard:
+        want = conn.header.payload_bytes - conn.payload_got;
+        break;
+    }
+    const int lowat = static_cast<int>(std::clamp<size_t>(want, 1, kLowWaterCap));
+    if (lowat == conn.lowat) return;
+    if (::setsockopt(conn.fd.get(), SOL_SOCKET, SO_RCVLOWAT, &lowat, sizeof(lowat)) == 0) {
+      conn.lowat = lowat;
     }
   }
 
