@@ -25,6 +25,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -564,17 +565,26 @@ void StartWatchdog(int deadline_s) {
   }).detach();
 }
 
-// Free TCP ports for the baseline listeners: bound and released here, so a
-// race with another program is possible but harmless (the bind then fails loudly).
+// Free TCP ports for the baseline listeners, probed here and bound later by
+// the child processes. Taken below the kernel's ephemeral range, where no
+// port-0 listener or outgoing connection of the mesh can grab one in between
+// (ephemeral probes lost that race about once in 70 runs).
 absl::StatusOr<int> PickBaselinePort(int servers) {
-  for (int attempt = 0; attempt < 50; ++attempt) {
-    STEPMESH_ASSIGN_OR_RETURN(core::UniqueFd probe, core::ListenTcp("127.0.0.1", 0));
-    STEPMESH_ASSIGN_OR_RETURN(uint16_t base, core::LocalPort(probe.get()));
-    if (base + 2 * servers >= 65535) continue;
-    probe.Reset();
+  int ephemeral_low = 32768;
+  if (std::FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
+    if (std::fscanf(f, "%d", &ephemeral_low) != 1) ephemeral_low = 32768;
+    std::fclose(f);
+  }
+  const int low = 10000;
+  const int high = ephemeral_low - 2 * servers;  // exclusive
+  if (high <= low) return absl::UnavailableError("no port range below the ephemeral ports");
+  std::mt19937 rng{std::random_device{}()};
+  std::uniform_int_distribution<int> pick(low, high - 1);
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    const int base = pick(rng);
     bool all_free = true;
-    for (int p = base; p < base + 2 * servers; ++p) {
-      if (!core::ListenTcp("127.0.0.1", static_cast<uint16_t>(p)).ok()) all_free = false;
+    for (int p = base; p < base + 2 * servers && all_free; ++p) {
+      all_free = core::ListenTcp("127.0.0.1", static_cast<uint16_t>(p)).ok();
     }
     if (all_free) return base;
   }
