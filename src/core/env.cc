@@ -124,6 +124,10 @@ const std::vector<EnvEntry>& EnvTable() {
       {"STEPMESH_MAX_INFLIGHT", STEPMESH_ENV_INT(max_inflight_requests)},
       {"STEPMESH_MAX_REGISTRATIONS", STEPMESH_ENV_INT(max_registrations)},
       {"STEPMESH_AUTH_TOKEN", STEPMESH_ENV_STR(auth_token)},
+      {"STEPMESH_PAYLOAD_CHECKSUM", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         STEPMESH_ASSIGN_OR_RETURN(o.payload_checksum, ParseBool("STEPMESH_PAYLOAD_CHECKSUM", v));
+         return absl::OkStatus();
+       }},
       {"STEPMESH_TRACE", [](absl::string_view v, MeshOptions& o) -> absl::Status {
          STEPMESH_ASSIGN_OR_RETURN(o.trace.enabled, ParseBool("STEPMESH_TRACE", v));
          return absl::OkStatus();

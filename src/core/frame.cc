@@ -12,7 +12,8 @@ constexpr size_t kOffMagic = 0, kOffVersion = 4, kOffType = 5, kOffDType = 6, kO
                  kOffSrc = 8, kOffDst = 12, kOffKey = 16, kOffRequest = 24, kOffPayload = 32,
                  kOffPullKey = 40, kOffPartIndex = 48, kOffPartCount = 50, kOffStatus = 52,
                  kOffStamps = 56, kOffCrc = kFrameBytes - 4;
-static_assert(kOffStamps + 5 * 8 + 4 == kOffCrc, "five stamps, 4 reserved bytes, then the CRC");
+constexpr size_t kOffPayloadCrc = kOffCrc - 4;
+static_assert(kOffStamps + 5 * 8 == kOffPayloadCrc, "five stamps, the payload CRC, the header CRC");
 
 template <typename T>
 void Put(std::byte* out, size_t offset, T value) {
@@ -97,7 +98,7 @@ void EncodeFrame(const FrameHeader& h, std::byte* out) {
   const uint64_t stamps[5] = {h.stamps.enqueue_ns, h.stamps.post_ns, h.stamps.server_arrival_ns,
                               h.stamps.server_handler_ns, h.stamps.server_reply_ns};
   for (int i = 0; i < 5; ++i) Put<uint64_t>(out, kOffStamps + 8 * i, stamps[i]);
-  Put<uint32_t>(out, kOffCrc - 4, 0);  // reserved
+  Put<uint32_t>(out, kOffPayloadCrc, h.payload_crc);
   Put<uint32_t>(out, kOffCrc, Crc32c(out, kOffCrc));
 }
 
@@ -139,6 +140,7 @@ absl::StatusOr<FrameHeader> DecodeFrame(absl::Span<const std::byte> bytes) {
   h.part_index = Get<uint16_t>(in, kOffPartIndex);
   h.part_count = Get<uint16_t>(in, kOffPartCount);
   h.status_code = Get<uint32_t>(in, kOffStatus);
+  h.payload_crc = Get<uint32_t>(in, kOffPayloadCrc);
   h.stamps.enqueue_ns = Get<uint64_t>(in, kOffStamps);
   h.stamps.post_ns = Get<uint64_t>(in, kOffStamps + 8);
   h.stamps.server_arrival_ns = Get<uint64_t>(in, kOffStamps + 16);
@@ -152,8 +154,11 @@ absl::StatusOr<FrameHeader> DecodeFrame(absl::Span<const std::byte> bytes) {
     return absl::DataLossError(
         absl::StrCat("push part ", h.part_index, " of ", h.part_count, " is impossible"));
   }
-  if (h.flags & ~uint8_t{kFlagHasPull}) {
+  if (h.flags & ~uint8_t{kFlagHasPull | kFlagPayloadCrc}) {
     return absl::DataLossError(absl::StrCat("unknown frame flags 0x", absl::Hex(h.flags)));
+  }
+  if (!(h.flags & kFlagPayloadCrc) && h.payload_crc != 0) {
+    return absl::DataLossError("payload CRC without its flag");
   }
   if (h.type == FrameType::kError && h.status_code == 0) {
     return absl::DataLossError("error frame carries OK status");

@@ -32,7 +32,8 @@ enum class FrameType : uint8_t {
 bool IsValidFrameType(uint8_t raw);
 
 enum FrameFlags : uint8_t {
-  kFlagHasPull = 1 << 0,  // push frames: `pull_key` is expected back from this server
+  kFlagHasPull = 1 << 0,     // push frames: `pull_key` is expected back from this server
+  kFlagPayloadCrc = 1 << 1,  // `payload_crc` is the CRC32C of the payload (payload_checksum)
 };
 
 // Node ids: role in the top byte, rank below. Stable across transports.
@@ -57,6 +58,7 @@ struct FrameHeader {
   uint16_t part_index = 0;  // this push among the request's pushes to this server
   uint16_t part_count = 0;
   uint32_t status_code = 0;  // kError: an absl::StatusCode
+  uint32_t payload_crc = 0;  // with kFlagPayloadCrc only
   TraceStamps stamps;        // reply_arrival_ns is never sent (always 0 on the wire)
 };
 

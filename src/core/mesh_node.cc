@@ -154,6 +154,25 @@ absl::Status MeshNode::StageOut(const WireTensor& t, const void* tensor, size_t 
   return backend_->Copy(t.wire + offset, static_cast<const std::byte*>(tensor) + offset, bytes);
 }
 
+void MeshNode::SealPayload(FrameHeader& h, const WireTensor& t, const std::byte* src) const {
+  h.flags &= static_cast<uint8_t>(~kFlagPayloadCrc);
+  h.payload_crc = 0;
+  if (!options_.payload_checksum || t.device_direct || h.payload_bytes == 0) return;
+  h.flags |= kFlagPayloadCrc;
+  h.payload_crc = Crc32c(src, h.payload_bytes);
+}
+
+absl::Status MeshNode::CheckPayload(const FrameHeader& h, const WireTensor& t,
+                                    const std::byte* landed) const {
+  if (!(h.flags & kFlagPayloadCrc) || t.device_direct) return absl::OkStatus();
+  const uint32_t crc = Crc32c(landed, h.payload_bytes);
+  if (crc == h.payload_crc) return absl::OkStatus();
+  return absl::DataLossError(absl::StrCat("payload checksum mismatch under key ", h.key, " (",
+                                          h.payload_bytes, " bytes: sent CRC32C 0x",
+                                          absl::Hex(h.payload_crc), ", received 0x",
+                                          absl::Hex(crc), ")"));
+}
+
 absl::Status MeshNode::StageIn(const WireTensor& t, void* tensor, size_t offset, size_t bytes) {
   if (t.device_direct && bytes != 0) return backend_->FlushRemoteWrites();
   if (!t.staged || bytes == 0) return absl::OkStatus();

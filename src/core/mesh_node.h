@@ -110,6 +110,12 @@ class MeshNode : public TransportSink {
   // those writes visible to the device's streams instead.
   absl::Status StageOut(const WireTensor& t, const void* tensor, size_t offset, size_t bytes);
   absl::Status StageIn(const WireTensor& t, void* tensor, size_t offset, size_t bytes);
+  // options.payload_checksum: seals a data frame whose payload `src` (in `t`'s
+  // wire memory) this host can read, and checks an arrival at `landed` against
+  // a sealed frame. Device memory the NIC reads or writes directly is skipped.
+  void SealPayload(FrameHeader& h, const WireTensor& t, const std::byte* src) const;
+  absl::Status CheckPayload(const FrameHeader& h, const WireTensor& t,
+                            const std::byte* landed) const;
 
   NodeId PeerId(int rank) const;  // a node of the other role
   int PeerCount() const;

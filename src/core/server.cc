@@ -373,6 +373,7 @@ class Server final : public AFTensorServer, public MeshNode {
           src = e.reply->wire.wire + offset;
           region = e.reply->wire.region;
           sent = StageOut(e.reply->wire, e.reply->view.data, offset, e.reply_bytes);
+          SealPayload(h, e.reply->wire, src);
         }
         if (sent.ok()) sent = transport_->Send(h.dst, h, src, region, h.payload_bytes);
       }
@@ -466,7 +467,12 @@ class Server final : public AFTensorServer, public MeshNode {
         a->keys[a->num_keys] = h.key;
         a->bytes[a->num_keys] = h.payload_bytes;
         a->regs[a->num_keys] = reg;
-        ++a->num_keys;
+        ++a->num_keys;  // even if damaged: the slot is released with the request
+        if (absl::Status intact = CheckPayload(h, reg->wire, reg->wire.wire + w * reg->slot_bytes);
+            !intact.ok()) {
+          if (!a->failed) QueueError(peer, h.request_id, intact);
+          a->failed = true;
+        }
       }
       a->stamps.enqueue_ns = h.stamps.enqueue_ns;
       a->stamps.post_ns = h.stamps.post_ns;

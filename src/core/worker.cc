@@ -369,6 +369,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
         h.dtype = p.dtype;
         h.payload_bytes = p.bytes;
         h.part_index = part++;
+        SealPayload(h, p.reg->wire, p.data);
         absl::Status sent = transport_->Send(h.dst, h, p.data, p.region, p.bytes);
         if (!sent.ok()) {
           Settle(r, s, absl::Status(sent.code(), absl::StrCat("sending to server ", s, ": ",
@@ -421,7 +422,8 @@ class Worker final : public AFTensorWorker, public MeshNode {
     const int s = static_cast<int>(NodeRank(peer));
     if (h.type == FrameType::kReply && status.ok() && (*r)->pull_key[s] != kNoPull) {
       const Registration& reg = *(*r)->pull_reg[s];
-      status = StageIn(reg.wire, reg.view.data, 0, h.payload_bytes);
+      status = CheckPayload(h, reg.wire, reg.wire.wire);
+      if (status.ok()) status = StageIn(reg.wire, reg.view.data, 0, h.payload_bytes);
     }
     if (h.type == FrameType::kReply && status.ok()) {
       TraceStamps& t = (*r)->stamps[s];

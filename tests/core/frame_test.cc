@@ -10,7 +10,8 @@ FrameHeader SampleHeader() {
   FrameHeader h;
   h.type = FrameType::kPush;
   h.dtype = DType::kFloat8E4M3;
-  h.flags = kFlagHasPull;
+  h.flags = kFlagHasPull | kFlagPayloadCrc;
+  h.payload_crc = 0xA1B2C3D4;
   h.src = MakeNodeId(1, 3);
   h.dst = MakeNodeId(2, 1);
   h.key = 0x1122334455667788ull;
@@ -39,6 +40,7 @@ TEST_CASE("frame round trip keeps every field", "[frame]") {
   CHECK(out->pull_key == in.pull_key);
   CHECK(out->part_index == in.part_index);
   CHECK(out->part_count == in.part_count);
+  CHECK(out->payload_crc == 0xA1B2C3D4);
   CHECK(out->stamps.enqueue_ns == 1);
   CHECK(out->stamps.server_reply_ns == 5);
   CHECK(out->stamps.reply_arrival_ns == 0);
@@ -90,6 +92,11 @@ TEST_CASE("frame decoder rejects impossible fields even with a valid checksum", 
     CHECK(absl::IsDataLoss(DecodeFrame(EncodeFrame(h)).status()));
     h = SampleHeader();
     h.dtype = static_cast<DType>(0);
+    CHECK(absl::IsDataLoss(DecodeFrame(EncodeFrame(h)).status()));
+  }
+  SECTION("a payload CRC without its flag") {
+    FrameHeader h = SampleHeader();
+    h.flags = kFlagHasPull;
     CHECK(absl::IsDataLoss(DecodeFrame(EncodeFrame(h)).status()));
   }
   SECTION("error frame with OK status") {

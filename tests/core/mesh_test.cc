@@ -46,6 +46,16 @@ TEST_CASE("in-process meshes exchange byte-exact data over TCP", "[mesh][tcp]") 
   }
 }
 
+TEST_CASE("in-process 2A2F over TCP with payload checksums on", "[mesh][tcp]") {
+  Scenario sc;
+  sc.iterations = 30;
+  MeshOptions o = TcpOptions();
+  o.payload_checksum = true;  // every payload sealed and checked, none may fail
+  absl::Status result = testing::RunInProcess(sc, o, core::CreateTransport);
+  CHECK(result.ok());
+  if (!result.ok()) FAIL_CHECK(result.ToString());
+}
+
 TEST_CASE("in-process mesh works in every poll mode", "[mesh][tcp]") {
   for (PollMode mode : {PollMode::kSpin, PollMode::kAdaptive, PollMode::kBlocking}) {
     Scenario sc;

@@ -63,6 +63,18 @@ TEST_CASE("conformance over rdma (fake verbs): 1A1F, 1A2F, 2A2F, 3 micro-batches
   }
 }
 
+TEST_CASE("conformance over rdma (fake verbs): 2A2F with payload checksums on",
+          "[rdma][conformance]") {
+  auto fabric = std::make_shared<FakeFabric>();
+  Scenario sc;
+  sc.iterations = 20;
+  MeshOptions o = RdmaOptions();
+  o.payload_checksum = true;  // every payload sealed and checked, none may fail
+  absl::Status result = testing::RunInProcess(sc, o, FakeRdmaFactory(fabric));
+  CHECK(result.ok());
+  if (!result.ok()) FAIL_CHECK(result.ToString());
+}
+
 TEST_CASE("conformance over rdma (fake verbs): two QPs per peer, small credit window",
           "[rdma][conformance]") {
   auto fabric = std::make_shared<FakeFabric>();

@@ -159,19 +159,27 @@ TEST_CASE("fault: a truncated frame (sender dies mid-frame) loses the peer", "[f
   REQUIRE_OK(mesh.RoundTrip(0, 1, 2, absl::Seconds(5), {0}));
 }
 
-TEST_CASE("fault: payload corruption is NOT detected by the TCP transport (documented)",
-          "[fault]") {
-  // Frames carry a header CRC only; payload integrity rests on TCP's checksum.
-  // If this starts failing because payloads gained a checksum, update
-  // docs/reliability.md and turn this into a detection test.
-  auto plan = std::make_shared<FaultPlan>();
-  plan->Add({.action = FaultAction::kCorruptPayload, .type = FrameType::kReply,
-             .from = kServer0});
-  Harness mesh(Config(), FaultyTcp(plan));
-  REQUIRE_OK(mesh.status());
-  const absl::Status s = mesh.RoundTrip(0, 0, 1);
-  CHECK(absl::IsDataLoss(s));  // the harness's own byte check, not the transport
-  REQUIRE_OK(mesh.RoundTrip(0, 0, 2));
+TEST_CASE("fault: payload corruption is caught only with payload_checksum", "[fault]") {
+  for (const FrameType type : {FrameType::kReply, FrameType::kPush}) {
+    for (const bool checksum : {false, true}) {
+      INFO((type == FrameType::kReply ? "a reply" : "a push")
+           << " corrupted on the wire, payload_checksum " << checksum);
+      auto plan = std::make_shared<FaultPlan>();
+      plan->Add({.action = FaultAction::kCorruptPayload, .type = type});
+      HarnessConfig config = Config();
+      config.options.payload_checksum = checksum;
+      Harness mesh(config, FaultyTcp(plan));
+      REQUIRE_OK(mesh.status());
+      const absl::Status s = mesh.RoundTrip(0, 0, 1);
+      INFO(s.ToString());
+      CHECK(absl::IsDataLoss(s));
+      // Off: frames carry a header CRC only, the request "succeeds" and only the
+      // harness's own byte check sees the damage. On: the receiver fails it.
+      CHECK((s.message().find("payload checksum mismatch") != absl::string_view::npos) ==
+            checksum);
+      for (int i = 0; i < 5; ++i) REQUIRE_OK(mesh.RoundTrip(0, i % 2, static_cast<uint8_t>(2 + i)));
+    }
+  }
 }
 
 TEST_CASE("fault: a reply under another key never lands in that key's tensor", "[fault]") {
