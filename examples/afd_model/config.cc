@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -238,6 +239,11 @@ std::optional<ModelConfig> LoadModelConfig(const std::string& name_or_path,
   return LoadModelConfigFile(name_or_path, error);
 }
 
-std::string BundledConfigDir() { return AFD_MODEL_CONFIG_DIR; }
+// The source tree's configs, where the build put them; a binary carried to
+// another machine (the GPU checks) finds them relative to the repository root.
+std::string BundledConfigDir() {
+  if (std::filesystem::is_directory(AFD_MODEL_CONFIG_DIR)) return AFD_MODEL_CONFIG_DIR;
+  return "examples/afd_model/configs";
+}
 
 }  // namespace afd

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Packs the GPU checks (issues 3 and 5) for a lent GPU machine. Its image has
+# CUDA but none of stepmesh's C++ dependencies (Abseil, hwloc, rdma-core,
+# Catch2) and nothing can be installed there, so the test programs are built
+# here (nvcc, sm_90) and carried with the shared libraries they need.
+#
+#   scripts/device-bundle.sh            # builds into build/, writes .device-bundle/
+#   then, with the device tool:  run  command="bash benchmarks/gpu/run_device_checks.sh"
+#                                     carry=[".device-bundle"]
+#
+# .device-bundle/ is git-ignored; it is rebuilt from scratch each time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${BUILD_DIR:-build}
+bundle=.device-bundle
+jobs=$(nproc)
+
+scripts/install-deps.sh
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DSTEPMESH_BUILD_TESTS=ON -DSTEPMESH_BUILD_BENCHMARKS=ON -DSTEPMESH_BUILD_EXAMPLES=ON \
+  -DSTEPMESH_ENABLE_CUDA=ON -DSTEPMESH_ENABLE_RDMA=ON >/dev/null
+cmake --build "$build" -j "$jobs" --target cuda_gpu_tests cuda_latency model_gpu_tests
+
+programs=("$build/tests/cuda/cuda_gpu_tests" "$build/benchmarks/gpu/cuda_latency"
+          "$build/tests/model_gpu/model_gpu_tests")
+rm -rf "$bundle"
+mkdir -p "$bundle/bin" "$bundle/lib"
+for program in "${programs[@]}"; do
+  objcopy --strip-debug "$program" "$bundle/bin/$(basename "$program")"
+done
+# Every shared library but the C/C++ runtime (newer on the image) and CUDA's
+# own (the image's toolkit and driver provide those).
+for program in "${programs[@]}"; do
+  ldd "$program" | awk '$3 ~ /^\// {print $3}'
+done | sort -u | grep -v -E '/(libc|libm|libdl|libpthread|librt|libgcc_s|libstdc\+\+)\.so|/usr/local/cuda' |
+  while read -r library; do cp -L "$library" "$bundle/lib/"; done
+echo "device bundle: $(du -sh "$bundle" | cut -f1) in $bundle ($(ls "$bundle/lib" | wc -l) libraries)"
