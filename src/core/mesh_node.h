@@ -23,8 +23,6 @@
 
 namespace stepmesh::core {
 
-// A registered tensor as the transport sees it: `wire` is the tensor itself,
-// or a pinned host copy when the transport cannot reach the tensor's device.
 // How a registered tensor meets the transport: in place (`wire` is the tensor),
 // or staged through a pinned host copy the transport can reach.
 struct WireTensor {

@@ -1,9 +1,9 @@
 #pragma once
-// Locks and condition variables over the C++ standard library, with Abseil's
-// API shape and thread-safety annotations. Why not absl::Mutex: Debian's
-// Abseil is not built with ThreadSanitizer, which then cannot see absl::Mutex
-// and reports every field it guards as racy; std::mutex is intercepted by
-// TSan, so the TSan CI run checks our real synchronisation.
+// Locks over the C++ standard library, with Abseil's API shape and
+// thread-safety annotations, and a futex wake word. Why not absl::Mutex:
+// Debian's Abseil is not built with ThreadSanitizer, which then cannot see
+// absl::Mutex and reports every field it guards as racy; std::mutex is
+// intercepted by TSan, so the TSan CI run checks our real synchronisation.
 
 #include <algorithm>
 #include <atomic>
@@ -29,10 +29,6 @@ class ABSL_LOCKABLE Mutex {
   void ReaderLock() ABSL_SHARED_LOCK_FUNCTION() { Lock(); }
   void ReaderUnlock() ABSL_UNLOCK_FUNCTION() { Unlock(); }
   void AssertHeld() const ABSL_ASSERT_EXCLUSIVE_LOCK() {}
-
-  // BasicLockable, for std::condition_variable_any.
-  void lock() ABSL_EXCLUSIVE_LOCK_FUNCTION() { Lock(); }
-  void unlock() ABSL_UNLOCK_FUNCTION() { Unlock(); }
 
   // With the lock held: waits (releasing it) until `condition()` is true or the
   // deadline passes; returns condition().
@@ -84,24 +80,6 @@ class ABSL_SCOPED_LOCKABLE ReaderMutexLock {
 
  private:
   Mutex* const mu_;
-};
-
-class CondVar {
- public:
-  void Signal() { cv_.notify_one(); }
-  void SignalAll() { cv_.notify_all(); }
-  void Wait(Mutex* mu) { cv_.wait(*mu); }
-  // True if the deadline passed (as absl::CondVar).
-  bool WaitWithDeadline(Mutex* mu, absl::Time deadline) {
-    return cv_.wait_for(*mu, absl::ToChronoNanoseconds(deadline - absl::Now())) ==
-           std::cv_status::timeout;
-  }
-  bool WaitWithTimeout(Mutex* mu, absl::Duration timeout) {
-    return cv_.wait_for(*mu, absl::ToChronoNanoseconds(timeout)) == std::cv_status::timeout;
-  }
-
- private:
-  std::condition_variable_any cv_;
 };
 
 // A word threads sleep on until another thread bumps it (a Linux futex). A

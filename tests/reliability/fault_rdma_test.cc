@@ -34,21 +34,12 @@ core::TransportFactory FakeRdma(std::shared_ptr<FakeFabric> fabric) {
   };
 }
 
-HarnessConfig RdmaConfig(int workers = 1, int servers = 2) {
-  HarnessConfig c;
-  c.workers = workers;
-  c.servers = servers;
-  c.options.transport = "rdma";
-  c.options.timeout = absl::Seconds(5);
-  return c;
-}
-
 TEST_CASE("fault over rdma: drop, duplicate, rewritten key, dead link", "[fault][rdma]") {
   auto fabric = std::make_shared<FakeFabric>();
   auto plan = std::make_shared<FaultPlan>();
   SECTION("a dropped push: DEADLINE_EXCEEDED on that request only") {
     plan->Add({.action = FaultAction::kDrop, .type = FrameType::kPush, .to = MakeNodeId(2, 1)});
-    Harness mesh(RdmaConfig(), Faulty(FakeRdma(fabric), plan));
+    Harness mesh(MeshConfig("rdma"), Faulty(FakeRdma(fabric), plan));
     INFO(mesh.status().ToString());
     REQUIRE(mesh.status().ok());
     auto h = mesh.Start(0, 0, 1);
@@ -58,7 +49,7 @@ TEST_CASE("fault over rdma: drop, duplicate, rewritten key, dead link", "[fault]
   }
   SECTION("a duplicated reply is ignored") {
     plan->Add({.action = FaultAction::kDuplicate, .type = FrameType::kReply, .count = 2});
-    Harness mesh(RdmaConfig(), Faulty(FakeRdma(fabric), plan));
+    Harness mesh(MeshConfig("rdma"), Faulty(FakeRdma(fabric), plan));
     REQUIRE(mesh.status().ok());
     for (int i = 0; i < 4; ++i) {
       const absl::Status s = mesh.RoundTrip(0, i % 2, static_cast<uint8_t>(i));
@@ -69,7 +60,7 @@ TEST_CASE("fault over rdma: drop, duplicate, rewritten key, dead link", "[fault]
   SECTION("a reply under another key never lands in that tensor") {
     plan->Add({.action = FaultAction::kRewriteKey, .type = FrameType::kReply,
                .from = MakeNodeId(2, 0), .new_key = RelPullKey(1)});
-    Harness mesh(RdmaConfig(), Faulty(FakeRdma(fabric), plan));
+    Harness mesh(MeshConfig("rdma"), Faulty(FakeRdma(fabric), plan));
     REQUIRE(mesh.status().ok());
     std::fill(mesh.pull(0, 1, 0).begin(), mesh.pull(0, 1, 0).end(), 0xEE);
     std::fill(mesh.pull(0, 1, 1).begin(), mesh.pull(0, 1, 1).end(), 0xEE);
@@ -86,7 +77,7 @@ TEST_CASE("fault over rdma: drop, duplicate, rewritten key, dead link", "[fault]
   }
   SECTION("a server whose link dies: UNAVAILABLE, the other server still serves") {
     plan->Add({.action = FaultAction::kKill, .type = FrameType::kReply, .from = MakeNodeId(2, 1)});
-    Harness mesh(RdmaConfig(), Faulty(FakeRdma(fabric), plan));
+    Harness mesh(MeshConfig("rdma"), Faulty(FakeRdma(fabric), plan));
     REQUIRE(mesh.status().ok());
     const absl::Status s = mesh.RoundTrip(0, 0, 1);
     INFO(s.ToString());
@@ -100,7 +91,7 @@ TEST_CASE("rejoin: a worker restarted in place is served again, over tcp and rdm
   for (const bool rdma : {false, true}) {
     INFO((rdma ? "rdma (fake verbs)" : "tcp"));
     auto fabric = std::make_shared<FakeFabric>();
-    HarnessConfig config = RdmaConfig(/*workers=*/2, /*servers=*/2);
+    HarnessConfig config = MeshConfig("rdma", /*workers=*/2, /*servers=*/2);
     if (!rdma) config.options.transport = "tcp";
     Harness mesh(config, rdma ? FakeRdma(fabric) : core::TransportFactory(core::CreateTransport));
     REQUIRE(mesh.status().ok());

@@ -23,15 +23,6 @@ constexpr core::NodeId kWorker1 = MakeNodeId(1, 1);
 constexpr core::NodeId kServer0 = MakeNodeId(2, 0);
 constexpr core::NodeId kServer1 = MakeNodeId(2, 1);
 
-HarnessConfig Config(int workers = 1, int servers = 2) {
-  HarnessConfig c;
-  c.workers = workers;
-  c.servers = servers;
-  c.options.transport = "tcp";
-  c.options.timeout = absl::Seconds(5);
-  return c;
-}
-
 #define REQUIRE_OK(expr)                      \
   do {                                        \
     const absl::Status s_ = (expr);           \
@@ -41,7 +32,7 @@ HarnessConfig Config(int workers = 1, int servers = 2) {
 
 TEST_CASE("fault: a clean run through the decorator is byte-exact", "[fault]") {
   auto plan = std::make_shared<FaultPlan>();
-  Harness mesh(Config(2, 2), FaultyTcp(plan));
+  Harness mesh(MeshConfig("tcp", 2, 2), FaultyTcp(plan));
   REQUIRE_OK(mesh.status());
   for (int i = 0; i < 20; ++i) {
     // Both workers must push before a batch forms: start both, then finish both.
@@ -59,7 +50,7 @@ TEST_CASE("fault: a clean run through the decorator is byte-exact", "[fault]") {
 TEST_CASE("fault: a dropped push fails only its request, at its deadline", "[fault]") {
   auto plan = std::make_shared<FaultPlan>();
   plan->Add({.action = FaultAction::kDrop, .type = FrameType::kPush, .to = kServer1});
-  Harness mesh(Config(), FaultyTcp(plan));
+  Harness mesh(MeshConfig("tcp"), FaultyTcp(plan));
   REQUIRE_OK(mesh.status());
   std::fill(mesh.pull(0, 0, 1).begin(), mesh.pull(0, 0, 1).end(), 0xEE);
   auto h = mesh.Start(0, 0, 1);
@@ -80,7 +71,7 @@ TEST_CASE("fault: a delayed frame only delays", "[fault]") {
   auto plan = std::make_shared<FaultPlan>();
   plan->Add({.action = FaultAction::kDelay, .type = FrameType::kReply, .from = kServer0,
              .delay = absl::Milliseconds(300)});
-  Harness mesh(Config(), FaultyTcp(plan));
+  Harness mesh(MeshConfig("tcp"), FaultyTcp(plan));
   REQUIRE_OK(mesh.status());
   const absl::Time start = absl::Now();
   REQUIRE_OK(mesh.RoundTrip(0, 0, 3));
@@ -92,7 +83,7 @@ TEST_CASE("fault: a duplicated reply is dropped, the request's data is exact", "
   auto plan = std::make_shared<FaultPlan>();
   plan->Add({.action = FaultAction::kDuplicate, .type = FrameType::kReply, .from = kServer1,
              .count = 3});
-  Harness mesh(Config(), FaultyTcp(plan));
+  Harness mesh(MeshConfig("tcp"), FaultyTcp(plan));
   REQUIRE_OK(mesh.status());
   for (int i = 0; i < 6; ++i) REQUIRE_OK(mesh.RoundTrip(0, i % 2, static_cast<uint8_t>(i)));
   CHECK(plan->fired(FaultAction::kDuplicate) == 3);
@@ -101,7 +92,7 @@ TEST_CASE("fault: a duplicated reply is dropped, the request's data is exact", "
 TEST_CASE("fault: a duplicated push fails at most its own request", "[fault]") {
   auto plan = std::make_shared<FaultPlan>();
   plan->Add({.action = FaultAction::kDuplicate, .type = FrameType::kPush, .to = kServer0});
-  Harness mesh(Config(), FaultyTcp(plan));
+  Harness mesh(MeshConfig("tcp"), FaultyTcp(plan));
   REQUIRE_OK(mesh.status());
   const absl::Status first = mesh.RoundTrip(0, 0, 5);
   // The copy lands while the original is being served: refused, and reported
@@ -117,7 +108,7 @@ TEST_CASE("fault: a corrupted header is caught by the frame CRC", "[fault]") {
     auto plan = std::make_shared<FaultPlan>();
     plan->Add({.action = FaultAction::kCorruptHeader, .type = FrameType::kReply,
                .from = kServer1});
-    Harness mesh(Config(), FaultyTcp(plan));
+    Harness mesh(MeshConfig("tcp"), FaultyTcp(plan));
     REQUIRE_OK(mesh.status());
     std::fill(mesh.pull(0, 0, 1).begin(), mesh.pull(0, 0, 1).end(), 0xEE);
     auto h = mesh.Start(0, 0, 1);
@@ -135,7 +126,7 @@ TEST_CASE("fault: a corrupted header is caught by the frame CRC", "[fault]") {
   SECTION("push from a worker") {
     auto plan = std::make_shared<FaultPlan>();
     plan->Add({.action = FaultAction::kCorruptHeader, .type = FrameType::kPush, .to = kServer0});
-    Harness mesh(Config(), FaultyTcp(plan));
+    Harness mesh(MeshConfig("tcp"), FaultyTcp(plan));
     REQUIRE_OK(mesh.status());
     auto h = mesh.Start(0, 0, 1);
     REQUIRE(h.ok());
@@ -149,7 +140,7 @@ TEST_CASE("fault: a corrupted header is caught by the frame CRC", "[fault]") {
 TEST_CASE("fault: a truncated frame (sender dies mid-frame) loses the peer", "[fault]") {
   auto plan = std::make_shared<FaultPlan>();
   plan->Add({.action = FaultAction::kTruncate, .type = FrameType::kReply, .from = kServer1});
-  Harness mesh(Config(), FaultyTcp(plan));
+  Harness mesh(MeshConfig("tcp"), FaultyTcp(plan));
   REQUIRE_OK(mesh.status());
   auto h = mesh.Start(0, 0, 1);
   REQUIRE(h.ok());
@@ -166,7 +157,7 @@ TEST_CASE("fault: payload corruption is caught only with payload_checksum", "[fa
            << " corrupted on the wire, payload_checksum " << checksum);
       auto plan = std::make_shared<FaultPlan>();
       plan->Add({.action = FaultAction::kCorruptPayload, .type = type});
-      HarnessConfig config = Config();
+      HarnessConfig config = MeshConfig("tcp");
       config.options.payload_checksum = checksum;
       Harness mesh(config, FaultyTcp(plan));
       REQUIRE_OK(mesh.status());
@@ -186,7 +177,7 @@ TEST_CASE("fault: a reply under another key never lands in that key's tensor", "
   auto plan = std::make_shared<FaultPlan>();
   plan->Add({.action = FaultAction::kRewriteKey, .type = FrameType::kReply, .from = kServer0,
              .new_key = RelPullKey(1)});
-  Harness mesh(Config(), FaultyTcp(plan));
+  Harness mesh(MeshConfig("tcp"), FaultyTcp(plan));
   REQUIRE_OK(mesh.status());
   std::fill(mesh.pull(0, 1, 0).begin(), mesh.pull(0, 1, 0).end(), 0xEE);
   const absl::Status s = mesh.RoundTrip(0, 0, 1);
@@ -203,7 +194,7 @@ TEST_CASE("fault: a worker cannot write into another worker's slot (forged sende
   auto plan = std::make_shared<FaultPlan>();
   plan->Add({.action = FaultAction::kForgeSource, .type = FrameType::kPush, .from = kWorker0,
              .to = kServer0, .new_src = kWorker1});
-  Harness mesh(Config(2, 1), FaultyTcp(plan));
+  Harness mesh(MeshConfig("tcp", 2, 1), FaultyTcp(plan));
   REQUIRE_OK(mesh.status());
   std::vector<uint8_t>& recv = mesh.recv(0, 0);
   std::fill(recv.begin(), recv.end(), 0xEE);
@@ -221,7 +212,7 @@ TEST_CASE("fault: a worker cannot write into another worker's slot (forged sende
 
 TEST_CASE("fault: a stalled server costs deadlines, then traffic resumes", "[fault]") {
   auto plan = std::make_shared<FaultPlan>();
-  Harness mesh(Config(), FaultyTcp(plan));
+  Harness mesh(MeshConfig("tcp"), FaultyTcp(plan));
   REQUIRE_OK(mesh.status());
   REQUIRE_OK(mesh.RoundTrip(0, 0, 1));
   plan->Stall(kServer1, absl::Milliseconds(1500));
@@ -239,7 +230,7 @@ TEST_CASE("fault: a stalled server costs deadlines, then traffic resumes", "[fau
 TEST_CASE("fault: a server whose link dies fails only requests that address it", "[fault]") {
   auto plan = std::make_shared<FaultPlan>();
   plan->Add({.action = FaultAction::kKill, .type = FrameType::kReply, .from = kServer1});
-  Harness mesh(Config(), FaultyTcp(plan));
+  Harness mesh(MeshConfig("tcp"), FaultyTcp(plan));
   REQUIRE_OK(mesh.status());
   const absl::Time start = absl::Now();
   const absl::Status s = mesh.RoundTrip(0, 0, 1);
@@ -254,7 +245,7 @@ TEST_CASE("fault: a refused connection fails creation cleanly, within the timeou
           "[fault]") {
   auto plan = std::make_shared<FaultPlan>();
   plan->RefuseConnect(kWorker0);
-  HarnessConfig c = Config(1, 1);
+  HarnessConfig c = MeshConfig("tcp", 1, 1);
   c.options.timeout = absl::Seconds(2);
   const absl::Time start = absl::Now();
   Harness mesh(c, FaultyTcp(plan));

@@ -33,6 +33,17 @@ struct HarnessConfig {
   MeshOptions options;   // base; sizes and addresses are filled in
 };
 
+// `workers` x `servers` over `transport` ("tcp", "rdma"), every wait bounded by `timeout`.
+inline HarnessConfig MeshConfig(const std::string& transport, int workers = 1, int servers = 2,
+                                absl::Duration timeout = absl::Seconds(5)) {
+  HarnessConfig c;
+  c.workers = workers;
+  c.servers = servers;
+  c.options.transport = transport;
+  c.options.timeout = timeout;
+  return c;
+}
+
 class Harness {
  public:
   // Starts everything; `status()` says whether it came up.

@@ -4,6 +4,7 @@
 
 #include <signal.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -65,6 +66,40 @@ struct ProcessWorker {
   std::vector<int> servers_;
 };
 
+// A scheduler in this process (TCP, 100 ms heartbeats) and the command lines of
+// stepmesh_reliability_node processes that join it with the same options.
+struct ProcessMesh {
+  ProcessMesh(int workers, int servers, absl::Duration timeout) {
+    options.transport = "tcp";
+    options.num_workers = workers;
+    options.num_servers = servers;
+    options.timeout = timeout;
+    options.heartbeat_interval = absl::Milliseconds(100);
+    options.scheduler = "127.0.0.1:0";
+    auto started = Scheduler::Start(options);
+    REQUIRE(started.ok());
+    scheduler = *std::move(started);
+    options.scheduler = scheduler->address();
+  }
+  // `rounds`: a worker's round trips before it leaves (0: until killed).
+  std::vector<std::string> NodeArgs(const char* role, int rank, int rounds = 0) const {
+    return {STEPMESH_RELIABILITY_NODE_PATH,
+            "--role", role,
+            "--scheduler", options.scheduler,
+            "--rank", std::to_string(rank),
+            "--workers", std::to_string(options.num_workers),
+            "--servers", std::to_string(options.num_servers),
+            "--keys", "1",
+            "--bytes", std::to_string(kBytes),
+            "--timeout-ms", std::to_string(absl::ToInt64Milliseconds(options.timeout)),
+            "--heartbeat-ms", std::to_string(absl::ToInt64Milliseconds(options.heartbeat_interval)),
+            "--rounds", std::to_string(rounds)};
+  }
+
+  MeshOptions options;
+  std::unique_ptr<Scheduler> scheduler;
+};
+
 // Round trips until one succeeds (peers register or reconnect right after
 // joining), for at most 15 s; the last status.
 absl::Status Eventually(ProcessWorker& pw, uint8_t fill, std::vector<int> servers) {
@@ -80,23 +115,9 @@ absl::Status Eventually(ProcessWorker& pw, uint8_t fill, std::vector<int> server
 
 TEST_CASE("liveness: a stopped server is declared lost in time, a restarted one rejoins",
           "[liveness][process]") {
-  MeshOptions o;
-  o.transport = "tcp";
-  o.num_workers = 1;
-  o.num_servers = 2;
-  o.timeout = absl::Seconds(2);
-  o.heartbeat_interval = absl::Milliseconds(100);
-  o.scheduler = "127.0.0.1:0";
-  auto scheduler = Scheduler::Start(o);
-  REQUIRE(scheduler.ok());
-  o.scheduler = (*scheduler)->address();
-  auto args = [&](int rank) {
-    return std::vector<std::string>{STEPMESH_RELIABILITY_NODE_PATH, "--scheduler", o.scheduler,
-                                    "--rank", std::to_string(rank), "--workers", "1",
-                                    "--servers", "2", "--keys", "1", "--bytes",
-                                    std::to_string(kBytes), "--timeout-ms", "2000",
-                                    "--heartbeat-ms", "100"};
-  };
+  ProcessMesh mesh(/*workers=*/1, /*servers=*/2, absl::Seconds(2));
+  MeshOptions o = mesh.options;
+  auto args = [&](int rank) { return mesh.NodeArgs("server", rank); };
   ChildProcess server0 = *ChildProcess::Spawn(args(0));
   auto server1 = std::make_unique<ChildProcess>(*ChildProcess::Spawn(args(1)));
   o.role = Role::kWorker;
@@ -157,22 +178,10 @@ TEST_CASE("liveness: a killed worker leaves the batches, a restarted one rejoins
   // killed mid-traffic and started again. Every batch holds every live worker
   // (kAllWorkers), so rank 0's round trips only complete while the server
   // counts rank 1 correctly: present, then dropped, then back.
-  MeshOptions o;
-  o.transport = "tcp";
-  o.num_workers = 2;
-  o.num_servers = 1;
-  o.timeout = absl::Seconds(3);
-  o.heartbeat_interval = absl::Milliseconds(100);
-  o.scheduler = "127.0.0.1:0";
-  auto scheduler = Scheduler::Start(o);
-  REQUIRE(scheduler.ok());
-  o.scheduler = (*scheduler)->address();
+  ProcessMesh mesh(/*workers=*/2, /*servers=*/1, absl::Seconds(3));
+  MeshOptions o = mesh.options;
   auto args = [&](const char* role, int rank, int rounds) {
-    return std::vector<std::string>{
-        STEPMESH_RELIABILITY_NODE_PATH, "--role", role, "--scheduler", o.scheduler, "--rank",
-        std::to_string(rank), "--workers", "2", "--servers", "1", "--keys", "1", "--bytes",
-        std::to_string(kBytes), "--timeout-ms", "3000", "--heartbeat-ms", "100", "--rounds",
-        std::to_string(rounds)};
+    return mesh.NodeArgs(role, rank, rounds);
   };
   ChildProcess server = *ChildProcess::Spawn(args("server", 0, 0));
   auto worker1 = std::make_unique<ChildProcess>(*ChildProcess::Spawn(args("worker", 1, 0)));

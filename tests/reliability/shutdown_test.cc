@@ -63,11 +63,7 @@ int Lines(const std::string& s) {
 }
 
 HarnessConfig Config(int workers, int servers) {
-  HarnessConfig c;
-  c.workers = workers;
-  c.servers = servers;
-  c.options.transport = "tcp";
-  c.options.timeout = absl::Seconds(3);
+  HarnessConfig c = MeshConfig("tcp", workers, servers, absl::Seconds(3));
   c.options.heartbeat_interval = absl::Milliseconds(100);
   return c;
 }
