@@ -1,0 +1,227 @@
+#include "python/src/dlpack_tensor.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "python/src/errors.h"
+
+namespace stepmesh::python {
+namespace py = pybind11;
+
+namespace {
+
+constexpr const char* kCapsuleName = "dltensor";
+constexpr const char* kUsedCapsuleName = "used_dltensor";
+
+std::string DlTypeName(const DLDataType& t) {
+  const char* kind = "code" ;
+  switch (t.code) {
+    case kDLInt: kind = "int"; break;
+    case kDLUInt: kind = "uint"; break;
+    case kDLFloat: kind = "float"; break;
+    case kDLBfloat: kind = "bfloat"; break;
+    case kDLBool: kind = "bool"; break;
+    default: return absl::StrCat("dlpack type code ", t.code, " bits ", t.bits);
+  }
+  std::string name = absl::StrCat(kind, t.bits);
+  if (t.lanes != 1) absl::StrAppend(&name, "x", t.lanes);
+  return name;
+}
+
+// The stepmesh dtype of a DLPack type, or an error naming it.
+absl::StatusOr<DType> ToDType(const DLDataType& t) {
+  if (t.lanes == 1) {
+    if (t.code == kDLUInt && t.bits == 8) return DType::kUInt8;
+    if (t.code == kDLInt && t.bits == 32) return DType::kInt32;
+    if (t.code == kDLInt && t.bits == 64) return DType::kInt64;
+    if (t.code == kDLFloat && t.bits == 32) return DType::kFloat32;
+    if (t.code == kDLFloat && t.bits == 16) return DType::kFloat16;
+    if (t.code == kDLBfloat && t.bits == 16) return DType::kBFloat16;
+    if (t.code == kDLFloat8_e4m3fn && t.bits == 8) return DType::kFloat8E4M3;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unsupported dtype ", DlTypeName(t),
+      " (supported: uint8, int32, int64, float32, float16, bfloat16, float8_e4m3fn)"));
+}
+
+DLDataType FromDType(DType dtype) {
+  switch (dtype) {
+    case DType::kUInt8: return {kDLUInt, 8, 1};
+    case DType::kInt32: return {kDLInt, 32, 1};
+    case DType::kInt64: return {kDLInt, 64, 1};
+    case DType::kFloat32: return {kDLFloat, 32, 1};
+    case DType::kFloat16: return {kDLFloat, 16, 1};
+    case DType::kBFloat16: return {kDLBfloat, 16, 1};
+    case DType::kFloat8E4M3: return {kDLFloat8_e4m3fn, 8, 1};
+  }
+  return {kDLUInt, 8, 1};
+}
+
+absl::StatusOr<Device> ToDevice(const DLDevice& d) {
+  switch (d.device_type) {
+    case kDLCPU:
+    case kDLCUDAHost:  // pinned host memory: the CPU reaches it directly
+      return Device::Cpu();
+    case kDLCUDA:
+    case kDLCUDAManaged:
+      return Device::Cuda(d.device_id);
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("unsupported device (DLPack device type ", d.device_type, ", id ",
+                       d.device_id, "); stepmesh takes CPU and CUDA tensors"));
+  }
+}
+
+// Whether the strides (in elements) describe a compact row-major layout.
+bool IsRowMajor(const DLTensor& t) {
+  if (t.strides == nullptr) return true;
+  int64_t expected = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    if (t.shape[d] != 1 && t.strides[d] != expected) return false;
+    expected *= t.shape[d];
+  }
+  return true;
+}
+
+// Calls obj.__dlpack__(), asking a CUDA producer not to synchronise any stream:
+// registration only records the address, and sends are ordered by the caller.
+py::object CallDlpack(py::handle obj) {
+  if (py::hasattr(obj, "__dlpack_device__")) {
+    py::tuple dev = obj.attr("__dlpack_device__")();
+    const int type = dev[0].cast<int>();
+    if (type == kDLCUDA || type == kDLCUDAManaged) {
+      try {
+        return obj.attr("__dlpack__")(py::arg("stream") = -1);
+      } catch (const py::error_already_set& e) {
+        if (!e.matches(PyExc_TypeError) && !e.matches(PyExc_ValueError)) throw;
+      }
+    }
+  }
+  return obj.attr("__dlpack__")();
+}
+
+void DeleteExported(DLManagedTensor* self);
+
+struct ExportContext {
+  DLManagedTensor managed{};
+  int64_t shape[Shape::kMaxDims]{};
+  std::shared_ptr<ImportedTensor> owner;
+};
+
+void DeleteExported(DLManagedTensor* self) {
+  // The consumer may call this from any thread; ImportedTensor takes the GIL itself.
+  delete static_cast<ExportContext*>(self->manager_ctx);
+}
+
+void ExportCapsuleDestructor(PyObject* capsule) {
+  // A consumer renames the capsule when it takes ownership; otherwise nobody did.
+  if (!PyCapsule_IsValid(capsule, kCapsuleName)) return;
+  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, kCapsuleName));
+  if (managed != nullptr && managed->deleter != nullptr) managed->deleter(managed);
+}
+
+}  // namespace
+
+ImportedTensor::ImportedTensor(DLManagedTensor* managed, py::object owner, TensorView view)
+    : managed_(managed), owner_(std::move(owner)), view_(view) {}
+
+ImportedTensor::~ImportedTensor() {
+  py::gil_scoped_acquire gil;
+  if (managed_ != nullptr && managed_->deleter != nullptr) managed_->deleter(managed_);
+  owner_ = py::object();
+}
+
+size_t ImportedTensor::row_bytes() const {
+  const int64_t r = rows();
+  return r > 0 ? view_.bytes() / static_cast<size_t>(r) : 0;
+}
+
+std::shared_ptr<ImportedTensor> ImportTensor(py::handle obj, const std::string& what) {
+  py::object capsule;
+  if (PyCapsule_CheckExact(obj.ptr())) {
+    capsule = py::reinterpret_borrow<py::object>(obj);
+  } else if (py::hasattr(obj, "__dlpack__")) {
+    capsule = CallDlpack(obj);
+  } else {
+    ThrowInvalidArgument(absl::StrCat(what, ": ", std::string(py::str(obj.get_type())),
+                                      " has no __dlpack__ (pass a numpy array, torch tensor, "
+                                      "or any DLPack producer)"));
+  }
+  if (!PyCapsule_IsValid(capsule.ptr(), kCapsuleName)) {
+    ThrowInvalidArgument(
+        absl::StrCat(what, ": __dlpack__() did not return an unused \"dltensor\" capsule"));
+  }
+  auto* managed =
+      static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), kCapsuleName));
+  // From here on we own the managed tensor (DLPack: rename the capsule).
+  PyCapsule_SetName(capsule.ptr(), kUsedCapsuleName);
+  auto release = [managed] {
+    if (managed->deleter != nullptr) managed->deleter(managed);
+  };
+  const DLTensor& t = managed->dl_tensor;
+  auto fail = [&](const std::string& why) {
+    release();
+    ThrowInvalidArgument(absl::StrCat(what, ": ", why));
+  };
+  absl::StatusOr<DType> dtype = ToDType(t.dtype);
+  if (!dtype.ok()) fail(std::string(dtype.status().message()));
+  absl::StatusOr<Device> device = ToDevice(t.device);
+  if (!device.ok()) fail(std::string(device.status().message()));
+  if (t.ndim < 0 || t.ndim > Shape::kMaxDims) {
+    fail(absl::StrCat(t.ndim, " dimensions (at most ", Shape::kMaxDims, ")"));
+  }
+  if (!IsRowMajor(t)) {
+    std::vector<int64_t> shape(t.shape, t.shape + t.ndim), strides(t.strides, t.strides + t.ndim);
+    fail(absl::StrCat("not contiguous (shape [", absl::StrJoin(shape, ", "), "], strides [",
+                      absl::StrJoin(strides, ", "),
+                      "] elements); pass a contiguous tensor (np.ascontiguousarray, "
+                      ".contiguous())"));
+  }
+  absl::StatusOr<Shape> shape = Shape::Make(t.shape, t.ndim);
+  if (!shape.ok()) fail(std::string(shape.status().message()));
+  TensorView view;
+  view.data = static_cast<char*>(t.data) + t.byte_offset;
+  view.dtype = *dtype;
+  view.shape = *shape;
+  view.device = *device;
+  return std::make_shared<ImportedTensor>(managed, py::reinterpret_borrow<py::object>(obj), view);
+}
+
+py::capsule ExportView(const TensorView& view, std::shared_ptr<ImportedTensor> owner) {
+  auto ctx = std::make_unique<ExportContext>();
+  for (int d = 0; d < view.shape.rank(); ++d) ctx->shape[d] = view.shape[d];
+  ctx->owner = std::move(owner);
+  DLTensor& t = ctx->managed.dl_tensor;
+  t.data = view.data;
+  t.device = view.device.kind == DeviceKind::kCuda ? DLDevice{kDLCUDA, view.device.index}
+                                                   : DLDevice{kDLCPU, 0};
+  t.ndim = view.shape.rank();
+  t.dtype = FromDType(view.dtype);
+  t.shape = ctx->shape;
+  t.strides = nullptr;
+  t.byte_offset = 0;
+  ctx->managed.manager_ctx = ctx.get();
+  ctx->managed.deleter = DeleteExported;
+  PyObject* capsule = PyCapsule_New(&ctx->managed, kCapsuleName, ExportCapsuleDestructor);
+  if (capsule == nullptr) throw py::error_already_set();
+  ctx.release();  // owned by the capsule (or its consumer) from here on
+  return py::reinterpret_steal<py::capsule>(capsule);
+}
+
+py::tuple DlpackDevice(const Device& device) {
+  if (device.kind == DeviceKind::kCuda) return py::make_tuple(int{kDLCUDA}, device.index);
+  return py::make_tuple(int{kDLCPU}, 0);
+}
+
+std::string DTypeString(DType dtype) { return std::string(DTypeName(dtype)); }
+
+Shape RowsShape(const TensorView& view, int64_t rows) {
+  int64_t dims[Shape::kMaxDims];
+  const int rank = view.shape.rank() > 0 ? view.shape.rank() : 1;
+  dims[0] = rows;
+  for (int d = 1; d < rank; ++d) dims[d] = view.shape[d];
+  return *Shape::Make(dims, rank);
+}
+
+}  // namespace stepmesh::python

@@ -1,0 +1,775 @@
+#include "python/src/mesh_binding.h"
+
+#include <pybind11/stl.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "python/src/dlpack_tensor.h"
+#include "python/src/errors.h"
+#include "python/src/options_binding.h"
+#include "stepmesh/scheduler.h"
+#include "stepmesh/server.h"
+#include "stepmesh/worker.h"
+
+namespace stepmesh::python {
+namespace py = pybind11;
+
+namespace {
+
+using Registered = std::shared_ptr<ImportedTensor>;
+
+absl::Duration TimeoutArg(py::handle timeout, absl::Duration fallback) {
+  if (timeout.is_none()) return fallback;
+  if (PyBool_Check(timeout.ptr()) || !(PyFloat_Check(timeout.ptr()) || PyLong_Check(timeout.ptr()))) {
+    ThrowInvalidArgument("timeout: expected seconds (float) or None");
+  }
+  const double s = timeout.cast<double>();
+  if (!(s >= 0)) ThrowInvalidArgument(absl::StrCat("timeout: ", s, " s is negative"));
+  return absl::Seconds(s);
+}
+
+Key KeyArg(py::handle key, const char* what) {
+  if (PyBool_Check(key.ptr()) || !PyLong_Check(key.ptr())) {
+    ThrowInvalidArgument(absl::StrCat(what, ": expected an int key, got ",
+                                      std::string(py::str(key.get_type().attr("__name__")))));
+  }
+  const unsigned long long k = PyLong_AsUnsignedLongLong(key.ptr());
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    ThrowInvalidArgument(absl::StrCat(what, ": key ", std::string(py::str(key)),
+                                      " is not in [0, 2**64)"));
+  }
+  return k;
+}
+
+uint64_t PackHandle(uint32_t index, uint32_t generation) {
+  return (uint64_t{index} << 32) | generation;
+}
+
+// A window of registered memory, handed to numpy/torch through DLPack (no copy).
+struct TensorSlice {
+  TensorView view;
+  Registered owner;
+  Key key = 0;
+  int worker = -1;
+  size_t valid_bytes = 0;
+  int64_t rows = 0;
+};
+
+TensorSlice SliceOf(const Registered& owner, Key key, int worker, size_t slot_bytes,
+                    size_t valid_bytes) {
+  const TensorView& region = owner->view();
+  const size_t row_bytes = owner->row_bytes();
+  TensorSlice s;
+  s.owner = owner;
+  s.key = key;
+  s.worker = worker;
+  s.valid_bytes = valid_bytes;
+  s.view.data = static_cast<char*>(region.data) + static_cast<size_t>(worker) * slot_bytes;
+  s.view.dtype = region.dtype;
+  s.view.device = region.device;
+  if (row_bytes > 0 && valid_bytes % row_bytes == 0) {
+    s.rows = static_cast<int64_t>(valid_bytes / row_bytes);
+    s.view.shape = RowsShape(region, s.rows);
+  } else {
+    // Not a whole number of rows: the valid elements, flat.
+    const int64_t elements = static_cast<int64_t>(valid_bytes / DTypeSize(region.dtype));
+    s.rows = row_bytes > 0 ? static_cast<int64_t>(valid_bytes / row_bytes) : 0;
+    s.view.shape = Shape{elements};
+  }
+  return s;
+}
+
+py::tuple ShapeTuple(const Shape& shape) {
+  py::tuple t(shape.rank());
+  for (int d = 0; d < shape.rank(); ++d) t[d] = shape[d];
+  return t;
+}
+
+// ---------------------------------------------------------------- worker
+
+struct RequestRef {
+  RequestHandle handle;
+};
+
+class PyWorker {
+ public:
+  explicit PyWorker(MeshOptions options) : options_(std::move(options)) {
+    options_.role = Role::kWorker;
+    absl::StatusOr<std::unique_ptr<AFTensorWorker>> worker;
+    {
+      py::gil_scoped_release release;
+      worker = AFTensorWorker::Create(options_);
+    }
+    worker_ = ValueOrThrow(std::move(worker));
+  }
+
+  ~PyWorker() {
+    {
+      py::gil_scoped_release release;
+      worker_.reset();  // stops the threads; registrations are dropped after
+    }
+    push_regs_.clear();
+    pull_regs_.clear();
+  }
+
+  int rank() { return live().rank(); }
+  int num_servers() { return live().num_servers(); }
+  const MeshOptions& options() const { return options_; }
+
+  void RegisterPush(py::handle key_arg, py::handle tensor) {
+    const Key key = KeyArg(key_arg, "register_push");
+    Registered t = ImportTensor(tensor, absl::StrCat("push tensor for key ", key));
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = live().RegisterPushTensor(key, t->view());
+    }
+    ThrowIfError(s);
+    push_regs_[key] = std::move(t);
+  }
+
+  void RegisterPull(py::handle key_arg, int server, py::handle tensor) {
+    const Key key = KeyArg(key_arg, "register_pull");
+    Registered t =
+        ImportTensor(tensor, absl::StrCat("pull tensor for key ", key, " from server ", server));
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = live().RegisterPullTensor(key, server, t->view());
+    }
+    ThrowIfError(s);
+    pull_regs_[{key, server}] = std::move(t);
+  }
+
+  void Unregister(py::handle key_arg) {
+    const Key key = KeyArg(key_arg, "unregister");
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = live().Unregister(key);
+    }
+    ThrowIfError(s);
+    push_regs_.erase(key);
+    for (auto it = pull_regs_.lower_bound({key, INT32_MIN});
+         it != pull_regs_.end() && it->first.first == key;) {
+      it = pull_regs_.erase(it);
+    }
+  }
+
+  RequestRef PushPull(py::handle pushes, py::handle pulls) {
+    // Per-thread scratch: parsed with the GIL held, used after releasing it.
+    thread_local std::vector<Push> push_items;
+    thread_local std::vector<std::vector<int>> push_servers;
+    thread_local std::vector<Pull> pull_items;
+    push_items.clear();
+    pull_items.clear();
+    size_t n = 0;
+    for (py::handle item : pushes) {
+      if (push_servers.size() <= n) push_servers.emplace_back();
+      push_servers[n].clear();
+      push_items.push_back(ParsePush(item, push_servers[n]));
+      ++n;
+    }
+    // The server lists were filled first; point the spans at them now that
+    // push_servers no longer grows.
+    for (size_t i = 0; i < n; ++i) push_items[i].servers = push_servers[i];
+    if (!pulls.is_none()) {
+      for (py::handle item : pulls) pull_items.push_back(ParsePull(item));
+    }
+    absl::StatusOr<RequestHandle> handle;
+    {
+      py::gil_scoped_release release;
+      handle = live().PushPull(push_items, pull_items);
+    }
+    return RequestRef{ValueOrThrow(std::move(handle))};
+  }
+
+  void Wait(const RequestRef& request, py::handle timeout) {
+    const absl::Duration t = TimeoutArg(timeout, options_.timeout);
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = live().Wait(request.handle, t);
+    }
+    ThrowIfError(s);
+  }
+
+  bool Test(const RequestRef& request) { return ValueOrThrow(live().Test(request.handle)); }
+
+  py::dict FetchTrace(const RequestRef& request) {
+    TraceRecord record = ValueOrThrow(live().FetchTrace(request.handle));
+    py::list servers;
+    for (const TraceRecord::PerServer& s : record.servers) {
+      py::dict d;
+      d["server"] = s.server;
+      d["enqueue_ns"] = s.stamps.enqueue_ns;
+      d["post_ns"] = s.stamps.post_ns;
+      d["server_arrival_ns"] = s.stamps.server_arrival_ns;
+      d["server_handler_ns"] = s.stamps.server_handler_ns;
+      d["server_reply_ns"] = s.stamps.server_reply_ns;
+      d["reply_arrival_ns"] = s.stamps.reply_arrival_ns;
+      servers.append(std::move(d));
+    }
+    py::dict out;
+    out["servers"] = std::move(servers);
+    out["complete_ns"] = record.complete_ns;
+    return out;
+  }
+
+  void Barrier() {
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = live().Barrier();
+    }
+    ThrowIfError(s);
+  }
+
+  // Leaves the mesh; registered tensors stay referenced until the object goes.
+  void Close() {
+    if (closed_) return;
+    closed_ = true;
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = worker_->Shutdown();
+    }
+    ThrowIfError(s);
+  }
+  bool closed() const { return closed_; }
+
+ private:
+  AFTensorWorker& live() {
+    if (closed_) ThrowStatus(absl::FailedPreconditionError("worker is closed"));
+    return *worker_;
+  }
+
+  size_t RowBytes(Key key) const {
+    auto it = push_regs_.find(key);
+    if (it == push_regs_.end()) {
+      ThrowStatus(absl::NotFoundError(absl::StrCat("push key ", key, " is not registered")));
+    }
+    return it->second->row_bytes();
+  }
+
+  // int key | (key,) | (key, nbytes) | (key, nbytes, servers) | stepmesh.Push
+  Push ParsePush(py::handle item, std::vector<int>& servers) {
+    Push push;
+    if (PyLong_Check(item.ptr())) {
+      push.key = KeyArg(item, "push");
+      return push;
+    }
+    if (PyTuple_Check(item.ptr()) || PyList_Check(item.ptr())) {
+      py::sequence seq = py::reinterpret_borrow<py::sequence>(item);
+      const size_t len = seq.size();
+      if (len < 1 || len > 3) {
+        ThrowInvalidArgument("push: expected key, (key, nbytes) or (key, nbytes, servers)");
+      }
+      push.key = KeyArg(seq[0], "push");
+      if (len >= 2 && !seq[1].is_none()) push.bytes = seq[1].cast<size_t>();
+      if (len == 3 && !seq[2].is_none()) servers = seq[2].cast<std::vector<int>>();
+      return push;
+    }
+    if (py::hasattr(item, "key") && py::hasattr(item, "rows")) {  // stepmesh.Push
+      push.key = KeyArg(item.attr("key"), "push");
+      py::object bytes = item.attr("bytes"), rows = item.attr("rows");
+      if (!bytes.is_none() && !rows.is_none()) {
+        ThrowInvalidArgument(absl::StrCat("push of key ", push.key, ": give bytes or rows, not both"));
+      }
+      if (!bytes.is_none()) push.bytes = bytes.cast<size_t>();
+      if (!rows.is_none()) {
+        const int64_t r = rows.cast<int64_t>();
+        if (r < 0) ThrowInvalidArgument(absl::StrCat("push of key ", push.key, ": rows ", r, " < 0"));
+        push.bytes = static_cast<size_t>(r) * RowBytes(push.key);
+      }
+      py::object s = item.attr("servers");
+      if (!s.is_none()) servers = s.cast<std::vector<int>>();
+      return push;
+    }
+    ThrowInvalidArgument(absl::StrCat("push: cannot use a ",
+                                      std::string(py::str(item.get_type().attr("__name__"))),
+                                      " (want int key, tuple or stepmesh.Push)"));
+  }
+
+  // (key, server) | stepmesh.Pull
+  Pull ParsePull(py::handle item) {
+    Pull pull;
+    if (PyTuple_Check(item.ptr()) || PyList_Check(item.ptr())) {
+      py::sequence seq = py::reinterpret_borrow<py::sequence>(item);
+      if (seq.size() != 2) ThrowInvalidArgument("pull: expected (key, server)");
+      pull.key = KeyArg(seq[0], "pull");
+      pull.server = seq[1].cast<int>();
+      return pull;
+    }
+    if (py::hasattr(item, "key") && py::hasattr(item, "server")) {
+      pull.key = KeyArg(item.attr("key"), "pull");
+      pull.server = item.attr("server").cast<int>();
+      return pull;
+    }
+    ThrowInvalidArgument(absl::StrCat("pull: cannot use a ",
+                                      std::string(py::str(item.get_type().attr("__name__"))),
+                                      " (want (key, server) or stepmesh.Pull)"));
+  }
+
+  MeshOptions options_;
+  bool closed_ = false;
+  // Declared before worker_: destroyed after it, so the memory outlives the mesh.
+  std::unordered_map<Key, Registered> push_regs_;
+  std::map<std::pair<Key, int>, Registered> pull_regs_;
+  std::unique_ptr<AFTensorWorker> worker_;
+};
+
+// ---------------------------------------------------------------- server
+
+struct PyBatchTensor {
+  Key key = 0;
+  size_t slot_bytes = 0;
+  std::vector<size_t> valid_bytes;  // per worker rank
+  Registered owner;
+  TensorSlice Part(int worker) const {
+    if (worker < 0 || static_cast<size_t>(worker) >= valid_bytes.size()) {
+      ThrowInvalidArgument(absl::StrCat("worker ", worker, " out of range [0, ", valid_bytes.size(),
+                                        ")"));
+    }
+    return SliceOf(owner, key, worker, slot_bytes, valid_bytes[worker]);
+  }
+};
+
+struct PyBatch {
+  Batch batch;  // its spans are only used by Respond (which reads the handle)
+  Key group = 0;
+  std::vector<int> workers;
+  std::vector<std::optional<Key>> pull_keys;
+  std::vector<PyBatchTensor> tensors;
+  bool answered = false;
+
+  const PyBatchTensor& TensorFor(py::handle key_arg) const {
+    const Key key = KeyArg(key_arg, "batch tensor");
+    for (const PyBatchTensor& t : tensors) {
+      if (t.key == key) return t;
+    }
+    ThrowStatus(absl::NotFoundError(absl::StrCat("key ", key, " is not in this batch")));
+  }
+};
+
+class PyServer {
+ public:
+  explicit PyServer(MeshOptions options) : options_(std::move(options)) {
+    options_.role = Role::kServer;
+    absl::StatusOr<std::unique_ptr<AFTensorServer>> server;
+    {
+      py::gil_scoped_release release;
+      server = AFTensorServer::Create(options_);
+    }
+    server_ = ValueOrThrow(std::move(server));
+  }
+
+  ~PyServer() {
+    {
+      py::gil_scoped_release release;
+      server_.reset();
+    }
+    recv_regs_.clear();
+    reply_regs_.clear();
+  }
+
+  int rank() { return live().rank(); }
+  int num_workers() { return live().num_workers(); }
+  const MeshOptions& options() const { return options_; }
+
+  void RegisterRecv(py::handle key_arg, py::handle tensor) {
+    const Key key = KeyArg(key_arg, "register_recv");
+    Registered t = ImportTensor(tensor, absl::StrCat("receive tensor for key ", key));
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = live().RegisterRecvTensor(key, t->view());
+    }
+    ThrowIfError(s);
+    recv_regs_[key] = std::move(t);
+  }
+
+  void RegisterReply(py::handle key_arg, py::handle tensor) {
+    const Key key = KeyArg(key_arg, "register_reply");
+    Registered t = ImportTensor(tensor, absl::StrCat("reply tensor for key ", key));
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = live().RegisterReplyTensor(key, t->view());
+    }
+    ThrowIfError(s);
+    reply_regs_[key] = std::move(t);
+  }
+
+  void Unregister(py::handle key_arg) {
+    const Key key = KeyArg(key_arg, "unregister");
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = live().Unregister(key);
+    }
+    ThrowIfError(s);
+    recv_regs_.erase(key);
+    reply_regs_.erase(key);
+  }
+
+  PyBatch GetBatch(py::handle timeout, const std::string& policy_name) {
+    BatchPolicy policy;
+    if (policy_name == "all") {
+      policy = BatchPolicy::kAllWorkers;
+    } else if (policy_name == "deadline") {
+      policy = BatchPolicy::kReadyByDeadline;
+    } else {
+      ThrowInvalidArgument(absl::StrCat("policy '", policy_name, "' (want 'all' or 'deadline')"));
+    }
+    const absl::Duration t = TimeoutArg(timeout, options_.timeout);
+    absl::StatusOr<Batch> got;
+    {
+      py::gil_scoped_release release;
+      got = live().GetBatch(t, policy);
+    }
+    PyBatch out;
+    out.batch = ValueOrThrow(std::move(got));
+    out.group = out.batch.group;
+    out.workers.assign(out.batch.workers.begin(), out.batch.workers.end());
+    for (Key k : out.batch.pull_keys) {
+      out.pull_keys.push_back(k == Batch::kNoPull ? std::nullopt : std::optional<Key>(k));
+    }
+    for (const BatchTensor& bt : out.batch.tensors) {
+      PyBatchTensor t;
+      t.key = bt.key;
+      t.slot_bytes = bt.slot_bytes;
+      t.valid_bytes.assign(bt.valid_bytes.begin(), bt.valid_bytes.end());
+      auto it = recv_regs_.find(bt.key);
+      if (it == recv_regs_.end()) {
+        // Registered through another path than this object: cannot happen here.
+        ThrowStatus(absl::InternalError(absl::StrCat("batch key ", bt.key, " has no registration")));
+      }
+      t.owner = it->second;
+      out.tensors.push_back(std::move(t));
+    }
+    return out;
+  }
+
+  void Respond(PyBatch& batch, py::handle rows, py::handle nbytes) {
+    if (batch.answered) {
+      ThrowStatus(absl::FailedPreconditionError("batch already answered"));
+    }
+    std::map<int, size_t> explicit_bytes;
+    auto collect = [&](py::handle mapping, bool in_rows) {
+      if (mapping.is_none()) return;
+      if (!PyDict_Check(mapping.ptr())) {
+        ThrowInvalidArgument(absl::StrCat(in_rows ? "rows" : "bytes", ": expected {worker: count}"));
+      }
+      for (const auto& [w_obj, n_obj] : py::reinterpret_borrow<py::dict>(mapping)) {
+        const int w = w_obj.cast<int>();
+        const int64_t n = n_obj.cast<int64_t>();
+        if (n < 0) ThrowInvalidArgument(absl::StrCat("reply to worker ", w, ": negative count"));
+        if (explicit_bytes.count(w) != 0) {
+          ThrowInvalidArgument(absl::StrCat("reply to worker ", w, " given as both rows and bytes"));
+        }
+        size_t b = static_cast<size_t>(n);
+        if (in_rows) b *= ReplyRowBytes(batch, w);
+        explicit_bytes[w] = b;
+      }
+    };
+    collect(rows, true);
+    collect(nbytes, false);
+    std::vector<Reply> replies;
+    for (size_t i = 0; i < batch.workers.size(); ++i) {
+      const int w = batch.workers[i];
+      auto it = explicit_bytes.find(w);
+      if (it != explicit_bytes.end()) {
+        replies.push_back({w, it->second});
+        explicit_bytes.erase(it);
+      } else if (batch.pull_keys[i].has_value()) {
+        replies.push_back({w, kWholeTensor});
+      }
+    }
+    // Replies to workers outside the batch: the library names the mistake.
+    for (const auto& [w, b] : explicit_bytes) replies.push_back({w, b});
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = live().Respond(batch.batch, replies);
+    }
+    ThrowIfError(s);
+    batch.answered = true;
+  }
+
+  TensorSlice Slot(py::handle key_arg, int worker, bool reply) {
+    const Key key = KeyArg(key_arg, reply ? "reply_slot" : "recv_slot");
+    auto& regs = reply ? reply_regs_ : recv_regs_;
+    auto it = regs.find(key);
+    if (it == regs.end()) {
+      ThrowStatus(absl::NotFoundError(
+          absl::StrCat(reply ? "reply" : "receive", " key ", key, " is not registered")));
+    }
+    const int n = live().num_workers();
+    if (worker < 0 || worker >= n) {
+      ThrowInvalidArgument(absl::StrCat("worker ", worker, " out of range [0, ", n, ")"));
+    }
+    const size_t slot_bytes = it->second->view().bytes() / n;
+    return SliceOf(it->second, key, worker, slot_bytes, slot_bytes);
+  }
+
+  void Barrier() {
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = live().Barrier();
+    }
+    ThrowIfError(s);
+  }
+
+  void Close() {
+    if (closed_) return;
+    closed_ = true;
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = server_->Shutdown();
+    }
+    ThrowIfError(s);
+  }
+  bool closed() const { return closed_; }
+
+ private:
+  AFTensorServer& live() {
+    if (closed_) ThrowStatus(absl::FailedPreconditionError("server is closed"));
+    return *server_;
+  }
+
+  size_t ReplyRowBytes(const PyBatch& batch, int worker) const {
+    for (size_t i = 0; i < batch.workers.size(); ++i) {
+      if (batch.workers[i] != worker) continue;
+      if (!batch.pull_keys[i].has_value()) {
+        ThrowInvalidArgument(absl::StrCat("worker ", worker, " pulled nothing from this server"));
+      }
+      auto it = reply_regs_.find(*batch.pull_keys[i]);
+      if (it == reply_regs_.end()) {
+        ThrowStatus(absl::NotFoundError(absl::StrCat("worker ", worker, " pulls key ",
+                                                     *batch.pull_keys[i],
+                                                     ", which has no reply tensor here")));
+      }
+      return it->second->row_bytes();
+    }
+    ThrowInvalidArgument(absl::StrCat("reply to worker ", worker, " which is not in this batch"));
+  }
+
+  MeshOptions options_;
+  bool closed_ = false;
+  std::unordered_map<Key, Registered> recv_regs_;
+  std::unordered_map<Key, Registered> reply_regs_;
+  std::unique_ptr<AFTensorServer> server_;
+};
+
+// ---------------------------------------------------------------- scheduler
+
+class PyScheduler {
+ public:
+  explicit PyScheduler(MeshOptions options) {
+    options.role = Role::kScheduler;
+    absl::StatusOr<std::unique_ptr<Scheduler>> started;
+    {
+      py::gil_scoped_release release;
+      started = Scheduler::Start(options);
+    }
+    scheduler_ = ValueOrThrow(std::move(started));
+    timeout_ = options.timeout;
+  }
+  ~PyScheduler() {
+    py::gil_scoped_release release;
+    scheduler_.reset();
+  }
+  std::string address() const { return scheduler_->address(); }
+  void WaitUntilDone(py::handle timeout) {
+    const absl::Duration t = TimeoutArg(timeout, timeout_);
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = scheduler_->WaitUntilDone(t);
+    }
+    ThrowIfError(s);
+  }
+  void Stop() {
+    py::gil_scoped_release release;
+    scheduler_->Stop();
+  }
+
+ private:
+  std::unique_ptr<Scheduler> scheduler_;
+  absl::Duration timeout_;
+};
+
+template <typename T>
+void AddContextManager(py::class_<T>& cls) {
+  cls.def("__enter__", [](py::object self) { return self; });
+  cls.def("__exit__", [](T& self, py::handle type, py::handle, py::handle) {
+    // On an exception the mesh is torn down without masking it.
+    try {
+      self.Close();
+    } catch (const py::error_already_set&) {
+      if (type.is_none()) throw;
+    }
+    return false;
+  });
+}
+
+}  // namespace
+
+void BindMesh(py::module_& m) {
+  py::class_<RequestRef>(m, "Request", "A worker request (generation-checked handle).")
+      .def_property_readonly("index", [](const RequestRef& r) { return r.handle.index(); })
+      .def_property_readonly("generation", [](const RequestRef& r) { return r.handle.generation(); })
+      .def("__int__", [](const RequestRef& r) {
+        return PackHandle(r.handle.index(), r.handle.generation());
+      })
+      .def("__hash__", [](const RequestRef& r) {
+        return PackHandle(r.handle.index(), r.handle.generation());
+      })
+      .def("__eq__", [](const RequestRef& a, const RequestRef& b) { return a.handle == b.handle; })
+      .def("__repr__", [](const RequestRef& r) {
+        return absl::StrCat("Request(index=", r.handle.index(), ", generation=",
+                            r.handle.generation(), ")");
+      });
+
+  py::class_<TensorSlice>(m, "TensorSlice", R"doc(
+A zero-copy view of registered memory (a worker's part of a batch, or a slot
+of a registered region). Any DLPack consumer takes it: np.from_dlpack(s),
+torch.utils.dlpack.from_dlpack(s). The memory stays alive while a view exists;
+its contents are only meaningful until the batch is answered.)doc")
+      .def("__dlpack__",
+           [](const TensorSlice& s, py::handle /*stream*/) { return ExportView(s.view, s.owner); },
+           py::arg("stream") = py::none())
+      .def("__dlpack_device__", [](const TensorSlice& s) { return DlpackDevice(s.view.device); })
+      .def_property_readonly("key", [](const TensorSlice& s) { return s.key; })
+      .def_property_readonly("worker", [](const TensorSlice& s) { return s.worker; })
+      .def_property_readonly("valid_bytes", [](const TensorSlice& s) { return s.valid_bytes; })
+      .def_property_readonly("rows", [](const TensorSlice& s) { return s.rows; })
+      .def_property_readonly("shape", [](const TensorSlice& s) { return ShapeTuple(s.view.shape); })
+      .def_property_readonly("dtype", [](const TensorSlice& s) { return DTypeString(s.view.dtype); })
+      .def_property_readonly("device",
+                             [](const TensorSlice& s) { return DeviceName(s.view.device); })
+      .def_property_readonly("data_ptr",
+                             [](const TensorSlice& s) { return reinterpret_cast<uintptr_t>(s.view.data); })
+      .def("__repr__", [](const TensorSlice& s) {
+        return absl::StrCat("TensorSlice(key=", s.key, ", worker=", s.worker, ", rows=", s.rows,
+                            ", valid_bytes=", s.valid_bytes, ", shape=", s.view.shape.ToString(),
+                            ", dtype=", DTypeName(s.view.dtype), ")");
+      });
+
+  py::class_<PyBatchTensor>(m, "BatchTensor",
+                            "One pushed key of a batch: every worker's slot of its receive region.")
+      .def_property_readonly("key", [](const PyBatchTensor& t) { return t.key; })
+      .def_property_readonly("slot_bytes", [](const PyBatchTensor& t) { return t.slot_bytes; })
+      .def_property_readonly("valid_bytes", [](const PyBatchTensor& t) { return t.valid_bytes; })
+      .def("part", &PyBatchTensor::Part, py::arg("worker"),
+           "Worker `worker`'s valid rows as a TensorSlice (zero-copy).")
+      .def("rows", [](const PyBatchTensor& t, int w) { return t.Part(w).rows; }, py::arg("worker"));
+
+  py::class_<PyBatch>(m, "Batch", "A micro-batch handed out by Server.get_batch().")
+      .def_property_readonly("handle", [](const PyBatch& b) {
+        return PackHandle(b.batch.handle.index(), b.batch.handle.generation());
+      })
+      .def_property_readonly("group", [](const PyBatch& b) { return b.group; })
+      .def_property_readonly("workers", [](const PyBatch& b) { return b.workers; })
+      .def_property_readonly("pull_keys", [](const PyBatch& b) { return b.pull_keys; })
+      .def_property_readonly("tensors", [](const PyBatch& b) { return b.tensors; })
+      .def_property_readonly("answered", [](const PyBatch& b) { return b.answered; })
+      .def("tensor", &PyBatch::TensorFor, py::arg("key"), py::return_value_policy::copy)
+      .def("part", [](const PyBatch& b, py::handle key, int w) { return b.TensorFor(key).Part(w); },
+           py::arg("key"), py::arg("worker"))
+      .def("parts", [](const PyBatch& b, int w) {
+        std::vector<TensorSlice> out;
+        for (const PyBatchTensor& t : b.tensors) out.push_back(t.Part(w));
+        return out;
+      }, py::arg("worker"), "Worker `worker`'s part of every pushed tensor, in push order.")
+      .def("__repr__", [](const PyBatch& b) {
+        std::string workers;
+        for (int w : b.workers) absl::StrAppend(&workers, workers.empty() ? "" : ", ", w);
+        return absl::StrCat("Batch(group=", b.group, ", workers=[", workers, "], tensors=",
+                            b.tensors.size(), b.answered ? ", answered" : "", ")");
+      });
+
+  py::class_<PyWorker> worker(m, "Worker", R"doc(
+The attention side (C++ AFTensorWorker). Worker(options=None, **fields)
+connects to the scheduler and every server (blocking, GIL released).)doc");
+  worker
+      .def(py::init([](py::handle options, const py::kwargs& kwargs) {
+             return std::make_unique<PyWorker>(OptionsFrom(options, kwargs));
+           }),
+           py::arg("options") = py::none())
+      .def_property_readonly("rank", &PyWorker::rank)
+      .def_property_readonly("num_servers", &PyWorker::num_servers)
+      .def_property_readonly("options", &PyWorker::options)
+      .def_property_readonly("closed", &PyWorker::closed)
+      .def("register_push", &PyWorker::RegisterPush, py::arg("key"), py::arg("tensor"))
+      .def("register_pull", &PyWorker::RegisterPull, py::arg("key"), py::arg("server"),
+           py::arg("tensor"))
+      .def("unregister", &PyWorker::Unregister, py::arg("key"))
+      .def("push_pull", &PyWorker::PushPull, py::arg("pushes"), py::arg("pulls") = py::tuple())
+      .def("wait", &PyWorker::Wait, py::arg("request"), py::arg("timeout") = py::none())
+      .def("test", &PyWorker::Test, py::arg("request"))
+      .def("fetch_trace", &PyWorker::FetchTrace, py::arg("request"))
+      .def("barrier", &PyWorker::Barrier)
+      .def("close", &PyWorker::Close);
+  AddContextManager(worker);
+
+  py::class_<PyServer> server(m, "Server", R"doc(
+The FFN side (C++ AFTensorServer). Server(options=None, **fields) joins the mesh
+(blocking, GIL released).)doc");
+  server
+      .def(py::init([](py::handle options, const py::kwargs& kwargs) {
+             return std::make_unique<PyServer>(OptionsFrom(options, kwargs));
+           }),
+           py::arg("options") = py::none())
+      .def_property_readonly("rank", &PyServer::rank)
+      .def_property_readonly("num_workers", &PyServer::num_workers)
+      .def_property_readonly("options", &PyServer::options)
+      .def_property_readonly("closed", &PyServer::closed)
+      .def("register_recv", &PyServer::RegisterRecv, py::arg("key"), py::arg("tensor"))
+      .def("register_reply", &PyServer::RegisterReply, py::arg("key"), py::arg("tensor"))
+      .def("unregister", &PyServer::Unregister, py::arg("key"))
+      .def("get_batch", &PyServer::GetBatch, py::arg("timeout") = py::none(),
+           py::arg("policy") = "all")
+      .def("respond", &PyServer::Respond, py::arg("batch"), py::arg("rows") = py::none(),
+           py::arg("bytes") = py::none())
+      .def("recv_slot", [](PyServer& s, py::handle key, int w) { return s.Slot(key, w, false); },
+           py::arg("key"), py::arg("worker"))
+      .def("reply_slot", [](PyServer& s, py::handle key, int w) { return s.Slot(key, w, true); },
+           py::arg("key"), py::arg("worker"))
+      .def("barrier", &PyServer::Barrier)
+      .def("close", &PyServer::Close);
+  AddContextManager(server);
+
+  py::class_<PyScheduler> scheduler(m, "Scheduler", R"doc(
+The rendezvous service, in this process. Scheduler(options=None, **fields);
+the default address is 127.0.0.1:0 (a free port: read .address).)doc");
+  scheduler
+      .def(py::init([](py::handle options, const py::kwargs& kwargs) {
+             MeshOptions o = OptionsFrom(options, kwargs);
+             if (options.is_none() && !kwargs.contains("scheduler")) o.scheduler = "127.0.0.1:0";
+             return std::make_unique<PyScheduler>(std::move(o));
+           }),
+           py::arg("options") = py::none())
+      .def_property_readonly("address", &PyScheduler::address)
+      .def("wait_until_done", &PyScheduler::WaitUntilDone, py::arg("timeout") = py::none())
+      .def("stop", &PyScheduler::Stop)
+      .def("close", &PyScheduler::Stop);
+  scheduler.def("__enter__", [](py::object self) { return self; });
+  scheduler.def("__exit__", [](PyScheduler& self, py::handle, py::handle, py::handle) {
+    self.Stop();
+    return false;
+  });
+}
+
+}  // namespace stepmesh::python

@@ -1,0 +1,212 @@
+#include "python/src/options_binding.h"
+
+#include <pybind11/stl.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "python/src/errors.h"
+
+namespace stepmesh::python {
+namespace py = pybind11;
+
+namespace {
+
+// One row per MeshOptions field: its Python name, how to read it and how to set it.
+struct Field {
+  const char* name;
+  std::function<py::object(const MeshOptions&)> get;
+  std::function<void(MeshOptions&, py::handle)> set;
+};
+
+template <typename T>
+T Cast(py::handle value, const char* field, const char* want) {
+  try {
+    return value.cast<T>();
+  } catch (const py::cast_error&) {
+    ThrowInvalidArgument(absl::StrCat("MeshOptions.", field, ": expected ", want, ", got ",
+                                      std::string(py::str(value.get_type().attr("__name__")))));
+  }
+}
+
+int CastInt(py::handle v, const char* f) {
+  if (PyBool_Check(v.ptr()) || !PyLong_Check(v.ptr())) Cast<int>(py::none(), f, "int");
+  return Cast<int>(v, f, "int");
+}
+bool CastBool(py::handle v, const char* f) {
+  if (!PyBool_Check(v.ptr())) Cast<bool>(py::none(), f, "bool");
+  return v.cast<bool>();
+}
+std::string CastStr(py::handle v, const char* f) {
+  if (!PyUnicode_Check(v.ptr())) Cast<std::string>(py::none(), f, "str");
+  return v.cast<std::string>();
+}
+absl::Duration CastSeconds(py::handle v, const char* f) {
+  if (PyBool_Check(v.ptr()) || !(PyFloat_Check(v.ptr()) || PyLong_Check(v.ptr()))) {
+    Cast<double>(py::none(), f, "seconds (float)");
+  }
+  const double s = v.cast<double>();
+  if (!(s >= 0)) ThrowInvalidArgument(absl::StrCat("MeshOptions.", f, ": ", s, " s is negative"));
+  return absl::Seconds(s);
+}
+std::vector<int> CastCores(py::handle v, const char* f) {
+  if (PyUnicode_Check(v.ptr())) Cast<std::vector<int>>(py::none(), f, "list of core ids");
+  return Cast<std::vector<int>>(v, f, "list of core ids");
+}
+
+Role ParseRoleName(const std::string& name) {
+  if (name == "worker") return Role::kWorker;
+  if (name == "server") return Role::kServer;
+  if (name == "scheduler") return Role::kScheduler;
+  ThrowInvalidArgument(
+      absl::StrCat("MeshOptions.role: '", name, "' (want worker, server or scheduler)"));
+}
+
+#define SM_INT(field)                                                                 \
+  Field {                                                                             \
+    #field, [](const MeshOptions& o) { return py::object(py::int_(o.field)); },      \
+        [](MeshOptions& o, py::handle v) { o.field = CastInt(v, #field); }            \
+  }
+#define SM_STR(field)                                                                 \
+  Field {                                                                             \
+    #field, [](const MeshOptions& o) { return py::object(py::str(o.field)); },       \
+        [](MeshOptions& o, py::handle v) { o.field = CastStr(v, #field); }            \
+  }
+#define SM_SECONDS(name, member)                                                      \
+  Field {                                                                             \
+    name, [](const MeshOptions& o) {                                                  \
+      return py::object(py::float_(absl::ToDoubleSeconds(o.member))); },              \
+        [](MeshOptions& o, py::handle v) { o.member = CastSeconds(v, name); }         \
+  }
+
+const std::vector<Field>& Fields() {
+  static const std::vector<Field>* fields = new std::vector<Field>{
+      {"role", [](const MeshOptions& o) { return py::object(py::str(std::string(RoleName(o.role)))); },
+       [](MeshOptions& o, py::handle v) { o.role = ParseRoleName(CastStr(v, "role")); }},
+      SM_INT(rank),
+      SM_INT(num_workers),
+      SM_INT(num_servers),
+      SM_STR(scheduler),
+      SM_STR(bind_host),
+      SM_STR(transport),
+      SM_STR(backend),
+      SM_INT(device),
+      SM_STR(rdma_device),
+      SM_INT(rdma_port),
+      SM_INT(rdma_gid_index),
+      SM_INT(rdma_traffic_class),
+      SM_INT(rdma_service_level),
+      SM_INT(rdma_qps_per_peer),
+      {"rdma_gpudirect",
+       [](const MeshOptions& o) { return py::object(py::str(std::string(GpuDirectName(o.rdma_gpudirect)))); },
+       [](MeshOptions& o, py::handle v) {
+         o.rdma_gpudirect = ValueOrThrow(ParseGpuDirect(CastStr(v, "rdma_gpudirect")));
+       }},
+      {"poll_mode",
+       [](const MeshOptions& o) { return py::object(py::str(std::string(PollModeName(o.threads.poll_mode)))); },
+       [](MeshOptions& o, py::handle v) {
+         o.threads.poll_mode = ValueOrThrow(ParsePollMode(CastStr(v, "poll_mode")));
+       }},
+      SM_SECONDS("spin_budget", threads.spin_budget),
+      {"send_cores", [](const MeshOptions& o) { return py::object(py::cast(o.threads.send_cores)); },
+       [](MeshOptions& o, py::handle v) { o.threads.send_cores = CastCores(v, "send_cores"); }},
+      {"recv_cores", [](const MeshOptions& o) { return py::object(py::cast(o.threads.recv_cores)); },
+       [](MeshOptions& o, py::handle v) { o.threads.recv_cores = CastCores(v, "recv_cores"); }},
+      {"auto_pin", [](const MeshOptions& o) { return py::object(py::bool_(o.threads.auto_pin)); },
+       [](MeshOptions& o, py::handle v) { o.threads.auto_pin = CastBool(v, "auto_pin"); }},
+      SM_SECONDS("timeout", timeout),
+      SM_SECONDS("heartbeat_interval", heartbeat_interval),
+      SM_INT(max_inflight_requests),
+      SM_INT(max_registrations),
+      SM_STR(auth_token),
+      {"payload_checksum", [](const MeshOptions& o) { return py::object(py::bool_(o.payload_checksum)); },
+       [](MeshOptions& o, py::handle v) { o.payload_checksum = CastBool(v, "payload_checksum"); }},
+      {"trace", [](const MeshOptions& o) { return py::object(py::bool_(o.trace.enabled)); },
+       [](MeshOptions& o, py::handle v) { o.trace.enabled = CastBool(v, "trace"); }},
+  };
+  return *fields;
+}
+
+#undef SM_INT
+#undef SM_STR
+#undef SM_SECONDS
+
+void Apply(MeshOptions& options, const py::kwargs& kwargs) {
+  for (const auto& [key, value] : kwargs) {
+    const std::string name = key.cast<std::string>();
+    const Field* field = nullptr;
+    for (const Field& f : Fields()) {
+      if (name == f.name) field = &f;
+    }
+    if (field == nullptr) {
+      ThrowInvalidArgument(absl::StrCat("unknown MeshOptions field '", name,
+                                        "' (see help(stepmesh.MeshOptions))"));
+    }
+    field->set(options, value);
+  }
+}
+
+}  // namespace
+
+MeshOptions OptionsFrom(py::handle options, const py::kwargs& kwargs) {
+  MeshOptions result;
+  if (!options.is_none()) {
+    if (!py::isinstance<MeshOptions>(options)) {
+      ThrowInvalidArgument(absl::StrCat("options: expected stepmesh.MeshOptions, got ",
+                                        std::string(py::str(options.get_type().attr("__name__")))));
+    }
+    result = options.cast<const MeshOptions&>();
+  }
+  Apply(result, kwargs);
+  return result;
+}
+
+void BindOptions(py::module_& m) {
+  py::class_<MeshOptions> cls(m, "MeshOptions", R"doc(
+Configuration of one mesh participant (mirrors the C++ stepmesh::MeshOptions).
+
+MeshOptions(**fields) sets any field by name; MeshOptions.from_env(**fields)
+starts from those fields and overlays every set STEPMESH_* / DMLC_* variable
+(docs/configuration.md). Durations are seconds (float); role, poll_mode and
+rdma_gpudirect are names ("worker", "adaptive", "auto", ...).
+)doc");
+  cls.def(py::init([](const py::kwargs& kwargs) { return OptionsFrom(py::none(), kwargs); }));
+  for (const Field& f : Fields()) {
+    cls.def_property(
+        f.name, [get = f.get](const MeshOptions& o) { return get(o); },
+        [set = f.set](MeshOptions& o, py::handle v) { set(o, v); });
+  }
+  cls.def_static(
+      "from_env",
+      [](const py::kwargs& kwargs) {
+        MeshOptions base = OptionsFrom(py::none(), kwargs);
+        return ValueOrThrow(MeshOptions::FromEnv(base));
+      },
+      "The given fields with every set STEPMESH_* / DMLC_* variable applied on top.");
+  cls.def("validate", [](const MeshOptions& o) { ThrowIfError(o.Validate()); },
+          "Raises stepmesh.InvalidArgument naming the first bad field.");
+  cls.def("copy", [](const MeshOptions& o, const py::kwargs& kwargs) {
+    MeshOptions copy = o;
+    Apply(copy, kwargs);
+    return copy;
+  }, "A copy with the given fields changed.");
+  cls.def("to_dict", [](const MeshOptions& o) {
+    py::dict d;
+    for (const Field& f : Fields()) d[f.name] = f.get(o);
+    return d;
+  });
+  cls.def("__repr__", [](const MeshOptions& o) {
+    std::string s = "MeshOptions(";
+    bool first = true;
+    for (const Field& f : Fields()) {
+      if (std::string(f.name) == "auth_token") continue;  // a secret: never printed
+      absl::StrAppend(&s, first ? "" : ", ", f.name, "=", std::string(py::repr(f.get(o))));
+      first = false;
+    }
+    return s + ")";
+  });
+}
+
+}  // namespace stepmesh::python
