@@ -1,5 +1,7 @@
 #include "python/src/dlpack_tensor.h"
 
+#include <pybind11/numpy.h>
+
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -106,7 +108,7 @@ void DeleteExported(DLManagedTensor* self);
 struct ExportContext {
   DLManagedTensor managed{};
   int64_t shape[Shape::kMaxDims]{};
-  std::shared_ptr<ImportedTensor> owner;
+  std::shared_ptr<const void> owner;
 };
 
 void DeleteExported(DLManagedTensor* self) {
@@ -142,7 +144,16 @@ std::shared_ptr<ImportedTensor> ImportTensor(py::handle obj, const std::string& 
   if (PyCapsule_CheckExact(obj.ptr())) {
     capsule = py::reinterpret_borrow<py::object>(obj);
   } else if (py::hasattr(obj, "__dlpack__")) {
-    capsule = CallDlpack(obj);
+    try {
+      capsule = CallDlpack(obj);
+    } catch (const py::error_already_set& e) {
+      // The producer refuses (numpy: bool, read-only, ...): a bad argument.
+      if (!e.matches(PyExc_BufferError) && !e.matches(PyExc_TypeError) &&
+          !e.matches(PyExc_ValueError)) {
+        throw;
+      }
+      ThrowInvalidArgument(absl::StrCat(what, ": its __dlpack__() refused: ", e.what()));
+    }
   } else {
     ThrowInvalidArgument(absl::StrCat(what, ": ", std::string(py::str(obj.get_type())),
                                       " has no __dlpack__ (pass a numpy array, torch tensor, "
@@ -188,7 +199,7 @@ std::shared_ptr<ImportedTensor> ImportTensor(py::handle obj, const std::string& 
   return std::make_shared<ImportedTensor>(managed, py::reinterpret_borrow<py::object>(obj), view);
 }
 
-py::capsule ExportView(const TensorView& view, std::shared_ptr<ImportedTensor> owner) {
+py::capsule ExportView(const TensorView& view, std::shared_ptr<const void> owner) {
   auto ctx = std::make_unique<ExportContext>();
   for (int d = 0; d < view.shape.rank(); ++d) ctx->shape[d] = view.shape[d];
   ctx->owner = std::move(owner);
@@ -209,12 +220,45 @@ py::capsule ExportView(const TensorView& view, std::shared_ptr<ImportedTensor> o
   return py::reinterpret_steal<py::capsule>(capsule);
 }
 
+py::object NumpyView(const TensorView& view, std::shared_ptr<const void> owner) {
+  if (view.device.kind != DeviceKind::kCpu) {
+    ThrowInvalidArgument(absl::StrCat("numpy(): the tensor is on ", DeviceName(view.device)));
+  }
+  const char* type = nullptr;
+  switch (view.dtype) {
+    case DType::kUInt8: type = "uint8"; break;
+    case DType::kInt32: type = "int32"; break;
+    case DType::kInt64: type = "int64"; break;
+    case DType::kFloat32: type = "float32"; break;
+    case DType::kFloat16: type = "float16"; break;
+    default:
+      ThrowInvalidArgument(absl::StrCat("numpy(): numpy has no ", DTypeName(view.dtype),
+                                        " (use .raw() bytes or torch's from_dlpack)"));
+  }
+  std::vector<py::ssize_t> shape;
+  for (int d = 0; d < view.shape.rank(); ++d) shape.push_back(view.shape[d]);
+  // The capsule is the array's base: it holds the owner until numpy lets go.
+  auto* hold = new std::shared_ptr<const void>(std::move(owner));
+  py::capsule base(hold, [](void* p) { delete static_cast<std::shared_ptr<const void>*>(p); });
+  return py::array(py::dtype(type), shape, view.data, base);
+}
+
 py::tuple DlpackDevice(const Device& device) {
   if (device.kind == DeviceKind::kCuda) return py::make_tuple(int{kDLCUDA}, device.index);
   return py::make_tuple(int{kDLCPU}, 0);
 }
 
 std::string DTypeString(DType dtype) { return std::string(DTypeName(dtype)); }
+
+DType DTypeArg(const std::string& name) {
+  absl::StatusOr<DType> dtype = ParseDType(name);
+  if (!dtype.ok()) {
+    ThrowInvalidArgument(absl::StrCat("dtype '", name,
+                                      "' (want uint8, int32, int64, float32, float16, bfloat16 "
+                                      "or float8_e4m3)"));
+  }
+  return *dtype;
+}
 
 Shape RowsShape(const TensorView& view, int64_t rows) {
   int64_t dims[Shape::kMaxDims];

@@ -43,8 +43,16 @@ class ImportedTensor {
 // non-contiguous, unsupported dtype or device, too many dimensions.
 std::shared_ptr<ImportedTensor> ImportTensor(pybind11::handle obj, const std::string& what);
 
-// A capsule over `view` (which lies inside `owner`'s memory).
-pybind11::capsule ExportView(const TensorView& view, std::shared_ptr<ImportedTensor> owner);
+// A capsule over `view`; `owner` (an ImportedTensor, a HostTensor's memory)
+// keeps the memory alive until the consumer releases the capsule.
+pybind11::capsule ExportView(const TensorView& view, std::shared_ptr<const void> owner);
+
+// Parses a dtype name ("float32", "bfloat16", ...) or raises InvalidArgument.
+DType DTypeArg(const std::string& name);
+
+// A writable numpy array over `view` (host memory, a numpy dtype), keeping
+// `owner` alive. numpy's own from_dlpack() hands out read-only arrays.
+pybind11::object NumpyView(const TensorView& view, std::shared_ptr<const void> owner);
 
 // (device_type, device_id) for __dlpack_device__.
 pybind11::tuple DlpackDevice(const Device& device);

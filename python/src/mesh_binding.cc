@@ -128,9 +128,10 @@ class PyWorker {
     const Key key = KeyArg(key_arg, "register_push");
     Registered t = ImportTensor(tensor, absl::StrCat("push tensor for key ", key));
     absl::Status s;
+    auto& node = live();  // may raise: do it holding the GIL
     {
       py::gil_scoped_release release;
-      s = live().RegisterPushTensor(key, t->view());
+      s = node.RegisterPushTensor(key, t->view());
     }
     ThrowIfError(s);
     push_regs_[key] = std::move(t);
@@ -141,9 +142,10 @@ class PyWorker {
     Registered t =
         ImportTensor(tensor, absl::StrCat("pull tensor for key ", key, " from server ", server));
     absl::Status s;
+    auto& node = live();  // may raise: do it holding the GIL
     {
       py::gil_scoped_release release;
-      s = live().RegisterPullTensor(key, server, t->view());
+      s = node.RegisterPullTensor(key, server, t->view());
     }
     ThrowIfError(s);
     pull_regs_[{key, server}] = std::move(t);
@@ -152,9 +154,10 @@ class PyWorker {
   void Unregister(py::handle key_arg) {
     const Key key = KeyArg(key_arg, "unregister");
     absl::Status s;
+    auto& node = live();  // may raise: do it holding the GIL
     {
       py::gil_scoped_release release;
-      s = live().Unregister(key);
+      s = node.Unregister(key);
     }
     ThrowIfError(s);
     push_regs_.erase(key);
@@ -185,9 +188,10 @@ class PyWorker {
       for (py::handle item : pulls) pull_items.push_back(ParsePull(item));
     }
     absl::StatusOr<RequestHandle> handle;
+    auto& node = live();  // may raise: do it holding the GIL
     {
       py::gil_scoped_release release;
-      handle = live().PushPull(push_items, pull_items);
+      handle = node.PushPull(push_items, pull_items);
     }
     return RequestRef{ValueOrThrow(std::move(handle))};
   }
@@ -195,9 +199,10 @@ class PyWorker {
   void Wait(const RequestRef& request, py::handle timeout) {
     const absl::Duration t = TimeoutArg(timeout, options_.timeout);
     absl::Status s;
+    auto& node = live();  // may raise: do it holding the GIL
     {
       py::gil_scoped_release release;
-      s = live().Wait(request.handle, t);
+      s = node.Wait(request.handle, t);
     }
     ThrowIfError(s);
   }
@@ -226,9 +231,10 @@ class PyWorker {
 
   void Barrier() {
     absl::Status s;
+    auto& node = live();  // may raise: do it holding the GIL
     {
       py::gil_scoped_release release;
-      s = live().Barrier();
+      s = node.Barrier();
     }
     ThrowIfError(s);
   }
@@ -389,9 +395,10 @@ class PyServer {
     const Key key = KeyArg(key_arg, "register_recv");
     Registered t = ImportTensor(tensor, absl::StrCat("receive tensor for key ", key));
     absl::Status s;
+    auto& node = live();  // may raise: do it holding the GIL
     {
       py::gil_scoped_release release;
-      s = live().RegisterRecvTensor(key, t->view());
+      s = node.RegisterRecvTensor(key, t->view());
     }
     ThrowIfError(s);
     recv_regs_[key] = std::move(t);
@@ -401,9 +408,10 @@ class PyServer {
     const Key key = KeyArg(key_arg, "register_reply");
     Registered t = ImportTensor(tensor, absl::StrCat("reply tensor for key ", key));
     absl::Status s;
+    auto& node = live();  // may raise: do it holding the GIL
     {
       py::gil_scoped_release release;
-      s = live().RegisterReplyTensor(key, t->view());
+      s = node.RegisterReplyTensor(key, t->view());
     }
     ThrowIfError(s);
     reply_regs_[key] = std::move(t);
@@ -412,9 +420,10 @@ class PyServer {
   void Unregister(py::handle key_arg) {
     const Key key = KeyArg(key_arg, "unregister");
     absl::Status s;
+    auto& node = live();  // may raise: do it holding the GIL
     {
       py::gil_scoped_release release;
-      s = live().Unregister(key);
+      s = node.Unregister(key);
     }
     ThrowIfError(s);
     recv_regs_.erase(key);
@@ -432,9 +441,10 @@ class PyServer {
     }
     const absl::Duration t = TimeoutArg(timeout, options_.timeout);
     absl::StatusOr<Batch> got;
+    auto& node = live();  // may raise: do it holding the GIL
     {
       py::gil_scoped_release release;
-      got = live().GetBatch(t, policy);
+      got = node.GetBatch(t, policy);
     }
     PyBatch out;
     out.batch = ValueOrThrow(std::move(got));
@@ -497,9 +507,10 @@ class PyServer {
     // Replies to workers outside the batch: the library names the mistake.
     for (const auto& [w, b] : explicit_bytes) replies.push_back({w, b});
     absl::Status s;
+    auto& node = live();  // may raise: do it holding the GIL
     {
       py::gil_scoped_release release;
-      s = live().Respond(batch.batch, replies);
+      s = node.Respond(batch.batch, replies);
     }
     ThrowIfError(s);
     batch.answered = true;
@@ -523,9 +534,10 @@ class PyServer {
 
   void Barrier() {
     absl::Status s;
+    auto& node = live();  // may raise: do it holding the GIL
     {
       py::gil_scoped_release release;
-      s = live().Barrier();
+      s = node.Barrier();
     }
     ThrowIfError(s);
   }
@@ -651,6 +663,8 @@ its contents are only meaningful until the batch is answered.)doc")
            [](const TensorSlice& s, py::handle /*stream*/) { return ExportView(s.view, s.owner); },
            py::arg("stream") = py::none())
       .def("__dlpack_device__", [](const TensorSlice& s) { return DlpackDevice(s.view.device); })
+      .def("numpy", [](const TensorSlice& s) { return NumpyView(s.view, s.owner); },
+           "A writable numpy view (host memory, numpy dtypes).")
       .def_property_readonly("key", [](const TensorSlice& s) { return s.key; })
       .def_property_readonly("worker", [](const TensorSlice& s) { return s.worker; })
       .def_property_readonly("valid_bytes", [](const TensorSlice& s) { return s.valid_bytes; })

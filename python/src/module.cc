@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 
 #include "python/src/errors.h"
+#include "python/src/host_tensor_binding.h"
 #include "python/src/mesh_binding.h"
 #include "python/src/options_binding.h"
 #include "stepmesh/trace.h"
@@ -11,6 +12,7 @@ PYBIND11_MODULE(_stepmesh, m) {
   stepmesh::python::RegisterErrors(m);
   stepmesh::python::BindOptions(m);
   stepmesh::python::BindMesh(m);
+  stepmesh::python::BindHostTensor(m);
   m.def("monotonic_ns", &stepmesh::MonotonicNowNs,
         "CLOCK_MONOTONIC in nanoseconds: the clock trace stamps use.");
 }

@@ -21,39 +21,43 @@ struct Field {
   std::function<void(MeshOptions&, py::handle)> set;
 };
 
-template <typename T>
-T Cast(py::handle value, const char* field, const char* want) {
-  try {
-    return value.cast<T>();
-  } catch (const py::cast_error&) {
-    ThrowInvalidArgument(absl::StrCat("MeshOptions.", field, ": expected ", want, ", got ",
-                                      std::string(py::str(value.get_type().attr("__name__")))));
-  }
+[[noreturn]] void WrongType(py::handle value, const char* field, const char* want) {
+  ThrowInvalidArgument(absl::StrCat("MeshOptions.", field, ": expected ", want, ", got ",
+                                    std::string(py::str(value.get_type().attr("__name__")))));
 }
 
 int CastInt(py::handle v, const char* f) {
-  if (PyBool_Check(v.ptr()) || !PyLong_Check(v.ptr())) Cast<int>(py::none(), f, "int");
-  return Cast<int>(v, f, "int");
+  if (PyBool_Check(v.ptr()) || !PyLong_Check(v.ptr())) WrongType(v, f, "int");
+  try {
+    return v.cast<int>();
+  } catch (const py::cast_error&) {
+    ThrowInvalidArgument(absl::StrCat("MeshOptions.", f, ": ", std::string(py::str(v)),
+                                      " does not fit an int"));
+  }
 }
 bool CastBool(py::handle v, const char* f) {
-  if (!PyBool_Check(v.ptr())) Cast<bool>(py::none(), f, "bool");
+  if (!PyBool_Check(v.ptr())) WrongType(v, f, "bool");
   return v.cast<bool>();
 }
 std::string CastStr(py::handle v, const char* f) {
-  if (!PyUnicode_Check(v.ptr())) Cast<std::string>(py::none(), f, "str");
+  if (!PyUnicode_Check(v.ptr())) WrongType(v, f, "str");
   return v.cast<std::string>();
 }
 absl::Duration CastSeconds(py::handle v, const char* f) {
   if (PyBool_Check(v.ptr()) || !(PyFloat_Check(v.ptr()) || PyLong_Check(v.ptr()))) {
-    Cast<double>(py::none(), f, "seconds (float)");
+    WrongType(v, f, "seconds (float)");
   }
   const double s = v.cast<double>();
   if (!(s >= 0)) ThrowInvalidArgument(absl::StrCat("MeshOptions.", f, ": ", s, " s is negative"));
   return absl::Seconds(s);
 }
 std::vector<int> CastCores(py::handle v, const char* f) {
-  if (PyUnicode_Check(v.ptr())) Cast<std::vector<int>>(py::none(), f, "list of core ids");
-  return Cast<std::vector<int>>(v, f, "list of core ids");
+  if (PyUnicode_Check(v.ptr())) WrongType(v, f, "list of core ids");
+  try {
+    return v.cast<std::vector<int>>();
+  } catch (const py::cast_error&) {
+    WrongType(v, f, "list of core ids");
+  }
 }
 
 Role ParseRoleName(const std::string& name) {

@@ -24,6 +24,7 @@ from ._stepmesh import (  # noqa: F401  (re-exported)
     DeadlineExceeded,
     Error,
     FailedPrecondition,
+    HostTensor,
     Internal,
     InvalidArgument,
     MeshOptions,
@@ -40,6 +41,8 @@ from ._stepmesh import (  # noqa: F401  (re-exported)
     Unimplemented,
     Unknown,
     Worker,
+    copy_,
+    describe,
     monotonic_ns,
 )
 
@@ -70,8 +73,8 @@ class Pull:
 
 __all__ = [
     "Aborted", "AlreadyExists", "Batch", "BatchTensor", "Cancelled", "DataLoss",
-    "DeadlineExceeded", "DTYPES", "Error", "FailedPrecondition", "Internal",
+    "DeadlineExceeded", "DTYPES", "Error", "FailedPrecondition", "HostTensor", "Internal",
     "InvalidArgument", "MeshOptions", "NotFound", "OutOfRange", "PermissionDenied", "Pull",
     "Push", "Request", "ResourceExhausted", "Scheduler", "Server", "TensorSlice",
-    "Unauthenticated", "Unavailable", "Unimplemented", "Unknown", "Worker", "monotonic_ns",
+    "Unauthenticated", "Unavailable", "Unimplemented", "Unknown", "Worker", "copy_", "describe", "monotonic_ns",
 ]

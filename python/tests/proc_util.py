@@ -1,0 +1,70 @@
+"""Child processes for the Python tests: spawned by path with this interpreter,
+waited with a deadline, killed by PID, and killed by the kernel should the
+test process itself die (PR_SET_PDEATHSIG), so no test leaves one behind."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with_parent() -> None:
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def spawn(args: Sequence[str], env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
+    """Runs `python args...` with `env` added to a copy of this environment."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.Popen([sys.executable, *args], env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=_die_with_parent)
+
+
+def reap(procs: List[subprocess.Popen], timeout_s: float) -> List[str]:
+    """Waits for every process until the shared deadline, kills (by PID) what is
+    left, and returns each one's output. Raises if one timed out or failed."""
+    deadline = time.monotonic() + timeout_s
+    outputs, failures = [], []
+    for p in procs:
+        name = f"pid {p.pid} ({' '.join(p.args[1:])})"
+        try:
+            out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            if p.returncode != 0:
+                failures.append(f"{name} exited {p.returncode}")
+        except subprocess.TimeoutExpired:
+            os.kill(p.pid, signal.SIGKILL)
+            out, _ = p.communicate()
+            failures.append(f"{name} timed out after {timeout_s}s")
+        outputs.append(out)
+    if failures:
+        raise AssertionError("; ".join(failures) + "\n" +
+                             "\n----\n".join(o or "" for o in outputs))
+    return outputs
+
+
+def kill_all(procs: List[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.communicate()
+
+
+def require_torch():
+    """torch (Debian python3-torch) is a test dependency: its absence is a failure
+    with the remedy in the message, never a silent skip."""
+    try:
+        import torch
+        import torch.utils.dlpack  # noqa: F401
+    except ImportError as e:
+        raise AssertionError(
+            f"torch is not importable by {sys.executable} ({e}); the torch tests need Debian's "
+            "python3-torch: run scripts/install-deps.sh") from None
+    return torch

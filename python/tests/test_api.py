@@ -1,0 +1,472 @@
+"""The stepmesh package with numpy (and framework-free HostTensor) tensors:
+round trips of every dtype, bad input, GIL release, tensor lifetime, options,
+exceptions. Meshes run as threads of this process over TCP on 127.0.0.1; the
+scheduler binds port 0, so no port is ever guessed."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import sys
+import threading
+import time
+import weakref
+
+import numpy as np
+import pytest
+
+import proc_util
+import stepmesh
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def opts(addr, workers=1, servers=1, **kw):
+    return stepmesh.MeshOptions(scheduler=addr, transport="tcp", num_workers=workers,
+                                num_servers=servers, timeout=20.0, **kw)
+
+
+class Mesh:
+    """A scheduler plus servers running `server_fn(server)` in threads; the test
+    body is the worker(s). Every thread is joined with a deadline."""
+
+    def __init__(self, server_fn, workers=1, servers=1):
+        self.scheduler = stepmesh.Scheduler(num_workers=workers, num_servers=servers)
+        self.addr = self.scheduler.address
+        self.errors = []
+        self.threads = []
+        for s in range(servers):
+            t = threading.Thread(target=self._run, args=(server_fn, workers, servers, s))
+            t.start()
+            self.threads.append(t)
+
+    def _run(self, fn, workers, servers, rank):
+        try:
+            with stepmesh.Server(opts(self.addr, workers, servers, rank=rank)) as s:
+                fn(s)
+        except BaseException as e:  # reported by close()
+            self.errors.append(e)
+
+    def worker(self, workers=1, servers=1, rank=0):
+        return stepmesh.Worker(opts(self.addr, workers, servers, rank=rank))
+
+    def close(self):
+        for t in self.threads:
+            t.join(timeout=60)
+            assert not t.is_alive(), "server thread did not finish"
+        self.scheduler.stop()
+        if self.errors:
+            raise self.errors[0]
+
+
+def echo_server(key_in, key_out, steps, make_region, times2=False):
+    """Registers receive/reply regions and answers `steps` batches with the
+    pushed bytes (or doubled values) in each worker's reply slot."""
+
+    def run(s):
+        recv, reply = make_region(), make_region()
+        s.register_recv(key_in, recv)
+        s.register_reply(key_out, reply)
+        s.barrier()
+        for _ in range(steps):
+            b = s.get_batch(timeout=20)
+            sizes = {}
+            for w in b.workers:
+                part = b.part(key_in, w)
+                if isinstance(recv, stepmesh.HostTensor):  # raw bytes: any dtype
+                    src, dst = recv.raw().numpy(), reply.raw().numpy()
+                    slot = src.size // s.num_workers
+                    valid = slice(w * slot, w * slot + part.valid_bytes)
+                    dst[valid] = src[valid]
+                else:
+                    view = np.from_dlpack(part)
+                    slot_rows = reply.shape[0] // s.num_workers
+                    out = reply[w * slot_rows: w * slot_rows + view.shape[0]]
+                    out[...] = view * 2 if times2 else view
+                sizes[w] = part.valid_bytes
+            s.respond(b, bytes=sizes)
+        s.barrier()
+
+    return run
+
+
+NUMPY_DTYPES = ["uint8", "int32", "int64", "float32", "float16"]
+
+
+@pytest.mark.parametrize("dtype", NUMPY_DTYPES)
+def test_numpy_round_trip_every_numpy_dtype(dtype):
+    rows, cols, steps = 6, 5, 4
+    mesh = Mesh(echo_server(1, 2, steps, lambda: np.zeros((rows, cols), dtype)))
+    try:
+        with mesh.worker() as w:
+            x = np.zeros((rows, cols), dtype)
+            y = np.zeros((rows, cols), dtype)
+            w.register_push(1, x)
+            w.register_pull(2, 0, y)
+            w.barrier()
+            rng = np.random.default_rng(7)
+            for step in range(steps):
+                n = [rows, 1, 3, rows][step]  # a prefix of rows: variable per step
+                x[...] = rng.integers(0, 100, size=x.shape).astype(dtype)
+                y[...] = 0
+                w.wait(w.push_pull([stepmesh.Push(1, rows=n)], [(2, 0)]), timeout=20)
+                np.testing.assert_array_equal(y[:n], x[:n])
+                assert not y[n:].any()
+            w.barrier()
+    finally:
+        mesh.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3"])
+def test_host_tensor_round_trip_dtypes_numpy_lacks(dtype):
+    """bfloat16 and float8 travel as their own dtype (the server checks it);
+    their bytes are compared through the uint8 view."""
+    rows, cols, steps = 4, 16, 3
+    mesh = Mesh(echo_server(1, 2, steps, lambda: stepmesh.HostTensor([rows, cols], dtype)))
+    try:
+        with mesh.worker() as w:
+            x = stepmesh.HostTensor([rows, cols], dtype)
+            y = stepmesh.HostTensor([rows, cols], dtype)
+            assert stepmesh.describe(x)["dtype"] == dtype
+            w.register_push(1, x)
+            w.register_pull(2, 0, y)
+            w.barrier()
+            xb, yb = x.raw().numpy(), y.raw().numpy()
+            for step in range(steps):
+                xb[...] = np.random.default_rng(step).integers(0, 255, xb.shape, dtype=np.uint8)
+                yb[...] = 0
+                w.wait(w.push_pull([1], [(2, 0)]), timeout=20)
+                np.testing.assert_array_equal(yb, xb)
+            w.barrier()
+    finally:
+        mesh.close()
+
+
+def test_two_workers_two_servers_batch_parts_are_zero_copy_views():
+    rows, cols, steps = 8, 4, 3
+    seen = []
+
+    def server(s):
+        recv = np.zeros((2 * rows, cols), np.float32)
+        reply = np.zeros((2 * rows, cols), np.float32)
+        s.register_recv(10, recv)
+        s.register_reply(20, reply)
+        s.barrier()
+        for _ in range(steps):
+            b = s.get_batch(timeout=20)
+            assert b.group == 10 and b.workers == [0, 1]
+            rows_back = {}
+            for w in b.workers:
+                part = b.part(10, w)
+                view = np.from_dlpack(part)
+                # zero-copy: the view is worker w's slot of the registered region
+                assert np.shares_memory(view, recv)
+                assert part.data_ptr == recv.ctypes.data + w * recv.nbytes // 2
+                assert part.valid_bytes == part.rows * cols * 4
+                assert view.shape == (part.rows, cols)
+                reply[w * rows: w * rows + part.rows] = view + 100 * (s.rank + 1)
+                rows_back[w] = part.rows
+                seen.append((s.rank, w, part.rows))
+            s.respond(b, rows=rows_back)
+        s.barrier()
+
+    mesh = Mesh(server, workers=2, servers=2)
+    errors = []
+
+    def worker(rank):
+        try:
+            with mesh.worker(2, 2, rank) as w:
+                x = np.zeros((rows, cols), np.float32)
+                ys = [np.zeros((rows, cols), np.float32) for _ in range(2)]
+                w.register_push(10, x)
+                for s in range(2):
+                    w.register_pull(20, s, ys[s])
+                w.barrier()
+                for step in range(steps):
+                    n = 1 + (step * 3 + rank) % rows  # each worker its own row count
+                    x[:n] = np.arange(n * cols, dtype=np.float32).reshape(n, cols) + rank
+                    req = w.push_pull([stepmesh.Push(10, rows=n)], [(20, 0), (20, 1)])
+                    w.wait(req, timeout=20)
+                    for s in range(2):
+                        np.testing.assert_array_equal(ys[s][:n], x[:n] + 100 * (s + 1))
+                    trace = w.fetch_trace(req)
+                    assert sorted(t["server"] for t in trace["servers"]) == [0, 1]
+                    for t in trace["servers"]:
+                        assert 0 < t["enqueue_ns"] <= t["post_ns"] <= t["reply_arrival_ns"]
+                        assert t["server_arrival_ns"] <= t["server_handler_ns"] <= t[
+                            "server_reply_ns"]
+                    assert trace["complete_ns"] >= max(t["reply_arrival_ns"]
+                                                       for t in trace["servers"])
+                w.barrier()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive()
+    mesh.close()
+    if errors:
+        raise errors[0]
+    assert len(seen) == 2 * 2 * steps
+
+
+def test_bad_tensors_raise_value_error_naming_the_problem():
+    def server(s):
+        with pytest.raises(ValueError, match="not a multiple of num_workers"):
+            s.register_recv(1, np.zeros((3, 4), np.float32))  # 3 rows, 2 workers
+        s.register_recv(1, np.zeros((4, 4), np.float32))
+        s.barrier()
+        s.barrier()
+
+    mesh = Mesh(server, workers=2)
+    errors = []
+
+    def other_worker():
+        try:
+            with mesh.worker(2, 1, 1) as w:
+                w.barrier()
+                w.barrier()
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=other_worker)
+    t.start()
+    try:
+        with mesh.worker(2, 1, 0) as w:
+            with pytest.raises(ValueError, match="unsupported dtype int8"):
+                w.register_push(1, np.zeros(4, np.int8))
+            with pytest.raises(ValueError, match="unsupported dtype float64"):
+                w.register_push(1, np.zeros(4))
+            with pytest.raises(ValueError, match="bool|refused"):
+                w.register_push(1, np.zeros(4, bool))
+            with pytest.raises(ValueError, match=r"not contiguous \(shape \[4, 2\]"):
+                w.register_push(1, np.zeros((4, 4), np.float32)[:, ::2])
+            with pytest.raises(ValueError, match="has no __dlpack__"):
+                w.register_push(1, [1.0, 2.0])
+            with pytest.raises(ValueError, match="expected an int key"):
+                w.register_push("k", np.zeros(4, np.float32))
+            x = np.zeros((2, 4), np.float32)
+            w.register_push(1, x)
+            with pytest.raises(stepmesh.AlreadyExists):
+                w.register_push(1, x)
+            with pytest.raises(ValueError, match="exceeds|bytes"):  # OutOfRange is a ValueError
+                w.wait(w.push_pull([(1, x.nbytes + 4)]), timeout=5)
+            with pytest.raises(stepmesh.NotFound, match="push key 7"):
+                w.push_pull([7])
+            with pytest.raises(ValueError, match="give bytes or rows"):
+                w.push_pull([stepmesh.Push(1, bytes=4, rows=1)])
+            with pytest.raises(ValueError, match="cannot use a str"):
+                w.push_pull(["x"])
+            w.barrier()
+            w.barrier()
+    finally:
+        t.join(timeout=60)
+        mesh.close()
+    if errors:
+        raise errors[0]
+
+
+def test_wait_releases_the_gil():
+    """The server answers from a Python thread of this same process only after
+    the worker is inside wait(): if wait() held the GIL, the reply could never
+    be computed and wait() would time out."""
+    in_wait = threading.Event()
+    counter = [0]
+
+    def server(s):
+        recv = np.zeros((1, 4), np.float32)
+        reply = np.zeros((1, 4), np.float32)
+        s.register_recv(1, recv)
+        s.register_reply(2, reply)
+        s.barrier()
+        b = s.get_batch(timeout=20)
+        assert in_wait.wait(20)
+        time.sleep(0.3)
+        before = counter[0]
+        for _ in range(200000):  # pure Python work while the worker waits
+            counter[0] += 1
+        assert counter[0] - before == 200000
+        reply[...] = np.from_dlpack(b.part(1, 0)) + 1
+        s.respond(b)
+        s.barrier()
+
+    mesh = Mesh(server)
+    try:
+        with mesh.worker() as w:
+            x = np.full((1, 4), 41, np.float32)
+            y = np.zeros((1, 4), np.float32)
+            w.register_push(1, x)
+            w.register_pull(2, 0, y)
+            w.barrier()
+            req = w.push_pull([1], [(2, 0)])
+            in_wait.set()
+            w.wait(req, timeout=20)
+            assert counter[0] == 200000
+            np.testing.assert_array_equal(y, 42)
+            w.barrier()
+    finally:
+        mesh.close()
+
+
+def test_registered_tensor_is_kept_alive_after_the_user_drops_it():
+    def server(s):
+        recv = np.zeros((16,), np.int64)
+        reply = np.zeros((16,), np.int64)
+        s.register_recv(1, recv)
+        s.register_reply(2, reply)
+        s.barrier()
+        b = s.get_batch(timeout=20)
+        reply[...] = np.from_dlpack(b.part(1, 0))
+        s.respond(b)
+        s.barrier()
+
+    mesh = Mesh(server)
+    try:
+        w = mesh.worker()
+        x = np.arange(16, dtype=np.int64) * 3
+        y = np.zeros(16, np.int64)
+        alive = weakref.ref(x)
+        w.register_push(1, x)
+        w.register_pull(2, 0, y)
+        del x
+        gc.collect()
+        assert alive() is not None, "the registration must keep the tensor alive"
+        for _ in range(50):  # churn the allocator: a freed buffer would be reused
+            np.full(16, -1, np.int64)
+        w.barrier()
+        w.wait(w.push_pull([1], [(2, 0)]), timeout=20)
+        np.testing.assert_array_equal(y, np.arange(16) * 3)
+        w.barrier()
+        w.close()
+        assert alive() is not None  # still referenced until the worker object goes
+        del w
+        gc.collect()
+        assert alive() is None, "dropping the worker releases the tensor"
+    finally:
+        mesh.close()
+
+
+def test_server_killed_raises_unavailable_within_the_timeout():
+    sched = stepmesh.Scheduler(num_workers=1, num_servers=1, heartbeat_interval=0.2, timeout=10.0)
+    server = proc_util.spawn([os.path.join(HERE, "programs", "hanging_server.py"), sched.address])
+    try:
+        with stepmesh.Worker(scheduler=sched.address, transport="tcp", timeout=10.0,
+                             heartbeat_interval=0.2) as w:
+            x = np.ones(8, np.float32)
+            y = np.zeros(8, np.float32)
+            w.register_push(1, x)
+            w.register_pull(2, 0, y)
+            w.barrier()
+            req = w.push_pull([1], [(2, 0)])
+            assert server.stdout.readline().strip() == "got batch"  # it holds the request
+            os.kill(server.pid, signal.SIGKILL)
+            start = time.monotonic()
+            with pytest.raises(stepmesh.Unavailable) as info:
+                w.wait(req, timeout=8.0)
+            elapsed = time.monotonic() - start
+            assert elapsed < 8.0
+            assert isinstance(info.value, stepmesh.Error)
+            assert isinstance(info.value, ConnectionError)
+            assert info.value.code == "UNAVAILABLE"
+            with pytest.raises(stepmesh.Unavailable, match="server 0"):
+                w.push_pull([1], [(2, 0)])
+    finally:
+        proc_util.kill_all([server])
+        sched.stop()
+
+
+def test_options_from_kwargs_and_environment(monkeypatch):
+    o = stepmesh.MeshOptions(num_workers=3, poll_mode="spin", timeout=2.5, send_cores=[1])
+    assert (o.num_workers, o.poll_mode, o.timeout, o.send_cores) == (3, "spin", 2.5, [1])
+    with pytest.raises(ValueError, match="unknown MeshOptions field 'num_worker'"):
+        stepmesh.MeshOptions(num_worker=3)
+    with pytest.raises(ValueError, match="num_servers: expected int, got str"):
+        stepmesh.MeshOptions(num_servers="2")
+    with pytest.raises(ValueError, match="poll mode 'fast'"):
+        stepmesh.MeshOptions(poll_mode="fast")
+    with pytest.raises(ValueError, match="role: 'ffn'"):
+        stepmesh.MeshOptions(role="ffn")
+    monkeypatch.setenv("DMLC_NUM_WORKER", "4")
+    monkeypatch.setenv("DMLC_PS_ROOT_URI", "127.0.0.2")
+    monkeypatch.setenv("DMLC_PS_ROOT_PORT", "9123")
+    monkeypatch.setenv("STEPMESH_POLL_MODE", "blocking")
+    e = stepmesh.MeshOptions.from_env(num_servers=2)
+    assert (e.num_workers, e.num_servers, e.scheduler, e.poll_mode) == (
+        4, 2, "127.0.0.2:9123", "blocking")
+    monkeypatch.setenv("STEPMESH_NUM_WORKERS", "many")
+    with pytest.raises(stepmesh.InvalidArgument, match="num_workers=.many."):
+        stepmesh.MeshOptions.from_env()
+    assert "auth_token" not in repr(stepmesh.MeshOptions(auth_token="secret"))
+
+
+def test_exception_hierarchy_and_closed_handles():
+    for name, builtin in [("InvalidArgument", ValueError), ("OutOfRange", ValueError),
+                          ("DeadlineExceeded", TimeoutError), ("Unavailable", ConnectionError),
+                          ("NotFound", LookupError), ("Cancelled", None),
+                          ("FailedPrecondition", None), ("DataLoss", None)]:
+        cls = getattr(stepmesh, name)
+        assert issubclass(cls, stepmesh.Error)
+        if builtin is not None:
+            assert issubclass(cls, builtin)
+    assert stepmesh.DeadlineExceeded.code == "DEADLINE_EXCEEDED"
+
+    def server(s):
+        s.register_recv(1, np.zeros(4, np.float32))
+        s.barrier()
+        with pytest.raises(stepmesh.DeadlineExceeded, match="no batch within"):
+            s.get_batch(timeout=0.05)
+        with pytest.raises(ValueError, match="policy 'some'"):
+            s.get_batch(timeout=0.05, policy="some")
+        s.barrier()
+
+    mesh = Mesh(server)
+    try:
+        with mesh.worker() as w:
+            w.barrier()
+            w.barrier()
+        assert w.closed
+        with pytest.raises(stepmesh.FailedPrecondition, match="worker is closed"):
+            w.barrier()
+    finally:
+        mesh.close()
+
+
+def test_tensor_slices_outlive_their_batch_safely():
+    """A view taken from a batch keeps the registered memory alive even after
+    the server unregisters the key and is dropped."""
+    holder = {}
+
+    def server(s):
+        recv = np.zeros((1, 4), np.float32)
+        s.register_recv(1, recv)
+        s.barrier()
+        b = s.get_batch(timeout=20)
+        holder["view"] = np.from_dlpack(b.part(1, 0))
+        alive = weakref.ref(recv)
+        del recv
+        s.respond(b)
+        s.barrier()
+        s.unregister(1)
+        gc.collect()
+        holder["alive"] = alive
+
+    mesh = Mesh(server)
+    try:
+        with mesh.worker() as w:
+            x = np.arange(4, dtype=np.float32).reshape(1, 4)
+            w.register_push(1, x)
+            w.barrier()
+            w.wait(w.push_pull([1]), timeout=20)
+            w.barrier()
+    finally:
+        mesh.close()
+    gc.collect()
+    assert holder["alive"]() is not None  # the numpy view still pins it
+    np.testing.assert_array_equal(holder["view"], [[0, 1, 2, 3]])
+    del holder["view"]
+    gc.collect()
+    assert holder["alive"]() is None
