@@ -158,7 +158,6 @@ class _Mesh:
         self.num_servers = w.num_servers
         # key -> {"push": (ptr, bytes, tensor) | None, "pull": {server: (ptr, bytes, tensor)}}
         self.regs: Dict[int, dict] = {}
-        self.registered: set = set()
         # kind -> key -> (bytes, dtype) the servers were told
         self.announced: Dict[str, Dict[int, Tuple[int, str]]] = {"push": {}, "pull": {}}
         self.requests: Dict[int, stepmesh.Request] = {}
@@ -175,7 +174,8 @@ class _Mesh:
         under `key`, re-registering the key only when a buffer moved or grew (a prefix
         view of the registered buffer is used as is). Returns the push's byte count."""
         regs = self.regs.setdefault(key, {"push": None, "pull": {}})
-        changed = False
+        replaced = False  # a registered buffer moved or grew: re-register the key
+        added = []  # registrations that are simply new
         nbytes = None
         if push is not None:
             info = stepmesh.describe(push)
@@ -183,25 +183,26 @@ class _Mesh:
             self._check_announce("push", key, info, notes)
             cur = regs["push"]
             if cur is None or cur[0] != info["data_ptr"] or cur[1] < nbytes:
+                replaced |= cur is not None
                 regs["push"] = (info["data_ptr"], nbytes, push)
-                changed = True
+                added.append(None)
         for server, tensor in pulls.items():
             info = stepmesh.describe(tensor)
             self._check_announce("pull", key, info, notes)
             cur = regs["pull"].get(server)
             if cur is None or cur[0] != info["data_ptr"] or cur[1] < info["nbytes"]:
+                replaced |= cur is not None
                 regs["pull"][server] = (info["data_ptr"], info["nbytes"], tensor)
-                changed = True
-        if changed:
+                added.append(server)
+        if replaced:
             # stepmesh unregisters a key's push and pulls together: register all again.
-            if key in self.registered:
-                self.worker.unregister(key)
-                self.registered.discard(key)
-            if regs["push"] is not None:
+            self.worker.unregister(key)
+            added = ([None] if regs["push"] is not None else []) + list(regs["pull"])
+        for what in added:
+            if what is None:
                 self.worker.register_push(key, regs["push"][2])
-            for server, (_, _, tensor) in regs["pull"].items():
-                self.worker.register_pull(key, server, tensor)
-            self.registered.add(key)
+            else:
+                self.worker.register_pull(key, what, regs["pull"][what][2])
         return nbytes
 
     def _check_announce(self, kind: str, key: int, info: dict, notes: dict) -> None:
@@ -251,12 +252,12 @@ class _Mesh:
         payload = json.dumps(notes).encode()
         if len(payload) > _ANNOUNCE_BYTES:
             raise ValueError(f"too many new keys in one call ({len(payload)} bytes of metadata)")
-        np.from_dlpack(self.announce)[: len(payload)] = np.frombuffer(payload, np.uint8)
+        self.announce.numpy()[: len(payload)] = np.frombuffer(payload, np.uint8)
         req = self.worker.push_pull([(_ANNOUNCE_KEY, len(payload))],
                                     [(_ACK_KEY, s) for s in range(self.num_servers)])
         self.worker.wait(req, self.timeout)
         for s, ack in enumerate(self.acks):
-            if int(np.from_dlpack(ack)[0]) != 0:
+            if int(ack.numpy()[0]) != 0:
                 raise stepmesh.FailedPrecondition(
                     f"server {s} refused the key announcement {notes} (see its log)")
         for kind in ("push", "pull"):
@@ -299,7 +300,7 @@ class _Mesh:
         s = self.server
         wanted: Dict[str, Dict[int, dict]] = {"push": {}, "pull": {}}
         for w in batch.workers:
-            part = np.from_dlpack(batch.part(_ANNOUNCE_KEY, w))
+            part = batch.part(_ANNOUNCE_KEY, w).numpy()
             notes = json.loads(part.tobytes().decode())
             for kind in ("push", "pull"):
                 for n in notes[kind]:
@@ -317,7 +318,7 @@ class _Mesh:
             print(f"stepmesh.fserver: key announcement refused: {e}", file=sys.stderr)
             status = 1
         for w in batch.workers:
-            np.from_dlpack(s.reply_slot(_ACK_KEY, w))[0] = status
+            s.reply_slot(_ACK_KEY, w).numpy()[0] = status
         s.respond(batch)
 
     def _ensure_region(self, key: int, note: dict, reply: bool) -> None:
@@ -428,6 +429,14 @@ def stop() -> None:
         mesh, _state = _state, None
     if mesh is not None:
         mesh.close()
+
+
+def scheduler_address() -> str:
+    """host:port the scheduler of this process bound (DMLC_PS_ROOT_PORT=0 picks a free port)."""
+    m = _mesh()
+    if m.scheduler is None:
+        raise RuntimeError(f"stepmesh.fserver: this process is a {m.role}, not the scheduler")
+    return m.scheduler.address
 
 
 def register_recv_buffer(tensor, worker_ranks: Sequence[int], keys: Sequence[int]) -> None:
