@@ -9,6 +9,8 @@ packages=(
   catch2 libbenchmark-dev libzmq3-dev
   gnuplot-nox
   clang-14 libclang-rt-14-dev   # libFuzzer (scripts/run-fuzz.sh)
+  # the Python package (python/) and its tests; torch is a test dependency
+  python3-dev pybind11-dev python3-numpy python3-pytest python3-setuptools python3-torch
 )
 
 missing=()
