@@ -17,14 +17,25 @@ constexpr const char* kCapsuleName = "dltensor";
 constexpr const char* kUsedCapsuleName = "used_dltensor";
 
 std::string DlTypeName(const DLDataType& t) {
-  const char* kind = "code" ;
+  const char* kind = "code";
   switch (t.code) {
-    case kDLInt: kind = "int"; break;
-    case kDLUInt: kind = "uint"; break;
-    case kDLFloat: kind = "float"; break;
-    case kDLBfloat: kind = "bfloat"; break;
-    case kDLBool: kind = "bool"; break;
-    default: return absl::StrCat("dlpack type code ", t.code, " bits ", t.bits);
+    case kDLInt:
+      kind = "int";
+      break;
+    case kDLUInt:
+      kind = "uint";
+      break;
+    case kDLFloat:
+      kind = "float";
+      break;
+    case kDLBfloat:
+      kind = "bfloat";
+      break;
+    case kDLBool:
+      kind = "bool";
+      break;
+    default:
+      return absl::StrCat("dlpack type code ", t.code, " bits ", t.bits);
   }
   std::string name = absl::StrCat(kind, t.bits);
   if (t.lanes != 1) absl::StrAppend(&name, "x", t.lanes);
@@ -42,20 +53,27 @@ absl::StatusOr<DType> ToDType(const DLDataType& t) {
     if (t.code == kDLBfloat && t.bits == 16) return DType::kBFloat16;
     if (t.code == kDLFloat8_e4m3fn && t.bits == 8) return DType::kFloat8E4M3;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unsupported dtype ", DlTypeName(t),
-      " (supported: uint8, int32, int64, float32, float16, bfloat16, float8_e4m3fn)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unsupported dtype ", DlTypeName(t),
+                   " (supported: uint8, int32, int64, float32, float16, bfloat16, float8_e4m3fn)"));
 }
 
 DLDataType FromDType(DType dtype) {
   switch (dtype) {
-    case DType::kUInt8: return {kDLUInt, 8, 1};
-    case DType::kInt32: return {kDLInt, 32, 1};
-    case DType::kInt64: return {kDLInt, 64, 1};
-    case DType::kFloat32: return {kDLFloat, 32, 1};
-    case DType::kFloat16: return {kDLFloat, 16, 1};
-    case DType::kBFloat16: return {kDLBfloat, 16, 1};
-    case DType::kFloat8E4M3: return {kDLFloat8_e4m3fn, 8, 1};
+    case DType::kUInt8:
+      return {kDLUInt, 8, 1};
+    case DType::kInt32:
+      return {kDLInt, 32, 1};
+    case DType::kInt64:
+      return {kDLInt, 64, 1};
+    case DType::kFloat32:
+      return {kDLFloat, 32, 1};
+    case DType::kFloat16:
+      return {kDLFloat, 16, 1};
+    case DType::kBFloat16:
+      return {kDLBfloat, 16, 1};
+    case DType::kFloat8E4M3:
+      return {kDLFloat8_e4m3fn, 8, 1};
   }
   return {kDLUInt, 8, 1};
 }
@@ -69,9 +87,9 @@ absl::StatusOr<Device> ToDevice(const DLDevice& d) {
     case kDLCUDAManaged:
       return Device::Cuda(d.device_id);
     default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("unsupported device (DLPack device type ", d.device_type, ", id ",
-                       d.device_id, "); stepmesh takes CPU and CUDA tensors"));
+      return absl::InvalidArgumentError(absl::StrCat("unsupported device (DLPack device type ",
+                                                     d.device_type, ", id ", d.device_id,
+                                                     "); stepmesh takes CPU and CUDA tensors"));
   }
 }
 
@@ -163,8 +181,7 @@ std::shared_ptr<ImportedTensor> ImportTensor(py::handle obj, const std::string& 
     ThrowInvalidArgument(
         absl::StrCat(what, ": __dlpack__() did not return an unused \"dltensor\" capsule"));
   }
-  auto* managed =
-      static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), kCapsuleName));
+  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), kCapsuleName));
   // From here on we own the managed tensor (DLPack: rename the capsule).
   PyCapsule_SetName(capsule.ptr(), kUsedCapsuleName);
   auto release = [managed] {
@@ -226,11 +243,21 @@ py::object NumpyView(const TensorView& view, std::shared_ptr<const void> owner) 
   }
   const char* type = nullptr;
   switch (view.dtype) {
-    case DType::kUInt8: type = "uint8"; break;
-    case DType::kInt32: type = "int32"; break;
-    case DType::kInt64: type = "int64"; break;
-    case DType::kFloat32: type = "float32"; break;
-    case DType::kFloat16: type = "float16"; break;
+    case DType::kUInt8:
+      type = "uint8";
+      break;
+    case DType::kInt32:
+      type = "int32";
+      break;
+    case DType::kInt64:
+      type = "int64";
+      break;
+    case DType::kFloat32:
+      type = "float32";
+      break;
+    case DType::kFloat16:
+      type = "float16";
+      break;
     default:
       ThrowInvalidArgument(absl::StrCat("numpy(): numpy has no ", DTypeName(view.dtype),
                                         " (use .raw() bytes or torch's from_dlpack)"));

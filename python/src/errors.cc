@@ -62,8 +62,8 @@ void RegisterErrors(py::module_& m) {
 
 void ThrowStatus(const absl::Status& status) {
   const auto index = static_cast<size_t>(status.code());
-  PyObject* cls = index < g_by_code.size() && g_by_code[index] != nullptr ? g_by_code[index]
-                                                                           : g_base;
+  PyObject* cls =
+      index < g_by_code.size() && g_by_code[index] != nullptr ? g_by_code[index] : g_base;
   const std::string message(status.message());
   PyErr_SetString(cls, message.c_str());
   throw py::error_already_set();

@@ -40,8 +40,8 @@ struct HostTensor {
 HostTensor MakeHostTensor(const std::vector<int64_t>& dims, const std::string& dtype_name) {
   const DType dtype = DTypeArg(dtype_name);
   if (dims.size() > static_cast<size_t>(Shape::kMaxDims)) {
-    ThrowInvalidArgument(absl::StrCat("shape: ", dims.size(), " dimensions (at most ",
-                                      Shape::kMaxDims, ")"));
+    ThrowInvalidArgument(
+        absl::StrCat("shape: ", dims.size(), " dimensions (at most ", Shape::kMaxDims, ")"));
   }
   for (int64_t d : dims) {
     if (d < 0) ThrowInvalidArgument(absl::StrCat("shape: negative dimension ", d));
@@ -68,25 +68,30 @@ HostTensor(shape, dtype): zero-filled, 64-byte aligned host memory of a
 stepmesh dtype, usable wherever a tensor is taken and viewable by any DLPack
 consumer (np.from_dlpack; torch.utils.dlpack.from_dlpack for bfloat16/fp8).)doc")
       .def(py::init(&MakeHostTensor), py::arg("shape"), py::arg("dtype"))
-      .def("__dlpack__",
-           [](const HostTensor& t, py::handle) { return ExportView(t.view, t.memory); },
-           py::arg("stream") = py::none())
+      .def(
+          "__dlpack__",
+          [](const HostTensor& t, py::handle) { return ExportView(t.view, t.memory); },
+          py::arg("stream") = py::none())
       .def("__dlpack_device__", [](const HostTensor& t) { return DlpackDevice(t.view.device); })
       .def_property_readonly("shape", [](const HostTensor& t) { return ShapeOf(t.view.shape); })
       .def_property_readonly("dtype", [](const HostTensor& t) { return DTypeString(t.view.dtype); })
       .def_property_readonly("nbytes", [](const HostTensor& t) { return t.view.bytes(); })
-      .def_property_readonly("data_ptr",
-                             [](const HostTensor& t) { return reinterpret_cast<uintptr_t>(t.view.data); })
-      .def("numpy", [](const HostTensor& t) { return NumpyView(t.view, t.memory); },
-           "A writable numpy view (numpy dtypes only; bfloat16/fp8: .raw()).")
-      .def("raw", [](const HostTensor& t) {
-        HostTensor raw = t;
-        raw.view = BytesView(t.view.data, t.view.bytes(), t.view.device);
-        return raw;
-      }, "The same memory as a flat uint8 HostTensor (to fill or read any dtype's bytes).")
+      .def_property_readonly(
+          "data_ptr", [](const HostTensor& t) { return reinterpret_cast<uintptr_t>(t.view.data); })
+      .def(
+          "numpy", [](const HostTensor& t) { return NumpyView(t.view, t.memory); },
+          "A writable numpy view (numpy dtypes only; bfloat16/fp8: .raw()).")
+      .def(
+          "raw",
+          [](const HostTensor& t) {
+            HostTensor raw = t;
+            raw.view = BytesView(t.view.data, t.view.bytes(), t.view.device);
+            return raw;
+          },
+          "The same memory as a flat uint8 HostTensor (to fill or read any dtype's bytes).")
       .def("__repr__", [](const HostTensor& t) {
-        return absl::StrCat("HostTensor(shape=", t.view.shape.ToString(), ", dtype=",
-                            DTypeName(t.view.dtype), ")");
+        return absl::StrCat("HostTensor(shape=", t.view.shape.ToString(),
+                            ", dtype=", DTypeName(t.view.dtype), ")");
       });
 
   m.def(
@@ -114,8 +119,8 @@ consumer (np.from_dlpack; torch.utils.dlpack.from_dlpack for bfloat16/fp8).)doc"
         const TensorView& dv = d->view();
         const TensorView& sv = s->view();
         if (dv.dtype != sv.dtype) {
-          ThrowInvalidArgument(absl::StrCat("copy_: dtype ", DTypeName(sv.dtype), " into ",
-                                            DTypeName(dv.dtype)));
+          ThrowInvalidArgument(
+              absl::StrCat("copy_: dtype ", DTypeName(sv.dtype), " into ", DTypeName(dv.dtype)));
         }
         if (sv.bytes() > dv.bytes()) {
           ThrowInvalidArgument(absl::StrCat("copy_: ", sv.bytes(), " bytes into ", dv.bytes()));

@@ -27,7 +27,8 @@ using Registered = std::shared_ptr<ImportedTensor>;
 
 absl::Duration TimeoutArg(py::handle timeout, absl::Duration fallback) {
   if (timeout.is_none()) return fallback;
-  if (PyBool_Check(timeout.ptr()) || !(PyFloat_Check(timeout.ptr()) || PyLong_Check(timeout.ptr()))) {
+  if (PyBool_Check(timeout.ptr()) ||
+      !(PyFloat_Check(timeout.ptr()) || PyLong_Check(timeout.ptr()))) {
     ThrowInvalidArgument("timeout: expected seconds (float) or None");
   }
   const double s = timeout.cast<double>();
@@ -43,8 +44,8 @@ Key KeyArg(py::handle key, const char* what) {
   const unsigned long long k = PyLong_AsUnsignedLongLong(key.ptr());
   if (PyErr_Occurred()) {
     PyErr_Clear();
-    ThrowInvalidArgument(absl::StrCat(what, ": key ", std::string(py::str(key)),
-                                      " is not in [0, 2**64)"));
+    ThrowInvalidArgument(
+        absl::StrCat(what, ": key ", std::string(py::str(key)), " is not in [0, 2**64)"));
   }
   return k;
 }
@@ -288,12 +289,14 @@ class PyWorker {
       push.key = KeyArg(item.attr("key"), "push");
       py::object bytes = item.attr("bytes"), rows = item.attr("rows");
       if (!bytes.is_none() && !rows.is_none()) {
-        ThrowInvalidArgument(absl::StrCat("push of key ", push.key, ": give bytes or rows, not both"));
+        ThrowInvalidArgument(
+            absl::StrCat("push of key ", push.key, ": give bytes or rows, not both"));
       }
       if (!bytes.is_none()) push.bytes = bytes.cast<size_t>();
       if (!rows.is_none()) {
         const int64_t r = rows.cast<int64_t>();
-        if (r < 0) ThrowInvalidArgument(absl::StrCat("push of key ", push.key, ": rows ", r, " < 0"));
+        if (r < 0)
+          ThrowInvalidArgument(absl::StrCat("push of key ", push.key, ": rows ", r, " < 0"));
         push.bytes = static_cast<size_t>(r) * RowBytes(push.key);
       }
       py::object s = item.attr("servers");
@@ -342,8 +345,8 @@ struct PyBatchTensor {
   Registered owner;
   TensorSlice Part(int worker) const {
     if (worker < 0 || static_cast<size_t>(worker) >= valid_bytes.size()) {
-      ThrowInvalidArgument(absl::StrCat("worker ", worker, " out of range [0, ", valid_bytes.size(),
-                                        ")"));
+      ThrowInvalidArgument(
+          absl::StrCat("worker ", worker, " out of range [0, ", valid_bytes.size(), ")"));
     }
     return SliceOf(owner, key, worker, slot_bytes, valid_bytes[worker]);
   }
@@ -461,7 +464,8 @@ class PyServer {
       auto it = recv_regs_.find(bt.key);
       if (it == recv_regs_.end()) {
         // Registered through another path than this object: cannot happen here.
-        ThrowStatus(absl::InternalError(absl::StrCat("batch key ", bt.key, " has no registration")));
+        ThrowStatus(
+            absl::InternalError(absl::StrCat("batch key ", bt.key, " has no registration")));
       }
       t.owner = it->second;
       out.tensors.push_back(std::move(t));
@@ -477,14 +481,16 @@ class PyServer {
     auto collect = [&](py::handle mapping, bool in_rows) {
       if (mapping.is_none()) return;
       if (!PyDict_Check(mapping.ptr())) {
-        ThrowInvalidArgument(absl::StrCat(in_rows ? "rows" : "bytes", ": expected {worker: count}"));
+        ThrowInvalidArgument(
+            absl::StrCat(in_rows ? "rows" : "bytes", ": expected {worker: count}"));
       }
       for (const auto& [w_obj, n_obj] : py::reinterpret_borrow<py::dict>(mapping)) {
         const int w = w_obj.cast<int>();
         const int64_t n = n_obj.cast<int64_t>();
         if (n < 0) ThrowInvalidArgument(absl::StrCat("reply to worker ", w, ": negative count"));
         if (explicit_bytes.count(w) != 0) {
-          ThrowInvalidArgument(absl::StrCat("reply to worker ", w, " given as both rows and bytes"));
+          ThrowInvalidArgument(
+              absl::StrCat("reply to worker ", w, " given as both rows and bytes"));
         }
         size_t b = static_cast<size_t>(n);
         if (in_rows) b *= ReplyRowBytes(batch, w);
@@ -568,9 +574,9 @@ class PyServer {
       }
       auto it = reply_regs_.find(*batch.pull_keys[i]);
       if (it == reply_regs_.end()) {
-        ThrowStatus(absl::NotFoundError(absl::StrCat("worker ", worker, " pulls key ",
-                                                     *batch.pull_keys[i],
-                                                     ", which has no reply tensor here")));
+        ThrowStatus(
+            absl::NotFoundError(absl::StrCat("worker ", worker, " pulls key ", *batch.pull_keys[i],
+                                             ", which has no reply tensor here")));
       }
       return it->second->row_bytes();
     }
@@ -641,17 +647,16 @@ void AddContextManager(py::class_<T>& cls) {
 void BindMesh(py::module_& m) {
   py::class_<RequestRef>(m, "Request", "A worker request (generation-checked handle).")
       .def_property_readonly("index", [](const RequestRef& r) { return r.handle.index(); })
-      .def_property_readonly("generation", [](const RequestRef& r) { return r.handle.generation(); })
-      .def("__int__", [](const RequestRef& r) {
-        return PackHandle(r.handle.index(), r.handle.generation());
-      })
-      .def("__hash__", [](const RequestRef& r) {
-        return PackHandle(r.handle.index(), r.handle.generation());
-      })
+      .def_property_readonly("generation",
+                             [](const RequestRef& r) { return r.handle.generation(); })
+      .def("__int__",
+           [](const RequestRef& r) { return PackHandle(r.handle.index(), r.handle.generation()); })
+      .def("__hash__",
+           [](const RequestRef& r) { return PackHandle(r.handle.index(), r.handle.generation()); })
       .def("__eq__", [](const RequestRef& a, const RequestRef& b) { return a.handle == b.handle; })
       .def("__repr__", [](const RequestRef& r) {
-        return absl::StrCat("Request(index=", r.handle.index(), ", generation=",
-                            r.handle.generation(), ")");
+        return absl::StrCat("Request(index=", r.handle.index(),
+                            ", generation=", r.handle.generation(), ")");
       });
 
   py::class_<TensorSlice>(m, "TensorSlice", R"doc(
@@ -659,22 +664,25 @@ A zero-copy view of registered memory (a worker's part of a batch, or a slot
 of a registered region). Any DLPack consumer takes it: np.from_dlpack(s),
 torch.utils.dlpack.from_dlpack(s). The memory stays alive while a view exists;
 its contents are only meaningful until the batch is answered.)doc")
-      .def("__dlpack__",
-           [](const TensorSlice& s, py::handle /*stream*/) { return ExportView(s.view, s.owner); },
-           py::arg("stream") = py::none())
+      .def(
+          "__dlpack__",
+          [](const TensorSlice& s, py::handle /*stream*/) { return ExportView(s.view, s.owner); },
+          py::arg("stream") = py::none())
       .def("__dlpack_device__", [](const TensorSlice& s) { return DlpackDevice(s.view.device); })
-      .def("numpy", [](const TensorSlice& s) { return NumpyView(s.view, s.owner); },
-           "A writable numpy view (host memory, numpy dtypes).")
+      .def(
+          "numpy", [](const TensorSlice& s) { return NumpyView(s.view, s.owner); },
+          "A writable numpy view (host memory, numpy dtypes).")
       .def_property_readonly("key", [](const TensorSlice& s) { return s.key; })
       .def_property_readonly("worker", [](const TensorSlice& s) { return s.worker; })
       .def_property_readonly("valid_bytes", [](const TensorSlice& s) { return s.valid_bytes; })
       .def_property_readonly("rows", [](const TensorSlice& s) { return s.rows; })
       .def_property_readonly("shape", [](const TensorSlice& s) { return ShapeTuple(s.view.shape); })
-      .def_property_readonly("dtype", [](const TensorSlice& s) { return DTypeString(s.view.dtype); })
+      .def_property_readonly("dtype",
+                             [](const TensorSlice& s) { return DTypeString(s.view.dtype); })
       .def_property_readonly("device",
                              [](const TensorSlice& s) { return DeviceName(s.view.device); })
-      .def_property_readonly("data_ptr",
-                             [](const TensorSlice& s) { return reinterpret_cast<uintptr_t>(s.view.data); })
+      .def_property_readonly(
+          "data_ptr", [](const TensorSlice& s) { return reinterpret_cast<uintptr_t>(s.view.data); })
       .def("__repr__", [](const TensorSlice& s) {
         return absl::StrCat("TensorSlice(key=", s.key, ", worker=", s.worker, ", rows=", s.rows,
                             ", valid_bytes=", s.valid_bytes, ", shape=", s.view.shape.ToString(),
@@ -688,30 +696,37 @@ its contents are only meaningful until the batch is answered.)doc")
       .def_property_readonly("valid_bytes", [](const PyBatchTensor& t) { return t.valid_bytes; })
       .def("part", &PyBatchTensor::Part, py::arg("worker"),
            "Worker `worker`'s valid rows as a TensorSlice (zero-copy).")
-      .def("rows", [](const PyBatchTensor& t, int w) { return t.Part(w).rows; }, py::arg("worker"));
+      .def(
+          "rows", [](const PyBatchTensor& t, int w) { return t.Part(w).rows; }, py::arg("worker"));
 
   py::class_<PyBatch>(m, "Batch", "A micro-batch handed out by Server.get_batch().")
-      .def_property_readonly("handle", [](const PyBatch& b) {
-        return PackHandle(b.batch.handle.index(), b.batch.handle.generation());
-      })
+      .def_property_readonly("handle",
+                             [](const PyBatch& b) {
+                               return PackHandle(b.batch.handle.index(),
+                                                 b.batch.handle.generation());
+                             })
       .def_property_readonly("group", [](const PyBatch& b) { return b.group; })
       .def_property_readonly("workers", [](const PyBatch& b) { return b.workers; })
       .def_property_readonly("pull_keys", [](const PyBatch& b) { return b.pull_keys; })
       .def_property_readonly("tensors", [](const PyBatch& b) { return b.tensors; })
       .def_property_readonly("answered", [](const PyBatch& b) { return b.answered; })
       .def("tensor", &PyBatch::TensorFor, py::arg("key"), py::return_value_policy::copy)
-      .def("part", [](const PyBatch& b, py::handle key, int w) { return b.TensorFor(key).Part(w); },
-           py::arg("key"), py::arg("worker"))
-      .def("parts", [](const PyBatch& b, int w) {
-        std::vector<TensorSlice> out;
-        for (const PyBatchTensor& t : b.tensors) out.push_back(t.Part(w));
-        return out;
-      }, py::arg("worker"), "Worker `worker`'s part of every pushed tensor, in push order.")
+      .def(
+          "part", [](const PyBatch& b, py::handle key, int w) { return b.TensorFor(key).Part(w); },
+          py::arg("key"), py::arg("worker"))
+      .def(
+          "parts",
+          [](const PyBatch& b, int w) {
+            std::vector<TensorSlice> out;
+            for (const PyBatchTensor& t : b.tensors) out.push_back(t.Part(w));
+            return out;
+          },
+          py::arg("worker"), "Worker `worker`'s part of every pushed tensor, in push order.")
       .def("__repr__", [](const PyBatch& b) {
         std::string workers;
         for (int w : b.workers) absl::StrAppend(&workers, workers.empty() ? "" : ", ", w);
-        return absl::StrCat("Batch(group=", b.group, ", workers=[", workers, "], tensors=",
-                            b.tensors.size(), b.answered ? ", answered" : "", ")");
+        return absl::StrCat("Batch(group=", b.group, ", workers=[", workers,
+                            "], tensors=", b.tensors.size(), b.answered ? ", answered" : "", ")");
       });
 
   py::class_<PyWorker> worker(m, "Worker", R"doc(
@@ -757,10 +772,12 @@ The FFN side (C++ AFTensorServer). Server(options=None, **fields) joins the mesh
            py::arg("policy") = "all")
       .def("respond", &PyServer::Respond, py::arg("batch"), py::arg("rows") = py::none(),
            py::arg("bytes") = py::none())
-      .def("recv_slot", [](PyServer& s, py::handle key, int w) { return s.Slot(key, w, false); },
-           py::arg("key"), py::arg("worker"))
-      .def("reply_slot", [](PyServer& s, py::handle key, int w) { return s.Slot(key, w, true); },
-           py::arg("key"), py::arg("worker"))
+      .def(
+          "recv_slot", [](PyServer& s, py::handle key, int w) { return s.Slot(key, w, false); },
+          py::arg("key"), py::arg("worker"))
+      .def(
+          "reply_slot", [](PyServer& s, py::handle key, int w) { return s.Slot(key, w, true); },
+          py::arg("key"), py::arg("worker"))
       .def("barrier", &PyServer::Barrier)
       .def("close", &PyServer::Close);
   AddContextManager(server);

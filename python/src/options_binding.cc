@@ -31,8 +31,8 @@ int CastInt(py::handle v, const char* f) {
   try {
     return v.cast<int>();
   } catch (const py::cast_error&) {
-    ThrowInvalidArgument(absl::StrCat("MeshOptions.", f, ": ", std::string(py::str(v)),
-                                      " does not fit an int"));
+    ThrowInvalidArgument(
+        absl::StrCat("MeshOptions.", f, ": ", std::string(py::str(v)), " does not fit an int"));
   }
 }
 bool CastBool(py::handle v, const char* f) {
@@ -68,26 +68,38 @@ Role ParseRoleName(const std::string& name) {
       absl::StrCat("MeshOptions.role: '", name, "' (want worker, server or scheduler)"));
 }
 
-#define SM_INT(field)                                                                 \
-  Field {                                                                             \
-    #field, [](const MeshOptions& o) { return py::object(py::int_(o.field)); },      \
-        [](MeshOptions& o, py::handle v) { o.field = CastInt(v, #field); }            \
+#define SM_INT(field)                                                                                 \
+  Field {                                                                                             \
+#field,                                                                                           \
+        [](const MeshOptions&                                                                         \
+               o) { return py::object(py::int_(o.field)); },                                          \
+                                                          [](MeshOptions & o,                         \
+                                                             py::handle                               \
+                                                                 v) { o.field =                       \
+                                                                          CastInt(v, #field); } \
   }
-#define SM_STR(field)                                                                 \
-  Field {                                                                             \
-    #field, [](const MeshOptions& o) { return py::object(py::str(o.field)); },       \
-        [](MeshOptions& o, py::handle v) { o.field = CastStr(v, #field); }            \
+#define SM_STR(field)                                                                                \
+  Field {                                                                                            \
+#field,                                                                                          \
+        [](const MeshOptions&                                                                        \
+               o) { return py::object(py::str(o.field)); },                                          \
+                                                         [](MeshOptions & o,                         \
+                                                            py::handle                               \
+                                                                v) { o.field = CastStr(v, #field); } \
   }
-#define SM_SECONDS(name, member)                                                      \
-  Field {                                                                             \
-    name, [](const MeshOptions& o) {                                                  \
-      return py::object(py::float_(absl::ToDoubleSeconds(o.member))); },              \
-        [](MeshOptions& o, py::handle v) { o.member = CastSeconds(v, name); }         \
+#define SM_SECONDS(name, member)                                              \
+  Field {                                                                     \
+    name,                                                                     \
+        [](const MeshOptions& o) {                                            \
+          return py::object(py::float_(absl::ToDoubleSeconds(o.member)));     \
+        },                                                                    \
+        [](MeshOptions& o, py::handle v) { o.member = CastSeconds(v, name); } \
   }
 
 const std::vector<Field>& Fields() {
   static const std::vector<Field>* fields = new std::vector<Field>{
-      {"role", [](const MeshOptions& o) { return py::object(py::str(std::string(RoleName(o.role)))); },
+      {"role",
+       [](const MeshOptions& o) { return py::object(py::str(std::string(RoleName(o.role)))); },
        [](MeshOptions& o, py::handle v) { o.role = ParseRoleName(CastStr(v, "role")); }},
       SM_INT(rank),
       SM_INT(num_workers),
@@ -104,19 +116,25 @@ const std::vector<Field>& Fields() {
       SM_INT(rdma_service_level),
       SM_INT(rdma_qps_per_peer),
       {"rdma_gpudirect",
-       [](const MeshOptions& o) { return py::object(py::str(std::string(GpuDirectName(o.rdma_gpudirect)))); },
+       [](const MeshOptions& o) {
+         return py::object(py::str(std::string(GpuDirectName(o.rdma_gpudirect))));
+       },
        [](MeshOptions& o, py::handle v) {
          o.rdma_gpudirect = ValueOrThrow(ParseGpuDirect(CastStr(v, "rdma_gpudirect")));
        }},
       {"poll_mode",
-       [](const MeshOptions& o) { return py::object(py::str(std::string(PollModeName(o.threads.poll_mode)))); },
+       [](const MeshOptions& o) {
+         return py::object(py::str(std::string(PollModeName(o.threads.poll_mode))));
+       },
        [](MeshOptions& o, py::handle v) {
          o.threads.poll_mode = ValueOrThrow(ParsePollMode(CastStr(v, "poll_mode")));
        }},
       SM_SECONDS("spin_budget", threads.spin_budget),
-      {"send_cores", [](const MeshOptions& o) { return py::object(py::cast(o.threads.send_cores)); },
+      {"send_cores",
+       [](const MeshOptions& o) { return py::object(py::cast(o.threads.send_cores)); },
        [](MeshOptions& o, py::handle v) { o.threads.send_cores = CastCores(v, "send_cores"); }},
-      {"recv_cores", [](const MeshOptions& o) { return py::object(py::cast(o.threads.recv_cores)); },
+      {"recv_cores",
+       [](const MeshOptions& o) { return py::object(py::cast(o.threads.recv_cores)); },
        [](MeshOptions& o, py::handle v) { o.threads.recv_cores = CastCores(v, "recv_cores"); }},
       {"auto_pin", [](const MeshOptions& o) { return py::object(py::bool_(o.threads.auto_pin)); },
        [](MeshOptions& o, py::handle v) { o.threads.auto_pin = CastBool(v, "auto_pin"); }},
@@ -125,7 +143,8 @@ const std::vector<Field>& Fields() {
       SM_INT(max_inflight_requests),
       SM_INT(max_registrations),
       SM_STR(auth_token),
-      {"payload_checksum", [](const MeshOptions& o) { return py::object(py::bool_(o.payload_checksum)); },
+      {"payload_checksum",
+       [](const MeshOptions& o) { return py::object(py::bool_(o.payload_checksum)); },
        [](MeshOptions& o, py::handle v) { o.payload_checksum = CastBool(v, "payload_checksum"); }},
       {"trace", [](const MeshOptions& o) { return py::object(py::bool_(o.trace.enabled)); },
        [](MeshOptions& o, py::handle v) { o.trace.enabled = CastBool(v, "trace"); }},
@@ -145,8 +164,8 @@ void Apply(MeshOptions& options, const py::kwargs& kwargs) {
       if (name == f.name) field = &f;
     }
     if (field == nullptr) {
-      ThrowInvalidArgument(absl::StrCat("unknown MeshOptions field '", name,
-                                        "' (see help(stepmesh.MeshOptions))"));
+      ThrowInvalidArgument(
+          absl::StrCat("unknown MeshOptions field '", name, "' (see help(stepmesh.MeshOptions))"));
     }
     field->set(options, value);
   }
@@ -189,13 +208,17 @@ rdma_gpudirect are names ("worker", "adaptive", "auto", ...).
         return ValueOrThrow(MeshOptions::FromEnv(base));
       },
       "The given fields with every set STEPMESH_* / DMLC_* variable applied on top.");
-  cls.def("validate", [](const MeshOptions& o) { ThrowIfError(o.Validate()); },
-          "Raises stepmesh.InvalidArgument naming the first bad field.");
-  cls.def("copy", [](const MeshOptions& o, const py::kwargs& kwargs) {
-    MeshOptions copy = o;
-    Apply(copy, kwargs);
-    return copy;
-  }, "A copy with the given fields changed.");
+  cls.def(
+      "validate", [](const MeshOptions& o) { ThrowIfError(o.Validate()); },
+      "Raises stepmesh.InvalidArgument naming the first bad field.");
+  cls.def(
+      "copy",
+      [](const MeshOptions& o, const py::kwargs& kwargs) {
+        MeshOptions copy = o;
+        Apply(copy, kwargs);
+        return copy;
+      },
+      "A copy with the given fields changed.");
   cls.def("to_dict", [](const MeshOptions& o) {
     py::dict d;
     for (const Field& f : Fields()) d[f.name] = f.get(o);
