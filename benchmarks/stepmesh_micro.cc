@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "benchmarks/perf_counter.h"
+#include "src/compose/transports.h"
 #include "src/core/frame.h"
 #include "src/core/mesh.h"
 #include "stepmesh/stepmesh.h"
@@ -47,8 +48,8 @@ core::FrameHeader SampleHeader() {
   h.type = core::FrameType::kPush;
   h.dtype = DType::kBFloat16;
   h.flags = core::kFlagHasPull;
-  h.src = core::MakeNodeId(1, 3);
-  h.dst = core::MakeNodeId(2, 1);
+  h.src = core::WorkerId(3);
+  h.dst = core::ServerId(1);
   h.key = 1001;
   h.request_id = (uint64_t{5} << 32) | 77;
   h.payload_bytes = 917504;
@@ -177,7 +178,7 @@ core::TransportFactory TcpFactory() {
   return [](const MeshOptions& o) {
     MeshOptions t = o;
     t.transport = "tcp";
-    return core::CreateTransport(t);
+    return compose::CreateTransport(t);
   };
 }
 
@@ -246,7 +247,7 @@ void BM_RoundTrip_FakeVerbs(benchmark::State& state) {
     const uint32_t n = next_host->fetch_add(1);
     spec.name = absl::StrCat("fake_mlx5_", n);
     spec.ipv4 = 0x0A000000 + n;
-    return core::CreateRdmaTransport(o, fabric->AddHost(spec));
+    return rdma::CreateRdmaTransport(o, fabric->AddHost(spec));
   };
   RoundTrip(state, factory);
 }

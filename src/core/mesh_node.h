@@ -12,11 +12,11 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
-#include "src/core/sync.h"
 #include "absl/time/clock.h"
+#include "src/base/sync.h"
+#include "src/base/thread_util.h"
 #include "src/core/region_table.h"
 #include "src/core/rendezvous.h"
-#include "src/core/thread_util.h"
 #include "src/core/transport.h"
 #include "stepmesh/backend.h"
 #include "stepmesh/options.h"
@@ -142,20 +142,20 @@ class MeshNode : public TransportSink {
   bool started_ = false;
   std::thread send_thread_;
   std::thread recv_thread_;
-  ::stepmesh::core::Mutex regions_mu_;
+  base::Mutex regions_mu_;
   RegionTable regions_ ABSL_GUARDED_BY(regions_mu_);
   RegionId next_region_ ABSL_GUARDED_BY(regions_mu_) = 1;
   absl::flat_hash_map<RegionId, std::unique_ptr<Memory>> staging_ ABSL_GUARDED_BY(regions_mu_);
 
-  ::stepmesh::core::Mutex queue_mu_;
+  base::Mutex queue_mu_;
   std::vector<SendItem> queue_ ABSL_GUARDED_BY(queue_mu_);  // ring
   size_t queue_head_ ABSL_GUARDED_BY(queue_mu_) = 0;
   size_t queue_size_ ABSL_GUARDED_BY(queue_mu_) = 0;
   std::atomic<size_t> queued_{0};
   std::atomic<bool> send_sleeping_{false};
-  WakeWord send_wake_;  // the send thread sleeps on it (WaitForSendWork)
+  base::WakeWord send_wake_;  // the send thread sleeps on it (WaitForSendWork)
 
-  WakeWord wait_wake_;  // AwaitUntil sleeps on it; NotifyWaiters bumps it
+  base::WakeWord wait_wake_;  // AwaitUntil sleeps on it; NotifyWaiters bumps it
   std::atomic<int> sleepers_{0};
 };
 
@@ -176,7 +176,7 @@ bool MeshNode::AwaitUntil(Done done, absl::Time deadline) {
     while (absl::Now() < spin_until) {
       for (int i = 0; i < 64; ++i) {
         if (done()) return finish(true);
-        CpuRelax();
+        base::CpuRelax();
       }
       // With more threads than cores a pure spinner holds the core the thread it
       // waits for needs: yielding makes each hand-off microseconds, not a time slice.

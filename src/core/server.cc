@@ -1,7 +1,8 @@
 // AFTensorServer: assembles each worker's pushes into batches over contiguous
 // registered regions, hands batches out, and sends each worker its own reply.
 
-#include "absl/strings/string_view.h"
+#include "stepmesh/server.h"
+
 #include <algorithm>
 #include <array>
 #include <memory>
@@ -9,16 +10,15 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "src/core/logging.h"
+#include "absl/strings/string_view.h"
+#include "src/base/logging.h"
 #include "src/core/mesh.h"
 #include "src/core/mesh_node.h"
-#include "stepmesh/server.h"
 #include "stepmesh/status.h"
 
 namespace stepmesh::core {
 namespace {
 
-constexpr int kMaxPushesPerRequest = 16;
 constexpr int kAssembliesPerWorker = 64;
 constexpr int kBatchSlots = 64;
 constexpr size_t kErrorRing = 256;
@@ -46,7 +46,7 @@ struct Assembly {
   uint16_t parts_done = 0;
   bool failed = false;
   Key group = 0;
-  Key pull_key = Batch::kNoPull;
+  Key pull_key = kNoPull;
   TraceStamps stamps;
   int num_keys = 0;
   std::array<Key, kMaxPushesPerRequest> keys{};
@@ -59,7 +59,7 @@ enum class BatchState : uint8_t { kFree, kCollecting, kReady, kHandedOut, kRespo
 struct WorkerEntry {
   bool present = false;
   uint64_t request_id = 0;
-  Key pull_key = Batch::kNoPull;
+  Key pull_key = kNoPull;
   TraceStamps stamps;
   size_t reply_bytes = 0;
   ReplyRegistration* reply = nullptr;
@@ -122,7 +122,7 @@ class Server final : public AFTensorServer, public MeshNode {
   Backend& backend() override { return *backend_; }
 
   absl::Status RegisterRecvTensor(Key key, TensorView region) override {
-    ::stepmesh::core::MutexLock lock(&reg_mu_);
+    base::MutexLock lock(&reg_mu_);
     STEPMESH_RETURN_IF_ERROR(CheckNewKey(key, recv_regs_.contains(key), "receive"));
     STEPMESH_ASSIGN_OR_RETURN(size_t slot_bytes, SlotBytes(region, "receive"));
     std::vector<NodeId> writers;
@@ -140,7 +140,7 @@ class Server final : public AFTensorServer, public MeshNode {
   }
 
   absl::Status RegisterReplyTensor(Key key, TensorView region) override {
-    ::stepmesh::core::MutexLock lock(&reg_mu_);
+    base::MutexLock lock(&reg_mu_);
     STEPMESH_RETURN_IF_ERROR(CheckNewKey(key, reply_regs_.contains(key), "reply"));
     STEPMESH_ASSIGN_OR_RETURN(size_t slot_bytes, SlotBytes(region, "reply"));
     STEPMESH_ASSIGN_OR_RETURN(WireTensor wire,
@@ -151,7 +151,7 @@ class Server final : public AFTensorServer, public MeshNode {
   }
 
   absl::Status Unregister(Key key) override {
-    ::stepmesh::core::MutexLock lock(&reg_mu_);
+    base::MutexLock lock(&reg_mu_);
     auto recv = recv_regs_.find(key);
     auto reply = reply_regs_.find(key);
     if (recv == recv_regs_.end() && reply == reply_regs_.end()) {
@@ -166,7 +166,7 @@ class Server final : public AFTensorServer, public MeshNode {
       }
     }
     {
-      ::stepmesh::core::MutexLock batch_lock(&batch_mu_);
+      base::MutexLock batch_lock(&batch_mu_);
       if (reply != reply_regs_.end()) {
         for (const auto& slot : slots_) {
           if (slot->state != BatchState::kResponding) continue;
@@ -202,7 +202,7 @@ class Server final : public AFTensorServer, public MeshNode {
                  live_workers() == 0;
         },
         deadline);
-    ::stepmesh::core::MutexLock lock(&batch_mu_);
+    base::MutexLock lock(&batch_mu_);
     uint32_t index;
     if (!ready_.empty()) {
       index = ready_.front();
@@ -254,8 +254,8 @@ class Server final : public AFTensorServer, public MeshNode {
     if (!handle.valid() || handle.index() >= slots_.size()) {
       return absl::InvalidArgumentError("invalid batch handle");
     }
-    ::stepmesh::core::ReaderMutexLock reg_lock(&reg_mu_);
-    ::stepmesh::core::MutexLock lock(&batch_mu_);
+    base::ReaderMutexLock reg_lock(&reg_mu_);
+    base::MutexLock lock(&batch_mu_);
     BatchSlot& slot = *slots_[handle.index()];
     if (slot.generation != handle.generation() || slot.state != BatchState::kHandedOut) {
       return absl::FailedPreconditionError("batch already answered (or handle is stale)");
@@ -274,7 +274,7 @@ class Server final : public AFTensorServer, public MeshNode {
         }
       }
       const WorkerEntry& e = slot.entries[reply.worker];
-      if (e.pull_key == Batch::kNoPull) {
+      if (e.pull_key == kNoPull) {
         return absl::InvalidArgumentError(
             absl::StrCat("worker ", reply.worker, " pulled nothing from this server"));
       }
@@ -291,7 +291,7 @@ class Server final : public AFTensorServer, public MeshNode {
       }
     }
     for (int w : slot.workers) {
-      if (slot.entries[w].pull_key == Batch::kNoPull) continue;
+      if (slot.entries[w].pull_key == kNoPull) continue;
       bool answered = false;
       for (const Reply& reply : replies) answered = answered || reply.worker == w;
       if (!answered) {
@@ -359,7 +359,7 @@ class Server final : public AFTensorServer, public MeshNode {
         h.type = FrameType::kError;
         h.status_code = static_cast<uint32_t>(ready.code());
         const std::string text = absl::StrCat("reply's ready event failed: ", ready.message());
-        h.payload_bytes = std::min<size_t>(text.size(), 4096);
+        h.payload_bytes = std::min<size_t>(text.size(), kMaxErrorTextBytes);
         sent = transport_->Send(h.dst, h, text.data(), 0, h.payload_bytes);
       } else {
         h.type = FrameType::kReply;
@@ -382,14 +382,14 @@ class Server final : public AFTensorServer, public MeshNode {
                      sent.ToString());
       }
     }
-    ::stepmesh::core::MutexLock lock(&batch_mu_);
+    base::MutexLock lock(&batch_mu_);
     FreeSlot(item.index);
   }
 
   void SendError(uint32_t index) {
     ErrorRecord record;
     {
-      ::stepmesh::core::MutexLock lock(&error_mu_);
+      base::MutexLock lock(&error_mu_);
       record = std::move(errors_[index]);
     }
     FrameHeader h;
@@ -398,7 +398,7 @@ class Server final : public AFTensorServer, public MeshNode {
     h.dst = record.worker;
     h.request_id = record.request_id;
     h.status_code = static_cast<uint32_t>(record.code);
-    h.payload_bytes = std::min<size_t>(record.message.size(), 4096);
+    h.payload_bytes = std::min<size_t>(record.message.size(), kMaxErrorTextBytes);
     absl::Status sent = transport_->Send(h.dst, h, record.message.data(), 0, h.payload_bytes);
     if (!sent.ok()) STEPMESH_LOG(kWarning, "error frame not delivered: ", sent.ToString());
   }
@@ -406,11 +406,11 @@ class Server final : public AFTensorServer, public MeshNode {
   // --- receive thread ---
   absl::StatusOr<Destination> Resolve(NodeId peer, const FrameHeader& h) override {
     const uint32_t w = NodeRank(peer);
-    if (NodeRole(peer) != 1 || w >= static_cast<uint32_t>(options_.num_workers)) {
+    if (!IsWorker(peer) || w >= static_cast<uint32_t>(options_.num_workers)) {
       return absl::PermissionDeniedError("push from a node that is not a worker");
     }
     ForgetPreviousProcess(static_cast<int>(w));
-    ::stepmesh::core::ReaderMutexLock lock(&reg_mu_);
+    base::ReaderMutexLock lock(&reg_mu_);
     auto it = recv_regs_.find(h.key);
     if (it == recv_regs_.end()) {
       return absl::NotFoundError(
@@ -438,7 +438,7 @@ class Server final : public AFTensorServer, public MeshNode {
     MarkActivity();
     if (h.type != FrameType::kPush) return;
     const int w = static_cast<int>(NodeRank(peer));
-    if (NodeRole(peer) != 1 || w >= options_.num_workers) return;
+    if (!IsWorker(peer) || w >= options_.num_workers) return;
     ForgetPreviousProcess(w);
     Assembly* a = FindAssembly(w, h);
     if (a == nullptr) {
@@ -454,7 +454,7 @@ class Server final : public AFTensorServer, public MeshNode {
       if (h.part_index == 0) a->group = h.key;
       RecvRegistration* reg = nullptr;
       {
-        ::stepmesh::core::ReaderMutexLock lock(&reg_mu_);
+        base::ReaderMutexLock lock(&reg_mu_);
         auto it = recv_regs_.find(h.key);
         if (it != recv_regs_.end()) reg = it->second.get();
       }
@@ -507,7 +507,7 @@ class Server final : public AFTensorServer, public MeshNode {
     for (Assembly& a : assemblies_[w]) a.used = false;
     std::vector<const RecvRegistration*> held;
     {
-      ::stepmesh::core::MutexLock lock(&batch_mu_);
+      base::MutexLock lock(&batch_mu_);
       for (const auto& slot : slots_) {
         if (slot->state == BatchState::kFree || !slot->entries[w].present) continue;
         for (size_t t = 0; t < slot->regs.size(); ++t) {
@@ -516,7 +516,7 @@ class Server final : public AFTensorServer, public MeshNode {
       }
     }
     // Only this thread sets busy flags, so none can become held meanwhile.
-    ::stepmesh::core::ReaderMutexLock lock(&reg_mu_);
+    base::ReaderMutexLock lock(&reg_mu_);
     for (auto& [key, reg] : recv_regs_) {
       if (std::find(held.begin(), held.end(), reg.get()) == held.end()) reg->busy[w].store(false);
     }
@@ -533,12 +533,12 @@ class Server final : public AFTensorServer, public MeshNode {
     spare->used = true;
     spare->request_id = h.request_id;
     spare->part_count = h.part_count;
-    spare->pull_key = (h.flags & kFlagHasPull) ? h.pull_key : Batch::kNoPull;
+    spare->pull_key = (h.flags & kFlagHasPull) ? h.pull_key : kNoPull;
     return spare;
   }
 
   void AddToBatch(int w, const Assembly& a) {
-    ::stepmesh::core::MutexLock lock(&batch_mu_);
+    base::MutexLock lock(&batch_mu_);
     BatchSlot* slot = nullptr;
     uint32_t index = 0;
     for (uint32_t i = 0; i < slots_.size(); ++i) {
@@ -612,7 +612,7 @@ class Server final : public AFTensorServer, public MeshNode {
   void QueueError(NodeId worker, uint64_t request_id, const absl::Status& status) {
     uint32_t index;
     {
-      ::stepmesh::core::MutexLock lock(&error_mu_);
+      base::MutexLock lock(&error_mu_);
       index = static_cast<uint32_t>(next_error_++ % errors_.size());
       errors_[index] = {worker, request_id, status.code(), std::string(status.message())};
     }
@@ -625,11 +625,11 @@ class Server final : public AFTensorServer, public MeshNode {
   }
 
   void HandlePeerLost(NodeId peer, const absl::Status& why) override {
-    if (NodeRole(peer) != 1) return;
+    if (!IsWorker(peer)) return;
     const int w = static_cast<int>(NodeRank(peer));
     if (w >= options_.num_workers || lost_workers_[w].exchange(true)) return;
     STEPMESH_LOG(kInfo, "server ", rank_, ": worker ", w, " gone: ", why.ToString());
-    ::stepmesh::core::MutexLock lock(&batch_mu_);
+    base::MutexLock lock(&batch_mu_);
     for (uint32_t i = 0; i < slots_.size(); ++i) {
       BatchSlot& slot = *slots_[i];
       if (slot.state != BatchState::kCollecting) continue;
@@ -659,7 +659,7 @@ class Server final : public AFTensorServer, public MeshNode {
   // connection and count it in batches again. Requests of its previous process
   // were dropped when that was lost; its registrations are the new process's own.
   void HandlePeerJoined(NodeId peer, const std::string& endpoint) override {
-    if (NodeRole(peer) != 1 || stopped()) return;
+    if (!IsWorker(peer) || stopped()) return;
     const int w = static_cast<int>(NodeRank(peer));
     if (w >= options_.num_workers) return;
     // A worker that never looked lost (its old connection still open) is superseded.
@@ -679,7 +679,7 @@ class Server final : public AFTensorServer, public MeshNode {
   }
 
   void CancelAll(const absl::Status&) override {
-    ::stepmesh::core::MutexLock lock(&batch_mu_);
+    base::MutexLock lock(&batch_mu_);
     ready_.clear();
     ready_count_.store(0);
   }
@@ -709,7 +709,7 @@ class Server final : public AFTensorServer, public MeshNode {
     return absl::OkStatus();
   }
 
-  ::stepmesh::core::Mutex reg_mu_;
+  base::Mutex reg_mu_;
   absl::flat_hash_map<Key, std::unique_ptr<RecvRegistration>> recv_regs_ ABSL_GUARDED_BY(reg_mu_);
   absl::flat_hash_map<Key, std::unique_ptr<ReplyRegistration>> reply_regs_
       ABSL_GUARDED_BY(reg_mu_);
@@ -720,14 +720,14 @@ class Server final : public AFTensorServer, public MeshNode {
   std::unique_ptr<std::atomic<uint32_t>[]> worker_epochs_;
   std::vector<uint32_t> seen_epochs_;  // receive thread only
 
-  ::stepmesh::core::Mutex batch_mu_;
+  base::Mutex batch_mu_;
   std::vector<std::unique_ptr<BatchSlot>> slots_;
   std::vector<uint32_t> free_slots_ ABSL_GUARDED_BY(batch_mu_);
   std::vector<uint32_t> ready_ ABSL_GUARDED_BY(batch_mu_);
   std::atomic<int> ready_count_{0};
   uint64_t opened_sequence_ ABSL_GUARDED_BY(batch_mu_) = 0;
 
-  ::stepmesh::core::Mutex error_mu_;
+  base::Mutex error_mu_;
   std::vector<ErrorRecord> errors_ ABSL_GUARDED_BY(error_mu_);
   uint64_t next_error_ ABSL_GUARDED_BY(error_mu_) = 0;
 };
@@ -737,24 +737,11 @@ class Server final : public AFTensorServer, public MeshNode {
 absl::StatusOr<std::unique_ptr<AFTensorServer>> CreateServer(const MeshOptions& options,
                                                              std::shared_ptr<Backend> backend,
                                                              const TransportFactory& transport) {
-  MeshOptions server_options = options;
-  server_options.role = Role::kServer;
-  STEPMESH_RETURN_IF_ERROR(server_options.Validate());
-  if (backend == nullptr) {
-    STEPMESH_ASSIGN_OR_RETURN(backend, CreateBackend(options.backend, options.device));
-  }
+  STEPMESH_ASSIGN_OR_RETURN(MeshOptions server_options, OptionsForRole(options, Role::kServer));
+  if (backend == nullptr) return absl::InvalidArgumentError("CreateServer: no backend");
   auto server = std::make_unique<Server>(server_options, std::move(backend));
   STEPMESH_RETURN_IF_ERROR(server->Init(transport));
   return server;
 }
 
 }  // namespace stepmesh::core
-
-namespace stepmesh {
-
-absl::StatusOr<std::unique_ptr<AFTensorServer>> AFTensorServer::Create(
-    const MeshOptions& options, std::shared_ptr<Backend> backend) {
-  return core::CreateServer(options, std::move(backend), core::CreateTransport);
-}
-
-}  // namespace stepmesh

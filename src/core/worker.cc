@@ -1,5 +1,7 @@
 // AFTensorWorker: request slots, validation, and the worker's send/receive paths.
 
+#include "stepmesh/worker.h"
+
 #include <array>
 #include <memory>
 #include <random>
@@ -7,18 +9,15 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "src/core/logging.h"
+#include "src/base/logging.h"
 #include "src/core/mesh.h"
 #include "src/core/mesh_node.h"
 #include "stepmesh/status.h"
-#include "stepmesh/worker.h"
 
 namespace stepmesh::core {
 namespace {
 
-constexpr int kMaxPushesPerRequest = 16;
 constexpr uint32_t kSendRequest = 1;
-constexpr Key kNoPull = ~Key{0};
 
 struct Registration {
   TensorView view;
@@ -61,7 +60,7 @@ struct Request {
   std::vector<TraceStamps> stamps;
   uint64_t enqueue_ns = 0;
   uint64_t complete_ns = 0;
-  ::stepmesh::core::Mutex status_mu;
+  base::Mutex status_mu;
   absl::Status status ABSL_GUARDED_BY(status_mu);
 };
 
@@ -95,7 +94,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
   Backend& backend() override { return *backend_; }
 
   absl::Status RegisterPushTensor(Key key, TensorView tensor) override {
-    ::stepmesh::core::MutexLock lock(&reg_mu_);
+    base::MutexLock lock(&reg_mu_);
     STEPMESH_RETURN_IF_ERROR(CheckCapacity());
     if (push_regs_.contains(key)) {
       return absl::AlreadyExistsError(absl::StrCat("push key ", key, " already registered"));
@@ -110,7 +109,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
       return absl::InvalidArgumentError(absl::StrCat("server ", server, " out of range [0, ",
                                                      options_.num_servers, ")"));
     }
-    ::stepmesh::core::MutexLock lock(&reg_mu_);
+    base::MutexLock lock(&reg_mu_);
     STEPMESH_RETURN_IF_ERROR(CheckCapacity());
     if (pull_regs_.contains({key, server})) {
       return absl::AlreadyExistsError(
@@ -122,7 +121,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
   }
 
   absl::Status Unregister(Key key) override {
-    ::stepmesh::core::MutexLock lock(&reg_mu_);
+    base::MutexLock lock(&reg_mu_);
     std::vector<std::pair<Key, int>> pulls;
     for (const auto& [id, reg] : pull_regs_) {
       if (id.first != key) continue;
@@ -163,7 +162,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
     uint32_t index;
     Request* r;
     {
-      ::stepmesh::core::MutexLock lock(&reg_mu_);
+      base::MutexLock lock(&reg_mu_);
       if (free_.empty()) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "all ", requests_.size(), " request slots in flight (max_inflight_requests)"));
@@ -256,7 +255,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
       r->enqueue_ns = enqueue_ns;
       r->complete_ns = 0;
       {
-        ::stepmesh::core::MutexLock status_lock(&r->status_mu);
+        base::MutexLock status_lock(&r->status_mu);
         r->status = absl::OkStatus();
       }
       r->state.store(RequestState::kPending, std::memory_order_release);
@@ -285,10 +284,10 @@ class Worker final : public AFTensorWorker, public MeshNode {
     }
     absl::Status result;
     {
-      ::stepmesh::core::MutexLock lock(&r->status_mu);
+      base::MutexLock lock(&r->status_mu);
       result = r->status;
     }
-    ::stepmesh::core::MutexLock lock(&reg_mu_);
+    base::MutexLock lock(&reg_mu_);
     free_.push_back(handle.index());
     return result;
   }
@@ -439,14 +438,14 @@ class Worker final : public AFTensorWorker, public MeshNode {
   }
 
   void HandlePeerLost(NodeId peer, const absl::Status& why) override {
-    if (NodeRole(peer) != 2) return;
+    if (!IsServer(peer)) return;
     const int s = static_cast<int>(NodeRank(peer));
     if (s >= options_.num_servers || lost_servers_[s].exchange(true)) return;
     const absl::Status failure =
         absl::UnavailableError(absl::StrCat("server ", s, " lost: ", why.message()));
     std::vector<std::pair<uint32_t, uint32_t>> pending;
     {
-      ::stepmesh::core::MutexLock lock(&reg_mu_);
+      base::MutexLock lock(&reg_mu_);
       for (uint32_t i = 0; i < requests_.size(); ++i) {
         Request& r = *requests_[i];
         if (r.state.load() == RequestState::kPending && r.addressed[s]) {
@@ -470,7 +469,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
   // Requests that were in flight when it was lost already failed (UNAVAILABLE);
   // the new process starts empty, so its registrations are the app's to redo.
   void HandlePeerJoined(NodeId peer, const std::string& endpoint) override {
-    if (NodeRole(peer) != 2 || stopped()) return;
+    if (!IsServer(peer) || stopped()) return;
     const int s = static_cast<int>(NodeRank(peer));
     if (s >= options_.num_servers) return;
     // A server that never looked lost to this worker (its connection is still
@@ -492,7 +491,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
     for (auto& r : requests_) {
       if (r->state.load() != RequestState::kPending) continue;
       {
-        ::stepmesh::core::MutexLock lock(&r->status_mu);
+        base::MutexLock lock(&r->status_mu);
         if (r->status.ok()) r->status = why;
       }
       Complete(*r);
@@ -504,7 +503,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
     const uint32_t index = static_cast<uint32_t>(h.request_id >> 32);
     const uint32_t generation = static_cast<uint32_t>(h.request_id);
     const uint32_t s = NodeRank(peer);
-    if (NodeRole(peer) != 2 || s >= static_cast<uint32_t>(options_.num_servers)) {
+    if (!IsServer(peer) || s >= static_cast<uint32_t>(options_.num_servers)) {
       return absl::PermissionDeniedError("frame from a node that is not a server");
     }
     // State first (acquire): a pending request's fields are published with it.
@@ -524,7 +523,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
   void Settle(Request& r, int server, const absl::Status& status) {
     if (r.settled[server].exchange(true, std::memory_order_acq_rel)) return;
     if (!status.ok()) {
-      ::stepmesh::core::MutexLock lock(&r.status_mu);
+      base::MutexLock lock(&r.status_mu);
       if (r.status.ok()) r.status = status;
     }
     Release(r);
@@ -536,7 +535,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
 
   void Complete(Request& r) {
     {
-      ::stepmesh::core::MutexLock lock(&reg_mu_);
+      base::MutexLock lock(&reg_mu_);
       for (int i = 0; i < r.num_pushes; ++i) r.pushes[i].reg->in_flight = false;
       for (int s = 0; s < options_.num_servers; ++s) {
         if (r.pull_key[s] != kNoPull) r.pull_reg[s]->in_flight = false;
@@ -550,12 +549,12 @@ class Worker final : public AFTensorWorker, public MeshNode {
   // Used when a request could not even be queued: undo as if it never happened.
   void Fail(Request& r, const absl::Status& why) {
     {
-      ::stepmesh::core::MutexLock lock(&r.status_mu);
+      base::MutexLock lock(&r.status_mu);
       r.status = why;
     }
     Complete(r);
     r.state.store(RequestState::kReleased);
-    ::stepmesh::core::MutexLock lock(&reg_mu_);
+    base::MutexLock lock(&reg_mu_);
     for (uint32_t i = 0; i < requests_.size(); ++i) {
       if (requests_[i].get() == &r) free_.push_back(i);
     }
@@ -585,7 +584,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
     return absl::OkStatus();
   }
 
-  ::stepmesh::core::Mutex reg_mu_;
+  base::Mutex reg_mu_;
   absl::flat_hash_map<Key, std::unique_ptr<Registration>> push_regs_ ABSL_GUARDED_BY(reg_mu_);
   absl::flat_hash_map<std::pair<Key, int>, std::unique_ptr<Registration>> pull_regs_
       ABSL_GUARDED_BY(reg_mu_);
@@ -599,24 +598,11 @@ class Worker final : public AFTensorWorker, public MeshNode {
 absl::StatusOr<std::unique_ptr<AFTensorWorker>> CreateWorker(const MeshOptions& options,
                                                              std::shared_ptr<Backend> backend,
                                                              const TransportFactory& transport) {
-  MeshOptions worker_options = options;
-  worker_options.role = Role::kWorker;
-  STEPMESH_RETURN_IF_ERROR(worker_options.Validate());
-  if (backend == nullptr) {
-    STEPMESH_ASSIGN_OR_RETURN(backend, CreateBackend(options.backend, options.device));
-  }
+  STEPMESH_ASSIGN_OR_RETURN(MeshOptions worker_options, OptionsForRole(options, Role::kWorker));
+  if (backend == nullptr) return absl::InvalidArgumentError("CreateWorker: no backend");
   auto worker = std::make_unique<Worker>(worker_options, std::move(backend));
   STEPMESH_RETURN_IF_ERROR(worker->Init(transport));
   return worker;
 }
 
 }  // namespace stepmesh::core
-
-namespace stepmesh {
-
-absl::StatusOr<std::unique_ptr<AFTensorWorker>> AFTensorWorker::Create(
-    const MeshOptions& options, std::shared_ptr<Backend> backend) {
-  return core::CreateWorker(options, std::move(backend), core::CreateTransport);
-}
-
-}  // namespace stepmesh

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "src/core/sync.h"
+#include "src/base/sync.h"
 #include "src/core/mesh.h"
 #include "stepmesh/scheduler.h"
 #include "stepmesh/status.h"
@@ -168,10 +168,10 @@ absl::Status RunInProcess(const Scenario& sc, MeshOptions base,
   STEPMESH_ASSIGN_OR_RETURN(auto scheduler, Scheduler::Start(base));
   base.scheduler = scheduler->address();
 
-  ::stepmesh::core::Mutex mu;
+  base::Mutex mu;
   absl::Status first_error;
   auto record = [&](const absl::Status& s) {
-    ::stepmesh::core::MutexLock lock(&mu);
+    base::MutexLock lock(&mu);
     if (first_error.ok() && !s.ok()) first_error = s;
   };
   std::vector<std::thread> threads;

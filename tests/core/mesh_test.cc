@@ -1,14 +1,15 @@
+#include "src/core/mesh.h"
+
+#include <catch2/catch.hpp>
 #include <future>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include <catch2/catch.hpp>
-
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "src/core/mesh.h"
+#include "src/compose/transports.h"
 #include "stepmesh/scheduler.h"
 #include "tests/core/child_process.h"
 #include "tests/core/conformance_suite.h"
@@ -40,7 +41,7 @@ TEST_CASE("in-process meshes exchange byte-exact data over TCP", "[mesh][tcp]") 
     sc.servers = s;
     sc.iterations = 60;
     INFO(Describe(sc));
-    absl::Status result = testing::RunInProcess(sc, TcpOptions(), core::CreateTransport);
+    absl::Status result = testing::RunInProcess(sc, TcpOptions(), compose::CreateTransport);
     CHECK(result.ok());
     if (!result.ok()) FAIL_CHECK(result.ToString());
   }
@@ -51,7 +52,7 @@ TEST_CASE("in-process 2A2F over TCP with payload checksums on", "[mesh][tcp]") {
   sc.iterations = 30;
   MeshOptions o = TcpOptions();
   o.payload_checksum = true;  // every payload sealed and checked, none may fail
-  absl::Status result = testing::RunInProcess(sc, o, core::CreateTransport);
+  absl::Status result = testing::RunInProcess(sc, o, compose::CreateTransport);
   CHECK(result.ok());
   if (!result.ok()) FAIL_CHECK(result.ToString());
 }
@@ -65,7 +66,7 @@ TEST_CASE("in-process mesh works in every poll mode", "[mesh][tcp]") {
     MeshOptions o = TcpOptions();
     o.threads.poll_mode = mode;
     INFO(PollModeName(mode));
-    absl::Status result = testing::RunInProcess(sc, o, core::CreateTransport);
+    absl::Status result = testing::RunInProcess(sc, o, compose::CreateTransport);
     CHECK(result.ok());
     if (!result.ok()) FAIL_CHECK(result.ToString());
   }
@@ -85,7 +86,7 @@ TEST_CASE("tensors a transport cannot reach are staged, byte-exact both ways", "
   sc.push_bytes = 64 * 1024;
   sc.pull_bytes = 128 * 1024;
   auto factory = [](const MeshOptions& o) -> absl::StatusOr<std::unique_ptr<core::Transport>> {
-    auto inner = core::CreateTransport(o);
+    auto inner = compose::CreateTransport(o);
     if (!inner.ok()) return inner.status();
     return std::unique_ptr<core::Transport>(new NoDirectAccessTransport(*std::move(inner)));
   };
@@ -96,12 +97,12 @@ TEST_CASE("tensors a transport cannot reach are staged, byte-exact both ways", "
 
 // A scheduler, one worker and one server over TCP in this process.
 struct OneByOne : testing::MeshPair {
-  OneByOne() : MeshPair(TcpOptions(), core::CreateTransport) {}
+  OneByOne() : MeshPair(TcpOptions(), compose::CreateTransport) {}
 };
 
 TEST_CASE("bad input gets a clear status and leaves other traffic intact", "[mesh][bad-input]") {
   testing::RunBadInputConformance(
-      [] { return std::make_unique<testing::MeshPair>(TcpOptions(), core::CreateTransport); });
+      [] { return std::make_unique<testing::MeshPair>(TcpOptions(), compose::CreateTransport); });
 }
 
 // Two workers and one server over TCP in this process.

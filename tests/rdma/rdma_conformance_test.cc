@@ -26,7 +26,7 @@ using testing::Scenario;
 
 // Each participant gets its own fake host (NIC + GID) on one shared fabric.
 core::TransportFactory FakeRdmaFactory(std::shared_ptr<FakeFabric> fabric,
-                                       core::RdmaTuning tuning = {}) {
+                                       rdma::RdmaTuning tuning = {}) {
   auto next_host = std::make_shared<std::atomic<uint32_t>>(1);
   return [fabric, tuning, next_host](const MeshOptions& options)
              -> absl::StatusOr<std::unique_ptr<core::Transport>> {
@@ -34,7 +34,7 @@ core::TransportFactory FakeRdmaFactory(std::shared_ptr<FakeFabric> fabric,
     FakeNicSpec spec;
     spec.name = absl::StrCat("fake_mlx5_", n);
     spec.ipv4 = 0x0A000000 + n;
-    return core::CreateRdmaTransport(options, fabric->AddHost(spec), tuning);
+    return rdma::CreateRdmaTransport(options, fabric->AddHost(spec), tuning);
   };
 }
 
@@ -78,7 +78,7 @@ TEST_CASE("conformance over rdma (fake verbs): 2A2F with payload checksums on",
 TEST_CASE("conformance over rdma (fake verbs): two QPs per peer, small credit window",
           "[rdma][conformance]") {
   auto fabric = std::make_shared<FakeFabric>();
-  core::RdmaTuning tuning;
+  rdma::RdmaTuning tuning;
   tuning.recv_depth = 8;  // forces credit returns every other frame
   tuning.stripe_min_bytes = 4096;
   Scenario sc;
@@ -121,7 +121,7 @@ absl::Status ConnectPair(const std::string& worker_secret, const std::string& se
   auto worker_endpoint = (*worker)->LocalEndpoint();
   auto server_endpoint = (*server)->LocalEndpoint();
   if (!worker_endpoint.ok() || !server_endpoint.ok()) return absl::InternalError("endpoints");
-  const core::NodeId w = core::MakeNodeId(1, 0), s = core::MakeNodeId(2, 0);
+  const core::NodeId w = core::WorkerId(0), s = core::ServerId(0);
   const absl::Time deadline = absl::Now() + absl::Seconds(2);
   auto accepted = std::async(std::launch::async, [&] {
     const core::PeerInfo peer{w, *worker_endpoint};

@@ -17,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "src/backends/cuda/cuda_backend.h"
+#include "src/compose/transports.h"
 #include "src/core/mesh.h"
 #include "src/transport/rdma/rdma_transport.h"
 #include "stepmesh/scheduler.h"
@@ -171,13 +172,13 @@ Outcome RunExchange(const Setup& setup) {
     if (tcp) {
       MeshOptions o = options;
       o.transport = "tcp";
-      return core::CreateTransport(o);
+      return compose::CreateTransport(o);
     }
     const uint32_t n = next_host->fetch_add(1);
     FakeNicSpec spec;
     spec.name = absl::StrCat("fake_mlx5_", n);
     spec.ipv4 = 0x0A000000 + n;
-    return core::CreateRdmaTransport(options, fabric->AddHost(spec));
+    return rdma::CreateRdmaTransport(options, fabric->AddHost(spec));
   };
 
   auto worker_gpu = MakeGpu(setup);

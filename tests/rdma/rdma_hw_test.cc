@@ -27,7 +27,7 @@ MeshOptions HwOptions(int qps) {
 }
 
 core::TransportFactory RealRdma() {
-  return [](const MeshOptions& options) { return core::CreateRdmaTransport(options); };
+  return [](const MeshOptions& options) { return rdma::CreateRdmaTransport(options); };
 }
 
 TEST_CASE("hw conformance: 1A1F, 1A2F, 2A2F, 3 micro-batches", "[rdma][hw]") {
@@ -55,14 +55,14 @@ TEST_CASE("hw conformance: two QPs per peer (striped payloads)", "[rdma][hw]") {
 }  // namespace stepmesh
 
 int main(int argc, char** argv) {
-  if (!stepmesh::core::RdmaDeviceAvailable()) {
+  if (!stepmesh::rdma::RdmaDeviceAvailable()) {
     std::fprintf(stderr, "rdma_hw_tests: no RDMA device with an active port; skipping\n");
     return 77;
   }
   absl::StatusOr<stepmesh::MeshOptions> env = stepmesh::MeshOptions::FromEnv();
   if (env.ok() && !env->rdma_device.empty()) {
-    auto verbs = stepmesh::core::MakeRealVerbsApi();
-    if (!stepmesh::core::OpenPort(*verbs, *env).ok()) {
+    auto verbs = stepmesh::rdma::MakeRealVerbsApi();
+    if (!stepmesh::rdma::OpenPort(*verbs, *env).ok()) {
       std::fprintf(stderr, "rdma_hw_tests: device %s unusable; skipping\n", env->rdma_device.c_str());
       return 77;
     }

@@ -4,11 +4,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <memory>
 
-#include <catch2/catch.hpp>
-
 #include "absl/strings/str_cat.h"
+#include "src/compose/transports.h"
 #include "src/core/mesh.h"
 #include "src/transport/rdma/rdma_transport.h"
 #include "stepmesh/status.h"
@@ -20,7 +20,6 @@ namespace stepmesh::testing {
 namespace {
 
 using core::FrameType;
-using core::MakeNodeId;
 
 core::TransportFactory FakeRdma(std::shared_ptr<FakeFabric> fabric) {
   auto next_host = std::make_shared<std::atomic<uint32_t>>(1);
@@ -30,7 +29,7 @@ core::TransportFactory FakeRdma(std::shared_ptr<FakeFabric> fabric) {
     FakeNicSpec spec;
     spec.name = absl::StrCat("fake_mlx5_", n);
     spec.ipv4 = 0x0A000000 + n;
-    return core::CreateRdmaTransport(options, fabric->AddHost(spec));
+    return rdma::CreateRdmaTransport(options, fabric->AddHost(spec));
   };
 }
 
@@ -38,7 +37,7 @@ TEST_CASE("fault over rdma: drop, duplicate, rewritten key, dead link", "[fault]
   auto fabric = std::make_shared<FakeFabric>();
   auto plan = std::make_shared<FaultPlan>();
   SECTION("a dropped push: DEADLINE_EXCEEDED on that request only") {
-    plan->Add({.action = FaultAction::kDrop, .type = FrameType::kPush, .to = MakeNodeId(2, 1)});
+    plan->Add({.action = FaultAction::kDrop, .type = FrameType::kPush, .to = core::ServerId(1)});
     Harness mesh(MeshConfig("rdma"), Faulty(FakeRdma(fabric), plan));
     INFO(mesh.status().ToString());
     REQUIRE(mesh.status().ok());
@@ -58,8 +57,10 @@ TEST_CASE("fault over rdma: drop, duplicate, rewritten key, dead link", "[fault]
     }
   }
   SECTION("a reply under another key never lands in that tensor") {
-    plan->Add({.action = FaultAction::kRewriteKey, .type = FrameType::kReply,
-               .from = MakeNodeId(2, 0), .new_key = RelPullKey(1)});
+    plan->Add({.action = FaultAction::kRewriteKey,
+               .type = FrameType::kReply,
+               .from = core::ServerId(0),
+               .new_key = RelPullKey(1)});
     Harness mesh(MeshConfig("rdma"), Faulty(FakeRdma(fabric), plan));
     REQUIRE(mesh.status().ok());
     std::fill(mesh.pull(0, 1, 0).begin(), mesh.pull(0, 1, 0).end(), 0xEE);
@@ -76,7 +77,7 @@ TEST_CASE("fault over rdma: drop, duplicate, rewritten key, dead link", "[fault]
                       [](uint8_t b) { return b == 0 || b == 0xEE; }));
   }
   SECTION("a server whose link dies: UNAVAILABLE, the other server still serves") {
-    plan->Add({.action = FaultAction::kKill, .type = FrameType::kReply, .from = MakeNodeId(2, 1)});
+    plan->Add({.action = FaultAction::kKill, .type = FrameType::kReply, .from = core::ServerId(1)});
     Harness mesh(MeshConfig("rdma"), Faulty(FakeRdma(fabric), plan));
     REQUIRE(mesh.status().ok());
     const absl::Status s = mesh.RoundTrip(0, 0, 1);
@@ -93,7 +94,8 @@ TEST_CASE("rejoin: a worker restarted in place is served again, over tcp and rdm
     auto fabric = std::make_shared<FakeFabric>();
     HarnessConfig config = MeshConfig("rdma", /*workers=*/2, /*servers=*/2);
     if (!rdma) config.options.transport = "tcp";
-    Harness mesh(config, rdma ? FakeRdma(fabric) : core::TransportFactory(core::CreateTransport));
+    Harness mesh(config,
+                 rdma ? FakeRdma(fabric) : core::TransportFactory(compose::CreateTransport));
     REQUIRE(mesh.status().ok());
     // Batches hold both workers (kAllWorkers): each round needs both.
     auto both = [&](uint8_t fill) -> absl::Status {

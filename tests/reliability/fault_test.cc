@@ -16,12 +16,11 @@ namespace stepmesh::testing {
 namespace {
 
 using core::FrameType;
-using core::MakeNodeId;
 
-constexpr core::NodeId kWorker0 = MakeNodeId(1, 0);
-constexpr core::NodeId kWorker1 = MakeNodeId(1, 1);
-constexpr core::NodeId kServer0 = MakeNodeId(2, 0);
-constexpr core::NodeId kServer1 = MakeNodeId(2, 1);
+constexpr core::NodeId kWorker0 = core::WorkerId(0);
+constexpr core::NodeId kWorker1 = core::WorkerId(1);
+constexpr core::NodeId kServer0 = core::ServerId(0);
+constexpr core::NodeId kServer1 = core::ServerId(1);
 
 #define REQUIRE_OK(expr)                      \
   do {                                        \

@@ -16,28 +16,28 @@ struct WireFaultSlot {
 };
 
 void FaultPlan::Add(const FaultRule& rule) {
-  ::stepmesh::core::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   rules_.push_back({rule, 0, 0});
 }
 
 void FaultPlan::RefuseConnect(core::NodeId node) {
-  ::stepmesh::core::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   refused_.push_back(node);
 }
 
 void FaultPlan::Stall(core::NodeId node, absl::Duration duration) {
-  ::stepmesh::core::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   stalls_[node] = absl::Now() + duration;
 }
 
 int FaultPlan::fired(FaultAction action) const {
-  ::stepmesh::core::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   auto it = fired_.find(action);
   return it == fired_.end() ? 0 : it->second;
 }
 
 std::optional<FaultRule> FaultPlan::Match(const core::FrameHeader& h) {
-  ::stepmesh::core::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   for (Armed& a : rules_) {
     const FaultRule& r = a.rule;
     if (r.type.has_value() && *r.type != h.type) continue;
@@ -53,7 +53,7 @@ std::optional<FaultRule> FaultPlan::Match(const core::FrameHeader& h) {
 }
 
 bool FaultPlan::refuses(core::NodeId node) const {
-  ::stepmesh::core::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   for (core::NodeId n : refused_) {
     if (n == node) return true;
   }
@@ -61,7 +61,7 @@ bool FaultPlan::refuses(core::NodeId node) const {
 }
 
 absl::Time FaultPlan::stalled_until(core::NodeId node) const {
-  ::stepmesh::core::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   auto it = stalls_.find(node);
   return it == stalls_.end() ? absl::InfinitePast() : it->second;
 }
@@ -176,9 +176,9 @@ core::TransportFactory FaultyTcp(std::shared_ptr<FaultPlan> plan) {
   return [plan = std::move(plan)](const MeshOptions& options)
              -> absl::StatusOr<std::unique_ptr<core::Transport>> {
     auto wire = std::make_shared<WireFaultSlot>();
-    core::TcpWireHook hook = [wire](core::NodeId, const core::FrameHeader&,
-                                    core::FrameBytes& encoded) {
-      core::TcpWireFault fault;
+    tcp::TcpWireHook hook = [wire](core::NodeId, const core::FrameHeader&,
+                                   core::FrameBytes& encoded) {
+      tcp::TcpWireFault fault;
       if (!wire->next.has_value()) return fault;
       switch (*wire->next) {
         case FaultAction::kCorruptHeader:
@@ -197,14 +197,14 @@ core::TransportFactory FaultyTcp(std::shared_ptr<FaultPlan> plan) {
       return fault;
     };
     // Truncation keeps half the payload: the hook sees the header's size.
-    core::TcpWireHook sized = [hook](core::NodeId peer, const core::FrameHeader& h,
-                                     core::FrameBytes& encoded) {
-      core::TcpWireFault fault = hook(peer, h, encoded);
+    tcp::TcpWireHook sized = [hook](core::NodeId peer, const core::FrameHeader& h,
+                                    core::FrameBytes& encoded) {
+      tcp::TcpWireFault fault = hook(peer, h, encoded);
       if (fault.close_after) fault.truncate_payload_to = h.payload_bytes / 2;
       return fault;
     };
     STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<core::Transport> t,
-                              core::CreateTcpTransport(options, std::move(sized)));
+                              tcp::CreateTcpTransport(options, std::move(sized)));
     return WrapWithFaults(std::move(t), plan, wire);
   };
 }

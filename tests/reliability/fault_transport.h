@@ -22,8 +22,8 @@
 #include <optional>
 #include <vector>
 
-#include "src/core/sync.h"
 #include "absl/time/time.h"
+#include "src/base/sync.h"
 #include "src/core/transport.h"
 
 namespace stepmesh::testing {
@@ -74,7 +74,7 @@ class FaultPlan {
     int seen = 0;
     int hit = 0;
   };
-  mutable ::stepmesh::core::Mutex mu_;
+  mutable base::Mutex mu_;
   std::vector<Armed> rules_ ABSL_GUARDED_BY(mu_);
   std::vector<core::NodeId> refused_ ABSL_GUARDED_BY(mu_);
   std::map<core::NodeId, absl::Time> stalls_ ABSL_GUARDED_BY(mu_);

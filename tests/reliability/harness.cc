@@ -151,7 +151,7 @@ void Harness::ServeLoop(int s) {
           absl::IsFailedPrecondition(last)) {
         break;  // every worker gone, or this server shut down
       }
-      ::stepmesh::core::MutexLock lock(&mu_);
+      base::MutexLock lock(&mu_);
       errors_.push_back(last.ToString());
       continue;
     }
@@ -167,11 +167,11 @@ void Harness::ServeLoop(int s) {
     }
     absl::Status responded = server.Respond(*batch, replies);
     if (!responded.ok() && !stop_.load()) {
-      ::stepmesh::core::MutexLock lock(&mu_);
+      base::MutexLock lock(&mu_);
       errors_.push_back(absl::StrCat("respond: ", responded.ToString()));
     }
   }
-  ::stepmesh::core::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   exits_[s] = last;
 }
 
@@ -215,7 +215,7 @@ absl::Status Harness::RoundTrip(int w, int m, uint8_t fill, absl::Duration timeo
 }
 
 std::vector<std::string> Harness::server_errors() {
-  ::stepmesh::core::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   return errors_;
 }
 
@@ -271,7 +271,7 @@ absl::Status Harness::server_exit(int s) {
   if (s < static_cast<int>(serve_threads_.size()) && serve_threads_[s].joinable()) {
     serve_threads_[s].join();
   }
-  ::stepmesh::core::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   return exits_[s];
 }
 

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "src/core/sync.h"
 #include "absl/time/time.h"
+#include "src/base/sync.h"
 #include "src/core/transport.h"
 #include "stepmesh/scheduler.h"
 #include "stepmesh/server.h"
@@ -95,7 +95,7 @@ class Harness {
   std::vector<std::thread> serve_threads_;
   std::unique_ptr<std::atomic<bool>[]> serving_;
   std::atomic<bool> stop_{false};
-  ::stepmesh::core::Mutex mu_;
+  base::Mutex mu_;
   std::vector<std::string> errors_ ABSL_GUARDED_BY(mu_);
   std::vector<absl::Status> exits_ ABSL_GUARDED_BY(mu_);
 };

@@ -4,15 +4,15 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <catch2/catch.hpp>
 #include <cstdio>
 #include <fstream>
 #include <future>
 #include <sstream>
 #include <string>
 
-#include <catch2/catch.hpp>
-
 #include "absl/time/clock.h"
+#include "src/compose/transports.h"
 #include "src/core/mesh.h"
 #include "tests/reliability/harness.h"
 
@@ -103,7 +103,7 @@ TEST_CASE("shutdown: workers first", "[shutdown]") {
   {
     StderrCapture capture;
     {
-      Harness mesh(Config(2, 2), core::CreateTransport);
+      Harness mesh(Config(2, 2), compose::CreateTransport);
       REQUIRE(mesh.status().ok());
       auto h0 = mesh.Start(0, 0, 1);
       auto h1 = mesh.Start(1, 0, 2);
@@ -131,7 +131,7 @@ TEST_CASE("shutdown: servers first", "[shutdown]") {
   {
     StderrCapture capture;
     {
-      Harness mesh(Config(1, 2), core::CreateTransport);
+      Harness mesh(Config(1, 2), compose::CreateTransport);
       REQUIRE(mesh.status().ok());
       REQUIRE(mesh.RoundTrip(0, 0, 1).ok());
       const absl::Time start = absl::Now();
@@ -165,7 +165,7 @@ TEST_CASE("shutdown: scheduler first never hangs the participants", "[shutdown]"
     StderrCapture capture;
     absl::Time start;
     {
-      Harness mesh(Config(1, 1), core::CreateTransport);
+      Harness mesh(Config(1, 1), compose::CreateTransport);
       REQUIRE(mesh.status().ok());
       REQUIRE(mesh.RoundTrip(0, 0, 1).ok());
       mesh.StopScheduler();

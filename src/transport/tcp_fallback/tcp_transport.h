@@ -14,9 +14,9 @@
 #include "src/core/transport.h"
 #include "stepmesh/options.h"
 
-namespace stepmesh::core {
+namespace stepmesh::tcp {
 
-absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const MeshOptions& options);
+absl::StatusOr<std::unique_ptr<core::Transport>> CreateTcpTransport(const MeshOptions& options);
 
 // Test seam for fault injection (tests/reliability): what to do to one frame on
 // the wire. Only byte-level faults live here; frame-level ones (drop, delay,
@@ -28,9 +28,9 @@ struct TcpWireFault {
 };
 // Sees every frame just before it is written; may alter the encoded header
 // (e.g. flip a byte, which the receiver's CRC check must catch). Send thread.
-using TcpWireHook =
-    std::function<TcpWireFault(NodeId peer, const FrameHeader& header, FrameBytes& encoded)>;
-absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const MeshOptions& options,
-                                                              TcpWireHook hook);
+using TcpWireHook = std::function<TcpWireFault(core::NodeId peer, const core::FrameHeader& header,
+                                               core::FrameBytes& encoded)>;
+absl::StatusOr<std::unique_ptr<core::Transport>> CreateTcpTransport(const MeshOptions& options,
+                                                                    TcpWireHook hook);
 
-}  // namespace stepmesh::core
+}  // namespace stepmesh::tcp
