@@ -1,7 +1,6 @@
 #include "src/core/mesh_node.h"
 
 #include "absl/strings/str_cat.h"
-#include "src/base/crc32c.h"
 #include "src/base/logging.h"
 #include "src/base/net.h"
 #include "src/core/mesh.h"
@@ -10,7 +9,10 @@
 namespace stepmesh::core {
 
 MeshNode::MeshNode(const MeshOptions& options, std::shared_ptr<Backend> backend)
-    : options_(options), backend_(std::move(backend)) {}
+    : options_(options),
+      backend_(std::move(backend)),
+      io_(*backend_, options.payload_checksum),
+      lost_(PeerCount()) {}
 
 MeshNode::~MeshNode() { STEPMESH_CHECK(!started_ || stopped()); }
 
@@ -159,35 +161,12 @@ absl::Status MeshNode::UnregisterTensor(RegionId id, const void* base, uint64_t 
   return absl::OkStatus();
 }
 
-absl::Status MeshNode::StageOut(const WireTensor& t, const void* tensor, size_t offset,
-                                size_t bytes) {
-  if (!t.staged || bytes == 0) return absl::OkStatus();
-  return backend_->Copy(t.wire + offset, static_cast<const std::byte*>(tensor) + offset, bytes);
-}
-
-void MeshNode::SealPayload(FrameHeader& h, const WireTensor& t, const std::byte* src) const {
-  h.flags &= static_cast<uint8_t>(~kFlagPayloadCrc);
-  h.payload_crc = 0;
-  if (!options_.payload_checksum || t.device_direct || h.payload_bytes == 0) return;
-  h.flags |= kFlagPayloadCrc;
-  h.payload_crc = base::Crc32c(src, h.payload_bytes);
-}
-
-absl::Status MeshNode::CheckPayload(const FrameHeader& h, const WireTensor& t,
-                                    const std::byte* landed) const {
-  if (!(h.flags & kFlagPayloadCrc) || t.device_direct) return absl::OkStatus();
-  const uint32_t crc = base::Crc32c(landed, h.payload_bytes);
-  if (crc == h.payload_crc) return absl::OkStatus();
-  return absl::DataLossError(absl::StrCat("payload checksum mismatch under key ", h.key, " (",
-                                          h.payload_bytes, " bytes: sent CRC32C 0x",
-                                          absl::Hex(h.payload_crc), ", received 0x",
-                                          absl::Hex(crc), ")"));
-}
-
-absl::Status MeshNode::StageIn(const WireTensor& t, void* tensor, size_t offset, size_t bytes) {
-  if (t.device_direct && bytes != 0) return backend_->FlushRemoteWrites();
-  if (!t.staged || bytes == 0) return absl::OkStatus();
-  return backend_->Copy(static_cast<std::byte*>(tensor) + offset, t.wire + offset, bytes);
+absl::Status MeshNode::CheckRegistrationLimit(size_t registered) const {
+  if (registered >= static_cast<size_t>(options_.max_registrations)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("registration limit ", options_.max_registrations, " reached"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status MeshNode::EnqueueSend(const SendItem& item) {

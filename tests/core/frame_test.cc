@@ -14,8 +14,8 @@ FrameHeader SampleHeader() {
   h.dtype = DType::kFloat8E4M3;
   h.flags = kFlagHasPull | kFlagPayloadCrc;
   h.payload_crc = 0xA1B2C3D4;
-  h.src = core::WorkerId(3);
-  h.dst = core::ServerId(1);
+  h.src = WorkerId(3);
+  h.dst = ServerId(1);
   h.key = 0x1122334455667788ull;
   h.request_id = (uint64_t{7} << 32) | 9;
   h.payload_bytes = 917504;
@@ -126,7 +126,7 @@ TEST_CASE("control messages round trip and reject garbage", "[control]") {
   ControlMessage roster;
   roster.type = ControlType::kRoster;
   roster.rank = 1;
-  roster.roster = {{core::WorkerId(0), "127.0.0.1:5000"}, {core::ServerId(0), "127.0.0.1:5001"}};
+  roster.roster = {{WorkerId(0), "127.0.0.1:5000"}, {ServerId(0), "127.0.0.1:5001"}};
   const std::string bytes = EncodeControl(roster);
   auto span = absl::MakeConstSpan(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size());
   auto header = DecodeControlHeader(span.subspan(0, kControlHeaderBytes));

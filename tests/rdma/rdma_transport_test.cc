@@ -24,9 +24,9 @@ using rdma::RdmaTuning;
 using testing::FakeFabric;
 using testing::FakeNicSpec;
 
-constexpr NodeId kWorker = core::WorkerId(0);
-constexpr NodeId kServer = core::ServerId(0);
-constexpr NodeId kOtherWorker = core::WorkerId(1);
+constexpr NodeId kWorker = WorkerId(0);
+constexpr NodeId kServer = ServerId(0);
+constexpr NodeId kOtherWorker = WorkerId(1);
 
 struct Event {
   bool lost = false;
@@ -39,11 +39,14 @@ class RecordingSink final : public TransportSink {
  public:
   std::function<absl::StatusOr<Destination>(NodeId, const FrameHeader&)> resolve;
 
-  absl::StatusOr<Destination> Resolve(NodeId peer, const FrameHeader& header) override {
+  absl::Status Resolve(NodeId peer, const FrameHeader& header, Destination& out,
+                       FrameContext*) override {
     if (!resolve) return absl::NotFoundError("no destination in this test");
-    return resolve(peer, header);
+    absl::StatusOr<Destination> dest = resolve(peer, header);
+    if (dest.ok()) out = *dest;
+    return dest.status();
   }
-  void OnFrame(NodeId peer, const FrameHeader& header, absl::Status status) override {
+  void OnFrame(NodeId peer, const FrameHeader& header, FrameContext, absl::Status status) override {
     base::MutexLock lock(&mu_);
     events_.push_back({false, peer, header, std::move(status)});
   }
@@ -321,7 +324,7 @@ TEST_CASE("rdma: sends check the advertised slot and the source region", "[rdma]
       kServer, Header(FrameType::kPush, kWorker, kServer, 7, 64), buf.src.data(), 99, 64);
   CHECK(unknown.code() == absl::StatusCode::kInvalidArgument);
   auto nobody = pair.worker.transport->Send(
-      core::ServerId(5), Header(FrameType::kPush, kWorker, kServer, 7, 64), buf.src.data(), 2, 64);
+      ServerId(5), Header(FrameType::kPush, kWorker, kServer, 7, 64), buf.src.data(), 2, 64);
   CHECK(nobody.code() == absl::StatusCode::kNotFound);
   CHECK(pair.fabric.stats().writes == 0);
 }

@@ -1107,17 +1107,18 @@ class RdmaTransport final : public Transport {
     switch (header.type) {
       case FrameType::kPush:
       case FrameType::kReply: {
-        absl::StatusOr<Destination> dest = sink.Resolve(peer.id, header);
-        absl::Status status = dest.status();
-        if (dest.ok() && header.payload_bytes > 0) status = CheckLanding(peer.id, header, *dest);
-        sink.OnFrame(peer.id, header, status);
+        Destination dest;
+        core::FrameContext context = nullptr;
+        absl::Status status = sink.Resolve(peer.id, header, dest, &context);
+        if (status.ok() && header.payload_bytes > 0) status = CheckLanding(peer.id, header, dest);
+        sink.OnFrame(peer.id, header, context, status);
         return;
       }
       case FrameType::kError:
-        sink.OnFrame(peer.id, header,
-                     absl::Status(static_cast<absl::StatusCode>(header.status_code),
-                                  std::string(reinterpret_cast<const char*>(small.data()),
-                                              small.size())));
+        sink.OnFrame(
+            peer.id, header, nullptr,
+            absl::Status(static_cast<absl::StatusCode>(header.status_code),
+                         std::string(reinterpret_cast<const char*>(small.data()), small.size())));
         return;
       default:
         return;  // heartbeats, goodbyes, credits, control: nothing to deliver

@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -72,6 +73,7 @@ struct Connection {
   size_t header_got = 0;
   FrameHeader header;
   std::byte* dest = nullptr;   // kPayload: where the payload goes
+  core::FrameContext context = nullptr;  // the core's, from Resolve to OnFrame
   size_t payload_got = 0;
   absl::Status rejection;      // kDiscard: why
   std::string error_text;      // kError payloads are read here
@@ -422,15 +424,16 @@ class TcpTransport final : public Transport {
     switch (header->type) {
       case FrameType::kPush:
       case FrameType::kReply: {
-        absl::StatusOr<Destination> dest = sink.Resolve(conn.peer, conn.header);
-        if (dest.ok() && dest->capacity < header->payload_bytes) {
-          dest = absl::OutOfRangeError("destination smaller than payload");
+        Destination dest;
+        absl::Status resolved = sink.Resolve(conn.peer, conn.header, dest, &conn.context);
+        if (resolved.ok() && dest.capacity < header->payload_bytes) {
+          resolved = absl::OutOfRangeError("destination smaller than payload");
         }
-        if (dest.ok()) {
-          conn.dest = dest->data;
+        if (resolved.ok()) {
+          conn.dest = dest.data;
           conn.stage = Connection::Stage::kPayload;
         } else {
-          conn.rejection = dest.status();
+          conn.rejection = std::move(resolved);
           conn.stage = Connection::Stage::kDiscard;
         }
         break;
@@ -458,13 +461,13 @@ class TcpTransport final : public Transport {
     switch (conn.header.type) {
       case FrameType::kPush:
       case FrameType::kReply:
-        sink.OnFrame(conn.peer, conn.header,
+        sink.OnFrame(conn.peer, conn.header, std::exchange(conn.context, nullptr),
                      stage == Connection::Stage::kPayload ? absl::OkStatus() : conn.rejection);
         break;
       case FrameType::kError:
-        sink.OnFrame(conn.peer, conn.header,
-                     absl::Status(static_cast<absl::StatusCode>(conn.header.status_code),
-                                  conn.error_text));
+        sink.OnFrame(
+            conn.peer, conn.header, nullptr,
+            absl::Status(static_cast<absl::StatusCode>(conn.header.status_code), conn.error_text));
         break;
       default:
         break;  // heartbeats and goodbyes need no delivery
