@@ -41,7 +41,7 @@
 #include "benchmarks/perf_report.h"
 #include "src/base/net.h"
 #include "stepmesh/stepmesh.h"
-#include "tests/core/child_process.h"
+#include "tests/support/child_process.h"
 
 namespace stepmesh::bench {
 namespace {

@@ -24,7 +24,7 @@ namespace {
 // The dialler adopts the connection only after an accepting verdict, so a
 // refusal is a synchronous error of Connect rather than a later disconnect.
 constexpr uint32_t kHelloMagic = 0x49484D53;  // "SMHI"
-constexpr size_t kHelloBytes = 16 + kAuthNonceBytes;
+static_assert(kHelloBytes == 16 + kAuthNonceBytes, "magic, version, id, flags, nonce");
 constexpr uint32_t kHelloAuth = 1;
 constexpr uint32_t kVerdictAccept = 0x4B4F4D53;  // "SMOK"
 constexpr uint32_t kVerdictRefuse = 0x4F4E4D53;  // "SMNO"
@@ -38,6 +38,13 @@ std::string AuthContext(NodeId dialler, NodeId acceptor) {
 }
 
 }  // namespace
+
+bool HelloAsksAuth(const std::byte* hello) { return (GetU32(hello + 12) & kHelloAuth) != 0; }
+
+size_t HandshakeBytesAfterHello(bool from_dialler, bool auth) {
+  if (from_dialler) return auth ? kSha256Bytes : 0;          // the dialler's proof
+  return auth ? 4 + kAuthNonceBytes + kSha256Bytes + 4 : 4;  // verdicts, nonce and proof
+}
 
 absl::Status DialHandshake(int fd, NodeId self, NodeId peer, absl::string_view secret,
                            absl::Time deadline) {
@@ -102,7 +109,7 @@ absl::StatusOr<NodeId> AcceptHandshake(int fd, NodeId self, absl::Span<const Nod
     return refuse(absl::StrCat("hello from unexpected node 0x", absl::Hex(from)));
   }
   const bool auth = !secret.empty();
-  const bool dialler_auth = (GetU32(hello + 12) & kHelloAuth) != 0;
+  const bool dialler_auth = HelloAsksAuth(hello);
   if (auth != dialler_auth) {
     return refuse(auth ? "peer did not authenticate (no auth token)"
                        : "peer wants authentication but this node has no auth token");

@@ -12,7 +12,8 @@
 #include "src/core/mesh.h"
 #include "src/transport/rdma/rdma_transport.h"
 #include "src/transport/rdma/verbs_resources.h"
-#include "tests/core/mesh_scenarios.h"
+#include "tests/support/mesh_scenarios.h"
+#include "tests/support/status.h"
 
 namespace stepmesh {
 namespace {
@@ -37,18 +38,14 @@ TEST_CASE("hw conformance: 1A1F, 1A2F, 2A2F, 3 micro-batches", "[rdma][hw]") {
     sc.servers = s;
     sc.iterations = 200;
     INFO(w << "A" << s << "F");
-    absl::Status result = testing::RunInProcess(sc, HwOptions(1), RealRdma());
-    CHECK(result.ok());
-    if (!result.ok()) FAIL_CHECK(result.ToString());
+    CHECK_OK(testing::RunInProcess(sc, HwOptions(1), RealRdma()));
   }
 }
 
 TEST_CASE("hw conformance: two QPs per peer (striped payloads)", "[rdma][hw]") {
   testing::Scenario sc;
   sc.iterations = 200;
-  absl::Status result = testing::RunInProcess(sc, HwOptions(2), RealRdma());
-  CHECK(result.ok());
-  if (!result.ok()) FAIL_CHECK(result.ToString());
+  CHECK_OK(testing::RunInProcess(sc, HwOptions(2), RealRdma()));
 }
 
 }  // namespace

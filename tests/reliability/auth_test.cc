@@ -17,12 +17,15 @@
 #include "src/transport/tcp_fallback/tcp_transport.h"
 #include "stepmesh/scheduler.h"
 #include "tests/reliability/harness.h"
+#include "tests/support/loopback_mesh.h"
+#include "tests/support/status.h"
 
 namespace stepmesh {
 namespace {
 
 using core::AuthNonce;
 using core::AuthSide;
+using testing::StartLoopbackScheduler;
 
 std::string Hex(const core::Sha256Digest& d) {
   return absl::BytesToHexString(core::AsText(d));
@@ -91,8 +94,7 @@ TEST_CASE("auth: a mesh whose members share the secret works", "[auth]") {
   c.servers = 1;
   c.options = AuthOptions("correct horse battery staple");
   testing::Harness mesh(c, compose::CreateTransport);
-  INFO(mesh.status().ToString());
-  REQUIRE(mesh.status().ok());
+  REQUIRE_OK(mesh.status());
   auto h0 = mesh.Start(0, 0, 1);
   auto h1 = mesh.Start(1, 0, 2);
   REQUIRE(h0.ok());
@@ -105,11 +107,9 @@ TEST_CASE("auth: the scheduler refuses participants without the secret", "[auth]
   MeshOptions o = AuthOptions("the-secret");
   o.num_workers = 1;
   o.num_servers = 1;
-  o.scheduler = "127.0.0.1:0";
-  auto scheduler = Scheduler::Start(o);
-  REQUIRE(scheduler.ok());
+  auto scheduler = StartLoopbackScheduler(o);
+  REQUIRE_OK(scheduler);
   MeshOptions w = o;
-  w.scheduler = (*scheduler)->address();
   w.role = Role::kWorker;
   for (const std::string& token : {std::string(), std::string("wrong-secret")}) {
     INFO("token '" << token << "'");
@@ -123,9 +123,9 @@ TEST_CASE("auth: the scheduler refuses participants without the secret", "[auth]
   // A participant with a secret refuses a scheduler without one.
   MeshOptions open = o;
   open.auth_token.clear();
-  auto open_scheduler = Scheduler::Start(open);
-  REQUIRE(open_scheduler.ok());
-  w.scheduler = (*open_scheduler)->address();
+  auto open_scheduler = StartLoopbackScheduler(open);
+  REQUIRE_OK(open_scheduler);
+  w.scheduler = open.scheduler;
   w.auth_token = "the-secret";
   CHECK(absl::IsPermissionDenied(AFTensorWorker::Create(w).status()));
 }
@@ -135,10 +135,9 @@ TEST_CASE("auth: a raw unauthenticated join gets kReject, the secret never cross
   MeshOptions o = AuthOptions("never-on-the-wire");
   o.num_workers = 1;
   o.num_servers = 1;
-  o.scheduler = "127.0.0.1:0";
-  auto scheduler = Scheduler::Start(o);
-  REQUIRE(scheduler.ok());
-  auto where = base::ParseHostPort((*scheduler)->address());
+  auto scheduler = StartLoopbackScheduler(o);
+  REQUIRE_OK(scheduler);
+  auto where = base::ParseHostPort(o.scheduler);
   REQUIRE(where.ok());
   const absl::Time deadline = absl::Now() + absl::Seconds(3);
   auto fd = base::ConnectTcp(*where, deadline);

@@ -15,6 +15,8 @@
 #include "src/compose/transports.h"
 #include "src/core/mesh.h"
 #include "tests/reliability/harness.h"
+#include "tests/support/loopback_mesh.h"
+#include "tests/support/status.h"
 
 namespace stepmesh::testing {
 namespace {
@@ -73,28 +75,20 @@ TEST_CASE("shutdown: a server blocked in GetBatch returns UNAVAILABLE once every
   MeshOptions o;
   o.transport = "tcp";
   o.timeout = absl::Seconds(5);
-  o.scheduler = "127.0.0.1:0";
-  auto scheduler = *Scheduler::Start(o);
-  o.scheduler = scheduler->address();
-  MeshOptions so = o;
-  so.role = Role::kServer;
-  auto server_future = std::async(std::launch::async, [so] { return AFTensorServer::Create(so); });
-  o.role = Role::kWorker;
-  auto worker = AFTensorWorker::Create(o);
-  auto server = server_future.get();
-  REQUIRE(worker.ok());
-  REQUIRE(server.ok());
-  auto blocked = std::async(std::launch::async,
-                            [&] { return (*server)->GetBatch(absl::Seconds(60)).status(); });
+  auto mesh = LoopbackMesh::Start(o, compose::CreateTransport);
+  REQUIRE_OK(mesh);
+  AFTensorServer& server = (*mesh)->server(0);
+  auto blocked =
+      std::async(std::launch::async, [&] { return server.GetBatch(absl::Seconds(60)).status(); });
   absl::SleepFor(absl::Milliseconds(200));
   const absl::Time left = absl::Now();
-  REQUIRE((*worker)->Shutdown().ok());
+  REQUIRE_OK((*mesh)->worker(0).Shutdown());
   REQUIRE(blocked.wait_for(std::chrono::seconds(10)) == std::future_status::ready);
   const absl::Status s = blocked.get();
   INFO(s.ToString());
   CHECK(absl::IsUnavailable(s));
   CHECK(absl::Now() - left < absl::Seconds(3));
-  CHECK((*server)->Shutdown().ok());
+  CHECK_OK(server.Shutdown());
 }
 
 TEST_CASE("shutdown: workers first", "[shutdown]") {

@@ -82,8 +82,7 @@ struct Connection {
 
 class TcpTransport final : public Transport {
  public:
-  TcpTransport(const MeshOptions& options, TcpWireHook hook)
-      : options_(options), hook_(std::move(hook)) {}
+  explicit TcpTransport(const MeshOptions& options) : options_(options) {}
   ~TcpTransport() override { Shutdown(); }
 
   absl::string_view name() const override { return "tcp"; }
@@ -154,15 +153,6 @@ class TcpTransport final : public Transport {
     }
     if (!conn->alive) return absl::UnavailableError("connection to peer is closed");
     FrameBytes frame = EncodeFrame(header);
-    TcpWireFault fault;
-    if (hook_) fault = hook_(peer, header, frame);
-    std::string corrupted;  // the caller's source is never modified
-    if (fault.flip_payload_byte < bytes) {
-      corrupted.assign(static_cast<const char*>(src), bytes);
-      corrupted[fault.flip_payload_byte] ^= 0x5A;
-      src = corrupted.data();
-    }
-    if (fault.truncate_payload_to < bytes) bytes = fault.truncate_payload_to;
     iovec iov[2] = {{frame.data(), frame.size()}, {const_cast<void*>(src), bytes}};
     int iovcnt = bytes > 0 ? 2 : 1;
     iovec* next = iov;
@@ -196,10 +186,6 @@ class TcpTransport final : public Transport {
         next->iov_base = static_cast<char*>(next->iov_base) + left;
         next->iov_len -= left;
       }
-    }
-    if (fault.close_after) {
-      // Emulates a sender dying mid-frame: the receiver sees EOF inside the frame.
-      ::shutdown(conn->fd.get(), SHUT_RDWR);
     }
     return absl::OkStatus();
   }
@@ -475,7 +461,6 @@ class TcpTransport final : public Transport {
   }
 
   const MeshOptions options_;
-  const TcpWireHook hook_;
   NodeId self_ ABSL_GUARDED_BY(mu_) = kNoNode;
   base::UniqueFd listener_;
   base::UniqueFd epoll_fd_;
@@ -488,12 +473,7 @@ class TcpTransport final : public Transport {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const MeshOptions& options) {
-  return std::make_unique<TcpTransport>(options, nullptr);
-}
-
-absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const MeshOptions& options,
-                                                              TcpWireHook hook) {
-  return std::make_unique<TcpTransport>(options, std::move(hook));
+  return std::make_unique<TcpTransport>(options);
 }
 
 }  // namespace stepmesh::tcp
