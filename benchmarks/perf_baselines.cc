@@ -27,9 +27,6 @@
 namespace stepmesh::bench {
 namespace {
 
-using core::HostPort;
-using core::UniqueFd;
-
 // Size header of both baselines: push bytes, then pull bytes (host order:
 // both ends are this program on the same architecture).
 struct SizeHeader {
@@ -71,7 +68,7 @@ absl::Status SetTimeouts(int fd, absl::Duration timeout) {
   timeval tv = absl::ToTimeval(timeout);
   if (::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) != 0 ||
       ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) != 0) {
-    return absl::InternalError(core::ErrnoMessage("setsockopt timeouts", errno));
+    return absl::InternalError(base::ErrnoMessage("setsockopt timeouts", errno));
   }
   return absl::OkStatus();
 }
@@ -81,7 +78,7 @@ absl::Status WriteAll(int fd, iovec* iov, int iovcnt) {
     const ssize_t n = ::writev(fd, iov, iovcnt);
     if (n < 0) {
       if (errno == EINTR) continue;
-      return absl::UnavailableError(core::ErrnoMessage("raw-tcp writev", errno));
+      return absl::UnavailableError(base::ErrnoMessage("raw-tcp writev", errno));
     }
     size_t left = static_cast<size_t>(n);
     while (iovcnt > 0 && left >= iov->iov_len) {
@@ -104,7 +101,7 @@ absl::Status ReadAll(int fd, void* data, size_t bytes) {
     if (n == 0) return absl::UnavailableError("raw-tcp peer closed");
     if (n < 0) {
       if (errno == EINTR) continue;
-      return absl::UnavailableError(core::ErrnoMessage("raw-tcp recv", errno));
+      return absl::UnavailableError(base::ErrnoMessage("raw-tcp recv", errno));
     }
     p += n;
     bytes -= static_cast<size_t>(n);
@@ -113,8 +110,8 @@ absl::Status ReadAll(int fd, void* data, size_t bytes) {
 }
 
 absl::Status ConfigureRaw(int fd, int sockbuf, absl::Duration timeout) {
-  STEPMESH_RETURN_IF_ERROR(core::SetNoDelay(fd));
-  if (sockbuf > 0) STEPMESH_RETURN_IF_ERROR(core::SetBufferSizes(fd, sockbuf));
+  STEPMESH_RETURN_IF_ERROR(base::SetNoDelay(fd));
+  if (sockbuf > 0) STEPMESH_RETURN_IF_ERROR(base::SetBufferSizes(fd, sockbuf));
   return SetTimeouts(fd, timeout);
 }
 
@@ -138,7 +135,7 @@ class BaselineServersImpl final : public BaselineServers {
 
   absl::Status Init(const std::string& host, uint16_t raw_port, uint16_t zmq_port, int sockbuf) {
     sockbuf_ = sockbuf;
-    STEPMESH_ASSIGN_OR_RETURN(listener_, core::ListenTcp(host, raw_port));
+    STEPMESH_ASSIGN_OR_RETURN(listener_, base::ListenTcp(host, raw_port));
     acceptor_ = std::thread([this] { AcceptLoop(); });
     if (zmq_port != 0) {
 #ifdef STEPMESH_HAVE_ZMQ
@@ -173,12 +170,12 @@ class BaselineServersImpl final : public BaselineServers {
       }
       absl::MutexLock lock(&mu_);
       conn_fds_.push_back(fd);
-      conns_.emplace_back([this, fd] { Serve(UniqueFd(fd)); });
+      conns_.emplace_back([this, fd] { Serve(base::UniqueFd(fd)); });
     }
   }
 
   // One client, blocking: read a header and the push, write the pull back.
-  void Serve(UniqueFd fd) {
+  void Serve(base::UniqueFd fd) {
     // A long timeout: a client idles here while the other methods run.
     if (!ConfigureRaw(fd.get(), sockbuf_, absl::Seconds(600)).ok()) return;
     std::vector<char> in, out;
@@ -231,7 +228,7 @@ class BaselineServersImpl final : public BaselineServers {
   int sockbuf_ = 0;
   CyclicBarrier batch_;
   std::atomic<bool> stop_{false};
-  UniqueFd listener_;
+  base::UniqueFd listener_;
   std::thread acceptor_;
   std::thread zmq_thread_;
   absl::Mutex mu_;
@@ -241,13 +238,13 @@ class BaselineServersImpl final : public BaselineServers {
 
 class RawTcpClient final : public BaselineClient {
  public:
-  RawTcpClient(std::vector<UniqueFd> fds, int batch) : fds_(std::move(fds)), batch_(batch) {}
+  RawTcpClient(std::vector<base::UniqueFd> fds, int batch) : fds_(std::move(fds)), batch_(batch) {}
 
   absl::Status Exchange(const void* push, size_t push_bytes, absl::Span<void* const> pull,
                         size_t pull_bytes) override {
     const SizeHeader h{push_bytes, pull_bytes, static_cast<uint64_t>(batch_)};
     // Header and payload in one writev, as the TCP transport sends frame + payload.
-    for (const UniqueFd& fd : fds_) {
+    for (const base::UniqueFd& fd : fds_) {
       iovec iov[2] = {{const_cast<SizeHeader*>(&h), sizeof(h)},
                       {const_cast<void*>(push), push_bytes}};
       STEPMESH_RETURN_IF_ERROR(WriteAll(fd.get(), iov, push_bytes > 0 ? 2 : 1));
@@ -259,7 +256,7 @@ class RawTcpClient final : public BaselineClient {
   }
 
  private:
-  std::vector<UniqueFd> fds_;
+  std::vector<base::UniqueFd> fds_;
   int batch_;
 };
 
@@ -271,11 +268,11 @@ class ZmqClient final : public BaselineClient {
     if (ctx_ != nullptr) zmq_ctx_term(ctx_);
   }
 
-  absl::Status Init(const std::vector<HostPort>& servers, absl::Duration timeout) {
+  absl::Status Init(const std::vector<base::HostPort>& servers, absl::Duration timeout) {
     ctx_ = zmq_ctx_new();
     const int linger = 0;
     const int ms = static_cast<int>(absl::ToInt64Milliseconds(timeout));
-    for (const HostPort& hp : servers) {
+    for (const base::HostPort& hp : servers) {
       void* req = zmq_socket(ctx_, ZMQ_REQ);
       zmq_setsockopt(req, ZMQ_LINGER, &linger, sizeof(linger));
       zmq_setsockopt(req, ZMQ_RCVTIMEO, &ms, sizeof(ms));
@@ -341,22 +338,21 @@ absl::StatusOr<std::unique_ptr<BaselineServers>> BaselineServers::Start(const st
   return servers;
 }
 
-absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectRawTcp(const std::vector<HostPort>& servers,
-                                                              int sockbuf, absl::Duration timeout,
-                                                              int batch) {
-  std::vector<UniqueFd> fds;
-  for (const HostPort& hp : servers) {
-    STEPMESH_ASSIGN_OR_RETURN(UniqueFd fd, core::ConnectTcp(hp, absl::Now() + timeout));
+absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectRawTcp(
+    const std::vector<base::HostPort>& servers, int sockbuf, absl::Duration timeout, int batch) {
+  std::vector<base::UniqueFd> fds;
+  for (const base::HostPort& hp : servers) {
+    STEPMESH_ASSIGN_OR_RETURN(base::UniqueFd fd, base::ConnectTcp(hp, absl::Now() + timeout));
     // ConnectTcp may hand back a non-blocking socket; the floor is blocking I/O.
-    STEPMESH_RETURN_IF_ERROR(core::SetNonBlocking(fd.get(), false));
+    STEPMESH_RETURN_IF_ERROR(base::SetNonBlocking(fd.get(), false));
     STEPMESH_RETURN_IF_ERROR(ConfigureRaw(fd.get(), sockbuf, timeout));
     fds.push_back(std::move(fd));
   }
   return std::make_unique<RawTcpClient>(std::move(fds), batch);
 }
 
-absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectZmq(const std::vector<HostPort>& servers,
-                                                           absl::Duration timeout) {
+absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectZmq(
+    const std::vector<base::HostPort>& servers, absl::Duration timeout) {
 #ifdef STEPMESH_HAVE_ZMQ
   auto client = std::make_unique<ZmqClient>();
   STEPMESH_RETURN_IF_ERROR(client->Init(servers, timeout));

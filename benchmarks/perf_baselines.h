@@ -19,7 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "src/core/net.h"
+#include "src/base/net.h"
 
 namespace stepmesh::bench {
 
@@ -48,8 +48,8 @@ class BaselineClient {
 // `batch`: the number of workers; each raw server answers a round only once all
 // of them pushed, as an FFN server must (the AF batch barrier).
 absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectRawTcp(
-    const std::vector<core::HostPort>& servers, int sockbuf, absl::Duration timeout, int batch);
+    const std::vector<base::HostPort>& servers, int sockbuf, absl::Duration timeout, int batch);
 absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectZmq(
-    const std::vector<core::HostPort>& servers, absl::Duration timeout);
+    const std::vector<base::HostPort>& servers, absl::Duration timeout);
 
 }  // namespace stepmesh::bench

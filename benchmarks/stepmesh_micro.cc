@@ -20,13 +20,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "benchmarks/perf_counter.h"
+#include "src/compose/transports.h"
 #include "src/core/frame.h"
-#include "src/core/mesh.h"
 #include "stepmesh/stepmesh.h"
+#include "tests/support/loopback_mesh.h"
 
 #ifdef STEPMESH_MICRO_FAKE_VERBS
-#include "src/transport/rdma/rdma_transport.h"
-#include "tests/rdma/fake_verbs.h"
+#include "tests/support/fake_fabric.h"
 #endif
 
 namespace stepmesh::bench {
@@ -47,8 +47,8 @@ core::FrameHeader SampleHeader() {
   h.type = core::FrameType::kPush;
   h.dtype = DType::kBFloat16;
   h.flags = core::kFlagHasPull;
-  h.src = core::MakeNodeId(1, 3);
-  h.dst = core::MakeNodeId(2, 1);
+  h.src = core::WorkerId(3);
+  h.dst = core::ServerId(1);
   h.key = 1001;
   h.request_id = (uint64_t{5} << 32) | 77;
   h.payload_bytes = 917504;
@@ -104,12 +104,10 @@ class InProcessMesh {
   }
   ~InProcessMesh() {
     stop_ = true;
-    if (worker_ != nullptr) (void)worker_->Shutdown();
     if (server_thread_.joinable()) server_thread_.join();
-    if (scheduler_ != nullptr) scheduler_->Stop();
   }
 
-  AFTensorWorker& worker() { return *worker_; }
+  AFTensorWorker& worker() { return mesh_->worker(0); }
   static constexpr Key kPush = 1;
   static constexpr Key kPull = 2;
 
@@ -119,56 +117,34 @@ class InProcessMesh {
 
   absl::Status Start(const core::TransportFactory& factory) {
     MeshOptions base;
-    base.scheduler = "127.0.0.1:0";
     base.num_workers = 1;
     base.num_servers = 1;
     base.timeout = absl::Seconds(10);
-    STEPMESH_ASSIGN_OR_RETURN(scheduler_, Scheduler::Start(base));
-    base.scheduler = scheduler_->address();
-    std::atomic<bool> server_ready{false};
-    absl::Status server_status;
-    server_thread_ = std::thread([this, base, factory, &server_ready, &server_status] {
-      MeshOptions o = base;
-      o.role = Role::kServer;
-      o.rank = 0;
-      absl::StatusOr<std::unique_ptr<AFTensorServer>> server =
-          core::CreateServer(o, CreateCpuMockBackend(), factory);
-      absl::Status s = server.status();
-      if (s.ok()) s = (*server)->RegisterRecvTensor(kPush, BytesView(recv_.data(), bytes_));
-      if (s.ok()) s = (*server)->RegisterReplyTensor(kPull, BytesView(reply_.data(), bytes_));
-      server_status = s;
-      server_ready = true;
-      if (!s.ok()) return;
-      if (!(*server)->Barrier().ok()) return;
+    STEPMESH_ASSIGN_OR_RETURN(mesh_, testing::LoopbackMesh::Start(base, factory));
+    AFTensorServer& server = mesh_->server(0);
+    STEPMESH_RETURN_IF_ERROR(server.RegisterRecvTensor(kPush, BytesView(recv_.data(), bytes_)));
+    STEPMESH_RETURN_IF_ERROR(server.RegisterReplyTensor(kPull, BytesView(reply_.data(), bytes_)));
+    STEPMESH_RETURN_IF_ERROR(worker().RegisterPushTensor(kPush, BytesView(push_.data(), bytes_)));
+    STEPMESH_RETURN_IF_ERROR(
+        worker().RegisterPullTensor(kPull, 0, BytesView(pull_.data(), bytes_)));
+    server_thread_ = std::thread([this, &server] {
+      if (!server.Barrier().ok()) return;
       std::vector<Reply> replies(1);
       while (!stop_) {
-        absl::StatusOr<Batch> batch = (*server)->GetBatch(absl::Milliseconds(50));
+        absl::StatusOr<Batch> batch = server.GetBatch(absl::Milliseconds(50));
         if (absl::IsDeadlineExceeded(batch.status())) continue;
         if (!batch.ok()) break;
         replies[0] = {batch->workers[0]};
-        if (!(*server)->Respond(*batch, replies).ok()) break;
+        if (!server.Respond(*batch, replies).ok()) break;
       }
-      (void)(*server)->Shutdown();
     });
-    MeshOptions o = base;
-    o.role = Role::kWorker;
-    o.rank = 0;
-    absl::StatusOr<std::unique_ptr<AFTensorWorker>> worker =
-        core::CreateWorker(o, CreateCpuMockBackend(), factory);
-    while (!server_ready) absl::SleepFor(absl::Milliseconds(1));
-    STEPMESH_RETURN_IF_ERROR(server_status);
-    STEPMESH_RETURN_IF_ERROR(worker.status());
-    worker_ = *std::move(worker);
-    STEPMESH_RETURN_IF_ERROR(worker_->RegisterPushTensor(kPush, BytesView(push_.data(), bytes_)));
-    STEPMESH_RETURN_IF_ERROR(
-        worker_->RegisterPullTensor(kPull, 0, BytesView(pull_.data(), bytes_)));
-    return worker_->Barrier();
+    return worker().Barrier();
   }
 
   size_t bytes_;
   std::vector<uint8_t> push_, pull_, recv_, reply_;
-  std::unique_ptr<Scheduler> scheduler_;
-  std::unique_ptr<AFTensorWorker> worker_;
+  // Declared after the tensors: the mesh (and with it every registration) goes first.
+  std::unique_ptr<testing::LoopbackMesh> mesh_;
   std::thread server_thread_;
   std::atomic<bool> stop_{false};
 };
@@ -177,7 +153,7 @@ core::TransportFactory TcpFactory() {
   return [](const MeshOptions& o) {
     MeshOptions t = o;
     t.transport = "tcp";
-    return core::CreateTransport(t);
+    return compose::CreateTransport(t);
   };
 }
 
@@ -237,18 +213,8 @@ void BM_SubmitPushPull(benchmark::State& state) {
 BENCHMARK(BM_SubmitPushPull)->UseManualTime();
 
 #ifdef STEPMESH_MICRO_FAKE_VERBS
-// Every transport gets its own fake host (NIC) on one shared fabric.
 void BM_RoundTrip_FakeVerbs(benchmark::State& state) {
-  auto fabric = std::make_shared<testing::FakeFabric>();
-  auto next_host = std::make_shared<std::atomic<uint32_t>>(1);
-  core::TransportFactory factory = [fabric, next_host](const MeshOptions& o) {
-    testing::FakeNicSpec spec;
-    const uint32_t n = next_host->fetch_add(1);
-    spec.name = absl::StrCat("fake_mlx5_", n);
-    spec.ipv4 = 0x0A000000 + n;
-    return core::CreateRdmaTransport(o, fabric->AddHost(spec));
-  };
-  RoundTrip(state, factory);
+  RoundTrip(state, testing::FakeRdmaFactory(std::make_shared<testing::FakeFabric>()));
 }
 BENCHMARK(BM_RoundTrip_FakeVerbs)->Name("BM_RoundTrip/fake_verbs")->Arg(8)->Arg(4096)->UseRealTime();
 #endif
@@ -269,7 +235,7 @@ int main(int argc, char** argv) {
   std::printf("; instructions counter %s\n",
               probe.available() ? "available" : probe.why_unavailable().c_str());
 #ifndef STEPMESH_MICRO_FAKE_VERBS
-  std::printf("BM_RoundTrip/fake_verbs skipped: built without RDMA or tests/rdma/fake_verbs.cc\n");
+  std::printf("BM_RoundTrip/fake_verbs skipped: built without RDMA\n");
 #endif
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

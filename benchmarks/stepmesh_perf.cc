@@ -39,14 +39,12 @@
 #include "absl/time/clock.h"
 #include "benchmarks/perf_baselines.h"
 #include "benchmarks/perf_report.h"
-#include "src/core/net.h"
+#include "src/base/net.h"
 #include "stepmesh/stepmesh.h"
-#include "tests/core/child_process.h"
+#include "tests/support/child_process.h"
 
 namespace stepmesh::bench {
 namespace {
-
-using core::HostPort;
 
 constexpr size_t kDefaultSweep[] = {8, 4096, 917504, 1835008, 3670016};
 
@@ -404,7 +402,7 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
 
   STEPMESH_RETURN_IF_ERROR(worker->Barrier());  // servers registered, baseline listeners up
   const absl::Duration timeout = absl::Milliseconds(f.timeout_ms);
-  std::vector<HostPort> raw_addrs, zmq_addrs;
+  std::vector<base::HostPort> raw_addrs, zmq_addrs;
   for (int s = 0; s < y; ++s) {
     const std::string host =
         f.server_hosts.empty() ? f.host : f.server_hosts[std::min<size_t>(s, f.server_hosts.size() - 1)];
@@ -584,7 +582,7 @@ absl::StatusOr<int> PickBaselinePort(int servers) {
     const int base = pick(rng);
     bool all_free = true;
     for (int p = base; p < base + 2 * servers && all_free; ++p) {
-      all_free = core::ListenTcp("127.0.0.1", static_cast<uint16_t>(p)).ok();
+      all_free = base::ListenTcp("127.0.0.1", static_cast<uint16_t>(p)).ok();
     }
     if (all_free) return base;
   }

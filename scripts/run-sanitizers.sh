@@ -6,7 +6,7 @@
 #   scripts/run-sanitizers.sh [asan|tsan ...]   (default: both)
 #
 # TSan works with Debian's (uninstrumented) Abseil because stepmesh locks with
-# std::mutex (src/core/sync.h), which TSan intercepts; absl::Mutex would be
+# std::mutex (src/base/sync.h), which TSan intercepts; absl::Mutex would be
 # invisible to it. Abseil code we call holds no shared state.
 #
 # Keeps CI time modest: the multi-process 200-iteration case of core_tests is

@@ -16,7 +16,7 @@
 
 #include "absl/time/clock.h"
 #include "src/backends/cuda/cuda_backend.h"
-#include "src/core/thread_util.h"
+#include "src/base/thread_util.h"
 #include "stepmesh/backend.h"
 
 namespace stepmesh {
@@ -52,7 +52,7 @@ int ReadyLatency(int device, ReadyEventMode mode, int iterations) {
   // The "send thread": spins on Query() as stepmesh's send thread does.
   std::thread poller([&] {
     for (int i = 0; i < iterations; ++i) {
-      while (armed.load(std::memory_order_acquire) < i) core::CpuRelax();
+      while (armed.load(std::memory_order_acquire) < i) base::CpuRelax();
       for (;;) {
         auto ready = event->Query();
         if (!ready.ok()) {
@@ -60,7 +60,7 @@ int ReadyLatency(int device, ReadyEventMode mode, int iterations) {
           break;
         }
         if (*ready) break;
-        core::CpuRelax();
+        base::CpuRelax();
       }
       seen[i] = Clock::now();
       finished.store(i, std::memory_order_release);
@@ -75,7 +75,7 @@ int ReadyLatency(int device, ReadyEventMode mode, int iterations) {
       break;
     }
     armed.store(i, std::memory_order_release);
-    while (finished.load(std::memory_order_acquire) < i && !failed) core::CpuRelax();
+    while (finished.load(std::memory_order_acquire) < i && !failed) base::CpuRelax();
     micros.push_back(Micros(start, seen[i]));
   }
   armed.store(iterations);
@@ -102,7 +102,7 @@ int ResumeLatency(int device, StreamWaitMode mode, int iterations) {
     absl::SleepFor(absl::Microseconds(200));
     const Clock::time_point start = Clock::now();
     gate->Store(i);
-    while (ack->Load() != i) core::CpuRelax();
+    while (ack->Load() != i) base::CpuRelax();
     micros.push_back(Micros(start, Clock::now()));
   }
   if (!stream->Synchronize(absl::Seconds(10)).ok()) return 1;

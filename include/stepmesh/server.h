@@ -13,7 +13,7 @@
 #include "stepmesh/handle.h"
 #include "stepmesh/options.h"
 #include "stepmesh/tensor.h"
-#include "stepmesh/worker.h"
+#include "stepmesh/types.h"
 
 namespace stepmesh {
 

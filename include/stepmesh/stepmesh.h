@@ -9,4 +9,5 @@
 #include "stepmesh/status.h"
 #include "stepmesh/tensor.h"
 #include "stepmesh/trace.h"
+#include "stepmesh/types.h"
 #include "stepmesh/worker.h"

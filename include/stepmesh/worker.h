@@ -14,11 +14,9 @@
 #include "stepmesh/options.h"
 #include "stepmesh/tensor.h"
 #include "stepmesh/trace.h"
+#include "stepmesh/types.h"
 
 namespace stepmesh {
-
-using Key = uint64_t;
-inline constexpr size_t kWholeTensor = ~size_t{0};
 
 struct Push {
   Key key = 0;
@@ -29,10 +27,6 @@ struct Push {
 struct Pull {
   Key key = 0;  // the key the server replies under; lands in RegisterPullTensor(key, server)
   int server = 0;
-};
-
-struct SendOptions {
-  Event* ready = nullptr;  // the send waits (on the send thread) until this event completes
 };
 
 class AFTensorWorker {

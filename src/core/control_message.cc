@@ -1,9 +1,8 @@
 #include "src/core/control_message.h"
 
-#include <cstring>
-
 #include "absl/strings/str_cat.h"
-#include "src/core/net.h"
+#include "src/base/little_endian.h"
+#include "src/base/net.h"
 #include "stepmesh/status.h"
 
 namespace stepmesh::core {
@@ -12,11 +11,12 @@ namespace {
 constexpr uint32_t kMaxRosterEntries = 1 << 14;
 constexpr uint32_t kMaxText = 64 * 1024;
 
+// Fields are appended to a growing message.
 class Writer {
  public:
   template <typename T>
   void Int(T v) {
-    for (size_t i = 0; i < sizeof(T); ++i) out_.push_back(static_cast<char>((uint64_t(v) >> (8 * i)) & 0xFF));
+    base::AppendLittleEndian(out_, v);
   }
   void Text(const std::string& s) {
     Int<uint32_t>(static_cast<uint32_t>(s.size()));
@@ -28,34 +28,29 @@ class Writer {
   std::string out_;
 };
 
+// Fields are read from untrusted bytes; a short read is DATA_LOSS.
 class Reader {
  public:
-  explicit Reader(absl::Span<const std::byte> in) : in_(in) {}
+  explicit Reader(absl::Span<const std::byte> in) : in_(in.data(), in.size()) {}
   template <typename T>
   absl::StatusOr<T> Int() {
-    if (in_.size() - pos_ < sizeof(T)) return absl::DataLossError("control message truncated");
-    uint64_t v = 0;
-    for (size_t i = 0; i < sizeof(T); ++i) v |= uint64_t(in_[pos_ + i]) << (8 * i);
-    pos_ += sizeof(T);
-    return static_cast<T>(v);
+    T v;
+    if (!in_.Get(v)) return absl::DataLossError("control message truncated");
+    return v;
   }
   absl::StatusOr<std::string> Text() {
     STEPMESH_ASSIGN_OR_RETURN(uint32_t n, Int<uint32_t>());
-    if (n > kMaxText || in_.size() - pos_ < n) {
-      return absl::DataLossError("control message string overruns the payload");
-    }
-    std::string s(reinterpret_cast<const char*>(in_.data() + pos_), n);
-    pos_ += n;
-    return s;
+    const std::byte* text = n > kMaxText ? nullptr : in_.Take(n);
+    if (text == nullptr) return absl::DataLossError("control message string overruns the payload");
+    return std::string(reinterpret_cast<const char*>(text), n);
   }
   absl::Status Finish() const {
-    if (pos_ != in_.size()) return absl::DataLossError("trailing bytes in control message");
+    if (!in_.done()) return absl::DataLossError("trailing bytes in control message");
     return absl::OkStatus();
   }
 
  private:
-  absl::Span<const std::byte> in_;
-  size_t pos_ = 0;
+  base::ByteReader in_;
 };
 
 }  // namespace
@@ -133,7 +128,10 @@ absl::StatusOr<ControlMessage> DecodeControlPayload(ControlType type,
       STEPMESH_ASSIGN_OR_RETURN(m.role, r.Int<uint8_t>());
       STEPMESH_ASSIGN_OR_RETURN(m.rank, r.Int<int32_t>());
       STEPMESH_ASSIGN_OR_RETURN(m.text, r.Text());
-      if (m.role != 1 && m.role != 2) return absl::DataLossError("join with invalid role");
+      if (m.role != static_cast<uint8_t>(Role::kWorker) &&
+          m.role != static_cast<uint8_t>(Role::kServer)) {
+        return absl::DataLossError("join with invalid role");
+      }
       break;
     }
     case ControlType::kRoster: {
@@ -177,15 +175,15 @@ absl::StatusOr<ControlMessage> DecodeControlPayload(ControlType type,
 
 absl::Status SendControl(int fd, const ControlMessage& message, absl::Time deadline) {
   const std::string bytes = EncodeControl(message);
-  return WriteFully(fd, bytes.data(), bytes.size(), deadline);
+  return base::WriteFully(fd, bytes.data(), bytes.size(), deadline);
 }
 
 absl::StatusOr<ControlMessage> ReceiveControl(int fd, absl::Time deadline) {
   std::byte header[kControlHeaderBytes];
-  STEPMESH_RETURN_IF_ERROR(ReadFully(fd, header, sizeof(header), deadline));
+  STEPMESH_RETURN_IF_ERROR(base::ReadFully(fd, header, sizeof(header), deadline));
   STEPMESH_ASSIGN_OR_RETURN(auto type_and_length, DecodeControlHeader(header));
   std::vector<std::byte> payload(type_and_length.second);
-  STEPMESH_RETURN_IF_ERROR(ReadFully(fd, payload.data(), payload.size(), deadline));
+  STEPMESH_RETURN_IF_ERROR(base::ReadFully(fd, payload.data(), payload.size(), deadline));
   return DecodeControlPayload(type_and_length.first, payload);
 }
 

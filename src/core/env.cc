@@ -1,7 +1,6 @@
 // The one place stepmesh reads the environment. Every name is in kEnvTable and
 // in docs/configuration.md; unknown STEPMESH_* names produce a warning.
 
-#include "absl/strings/string_view.h"
 #include <unistd.h>
 
 #include <cstdlib>
@@ -12,8 +11,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
-#include "src/core/logging.h"
+#include "src/base/logging.h"
 #include "stepmesh/options.h"
 #include "stepmesh/status.h"
 
@@ -82,7 +82,8 @@ struct EnvEntry {
 // The documented table (docs/configuration.md mirrors it).
 const std::vector<EnvEntry>& EnvTable() {
   static const std::vector<EnvEntry> table = {
-      {"STEPMESH_ROLE", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+      {"STEPMESH_ROLE",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
          STEPMESH_ASSIGN_OR_RETURN(o.role, ParseRole("STEPMESH_ROLE", v));
          return absl::OkStatus();
        }},
@@ -100,22 +101,32 @@ const std::vector<EnvEntry>& EnvTable() {
       {"STEPMESH_RDMA_TRAFFIC_CLASS", STEPMESH_ENV_INT(rdma_traffic_class)},
       {"STEPMESH_RDMA_SERVICE_LEVEL", STEPMESH_ENV_INT(rdma_service_level)},
       {"STEPMESH_RDMA_QPS_PER_PEER", STEPMESH_ENV_INT(rdma_qps_per_peer)},
-      {"STEPMESH_RDMA_GPUDIRECT", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+      {"STEPMESH_RDMA_GPUDIRECT",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
          STEPMESH_ASSIGN_OR_RETURN(o.rdma_gpudirect, ParseGpuDirect(v));
          return absl::OkStatus();
        }},
-      {"STEPMESH_POLL_MODE", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+      {"STEPMESH_POLL_MODE",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
          STEPMESH_ASSIGN_OR_RETURN(o.threads.poll_mode, ParsePollMode(v));
          return absl::OkStatus();
        }},
       {"STEPMESH_SPIN_BUDGET", STEPMESH_ENV_DURATION(threads.spin_budget)},
-      {"STEPMESH_SEND_CORES", [](absl::string_view v, MeshOptions& o) -> absl::Status {
-         if (v == "auto") { o.threads.auto_pin = true; return absl::OkStatus(); }
+      {"STEPMESH_SEND_CORES",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         if (v == "auto") {
+           o.threads.auto_pin = true;
+           return absl::OkStatus();
+         }
          STEPMESH_ASSIGN_OR_RETURN(o.threads.send_cores, ParseCores("STEPMESH_SEND_CORES", v));
          return absl::OkStatus();
        }},
-      {"STEPMESH_RECV_CORES", [](absl::string_view v, MeshOptions& o) -> absl::Status {
-         if (v == "auto") { o.threads.auto_pin = true; return absl::OkStatus(); }
+      {"STEPMESH_RECV_CORES",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         if (v == "auto") {
+           o.threads.auto_pin = true;
+           return absl::OkStatus();
+         }
          STEPMESH_ASSIGN_OR_RETURN(o.threads.recv_cores, ParseCores("STEPMESH_RECV_CORES", v));
          return absl::OkStatus();
        }},
@@ -124,37 +135,48 @@ const std::vector<EnvEntry>& EnvTable() {
       {"STEPMESH_MAX_INFLIGHT", STEPMESH_ENV_INT(max_inflight_requests)},
       {"STEPMESH_MAX_REGISTRATIONS", STEPMESH_ENV_INT(max_registrations)},
       {"STEPMESH_AUTH_TOKEN", STEPMESH_ENV_STR(auth_token)},
-      {"STEPMESH_PAYLOAD_CHECKSUM", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+      {"STEPMESH_PAYLOAD_CHECKSUM",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
          STEPMESH_ASSIGN_OR_RETURN(o.payload_checksum, ParseBool("STEPMESH_PAYLOAD_CHECKSUM", v));
          return absl::OkStatus();
        }},
-      {"STEPMESH_TRACE", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+      {"STEPMESH_TRACE",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
          STEPMESH_ASSIGN_OR_RETURN(o.trace.enabled, ParseBool("STEPMESH_TRACE", v));
          return absl::OkStatus();
        }},
-      {"STEPMESH_LOG_LEVEL", [](absl::string_view v, MeshOptions&) -> absl::Status {
-         using core::LogLevel;
-         if (v == "debug") core::SetLogThreshold(LogLevel::kDebug);
-         else if (v == "info") core::SetLogThreshold(LogLevel::kInfo);
-         else if (v == "warning") core::SetLogThreshold(LogLevel::kWarning);
-         else if (v == "error") core::SetLogThreshold(LogLevel::kError);
-         else return absl::InvalidArgumentError(absl::StrCat("STEPMESH_LOG_LEVEL='", v, "'"));
+      {"STEPMESH_LOG_LEVEL",
+       [](absl::string_view v, MeshOptions&) -> absl::Status {
+         using base::LogLevel;
+         if (v == "debug")
+           base::SetLogThreshold(LogLevel::kDebug);
+         else if (v == "info")
+           base::SetLogThreshold(LogLevel::kInfo);
+         else if (v == "warning")
+           base::SetLogThreshold(LogLevel::kWarning);
+         else if (v == "error")
+           base::SetLogThreshold(LogLevel::kError);
+         else
+           return absl::InvalidArgumentError(absl::StrCat("STEPMESH_LOG_LEVEL='", v, "'"));
          return absl::OkStatus();
        }},
       // StepMesh / ps-lite names, so existing launch scripts keep working.
-      {"DMLC_ROLE", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+      {"DMLC_ROLE",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
          STEPMESH_ASSIGN_OR_RETURN(o.role, ParseRole("DMLC_ROLE", v));
          return absl::OkStatus();
        }},
       {"DMLC_NUM_WORKER", STEPMESH_ENV_INT(num_workers)},
       {"DMLC_NUM_SERVER", STEPMESH_ENV_INT(num_servers)},
-      {"DMLC_PS_ROOT_URI", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+      {"DMLC_PS_ROOT_URI",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
          const size_t colon = o.scheduler.rfind(':');
          const std::string port = colon == std::string::npos ? "9000" : o.scheduler.substr(colon + 1);
          o.scheduler = absl::StrCat(v, ":", port);
          return absl::OkStatus();
        }},
-      {"DMLC_PS_ROOT_PORT", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+      {"DMLC_PS_ROOT_PORT",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
          STEPMESH_ASSIGN_OR_RETURN(int port, ParseInt("DMLC_PS_ROOT_PORT", v));
          const size_t colon = o.scheduler.rfind(':');
          o.scheduler = absl::StrCat(o.scheduler.substr(0, colon), ":", port);

@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "src/core/protocol.h"
 #include "stepmesh/tensor.h"
 #include "stepmesh/trace.h"
 
@@ -35,15 +36,6 @@ enum FrameFlags : uint8_t {
   kFlagHasPull = 1 << 0,     // push frames: `pull_key` is expected back from this server
   kFlagPayloadCrc = 1 << 1,  // `payload_crc` is the CRC32C of the payload (payload_checksum)
 };
-
-// Node ids: role in the top byte, rank below. Stable across transports.
-using NodeId = uint32_t;
-inline constexpr NodeId MakeNodeId(uint8_t role, uint32_t rank) {
-  return (uint32_t{role} << 24) | (rank & 0xFFFFFF);
-}
-inline constexpr uint8_t NodeRole(NodeId id) { return static_cast<uint8_t>(id >> 24); }
-inline constexpr uint32_t NodeRank(NodeId id) { return id & 0xFFFFFF; }
-inline constexpr NodeId kNoNode = 0xFFFFFFFF;
 
 struct FrameHeader {
   FrameType type = FrameType::kPush;
@@ -72,7 +64,5 @@ inline FrameBytes EncodeFrame(const FrameHeader& header) {
 }
 // Validates magic, version, type, dtype, sizes, part counters and the checksum.
 absl::StatusOr<FrameHeader> DecodeFrame(absl::Span<const std::byte> bytes);
-
-uint32_t Crc32c(const void* data, size_t bytes, uint32_t seed = 0);
 
 }  // namespace stepmesh::core

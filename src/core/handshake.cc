@@ -5,9 +5,10 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "src/base/little_endian.h"
+#include "src/base/logging.h"
+#include "src/base/net.h"
 #include "src/core/auth.h"
-#include "src/core/logging.h"
-#include "src/core/net.h"
 #include "stepmesh/status.h"
 
 namespace stepmesh::core {
@@ -23,19 +24,13 @@ namespace {
 // The dialler adopts the connection only after an accepting verdict, so a
 // refusal is a synchronous error of Connect rather than a later disconnect.
 constexpr uint32_t kHelloMagic = 0x49484D53;  // "SMHI"
-constexpr size_t kHelloBytes = 16 + kAuthNonceBytes;
+static_assert(kHelloBytes == 16 + kAuthNonceBytes, "magic, version, id, flags, nonce");
 constexpr uint32_t kHelloAuth = 1;
 constexpr uint32_t kVerdictAccept = 0x4B4F4D53;  // "SMOK"
 constexpr uint32_t kVerdictRefuse = 0x4F4E4D53;  // "SMNO"
 
-void PutU32(std::byte* p, uint32_t v) {
-  for (int i = 0; i < 4; ++i) p[i] = static_cast<std::byte>((v >> (8 * i)) & 0xFF);
-}
-uint32_t GetU32(const std::byte* p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= uint32_t(p[i]) << (8 * i);
-  return v;
-}
+void PutU32(std::byte* p, uint32_t v) { base::StoreLittleEndian(p, v); }
+uint32_t GetU32(const std::byte* p) { return base::LoadLittleEndian<uint32_t>(p); }
 
 // Binds a proof to this connection's purpose and both identities.
 std::string AuthContext(NodeId dialler, NodeId acceptor) {
@@ -43,6 +38,13 @@ std::string AuthContext(NodeId dialler, NodeId acceptor) {
 }
 
 }  // namespace
+
+bool HelloAsksAuth(const std::byte* hello) { return (GetU32(hello + 12) & kHelloAuth) != 0; }
+
+size_t HandshakeBytesAfterHello(bool from_dialler, bool auth) {
+  if (from_dialler) return auth ? kSha256Bytes : 0;          // the dialler's proof
+  return auth ? 4 + kAuthNonceBytes + kSha256Bytes + 4 : 4;  // verdicts, nonce and proof
+}
 
 absl::Status DialHandshake(int fd, NodeId self, NodeId peer, absl::string_view secret,
                            absl::Time deadline) {
@@ -56,13 +58,12 @@ absl::Status DialHandshake(int fd, NodeId self, NodeId peer, absl::string_view s
   std::memcpy(hello + 16, ours.data(), kAuthNonceBytes);
   auto refused = [&](absl::string_view why) {
     STEPMESH_LOG(kWarning, "data connection to node 0x", absl::Hex(peer), ": ", why);
-    return absl::PermissionDeniedError(absl::StrCat("data connection to ",
-                                                    NodeRole(peer) == 2 ? "server " : "worker ",
-                                                    NodeRank(peer), ": ", why));
+    return absl::PermissionDeniedError(
+        absl::StrCat("data connection to ", PeerName(peer), ": ", why));
   };
   auto read_verdict = [&]() -> absl::Status {
     std::byte verdict[4];
-    absl::Status read = ReadFully(fd, verdict, sizeof(verdict), deadline);
+    absl::Status read = base::ReadFully(fd, verdict, sizeof(verdict), deadline);
     if (absl::IsUnavailable(read)) return refused("refused (closed during the handshake)");
     STEPMESH_RETURN_IF_ERROR(read);
     if (GetU32(verdict) != kVerdictAccept) {
@@ -70,11 +71,11 @@ absl::Status DialHandshake(int fd, NodeId self, NodeId peer, absl::string_view s
     }
     return absl::OkStatus();
   };
-  STEPMESH_RETURN_IF_ERROR(WriteFully(fd, hello, sizeof(hello), deadline));
+  STEPMESH_RETURN_IF_ERROR(base::WriteFully(fd, hello, sizeof(hello), deadline));
   STEPMESH_RETURN_IF_ERROR(read_verdict());
   if (auth) {
     std::byte reply[kAuthNonceBytes + kSha256Bytes];
-    STEPMESH_RETURN_IF_ERROR(ReadFully(fd, reply, sizeof(reply), deadline));
+    STEPMESH_RETURN_IF_ERROR(base::ReadFully(fd, reply, sizeof(reply), deadline));
     AuthNonce theirs;
     std::memcpy(theirs.data(), reply, kAuthNonceBytes);
     const absl::string_view proof(reinterpret_cast<const char*>(reply) + kAuthNonceBytes,
@@ -84,7 +85,7 @@ absl::Status DialHandshake(int fd, NodeId self, NodeId peer, absl::string_view s
       return refused("failed authentication (wrong auth token?)");
     }
     const Sha256Digest answer = AuthProof(secret, AuthSide::kDialer, context, ours, theirs);
-    STEPMESH_RETURN_IF_ERROR(WriteFully(fd, answer.data(), answer.size(), deadline));
+    STEPMESH_RETURN_IF_ERROR(base::WriteFully(fd, answer.data(), answer.size(), deadline));
     STEPMESH_RETURN_IF_ERROR(read_verdict());
   }
   return absl::OkStatus();
@@ -95,11 +96,11 @@ absl::StatusOr<NodeId> AcceptHandshake(int fd, NodeId self, absl::Span<const Nod
   auto refuse = [&](absl::string_view why) {
     std::byte verdict[4];
     PutU32(verdict, kVerdictRefuse);
-    (void)WriteFully(fd, verdict, sizeof(verdict), deadline);
+    (void)base::WriteFully(fd, verdict, sizeof(verdict), deadline);
     return absl::PermissionDeniedError(why);
   };
   std::byte hello[kHelloBytes];
-  STEPMESH_RETURN_IF_ERROR(ReadFully(fd, hello, sizeof(hello), deadline));
+  STEPMESH_RETURN_IF_ERROR(base::ReadFully(fd, hello, sizeof(hello), deadline));
   const NodeId from = GetU32(hello + 8);
   if (GetU32(hello) != kHelloMagic || GetU32(hello + 4) != kFrameVersion) {
     return refuse("bad hello");
@@ -108,14 +109,14 @@ absl::StatusOr<NodeId> AcceptHandshake(int fd, NodeId self, absl::Span<const Nod
     return refuse(absl::StrCat("hello from unexpected node 0x", absl::Hex(from)));
   }
   const bool auth = !secret.empty();
-  const bool dialler_auth = (GetU32(hello + 12) & kHelloAuth) != 0;
+  const bool dialler_auth = HelloAsksAuth(hello);
   if (auth != dialler_auth) {
     return refuse(auth ? "peer did not authenticate (no auth token)"
                        : "peer wants authentication but this node has no auth token");
   }
   std::byte verdict[4];
   PutU32(verdict, kVerdictAccept);
-  STEPMESH_RETURN_IF_ERROR(WriteFully(fd, verdict, sizeof(verdict), deadline));
+  STEPMESH_RETURN_IF_ERROR(base::WriteFully(fd, verdict, sizeof(verdict), deadline));
   if (!auth) return from;
   AuthNonce theirs;
   std::memcpy(theirs.data(), hello + 16, kAuthNonceBytes);
@@ -125,14 +126,14 @@ absl::StatusOr<NodeId> AcceptHandshake(int fd, NodeId self, absl::Span<const Nod
   std::byte reply[kAuthNonceBytes + kSha256Bytes];
   std::memcpy(reply, ours.data(), kAuthNonceBytes);
   std::memcpy(reply + kAuthNonceBytes, proof.data(), kSha256Bytes);
-  STEPMESH_RETURN_IF_ERROR(WriteFully(fd, reply, sizeof(reply), deadline));
+  STEPMESH_RETURN_IF_ERROR(base::WriteFully(fd, reply, sizeof(reply), deadline));
   std::byte answer[kSha256Bytes];
-  STEPMESH_RETURN_IF_ERROR(ReadFully(fd, answer, sizeof(answer), deadline));
+  STEPMESH_RETURN_IF_ERROR(base::ReadFully(fd, answer, sizeof(answer), deadline));
   if (!CheckAuthProof(secret, AuthSide::kDialer, context, theirs, ours,
                       absl::string_view(reinterpret_cast<const char*>(answer), sizeof(answer)))) {
     return refuse(absl::StrCat("node 0x", absl::Hex(from), " failed authentication"));
   }
-  STEPMESH_RETURN_IF_ERROR(WriteFully(fd, verdict, sizeof(verdict), deadline));
+  STEPMESH_RETURN_IF_ERROR(base::WriteFully(fd, verdict, sizeof(verdict), deadline));
   return from;
 }
 

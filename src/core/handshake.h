@@ -12,6 +12,13 @@
 
 namespace stepmesh::core {
 
+// The bytes before a data connection's first frame, for tools that follow its
+// byte stream (the tests' wire-fault proxy): the dialler's hello, then
+// HandshakeBytesAfterHello more from each side.
+inline constexpr size_t kHelloBytes = 48;
+bool HelloAsksAuth(const std::byte* hello);  // its first kHelloBytes
+size_t HandshakeBytesAfterHello(bool from_dialler, bool auth);
+
 // Dialler side. PERMISSION_DENIED when the acceptor refuses (unexpected node,
 // secret mismatch) or fails to prove the secret; `secret` empty = no auth.
 absl::Status DialHandshake(int fd, NodeId self, NodeId peer, absl::string_view secret,

@@ -1,21 +1,23 @@
 #pragma once
-// Internal construction entry points: the public Create() functions use the
-// transport named in the options; tests and tools inject their own (fake
-// verbs, fault injection) through a TransportFactory.
+// The core's construction entry points, with the transport injected: the
+// public Create() functions (src/compose) pass the transport named in the
+// options; tests and tools inject their own (fake verbs, fault injection).
 
 #include <memory>
 
 #include "absl/status/statusor.h"
 #include "src/core/transport.h"
 #include "stepmesh/backend.h"
+#include "stepmesh/options.h"
 #include "stepmesh/server.h"
 #include "stepmesh/worker.h"
 
 namespace stepmesh::core {
 
-// "tcp", "rdma" or "auto" (rdma when built with it and a device is present).
-absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const MeshOptions& options);
+// `options` as a participant of `role` runs with it, checked.
+absl::StatusOr<MeshOptions> OptionsForRole(const MeshOptions& options, Role role);
 
+// `backend` must not be null.
 absl::StatusOr<std::unique_ptr<AFTensorWorker>> CreateWorker(const MeshOptions& options,
                                                              std::shared_ptr<Backend> backend,
                                                              const TransportFactory& transport);

@@ -1,14 +1,18 @@
 #include "src/core/mesh_node.h"
 
 #include "absl/strings/str_cat.h"
-#include "src/core/logging.h"
-#include "src/core/net.h"
+#include "src/base/logging.h"
+#include "src/base/net.h"
+#include "src/core/mesh.h"
 #include "stepmesh/status.h"
 
 namespace stepmesh::core {
 
 MeshNode::MeshNode(const MeshOptions& options, std::shared_ptr<Backend> backend)
-    : options_(options), backend_(std::move(backend)) {}
+    : options_(options),
+      backend_(std::move(backend)),
+      io_(*backend_, options.payload_checksum),
+      lost_(PeerCount()) {}
 
 MeshNode::~MeshNode() { STEPMESH_CHECK(!started_ || stopped()); }
 
@@ -19,7 +23,7 @@ absl::Status MeshNode::Start(const TransportFactory& factory) {
   rank_ = rendezvous_->rank();
   self_ = rendezvous_->self();
 
-  const uint8_t other = options_.role == Role::kWorker ? 2 : 1;
+  const Role other = PeerRole(options_.role);
   std::vector<PeerInfo> peers;
   for (const RosterEntry& entry : rendezvous_->roster()) {
     if (NodeRole(entry.node) == other) peers.push_back({entry.node, entry.endpoint});
@@ -28,7 +32,7 @@ absl::Status MeshNode::Start(const TransportFactory& factory) {
       transport_->Connect(self_, peers, absl::Now() + options_.timeout));
 
   {
-    ::stepmesh::core::MutexLock lock(&queue_mu_);
+    base::MutexLock lock(&queue_mu_);
     queue_.resize(static_cast<size_t>(options_.max_inflight_requests) + 4 * peers.size() + 64);
   }
   std::vector<int> send_cores = options_.threads.send_cores;
@@ -38,7 +42,7 @@ absl::Status MeshNode::Start(const TransportFactory& factory) {
     if (absl::StatusOr<MemoryLocation> where = backend_->Locate(nullptr); where.ok()) {
       numa = where->numa_node;
     }
-    std::vector<int> picked = PickProgressCores(numa, 2);
+    std::vector<int> picked = base::PickProgressCores(numa, 2);
     if (picked.size() == 2) {
       send_cores = {picked[0]};
       recv_cores = {picked[1]};
@@ -46,8 +50,10 @@ absl::Status MeshNode::Start(const TransportFactory& factory) {
   }
   started_ = true;
   const std::string tag = absl::StrCat(options_.role == Role::kWorker ? "w" : "s", rank_);
-  send_thread_ = StartNamedThread(absl::StrCat("sm-send-", tag), send_cores, [this] { SendLoop(); });
-  recv_thread_ = StartNamedThread(absl::StrCat("sm-recv-", tag), recv_cores, [this] { RecvLoop(); });
+  send_thread_ =
+      base::StartNamedThread(absl::StrCat("sm-send-", tag), send_cores, [this] { SendLoop(); });
+  recv_thread_ =
+      base::StartNamedThread(absl::StrCat("sm-recv-", tag), recv_cores, [this] { RecvLoop(); });
   rendezvous_->StartMonitor({
       .on_peer_lost = [this](NodeId peer, absl::Status why) { HandlePeerLost(peer, why); },
       .on_peer_joined = [this](NodeId peer,
@@ -69,8 +75,15 @@ void MeshNode::Stop() {
   rendezvous_.reset();
 }
 
+absl::StatusOr<MeshOptions> OptionsForRole(const MeshOptions& options, Role role) {
+  MeshOptions out = options;
+  out.role = role;
+  STEPMESH_RETURN_IF_ERROR(out.Validate());
+  return out;
+}
+
 NodeId MeshNode::PeerId(int rank) const {
-  return MakeNodeId(options_.role == Role::kWorker ? 2 : 1, static_cast<uint32_t>(rank));
+  return MakeNodeId(PeerRole(options_.role), static_cast<uint32_t>(rank));
 }
 
 int MeshNode::PeerCount() const {
@@ -89,7 +102,7 @@ absl::StatusOr<WireTensor> MeshNode::RegisterTensor(uint64_t key, const TensorVi
   info.num_slots = num_slots;
   info.remote_writable = !writers.empty();
   info.slot_peers = std::move(writers);
-  ::stepmesh::core::MutexLock lock(&regions_mu_);
+  base::MutexLock lock(&regions_mu_);
   STEPMESH_RETURN_IF_ERROR(regions_.Add(view.data, view.bytes(), info.remote_writable, key));
   absl::StatusOr<WireTensor> out = RegisterWire(std::move(info), view);
   if (!out.ok()) regions_.Remove(view.data, key);
@@ -104,7 +117,7 @@ absl::StatusOr<WireTensor> MeshNode::RegisterWire(RegionInfo info, const TensorV
     info.id = next_region_++;
     info.base = view.data;
     info.device = view.device;
-    UniqueFd dmabuf;
+    base::UniqueFd dmabuf;
     if (on_device) {
       // Without a dma-buf the transport still tries the address itself (peer memory).
       uint64_t offset = 0;
@@ -141,47 +154,24 @@ absl::StatusOr<WireTensor> MeshNode::RegisterWire(RegionInfo info, const TensorV
 }
 
 absl::Status MeshNode::UnregisterTensor(RegionId id, const void* base, uint64_t key) {
-  ::stepmesh::core::MutexLock lock(&regions_mu_);
+  base::MutexLock lock(&regions_mu_);
   STEPMESH_RETURN_IF_ERROR(transport_->UnregisterRegion(id));
   regions_.Remove(base, key);
   staging_.erase(id);
   return absl::OkStatus();
 }
 
-absl::Status MeshNode::StageOut(const WireTensor& t, const void* tensor, size_t offset,
-                                size_t bytes) {
-  if (!t.staged || bytes == 0) return absl::OkStatus();
-  return backend_->Copy(t.wire + offset, static_cast<const std::byte*>(tensor) + offset, bytes);
-}
-
-void MeshNode::SealPayload(FrameHeader& h, const WireTensor& t, const std::byte* src) const {
-  h.flags &= static_cast<uint8_t>(~kFlagPayloadCrc);
-  h.payload_crc = 0;
-  if (!options_.payload_checksum || t.device_direct || h.payload_bytes == 0) return;
-  h.flags |= kFlagPayloadCrc;
-  h.payload_crc = Crc32c(src, h.payload_bytes);
-}
-
-absl::Status MeshNode::CheckPayload(const FrameHeader& h, const WireTensor& t,
-                                    const std::byte* landed) const {
-  if (!(h.flags & kFlagPayloadCrc) || t.device_direct) return absl::OkStatus();
-  const uint32_t crc = Crc32c(landed, h.payload_bytes);
-  if (crc == h.payload_crc) return absl::OkStatus();
-  return absl::DataLossError(absl::StrCat("payload checksum mismatch under key ", h.key, " (",
-                                          h.payload_bytes, " bytes: sent CRC32C 0x",
-                                          absl::Hex(h.payload_crc), ", received 0x",
-                                          absl::Hex(crc), ")"));
-}
-
-absl::Status MeshNode::StageIn(const WireTensor& t, void* tensor, size_t offset, size_t bytes) {
-  if (t.device_direct && bytes != 0) return backend_->FlushRemoteWrites();
-  if (!t.staged || bytes == 0) return absl::OkStatus();
-  return backend_->Copy(static_cast<std::byte*>(tensor) + offset, t.wire + offset, bytes);
+absl::Status MeshNode::CheckRegistrationLimit(size_t registered) const {
+  if (registered >= static_cast<size_t>(options_.max_registrations)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("registration limit ", options_.max_registrations, " reached"));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status MeshNode::EnqueueSend(const SendItem& item) {
   {
-    ::stepmesh::core::MutexLock lock(&queue_mu_);
+    base::MutexLock lock(&queue_mu_);
     if (queue_size_ == queue_.size()) {
       return absl::ResourceExhaustedError("send queue full");
     }
@@ -201,7 +191,7 @@ void MeshNode::WaitForSendWork() {
     const absl::Time until =
         start + (mode == PollMode::kSpin ? absl::Milliseconds(20) : options_.threads.spin_budget);
     while (queued_.load(std::memory_order_acquire) == 0 && !stopped()) {
-      for (int i = 0; i < 64; ++i) CpuRelax();
+      for (int i = 0; i < 64; ++i) base::CpuRelax();
       std::this_thread::yield();  // see AwaitUntil
       if (absl::Now() >= until) break;
     }
@@ -222,7 +212,7 @@ void MeshNode::SendLoop() {
   waiting.reserve(queue_.size());
   while (!stopped()) {
     {
-      ::stepmesh::core::MutexLock lock(&queue_mu_);
+      base::MutexLock lock(&queue_mu_);
       while (queue_size_ > 0) {
         waiting.push_back(queue_[queue_head_]);
         queue_head_ = (queue_head_ + 1) % queue_.size();
@@ -252,7 +242,7 @@ void MeshNode::SendLoop() {
       if (options_.threads.poll_mode == PollMode::kBlocking) {
         absl::SleepFor(absl::Microseconds(20));
       } else {
-        CpuRelax();
+        base::CpuRelax();
       }
     }
   }

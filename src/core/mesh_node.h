@@ -12,25 +12,18 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
-#include "src/core/sync.h"
 #include "absl/time/clock.h"
+#include "src/base/sync.h"
+#include "src/base/thread_util.h"
+#include "src/core/lost_peers.h"
+#include "src/core/payload_io.h"
 #include "src/core/region_table.h"
 #include "src/core/rendezvous.h"
-#include "src/core/thread_util.h"
 #include "src/core/transport.h"
 #include "stepmesh/backend.h"
 #include "stepmesh/options.h"
 
 namespace stepmesh::core {
-
-// How a registered tensor meets the transport: in place (`wire` is the tensor),
-// or staged through a pinned host copy the transport can reach.
-struct WireTensor {
-  RegionId region = 0;
-  std::byte* wire = nullptr;
-  bool staged = false;
-  bool device_direct = false;  // device memory the NIC reads and writes (GPUDirect)
-};
 
 // Work for the send thread, by index: no allocation per send.
 struct SendItem {
@@ -102,24 +95,16 @@ class MeshNode : public TransportSink {
   absl::StatusOr<WireTensor> RegisterTensor(uint64_t key, const TensorView& view,
                                             uint32_t num_slots, std::vector<NodeId> writers);
   absl::Status UnregisterTensor(RegionId id, const void* base, uint64_t key);
-  // Copies between a staged tensor and its wire copy (no-ops when not staged):
-  // before a send, and after an arrival. Synchronous, on the calling thread.
-  // After an arrival into device memory the NIC wrote directly, StageIn makes
-  // those writes visible to the device's streams instead.
-  absl::Status StageOut(const WireTensor& t, const void* tensor, size_t offset, size_t bytes);
-  absl::Status StageIn(const WireTensor& t, void* tensor, size_t offset, size_t bytes);
-  // options.payload_checksum: seals a data frame whose payload `src` (in `t`'s
-  // wire memory) this host can read, and checks an arrival at `landed` against
-  // a sealed frame. Device memory the NIC reads or writes directly is skipped.
-  void SealPayload(FrameHeader& h, const WireTensor& t, const std::byte* src) const;
-  absl::Status CheckPayload(const FrameHeader& h, const WireTensor& t,
-                            const std::byte* landed) const;
+  // RESOURCE_EXHAUSTED when `registered` tensors already reach options.max_registrations.
+  absl::Status CheckRegistrationLimit(size_t registered) const;
 
   NodeId PeerId(int rank) const;  // a node of the other role
   int PeerCount() const;
 
   const MeshOptions options_;
   std::shared_ptr<Backend> backend_;
+  const PayloadIo io_;  // staging and checksums of payloads, any thread
+  LostPeers lost_;      // the other role's ranks that are gone
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<RendezvousClient> rendezvous_;
   NodeId self_ = kNoNode;
@@ -142,20 +127,20 @@ class MeshNode : public TransportSink {
   bool started_ = false;
   std::thread send_thread_;
   std::thread recv_thread_;
-  ::stepmesh::core::Mutex regions_mu_;
+  base::Mutex regions_mu_;
   RegionTable regions_ ABSL_GUARDED_BY(regions_mu_);
   RegionId next_region_ ABSL_GUARDED_BY(regions_mu_) = 1;
   absl::flat_hash_map<RegionId, std::unique_ptr<Memory>> staging_ ABSL_GUARDED_BY(regions_mu_);
 
-  ::stepmesh::core::Mutex queue_mu_;
+  base::Mutex queue_mu_;
   std::vector<SendItem> queue_ ABSL_GUARDED_BY(queue_mu_);  // ring
   size_t queue_head_ ABSL_GUARDED_BY(queue_mu_) = 0;
   size_t queue_size_ ABSL_GUARDED_BY(queue_mu_) = 0;
   std::atomic<size_t> queued_{0};
   std::atomic<bool> send_sleeping_{false};
-  WakeWord send_wake_;  // the send thread sleeps on it (WaitForSendWork)
+  base::WakeWord send_wake_;  // the send thread sleeps on it (WaitForSendWork)
 
-  WakeWord wait_wake_;  // AwaitUntil sleeps on it; NotifyWaiters bumps it
+  base::WakeWord wait_wake_;  // AwaitUntil sleeps on it; NotifyWaiters bumps it
   std::atomic<int> sleepers_{0};
 };
 
@@ -176,7 +161,7 @@ bool MeshNode::AwaitUntil(Done done, absl::Time deadline) {
     while (absl::Now() < spin_until) {
       for (int i = 0; i < 64; ++i) {
         if (done()) return finish(true);
-        CpuRelax();
+        base::CpuRelax();
       }
       // With more threads than cores a pure spinner holds the core the thread it
       // waits for needs: yielding makes each hand-off microseconds, not a time slice.

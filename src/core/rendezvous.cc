@@ -2,9 +2,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "src/base/logging.h"
+#include "src/base/thread_util.h"
 #include "src/core/auth.h"
-#include "src/core/logging.h"
-#include "src/core/thread_util.h"
 #include "stepmesh/status.h"
 
 namespace stepmesh::core {
@@ -12,8 +12,8 @@ namespace stepmesh::core {
 absl::StatusOr<std::unique_ptr<RendezvousClient>> RendezvousClient::Join(
     const MeshOptions& options, const std::string& endpoint) {
   const absl::Time deadline = absl::Now() + options.timeout;
-  STEPMESH_ASSIGN_OR_RETURN(HostPort scheduler, ParseHostPort(options.scheduler));
-  absl::StatusOr<UniqueFd> fd = ConnectTcp(scheduler, deadline);
+  STEPMESH_ASSIGN_OR_RETURN(base::HostPort scheduler, base::ParseHostPort(options.scheduler));
+  absl::StatusOr<base::UniqueFd> fd = base::ConnectTcp(scheduler, deadline);
   if (!fd.ok()) {
     return absl::UnavailableError(absl::StrCat("cannot reach the scheduler at ",
                                                options.scheduler, ": ", fd.status().message()));
@@ -51,7 +51,7 @@ absl::StatusOr<std::unique_ptr<RendezvousClient>> RendezvousClient::Join(
                                               static_cast<int>(reply->type), " before roster"));
     }
     client->rank_ = reply->rank;
-    client->self_ = MakeNodeId(static_cast<uint8_t>(options.role), reply->rank);
+    client->self_ = MakeNodeId(options.role, reply->rank);
     client->roster_ = std::move(reply->roster);
     return client;
   }
@@ -102,17 +102,18 @@ RendezvousClient::~RendezvousClient() {
 
 void RendezvousClient::StartMonitor(RendezvousEvents events) {
   events_ = std::move(events);
-  monitor_ = StartNamedThread("sm-rendezvous", {}, [this] { MonitorLoop(); });
+  monitor_ = base::StartNamedThread("sm-rendezvous", {}, [this] { MonitorLoop(); });
 }
 
 absl::Status RendezvousClient::Send(const ControlMessage& message) {
-  ::stepmesh::core::MutexLock lock(&write_mu_);
+  base::MutexLock lock(&write_mu_);
   return SendControl(fd_.get(), message, absl::Now() + timeout_);
 }
 
 void RendezvousClient::MonitorLoop() {
   while (!stop_.load(std::memory_order_relaxed)) {
-    absl::StatusOr<bool> readable = WaitReadable(fd_.get(), absl::Now() + absl::Milliseconds(50));
+    absl::StatusOr<bool> readable =
+        base::WaitReadable(fd_.get(), absl::Now() + absl::Milliseconds(50));
     if (readable.ok() && !*readable) continue;
     absl::StatusOr<ControlMessage> m =
         readable.ok() ? ReceiveControl(fd_.get(), absl::Now() + timeout_) : readable.status();
@@ -120,7 +121,7 @@ void RendezvousClient::MonitorLoop() {
       if (!stop_.load() && !left_.load()) {
         STEPMESH_LOG(kWarning, "lost the scheduler connection: ", m.status().ToString());
       }
-      ::stepmesh::core::MutexLock lock(&mu_);
+      base::MutexLock lock(&mu_);
       scheduler_status_ = absl::UnavailableError(
           absl::StrCat("scheduler connection lost: ", m.status().message()));
       return;
@@ -134,7 +135,7 @@ void RendezvousClient::MonitorLoop() {
         break;
       }
       case ControlType::kRelease: {
-        ::stepmesh::core::MutexLock lock(&mu_);
+        base::MutexLock lock(&mu_);
         barrier_released_ = std::max(barrier_released_, m->sequence);
         break;
       }
@@ -155,7 +156,7 @@ void RendezvousClient::MonitorLoop() {
 absl::Status RendezvousClient::Barrier(absl::Duration timeout) {
   uint64_t sequence;
   {
-    ::stepmesh::core::MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     STEPMESH_RETURN_IF_ERROR(scheduler_status_);
     sequence = ++barrier_sent_;
   }
@@ -163,7 +164,7 @@ absl::Status RendezvousClient::Barrier(absl::Duration timeout) {
   m.type = ControlType::kBarrier;
   m.sequence = sequence;
   STEPMESH_RETURN_IF_ERROR(Send(m));
-  ::stepmesh::core::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   auto released = [this, sequence]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
     return barrier_released_ >= sequence || !scheduler_status_.ok();
   };

@@ -12,9 +12,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "src/core/sync.h"
+#include "src/base/net.h"
+#include "src/base/sync.h"
 #include "src/core/control_message.h"
-#include "src/core/net.h"
 #include "stepmesh/options.h"
 
 namespace stepmesh::core {
@@ -42,13 +42,14 @@ class RendezvousClient {
   void Leave();
 
  private:
-  RendezvousClient(UniqueFd fd, absl::Duration timeout) : fd_(std::move(fd)), timeout_(timeout) {}
+  RendezvousClient(base::UniqueFd fd, absl::Duration timeout)
+      : fd_(std::move(fd)), timeout_(timeout) {}
   void MonitorLoop();
   // Challenge-response with the scheduler (options.auth_token set).
   absl::Status Authenticate(const std::string& secret, absl::Time deadline);
   absl::Status Send(const ControlMessage& message);
 
-  UniqueFd fd_;
+  base::UniqueFd fd_;
   absl::Duration timeout_;
   int rank_ = -1;
   NodeId self_ = kNoNode;
@@ -57,8 +58,8 @@ class RendezvousClient {
   std::thread monitor_;
   std::atomic<bool> stop_{false};
 
-  ::stepmesh::core::Mutex write_mu_;  // the monitor (pongs) and callers (barriers) both write
-  ::stepmesh::core::Mutex mu_;
+  base::Mutex write_mu_;  // the monitor (pongs) and callers (barriers) both write
+  base::Mutex mu_;
   uint64_t barrier_sent_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t barrier_released_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status scheduler_status_ ABSL_GUARDED_BY(mu_);

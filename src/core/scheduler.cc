@@ -10,25 +10,20 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "src/core/sync.h"
 #include "absl/time/clock.h"
+#include "src/base/logging.h"
+#include "src/base/net.h"
+#include "src/base/sync.h"
+#include "src/base/thread_util.h"
 #include "src/core/auth.h"
 #include "src/core/control_message.h"
-#include "src/core/logging.h"
-#include "src/core/net.h"
-#include "src/core/thread_util.h"
 #include "stepmesh/status.h"
 
-namespace stepmesh {
+namespace stepmesh::core {
 namespace {
 
-using core::ControlMessage;
-using core::ControlType;
-using core::NodeId;
-using core::UniqueFd;
-
 struct Member {
-  UniqueFd fd;
+  base::UniqueFd fd;
   std::string endpoint;
   bool joined = false;
   bool left = false;
@@ -42,10 +37,10 @@ struct Member {
 // complete the challenge-response (kChallenge, then kProof) before kJoin.
 struct Pending {
   enum class Stage { kHello, kProof, kJoin };
-  UniqueFd fd;
+  base::UniqueFd fd;
   Stage stage = Stage::kHello;
-  core::AuthNonce dialer_nonce{};
-  core::AuthNonce acceptor_nonce{};
+  AuthNonce dialer_nonce{};
+  AuthNonce acceptor_nonce{};
   absl::Time deadline;  // dropped when it has not joined by then (no fd hoarding)
 };
 
@@ -54,13 +49,13 @@ constexpr char kControlAuthContext[] = "control";
 
 class SchedulerImpl final : public Scheduler {
  public:
-  SchedulerImpl(const MeshOptions& options, UniqueFd listener, std::string address)
+  SchedulerImpl(const MeshOptions& options, base::UniqueFd listener, std::string address)
       : options_(options),
         listener_(std::move(listener)),
         address_(std::move(address)),
         workers_(options.num_workers),
         servers_(options.num_servers) {
-    thread_ = core::StartNamedThread("sm-scheduler", {}, [this] { Run(); });
+    thread_ = base::StartNamedThread("sm-scheduler", {}, [this] { Run(); });
   }
   ~SchedulerImpl() override { Stop(); }
 
@@ -79,21 +74,21 @@ class SchedulerImpl final : public Scheduler {
   }
 
  private:
-  std::vector<Member>& Group(uint8_t role) { return role == 1 ? workers_ : servers_; }
-  Member& At(NodeId node) { return Group(core::NodeRole(node))[core::NodeRank(node)]; }
+  std::vector<Member>& Group(Role role) { return role == Role::kWorker ? workers_ : servers_; }
+  Member& At(NodeId node) { return Group(NodeRole(node))[NodeRank(node)]; }
 
   template <typename Fn>
   void ForEachMember(Fn fn) {
-    for (uint8_t role : {uint8_t{1}, uint8_t{2}}) {
+    for (Role role : {Role::kWorker, Role::kServer}) {
       auto& group = Group(role);
-      for (size_t r = 0; r < group.size(); ++r) fn(core::MakeNodeId(role, r), group[r]);
+      for (size_t r = 0; r < group.size(); ++r) fn(MakeNodeId(role, r), group[r]);
     }
   }
 
   void Send(NodeId node, const ControlMessage& m) {
     Member& member = At(node);
     if (!member.fd.valid()) return;
-    absl::Status s = core::SendControl(member.fd.get(), m, absl::Now() + absl::Seconds(1));
+    absl::Status s = SendControl(member.fd.get(), m, absl::Now() + absl::Seconds(1));
     if (!s.ok()) MarkLost(node, absl::StrCat("control write failed: ", s.message()));
   }
 
@@ -102,21 +97,20 @@ class SchedulerImpl final : public Scheduler {
     if (!member.live()) return;
     member.lost = true;
     member.fd.Reset();
-    STEPMESH_LOG(kWarning, "scheduler: ", core::NodeRole(node) == 1 ? "worker " : "server ",
-                 core::NodeRank(node), " lost: ", reason);
+    STEPMESH_LOG(kWarning, "scheduler: ", PeerName(node), " lost: ", reason);
     ControlMessage m;
     m.type = ControlType::kPeerLost;
     m.node = node;
-    m.text = absl::StrCat(core::NodeRole(node) == 1 ? "worker " : "server ",
-                          core::NodeRank(node), " lost: ", reason);
+    m.text = absl::StrCat(PeerName(node), " lost: ", reason);
     ForEachMember([&](NodeId other, Member& o) {
       if (o.live()) Send(other, m);
     });
     MaybeReleaseBarrier();
   }
 
-  void HandleJoin(UniqueFd fd, const ControlMessage& join) {
-    auto& group = Group(join.role);
+  void HandleJoin(base::UniqueFd fd, const ControlMessage& join) {
+    const Role role = static_cast<Role>(join.role);  // the decoder admits workers and servers
+    auto& group = Group(role);
     // Once the mesh formed, a rank whose process was lost or left may be taken
     // by a new process (a restart); before that, every rank is joined once.
     auto replaceable = [&](const Member& m) { return roster_sent_ && m.joined && (m.lost || m.left); };
@@ -133,25 +127,24 @@ class SchedulerImpl final : public Scheduler {
       ControlMessage m;
       m.type = ControlType::kReject;
       m.text = reason;
-      (void)core::SendControl(fd.get(), m, absl::Now() + absl::Seconds(1));
+      (void)SendControl(fd.get(), m, absl::Now() + absl::Seconds(1));
       STEPMESH_LOG(kWarning, "scheduler: refused a join: ", reason);
     };
     if (rank < 0 || rank >= static_cast<int>(group.size())) {
-      return reject(absl::StrCat("no free ", join.role == 1 ? "worker" : "server",
-                                 " rank (wanted ", join.rank, ", mesh has ", group.size(), ")"));
+      return reject(absl::StrCat("no free ", RoleName(role), " rank (wanted ", join.rank,
+                                 ", mesh has ", group.size(), ")"));
     }
     Member& member = group[rank];
     const bool rejoin = replaceable(member);
     if (member.joined && !rejoin) {
-      return reject(absl::StrCat(join.role == 1 ? "worker" : "server", " rank ", rank,
-                                 " already joined"));
+      return reject(absl::StrCat(RoleName(role), " rank ", rank, " already joined"));
     }
     member.fd = std::move(fd);
     member.endpoint = join.text;
     member.joined = true;
     member.left = member.lost = false;
     member.last_heard = absl::Now();
-    const NodeId node = core::MakeNodeId(join.role, rank);
+    const NodeId node = MakeNodeId(role, rank);
     if (rejoin) {
       SendRoster(node);
       ControlMessage m;
@@ -176,7 +169,7 @@ class SchedulerImpl final : public Scheduler {
   void SendRoster(NodeId node) {
     ControlMessage m;
     m.type = ControlType::kRoster;
-    m.rank = static_cast<int32_t>(core::NodeRank(node));
+    m.rank = static_cast<int32_t>(NodeRank(node));
     ForEachMember([&](NodeId n, Member& o) { m.roster.push_back({n, o.endpoint}); });
     Send(node, m);
   }
@@ -246,18 +239,18 @@ class SchedulerImpl final : public Scheduler {
   }
 
   // Refuses a connection before it joined: tells it why, logs, closes.
-  void Refuse(UniqueFd fd, const std::string& reason) {
+  void Refuse(base::UniqueFd fd, const std::string& reason) {
     ControlMessage m;
     m.type = ControlType::kReject;
     m.text = reason;
-    (void)core::SendControl(fd.get(), m, absl::Now() + absl::Seconds(1));
+    (void)SendControl(fd.get(), m, absl::Now() + absl::Seconds(1));
     STEPMESH_LOG(kWarning, "scheduler: refused a connection: ", reason);
   }
 
   // One step of a not-yet-joined connection; false when it is finished (joined,
   // refused or dropped), true when it stays pending.
   bool Advance(Pending& p, absl::Time deadline) {
-    absl::StatusOr<ControlMessage> m = core::ReceiveControl(p.fd.get(), deadline);
+    absl::StatusOr<ControlMessage> m = ReceiveControl(p.fd.get(), deadline);
     if (!m.ok()) {
       STEPMESH_LOG(kInfo, "scheduler: dropped a connection before join: ", m.status().ToString());
       return false;
@@ -270,22 +263,22 @@ class SchedulerImpl final : public Scheduler {
             Refuse(std::move(p.fd), "this scheduler has no auth token; the participant has one");
             return false;
           }
-          absl::StatusOr<core::AuthNonce> nonce = core::RandomNonce();
-          if (!core::NonceFromText(m->text, &p.dialer_nonce) || !nonce.ok()) {
+          absl::StatusOr<AuthNonce> nonce = RandomNonce();
+          if (!NonceFromText(m->text, &p.dialer_nonce) || !nonce.ok()) {
             Refuse(std::move(p.fd), "malformed authentication challenge");
             return false;
           }
           p.acceptor_nonce = *nonce;
           ControlMessage challenge;
           challenge.type = ControlType::kChallenge;
-          challenge.text = std::string(core::AsText(p.acceptor_nonce));
+          challenge.text = std::string(AsText(p.acceptor_nonce));
           ControlMessage proof;
           proof.type = ControlType::kProof;
-          proof.text = std::string(core::AsText(
-              core::AuthProof(options_.auth_token, core::AuthSide::kAcceptor,
-                              kControlAuthContext, p.dialer_nonce, p.acceptor_nonce)));
-          if (!core::SendControl(p.fd.get(), challenge, deadline).ok() ||
-              !core::SendControl(p.fd.get(), proof, deadline).ok()) {
+          proof.text =
+              std::string(AsText(AuthProof(options_.auth_token, AuthSide::kAcceptor,
+                                           kControlAuthContext, p.dialer_nonce, p.acceptor_nonce)));
+          if (!SendControl(p.fd.get(), challenge, deadline).ok() ||
+              !SendControl(p.fd.get(), proof, deadline).ok()) {
             return false;
           }
           p.stage = Pending::Stage::kProof;
@@ -301,9 +294,8 @@ class SchedulerImpl final : public Scheduler {
         return false;
       case Pending::Stage::kProof:
         if (m->type != ControlType::kProof ||
-            !core::CheckAuthProof(options_.auth_token, core::AuthSide::kDialer,
-                                  kControlAuthContext, p.dialer_nonce, p.acceptor_nonce,
-                                  m->text)) {
+            !CheckAuthProof(options_.auth_token, AuthSide::kDialer, kControlAuthContext,
+                            p.dialer_nonce, p.acceptor_nonce, m->text)) {
           Refuse(std::move(p.fd), "authentication failed (wrong auth token?)");
           return false;
         }
@@ -328,10 +320,10 @@ class SchedulerImpl final : public Scheduler {
       fds.clear();
       owners.clear();
       fds.push_back({listener_.get(), POLLIN, 0});
-      owners.push_back(core::kNoNode);
+      owners.push_back(kNoNode);
       for (const Pending& p : pending) {
         fds.push_back({p.fd.get(), POLLIN, 0});
-        owners.push_back(core::kNoNode);
+        owners.push_back(kNoNode);
       }
       ForEachMember([&](NodeId n, Member& o) {
         if (o.live()) {
@@ -344,7 +336,7 @@ class SchedulerImpl final : public Scheduler {
         const size_t num_pending = pending.size();
         std::vector<Pending> still_pending;
         if (fds[0].revents & POLLIN) {
-          absl::StatusOr<UniqueFd> fd = core::AcceptTcp(listener_.get(), absl::Now());
+          absl::StatusOr<base::UniqueFd> fd = base::AcceptTcp(listener_.get(), absl::Now());
           if (fd.ok()) {
             Pending p;
             p.fd = *std::move(fd);
@@ -370,7 +362,7 @@ class SchedulerImpl final : public Scheduler {
           }
           const NodeId node = owners[i];
           if (!At(node).live()) continue;
-          absl::StatusOr<ControlMessage> m = core::ReceiveControl(At(node).fd.get(), deadline);
+          absl::StatusOr<ControlMessage> m = ReceiveControl(At(node).fd.get(), deadline);
           if (!m.ok()) {
             MarkLost(node, std::string(m.status().message()));
           } else {
@@ -389,7 +381,7 @@ class SchedulerImpl final : public Scheduler {
   }
 
   const MeshOptions options_;
-  UniqueFd listener_;
+  base::UniqueFd listener_;
   const std::string address_;
   std::vector<Member> workers_;
   std::vector<Member> servers_;
@@ -398,19 +390,22 @@ class SchedulerImpl final : public Scheduler {
   uint64_t ping_sequence_ = 0;
   absl::Time last_ping_ = absl::InfinitePast();
   std::atomic<bool> stop_{false};
-  ::stepmesh::core::Notification done_;
+  base::Notification done_;
   std::thread thread_;
 };
 
 }  // namespace
+}  // namespace stepmesh::core
+
+namespace stepmesh {
 
 absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Start(const MeshOptions& options) {
   STEPMESH_RETURN_IF_ERROR(options.Validate());
-  STEPMESH_ASSIGN_OR_RETURN(core::HostPort where, core::ParseHostPort(options.scheduler));
-  STEPMESH_ASSIGN_OR_RETURN(UniqueFd listener, core::ListenTcp(where.host, where.port));
-  STEPMESH_ASSIGN_OR_RETURN(uint16_t port, core::LocalPort(listener.get()));
+  STEPMESH_ASSIGN_OR_RETURN(base::HostPort where, base::ParseHostPort(options.scheduler));
+  STEPMESH_ASSIGN_OR_RETURN(base::UniqueFd listener, base::ListenTcp(where.host, where.port));
+  STEPMESH_ASSIGN_OR_RETURN(uint16_t port, base::LocalPort(listener.get()));
   return std::unique_ptr<Scheduler>(
-      new SchedulerImpl(options, std::move(listener), absl::StrCat(where.host, ":", port)));
+      new core::SchedulerImpl(options, std::move(listener), absl::StrCat(where.host, ":", port)));
 }
 
 }  // namespace stepmesh

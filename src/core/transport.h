@@ -58,17 +58,28 @@ struct Destination {
   RegionId region = 0;
 };
 
+// The core's note on one frame, made when it resolved the frame and handed
+// back with its delivery, so that each frame is validated once. Opaque to the
+// transport, which only carries it from Resolve to OnFrame.
+using FrameContext = void*;
+
 // Implemented by the core; called by the transport on its receive path only
-// (one thread: whoever calls Poll).
+// (one thread: whoever calls Poll). Frames of one peer are resolved and
+// delivered in order, each frame's OnFrame before that peer's next Resolve.
 class TransportSink {
  public:
   virtual ~TransportSink() = default;
-  // Where the payload of `header` from `peer` must go. An error rejects the frame:
-  // the transport discards its payload and reports OnFrame with that error.
-  virtual absl::StatusOr<Destination> Resolve(NodeId peer, const FrameHeader& header) = 0;
+  // Where the payload of a push or reply `header` from `peer` must go, written
+  // to `out`. An error rejects the frame: the transport discards its payload
+  // and reports OnFrame with that error. Either way `*context` (null unless
+  // the core sets it) goes back with the frame's OnFrame.
+  virtual absl::Status Resolve(NodeId peer, const FrameHeader& header, Destination& out,
+                               FrameContext* context) = 0;
   // The frame (and its payload, now at the resolved destination) arrived, or
-  // `status` says why it was rejected.
-  virtual void OnFrame(NodeId peer, const FrameHeader& header, absl::Status status) = 0;
+  // `status` says why it was rejected. `context`: what Resolve set for this
+  // frame; null for frames that are not resolved (kError).
+  virtual void OnFrame(NodeId peer, const FrameHeader& header, FrameContext context,
+                       absl::Status status) = 0;
   // The peer is gone (closed, reset, timed out, failed auth, bad completion).
   virtual void OnPeerLost(NodeId peer, absl::Status why) = 0;
 };

@@ -1,7 +1,9 @@
+#include "src/core/frame.h"
+
 #include <catch2/catch.hpp>
 
+#include "src/base/crc32c.h"
 #include "src/core/control_message.h"
-#include "src/core/frame.h"
 
 namespace stepmesh::core {
 namespace {
@@ -12,8 +14,8 @@ FrameHeader SampleHeader() {
   h.dtype = DType::kFloat8E4M3;
   h.flags = kFlagHasPull | kFlagPayloadCrc;
   h.payload_crc = 0xA1B2C3D4;
-  h.src = MakeNodeId(1, 3);
-  h.dst = MakeNodeId(2, 1);
+  h.src = WorkerId(3);
+  h.dst = ServerId(1);
   h.key = 0x1122334455667788ull;
   h.request_id = (uint64_t{7} << 32) | 9;
   h.payload_bytes = 917504;
@@ -108,23 +110,23 @@ TEST_CASE("frame decoder rejects impossible fields even with a valid checksum", 
 }
 
 TEST_CASE("crc32c matches the standard check value", "[frame]") {
-  CHECK(Crc32c("123456789", 9) == 0xE3069283u);
+  CHECK(base::Crc32c("123456789", 9) == 0xE3069283u);
   // Lengths around the 8-byte stride of the hardware path agree with chaining.
   const std::string text = "The quick brown fox jumps over the lazy dog";
   for (size_t split = 0; split <= text.size(); ++split) {
-    const uint32_t whole = Crc32c(text.data(), text.size());
-    const uint32_t chained = Crc32c(text.data() + split, text.size() - split,
-                                    Crc32c(text.data(), split));
+    const uint32_t whole = base::Crc32c(text.data(), text.size());
+    const uint32_t chained =
+        base::Crc32c(text.data() + split, text.size() - split, base::Crc32c(text.data(), split));
     CHECK(whole == chained);
   }
-  CHECK(Crc32c(text.data(), text.size()) == 0x22620404u);
+  CHECK(base::Crc32c(text.data(), text.size()) == 0x22620404u);
 }
 
 TEST_CASE("control messages round trip and reject garbage", "[control]") {
   ControlMessage roster;
   roster.type = ControlType::kRoster;
   roster.rank = 1;
-  roster.roster = {{MakeNodeId(1, 0), "127.0.0.1:5000"}, {MakeNodeId(2, 0), "127.0.0.1:5001"}};
+  roster.roster = {{WorkerId(0), "127.0.0.1:5000"}, {ServerId(0), "127.0.0.1:5001"}};
   const std::string bytes = EncodeControl(roster);
   auto span = absl::MakeConstSpan(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size());
   auto header = DecodeControlHeader(span.subspan(0, kControlHeaderBytes));

@@ -5,17 +5,19 @@
 // allocator, so there the case only reports that it cannot count.
 
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <cstdlib>
 #include <new>
 #include <thread>
 #include <vector>
 
-#include <catch2/catch.hpp>
-
 #include "absl/time/clock.h"
-#include "stepmesh/scheduler.h"
+#include "src/compose/transports.h"
 #include "stepmesh/server.h"
+#include "stepmesh/status.h"
 #include "stepmesh/worker.h"
+#include "tests/support/loopback_mesh.h"
+#include "tests/support/status.h"
 
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 #define STEPMESH_COUNT_ALLOCATIONS 0
@@ -62,77 +64,60 @@ TEST_CASE("steady-state 2A2F exchanges over TCP allocate nothing", "[mesh][tcp][
   base.num_servers = kServers;
   base.timeout = absl::Seconds(60);
   base.heartbeat_interval = absl::Hours(1);  // no liveness traffic inside the window
-  base.scheduler = "127.0.0.1:0";
-  auto scheduler = Scheduler::Start(base);
-  REQUIRE(scheduler.ok());
-  base.scheduler = (*scheduler)->address();
+  // Every tensor before the mesh: registered memory outlives it.
+  std::vector<std::vector<uint8_t> > recvs(kServers, std::vector<uint8_t>(kWorkers * kBytes));
+  std::vector<std::vector<uint8_t> > replies(kServers, std::vector<uint8_t>(kWorkers * kBytes));
+  std::vector<std::vector<uint8_t> > pushes(kWorkers, std::vector<uint8_t>(kBytes));
+  std::vector<std::vector<uint8_t> > pulls(kWorkers * kServers, std::vector<uint8_t>(kBytes));
+  auto mesh = testing::LoopbackMesh::Start(base, compose::CreateTransport);
+  REQUIRE_OK(mesh);
 
   std::atomic<int> warmed{0}, finished{0}, failures{0};
   std::atomic<bool> go{false};
-  std::vector<std::thread> threads;
-  for (int s = 0; s < kServers; ++s) {
-    threads.emplace_back([&, s] {
-      MeshOptions o = base;
-      o.role = Role::kServer;
-      o.rank = s;
-      auto server = AFTensorServer::Create(o);
-      if (!server.ok()) {
-        failures.fetch_add(1);
-        return;
-      }
-      std::vector<uint8_t> recv(kWorkers * kBytes), reply(kWorkers * kBytes);
-      const Shape shape{kWorkers, kBytes};
-      if (!(*server)->RegisterRecvTensor(1, {recv.data(), DType::kUInt8, shape}).ok() ||
-          !(*server)->RegisterReplyTensor(2, {reply.data(), DType::kUInt8, shape}).ok() ||
-          !(*server)->Barrier().ok()) {
-        failures.fetch_add(1);
-      }
-      const Reply replies[kWorkers] = {{0}, {1}};
-      for (;;) {  // ends when every worker has left
-        absl::StatusOr<Batch> batch = (*server)->GetBatch(absl::Seconds(30));
-        if (!batch.ok()) break;
-        for (int w : batch->workers) reply[w * kBytes] = recv[w * kBytes] ^ 0x5A;
-        if (!(*server)->Respond(*batch, replies).ok()) failures.fetch_add(1);
-      }
-      (void)(*server)->Shutdown();
-    });
-  }
-  for (int w = 0; w < kWorkers; ++w) {
-    threads.emplace_back([&, w] {
-      MeshOptions o = base;
-      o.role = Role::kWorker;
-      o.rank = w;
-      auto worker = AFTensorWorker::Create(o);
-      if (!worker.ok()) {
-        failures.fetch_add(1);
-        return;
-      }
-      std::vector<uint8_t> push(kBytes), pull0(kBytes), pull1(kBytes);
-      if (!(*worker)->RegisterPushTensor(1, BytesView(push.data(), kBytes)).ok() ||
-          !(*worker)->RegisterPullTensor(2, 0, BytesView(pull0.data(), kBytes)).ok() ||
-          !(*worker)->RegisterPullTensor(2, 1, BytesView(pull1.data(), kBytes)).ok() ||
-          !(*worker)->Barrier().ok()) {
+  auto serve = [&](AFTensorServer& server) -> absl::Status {
+    std::vector<uint8_t>& recv = recvs[server.rank()];
+    std::vector<uint8_t>& reply = replies[server.rank()];
+    const Shape shape{kWorkers, kBytes};
+    STEPMESH_RETURN_IF_ERROR(server.RegisterRecvTensor(1, {recv.data(), DType::kUInt8, shape}));
+    STEPMESH_RETURN_IF_ERROR(server.RegisterReplyTensor(2, {reply.data(), DType::kUInt8, shape}));
+    STEPMESH_RETURN_IF_ERROR(server.Barrier());
+    const Reply answers[kWorkers] = {{0}, {1}};
+    for (;;) {  // ends when every worker has left
+      absl::StatusOr<Batch> batch = server.GetBatch(absl::Seconds(30));
+      if (!batch.ok()) break;
+      for (int w : batch->workers) reply[w * kBytes] = recv[w * kBytes] ^ 0x5A;
+      if (!server.Respond(*batch, answers).ok()) failures.fetch_add(1);
+    }
+    return server.Shutdown();
+  };
+  auto work = [&](AFTensorWorker& worker) -> absl::Status {
+    std::vector<uint8_t>& push = pushes[worker.rank()];
+    std::vector<uint8_t>& pull0 = pulls[worker.rank() * kServers];
+    std::vector<uint8_t>& pull1 = pulls[worker.rank() * kServers + 1];
+    STEPMESH_RETURN_IF_ERROR(worker.RegisterPushTensor(1, BytesView(push.data(), kBytes)));
+    STEPMESH_RETURN_IF_ERROR(worker.RegisterPullTensor(2, 0, BytesView(pull0.data(), kBytes)));
+    STEPMESH_RETURN_IF_ERROR(worker.RegisterPullTensor(2, 1, BytesView(pull1.data(), kBytes)));
+    STEPMESH_RETURN_IF_ERROR(worker.Barrier());
+    const Push p{1};
+    const Pull pull_from[kServers] = {{2, 0}, {2, 1}};
+    auto round = [&](int i) {
+      push[0] = static_cast<uint8_t>(i);
+      absl::StatusOr<RequestHandle> h = worker.PushPull({&p, 1}, pull_from);
+      if (!h.ok() || !worker.Wait(*h, absl::Seconds(30)).ok() || pull0[0] != (push[0] ^ 0x5A) ||
+          pull1[0] != (push[0] ^ 0x5A)) {
         failures.fetch_add(1);
       }
-      const Push p{1};
-      const Pull pulls[kServers] = {{2, 0}, {2, 1}};
-      auto round = [&](int i) {
-        push[0] = static_cast<uint8_t>(i);
-        absl::StatusOr<RequestHandle> h = (*worker)->PushPull({&p, 1}, pulls);
-        if (!h.ok() || !(*worker)->Wait(*h, absl::Seconds(30)).ok() ||
-            pull0[0] != (push[0] ^ 0x5A) || pull1[0] != (push[0] ^ 0x5A)) {
-          failures.fetch_add(1);
-        }
-      };
-      for (int i = 0; i < kWarmup; ++i) round(i);
-      warmed.fetch_add(1);
-      while (!go.load()) std::this_thread::yield();
-      for (int i = 0; i < kMeasured; ++i) round(kWarmup + i);
-      finished.fetch_add(1);
-      while (go.load()) std::this_thread::yield();  // nothing but the window is counted
-      (void)(*worker)->Shutdown();
-    });
-  }
+    };
+    for (int i = 0; i < kWarmup; ++i) round(i);
+    warmed.fetch_add(1);
+    while (!go.load()) std::this_thread::yield();
+    for (int i = 0; i < kMeasured; ++i) round(kWarmup + i);
+    finished.fetch_add(1);
+    while (go.load()) std::this_thread::yield();  // nothing but the window is counted
+    return worker.Shutdown();
+  };
+  absl::Status ran;
+  std::thread participants([&] { ran = testing::RunParticipants(**mesh, work, serve); });
   const absl::Time deadline = absl::Now() + absl::Seconds(120);
   while (warmed.load() < kWorkers && absl::Now() < deadline) std::this_thread::yield();
   const uint64_t before = allocations.load();
@@ -140,7 +125,8 @@ TEST_CASE("steady-state 2A2F exchanges over TCP allocate nothing", "[mesh][tcp][
   while (finished.load() < kWorkers && absl::Now() < deadline) std::this_thread::yield();
   const uint64_t during = allocations.load() - before;
   go.store(false);
-  for (std::thread& t : threads) t.join();
+  participants.join();
+  CHECK_OK(ran);
   REQUIRE(finished.load() == kWorkers);
   CHECK(failures.load() == 0);
   INFO(during << " allocations in " << kMeasured << " round trips of " << kWorkers << " workers");

@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "stepmesh/server.h"
 #include "stepmesh/worker.h"
-#include "tests/core/mesh_scenarios.h"
+#include "tests/support/mesh_scenarios.h"
 
 int main(int argc, char** argv) {
   stepmesh::MeshOptions options;

@@ -1,19 +1,22 @@
+#include "src/core/mesh.h"
+
+#include <catch2/catch.hpp>
 #include <future>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include <catch2/catch.hpp>
-
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "src/core/mesh.h"
+#include "src/compose/transports.h"
 #include "stepmesh/scheduler.h"
-#include "tests/core/child_process.h"
-#include "tests/core/conformance_suite.h"
-#include "tests/core/forwarding_transport.h"
-#include "tests/core/mesh_scenarios.h"
+#include "tests/support/child_process.h"
+#include "tests/support/conformance_suite.h"
+#include "tests/support/forwarding_transport.h"
+#include "tests/support/loopback_mesh.h"
+#include "tests/support/mesh_scenarios.h"
+#include "tests/support/status.h"
 
 namespace stepmesh {
 namespace {
@@ -33,29 +36,6 @@ std::string Describe(const Scenario& s) {
                       s.iterations, " iterations");
 }
 
-TEST_CASE("in-process meshes exchange byte-exact data over TCP", "[mesh][tcp]") {
-  for (auto [w, s] : {std::pair{1, 1}, std::pair{1, 2}, std::pair{2, 2}, std::pair{2, 1}}) {
-    Scenario sc;
-    sc.workers = w;
-    sc.servers = s;
-    sc.iterations = 60;
-    INFO(Describe(sc));
-    absl::Status result = testing::RunInProcess(sc, TcpOptions(), core::CreateTransport);
-    CHECK(result.ok());
-    if (!result.ok()) FAIL_CHECK(result.ToString());
-  }
-}
-
-TEST_CASE("in-process 2A2F over TCP with payload checksums on", "[mesh][tcp]") {
-  Scenario sc;
-  sc.iterations = 30;
-  MeshOptions o = TcpOptions();
-  o.payload_checksum = true;  // every payload sealed and checked, none may fail
-  absl::Status result = testing::RunInProcess(sc, o, core::CreateTransport);
-  CHECK(result.ok());
-  if (!result.ok()) FAIL_CHECK(result.ToString());
-}
-
 TEST_CASE("in-process mesh works in every poll mode", "[mesh][tcp]") {
   for (PollMode mode : {PollMode::kSpin, PollMode::kAdaptive, PollMode::kBlocking}) {
     Scenario sc;
@@ -65,9 +45,7 @@ TEST_CASE("in-process mesh works in every poll mode", "[mesh][tcp]") {
     MeshOptions o = TcpOptions();
     o.threads.poll_mode = mode;
     INFO(PollModeName(mode));
-    absl::Status result = testing::RunInProcess(sc, o, core::CreateTransport);
-    CHECK(result.ok());
-    if (!result.ok()) FAIL_CHECK(result.ToString());
+    CHECK_OK(testing::RunInProcess(sc, o, compose::CreateTransport));
   }
 }
 
@@ -85,86 +63,57 @@ TEST_CASE("tensors a transport cannot reach are staged, byte-exact both ways", "
   sc.push_bytes = 64 * 1024;
   sc.pull_bytes = 128 * 1024;
   auto factory = [](const MeshOptions& o) -> absl::StatusOr<std::unique_ptr<core::Transport>> {
-    auto inner = core::CreateTransport(o);
+    auto inner = compose::CreateTransport(o);
     if (!inner.ok()) return inner.status();
     return std::unique_ptr<core::Transport>(new NoDirectAccessTransport(*std::move(inner)));
   };
-  absl::Status result = testing::RunInProcess(sc, TcpOptions(), factory);
-  CHECK(result.ok());
-  if (!result.ok()) FAIL_CHECK(result.ToString());
+  CHECK_OK(testing::RunInProcess(sc, TcpOptions(), factory));
 }
 
 // A scheduler, one worker and one server over TCP in this process.
-struct OneByOne : testing::MeshPair {
-  OneByOne() : MeshPair(TcpOptions(), core::CreateTransport) {}
-};
-
-TEST_CASE("bad input gets a clear status and leaves other traffic intact", "[mesh][bad-input]") {
-  testing::RunBadInputConformance(
-      [] { return std::make_unique<testing::MeshPair>(TcpOptions(), core::CreateTransport); });
+std::unique_ptr<testing::LoopbackMesh> OneByOne() {
+  return testing::StartPair(TcpOptions(), compose::CreateTransport);
 }
 
 // Two workers and one server over TCP in this process.
-struct TwoByOne {
-  TwoByOne() {
-    MeshOptions o = TcpOptions();
-    o.num_workers = 2;
-    o.num_servers = 1;
-    o.scheduler = "127.0.0.1:0";
-    scheduler = *Scheduler::Start(o);
-    o.scheduler = scheduler->address();
-    auto make_worker = [o](int rank) {
-      MeshOptions wo = o;
-      wo.role = Role::kWorker;
-      wo.rank = rank;
-      return AFTensorWorker::Create(wo);
-    };
-    auto w0 = std::async(std::launch::async, make_worker, 0);
-    auto w1 = std::async(std::launch::async, make_worker, 1);
-    MeshOptions so = o;
-    so.role = Role::kServer;
-    auto s = AFTensorServer::Create(so);
-    REQUIRE(s.ok());
-    server = *std::move(s);
-    for (auto* w : {&w0, &w1}) {
-      auto worker = w->get();
-      REQUIRE(worker.ok());
-      workers.push_back(*std::move(worker));
-    }
-  }
-  std::unique_ptr<Scheduler> scheduler;
-  std::unique_ptr<AFTensorServer> server;
-  std::vector<std::unique_ptr<AFTensorWorker>> workers;
-};
+std::unique_ptr<testing::LoopbackMesh> TwoByOne() {
+  MeshOptions o = TcpOptions();
+  o.num_workers = 2;
+  o.num_servers = 1;
+  absl::StatusOr<std::unique_ptr<testing::LoopbackMesh>> mesh =
+      testing::LoopbackMesh::Start(o, compose::CreateTransport);
+  REQUIRE_OK(mesh);
+  return *std::move(mesh);
+}
 
 TEST_CASE("server regions must split into one equal slot per worker", "[mesh][bad-input]") {
   std::vector<uint8_t> region(4 * 64);
-  TwoByOne mesh;
+  auto mesh = TwoByOne();  // after the tensors: registered memory outlives the mesh
   CHECK(absl::IsInvalidArgument(
-      mesh.server->RegisterRecvTensor(1, {region.data(), DType::kUInt8, Shape{3, 64}})));
-  CHECK(mesh.server->RegisterRecvTensor(1, {region.data(), DType::kUInt8, Shape{4, 64}}).ok());
+      mesh->server(0).RegisterRecvTensor(1, {region.data(), DType::kUInt8, Shape{3, 64}})));
+  CHECK(mesh->server(0).RegisterRecvTensor(1, {region.data(), DType::kUInt8, Shape{4, 64}}).ok());
 }
 
 TEST_CASE("batch policies: all workers, or whoever arrived by the deadline", "[mesh][batch]") {
   std::vector<uint8_t> push0(64, 1), push1(64, 2), pull0(64), pull1(64);
   std::vector<uint8_t> recv(2 * 64), reply(2 * 64);
-  TwoByOne mesh;
-  REQUIRE(mesh.workers[0]->RegisterPushTensor(1, BytesView(push0.data(), 64)).ok());
-  REQUIRE(mesh.workers[1]->RegisterPushTensor(1, BytesView(push1.data(), 64)).ok());
-  REQUIRE(mesh.workers[0]->RegisterPullTensor(2, 0, BytesView(pull0.data(), 64)).ok());
-  REQUIRE(mesh.workers[1]->RegisterPullTensor(2, 0, BytesView(pull1.data(), 64)).ok());
-  REQUIRE(mesh.server->RegisterRecvTensor(1, {recv.data(), DType::kUInt8, Shape{2, 64}}).ok());
-  REQUIRE(mesh.server->RegisterReplyTensor(2, {reply.data(), DType::kUInt8, Shape{2, 64}}).ok());
+  auto mesh = TwoByOne();  // after the tensors: registered memory outlives the mesh
+  REQUIRE(mesh->worker(0).RegisterPushTensor(1, BytesView(push0.data(), 64)).ok());
+  REQUIRE(mesh->worker(1).RegisterPushTensor(1, BytesView(push1.data(), 64)).ok());
+  REQUIRE(mesh->worker(0).RegisterPullTensor(2, 0, BytesView(pull0.data(), 64)).ok());
+  REQUIRE(mesh->worker(1).RegisterPullTensor(2, 0, BytesView(pull1.data(), 64)).ok());
+  REQUIRE(mesh->server(0).RegisterRecvTensor(1, {recv.data(), DType::kUInt8, Shape{2, 64}}).ok());
+  REQUIRE(mesh->server(0).RegisterReplyTensor(2, {reply.data(), DType::kUInt8, Shape{2, 64}}).ok());
   const Push p{1, 48};  // a prefix: valid_bytes must say 48
   const Pull q{2, 0};
 
   // Only worker 0 sends: kAllWorkers waits for worker 1 and times out...
-  auto h0 = mesh.workers[0]->PushPull({&p, 1}, {&q, 1});
+  auto h0 = mesh->worker(0).PushPull({&p, 1}, {&q, 1});
   REQUIRE(h0.ok());
   CHECK(absl::IsDeadlineExceeded(
-      mesh.server->GetBatch(absl::Milliseconds(200), BatchPolicy::kAllWorkers).status()));
+      mesh->server(0).GetBatch(absl::Milliseconds(200), BatchPolicy::kAllWorkers).status()));
   // ...kReadyByDeadline hands out the partial batch.
-  auto partial = mesh.server->GetBatch(absl::Milliseconds(200), BatchPolicy::kReadyByDeadline);
+  auto partial = mesh->server(0).GetBatch(absl::Milliseconds(200), BatchPolicy::kReadyByDeadline);
   REQUIRE(partial.ok());
   REQUIRE(partial->workers.size() == 1);
   CHECK(partial->workers[0] == 0);
@@ -173,54 +122,54 @@ TEST_CASE("batch policies: all workers, or whoever arrived by the deadline", "[m
   CHECK(recv[0] == 1);
   std::fill(reply.begin(), reply.begin() + 64, 0x5A);
   const Reply r0{0, 64};
-  REQUIRE(mesh.server->Respond(*partial, {&r0, 1}).ok());
-  REQUIRE(mesh.workers[0]->Wait(*h0, absl::Seconds(5)).ok());
+  REQUIRE(mesh->server(0).Respond(*partial, {&r0, 1}).ok());
+  REQUIRE(mesh->worker(0).Wait(*h0, absl::Seconds(5)).ok());
   CHECK(pull0[63] == 0x5A);
 
   // The latecomer forms a batch of its own; a full batch needs no deadline.
-  auto h1 = mesh.workers[1]->PushPull({&p, 1}, {&q, 1});
+  auto h1 = mesh->worker(1).PushPull({&p, 1}, {&q, 1});
   REQUIRE(h1.ok());
-  auto late = mesh.server->GetBatch(absl::Milliseconds(200), BatchPolicy::kReadyByDeadline);
+  auto late = mesh->server(0).GetBatch(absl::Milliseconds(200), BatchPolicy::kReadyByDeadline);
   REQUIRE(late.ok());
   REQUIRE(late->workers.size() == 1);
   CHECK(late->workers[0] == 1);
   CHECK(recv[64] == 2);
   std::fill(reply.begin() + 64, reply.end(), 0xA5);
   const Reply r1{1, 64};
-  REQUIRE(mesh.server->Respond(*late, {&r1, 1}).ok());
-  REQUIRE(mesh.workers[1]->Wait(*h1, absl::Seconds(5)).ok());
+  REQUIRE(mesh->server(0).Respond(*late, {&r1, 1}).ok());
+  REQUIRE(mesh->worker(1).Wait(*h1, absl::Seconds(5)).ok());
   CHECK(pull1[0] == 0xA5);
 
-  auto a = mesh.workers[0]->PushPull({&p, 1}, {&q, 1});
-  auto b = mesh.workers[1]->PushPull({&p, 1}, {&q, 1});
+  auto a = mesh->worker(0).PushPull({&p, 1}, {&q, 1});
+  auto b = mesh->worker(1).PushPull({&p, 1}, {&q, 1});
   REQUIRE(a.ok());
   REQUIRE(b.ok());
-  auto full = mesh.server->GetBatch(absl::Seconds(5), BatchPolicy::kAllWorkers);
+  auto full = mesh->server(0).GetBatch(absl::Seconds(5), BatchPolicy::kAllWorkers);
   REQUIRE(full.ok());
   CHECK(full->workers.size() == 2);
   const Reply both[] = {{0, 64}, {1, 64}};
-  REQUIRE(mesh.server->Respond(*full, both).ok());
-  CHECK(mesh.workers[0]->Wait(*a, absl::Seconds(5)).ok());
-  CHECK(mesh.workers[1]->Wait(*b, absl::Seconds(5)).ok());
+  REQUIRE(mesh->server(0).Respond(*full, both).ok());
+  CHECK(mesh->worker(0).Wait(*a, absl::Seconds(5)).ok());
+  CHECK(mesh->worker(1).Wait(*b, absl::Seconds(5)).ok());
 }
 
 TEST_CASE("traces carry stamps in causal order", "[mesh][trace]") {
   std::vector<uint8_t> push(64, 1), pull(64), recv(64), reply(64);
-  OneByOne mesh;  // after the tensors: registered memory outlives the mesh
-  REQUIRE(mesh.worker->RegisterPushTensor(1, BytesView(push.data(), 64)).ok());
-  REQUIRE(mesh.worker->RegisterPullTensor(2, 0, BytesView(pull.data(), 64)).ok());
-  REQUIRE(mesh.server->RegisterRecvTensor(1, BytesView(recv.data(), 64)).ok());
-  REQUIRE(mesh.server->RegisterReplyTensor(2, BytesView(reply.data(), 64)).ok());
+  auto mesh = OneByOne();  // after the tensors: registered memory outlives the mesh
+  REQUIRE(mesh->worker(0).RegisterPushTensor(1, BytesView(push.data(), 64)).ok());
+  REQUIRE(mesh->worker(0).RegisterPullTensor(2, 0, BytesView(pull.data(), 64)).ok());
+  REQUIRE(mesh->server(0).RegisterRecvTensor(1, BytesView(recv.data(), 64)).ok());
+  REQUIRE(mesh->server(0).RegisterReplyTensor(2, BytesView(reply.data(), 64)).ok());
   const Push p{1};
   const Pull q{2, 0};
-  auto h = mesh.worker->PushPull({&p, 1}, {&q, 1});
+  auto h = mesh->worker(0).PushPull({&p, 1}, {&q, 1});
   REQUIRE(h.ok());
-  auto batch = mesh.server->GetBatch(absl::Seconds(5));
+  auto batch = mesh->server(0).GetBatch(absl::Seconds(5));
   REQUIRE(batch.ok());
   const Reply r{0};
-  REQUIRE(mesh.server->Respond(*batch, {&r, 1}).ok());
-  REQUIRE(mesh.worker->Wait(*h, absl::Seconds(5)).ok());
-  auto trace = mesh.worker->FetchTrace(*h);
+  REQUIRE(mesh->server(0).Respond(*batch, {&r, 1}).ok());
+  REQUIRE(mesh->worker(0).Wait(*h, absl::Seconds(5)).ok());
+  auto trace = mesh->worker(0).FetchTrace(*h);
   REQUIRE(trace.ok());
   REQUIRE(trace->servers.size() == 1);
   const TraceStamps& t = trace->servers[0].stamps;
@@ -235,14 +184,14 @@ TEST_CASE("traces carry stamps in causal order", "[mesh][trace]") {
 
 TEST_CASE("a send gated on an event waits for it on the send thread", "[mesh][event]") {
   std::vector<uint8_t> push(64, 0), pull(64), recv(64), reply(64);
-  OneByOne mesh;  // after the tensors: registered memory outlives the mesh
-  REQUIRE(mesh.worker->RegisterPushTensor(1, BytesView(push.data(), 64)).ok());
-  REQUIRE(mesh.worker->RegisterPullTensor(2, 0, BytesView(pull.data(), 64)).ok());
-  REQUIRE(mesh.server->RegisterRecvTensor(1, BytesView(recv.data(), 64)).ok());
-  REQUIRE(mesh.server->RegisterReplyTensor(2, BytesView(reply.data(), 64)).ok());
-  auto stream = *mesh.worker->backend().CreateStream();
-  auto ready = *mesh.worker->backend().CreateEvent();
-  auto flag = *mesh.worker->backend().CreateHostFlag();
+  auto mesh = OneByOne();  // after the tensors: registered memory outlives the mesh
+  REQUIRE(mesh->worker(0).RegisterPushTensor(1, BytesView(push.data(), 64)).ok());
+  REQUIRE(mesh->worker(0).RegisterPullTensor(2, 0, BytesView(pull.data(), 64)).ok());
+  REQUIRE(mesh->server(0).RegisterRecvTensor(1, BytesView(recv.data(), 64)).ok());
+  REQUIRE(mesh->server(0).RegisterReplyTensor(2, BytesView(reply.data(), 64)).ok());
+  auto stream = *mesh->worker(0).backend().CreateStream();
+  auto ready = *mesh->worker(0).backend().CreateEvent();
+  auto flag = *mesh->worker(0).backend().CreateHostFlag();
   // The "kernel" that produces the push runs only after the flag is released.
   REQUIRE(stream->WaitHostFlag(*flag, 1).ok());
   REQUIRE(stream->LaunchHostFunc([&] { std::fill(push.begin(), push.end(), 0xAB); }).ok());
@@ -251,17 +200,17 @@ TEST_CASE("a send gated on an event waits for it on the send thread", "[mesh][ev
   const Pull q{2, 0};
   SendOptions options;
   options.ready = ready.get();
-  auto h = mesh.worker->PushPull({&p, 1}, {&q, 1}, options);  // returns at once
+  auto h = mesh->worker(0).PushPull({&p, 1}, {&q, 1}, options);  // returns at once
   REQUIRE(h.ok());
-  CHECK(absl::IsDeadlineExceeded(mesh.server->GetBatch(absl::Milliseconds(100)).status()));
+  CHECK(absl::IsDeadlineExceeded(mesh->server(0).GetBatch(absl::Milliseconds(100)).status()));
   flag->Store(1);
-  auto batch = mesh.server->GetBatch(absl::Seconds(5));
+  auto batch = mesh->server(0).GetBatch(absl::Seconds(5));
   REQUIRE(batch.ok());
   CHECK(recv[0] == 0xAB);  // never the stale contents
   CHECK(recv[63] == 0xAB);
   const Reply r{0};
-  REQUIRE(mesh.server->Respond(*batch, {&r, 1}).ok());
-  REQUIRE(mesh.worker->Wait(*h, absl::Seconds(5)).ok());
+  REQUIRE(mesh->server(0).Respond(*batch, {&r, 1}).ok());
+  REQUIRE(mesh->worker(0).Wait(*h, absl::Seconds(5)).ok());
 }
 
 // ---- separate processes on 127.0.0.1 ----
@@ -271,8 +220,9 @@ struct ProcessMesh {
     MeshOptions o = TcpOptions();
     o.num_workers = workers;
     o.num_servers = servers;
-    o.scheduler = "127.0.0.1:0";
-    scheduler = *Scheduler::Start(o);
+    auto started = testing::StartLoopbackScheduler(o);
+    REQUIRE_OK(started);
+    scheduler = *std::move(started);
   }
   std::vector<std::string> Args(const std::string& role, int rank, const Scenario& sc) const {
     return {STEPMESH_TEST_NODE_PATH, "--role", role, "--rank", std::to_string(rank),

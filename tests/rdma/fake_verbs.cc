@@ -12,7 +12,7 @@
 #include <map>
 #include <vector>
 
-#include "src/core/sync.h"
+#include "src/base/sync.h"
 
 namespace stepmesh::testing {
 
@@ -125,7 +125,7 @@ void Unsignal(int fd) {
 }  // namespace
 
 struct FakeFabric::State {
-  mutable ::stepmesh::core::Mutex mu;
+  mutable base::Mutex mu;
   std::vector<std::unique_ptr<FakeNic>> nics ABSL_GUARDED_BY(mu);
   uint32_t next_qpn ABSL_GUARDED_BY(mu) = 0x100;
   uint32_t next_key ABSL_GUARDED_BY(mu) = 1;
@@ -310,7 +310,7 @@ class FakeVerbs final : public VerbsApi {
   const char* GetDeviceName(ibv_device* device) override { return device->name; }
 
   ibv_context* OpenDevice(ibv_device* device) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     auto* ctx = new FakeContext;
     ctx->nic = Nic(device);
     ctx->context.device = device;
@@ -320,7 +320,7 @@ class FakeVerbs final : public VerbsApi {
     return &ctx->context;
   }
   int CloseDevice(ibv_context* context) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     FakeContext* ctx = Ctx(context);
     if (!ctx->qps.empty()) return EBUSY;
     auto& list = ctx->nic->contexts;
@@ -330,7 +330,7 @@ class FakeVerbs final : public VerbsApi {
     return 0;
   }
   int QueryDevice(ibv_context* context, ibv_device_attr* attr) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     const FakeNicSpec& spec = Ctx(context)->nic->spec;
     *attr = {};
     attr->max_qp = 1 << 16;
@@ -345,7 +345,7 @@ class FakeVerbs final : public VerbsApi {
     return 0;
   }
   int QueryPort(ibv_context* context, uint8_t port, ibv_port_attr* attr) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     if (port != 1) return EINVAL;
     const FakeNicSpec& spec = Ctx(context)->nic->spec;
     *attr = {};
@@ -359,7 +359,7 @@ class FakeVerbs final : public VerbsApi {
   }
   int QueryGidEx(ibv_context* context, uint8_t port, uint32_t index,
                  ibv_gid_entry* entry) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     if (port != 1 || index > 1) return ENODATA;
     FakeNic* nic = Ctx(context)->nic;
     *entry = {};
@@ -371,21 +371,21 @@ class FakeVerbs final : public VerbsApi {
   }
 
   ibv_pd* AllocPd(ibv_context* context) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     auto* pd = new FakePd;
     pd->ctx = Ctx(context);
     pd->pd.context = context;
     return &pd->pd;
   }
   int DeallocPd(ibv_pd* pd) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     FakePd* fake = Pd(pd);
     if (fake->users != 0) return EBUSY;
     delete fake;
     return 0;
   }
   ibv_mr* RegMr(ibv_pd* pd, void* addr, size_t length, int access) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     if (addr == nullptr || length == 0) {
       errno = EINVAL;
       return nullptr;
@@ -399,7 +399,7 @@ class FakeVerbs final : public VerbsApi {
   }
   ibv_mr* RegDmabufMr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd,
                       int access) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     if (!state_->dmabuf) {
       errno = EOPNOTSUPP;
       return nullptr;
@@ -422,7 +422,7 @@ class FakeVerbs final : public VerbsApi {
     return mr;
   }
   int DeregMr(ibv_mr* mr) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     auto* fake = reinterpret_cast<FakeMr*>(mr);
     FakeNic* nic = fake->pd->ctx->nic;
     nic->mrs_by_lkey.erase(mr->lkey);
@@ -439,7 +439,7 @@ class FakeVerbs final : public VerbsApi {
     return &channel->channel;
   }
   int DestroyCompChannel(ibv_comp_channel* channel) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     if (channel->refcnt != 0) return EBUSY;
     ::close(channel->fd);
     delete reinterpret_cast<FakeChannel*>(channel);
@@ -447,7 +447,7 @@ class FakeVerbs final : public VerbsApi {
   }
   ibv_cq* CreateCq(ibv_context* context, int cqe, void* cq_context, ibv_comp_channel* channel,
                    int comp_vector) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     FakeContext* ctx = Ctx(context);
     if (cqe <= 0 || cqe > ctx->nic->spec.max_cqe || comp_vector != 0) {
       errno = EINVAL;
@@ -465,7 +465,7 @@ class FakeVerbs final : public VerbsApi {
     return &cq->cq;
   }
   int DestroyCq(ibv_cq* cq) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     FakeCq* fake = Cq(cq);
     if (fake->users != 0 || fake->events_acked != fake->events_delivered) return EBUSY;
     if (fake->channel != nullptr) {
@@ -477,14 +477,14 @@ class FakeVerbs final : public VerbsApi {
     return 0;
   }
   int ReqNotifyCq(ibv_cq* cq, int solicited_only) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     FakeCq* fake = Cq(cq);
     if (fake->channel == nullptr) return EINVAL;
     fake->armed = true;
     return 0;
   }
   int GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     auto* fake = reinterpret_cast<FakeChannel*>(channel);
     if (fake->events.empty()) {
       errno = EAGAIN;  // the transport reads only after the fd polled readable
@@ -497,11 +497,11 @@ class FakeVerbs final : public VerbsApi {
     return 0;
   }
   void AckCqEvents(ibv_cq* cq, unsigned int nevents) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     Cq(cq)->events_acked += nevents;
   }
   int PollCq(ibv_cq* cq, int num_entries, ibv_wc* wc) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     FakeCq* fake = Cq(cq);
     if (fake->overflowed) return -EOVERFLOW;
     int n = 0;
@@ -518,7 +518,7 @@ class FakeVerbs final : public VerbsApi {
   }
 
   ibv_qp* CreateQp(ibv_pd* pd, ibv_qp_init_attr* attr) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     FakePd* fake_pd = Pd(pd);
     const FakeNicSpec& spec = fake_pd->ctx->nic->spec;
     ibv_qp_cap& cap = attr->cap;
@@ -554,14 +554,14 @@ class FakeVerbs final : public VerbsApi {
   }
 
   int QueryLagPorts(ibv_context* context, uint8_t* num_lag_ports) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     const uint8_t lag = Ctx(context)->nic->spec.lag_ports;
     if (lag == 0) return EOPNOTSUPP;
     *num_lag_ports = lag;
     return 0;
   }
   int ModifyQpLagPort(ibv_qp* qp, uint8_t port) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     FakeQp* fake = Qp(qp);
     const uint8_t lag = fake->ctx->nic->spec.lag_ports;
     if (lag < 2) return EOPNOTSUPP;  // "not in LAG mode"
@@ -571,7 +571,7 @@ class FakeVerbs final : public VerbsApi {
     return 0;
   }
   int QueryQpLagPort(ibv_qp* qp, uint8_t* port, uint8_t* active_port) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     FakeQp* fake = Qp(qp);
     if (fake->ctx->nic->spec.lag_ports < 2) return EOPNOTSUPP;
     *port = fake->lag_port;
@@ -580,7 +580,7 @@ class FakeVerbs final : public VerbsApi {
   }
 
   int ModifyQp(ibv_qp* qp, ibv_qp_attr* attr, int mask) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     FakeQp* fake = Qp(qp);
     if (!(mask & IBV_QP_STATE)) return EINVAL;
     const ibv_qp_state from = fake->qp.state;
@@ -641,7 +641,7 @@ class FakeVerbs final : public VerbsApi {
   }
 
   int DestroyQp(ibv_qp* qp) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     FakeQp* fake = Qp(qp);
     fake->ctx->nic->qps.erase(fake->qp.qp_num);
     auto& list = fake->ctx->qps;
@@ -654,7 +654,7 @@ class FakeVerbs final : public VerbsApi {
   }
 
   int PostSend(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad_wr) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     FakeQp* fake = Qp(qp);
     for (; wr != nullptr; wr = wr->next) {
       const ibv_qp_state state = fake->qp.state;
@@ -685,7 +685,7 @@ class FakeVerbs final : public VerbsApi {
   }
 
   int PostRecv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad_wr) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     FakeQp* fake = Qp(qp);
     for (; wr != nullptr; wr = wr->next) {
       if (fake->qp.state == IBV_QPS_RESET) return Bad(bad_wr, wr, EINVAL);
@@ -700,7 +700,7 @@ class FakeVerbs final : public VerbsApi {
   }
 
   int GetAsyncEvent(ibv_context* context, ibv_async_event* event) override {
-    ::stepmesh::core::MutexLock lock(&state_->mu);
+    base::MutexLock lock(&state_->mu);
     FakeContext* ctx = Ctx(context);
     if (ctx->async_events.empty()) {
       errno = EAGAIN;
@@ -771,7 +771,7 @@ std::shared_ptr<VerbsApi> FakeFabric::AddHost(const FakeNicSpec& spec) {
 }
 
 std::shared_ptr<VerbsApi> FakeFabric::AddHost(const std::vector<FakeNicSpec>& specs) {
-  ::stepmesh::core::MutexLock lock(&state_->mu);
+  base::MutexLock lock(&state_->mu);
   std::vector<FakeNic*> nics;
   for (const FakeNicSpec& spec : specs) {
     auto nic = std::make_unique<FakeNic>();
@@ -788,7 +788,7 @@ std::shared_ptr<VerbsApi> FakeFabric::AddHost(const std::vector<FakeNicSpec>& sp
 }
 
 void FakeFabric::FailNic(const std::string& name) {
-  ::stepmesh::core::MutexLock lock(&state_->mu);
+  base::MutexLock lock(&state_->mu);
   for (auto& nic : state_->nics) {
     if (nic->spec.name != name) continue;
     for (auto& [qpn, qp] : nic->qps) state_->MoveToError(qp);
@@ -796,18 +796,18 @@ void FakeFabric::FailNic(const std::string& name) {
 }
 
 void FakeFabric::AddDeviceMemory(const void* base, size_t bytes) {
-  ::stepmesh::core::MutexLock lock(&state_->mu);
+  base::MutexLock lock(&state_->mu);
   state_->device_memory.emplace_back(reinterpret_cast<uintptr_t>(base), bytes);
 }
 
 void FakeFabric::SetGpuDirect(bool dmabuf, bool peer_memory) {
-  ::stepmesh::core::MutexLock lock(&state_->mu);
+  base::MutexLock lock(&state_->mu);
   state_->dmabuf = dmabuf;
   state_->peer_memory = peer_memory;
 }
 
 std::vector<uint8_t> FakeFabric::LagPorts(const std::string& nic) const {
-  ::stepmesh::core::MutexLock lock(&state_->mu);
+  base::MutexLock lock(&state_->mu);
   std::vector<uint8_t> ports;
   for (const auto& n : state_->nics) {
     if (n->spec.name != nic) continue;
@@ -817,7 +817,7 @@ std::vector<uint8_t> FakeFabric::LagPorts(const std::string& nic) const {
 }
 
 FakeFabricStats FakeFabric::stats() const {
-  ::stepmesh::core::MutexLock lock(&state_->mu);
+  base::MutexLock lock(&state_->mu);
   return state_->stats;
 }
 

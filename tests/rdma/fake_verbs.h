@@ -35,7 +35,7 @@
 
 namespace stepmesh::testing {
 
-using ::stepmesh::core::VerbsApi;
+using ::stepmesh::rdma::VerbsApi;
 
 struct FakeNicSpec {
   std::string name = "fake_mlx5_0";

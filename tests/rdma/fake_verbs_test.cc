@@ -13,12 +13,12 @@
 namespace stepmesh::testing {
 namespace {
 
-using core::ChannelHandle;
-using core::ContextHandle;
-using core::CqHandle;
-using core::MrHandle;
-using core::PdHandle;
-using core::QpHandle;
+using rdma::ChannelHandle;
+using rdma::ContextHandle;
+using rdma::CqHandle;
+using rdma::MrHandle;
+using rdma::PdHandle;
+using rdma::QpHandle;
 
 // One side of a fake RC connection with its own buffer.
 struct Side {

@@ -19,10 +19,12 @@
 #include "src/backends/cuda/cuda_backend.h"
 #include "src/core/mesh.h"
 #include "src/transport/rdma/rdma_transport.h"
+#include "src/transport/tcp_fallback/tcp_transport.h"
 #include "stepmesh/scheduler.h"
 #include "stepmesh/status.h"
 #include "tests/cuda/fake_cuda_api.h"
 #include "tests/rdma/fake_verbs.h"
+#include "tests/support/fake_fabric.h"
 
 namespace stepmesh {
 namespace {
@@ -164,21 +166,8 @@ Outcome RunExchange(const Setup& setup) {
   auto scheduler = Scheduler::Start(base);
   REQUIRE(scheduler.ok());
   base.scheduler = (*scheduler)->address();
-  auto next_host = std::make_shared<std::atomic<uint32_t>>(1);
-  core::TransportFactory factory =
-      [fabric, next_host, tcp = setup.tcp](
-          const MeshOptions& options) -> absl::StatusOr<std::unique_ptr<core::Transport>> {
-    if (tcp) {
-      MeshOptions o = options;
-      o.transport = "tcp";
-      return core::CreateTransport(o);
-    }
-    const uint32_t n = next_host->fetch_add(1);
-    FakeNicSpec spec;
-    spec.name = absl::StrCat("fake_mlx5_", n);
-    spec.ipv4 = 0x0A000000 + n;
-    return core::CreateRdmaTransport(options, fabric->AddHost(spec));
-  };
+  const core::TransportFactory factory = setup.tcp ? core::TransportFactory(tcp::CreateTcpTransport)
+                                                   : testing::FakeRdmaFactory(fabric);
 
   auto worker_gpu = MakeGpu(setup);
   auto server_gpu = MakeGpu(setup);

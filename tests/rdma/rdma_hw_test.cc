@@ -12,7 +12,8 @@
 #include "src/core/mesh.h"
 #include "src/transport/rdma/rdma_transport.h"
 #include "src/transport/rdma/verbs_resources.h"
-#include "tests/core/mesh_scenarios.h"
+#include "tests/support/mesh_scenarios.h"
+#include "tests/support/status.h"
 
 namespace stepmesh {
 namespace {
@@ -27,7 +28,7 @@ MeshOptions HwOptions(int qps) {
 }
 
 core::TransportFactory RealRdma() {
-  return [](const MeshOptions& options) { return core::CreateRdmaTransport(options); };
+  return [](const MeshOptions& options) { return rdma::CreateRdmaTransport(options); };
 }
 
 TEST_CASE("hw conformance: 1A1F, 1A2F, 2A2F, 3 micro-batches", "[rdma][hw]") {
@@ -37,32 +38,28 @@ TEST_CASE("hw conformance: 1A1F, 1A2F, 2A2F, 3 micro-batches", "[rdma][hw]") {
     sc.servers = s;
     sc.iterations = 200;
     INFO(w << "A" << s << "F");
-    absl::Status result = testing::RunInProcess(sc, HwOptions(1), RealRdma());
-    CHECK(result.ok());
-    if (!result.ok()) FAIL_CHECK(result.ToString());
+    CHECK_OK(testing::RunInProcess(sc, HwOptions(1), RealRdma()));
   }
 }
 
 TEST_CASE("hw conformance: two QPs per peer (striped payloads)", "[rdma][hw]") {
   testing::Scenario sc;
   sc.iterations = 200;
-  absl::Status result = testing::RunInProcess(sc, HwOptions(2), RealRdma());
-  CHECK(result.ok());
-  if (!result.ok()) FAIL_CHECK(result.ToString());
+  CHECK_OK(testing::RunInProcess(sc, HwOptions(2), RealRdma()));
 }
 
 }  // namespace
 }  // namespace stepmesh
 
 int main(int argc, char** argv) {
-  if (!stepmesh::core::RdmaDeviceAvailable()) {
+  if (!stepmesh::rdma::RdmaDeviceAvailable()) {
     std::fprintf(stderr, "rdma_hw_tests: no RDMA device with an active port; skipping\n");
     return 77;
   }
   absl::StatusOr<stepmesh::MeshOptions> env = stepmesh::MeshOptions::FromEnv();
   if (env.ok() && !env->rdma_device.empty()) {
-    auto verbs = stepmesh::core::MakeRealVerbsApi();
-    if (!stepmesh::core::OpenPort(*verbs, *env).ok()) {
+    auto verbs = stepmesh::rdma::MakeRealVerbsApi();
+    if (!stepmesh::rdma::OpenPort(*verbs, *env).ok()) {
       std::fprintf(stderr, "rdma_hw_tests: device %s unusable; skipping\n", env->rdma_device.c_str());
       return 77;
     }

@@ -11,20 +11,22 @@
 #include <thread>
 #include <vector>
 
-#include "src/core/sync.h"
 #include "absl/time/clock.h"
+#include "src/base/sync.h"
 #include "src/transport/rdma/verbs_resources.h"
 #include "tests/rdma/fake_verbs.h"
 
 namespace stepmesh::core {
 namespace {
 
+using rdma::CreateRdmaTransport;
+using rdma::RdmaTuning;
 using testing::FakeFabric;
 using testing::FakeNicSpec;
 
-constexpr NodeId kWorker = MakeNodeId(1, 0);
-constexpr NodeId kServer = MakeNodeId(2, 0);
-constexpr NodeId kOtherWorker = MakeNodeId(1, 1);
+constexpr NodeId kWorker = WorkerId(0);
+constexpr NodeId kServer = ServerId(0);
+constexpr NodeId kOtherWorker = WorkerId(1);
 
 struct Event {
   bool lost = false;
@@ -37,28 +39,31 @@ class RecordingSink final : public TransportSink {
  public:
   std::function<absl::StatusOr<Destination>(NodeId, const FrameHeader&)> resolve;
 
-  absl::StatusOr<Destination> Resolve(NodeId peer, const FrameHeader& header) override {
+  absl::Status Resolve(NodeId peer, const FrameHeader& header, Destination& out,
+                       FrameContext*) override {
     if (!resolve) return absl::NotFoundError("no destination in this test");
-    return resolve(peer, header);
+    absl::StatusOr<Destination> dest = resolve(peer, header);
+    if (dest.ok()) out = *dest;
+    return dest.status();
   }
-  void OnFrame(NodeId peer, const FrameHeader& header, absl::Status status) override {
-    ::stepmesh::core::MutexLock lock(&mu_);
+  void OnFrame(NodeId peer, const FrameHeader& header, FrameContext, absl::Status status) override {
+    base::MutexLock lock(&mu_);
     events_.push_back({false, peer, header, std::move(status)});
   }
   void OnPeerLost(NodeId peer, absl::Status why) override {
-    ::stepmesh::core::MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     events_.push_back({true, peer, {}, std::move(why)});
   }
   // Waits until `n` events were recorded; returns a copy of them.
   std::vector<Event> WaitFor(size_t n, absl::Duration timeout = absl::Seconds(5)) {
-    ::stepmesh::core::MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     auto enough = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return events_.size() >= n; };
     mu_.AwaitWithTimeout(enough, timeout);
     return events_;
   }
 
  private:
-  ::stepmesh::core::Mutex mu_;
+  base::Mutex mu_;
   std::vector<Event> events_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -319,7 +324,7 @@ TEST_CASE("rdma: sends check the advertised slot and the source region", "[rdma]
       kServer, Header(FrameType::kPush, kWorker, kServer, 7, 64), buf.src.data(), 99, 64);
   CHECK(unknown.code() == absl::StatusCode::kInvalidArgument);
   auto nobody = pair.worker.transport->Send(
-      MakeNodeId(2, 5), Header(FrameType::kPush, kWorker, kServer, 7, 64), buf.src.data(), 2, 64);
+      ServerId(5), Header(FrameType::kPush, kWorker, kServer, 7, 64), buf.src.data(), 2, 64);
   CHECK(nobody.code() == absl::StatusCode::kNotFound);
   CHECK(pair.fabric.stats().writes == 0);
 }

@@ -2,7 +2,7 @@
 
 #include <catch2/catch.hpp>
 
-namespace stepmesh::core::rdma {
+namespace stepmesh::rdma {
 namespace {
 
 TEST_CASE("rdma wire: immediates keep ring slot and stripe count apart", "[rdma][wire]") {
@@ -62,4 +62,4 @@ TEST_CASE("rdma wire: hello, advert and withdraw round-trip", "[rdma][wire]") {
 }
 
 }  // namespace
-}  // namespace stepmesh::core::rdma
+}  // namespace stepmesh::rdma

@@ -1,27 +1,31 @@
 // SHA-256 / HMAC-SHA256 against published vectors, and the shared-secret
 // challenge-response on the scheduler and on every data connection.
 
+#include "src/core/auth.h"
+
+#include <catch2/catch.hpp>
 #include <future>
 #include <string>
 #include <thread>
 
-#include <catch2/catch.hpp>
-
 #include "absl/strings/escaping.h"
 #include "absl/time/clock.h"
-#include "src/core/auth.h"
+#include "src/base/net.h"
+#include "src/compose/transports.h"
 #include "src/core/control_message.h"
 #include "src/core/mesh.h"
-#include "src/core/net.h"
 #include "src/transport/tcp_fallback/tcp_transport.h"
 #include "stepmesh/scheduler.h"
 #include "tests/reliability/harness.h"
+#include "tests/support/loopback_mesh.h"
+#include "tests/support/status.h"
 
 namespace stepmesh {
 namespace {
 
 using core::AuthNonce;
 using core::AuthSide;
+using testing::StartLoopbackScheduler;
 
 std::string Hex(const core::Sha256Digest& d) {
   return absl::BytesToHexString(core::AsText(d));
@@ -89,9 +93,8 @@ TEST_CASE("auth: a mesh whose members share the secret works", "[auth]") {
   c.workers = 2;
   c.servers = 1;
   c.options = AuthOptions("correct horse battery staple");
-  testing::Harness mesh(c, core::CreateTransport);
-  INFO(mesh.status().ToString());
-  REQUIRE(mesh.status().ok());
+  testing::Harness mesh(c, compose::CreateTransport);
+  REQUIRE_OK(mesh.status());
   auto h0 = mesh.Start(0, 0, 1);
   auto h1 = mesh.Start(1, 0, 2);
   REQUIRE(h0.ok());
@@ -104,11 +107,9 @@ TEST_CASE("auth: the scheduler refuses participants without the secret", "[auth]
   MeshOptions o = AuthOptions("the-secret");
   o.num_workers = 1;
   o.num_servers = 1;
-  o.scheduler = "127.0.0.1:0";
-  auto scheduler = Scheduler::Start(o);
-  REQUIRE(scheduler.ok());
+  auto scheduler = StartLoopbackScheduler(o);
+  REQUIRE_OK(scheduler);
   MeshOptions w = o;
-  w.scheduler = (*scheduler)->address();
   w.role = Role::kWorker;
   for (const std::string& token : {std::string(), std::string("wrong-secret")}) {
     INFO("token '" << token << "'");
@@ -122,9 +123,9 @@ TEST_CASE("auth: the scheduler refuses participants without the secret", "[auth]
   // A participant with a secret refuses a scheduler without one.
   MeshOptions open = o;
   open.auth_token.clear();
-  auto open_scheduler = Scheduler::Start(open);
-  REQUIRE(open_scheduler.ok());
-  w.scheduler = (*open_scheduler)->address();
+  auto open_scheduler = StartLoopbackScheduler(open);
+  REQUIRE_OK(open_scheduler);
+  w.scheduler = open.scheduler;
   w.auth_token = "the-secret";
   CHECK(absl::IsPermissionDenied(AFTensorWorker::Create(w).status()));
 }
@@ -134,13 +135,12 @@ TEST_CASE("auth: a raw unauthenticated join gets kReject, the secret never cross
   MeshOptions o = AuthOptions("never-on-the-wire");
   o.num_workers = 1;
   o.num_servers = 1;
-  o.scheduler = "127.0.0.1:0";
-  auto scheduler = Scheduler::Start(o);
-  REQUIRE(scheduler.ok());
-  auto where = core::ParseHostPort((*scheduler)->address());
+  auto scheduler = StartLoopbackScheduler(o);
+  REQUIRE_OK(scheduler);
+  auto where = base::ParseHostPort(o.scheduler);
   REQUIRE(where.ok());
   const absl::Time deadline = absl::Now() + absl::Seconds(3);
-  auto fd = core::ConnectTcp(*where, deadline);
+  auto fd = base::ConnectTcp(*where, deadline);
   REQUIRE(fd.ok());
   core::ControlMessage join;
   join.type = core::ControlType::kJoin;
@@ -154,7 +154,7 @@ TEST_CASE("auth: a raw unauthenticated join gets kReject, the secret never cross
   CHECK(reply->text.find("never-on-the-wire") == std::string::npos);
 
   // A challenge answered with a bogus proof is refused too.
-  auto fd2 = core::ConnectTcp(*where, deadline);
+  auto fd2 = base::ConnectTcp(*where, deadline);
   REQUIRE(fd2.ok());
   core::ControlMessage challenge;
   challenge.type = core::ControlType::kChallenge;
@@ -185,11 +185,11 @@ struct Pair {
 Pair ConnectPair(const std::string& server_token, const std::string& worker_token) {
   MeshOptions so = AuthOptions(server_token);
   MeshOptions wo = AuthOptions(worker_token);
-  auto server = *core::CreateTcpTransport(so);
-  auto worker = *core::CreateTcpTransport(wo);
+  auto server = *tcp::CreateTcpTransport(so);
+  auto worker = *tcp::CreateTcpTransport(wo);
   const std::string endpoint = *server->LocalEndpoint();
   (void)*worker->LocalEndpoint();
-  const core::NodeId w = core::MakeNodeId(1, 0), s = core::MakeNodeId(2, 0);
+  const core::NodeId w = core::WorkerId(0), s = core::ServerId(0);
   auto accepted = std::async(std::launch::async, [&] {
     const core::PeerInfo peer{w, ""};
     return server->Connect(s, {&peer, 1}, absl::Now() + absl::Seconds(2));
@@ -218,19 +218,20 @@ TEST_CASE("auth: data connections need the secret on both ends", "[auth]") {
 TEST_CASE("auth: a junk client on the data port is refused, the real peer still gets in",
           "[auth]") {
   MeshOptions o = AuthOptions("k");
-  auto server = *core::CreateTcpTransport(o);
-  auto worker = *core::CreateTcpTransport(o);
+  auto server = *tcp::CreateTcpTransport(o);
+  auto worker = *tcp::CreateTcpTransport(o);
   const std::string endpoint = *server->LocalEndpoint();
-  const core::NodeId w = core::MakeNodeId(1, 0), s = core::MakeNodeId(2, 0);
+  const core::NodeId w = core::WorkerId(0), s = core::ServerId(0);
   auto accepted = std::async(std::launch::async, [&] {
     const core::PeerInfo peer{w, ""};
     return server->Connect(s, {&peer, 1}, absl::Now() + absl::Seconds(5));
   });
-  auto junk = core::ConnectTcp(*core::ParseHostPort(endpoint), absl::Now() + absl::Seconds(2));
+  auto junk = base::ConnectTcp(*base::ParseHostPort(endpoint), absl::Now() + absl::Seconds(2));
   REQUIRE(junk.ok());
   const std::string garbage(48, 'G');
-  REQUIRE(core::WriteFully(junk->get(), garbage.data(), garbage.size(),
-                           absl::Now() + absl::Seconds(1)).ok());
+  REQUIRE(
+      base::WriteFully(junk->get(), garbage.data(), garbage.size(), absl::Now() + absl::Seconds(1))
+          .ok());
   absl::SleepFor(absl::Milliseconds(100));
   const core::PeerInfo peer{s, endpoint};
   CHECK(worker->Connect(w, {&peer, 1}, absl::Now() + absl::Seconds(3)).ok());

@@ -6,40 +6,41 @@
 #include "absl/time/clock.h"
 #include "src/transport/tcp_fallback/tcp_transport.h"
 #include "stepmesh/status.h"
+#include "tests/reliability/wire_proxy.h"
 
 namespace stepmesh::testing {
 
-// Hands a byte-level fault from the decorator to the TCP wire hook. Both run on
-// the node's send thread, inside one Send call, so a plain field suffices.
-struct WireFaultSlot {
-  std::optional<FaultAction> next;
-};
-
 void FaultPlan::Add(const FaultRule& rule) {
-  ::stepmesh::core::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   rules_.push_back({rule, 0, 0});
 }
 
 void FaultPlan::RefuseConnect(core::NodeId node) {
-  ::stepmesh::core::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   refused_.push_back(node);
 }
 
 void FaultPlan::Stall(core::NodeId node, absl::Duration duration) {
-  ::stepmesh::core::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   stalls_[node] = absl::Now() + duration;
 }
 
 int FaultPlan::fired(FaultAction action) const {
-  ::stepmesh::core::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   auto it = fired_.find(action);
   return it == fired_.end() ? 0 : it->second;
 }
 
-std::optional<FaultRule> FaultPlan::Match(const core::FrameHeader& h) {
-  ::stepmesh::core::MutexLock lock(&mu_);
+bool IsWireFault(FaultAction action) {
+  return action == FaultAction::kCorruptHeader || action == FaultAction::kCorruptPayload ||
+         action == FaultAction::kTruncate;
+}
+
+std::optional<FaultRule> FaultPlan::Match(const core::FrameHeader& h, bool wire) {
+  base::MutexLock lock(&mu_);
   for (Armed& a : rules_) {
     const FaultRule& r = a.rule;
+    if (IsWireFault(r.action) != wire) continue;
     if (r.type.has_value() && *r.type != h.type) continue;
     if (r.from != core::kNoNode && r.from != h.src) continue;
     if (r.to != core::kNoNode && r.to != h.dst) continue;
@@ -53,7 +54,7 @@ std::optional<FaultRule> FaultPlan::Match(const core::FrameHeader& h) {
 }
 
 bool FaultPlan::refuses(core::NodeId node) const {
-  ::stepmesh::core::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   for (core::NodeId n : refused_) {
     if (n == node) return true;
   }
@@ -61,7 +62,7 @@ bool FaultPlan::refuses(core::NodeId node) const {
 }
 
 absl::Time FaultPlan::stalled_until(core::NodeId node) const {
-  ::stepmesh::core::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   auto it = stalls_.find(node);
   return it == stalls_.end() ? absl::InfinitePast() : it->second;
 }
@@ -70,9 +71,8 @@ namespace {
 
 class FaultTransport final : public core::Transport {
  public:
-  FaultTransport(std::unique_ptr<core::Transport> inner, std::shared_ptr<FaultPlan> plan,
-                 std::shared_ptr<WireFaultSlot> wire)
-      : inner_(std::move(inner)), plan_(std::move(plan)), wire_(std::move(wire)) {}
+  FaultTransport(std::unique_ptr<core::Transport> inner, std::shared_ptr<FaultPlan> plan)
+      : inner_(std::move(inner)), plan_(std::move(plan)) {}
 
   absl::string_view name() const override { return inner_->name(); }
   absl::StatusOr<std::string> LocalEndpoint() override { return inner_->LocalEndpoint(); }
@@ -94,7 +94,7 @@ class FaultTransport final : public core::Transport {
   absl::Status Send(core::NodeId peer, const core::FrameHeader& header, const void* src,
                     core::RegionId src_region, size_t bytes) override {
     if (killed_.load()) return absl::UnavailableError("fault injection: this node's link is dead");
-    std::optional<FaultRule> rule = plan_->Match(header);
+    std::optional<FaultRule> rule = plan_->Match(header, /*wire=*/false);
     if (!rule.has_value()) return inner_->Send(peer, header, src, src_region, bytes);
     core::FrameHeader h = header;
     switch (rule->action) {
@@ -118,17 +118,8 @@ class FaultTransport final : public core::Transport {
         return absl::UnavailableError("fault injection: this node's link died");
       case FaultAction::kCorruptHeader:
       case FaultAction::kCorruptPayload:
-      case FaultAction::kTruncate: {
-        if (wire_ == nullptr) {
-          return absl::UnimplementedError(
-              absl::StrCat("fault injection: transport '", inner_->name(),
-                           "' exposes no wire for byte-level faults"));
-        }
-        wire_->next = rule->action;
-        absl::Status sent = inner_->Send(peer, h, src, src_region, bytes);
-        wire_->next.reset();
-        return sent;
-      }
+      case FaultAction::kTruncate:
+        break;  // the wire proxy's
     }
     return inner_->Send(peer, h, src, src_region, bytes);
   }
@@ -151,7 +142,6 @@ class FaultTransport final : public core::Transport {
  private:
   std::unique_ptr<core::Transport> inner_;
   std::shared_ptr<FaultPlan> plan_;
-  std::shared_ptr<WireFaultSlot> wire_;
   std::atomic<core::NodeId> self_{core::kNoNode};
   std::atomic<bool> killed_{false};
 };
@@ -159,54 +149,22 @@ class FaultTransport final : public core::Transport {
 }  // namespace
 
 std::unique_ptr<core::Transport> WrapWithFaults(std::unique_ptr<core::Transport> inner,
-                                                std::shared_ptr<FaultPlan> plan,
-                                                std::shared_ptr<WireFaultSlot> wire) {
-  return std::make_unique<FaultTransport>(std::move(inner), std::move(plan), std::move(wire));
+                                                std::shared_ptr<FaultPlan> plan) {
+  return std::make_unique<FaultTransport>(std::move(inner), std::move(plan));
 }
 
-core::TransportFactory Faulty(core::TransportFactory inner, std::shared_ptr<FaultPlan> plan) {
-  return [inner = std::move(inner), plan = std::move(plan)](const MeshOptions& options)
-             -> absl::StatusOr<std::unique_ptr<core::Transport>> {
+core::TransportFactory Faulty(core::TransportFactory inner, std::shared_ptr<FaultPlan> plan,
+                              bool wire) {
+  return [inner = std::move(inner), plan = std::move(plan),
+          wire](const MeshOptions& options) -> absl::StatusOr<std::unique_ptr<core::Transport>> {
     STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<core::Transport> t, inner(options));
+    if (wire) t = WrapWithWireProxy(std::move(t), plan);
     return WrapWithFaults(std::move(t), plan);
   };
 }
 
 core::TransportFactory FaultyTcp(std::shared_ptr<FaultPlan> plan) {
-  return [plan = std::move(plan)](const MeshOptions& options)
-             -> absl::StatusOr<std::unique_ptr<core::Transport>> {
-    auto wire = std::make_shared<WireFaultSlot>();
-    core::TcpWireHook hook = [wire](core::NodeId, const core::FrameHeader&,
-                                    core::FrameBytes& encoded) {
-      core::TcpWireFault fault;
-      if (!wire->next.has_value()) return fault;
-      switch (*wire->next) {
-        case FaultAction::kCorruptHeader:
-          encoded[20] ^= std::byte{0x01};  // inside `key`: only the CRC can tell
-          break;
-        case FaultAction::kCorruptPayload:
-          fault.flip_payload_byte = 0;
-          break;
-        case FaultAction::kTruncate:
-          fault.truncate_payload_to = 0;  // set below from the header
-          fault.close_after = true;
-          break;
-        default:
-          break;
-      }
-      return fault;
-    };
-    // Truncation keeps half the payload: the hook sees the header's size.
-    core::TcpWireHook sized = [hook](core::NodeId peer, const core::FrameHeader& h,
-                                     core::FrameBytes& encoded) {
-      core::TcpWireFault fault = hook(peer, h, encoded);
-      if (fault.close_after) fault.truncate_payload_to = h.payload_bytes / 2;
-      return fault;
-    };
-    STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<core::Transport> t,
-                              core::CreateTcpTransport(options, std::move(sized)));
-    return WrapWithFaults(std::move(t), plan, wire);
-  };
+  return Faulty(tcp::CreateTcpTransport, std::move(plan), /*wire=*/true);
 }
 
 }  // namespace stepmesh::testing

@@ -2,9 +2,9 @@
 // Fault injection for the reliability tests: a Transport decorator that drops,
 // delays, duplicates, rewrites, stalls, kills or refuses, driven by a shared
 // FaultPlan. Frame-level faults work over any transport. Byte-level faults
-// (corrupt a header or payload byte, truncate a frame) need the transport to
-// expose its wire: the TCP transport does through TcpWireHook (FaultyTcp);
-// over another transport those rules are reported as not applicable.
+// (corrupt a header or payload byte, truncate a frame) happen on the wire, in
+// a proxy in front of a TCP transport's listener (tests/reliability/
+// wire_proxy.h); on a transport without one those rules never fire.
 //
 // What each fault must look like to the caller (tests/reliability/fault_test.cc):
 //   drop        : reliable transports never drop silently, so nothing notices
@@ -22,8 +22,8 @@
 #include <optional>
 #include <vector>
 
-#include "src/core/sync.h"
 #include "absl/time/time.h"
+#include "src/base/sync.h"
 #include "src/core/transport.h"
 
 namespace stepmesh::testing {
@@ -63,8 +63,9 @@ class FaultPlan {
   // How often `action` fired so far.
   int fired(FaultAction action) const;
 
-  // For the decorator: the rule this frame hits, if any (consumes it).
-  std::optional<FaultRule> Match(const core::FrameHeader& header);
+  // The rule this frame hits, if any (consumes it): among the byte-level
+  // rules for the wire proxy (`wire`), among the others for the decorator.
+  std::optional<FaultRule> Match(const core::FrameHeader& header, bool wire);
   bool refuses(core::NodeId node) const;
   absl::Time stalled_until(core::NodeId node) const;
 
@@ -74,23 +75,25 @@ class FaultPlan {
     int seen = 0;
     int hit = 0;
   };
-  mutable ::stepmesh::core::Mutex mu_;
+  mutable base::Mutex mu_;
   std::vector<Armed> rules_ ABSL_GUARDED_BY(mu_);
   std::vector<core::NodeId> refused_ ABSL_GUARDED_BY(mu_);
   std::map<core::NodeId, absl::Time> stalls_ ABSL_GUARDED_BY(mu_);
   std::map<FaultAction, int> fired_ ABSL_GUARDED_BY(mu_);
 };
 
-// Wraps `inner` (any transport). `wire` is non-null when the inner transport
-// consults it for byte-level faults (see FaultyTcp).
-struct WireFaultSlot;
-std::unique_ptr<core::Transport> WrapWithFaults(std::unique_ptr<core::Transport> inner,
-                                                std::shared_ptr<FaultPlan> plan,
-                                                std::shared_ptr<WireFaultSlot> wire = nullptr);
+// Byte-level faults: corrupt a header or payload byte, cut a frame short.
+bool IsWireFault(FaultAction action);
 
-// Factories for the core: any transport (frame-level faults), or TCP with the
-// wire hook installed (every fault).
-core::TransportFactory Faulty(core::TransportFactory inner, std::shared_ptr<FaultPlan> plan);
+// Wraps `inner` (any transport) for the frame-level faults.
+std::unique_ptr<core::Transport> WrapWithFaults(std::unique_ptr<core::Transport> inner,
+                                                std::shared_ptr<FaultPlan> plan);
+
+// Factories for the core: any transport with the frame-level faults, and with
+// `wire` (a TCP transport: TransportCase::wire_faults) the byte-level ones too.
+core::TransportFactory Faulty(core::TransportFactory inner, std::shared_ptr<FaultPlan> plan,
+                              bool wire = false);
+// The TCP transport with every fault.
 core::TransportFactory FaultyTcp(std::shared_ptr<FaultPlan> plan);
 
 }  // namespace stepmesh::testing

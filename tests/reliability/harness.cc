@@ -5,11 +5,9 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
-#include <future>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "src/core/mesh.h"
 #include "stepmesh/status.h"
 
 namespace stepmesh::testing {
@@ -49,21 +47,8 @@ int ThreadCount() {
 }
 
 Harness::Harness(const HarnessConfig& config, const core::TransportFactory& transport)
-    : config_(config), transport_(transport) {
+    : config_(config) {
   const int W = config.workers, S = config.servers, M = config.keys;
-  MeshOptions base = config.options;
-  base.num_workers = W;
-  base.num_servers = S;
-  base.scheduler = "127.0.0.1:0";
-  absl::StatusOr<std::unique_ptr<Scheduler>> scheduler = Scheduler::Start(base);
-  if (!scheduler.ok()) {
-    status_ = scheduler.status();
-    return;
-  }
-  scheduler_ = *std::move(scheduler);
-  base.scheduler = scheduler_->address();
-  base_ = base;
-
   pulls_.assign(W, std::vector<std::vector<std::vector<uint8_t>>>(
                        M, std::vector<std::vector<uint8_t>>(S, std::vector<uint8_t>(config.bytes))));
   pushes_flat_.assign(W * M, std::vector<uint8_t>(config.bytes));
@@ -72,45 +57,25 @@ Harness::Harness(const HarnessConfig& config, const core::TransportFactory& tran
   serving_.reset(new std::atomic<bool>[S]);
   exits_.assign(S, absl::OkStatus());
 
-  std::vector<std::future<absl::StatusOr<std::unique_ptr<AFTensorServer>>>> servers;
-  for (int s = 0; s < S; ++s) {
-    MeshOptions o = base;
-    o.role = Role::kServer;
-    o.rank = s;
-    servers.push_back(std::async(std::launch::async, [o, transport] {
-      return core::CreateServer(o, CreateCpuMockBackend(), transport);
-    }));
+  MeshOptions base = config.options;
+  base.num_workers = W;
+  base.num_servers = S;
+  absl::StatusOr<std::unique_ptr<LoopbackMesh>> mesh = LoopbackMesh::Start(base, transport);
+  if (!mesh.ok()) {
+    status_ = mesh.status();
+    return;
   }
-  std::vector<std::future<absl::StatusOr<std::unique_ptr<AFTensorWorker>>>> workers;
-  for (int w = 0; w < W; ++w) {
-    MeshOptions o = base;
-    o.role = Role::kWorker;
-    o.rank = w;
-    workers.push_back(std::async(std::launch::async, [o, transport] {
-      return core::CreateWorker(o, CreateCpuMockBackend(), transport);
-    }));
-  }
+  mesh_ = *std::move(mesh);
   auto keep = [this](absl::Status s) {
     if (status_.ok() && !s.ok()) status_ = s;
   };
-  for (auto& f : workers) {
-    auto w = f.get();
-    keep(w.status());
-    workers_.push_back(w.ok() ? *std::move(w) : nullptr);
-  }
-  for (auto& f : servers) {
-    auto s = f.get();
-    keep(s.status());
-    servers_.push_back(s.ok() ? *std::move(s) : nullptr);
-  }
-  if (!status_.ok()) return;
   const int64_t rows = W;
   for (int s = 0; s < S; ++s) {
     for (int m = 0; m < M; ++m) {
-      keep(servers_[s]->RegisterRecvTensor(
+      keep(mesh_->server(s).RegisterRecvTensor(
           RelPushKey(m), {recvs_[s][m].data(), DType::kUInt8,
                           Shape{rows, static_cast<int64_t>(config.bytes)}, Device::Cpu()}));
-      keep(servers_[s]->RegisterReplyTensor(
+      keep(mesh_->server(s).RegisterReplyTensor(
           RelPullKey(m), {replies_[s][m].data(), DType::kUInt8,
                           Shape{rows, static_cast<int64_t>(config.bytes)}, Device::Cpu()}));
     }
@@ -128,19 +93,11 @@ Harness::~Harness() {
   for (auto& t : serve_threads_) {
     if (t.joinable()) t.join();
   }
-  for (auto& w : workers_) {
-    if (w != nullptr) (void)w->Shutdown();
-  }
-  for (auto& s : servers_) {
-    if (s != nullptr) (void)s->Shutdown();
-  }
-  workers_.clear();
-  servers_.clear();
-  scheduler_.reset();
+  mesh_.reset();  // before the tensors it registered
 }
 
 void Harness::ServeLoop(int s) {
-  AFTensorServer& server = *servers_[s];
+  AFTensorServer& server = mesh_->server(s);
   absl::Status last;
   while (!stop_.load() && serving_[s].load()) {
     absl::StatusOr<Batch> batch = server.GetBatch(absl::Milliseconds(50));
@@ -151,7 +108,7 @@ void Harness::ServeLoop(int s) {
           absl::IsFailedPrecondition(last)) {
         break;  // every worker gone, or this server shut down
       }
-      ::stepmesh::core::MutexLock lock(&mu_);
+      base::MutexLock lock(&mu_);
       errors_.push_back(last.ToString());
       continue;
     }
@@ -167,11 +124,11 @@ void Harness::ServeLoop(int s) {
     }
     absl::Status responded = server.Respond(*batch, replies);
     if (!responded.ok() && !stop_.load()) {
-      ::stepmesh::core::MutexLock lock(&mu_);
+      base::MutexLock lock(&mu_);
       errors_.push_back(absl::StrCat("respond: ", responded.ToString()));
     }
   }
-  ::stepmesh::core::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   exits_[s] = last;
 }
 
@@ -185,7 +142,7 @@ absl::StatusOr<RequestHandle> Harness::Start(int w, int m, uint8_t fill, std::ve
   p.servers = servers;
   std::vector<Pull> pulls;
   for (int s : servers) pulls.push_back({RelPullKey(m), s});
-  return workers_[w]->PushPull({&p, 1}, pulls);
+  return mesh_->worker(w).PushPull({&p, 1}, pulls);
 }
 
 absl::Status Harness::Finish(int w, int m, RequestHandle handle, uint8_t fill,
@@ -193,7 +150,7 @@ absl::Status Harness::Finish(int w, int m, RequestHandle handle, uint8_t fill,
   if (servers.empty()) {
     for (int s = 0; s < config_.servers; ++s) servers.push_back(s);
   }
-  STEPMESH_RETURN_IF_ERROR(workers_[w]->Wait(handle, timeout));
+  STEPMESH_RETURN_IF_ERROR(mesh_->worker(w).Wait(handle, timeout));
   for (int s : servers) {
     const std::vector<uint8_t>& got = pulls_[w][m][s];
     for (size_t j = 0; j < got.size(); ++j) {
@@ -215,21 +172,19 @@ absl::Status Harness::RoundTrip(int w, int m, uint8_t fill, absl::Duration timeo
 }
 
 std::vector<std::string> Harness::server_errors() {
-  ::stepmesh::core::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   return errors_;
 }
 
-void Harness::StopWorker(int w) {
-  if (workers_[w] != nullptr) (void)workers_[w]->Shutdown();
-}
+void Harness::StopWorker(int w) { mesh_->ShutdownWorker(w); }
 
 absl::Status Harness::RegisterWorkerTensors(int w) {
   const int M = config_.keys;
   for (int m = 0; m < M; ++m) {
-    STEPMESH_RETURN_IF_ERROR(workers_[w]->RegisterPushTensor(
+    STEPMESH_RETURN_IF_ERROR(mesh_->worker(w).RegisterPushTensor(
         RelPushKey(m), BytesView(pushes_flat_[w * M + m].data(), config_.bytes)));
     for (int s = 0; s < config_.servers; ++s) {
-      STEPMESH_RETURN_IF_ERROR(workers_[w]->RegisterPullTensor(
+      STEPMESH_RETURN_IF_ERROR(mesh_->worker(w).RegisterPullTensor(
           RelPullKey(m), s, BytesView(pulls_[w][m][s].data(), config_.bytes)));
     }
   }
@@ -237,25 +192,7 @@ absl::Status Harness::RegisterWorkerTensors(int w) {
 }
 
 absl::Status Harness::RestartWorker(int w) {
-  StopWorker(w);
-  workers_[w].reset();
-  MeshOptions o = base_;
-  o.role = Role::kWorker;
-  o.rank = w;
-  absl::StatusOr<std::unique_ptr<AFTensorWorker>> worker;
-  absl::Status first;
-  for (int attempt = 0; attempt < 50; ++attempt) {  // the leave may not have reached the scheduler
-    worker = core::CreateWorker(o, CreateCpuMockBackend(), transport_);
-    if (worker.ok()) break;
-    if (first.ok()) first = worker.status();
-    absl::SleepFor(absl::Milliseconds(50));
-  }
-  if (!worker.ok()) {
-    return absl::Status(worker.status().code(),
-                        absl::StrCat(worker.status().message(), " (first attempt: ",
-                                     first.ToString(), ")"));
-  }
-  workers_[w] = *std::move(worker);
+  STEPMESH_RETURN_IF_ERROR(mesh_->RestartWorker(w));
   return RegisterWorkerTensors(w);
 }
 
@@ -264,14 +201,14 @@ void Harness::StopServer(int s) {
   if (s < static_cast<int>(serve_threads_.size()) && serve_threads_[s].joinable()) {
     serve_threads_[s].join();
   }
-  if (servers_[s] != nullptr) (void)servers_[s]->Shutdown();
+  mesh_->ShutdownServer(s);
 }
 
 absl::Status Harness::server_exit(int s) {
   if (s < static_cast<int>(serve_threads_.size()) && serve_threads_[s].joinable()) {
     serve_threads_[s].join();
   }
-  ::stepmesh::core::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   return exits_[s];
 }
 

@@ -1,6 +1,7 @@
 #pragma once
-// An in-process mesh for the reliability tests: a scheduler, W workers driven
-// by the test, and S servers answering on their own threads. Every server's
+// The reliability tests' scenario on an in-process mesh (tests/support/
+// loopback_mesh.h): W workers driven by the test, and S servers answering on
+// their own threads. Every server's
 // reply to worker w is worker w's push XOR (0x10 + server rank), so a worker can
 // check that each pull tensor got exactly its own answer.
 
@@ -12,12 +13,13 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "src/core/sync.h"
 #include "absl/time/time.h"
+#include "src/base/sync.h"
 #include "src/core/transport.h"
 #include "stepmesh/scheduler.h"
 #include "stepmesh/server.h"
 #include "stepmesh/worker.h"
+#include "tests/support/loopback_mesh.h"
 
 namespace stepmesh::testing {
 
@@ -51,8 +53,8 @@ class Harness {
   ~Harness();
   absl::Status status() const { return status_; }
 
-  AFTensorWorker& worker(int w) { return *workers_[w]; }
-  Scheduler& scheduler() { return *scheduler_; }
+  AFTensorWorker& worker(int w) { return mesh_->worker(w); }
+  Scheduler& scheduler() { return mesh_->scheduler(); }
   // Runs a PushPull of micro-batch key `m` from worker `w` to `servers` (all when empty).
   absl::StatusOr<RequestHandle> Start(int w, int m, uint8_t fill, std::vector<int> servers = {});
   // Waits for it and checks each server's reply bytes.
@@ -73,7 +75,7 @@ class Harness {
   // its tensors again.
   absl::Status RestartWorker(int w);
   void StopServer(int s);
-  void StopScheduler() { scheduler_.reset(); }
+  void StopScheduler() { mesh_->StopScheduler(); }
   // Last GetBatch status of server `s` once its loop ended.
   absl::Status server_exit(int s);
 
@@ -82,12 +84,8 @@ class Harness {
   absl::Status RegisterWorkerTensors(int w);
 
   HarnessConfig config_;
-  MeshOptions base_;  // with the scheduler's address
-  core::TransportFactory transport_;
   absl::Status status_;
-  std::unique_ptr<Scheduler> scheduler_;
-  std::vector<std::unique_ptr<AFTensorWorker>> workers_;
-  std::vector<std::unique_ptr<AFTensorServer>> servers_;
+  std::unique_ptr<LoopbackMesh> mesh_;  // reset first: it registered the tensors below
   std::vector<std::vector<std::vector<std::vector<uint8_t>>>> pulls_;  // [w][m][s]
   std::vector<std::vector<uint8_t>> pushes_flat_;                      // [w*keys+m]
   std::vector<std::vector<std::vector<uint8_t>>> recvs_;               // [s][m]
@@ -95,7 +93,7 @@ class Harness {
   std::vector<std::thread> serve_threads_;
   std::unique_ptr<std::atomic<bool>[]> serving_;
   std::atomic<bool> stop_{false};
-  ::stepmesh::core::Mutex mu_;
+  base::Mutex mu_;
   std::vector<std::string> errors_ ABSL_GUARDED_BY(mu_);
   std::vector<absl::Status> exits_ ABSL_GUARDED_BY(mu_);
 };

@@ -4,19 +4,20 @@
 
 #include <signal.h>
 
+#include <catch2/catch.hpp>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include <catch2/catch.hpp>
-
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "stepmesh/scheduler.h"
 #include "stepmesh/worker.h"
-#include "tests/core/child_process.h"
 #include "tests/reliability/harness.h"
+#include "tests/support/child_process.h"
+#include "tests/support/loopback_mesh.h"
+#include "tests/support/status.h"
 
 namespace stepmesh::testing {
 namespace {
@@ -75,11 +76,9 @@ struct ProcessMesh {
     options.num_servers = servers;
     options.timeout = timeout;
     options.heartbeat_interval = absl::Milliseconds(100);
-    options.scheduler = "127.0.0.1:0";
-    auto started = Scheduler::Start(options);
-    REQUIRE(started.ok());
+    auto started = StartLoopbackScheduler(options);
+    REQUIRE_OK(started);
     scheduler = *std::move(started);
-    options.scheduler = scheduler->address();
   }
   // `rounds`: a worker's round trips before it leaves (0: until killed).
   std::vector<std::string> NodeArgs(const char* role, int rank, int rounds = 0) const {
@@ -133,8 +132,7 @@ TEST_CASE("liveness: a stopped server is declared lost in time, a restarted one 
   };
   {
     const absl::Status s = eventually(1, {0, 1});
-    INFO(s.ToString());
-    REQUIRE(s.ok());
+    REQUIRE_OK(s);
   }
 
   // SIGSTOP: the process is alive but silent; only the heartbeat can tell.
@@ -155,8 +153,7 @@ TEST_CASE("liveness: a stopped server is declared lost in time, a restarted one 
   server1 = std::make_unique<ChildProcess>(*ChildProcess::Spawn(args(1)));
   {
     const absl::Status s = eventually(5, {0, 1});
-    INFO(s.ToString());
-    REQUIRE(s.ok());
+    REQUIRE_OK(s);
   }
   for (int i = 0; i < 20; ++i) {
     REQUIRE(pw.RoundTrip(static_cast<uint8_t>(10 + i), {0, 1}, absl::Seconds(5)).ok());

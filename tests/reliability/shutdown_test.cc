@@ -4,17 +4,19 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <catch2/catch.hpp>
 #include <cstdio>
 #include <fstream>
 #include <future>
 #include <sstream>
 #include <string>
 
-#include <catch2/catch.hpp>
-
 #include "absl/time/clock.h"
+#include "src/compose/transports.h"
 #include "src/core/mesh.h"
 #include "tests/reliability/harness.h"
+#include "tests/support/loopback_mesh.h"
+#include "tests/support/status.h"
 
 namespace stepmesh::testing {
 namespace {
@@ -73,28 +75,20 @@ TEST_CASE("shutdown: a server blocked in GetBatch returns UNAVAILABLE once every
   MeshOptions o;
   o.transport = "tcp";
   o.timeout = absl::Seconds(5);
-  o.scheduler = "127.0.0.1:0";
-  auto scheduler = *Scheduler::Start(o);
-  o.scheduler = scheduler->address();
-  MeshOptions so = o;
-  so.role = Role::kServer;
-  auto server_future = std::async(std::launch::async, [so] { return AFTensorServer::Create(so); });
-  o.role = Role::kWorker;
-  auto worker = AFTensorWorker::Create(o);
-  auto server = server_future.get();
-  REQUIRE(worker.ok());
-  REQUIRE(server.ok());
-  auto blocked = std::async(std::launch::async,
-                            [&] { return (*server)->GetBatch(absl::Seconds(60)).status(); });
+  auto mesh = LoopbackMesh::Start(o, compose::CreateTransport);
+  REQUIRE_OK(mesh);
+  AFTensorServer& server = (*mesh)->server(0);
+  auto blocked =
+      std::async(std::launch::async, [&] { return server.GetBatch(absl::Seconds(60)).status(); });
   absl::SleepFor(absl::Milliseconds(200));
   const absl::Time left = absl::Now();
-  REQUIRE((*worker)->Shutdown().ok());
+  REQUIRE_OK((*mesh)->worker(0).Shutdown());
   REQUIRE(blocked.wait_for(std::chrono::seconds(10)) == std::future_status::ready);
   const absl::Status s = blocked.get();
   INFO(s.ToString());
   CHECK(absl::IsUnavailable(s));
   CHECK(absl::Now() - left < absl::Seconds(3));
-  CHECK((*server)->Shutdown().ok());
+  CHECK_OK(server.Shutdown());
 }
 
 TEST_CASE("shutdown: workers first", "[shutdown]") {
@@ -103,7 +97,7 @@ TEST_CASE("shutdown: workers first", "[shutdown]") {
   {
     StderrCapture capture;
     {
-      Harness mesh(Config(2, 2), core::CreateTransport);
+      Harness mesh(Config(2, 2), compose::CreateTransport);
       REQUIRE(mesh.status().ok());
       auto h0 = mesh.Start(0, 0, 1);
       auto h1 = mesh.Start(1, 0, 2);
@@ -131,7 +125,7 @@ TEST_CASE("shutdown: servers first", "[shutdown]") {
   {
     StderrCapture capture;
     {
-      Harness mesh(Config(1, 2), core::CreateTransport);
+      Harness mesh(Config(1, 2), compose::CreateTransport);
       REQUIRE(mesh.status().ok());
       REQUIRE(mesh.RoundTrip(0, 0, 1).ok());
       const absl::Time start = absl::Now();
@@ -165,7 +159,7 @@ TEST_CASE("shutdown: scheduler first never hangs the participants", "[shutdown]"
     StderrCapture capture;
     absl::Time start;
     {
-      Harness mesh(Config(1, 1), core::CreateTransport);
+      Harness mesh(Config(1, 1), compose::CreateTransport);
       REQUIRE(mesh.status().ok());
       REQUIRE(mesh.RoundTrip(0, 0, 1).ok());
       mesh.StopScheduler();

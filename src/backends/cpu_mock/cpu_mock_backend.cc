@@ -2,7 +2,6 @@
 // on a thread of their own, so that event/ordering mistakes surface on a
 // laptop exactly as they would on a GPU (add injected_delay to widen windows).
 
-#include "absl/strings/string_view.h"
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
@@ -12,11 +11,12 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
-#include "src/core/thread_util.h"
+#include "src/base/thread_util.h"
 #include "stepmesh/backend.h"
 
-namespace stepmesh {
+namespace stepmesh::cpu_mock {
 namespace {
 
 constexpr size_t kAlignment = 4096;  // page-aligned: registrable, DMA-friendly
@@ -46,7 +46,7 @@ class MockHostFlag final : public HostFlag {
 class MockStream final : public Stream {
  public:
   explicit MockStream(absl::Duration injected_delay) : injected_delay_(injected_delay) {
-    worker_ = core::StartNamedThread("sm-mock-stream", {}, [this] { Run(); });
+    worker_ = base::StartNamedThread("sm-mock-stream", {}, [this] { Run(); });
   }
   ~MockStream() override {
     {
@@ -200,9 +200,12 @@ class CpuMockBackend final : public Backend {
 };
 
 }  // namespace
+}  // namespace stepmesh::cpu_mock
+
+namespace stepmesh {
 
 std::unique_ptr<Backend> CreateCpuMockBackend(const CpuMockOptions& options) {
-  return std::make_unique<CpuMockBackend>(options);
+  return std::make_unique<cpu_mock::CpuMockBackend>(options);
 }
 
 }  // namespace stepmesh

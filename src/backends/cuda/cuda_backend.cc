@@ -26,8 +26,8 @@
 #include "absl/time/clock.h"
 #include "src/backends/cuda/cuda_api.h"
 #include "src/backends/cuda/cuda_status.h"
-#include "src/core/logging.h"
-#include "src/core/thread_util.h"
+#include "src/base/logging.h"
+#include "src/base/thread_util.h"
 #include "stepmesh/status.h"
 
 namespace stepmesh {
@@ -91,7 +91,7 @@ absl::Status PollUntil(Ready ready, absl::Duration timeout, absl::string_view wh
           absl::StrCat(what, " not reached within ", absl::FormatDuration(timeout)));
     }
     if (spins < kSpinsBeforeYield) {
-      core::CpuRelax();
+      base::CpuRelax();
     } else {
       std::this_thread::yield();
     }

@@ -21,21 +21,48 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "src/core/sync.h"
 #include "absl/time/clock.h"
+#include "src/base/logging.h"
+#include "src/base/net.h"
+#include "src/base/sync.h"
 #include "src/core/handshake.h"
-#include "src/core/logging.h"
-#include "src/core/net.h"
 #include "src/transport/rdma/rdma_wire.h"
 #include "src/transport/rdma/verbs_resources.h"
 #include "stepmesh/status.h"
 
-namespace stepmesh::core {
+namespace stepmesh::rdma {
 namespace {
 
-using rdma::kMailboxStride;
-using rdma::kRingStride;
-using rdma::kSmallPayloadMax;
+using base::AcceptTcp;
+using base::ConnectTcp;
+using base::ErrnoMessage;
+using base::HostPort;
+using base::ListenTcp;
+using base::LocalPort;
+using base::Mutex;
+using base::MutexLock;
+using base::ParseHostPort;
+using base::ReadFully;
+using base::SetNoDelay;
+using base::SetNonBlocking;
+using base::UniqueFd;
+using base::WriteFully;
+using core::AcceptHandshake;
+using core::DecodeFrame;
+using core::Destination;
+using core::DialHandshake;
+using core::EncodeFrame;
+using core::FrameHeader;
+using core::FrameType;
+using core::kFrameBytes;
+using core::kNoNode;
+using core::NodeId;
+using core::PeerInfo;
+using core::PeerName;
+using core::RegionId;
+using core::RegionInfo;
+using core::Transport;
+using core::TransportSink;
 
 constexpr size_t kMaxPeers = 1024;  // connections over a transport's life (rejoins included)
 constexpr int kPollBatch = 32;
@@ -44,9 +71,6 @@ constexpr uint32_t kInlineTries[] = {256, 128, 64, 0};
 
 size_t RoundUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 bool IsDataFrame(FrameType type) { return type == FrameType::kPush || type == FrameType::kReply; }
-std::string PeerName(NodeId id) {
-  return absl::StrCat(NodeRole(id) == 1 ? "worker " : "server ", NodeRank(id));
-}
 
 struct FreeDeleter {
   void operator()(std::byte* p) const { std::free(p); }
@@ -88,7 +112,7 @@ struct QueuePair {
   uint32_t max_inline = 0;
   uint32_t signal_interval = 1;
 
-  ::stepmesh::core::Mutex mu;
+  Mutex mu;
   uint64_t posted = 0;     // WRs posted; wr_id = this count after posting
   uint64_t completed = 0;  // WRs whose slots a polled signalled completion released
   uint32_t since_signal = 0;
@@ -126,7 +150,7 @@ struct Peer {
   uint32_t depth = 0;
 
   UniqueFd socket;
-  ::stepmesh::core::Mutex write_mu;
+  Mutex write_mu;
 
   // Control block: [remote part: rings, mailboxes][local part: send rings, credit words].
   AlignedBytes memory;
@@ -138,12 +162,12 @@ struct Peer {
   CqHandle recv_cq;
   std::array<QueuePair, rdma::kMaxQpsPerPeer> qps;  // after recv_cq: destroyed first
 
-  ::stepmesh::core::Mutex advert_mu;
+  Mutex advert_mu;
   absl::flat_hash_map<uint64_t, RemoteSlot> adverts ABSL_GUARDED_BY(advert_mu);
 
   std::atomic<bool> lost{false};    // reported (or shut down); receive thread sets it
   std::atomic<bool> failed{false};  // a send-side failure waits to be reported
-  ::stepmesh::core::Mutex fail_mu;
+  Mutex fail_mu;
   absl::Status failure ABSL_GUARDED_BY(fail_mu);
   bool said_goodbye = false;
 
@@ -157,7 +181,7 @@ struct Peer {
   size_t parked_count = 0;
 
   void RecordFailure(absl::Status why) {
-    ::stepmesh::core::MutexLock lock(&fail_mu);
+    MutexLock lock(&fail_mu);
     if (failed.load()) return;
     failure = std::move(why);
     failed.store(true, std::memory_order_release);
@@ -239,7 +263,7 @@ class RdmaTransport final : public Transport {
     self_ = self;
     std::vector<NodeId> expected;
     for (const PeerInfo& info : peers) {
-      if (NodeRole(self_) != 1) {
+      if (!core::IsWorker(self_)) {
         expected.push_back(info.id);
         continue;
       }
@@ -304,7 +328,7 @@ class RdmaTransport final : public Transport {
         region->slot_mrs.push_back(std::move(mr));
       }
     }
-    ::stepmesh::core::MutexLock lock(&regions_mu_);
+    MutexLock lock(&regions_mu_);
     if (regions_.contains(info.id)) {
       return absl::AlreadyExistsError(absl::StrCat("rdma: region ", info.id, " registered twice"));
     }
@@ -333,7 +357,7 @@ class RdmaTransport final : public Transport {
   absl::Status UnregisterRegion(RegionId id) override {
     std::unique_ptr<LocalRegion> region;
     {
-      ::stepmesh::core::MutexLock lock(&regions_mu_);
+      MutexLock lock(&regions_mu_);
       auto it = regions_.find(id);
       if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("rdma: no region ", id));
       region = std::move(it->second);
@@ -355,7 +379,7 @@ class RdmaTransport final : public Transport {
 
   absl::Status Send(NodeId peer_id, const FrameHeader& header, const void* src,
                     RegionId src_region, size_t bytes) override {
-    Peer* peer = FindPeerLocked(peer_id);
+    Peer* peer = FindPeer(peer_id);
     if (peer == nullptr) {
       return absl::NotFoundError(absl::StrCat("rdma: no connection to node 0x", absl::Hex(peer_id)));
     }
@@ -494,7 +518,7 @@ class RdmaTransport final : public Transport {
       Peer& peer = *peers_[i];
       if (peer.lost.exchange(true)) continue;
       {
-        ::stepmesh::core::MutexLock lock(&peer.write_mu);
+        MutexLock lock(&peer.write_mu);
         (void)::send(peer.socket.get(), bye, n, MSG_NOSIGNAL | MSG_DONTWAIT);
         ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, peer.socket.get(), nullptr);
         ::shutdown(peer.socket.get(), SHUT_RDWR);
@@ -741,10 +765,10 @@ class RdmaTransport final : public Transport {
   }
 
   absl::Status Publish(std::unique_ptr<Peer> peer) {
-    ::stepmesh::core::MutexLock regions_lock(&regions_mu_);
+    MutexLock regions_lock(&regions_mu_);
     Peer* raw = peer.get();
     {
-      ::stepmesh::core::MutexLock lock(&peers_mu_);
+      MutexLock lock(&peers_mu_);
       const size_t slot = peer_count_.load(std::memory_order_relaxed);
       if (slot >= kMaxPeers) return absl::ResourceExhaustedError("rdma: too many connections");
       raw->token = slot;
@@ -780,7 +804,7 @@ class RdmaTransport final : public Transport {
   }
 
   void WriteControl(Peer& peer, const std::byte* msg, size_t n) {
-    ::stepmesh::core::MutexLock lock(&peer.write_mu);
+    MutexLock lock(&peer.write_mu);
     absl::Status st = WriteFully(peer.socket.get(), msg, n, absl::Now() + options_.timeout);
     if (!st.ok()) peer.RecordFailure(absl::UnavailableError(absl::StrCat(
         "rdma: bootstrap connection to ", PeerName(peer.id), " failed: ", st.message())));
@@ -834,14 +858,14 @@ class RdmaTransport final : public Transport {
       case rdma::BootType::kAdvert: {
         absl::StatusOr<rdma::Advert> a = rdma::DecodeAdvert(body, h.body_bytes);
         if (!a.ok()) return Lose(peer, sink, a.status());
-        ::stepmesh::core::MutexLock lock(&peer.advert_mu);
+        MutexLock lock(&peer.advert_mu);
         peer.adverts[a->key] = RemoteSlot{a->addr, a->bytes, a->rkey};
         return;
       }
       case rdma::BootType::kWithdraw: {
         absl::StatusOr<uint64_t> key = rdma::DecodeWithdraw(body, h.body_bytes);
         if (!key.ok()) return Lose(peer, sink, key.status());
-        ::stepmesh::core::MutexLock lock(&peer.advert_mu);
+        MutexLock lock(&peer.advert_mu);
         peer.adverts.erase(*key);
         return;
       }
@@ -854,7 +878,7 @@ class RdmaTransport final : public Transport {
   }
 
   absl::StatusOr<RemoteSlot> WaitForAdvert(Peer& peer, uint64_t key, absl::Time deadline) {
-    ::stepmesh::core::MutexLock lock(&peer.advert_mu);
+    MutexLock lock(&peer.advert_mu);
     auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer.advert_mu) {
       return peer.adverts.contains(key) || peer.lost.load() || shut_down_.load();
     };
@@ -868,11 +892,11 @@ class RdmaTransport final : public Transport {
   }
 
   void WakeAdvertWaiters(Peer& peer) {
-    ::stepmesh::core::MutexLock lock(&peer.advert_mu);  // unlocking re-evaluates the waiters' conditions
+    MutexLock lock(&peer.advert_mu);  // unlocking re-evaluates the waiters' conditions
   }
 
   absl::StatusOr<uint32_t> SourceKey(RegionId id, const std::byte* src, size_t bytes) {
-    ::stepmesh::core::MutexLock lock(&regions_mu_);
+    MutexLock lock(&regions_mu_);
     auto it = regions_.find(id);
     if (it == regions_.end()) {
       return absl::InvalidArgumentError(absl::StrCat("rdma: source region ", id, " is not registered"));
@@ -907,7 +931,7 @@ class RdmaTransport final : public Transport {
   // Posts a chain of `count` WRs, reserving send-queue slots and signalling
   // every signal_interval-th WR so slots keep coming back.
   absl::Status Post(Peer& peer, QueuePair& qp, ibv_send_wr* wrs, int count, absl::Time deadline) {
-    ::stepmesh::core::MutexLock lock(&qp.mu);
+    MutexLock lock(&qp.mu);
     while (qp.posted - qp.completed + count > qp.max_send_wr) {
       STEPMESH_RETURN_IF_ERROR(ReapSends(peer, qp));
       if (qp.posted - qp.completed + count <= qp.max_send_wr) break;
@@ -989,7 +1013,7 @@ class RdmaTransport final : public Transport {
       if (!peer.failed.load(std::memory_order_acquire) || peer.lost) continue;
       absl::Status why;
       {
-        ::stepmesh::core::MutexLock lock(&peer.fail_mu);
+        MutexLock lock(&peer.fail_mu);
         why = peer.failure;
       }
       Lose(peer, sink, why);
@@ -1083,17 +1107,18 @@ class RdmaTransport final : public Transport {
     switch (header.type) {
       case FrameType::kPush:
       case FrameType::kReply: {
-        absl::StatusOr<Destination> dest = sink.Resolve(peer.id, header);
-        absl::Status status = dest.status();
-        if (dest.ok() && header.payload_bytes > 0) status = CheckLanding(peer.id, header, *dest);
-        sink.OnFrame(peer.id, header, status);
+        Destination dest;
+        core::FrameContext context = nullptr;
+        absl::Status status = sink.Resolve(peer.id, header, dest, &context);
+        if (status.ok() && header.payload_bytes > 0) status = CheckLanding(peer.id, header, dest);
+        sink.OnFrame(peer.id, header, context, status);
         return;
       }
       case FrameType::kError:
-        sink.OnFrame(peer.id, header,
-                     absl::Status(static_cast<absl::StatusCode>(header.status_code),
-                                  std::string(reinterpret_cast<const char*>(small.data()),
-                                              small.size())));
+        sink.OnFrame(
+            peer.id, header, nullptr,
+            absl::Status(static_cast<absl::StatusCode>(header.status_code),
+                         std::string(reinterpret_cast<const char*>(small.data()), small.size())));
         return;
       default:
         return;  // heartbeats, goodbyes, credits, control: nothing to deliver
@@ -1106,7 +1131,7 @@ class RdmaTransport final : public Transport {
     if (dest.capacity < header.payload_bytes) {
       return absl::OutOfRangeError("destination smaller than payload");
     }
-    ::stepmesh::core::MutexLock lock(&regions_mu_);
+    MutexLock lock(&regions_mu_);
     auto it = receive_slots_.find({header.key, writer});
     if (it == receive_slots_.end()) {
       return absl::NotFoundError(absl::StrCat("rdma: no receive slot for key ", header.key,
@@ -1195,9 +1220,8 @@ class RdmaTransport final : public Transport {
     sink.OnPeerLost(peer.id, std::move(why));
   }
 
-  Peer* FindPeer(NodeId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(regions_mu_) { return FindPeerLocked(id); }
-  Peer* FindPeerLocked(NodeId id) {
-    ::stepmesh::core::MutexLock lock(&peers_mu_);
+  Peer* FindPeer(NodeId id) {
+    MutexLock lock(&peers_mu_);
     auto it = by_id_.find(id);
     return it == by_id_.end() ? nullptr : it->second;
   }
@@ -1217,13 +1241,13 @@ class RdmaTransport final : public Transport {
   std::atomic<bool> shut_down_{false};
   uint64_t busy_polls_ = 0;
 
-  ::stepmesh::core::Mutex regions_mu_;  // before peers_mu_ and any peer's write_mu
+  Mutex regions_mu_;  // before peers_mu_ and any peer's write_mu
   absl::flat_hash_map<RegionId, std::unique_ptr<LocalRegion>> regions_ ABSL_GUARDED_BY(regions_mu_);
   // Where each (key, writer) pair's payloads land: the slot advertised to it.
   absl::flat_hash_map<std::pair<uint64_t, NodeId>, ReceiveSlot> receive_slots_
       ABSL_GUARDED_BY(regions_mu_);
 
-  ::stepmesh::core::Mutex peers_mu_;
+  Mutex peers_mu_;
   absl::flat_hash_map<NodeId, Peer*> by_id_ ABSL_GUARDED_BY(peers_mu_);
   // Fixed-size: slots below peer_count_ never move, so the receive thread reads
   // them without the lock; a replaced peer stays until the transport goes.
@@ -1252,4 +1276,4 @@ bool RdmaDeviceAvailable() {
   return OpenPort(*verbs, MeshOptions()).ok();
 }
 
-}  // namespace stepmesh::core
+}  // namespace stepmesh::rdma

@@ -14,7 +14,7 @@
 #include "src/transport/rdma/verbs_api.h"
 #include "stepmesh/options.h"
 
-namespace stepmesh::core {
+namespace stepmesh::rdma {
 
 // Knobs MeshOptions does not (yet) carry; the defaults suit RoCE v2 fabrics.
 struct RdmaTuning {
@@ -27,13 +27,12 @@ struct RdmaTuning {
   size_t stripe_min_bytes = 64 << 10;  // with 2 QPs per peer, stripe payloads this large
 };
 
-absl::StatusOr<std::unique_ptr<Transport>> CreateRdmaTransport(
+absl::StatusOr<std::unique_ptr<core::Transport>> CreateRdmaTransport(
     const MeshOptions& options, std::shared_ptr<VerbsApi> verbs = nullptr /*real*/);
-absl::StatusOr<std::unique_ptr<Transport>> CreateRdmaTransport(const MeshOptions& options,
-                                                               std::shared_ptr<VerbsApi> verbs,
-                                                               const RdmaTuning& tuning);
+absl::StatusOr<std::unique_ptr<core::Transport>> CreateRdmaTransport(
+    const MeshOptions& options, std::shared_ptr<VerbsApi> verbs, const RdmaTuning& tuning);
 
 // True when libibverbs lists a device with an active port.
 bool RdmaDeviceAvailable();
 
-}  // namespace stepmesh::core
+}  // namespace stepmesh::rdma

@@ -1,52 +1,13 @@
 #include "src/transport/rdma/rdma_wire.h"
 
 #include "absl/strings/str_cat.h"
+#include "src/base/little_endian.h"
 
-namespace stepmesh::core::rdma {
+namespace stepmesh::rdma {
 namespace {
 
-class Writer {
- public:
-  explicit Writer(std::byte* out) : out_(out), p_(out) {}
-  template <typename T>
-  void Put(T v) {
-    for (size_t i = 0; i < sizeof(T); ++i) *p_++ = static_cast<std::byte>((uint64_t(v) >> (8 * i)) & 0xFF);
-  }
-  void Bytes(const uint8_t* data, size_t n) {
-    std::memcpy(p_, data, n);
-    p_ += n;
-  }
-  size_t size() const { return static_cast<size_t>(p_ - out_); }
-
- private:
-  std::byte* out_;
-  std::byte* p_;
-};
-
-class Reader {
- public:
-  Reader(const std::byte* in, size_t n) : p_(in), end_(in + n) {}
-  template <typename T>
-  bool Get(T& v) {
-    if (static_cast<size_t>(end_ - p_) < sizeof(T)) return false;
-    uint64_t x = 0;
-    for (size_t i = 0; i < sizeof(T); ++i) x |= uint64_t(p_[i]) << (8 * i);
-    p_ += sizeof(T);
-    v = static_cast<T>(x);
-    return true;
-  }
-  bool Bytes(uint8_t* data, size_t n) {
-    if (static_cast<size_t>(end_ - p_) < n) return false;
-    std::memcpy(data, p_, n);
-    p_ += n;
-    return true;
-  }
-  bool done() const { return p_ == end_; }
-
- private:
-  const std::byte* p_;
-  const std::byte* end_;
-};
+using Reader = base::ByteReader;  // every Get/Bytes fails (false) on a short message
+using Writer = base::ByteWriter;
 
 // Writes the header after the body is known.
 size_t Finish(std::byte* out, BootType type, size_t body) {
@@ -149,4 +110,4 @@ absl::StatusOr<uint64_t> DecodeWithdraw(const std::byte* body, size_t bytes) {
   return key;
 }
 
-}  // namespace stepmesh::core::rdma
+}  // namespace stepmesh::rdma

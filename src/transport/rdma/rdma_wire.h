@@ -13,7 +13,7 @@
 #include "absl/status/statusor.h"
 #include "src/core/frame.h"
 
-namespace stepmesh::core::rdma {
+namespace stepmesh::rdma {
 
 // ---- Immediate data (sent in network byte order) ----
 // bit 31 = 0: a frame. bits 0..15: the receiver's header-ring slot;
@@ -46,7 +46,7 @@ inline constexpr bool StripesArrived(uint64_t seen, uint32_t needed) {
 // receiver: a frame, then (for frames other than push/reply) up to
 // kSmallPayloadMax bytes of payload (error text, control bytes).
 inline constexpr size_t kRingStride = 512;
-inline constexpr size_t kSmallPayloadMax = kRingStride - kFrameBytes;
+inline constexpr size_t kSmallPayloadMax = kRingStride - core::kFrameBytes;
 inline constexpr size_t kMailboxStride = 64;  // one credit counter per cache line
 
 // ---- Bootstrap messages ----
@@ -74,7 +74,7 @@ struct QpAddress {
 
 struct Hello {
   uint16_t version = kBootVersion;
-  NodeId node = kNoNode;
+  core::NodeId node = core::kNoNode;
   uint32_t num_qps = 1;
   uint32_t recv_depth = 0;
   uint8_t mtu = 0;  // enum ibv_mtu
@@ -107,4 +107,4 @@ absl::StatusOr<Hello> DecodeHello(const std::byte* body, size_t bytes);
 absl::StatusOr<Advert> DecodeAdvert(const std::byte* body, size_t bytes);
 absl::StatusOr<uint64_t> DecodeWithdraw(const std::byte* body, size_t bytes);
 
-}  // namespace stepmesh::core::rdma
+}  // namespace stepmesh::rdma

@@ -10,7 +10,7 @@
 
 #include "src/transport/rdma/verbs_api.h"
 
-namespace stepmesh::core {
+namespace stepmesh::rdma {
 namespace {
 
 // The mlx5 direct-verbs entry points the LAG calls need; null where missing.
@@ -153,4 +153,4 @@ class RealVerbsApi final : public VerbsApi {
 
 std::shared_ptr<VerbsApi> MakeRealVerbsApi() { return std::make_shared<RealVerbsApi>(); }
 
-}  // namespace stepmesh::core
+}  // namespace stepmesh::rdma

@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <memory>
 
-namespace stepmesh::core {
+namespace stepmesh::rdma {
 
 class VerbsApi {
  public:
@@ -75,4 +75,4 @@ class VerbsApi {
 // Pass-through to libibverbs.
 std::shared_ptr<VerbsApi> MakeRealVerbsApi();
 
-}  // namespace stepmesh::core
+}  // namespace stepmesh::rdma

@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "stepmesh/status.h"
 
-namespace stepmesh::core {
+namespace stepmesh::rdma {
 namespace {
 
 bool IsZeroGid(const ibv_gid& gid) {
@@ -197,4 +197,4 @@ const char* WcStatusName(ibv_wc_status status) {
   }
 }
 
-}  // namespace stepmesh::core
+}  // namespace stepmesh::rdma

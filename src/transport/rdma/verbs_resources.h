@@ -8,11 +8,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "src/core/logging.h"
+#include "src/base/logging.h"
 #include "src/transport/rdma/verbs_api.h"
 #include "stepmesh/options.h"
 
-namespace stepmesh::core {
+namespace stepmesh::rdma {
 
 // Owns one verbs object; the VerbsApi must outlive it (the transport keeps the
 // shared_ptr as its first member).
@@ -83,4 +83,4 @@ absl::StatusOr<ibv_gid> GidFromString(std::string_view text);
 // ibv_wc_status_str, without calling into libibverbs.
 const char* WcStatusName(ibv_wc_status status);
 
-}  // namespace stepmesh::core
+}  // namespace stepmesh::rdma

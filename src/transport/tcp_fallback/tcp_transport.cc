@@ -1,37 +1,55 @@
-#include "absl/strings/string_view.h"
 #include "src/transport/tcp_fallback/tcp_transport.h"
 
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
-#include <poll.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <map>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "src/core/sync.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
+#include "src/base/logging.h"
+#include "src/base/net.h"
+#include "src/base/sync.h"
 #include "src/core/handshake.h"
-#include "src/core/logging.h"
-#include "src/core/net.h"
+#include "src/core/protocol.h"
 #include "stepmesh/status.h"
 
-namespace stepmesh::core {
+namespace stepmesh::tcp {
 namespace {
+
+using core::AcceptHandshake;
+using core::DecodeFrame;
+using core::Destination;
+using core::DialHandshake;
+using core::EncodeFrame;
+using core::FrameBytes;
+using core::FrameHeader;
+using core::FrameType;
+using core::kFrameBytes;
+using core::kMaxErrorTextBytes;
+using core::kNoNode;
+using core::NodeId;
+using core::PeerInfo;
+using core::RegionId;
+using core::RegionInfo;
+using core::Transport;
+using core::TransportSink;
 
 // A dialler gets this long to complete its handshake, so one silent client
 // cannot hold up the acceptance of the real peers until the Connect deadline.
 constexpr absl::Duration kHandshakeTimeout = absl::Seconds(5);
-constexpr size_t kMaxErrorText = 4096;
 constexpr int kSocketBufferBytes = 8 << 20;
 // The most SO_RCVLOWAT asks for (see SetLowWater): large payloads still wake
 // the receive thread every 256 KiB, so its copy-out trails the sender's
@@ -45,7 +63,7 @@ struct Connection {
   enum class Stage { kHeader, kPayload, kDiscard };
 
   NodeId peer = kNoNode;
-  UniqueFd fd;
+  base::UniqueFd fd;
   std::atomic<bool> alive{true};
   std::atomic<bool> superseded{false};  // replaced by a newer connection to the same peer
   bool said_goodbye = false;
@@ -55,6 +73,7 @@ struct Connection {
   size_t header_got = 0;
   FrameHeader header;
   std::byte* dest = nullptr;   // kPayload: where the payload goes
+  core::FrameContext context = nullptr;  // the core's, from Resolve to OnFrame
   size_t payload_got = 0;
   absl::Status rejection;      // kDiscard: why
   std::string error_text;      // kError payloads are read here
@@ -63,17 +82,16 @@ struct Connection {
 
 class TcpTransport final : public Transport {
  public:
-  TcpTransport(const MeshOptions& options, TcpWireHook hook)
-      : options_(options), hook_(std::move(hook)) {}
+  explicit TcpTransport(const MeshOptions& options) : options_(options) {}
   ~TcpTransport() override { Shutdown(); }
 
   absl::string_view name() const override { return "tcp"; }
 
   absl::StatusOr<std::string> LocalEndpoint() override {
     if (!listener_.valid()) {
-      STEPMESH_ASSIGN_OR_RETURN(listener_, ListenTcp(options_.bind_host, 0));
+      STEPMESH_ASSIGN_OR_RETURN(listener_, base::ListenTcp(options_.bind_host, 0));
     }
-    STEPMESH_ASSIGN_OR_RETURN(uint16_t port, LocalPort(listener_.get()));
+    STEPMESH_ASSIGN_OR_RETURN(uint16_t port, base::LocalPort(listener_.get()));
     return absl::StrCat(options_.bind_host, ":", port);
   }
 
@@ -82,13 +100,13 @@ class TcpTransport final : public Transport {
     // Connect may run again (a peer rejoined) while the receive thread polls:
     // the epoll set, the tables and each Connection stay valid throughout.
     {
-      ::stepmesh::core::MutexLock lock(&mu_);
+      base::MutexLock lock(&mu_);
       if (self_ != self) self_ = self;
       if (!epoll_fd_.valid()) {
         epoll_fd_.Reset(::epoll_create1(EPOLL_CLOEXEC));
         wake_fd_.Reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
         if (!epoll_fd_.valid() || !wake_fd_.valid()) {
-          return absl::InternalError(ErrnoMessage("epoll/eventfd", errno));
+          return absl::InternalError(base::ErrnoMessage("epoll/eventfd", errno));
         }
         epoll_event ev{};
         ev.events = EPOLLIN;
@@ -99,14 +117,14 @@ class TcpTransport final : public Transport {
     // Workers dial; servers accept. The hello names the dialler.
     std::vector<NodeId> expected;
     for (const PeerInfo& peer : peers) {
-      if (NodeRole(self) == 1) {
+      if (core::IsWorker(self)) {
         STEPMESH_RETURN_IF_ERROR(Dial(self, peer, deadline));
       } else {
         expected.push_back(peer.id);
       }
     }
     while (!expected.empty()) {
-      absl::StatusOr<UniqueFd> fd = AcceptTcp(listener_.get(), deadline);
+      absl::StatusOr<base::UniqueFd> fd = base::AcceptTcp(listener_.get(), deadline);
       if (!fd.ok()) {
         return absl::DeadlineExceededError(absl::StrCat(
             expected.size(), " peer(s) never connected: ", fd.status().message()));
@@ -135,15 +153,6 @@ class TcpTransport final : public Transport {
     }
     if (!conn->alive) return absl::UnavailableError("connection to peer is closed");
     FrameBytes frame = EncodeFrame(header);
-    TcpWireFault fault;
-    if (hook_) fault = hook_(peer, header, frame);
-    std::string corrupted;  // the caller's source is never modified
-    if (fault.flip_payload_byte < bytes) {
-      corrupted.assign(static_cast<const char*>(src), bytes);
-      corrupted[fault.flip_payload_byte] ^= 0x5A;
-      src = corrupted.data();
-    }
-    if (fault.truncate_payload_to < bytes) bytes = fault.truncate_payload_to;
     iovec iov[2] = {{frame.data(), frame.size()}, {const_cast<void*>(src), bytes}};
     int iovcnt = bytes > 0 ? 2 : 1;
     iovec* next = iov;
@@ -165,7 +174,7 @@ class TcpTransport final : public Transport {
           }
           continue;
         }
-        return absl::UnavailableError(ErrnoMessage("send to peer", errno));
+        return absl::UnavailableError(base::ErrnoMessage("send to peer", errno));
       }
       size_t left = static_cast<size_t>(n);
       while (iovcnt > 0 && left >= next->iov_len) {
@@ -177,10 +186,6 @@ class TcpTransport final : public Transport {
         next->iov_base = static_cast<char*>(next->iov_base) + left;
         next->iov_len -= left;
       }
-    }
-    if (fault.close_after) {
-      // Emulates a sender dying mid-frame: the receiver sees EOF inside the frame.
-      ::shutdown(conn->fd.get(), SHUT_RDWR);
     }
     return absl::OkStatus();
   }
@@ -194,7 +199,7 @@ class TcpTransport final : public Transport {
     const int n = ::epoll_wait(epoll_fd_.get(), events, 32, timeout_ms);
     if (n < 0) {
       if (errno == EINTR) return absl::OkStatus();
-      return absl::InternalError(ErrnoMessage("epoll_wait", errno));
+      return absl::InternalError(base::ErrnoMessage("epoll_wait", errno));
     }
     for (int i = 0; i < n; ++i) {
       if (events[i].data.u64 == kWakeToken) {
@@ -216,7 +221,7 @@ class TcpTransport final : public Transport {
   }
 
   void Shutdown() override {
-    ::stepmesh::core::MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     for (auto& conn : connections_) {
       if (conn->alive && conn->fd.valid()) {
         FrameHeader bye;
@@ -242,36 +247,37 @@ class TcpTransport final : public Transport {
       const int rc = ::poll(&pfd, 1, static_cast<int>(absl::ToInt64Milliseconds(left) + 1));
       if (rc > 0) return true;
       if (rc == 0) return false;
-      if (errno != EINTR) return absl::InternalError(ErrnoMessage("poll", errno));
+      if (errno != EINTR) return absl::InternalError(base::ErrnoMessage("poll", errno));
     }
   }
 
   // Worker side: connects to `peer`, completes the handshake, adopts the connection.
   absl::Status Dial(NodeId self, const PeerInfo& peer, absl::Time deadline) {
-    STEPMESH_ASSIGN_OR_RETURN(HostPort where, ParseHostPort(peer.endpoint));
-    absl::StatusOr<UniqueFd> fd = ConnectTcp(where, deadline);
+    STEPMESH_ASSIGN_OR_RETURN(base::HostPort where, base::ParseHostPort(peer.endpoint));
+    absl::StatusOr<base::UniqueFd> fd = base::ConnectTcp(where, deadline);
     if (!fd.ok()) {
-      return absl::UnavailableError(absl::StrCat("connecting to peer ", NodeRank(peer.id), " at ",
-                                                 peer.endpoint, ": ", fd.status().message()));
+      return absl::UnavailableError(absl::StrCat("connecting to peer ", core::NodeRank(peer.id),
+                                                 " at ", peer.endpoint, ": ",
+                                                 fd.status().message()));
     }
     STEPMESH_RETURN_IF_ERROR(DialHandshake(fd->get(), self, peer.id, options_.auth_token,
                                            deadline));
     return Adopt(peer.id, *std::move(fd));
   }
 
-  absl::Status Adopt(NodeId peer, UniqueFd fd) {
-    STEPMESH_RETURN_IF_ERROR(SetNoDelay(fd.get()));
-    STEPMESH_RETURN_IF_ERROR(SetBufferSizes(fd.get(), kSocketBufferBytes));
-    STEPMESH_RETURN_IF_ERROR(SetNonBlocking(fd.get(), true));
+  absl::Status Adopt(NodeId peer, base::UniqueFd fd) {
+    STEPMESH_RETURN_IF_ERROR(base::SetNoDelay(fd.get()));
+    STEPMESH_RETURN_IF_ERROR(base::SetBufferSizes(fd.get(), kSocketBufferBytes));
+    STEPMESH_RETURN_IF_ERROR(base::SetNonBlocking(fd.get(), true));
     auto conn = std::make_unique<Connection>();
     conn->peer = peer;
     conn->fd = std::move(fd);
-    ::stepmesh::core::MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     epoll_event ev{};
     ev.events = EPOLLIN | EPOLLRDHUP;
     ev.data.ptr = conn.get();
     if (::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, conn->fd.get(), &ev) != 0) {
-      return absl::InternalError(ErrnoMessage("epoll_ctl", errno));
+      return absl::InternalError(base::ErrnoMessage("epoll_ctl", errno));
     }
     auto old = by_peer_.find(peer);
     if (old != by_peer_.end()) {
@@ -290,14 +296,14 @@ class TcpTransport final : public Transport {
   }
 
   Connection* Find(NodeId peer) {
-    ::stepmesh::core::MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     auto it = by_peer_.find(peer);
     return it == by_peer_.end() ? nullptr : it->second;
   }
 
   void Lose(Connection& conn, TransportSink& sink, absl::Status why) {
     {
-      ::stepmesh::core::MutexLock lock(&mu_);
+      base::MutexLock lock(&mu_);
       if (!conn.alive.exchange(false)) return;
       ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, conn.fd.get(), nullptr);
       ::shutdown(conn.fd.get(), SHUT_RDWR);
@@ -328,10 +334,10 @@ class TcpTransport final : public Transport {
       }
       const ssize_t n = ::recv(conn.fd.get(), into, want, MSG_DONTWAIT);
       if (n == 0) {
-        Lose(conn, sink, absl::UnavailableError(absl::StrCat(
-                             NodeRole(conn.peer) == 1 ? "worker " : "server ",
-                             NodeRank(conn.peer),
-                             conn.said_goodbye ? " left" : " closed its connection")));
+        Lose(conn, sink,
+             absl::UnavailableError(
+                 absl::StrCat(core::PeerName(conn.peer),
+                              conn.said_goodbye ? " left" : " closed its connection")));
         return;
       }
       if (n < 0) {
@@ -340,7 +346,7 @@ class TcpTransport final : public Transport {
           SetLowWater(conn);
           return;
         }
-        Lose(conn, sink, absl::UnavailableError(ErrnoMessage("recv from peer", errno)));
+        Lose(conn, sink, absl::UnavailableError(base::ErrnoMessage("recv from peer", errno)));
         return;
       }
       if (conn.stage == Connection::Stage::kHeader) {
@@ -404,21 +410,22 @@ class TcpTransport final : public Transport {
     switch (header->type) {
       case FrameType::kPush:
       case FrameType::kReply: {
-        absl::StatusOr<Destination> dest = sink.Resolve(conn.peer, conn.header);
-        if (dest.ok() && dest->capacity < header->payload_bytes) {
-          dest = absl::OutOfRangeError("destination smaller than payload");
+        Destination dest;
+        absl::Status resolved = sink.Resolve(conn.peer, conn.header, dest, &conn.context);
+        if (resolved.ok() && dest.capacity < header->payload_bytes) {
+          resolved = absl::OutOfRangeError("destination smaller than payload");
         }
-        if (dest.ok()) {
-          conn.dest = dest->data;
+        if (resolved.ok()) {
+          conn.dest = dest.data;
           conn.stage = Connection::Stage::kPayload;
         } else {
-          conn.rejection = dest.status();
+          conn.rejection = std::move(resolved);
           conn.stage = Connection::Stage::kDiscard;
         }
         break;
       }
       case FrameType::kError:
-        if (header->payload_bytes > kMaxErrorText) {
+        if (header->payload_bytes > kMaxErrorTextBytes) {
           Lose(conn, sink, absl::DataLossError("oversized error frame"));
           return;
         }
@@ -440,13 +447,13 @@ class TcpTransport final : public Transport {
     switch (conn.header.type) {
       case FrameType::kPush:
       case FrameType::kReply:
-        sink.OnFrame(conn.peer, conn.header,
+        sink.OnFrame(conn.peer, conn.header, std::exchange(conn.context, nullptr),
                      stage == Connection::Stage::kPayload ? absl::OkStatus() : conn.rejection);
         break;
       case FrameType::kError:
-        sink.OnFrame(conn.peer, conn.header,
-                     absl::Status(static_cast<absl::StatusCode>(conn.header.status_code),
-                                  conn.error_text));
+        sink.OnFrame(
+            conn.peer, conn.header, nullptr,
+            absl::Status(static_cast<absl::StatusCode>(conn.header.status_code), conn.error_text));
         break;
       default:
         break;  // heartbeats and goodbyes need no delivery
@@ -454,12 +461,11 @@ class TcpTransport final : public Transport {
   }
 
   const MeshOptions options_;
-  const TcpWireHook hook_;
   NodeId self_ ABSL_GUARDED_BY(mu_) = kNoNode;
-  UniqueFd listener_;
-  UniqueFd epoll_fd_;
-  UniqueFd wake_fd_;
-  ::stepmesh::core::Mutex mu_;  // guards the tables; Connect may add connections while Poll runs
+  base::UniqueFd listener_;
+  base::UniqueFd epoll_fd_;
+  base::UniqueFd wake_fd_;
+  base::Mutex mu_;  // guards the tables; Connect may add connections while Poll runs
   std::vector<std::unique_ptr<Connection>> connections_;
   absl::flat_hash_map<NodeId, Connection*> by_peer_;
 };
@@ -467,12 +473,7 @@ class TcpTransport final : public Transport {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const MeshOptions& options) {
-  return std::make_unique<TcpTransport>(options, nullptr);
+  return std::make_unique<TcpTransport>(options);
 }
 
-absl::StatusOr<std::unique_ptr<Transport>> CreateTcpTransport(const MeshOptions& options,
-                                                              TcpWireHook hook) {
-  return std::make_unique<TcpTransport>(options, std::move(hook));
-}
-
-}  // namespace stepmesh::core
+}  // namespace stepmesh::tcp

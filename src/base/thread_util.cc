@@ -1,12 +1,12 @@
-#include "src/core/thread_util.h"
+#include "src/base/thread_util.h"
 
 #include <hwloc.h>
 #include <pthread.h>
 
 #include "absl/strings/str_cat.h"
-#include "src/core/logging.h"
+#include "src/base/logging.h"
 
-namespace stepmesh::core {
+namespace stepmesh::base {
 namespace {
 
 // RAII over an hwloc topology; loaded per use (threads start rarely).
@@ -59,8 +59,8 @@ std::vector<int> PickProgressCores(int numa_node, int count) {
     hwloc_obj_t node = hwloc_get_numanode_obj_by_os_index(topology.get(), numa_node);
     if (node != nullptr) scope = node;
   }
-  const int pus = hwloc_get_nbobjs_inside_cpuset_by_type(topology.get(), scope->cpuset,
-                                                         HWLOC_OBJ_PU);
+  const int pus =
+      hwloc_get_nbobjs_inside_cpuset_by_type(topology.get(), scope->cpuset, HWLOC_OBJ_PU);
   if (pus < 4 || count >= pus) return {};
   std::vector<int> cores;
   for (int i = pus - count; i < pus; ++i) {
@@ -81,4 +81,4 @@ std::thread StartNamedThread(std::string name, std::vector<int> cores, std::func
   });
 }
 
-}  // namespace stepmesh::core
+}  // namespace stepmesh::base

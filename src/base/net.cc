@@ -1,5 +1,4 @@
-#include "absl/strings/string_view.h"
-#include "src/core/net.h"
+#include "src/base/net.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -15,10 +14,11 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "stepmesh/status.h"
 
-namespace stepmesh::core {
+namespace stepmesh::base {
 namespace {
 
 int PollTimeoutMs(absl::Time deadline) {
@@ -41,9 +41,12 @@ int PollFor(int fd, short events, absl::Time deadline) {
 
 absl::Status WaitFor(int fd, short events, absl::Time deadline) {
   switch (PollFor(fd, events, deadline)) {
-    case 1: return absl::OkStatus();
-    case 0: return absl::DeadlineExceededError("socket I/O timed out");
-    default: return absl::InternalError(ErrnoMessage("poll", errno));
+    case 1:
+      return absl::OkStatus();
+    case 0:
+      return absl::DeadlineExceededError("socket I/O timed out");
+    default:
+      return absl::InternalError(ErrnoMessage("poll", errno));
   }
 }
 
@@ -104,8 +107,7 @@ absl::StatusOr<UniqueFd> ListenTcp(const std::string& host, uint16_t port, int b
   const int one = 1;
   ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0) {
-    return absl::UnavailableError(
-        ErrnoMessage(absl::StrCat("bind ", host, ":", port), errno));
+    return absl::UnavailableError(ErrnoMessage(absl::StrCat("bind ", host, ":", port), errno));
   }
   if (::listen(fd.get(), backlog) != 0) return absl::InternalError(ErrnoMessage("listen", errno));
   return fd;
@@ -227,4 +229,4 @@ absl::StatusOr<bool> WaitReadable(int fd, absl::Time deadline) {
   return ready == 1;
 }
 
-}  // namespace stepmesh::core
+}  // namespace stepmesh::base

@@ -1,14 +1,11 @@
-#include "tests/core/mesh_scenarios.h"
+#include "tests/support/mesh_scenarios.h"
 
 #include <cstring>
-#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "src/core/sync.h"
-#include "src/core/mesh.h"
-#include "stepmesh/scheduler.h"
 #include "stepmesh/status.h"
+#include "tests/support/loopback_mesh.h"
 
 namespace stepmesh::testing {
 namespace {
@@ -63,8 +60,8 @@ absl::Status RunWorker(AFTensorWorker& worker, const Scenario& sc) {
     for (int s = 0; s < sc.servers; ++s) {
       STEPMESH_RETURN_IF_ERROR(worker.RegisterPullTensor(
           PullKey(m), s,
-          {pull[m][s].data(), DType::kBFloat16,
-           Shape{1, static_cast<int64_t>(sc.pull_bytes / 2)}, Device::Cpu()}));
+          {pull[m][s].data(), DType::kBFloat16, Shape{1, static_cast<int64_t>(sc.pull_bytes / 2)},
+           Device::Cpu()}));
     }
   }
   STEPMESH_RETURN_IF_ERROR(worker.Barrier());
@@ -164,37 +161,11 @@ absl::Status RunInProcess(const Scenario& sc, MeshOptions base,
                           const core::TransportFactory& transport) {
   base.num_workers = sc.workers;
   base.num_servers = sc.servers;
-  base.scheduler = "127.0.0.1:0";
-  STEPMESH_ASSIGN_OR_RETURN(auto scheduler, Scheduler::Start(base));
-  base.scheduler = scheduler->address();
-
-  ::stepmesh::core::Mutex mu;
-  absl::Status first_error;
-  auto record = [&](const absl::Status& s) {
-    ::stepmesh::core::MutexLock lock(&mu);
-    if (first_error.ok() && !s.ok()) first_error = s;
-  };
-  std::vector<std::thread> threads;
-  for (int w = 0; w < sc.workers; ++w) {
-    threads.emplace_back([&, w] {
-      MeshOptions o = base;
-      o.role = Role::kWorker;
-      o.rank = w;
-      auto worker = core::CreateWorker(o, CreateCpuMockBackend(), transport);
-      record(worker.ok() ? RunWorker(**worker, sc) : worker.status());
-    });
-  }
-  for (int s = 0; s < sc.servers; ++s) {
-    threads.emplace_back([&, s] {
-      MeshOptions o = base;
-      o.role = Role::kServer;
-      o.rank = s;
-      auto server = core::CreateServer(o, CreateCpuMockBackend(), transport);
-      record(server.ok() ? RunServer(**server, sc) : server.status());
-    });
-  }
-  for (auto& t : threads) t.join();
-  return first_error;
+  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<LoopbackMesh> mesh,
+                            LoopbackMesh::Start(base, transport));
+  return RunParticipants(
+      *mesh, [&](AFTensorWorker& worker) { return RunWorker(worker, sc); },
+      [&](AFTensorServer& server) { return RunServer(server, sc); });
 }
 
 }  // namespace stepmesh::testing

@@ -16,7 +16,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
-namespace stepmesh::core {
+namespace stepmesh::base {
 
 class ABSL_LOCKABLE Mutex {
  public:
@@ -41,7 +41,8 @@ class ABSL_LOCKABLE Mutex {
       const absl::Time now = absl::Now();
       if (now >= deadline) break;
       // Bounded slices: an unlock between the check and the wait costs one slice.
-      changed_.wait_for(lock, absl::ToChronoNanoseconds(std::min(deadline - now, absl::Milliseconds(5))));
+      changed_.wait_for(lock,
+                        absl::ToChronoNanoseconds(std::min(deadline - now, absl::Milliseconds(5))));
     }
     --awaiters_;
     lock.release();
@@ -130,4 +131,4 @@ class Notification {
   bool notified_ ABSL_GUARDED_BY(mu_) = false;
 };
 
-}  // namespace stepmesh::core
+}  // namespace stepmesh::base

@@ -1,6 +1,6 @@
 #pragma once
 // Named progress threads, optionally pinned to cores through hwloc, and the
-// spin/adaptive/blocking wait policy they share with Wait().
+// pause instruction spinning loops use between polls.
 
 #include <functional>
 #include <string>
@@ -9,9 +9,8 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "stepmesh/options.h"
 
-namespace stepmesh::core {
+namespace stepmesh::base {
 
 // Starts `body` on a thread named `name` (15 chars max, as the kernel allows),
 // bound to `cores` when not empty. A failed binding is logged, not fatal.
@@ -34,4 +33,4 @@ inline void CpuRelax() {
 #endif
 }
 
-}  // namespace stepmesh::core
+}  // namespace stepmesh::base

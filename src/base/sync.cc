@@ -1,4 +1,4 @@
-#include "src/core/sync.h"
+#include "src/base/sync.h"
 
 #include <linux/futex.h>
 #include <sys/syscall.h>
@@ -7,7 +7,7 @@
 
 #include <climits>
 
-namespace stepmesh::core {
+namespace stepmesh::base {
 
 void WakeWord::WaitWhile(uint32_t seen, absl::Duration timeout) {
   if (timeout <= absl::ZeroDuration()) return;
@@ -23,4 +23,4 @@ void WakeWord::Bump() {
                   nullptr, nullptr, 0);
 }
 
-}  // namespace stepmesh::core
+}  // namespace stepmesh::base

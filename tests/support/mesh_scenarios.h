@@ -20,8 +20,8 @@ struct Scenario {
   int workers = 2;
   int servers = 2;
   int micro_batches = 3;
-  int iterations = 200;            // per micro-batch ("layers")
-  size_t push_bytes = 128 * 7168;  // fp8 activations of 128 tokens
+  int iterations = 200;                // per micro-batch ("layers")
+  size_t push_bytes = 128 * 7168;      // fp8 activations of 128 tokens
   size_t pull_bytes = 128 * 7168 * 2;  // bf16 outputs
   absl::Duration step_timeout = absl::Seconds(20);
 };

@@ -12,17 +12,14 @@
 #include "stepmesh/scheduler.h"
 #include "stepmesh/server.h"
 #include "stepmesh/worker.h"
+#include "tests/support/loopback_mesh.h"
 
 namespace stepmesh::testing {
 
-// A scheduler, one worker and one server in this process, over `transport`.
-struct MeshPair {
-  MeshPair(MeshOptions options, const core::TransportFactory& transport);
-  std::unique_ptr<Scheduler> scheduler;
-  std::unique_ptr<AFTensorWorker> worker;
-  std::unique_ptr<AFTensorServer> server;
-};
+// One worker and one server in this process, over `transport` (REQUIREs it came up).
+std::unique_ptr<LoopbackMesh> StartPair(MeshOptions options,
+                                        const core::TransportFactory& transport);
 
-void RunBadInputConformance(const std::function<std::unique_ptr<MeshPair>()>& make);
+void RunBadInputConformance(const std::function<std::unique_ptr<LoopbackMesh>()>& make);
 
 }  // namespace stepmesh::testing

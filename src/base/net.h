@@ -3,7 +3,6 @@
 // descriptors, listen/connect with deadlines, and whole-buffer I/O that never
 // blocks past a deadline.
 
-#include "absl/strings/string_view.h"
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -11,9 +10,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
-namespace stepmesh::core {
+namespace stepmesh::base {
 
 class UniqueFd {
  public:
@@ -64,4 +64,4 @@ absl::StatusOr<bool> WaitReadable(int fd, absl::Time deadline);
 
 std::string ErrnoMessage(absl::string_view what, int err);
 
-}  // namespace stepmesh::core
+}  // namespace stepmesh::base

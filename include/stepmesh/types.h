@@ -1,0 +1,18 @@
+#pragma once
+// Names shared by the worker and the server APIs.
+
+#include <cstddef>
+#include <cstdint>
+
+namespace stepmesh {
+
+class Event;
+
+using Key = uint64_t;
+inline constexpr size_t kWholeTensor = ~size_t{0};
+
+struct SendOptions {
+  Event* ready = nullptr;  // the send waits (on the send thread) until this event completes
+};
+
+}  // namespace stepmesh

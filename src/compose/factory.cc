@@ -1,0 +1,87 @@
+// The composition root: builds the backend and transport named in the options
+// and hands them to the core. The only file that knows every implementation;
+// each is compiled in when its dependency exists.
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "src/base/logging.h"
+#include "src/compose/transports.h"
+#include "src/core/mesh.h"
+#include "src/transport/tcp_fallback/tcp_transport.h"
+#include "stepmesh/backend.h"
+#include "stepmesh/server.h"
+#include "stepmesh/status.h"
+#include "stepmesh/worker.h"
+
+#ifdef STEPMESH_HAVE_RDMA
+#include "src/transport/rdma/rdma_transport.h"
+#endif
+#ifdef STEPMESH_HAVE_CUDA
+#include "src/backends/cuda/cuda_backend.h"
+#endif
+
+namespace stepmesh {
+namespace compose {
+
+absl::StatusOr<std::unique_ptr<core::Transport>> CreateTransport(const MeshOptions& options) {
+  if (options.transport == "tcp") return tcp::CreateTcpTransport(options);
+#ifdef STEPMESH_HAVE_RDMA
+  if (options.transport == "rdma") return rdma::CreateRdmaTransport(options);
+  if (options.transport == "auto" && rdma::RdmaDeviceAvailable()) {
+    return rdma::CreateRdmaTransport(options);
+  }
+#else
+  if (options.transport == "rdma") {
+    return absl::UnimplementedError("this build of stepmesh has no RDMA transport");
+  }
+#endif
+  if (options.transport == "auto") {
+    STEPMESH_LOG(kInfo, "no RDMA device: using the TCP fallback");
+    return tcp::CreateTcpTransport(options);
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown transport '", options.transport, "'"));
+}
+
+namespace {
+
+// The caller's backend, or the one the options name. The options are checked
+// first, so bad options fail the same way with or without a backend.
+absl::StatusOr<std::shared_ptr<Backend>> BackendFor(const MeshOptions& options, Role role,
+                                                    std::shared_ptr<Backend> backend) {
+  STEPMESH_RETURN_IF_ERROR(core::OptionsForRole(options, role).status());
+  if (backend != nullptr) return backend;
+  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<Backend> created,
+                            CreateBackend(options.backend, options.device));
+  return std::shared_ptr<Backend>(std::move(created));
+}
+
+}  // namespace
+}  // namespace compose
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view name, int device) {
+  if (name == "cpu_mock") return CreateCpuMockBackend();
+  if (name == "cuda") {
+#ifdef STEPMESH_HAVE_CUDA
+    return CreateCudaBackend(device);
+#else
+    return absl::UnimplementedError("this build of stepmesh has no CUDA backend");
+#endif
+  }
+  return absl::NotFoundError(absl::StrCat("unknown backend '", name, "' (cpu_mock or cuda)"));
+}
+
+absl::StatusOr<std::unique_ptr<AFTensorWorker>> AFTensorWorker::Create(
+    const MeshOptions& options, std::shared_ptr<Backend> backend) {
+  STEPMESH_ASSIGN_OR_RETURN(backend,
+                            compose::BackendFor(options, Role::kWorker, std::move(backend)));
+  return core::CreateWorker(options, std::move(backend), compose::CreateTransport);
+}
+
+absl::StatusOr<std::unique_ptr<AFTensorServer>> AFTensorServer::Create(
+    const MeshOptions& options, std::shared_ptr<Backend> backend) {
+  STEPMESH_ASSIGN_OR_RETURN(backend,
+                            compose::BackendFor(options, Role::kServer, std::move(backend)));
+  return core::CreateServer(options, std::move(backend), compose::CreateTransport);
+}
+
+}  // namespace stepmesh

@@ -1,0 +1,18 @@
+#pragma once
+// The composition root: the one place that knows every transport and backend
+// implementation and picks among them by name. Everything below it (core,
+// transports, backends) knows only the seams (core::Transport, Backend).
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "src/core/transport.h"
+#include "stepmesh/options.h"
+
+namespace stepmesh::compose {
+
+// The transport named in options.transport: "tcp", "rdma", or "auto" (rdma
+// when built with it and a device is present, else tcp). A core::TransportFactory.
+absl::StatusOr<std::unique_ptr<core::Transport>> CreateTransport(const MeshOptions& options);
+
+}  // namespace stepmesh::compose

@@ -1,0 +1,171 @@
+#pragma once
+// The server's batch assembler: puts each worker's multi-part request back
+// together (receive thread), groups complete requests into batches by their
+// first push key, moves every batch slot through its states and picks the
+// batch GetBatch hands out. It knows nothing of transports or threads beyond
+// its lock, so it is tested on its own (tests/core/batch_assembler_test.cc).
+//
+// A batch slot's states:
+//   kFree -> kCollecting   a worker's complete request opens it
+//         -> kReady        every live worker is in (or a loss completed it)
+//         -> kHandedOut    GetBatch (kReadyByDeadline also takes kCollecting)
+//         -> kResponding   Respond queued the replies
+//         -> kFree         the replies went out
+//   kCollecting -> kFree   the last worker in it was lost
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "src/base/sync.h"
+#include "src/core/frame.h"
+#include "src/core/lost_peers.h"
+#include "src/core/protocol.h"
+#include "src/core/server_tensors.h"
+#include "stepmesh/server.h"
+#include "stepmesh/trace.h"
+
+namespace stepmesh::core {
+
+inline constexpr int kAssembliesPerWorker = 64;  // requests of one worker arriving at once
+inline constexpr int kBatchSlots = 64;
+
+// One worker request being received (its parts may arrive one by one).
+struct Assembly {
+  bool used = false;
+  uint64_t request_id = 0;
+  uint16_t part_count = 0;
+  uint16_t parts_done = 0;
+  bool failed = false;
+  Key group = 0;
+  Key pull_key = kNoPull;
+  TraceStamps stamps;
+  int num_keys = 0;
+  std::array<Key, kMaxPushesPerRequest> keys{};
+  std::array<size_t, kMaxPushesPerRequest> bytes{};
+  std::array<RecvRegistration*, kMaxPushesPerRequest> regs{};
+};
+
+enum class BatchState : uint8_t { kFree, kCollecting, kReady, kHandedOut, kResponding };
+
+// A worker's place in a batch.
+struct WorkerEntry {
+  bool present = false;
+  uint64_t request_id = 0;
+  Key pull_key = kNoPull;
+  TraceStamps stamps;
+  size_t reply_bytes = 0;              // set by Respond
+  ReplyRegistration* reply = nullptr;  // set by Respond; null: an empty acknowledgement
+  uint32_t pushed_mask = 0;            // bit t: this worker filled tensors[t]
+};
+
+struct BatchSlot {
+  explicit BatchSlot(int num_workers);
+  // Frees worker `w`'s slots of the receive regions this batch holds.
+  void ReleaseReceiveSlots(int w);
+
+  uint32_t generation = 0;
+  BatchState state = BatchState::kFree;
+  uint64_t opened_sequence = 0;
+  Key group = 0;
+  std::vector<WorkerEntry> entries;  // by worker rank
+  std::vector<int> workers;          // present, ascending (set when handed out)
+  std::vector<Key> pull_keys;        // parallel to workers
+  std::vector<BatchTensor> tensors;
+  std::vector<RecvRegistration*> regs;     // parallel to tensors
+  std::vector<std::vector<size_t>> valid;  // [tensor][worker]
+  uint64_t handler_ns = 0;
+};
+
+class BatchAssembler {
+ public:
+  // `lost` says which workers are gone (a batch does not wait for them); it
+  // must outlive the assembler. `trace`: take arrival and hand-out stamps.
+  BatchAssembler(int num_workers, const LostPeers& lost, bool trace);
+
+  size_t num_slots() const { return slots_.size(); }
+
+  // ---- receive thread: assembly ----
+  struct Arrival {
+    absl::Status report;           // an error the worker must hear (once per request)
+    Assembly* complete = nullptr;  // all parts in, none failed: Commit or Abandon it
+  };
+  // Part `h` of worker `w`'s request landed in `reg` (its slot there now
+  // busy), or failed with `status` (then `reg`, if any, is released).
+  Arrival AddPart(int w, const FrameHeader& h, RecvRegistration* reg, const absl::Status& status);
+  // Adds a complete request to the batch its group names, opening one if
+  // needed; RESOURCE_EXHAUSTED (the request dropped, its slots freed) when
+  // every batch slot is taken. True in `*ready` when a batch became ready.
+  absl::Status Commit(int w, Assembly& a, bool* ready);
+  // Drops a complete request that could not be delivered, freeing its slots.
+  void Abandon(int w, Assembly& a);
+  // A restarted `w`: drops what its previous process left half-received and
+  // returns the receive regions whose w-slot a batch still holds.
+  std::vector<const RecvRegistration*> ForgetWorker(int w);
+
+  // ---- any thread ----
+  bool HasReady() const { return ready_count_.load(std::memory_order_acquire) > 0; }
+  // The oldest ready batch, handed out.
+  std::optional<Batch> TakeReady();
+  // kReadyByDeadline: the oldest batch still collecting, handed out as it is.
+  std::optional<Batch> TakeOldestPartial();
+  // Answers the handed-out batch `handle` names: `answer(slot, index)` runs
+  // under the lock with the slot in kResponding and keeps it there when it
+  // returns OK; on an error the batch stays handed out.
+  template <typename Answer>
+  absl::Status Respond(BatchHandle handle, Answer answer);
+  // Send thread, after the replies of the kResponding slot `index` went out.
+  BatchSlot& responding(uint32_t index) { return *slots_[index]; }
+  void Release(uint32_t index);
+  // Whether a reply being sent reads `reg`.
+  bool ReplySourceInUse(const ReplyRegistration* reg);
+  // `w` is gone: its requests in batches not yet handed out are dropped (they
+  // can never be answered), and batches that waited only for it are ready.
+  void DropWorker(int w);
+  // Shutdown: no batch is handed out any more.
+  void ClearReady();
+
+ private:
+  Assembly* FindAssembly(int w, const FrameHeader& h);
+  BatchSlot* OpenSlot(Key group, uint32_t* index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool MaybeReady(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Batch HandOut(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeSlot(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const int num_workers_;
+  const LostPeers& lost_;
+  const bool trace_;
+  std::vector<std::vector<Assembly>> assemblies_;  // receive thread only
+
+  base::Mutex mu_;
+  // The slots exist for the assembler's life; their contents follow the state
+  // machine (a kResponding slot is the send thread's until Release).
+  std::vector<std::unique_ptr<BatchSlot>> slots_;
+  std::vector<uint32_t> free_slots_ ABSL_GUARDED_BY(mu_);
+  std::vector<uint32_t> ready_ ABSL_GUARDED_BY(mu_);  // oldest first
+  std::atomic<int> ready_count_{0};
+  uint64_t opened_sequence_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+template <typename Answer>
+absl::Status BatchAssembler::Respond(BatchHandle handle, Answer answer) {
+  if (!handle.valid() || handle.index() >= slots_.size()) {
+    return absl::InvalidArgumentError("invalid batch handle");
+  }
+  base::MutexLock lock(&mu_);
+  BatchSlot& slot = *slots_[handle.index()];
+  if (slot.generation != handle.generation() || slot.state != BatchState::kHandedOut) {
+    return absl::FailedPreconditionError("batch already answered (or handle is stale)");
+  }
+  slot.state = BatchState::kResponding;
+  absl::Status answered = answer(slot, handle.index());
+  if (!answered.ok()) slot.state = BatchState::kHandedOut;  // the caller may retry
+  return answered;
+}
+
+}  // namespace stepmesh::core

@@ -1,0 +1,35 @@
+#pragma once
+// The tensors a server registered: receive regions (one slot per worker, each
+// slot busy from the push that fills it until the reply that frees it) and
+// reply regions (slot w is worker w's reply).
+
+#include <atomic>
+#include <cstddef>
+#include <memory>
+
+#include "absl/container/flat_hash_map.h"
+#include "src/core/payload_io.h"
+#include "stepmesh/tensor.h"
+#include "stepmesh/types.h"
+
+namespace stepmesh::core {
+
+struct RecvRegistration {
+  TensorView view;
+  WireTensor wire;
+  size_t slot_bytes = 0;
+  // Per worker: the slot holds data no reply has answered yet. Set by the
+  // receive thread when it accepts a push; cleared when the reply goes out,
+  // when the request fails, or when the worker is gone.
+  std::unique_ptr<std::atomic<bool>[]> busy;
+};
+
+struct ReplyRegistration {
+  TensorView view;
+  WireTensor wire;
+  size_t slot_bytes = 0;
+};
+
+using ReplyTensors = absl::flat_hash_map<Key, std::unique_ptr<ReplyRegistration>>;
+
+}  // namespace stepmesh::core
