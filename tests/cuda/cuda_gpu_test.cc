@@ -10,10 +10,10 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <future>
 #include <catch2/catch.hpp>
 #include <cstdio>
 #include <cstring>
+#include <future>
 #include <numeric>
 #include <thread>
 #include <vector>

@@ -51,4 +51,14 @@ cudaError_t LaunchSignalFlagKernel(cudaStream_t stream, uint32_t* flag, uint32_t
                           0, stream);
 }
 
+cudaError_t LoadFlagKernels() {
+  // cudaFuncGetAttributes finishes loading a lazily loaded kernel, with any
+  // device-wide wait that takes, here rather than at a first launch.
+  cudaFuncAttributes attributes{};
+  cudaError_t error =
+      cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&WaitFlagKernel));
+  if (error != cudaSuccess) return error;
+  return cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&SignalFlagKernel));
+}
+
 }  // namespace stepmesh::cuda

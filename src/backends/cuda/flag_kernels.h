@@ -17,4 +17,7 @@ cudaError_t LaunchWaitFlagKernel(cudaStream_t stream, const uint32_t* flag, uint
 // system-scope release so the host sees the data written before it.
 cudaError_t LaunchSignalFlagKernel(cudaStream_t stream, uint32_t* flag, uint32_t value);
 
+// Loads both kernels into the current context (see CudaApi::LoadFlagKernels).
+cudaError_t LoadFlagKernels();
+
 }  // namespace stepmesh::cuda
