@@ -115,7 +115,12 @@ class Server final : public AFTensorServer, public MeshNode {
   }
   ~Server() override { Stop(); }
 
-  absl::Status Init(const TransportFactory& factory) { return Start(factory); }
+  absl::Status Init(const TransportFactory& factory) {
+    // Made now: making a flag later pins memory, which waits for the whole device.
+    STEPMESH_ASSIGN_OR_RETURN(batches_ready_, backend_->CreateHostFlag());
+    STEPMESH_ASSIGN_OR_RETURN(batch_cursor_, backend_->CreateHostFlag());
+    return Start(factory);
+  }
 
   int rank() const override { return rank_; }
   int num_workers() const override { return options_.num_workers; }
@@ -245,6 +250,11 @@ class Server final : public AFTensorServer, public MeshNode {
     batch.tensors = slot.tensors;
     batch.pull_keys = slot.pull_keys;
     return batch;
+  }
+
+  absl::Status StreamWaitNextBatch(Stream& stream) override {
+    if (stopped()) return absl::FailedPreconditionError("server is shut down");
+    return stream.WaitHostFlagNext(*batches_ready_, *batch_cursor_);
   }
 
   absl::Status Respond(const Batch& batch, absl::Span<const Reply> replies,
@@ -601,6 +611,9 @@ class Server final : public AFTensorServer, public MeshNode {
     slot.state = BatchState::kReady;
     ready_.push_back(index);
     ready_count_.fetch_add(1, std::memory_order_seq_cst);
+    // Its data is in the receive tensors (staged in, or flushed): a stream
+    // waiting for the next batch may go (StreamWaitNextBatch).
+    batches_ready_->Store(++batches_counted_);
     NotifyWaiters();
   }
 
@@ -682,6 +695,8 @@ class Server final : public AFTensorServer, public MeshNode {
     ::stepmesh::core::MutexLock lock(&batch_mu_);
     ready_.clear();
     ready_count_.store(0);
+    // No batch comes any more: streams waiting for one must not wait forever.
+    if (batches_ready_ != nullptr) batches_ready_->ReleaseWaiters();
   }
 
   absl::StatusOr<size_t> SlotBytes(const TensorView& region, absl::string_view what) const {
@@ -726,6 +741,10 @@ class Server final : public AFTensorServer, public MeshNode {
   std::vector<uint32_t> ready_ ABSL_GUARDED_BY(batch_mu_);
   std::atomic<int> ready_count_{0};
   uint64_t opened_sequence_ ABSL_GUARDED_BY(batch_mu_) = 0;
+  // Batches that became ready, for StreamWaitNextBatch, and its device cursor.
+  std::unique_ptr<HostFlag> batches_ready_;
+  std::unique_ptr<HostFlag> batch_cursor_;
+  uint32_t batches_counted_ ABSL_GUARDED_BY(batch_mu_) = 0;
 
   ::stepmesh::core::Mutex error_mu_;
   std::vector<ErrorRecord> errors_ ABSL_GUARDED_BY(error_mu_);

@@ -24,6 +24,12 @@ struct Registration {
   TensorView view;
   WireTensor wire;
   bool in_flight = false;  // guarded by the worker's reg_mu_
+  // Pull registrations: replies settled so far, and the device-side cursor of
+  // StreamWaitNextPull. `arrived` changes once per request that pulls here,
+  // and one such request is in flight at a time.
+  std::unique_ptr<HostFlag> arrivals;
+  std::unique_ptr<HostFlag> cursor;
+  uint32_t arrived = 0;
 };
 
 enum class RequestState : uint8_t { kFree, kPending, kDone, kReleased };
@@ -47,6 +53,7 @@ struct Request {
         settled(new std::atomic<bool>[num_servers]),
         stamps(num_servers) {}
 
+  uint32_t index = 0;  // of its slot
   // Read by the receive thread to reject stale frames while a new request fills the slot.
   std::atomic<uint32_t> generation{0};
   std::atomic<RequestState> state{RequestState::kFree};
@@ -82,13 +89,24 @@ class Worker final : public AFTensorWorker, public MeshNode {
     const uint32_t first_generation = std::random_device{}() | 1;
     for (int i = 0; i < options.max_inflight_requests; ++i) {
       requests_.push_back(std::make_unique<Request>(options.num_servers));
+      requests_.back()->index = static_cast<uint32_t>(i);
       requests_.back()->generation.store(first_generation, std::memory_order_relaxed);
       free_.push_back(options.max_inflight_requests - 1 - i);
     }
   }
   ~Worker() override { Stop(); }
 
-  absl::Status Init(const TransportFactory& factory) { return Start(factory); }
+  absl::Status Init(const TransportFactory& factory) {
+    // A flag per request slot holds the generation of the slot's latest
+    // finished request (StreamWaitReply). Made now: making one later pins
+    // memory, which waits for the whole device.
+    for (const auto& r : requests_) {
+      STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<HostFlag> flag, backend_->CreateHostFlag());
+      flag->Store(r->generation.load(std::memory_order_relaxed));
+      done_flags_.push_back(std::move(flag));
+    }
+    return Start(factory);
+  }
 
   int rank() const override { return rank_; }
   int num_servers() const override { return options_.num_servers; }
@@ -116,8 +134,11 @@ class Worker final : public AFTensorWorker, public MeshNode {
       return absl::AlreadyExistsError(
           absl::StrCat("pull key ", key, " from server ", server, " already registered"));
     }
-    STEPMESH_ASSIGN_OR_RETURN(WireTensor wire, RegisterTensor(key, tensor, 1, {PeerId(server)}));
-    pull_regs_[{key, server}] = std::make_unique<Registration>(Registration{tensor, wire, false});
+    auto reg = std::make_unique<Registration>(Registration{tensor, {}, false});
+    STEPMESH_ASSIGN_OR_RETURN(reg->arrivals, backend_->CreateHostFlag());
+    STEPMESH_ASSIGN_OR_RETURN(reg->cursor, backend_->CreateHostFlag());
+    STEPMESH_ASSIGN_OR_RETURN(reg->wire, RegisterTensor(key, tensor, 1, {PeerId(server)}));
+    pull_regs_[{key, server}] = std::move(reg);
     return absl::OkStatus();
   }
 
@@ -296,6 +317,21 @@ class Worker final : public AFTensorWorker, public MeshNode {
   absl::StatusOr<bool> Test(RequestHandle handle) override {
     STEPMESH_ASSIGN_OR_RETURN(Request * r, Lookup(handle));
     return r->state.load(std::memory_order_acquire) == RequestState::kDone;
+  }
+
+  absl::Status StreamWaitReply(RequestHandle handle, Stream& stream) override {
+    STEPMESH_ASSIGN_OR_RETURN(Request * r, Lookup(handle));
+    return stream.WaitHostFlag(*done_flags_[r->index], handle.generation());
+  }
+
+  absl::Status StreamWaitNextPull(Key key, int server, Stream& stream) override {
+    ::stepmesh::core::MutexLock lock(&reg_mu_);  // Unregister must not free the flags meanwhile
+    auto it = pull_regs_.find({key, server});
+    if (it == pull_regs_.end()) {
+      return absl::NotFoundError(
+          absl::StrCat("pull key ", key, " from server ", server, " is not registered"));
+    }
+    return stream.WaitHostFlagNext(*it->second->arrivals, *it->second->cursor);
   }
 
   absl::StatusOr<TraceRecord> FetchTrace(RequestHandle handle) override {
@@ -497,6 +533,10 @@ class Worker final : public AFTensorWorker, public MeshNode {
       }
       Complete(*r);
     }
+    // No reply comes any more: streams waiting on the GPU timeline must not
+    // wait forever.
+    ::stepmesh::core::MutexLock lock(&reg_mu_);
+    for (auto& [id, reg] : pull_regs_) reg->arrivals->ReleaseWaiters();
   }
 
   // --- helpers ---
@@ -527,6 +567,12 @@ class Worker final : public AFTensorWorker, public MeshNode {
       ::stepmesh::core::MutexLock lock(&r.status_mu);
       if (r.status.ok()) r.status = status;
     }
+    // The reply is in the pull tensor (staged in, or flushed): streams waiting
+    // for the next reply under this key may go (StreamWaitNextPull).
+    if (r.pull_key[server] != kNoPull) {
+      Registration& reg = *r.pull_reg[server];
+      reg.arrivals->Store(++reg.arrived);
+    }
     Release(r);
   }
 
@@ -544,6 +590,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
     }
     r.complete_ns = options_.trace.enabled ? MonotonicNowNs() : 0;
     r.state.store(RequestState::kDone, std::memory_order_seq_cst);
+    done_flags_[r.index]->Store(r.generation.load(std::memory_order_relaxed));  // StreamWaitReply
     NotifyWaiters();
   }
 
@@ -590,6 +637,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
   absl::flat_hash_map<std::pair<Key, int>, std::unique_ptr<Registration>> pull_regs_
       ABSL_GUARDED_BY(reg_mu_);
   std::vector<std::unique_ptr<Request>> requests_;
+  std::vector<std::unique_ptr<HostFlag>> done_flags_;  // per request slot
   std::vector<uint32_t> free_ ABSL_GUARDED_BY(reg_mu_);
   std::unique_ptr<std::atomic<bool>[]> lost_servers_;
 };

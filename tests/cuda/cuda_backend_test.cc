@@ -734,6 +734,57 @@ TEST_CASE("cuda: FlushRemoteWrites flushes only where the GPU needs and allows i
   }
 }
 
+TEST_CASE("cuda: WaitHostFlagNext in a captured graph waits for one new increment per replay",
+          "[cuda]") {
+  Fixture f;
+  auto capture = f.NewStream();
+  auto replay = f.NewStream();
+  auto counter = *f.backend->CreateHostFlag();
+  auto cursor = *f.backend->CreateHostFlag();
+  auto done = *f.backend->CreateHostFlag();
+  REQUIRE(f.fake->BeginCapture(f.Native(*capture), cudaStreamCaptureModeGlobal) == cudaSuccess);
+  REQUIRE(capture->WaitHostFlagNext(*counter, *cursor).ok());
+  REQUIRE(capture->SignalHostFlag(*done, 1).ok());
+  FakeCudaApi::Graph graph;
+  REQUIRE(f.fake->EndCapture(f.Native(*capture), &graph) == cudaSuccess);
+  CHECK(f.fake->memops().empty());
+  for (uint32_t step = 1; step <= 100; ++step) {
+    done->Store(0);
+    REQUIRE(f.fake->LaunchGraph(graph, f.Native(*replay)) == cudaSuccess);
+    f.fake->RunAll();
+    CHECK(done->Load() == 0);  // this replay waits for the next arrival
+    counter->Store(step);
+    f.fake->RunAll();
+    CHECK(done->Load() == 1);
+    CHECK(cursor->Load() == step);
+  }
+}
+
+TEST_CASE("cuda: WaitHostFlagNext outside graphs, and released for shutdown", "[cuda]") {
+  Fixture f(1, Options(ReadyEventMode::kCopyEngineFlag, StreamWaitMode::kKernel));
+  auto stream = f.NewStream();
+  auto counter = *f.backend->CreateHostFlag();
+  auto cursor = *f.backend->CreateHostFlag();
+  counter->Store(1);  // one arrival already there
+  REQUIRE(stream->WaitHostFlagNext(*counter, *cursor).ok());
+  REQUIRE(stream->WaitHostFlagNext(*counter, *cursor).ok());
+  REQUIRE(stream->WaitHostFlagNext(*counter, *cursor).ok());
+  f.fake->RunAll();
+  CHECK(cursor->Load() == 1);
+  CHECK(f.fake->Pending(f.Native(*stream)) == 2);
+  counter->ReleaseWaiters();  // nothing more will come
+  f.fake->RunAll();
+  CHECK(f.fake->Pending(f.Native(*stream)) == 0);
+  CHECK(cursor->Load() == 3);
+  CudaBackendOptions memop_only;
+  memop_only.stream_wait_mode = StreamWaitMode::kStreamMemOp;
+  Fixture g(1, memop_only);
+  auto other = g.NewStream();
+  auto c = *g.backend->CreateHostFlag();
+  auto d = *g.backend->CreateHostFlag();
+  CHECK(other->WaitHostFlagNext(*c, *d).code() == absl::StatusCode::kFailedPrecondition);
+}
+
 // --- Options and the public interop calls ---------------------------------------------
 
 TEST_CASE("cuda: options the device cannot honour, or nonsense, fail creation", "[cuda]") {
@@ -781,6 +832,7 @@ TEST_CASE("cuda: the flag kernels are loaded when the backend is made", "[cuda]"
   Fixture f(fake, 2);
   CHECK(f.fake->KernelLoaded(2, "wait_kernel"));
   CHECK(f.fake->KernelLoaded(2, "signal_kernel"));
+  CHECK(f.fake->KernelLoaded(2, "wait_next_kernel"));
   CHECK_FALSE(f.fake->KernelLoaded(0, "wait_kernel"));
 }
 

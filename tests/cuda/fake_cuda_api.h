@@ -740,13 +740,34 @@ class FakeCudaApi final : public CudaApi {
                 }});
     return cudaSuccess;
   }
+  cudaError_t LaunchWaitNextFlagKernel(cudaStream_t stream, const uint32_t* counter,
+                                       uint32_t* cursor) override {
+    Lock lock(this, "wait_next_kernel");
+    if (cudaError_t e = lock.injected()) return e;
+    if (cudaError_t e = lock.context()) return e;
+    if (cudaError_t e = CheckLaunch(stream, counter, "wait_next_kernel")) return e;
+    if (cudaError_t e = CheckLaunch(stream, cursor, "wait_next_kernel")) return e;
+    FakeStream* s = StreamForCall(stream, "wait next kernel");
+    const uint32_t* count = static_cast<const uint32_t*>(Resolve(counter));
+    auto* at = static_cast<uint32_t*>(Resolve(cursor));
+    std::shared_ptr<Mapping> count_mapping = MappingOf(count), at_mapping = MappingOf(at);
+    Enqueue(s, {"wait_next_kernel", [this, count, at, count_mapping, at_mapping] {
+                  Window a(this, count_mapping.get());
+                  Window b(this, at_mapping.get());
+                  const uint32_t target = Load(at) + 1;
+                  if (static_cast<int32_t>(Load(count) - target) < 0) return false;
+                  Store(at, target);
+                  return true;
+                }});
+    return cudaSuccess;
+  }
   cudaError_t LoadFlagKernels() override {
     Lock lock(this, "LoadFlagKernels");
     if (cudaError_t e = lock.injected()) return e;
     if (cudaError_t e = lock.context()) return e;
     if (cudaError_t e = Unsafe("loading the flag kernels")) return e;
     const int device = Thread().current;
-    for (const char* kernel : {"wait_kernel", "signal_kernel"}) {
+    for (const char* kernel : {"wait_kernel", "wait_next_kernel", "signal_kernel"}) {
       if (cudaError_t e = Load(device, kernel)) return e;
     }
     return cudaSuccess;

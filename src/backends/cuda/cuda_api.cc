@@ -124,6 +124,10 @@ class RuntimeCudaApi final : public CudaApi {
   cudaError_t LaunchSignalFlagKernel(cudaStream_t stream, uint32_t* flag, uint32_t value) override {
     return cuda::LaunchSignalFlagKernel(stream, flag, value);
   }
+  cudaError_t LaunchWaitNextFlagKernel(cudaStream_t stream, const uint32_t* counter,
+                                       uint32_t* cursor) override {
+    return cuda::LaunchWaitNextFlagKernel(stream, counter, cursor);
+  }
   cudaError_t LoadFlagKernels() override { return cuda::LoadFlagKernels(); }
   cudaError_t LoadKernel(const void* kernel) override {
     // Asking for a kernel's attributes loads it into the current context.

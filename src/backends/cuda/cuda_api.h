@@ -78,7 +78,12 @@ class CudaApi {
   // Writes `value` to `flag` (system-scope release) when the stream gets there.
   virtual cudaError_t LaunchSignalFlagKernel(cudaStream_t stream, uint32_t* flag,
                                              uint32_t value) = 0;
-  // Loads both flag kernels into the current context now. Under lazy loading
+  // Later work waits until (int32_t)(*counter - (*cursor + 1)) >= 0, then the
+  // kernel stores *cursor + 1 to *cursor: the target is read when the kernel
+  // runs, so a replayed graph waits for one more increment each time.
+  virtual cudaError_t LaunchWaitNextFlagKernel(cudaStream_t stream, const uint32_t* counter,
+                                               uint32_t* cursor) = 0;
+  // Loads the flag kernels into the current context now. Under lazy loading
   // (the default since CUDA 12.2) a kernel is loaded at its first launch, and
   // loading waits for the whole device: with a wait kernel spinning on a flag
   // the launching thread would raise, that wait never ends.

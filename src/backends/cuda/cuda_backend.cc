@@ -291,6 +291,8 @@ class DeviceContext {
 
   // Arrival -> GPU: later work on `stream` waits for the flag.
   absl::Status StreamWait(cudaStream_t stream, CudaHostFlag& flag, uint32_t value);
+  // Arrival -> GPU, graph-replayable: waits for the counter's next increment.
+  absl::Status StreamWaitNext(cudaStream_t stream, CudaHostFlag& counter, CudaHostFlag& cursor);
   // GPU -> host: the stream writes the flag when it gets there.
   absl::Status StreamSignal(cudaStream_t stream, CudaHostFlag& flag, uint32_t value);
 
@@ -461,13 +463,17 @@ class CudaHostFlag final : public HostFlag {
   }
   uint32_t Load() const override { return LoadAcquire(host_); }
 
-  // Moves the flag to the highest value waited for, if it is not there yet.
-  void ReleaseWaiters() {
+  // Moves the flag to the highest value waited for, if it is not there yet;
+  // next-waits (WaitHostFlagNext) target the cursor plus one when they run,
+  // which is within 2^30 of this counter.
+  void ReleaseWaiters() override {
     const uint64_t waited = waited_.load(std::memory_order_acquire);
-    if ((waited & kHasWait) == 0) return;
-    const auto target = static_cast<uint32_t>(waited);
-    if (!Reached(Load(), target)) Store(target);
+    if ((waited & kHasWait) != 0 && !Reached(Load(), static_cast<uint32_t>(waited))) {
+      Store(static_cast<uint32_t>(waited));
+    }
+    if (next_waits_.load(std::memory_order_acquire)) Store(Load() + (1u << 30));
   }
+  void NoteNextWait() { next_waits_.store(true, std::memory_order_release); }
   // Called before a wait for `value` is enqueued.
   void NoteWait(uint32_t value) {
     uint64_t seen = waited_.load(std::memory_order_relaxed);
@@ -485,6 +491,7 @@ class CudaHostFlag final : public HostFlag {
   uint32_t* const host_;
   uint32_t* const device_;
   std::atomic<uint64_t> waited_{0};
+  std::atomic<bool> next_waits_{false};
 };
 
 absl::Status DeviceContext::StreamWait(cudaStream_t stream, CudaHostFlag& flag, uint32_t value) {
@@ -509,6 +516,25 @@ absl::Status DeviceContext::StreamWait(cudaStream_t stream, CudaHostFlag& flag, 
     if (!FallBackFromMemOps(result)) return CuResultStatus(*api_, result, "cuStreamWaitValue32");
   }
   return LaunchFlagKernel(stream, flag.device_word(), value, /*wait=*/true);
+}
+
+absl::Status DeviceContext::StreamWaitNext(cudaStream_t stream, CudaHostFlag& counter,
+                                           CudaHostFlag& cursor) {
+  if (options_.flush_remote_writes) {
+    return absl::FailedPreconditionError(
+        "WaitHostFlagNext: flush_remote_writes needs cuStreamWaitValue32's flush, and this wait "
+        "is always the kernel");
+  }
+  if (options_.stream_wait_mode == StreamWaitMode::kStreamMemOp) {
+    return absl::FailedPreconditionError(
+        "WaitHostFlagNext is a kernel; StreamWaitMode::kStreamMemOp allows only memory-op waits");
+  }
+  counter.NoteNextWait();
+  ScopedDevice scoped(*api_, device_);
+  STEPMESH_RETURN_IF_ERROR(scoped.status());
+  return CudaStatus(
+      *api_, api_->LaunchWaitNextFlagKernel(stream, counter.device_word(), cursor.device_word()),
+      "launching the flag-wait-next kernel");
 }
 
 absl::Status DeviceContext::StreamSignal(cudaStream_t stream, CudaHostFlag& flag, uint32_t value) {
@@ -722,6 +748,16 @@ class CudaStream final : public Stream {
       return absl::InvalidArgumentError("WaitHostFlag: the flag was not made by a CUDA backend");
     }
     return context_->StreamWait(stream_, *cuda_flag, value);
+  }
+
+  absl::Status WaitHostFlagNext(HostFlag& counter, HostFlag& cursor) override {
+    auto* cuda_counter = dynamic_cast<CudaHostFlag*>(&counter);
+    auto* cuda_cursor = dynamic_cast<CudaHostFlag*>(&cursor);
+    if (cuda_counter == nullptr || cuda_cursor == nullptr) {
+      return absl::InvalidArgumentError(
+          "WaitHostFlagNext: the flags were not made by a CUDA backend");
+    }
+    return context_->StreamWaitNext(stream_, *cuda_counter, *cuda_cursor);
   }
 
   absl::Status SignalHostFlag(HostFlag& flag, uint32_t value) override {
