@@ -3,12 +3,12 @@
 // MeshOptions::FromEnv() which overlays STEPMESH_* (and StepMesh's DMLC_*)
 // variables on a base; docs/configuration.md lists every name.
 
+#include "absl/strings/string_view.h"
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 
 namespace stepmesh {
@@ -59,7 +59,7 @@ struct MeshOptions {
   std::string scheduler = "127.0.0.1:9000";  // host:port of the rendezvous
   std::string bind_host = "127.0.0.1";       // interface the data listener binds
 
-  std::string transport = "auto";    // "tcp", "rdma" or "auto" (rdma when a device exists)
+  std::string transport = "auto";  // "tcp", "rdma" or "auto" (rdma when a device exists)
   std::string backend = "cpu_mock";  // "cpu_mock" or "cuda"
   int device = 0;
 
@@ -75,9 +75,9 @@ struct MeshOptions {
   ThreadingOptions threads;
   absl::Duration timeout = absl::Seconds(30);            // connect, barrier, peer silence
   absl::Duration heartbeat_interval = absl::Seconds(1);  // scheduler liveness probes
-  int max_inflight_requests = 64;                        // worker request slots (bounded pool)
-  int max_registrations = 1024;                          // per participant
-  std::string auth_token;  // optional shared secret (challenge-response, never sent)
+  int max_inflight_requests = 64;  // worker request slots (bounded pool)
+  int max_registrations = 1024;    // per participant
+  std::string auth_token;          // optional shared secret (challenge-response, never sent)
   // End-to-end CRC32C of every payload both ends can read (host memory): the
   // sender seals it in the frame, the receiver fails the request with
   // DATA_LOSS on a mismatch. Costs one pass over the bytes on each side
