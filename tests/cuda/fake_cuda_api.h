@@ -1078,7 +1078,16 @@ class FakeCudaApi final : public CudaApi {
     return {"memcpy", [this, to, from, bytes, to_mapping, from_mapping, staged] {
               Window a(this, to_mapping.get());
               Window b(this, from_mapping.get());
-              std::memcpy(to, staged ? staged->data() : from, bytes);
+              const void* source = staged ? staged->data() : from;
+              if (bytes == sizeof(uint32_t) && reinterpret_cast<uintptr_t>(to) % 4 == 0) {
+                // A 4-byte aligned DMA write lands whole: a host polling the
+                // word (a copy-engine ready event) sees old or new, never torn.
+                uint32_t word;
+                std::memcpy(&word, source, sizeof(word));
+                Store(static_cast<uint32_t*>(to), word);
+              } else {
+                std::memcpy(to, source, bytes);
+              }
               return true;
             }};
   }
