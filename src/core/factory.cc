@@ -32,6 +32,17 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view name, i
 
 namespace core {
 
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const MeshOptions& options) {
+#ifdef STEPMESH_HAVE_CUDA
+  if (options.backend == "cuda") {
+    CudaBackendOptions cuda;
+    cuda.device_max_connections = options.cuda_device_max_connections;
+    return CreateCudaBackend(options.device, cuda);
+  }
+#endif
+  return ::stepmesh::CreateBackend(options.backend, options.device);
+}
+
 absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const MeshOptions& options) {
   if (options.transport == "tcp") return CreateTcpTransport(options);
 #ifdef STEPMESH_HAVE_RDMA

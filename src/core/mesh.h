@@ -13,6 +13,9 @@
 
 namespace stepmesh::core {
 
+// The backend named in the options ("cpu_mock" or "cuda"), configured from them.
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const MeshOptions& options);
+
 // "tcp", "rdma" or "auto" (rdma when built with it and a device is present).
 absl::StatusOr<std::unique_ptr<Transport>> CreateTransport(const MeshOptions& options);
 

@@ -760,7 +760,7 @@ absl::StatusOr<std::unique_ptr<AFTensorServer>> CreateServer(const MeshOptions& 
   server_options.role = Role::kServer;
   STEPMESH_RETURN_IF_ERROR(server_options.Validate());
   if (backend == nullptr) {
-    STEPMESH_ASSIGN_OR_RETURN(backend, CreateBackend(options.backend, options.device));
+    STEPMESH_ASSIGN_OR_RETURN(backend, CreateBackend(options));
   }
   auto server = std::make_unique<Server>(server_options, std::move(backend));
   STEPMESH_RETURN_IF_ERROR(server->Init(transport));

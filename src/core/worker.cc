@@ -651,7 +651,7 @@ absl::StatusOr<std::unique_ptr<AFTensorWorker>> CreateWorker(const MeshOptions& 
   worker_options.role = Role::kWorker;
   STEPMESH_RETURN_IF_ERROR(worker_options.Validate());
   if (backend == nullptr) {
-    STEPMESH_ASSIGN_OR_RETURN(backend, CreateBackend(options.backend, options.device));
+    STEPMESH_ASSIGN_OR_RETURN(backend, CreateBackend(options));
   }
   auto worker = std::make_unique<Worker>(worker_options, std::move(backend));
   STEPMESH_RETURN_IF_ERROR(worker->Init(transport));

@@ -1,3 +1,4 @@
+#include <atomic>
 #include <future>
 #include <memory>
 #include <string>
@@ -6,6 +7,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "src/core/mesh.h"
@@ -262,6 +264,77 @@ TEST_CASE("a send gated on an event waits for it on the send thread", "[mesh][ev
   const Reply r{0};
   REQUIRE(mesh.server->Respond(*batch, {&r, 1}).ok());
   REQUIRE(mesh.worker->Wait(*h, absl::Seconds(5)).ok());
+}
+
+TEST_CASE("a ready event that never completes fails its request after options.timeout",
+          "[mesh][event]") {
+  std::vector<uint8_t> push(64, 0), pull(64), recv(64), reply(64);
+  MeshOptions o = TcpOptions();
+  o.timeout = absl::Seconds(2);
+  o.heartbeat_interval = absl::Milliseconds(200);
+  testing::MeshPair mesh(o, core::CreateTransport);
+  REQUIRE(mesh.worker->RegisterPushTensor(1, BytesView(push.data(), 64)).ok());
+  REQUIRE(mesh.worker->RegisterPullTensor(2, 0, BytesView(pull.data(), 64)).ok());
+  REQUIRE(mesh.server->RegisterRecvTensor(1, BytesView(recv.data(), 64)).ok());
+  REQUIRE(mesh.server->RegisterReplyTensor(2, BytesView(reply.data(), 64)).ok());
+  auto stream = *mesh.worker->backend().CreateStream();
+  auto ready = *mesh.worker->backend().CreateEvent();
+  auto flag = *mesh.worker->backend().CreateHostFlag();
+  REQUIRE(stream->WaitHostFlag(*flag, 1).ok());  // a stream that never gets there
+  REQUIRE(ready->Record(*stream).ok());
+  const Push p{1};
+  const Pull q{2, 0};
+  SendOptions options;
+  options.ready = ready.get();
+  auto h = mesh.worker->PushPull({&p, 1}, {&q, 1}, options);
+  REQUIRE(h.ok());
+  const absl::Status status = mesh.worker->Wait(*h, absl::Seconds(10));
+  INFO(status.ToString());
+  CHECK(absl::IsDeadlineExceeded(status));
+  CHECK(absl::StrContains(status.message(), "ready event"));
+  flag->Store(1);
+  REQUIRE(stream->Synchronize(absl::Seconds(5)).ok());
+}
+
+TEST_CASE("streams wait for a reply and for the next batch on cpu_mock", "[mesh][arrival]") {
+  std::vector<uint8_t> push(64, 0), pull(64, 0), recv(64), reply(64);
+  OneByOne mesh;
+  REQUIRE(mesh.worker->RegisterPushTensor(1, BytesView(push.data(), 64)).ok());
+  REQUIRE(mesh.worker->RegisterPullTensor(2, 0, BytesView(pull.data(), 64)).ok());
+  REQUIRE(mesh.server->RegisterRecvTensor(1, BytesView(recv.data(), 64)).ok());
+  REQUIRE(mesh.server->RegisterReplyTensor(2, BytesView(reply.data(), 64)).ok());
+  auto worker_stream = *mesh.worker->backend().CreateStream();
+  auto server_stream = *mesh.server->backend().CreateStream();
+  std::atomic<int> seen_reply{-1}, seen_push{-1}, next_pull{-1};
+  for (int step = 1; step <= 3; ++step) {
+    seen_push = seen_reply = next_pull = -1;
+    std::fill(push.begin(), push.end(), static_cast<uint8_t>(step));
+    REQUIRE(mesh.server->StreamWaitNextBatch(*server_stream).ok());
+    REQUIRE(server_stream->LaunchHostFunc([&] { seen_push = recv[63]; }).ok());
+    absl::SleepFor(absl::Milliseconds(20));
+    CHECK(seen_push.load() == -1);  // no batch yet: the server stream waits
+    const Push p{1};
+    const Pull q{2, 0};
+    auto h = mesh.worker->PushPull({&p, 1}, {&q, 1});
+    REQUIRE(h.ok());
+    REQUIRE(mesh.worker->StreamWaitReply(*h, *worker_stream).ok());
+    REQUIRE(worker_stream->LaunchHostFunc([&] { seen_reply = pull[63]; }).ok());
+    REQUIRE(mesh.worker->StreamWaitNextPull(2, 0, *worker_stream).ok());
+    REQUIRE(worker_stream->LaunchHostFunc([&] { next_pull = pull[0]; }).ok());
+    auto batch = mesh.server->GetBatch(absl::Seconds(5));
+    REQUIRE(batch.ok());
+    REQUIRE(server_stream->Synchronize(absl::Seconds(5)).ok());
+    CHECK(seen_push.load() == step);  // the stream went once the batch was in
+    absl::SleepFor(absl::Milliseconds(20));
+    CHECK(seen_reply.load() == -1);  // no reply yet: the worker stream waits
+    std::fill(reply.begin(), reply.end(), static_cast<uint8_t>(step * 10));
+    const Reply r{0};
+    REQUIRE(mesh.server->Respond(*batch, {&r, 1}).ok());
+    REQUIRE(mesh.worker->Wait(*h, absl::Seconds(5)).ok());
+    REQUIRE(worker_stream->Synchronize(absl::Seconds(5)).ok());
+    CHECK(seen_reply.load() == step * 10);
+    CHECK(next_pull.load() == step * 10);
+  }
 }
 
 // ---- separate processes on 127.0.0.1 ----

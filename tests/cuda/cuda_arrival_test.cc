@@ -11,6 +11,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "src/backends/cuda/cuda_backend.h"
@@ -211,6 +212,30 @@ TEST_CASE("arrival: shutdown releases streams still waiting for arrivals", "[cud
   mesh.server_gpu->RunAll();
   CHECK(mesh.worker_gpu->Pending(FakeGpuMesh::Native(*worker_stream)) == 0);
   CHECK(mesh.server_gpu->Pending(FakeGpuMesh::Native(*server_stream)) == 0);
+}
+
+// The send thread polls a copy-engine ready event; a device fault means its
+// flag copy never lands. The request must fail with the CUDA error instead of
+// waiting for ever.
+TEST_CASE("arrival: a device fault under a copy-engine ready event fails the request",
+          "[cuda][arrival]") {
+  FakeGpuMesh mesh;
+  auto stream = *mesh.worker_backend->CreateStream();
+  auto gate = *mesh.worker_backend->CreateHostFlag();
+  auto ready = *mesh.worker_backend->CreateEvent();
+  REQUIRE(stream->WaitHostFlag(*gate, 1).ok());  // the kernels that produce the push
+  REQUIRE(ready->Record(*stream).ok());
+  const stepmesh::Push p{kPushKey};
+  const Pull q{kPullKey, 0};
+  SendOptions options;
+  options.ready = ready.get();
+  auto handle = mesh.worker->PushPull({&p, 1}, {&q, 1}, options);
+  REQUIRE(handle.ok());
+  mesh.worker_gpu->InjectDeviceFault(0, cudaErrorIllegalAddress);  // one of them faults
+  const absl::Status status = mesh.worker->Wait(*handle, absl::Seconds(10));
+  INFO(status.ToString());
+  CHECK(absl::IsInternal(status));
+  CHECK(absl::StrContains(status.message(), "cudaErrorIllegalAddress"));
 }
 
 }  // namespace
