@@ -453,7 +453,7 @@ TEST_CASE("cuda: StreamWaitMode::kKernel always launches the kernel", "[cuda]") 
   CHECK(f.fake->Calls("cuStreamWaitValue32") == 0);
 }
 
-TEST_CASE("cuda: kAuto uses the kernels while the stream is being captured; replays work",
+TEST_CASE("cuda: kAuto uses the kernels while the stream is being captured, and replays work",
           "[cuda]") {
   Fixture f;
   auto stream = f.NewStream();
