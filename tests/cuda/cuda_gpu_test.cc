@@ -200,30 +200,55 @@ TEST_CASE("gpu: event pool reuses events across many steps", "[cuda_gpu]") {
 // 1A1F over TCP on `device` with every tensor in device memory: TCP cannot
 // reach it, so the core stages through pinned host memory (the path without
 // GPUDirect), on the send and receive threads.
+// A scheduler, one worker and one server in this process over TCP, both on
+// the cuda backend of `device`.
+struct GpuMesh {
+  static absl::StatusOr<GpuMesh> Start(int device) {
+    MeshOptions o;
+    o.transport = "tcp";
+    o.backend = "cuda";
+    o.device = device;
+    o.timeout = absl::Seconds(20);
+    o.scheduler = "127.0.0.1:0";
+    GpuMesh mesh;
+    STEPMESH_ASSIGN_OR_RETURN(mesh.scheduler, Scheduler::Start(o));
+    o.scheduler = mesh.scheduler->address();
+    MeshOptions so = o;
+    so.role = Role::kServer;
+    auto server_future =
+        std::async(std::launch::async, [so] { return AFTensorServer::Create(so); });
+    o.role = Role::kWorker;
+    auto worker = AFTensorWorker::Create(o);
+    auto server = server_future.get();
+    STEPMESH_RETURN_IF_ERROR(worker.status());
+    STEPMESH_RETURN_IF_ERROR(server.status());
+    mesh.worker = std::move(*worker);
+    mesh.server = std::move(*server);
+    if (mesh.worker->backend().name() != "cuda") {
+      return absl::InternalError("the worker's backend is not cuda");
+    }
+    return mesh;
+  }
+  // Before the registered tensors go (they are freed first when declared later).
+  void Shutdown() {
+    if (worker != nullptr) (void)worker->Shutdown();
+    if (server != nullptr) (void)server->Shutdown();
+  }
+  ~GpuMesh() { Shutdown(); }
+  GpuMesh() = default;
+  GpuMesh(GpuMesh&&) = default;
+
+  std::unique_ptr<Scheduler> scheduler;
+  std::unique_ptr<AFTensorWorker> worker;
+  std::unique_ptr<AFTensorServer> server;
+};
+
 absl::Status Exchange1A1F(int device, int steps) {
-  MeshOptions o;
-  o.transport = "tcp";
-  o.backend = "cuda";
-  o.device = device;
-  o.timeout = absl::Seconds(20);
-  o.scheduler = "127.0.0.1:0";
-  STEPMESH_ASSIGN_OR_RETURN(auto scheduler, Scheduler::Start(o));
-  o.scheduler = scheduler->address();
-  MeshOptions so = o;
-  so.role = Role::kServer;
-  so.rank = 0;
-  auto server_future = std::async(std::launch::async, [so] { return AFTensorServer::Create(so); });
-  o.role = Role::kWorker;
-  o.rank = 0;
-  auto worker_or = AFTensorWorker::Create(o);
-  auto server_or = server_future.get();
-  STEPMESH_RETURN_IF_ERROR(worker_or.status());
-  STEPMESH_RETURN_IF_ERROR(server_or.status());
-  AFTensorWorker& worker = **worker_or;
-  AFTensorServer& server = **server_or;
+  STEPMESH_ASSIGN_OR_RETURN(GpuMesh mesh, GpuMesh::Start(device));
+  AFTensorWorker& worker = *mesh.worker;
+  AFTensorServer& server = *mesh.server;
   Backend& wb = worker.backend();
   Backend& sb = server.backend();
-  if (wb.name() != "cuda") return absl::InternalError("the worker's backend is not cuda");
 
   constexpr int64_t kPush = 128 * 7168, kPull = 2 * kPush;
   STEPMESH_ASSIGN_OR_RETURN(auto push, wb.Allocate(kPush, MemoryKind::kDevice));
@@ -261,8 +286,7 @@ absl::Status Exchange1A1F(int device, int steps) {
       return absl::OkStatus();
     }();
   }
-  (void)worker.Shutdown();
-  (void)server.Shutdown();
+  mesh.Shutdown();
   return status;
 }
 
@@ -311,23 +335,10 @@ TEST_CASE(
 // the previous step's values.
 TEST_CASE("gpu: captured graphs wait for a new batch / reply at each of 100 replays",
           "[cuda_gpu][e2e][issue16]") {
-  MeshOptions o;
-  o.transport = "tcp";
-  o.backend = "cuda";
-  o.timeout = absl::Seconds(20);
-  o.scheduler = "127.0.0.1:0";
-  auto scheduler = *Scheduler::Start(o);
-  o.scheduler = scheduler->address();
-  MeshOptions so = o;
-  so.role = Role::kServer;
-  auto server_future = std::async(std::launch::async, [so] { return AFTensorServer::Create(so); });
-  o.role = Role::kWorker;
-  auto worker_or = AFTensorWorker::Create(o);
-  auto server_or = server_future.get();
-  REQUIRE(worker_or.ok());
-  REQUIRE(server_or.ok());
-  AFTensorWorker& worker = **worker_or;
-  AFTensorServer& server = **server_or;
+  auto mesh = GpuMesh::Start(0);
+  REQUIRE(mesh.ok());
+  AFTensorWorker& worker = *mesh->worker;
+  AFTensorServer& server = *mesh->server;
   Backend& wb = worker.backend();
   Backend& sb = server.backend();
   const void* kernels[] = {testing::AddOneKernelSymbol()};
@@ -411,8 +422,7 @@ TEST_CASE("gpu: captured graphs wait for a new batch / reply at each of 100 repl
   CHECK(wrong_steps == 0);
   CHECK(cudaGraphExecDestroy(attention) == cudaSuccess);
   CHECK(cudaGraphExecDestroy(ffn) == cudaSuccess);
-  (void)worker.Shutdown();
-  (void)server.Shutdown();
+  mesh->Shutdown();
 }
 
 // Runs `this program --child name` and returns its exit status (-1: did not
