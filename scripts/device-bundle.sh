@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Packs the GPU checks (issues 3 and 5) for a lent GPU machine. Its image has
+# Packs the GPU checks (issues 3, 5 and 16) for a lent GPU machine. Its image has
 # CUDA but none of stepmesh's C++ dependencies (Abseil, hwloc, rdma-core,
 # Catch2) and nothing can be installed there, so the test programs are built
 # here (nvcc, sm_90) and carried with the shared libraries they need.

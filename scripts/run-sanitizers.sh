@@ -31,9 +31,14 @@ for preset in "${presets[@]}"; do
   cmake --preset "$preset" >/dev/null
   build=build-$preset
   extra=()
-  if ninja -C "$build" -t targets all 2>/dev/null | grep -q '^rdma_tests:'; then
-    extra+=(rdma_tests)
-  fi
+  # The RDMA tests (fake verbs; their GPUDirect cases use the fake CUDA API)
+  # and the CUDA backend's tests over the fake CUDA API: built wherever the
+  # verbs / CUDA headers exist, no NIC or GPU needed.
+  for optional in rdma_tests cuda_backend_tests; do
+    if ninja -C "$build" -t targets all 2>/dev/null | grep -q "^$optional:"; then
+      extra+=("$optional")
+    fi
+  done
   cmake --build "$build" --target "${targets[@]}" "${extra[@]}" -j"$jobs"
   echo "== $preset: test"
   # The binaries run directly (one process per executable, random order):

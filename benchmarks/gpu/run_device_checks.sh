@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine, from the repository root, every GPU check of
-# issues 3 and 5 out of .device-bundle/ (made here by scripts/device-bundle.sh):
-#   cuda_gpu_tests   the CUDA backend on the device (allocation, both ready-event
-#                    modes, stream waits on host flags, the wait kernel in a
-#                    captured graph, 1A1F over TCP with device tensors)
-#   cuda_latency     record -> send thread sees it (both modes); flag -> stream resumes
+# issues 3, 5 and 16 out of .device-bundle/ (made here by scripts/device-bundle.sh):
+#   cuda_gpu_issue16 the CUDA backend's hazards on the device (issue 16): a
+#                    blocking application stream waiting on the reply while the
+#                    send thread copies (10 s deadline), a device fault failing
+#                    a copy-engine ready event, no context on device 0 when
+#                    using device 1 (skipped with one GPU), both sides' arrival
+#                    waits inside captured graphs replayed 100 times
+#   cuda_gpu_tests   the rest: allocation, both ready-event modes, stream waits on
+#                    host flags, the wait kernel in a captured graph, 1A1F over
+#                    TCP with device tensors
+#   cuda_latency     record -> send thread sees it (both modes); flag -> stream
+#                    resumes (memop, kernel, wait-next); Backend::Copy vs cudaMemcpy
 #   model_gpu_tests  every model kernel against the CPU at full width, and the
 #                    timing table (decode attention vs HBM, expert GEMMs vs cuBLAS)
 # Logs go to $OUT (the device tool brings them back) or .device-bundle/out.
@@ -36,8 +43,10 @@ step() {  # name, seconds, command...
   tail -n 40 "$out/$name.log"
   summary+=("$name: exit $rc")
 }
-step cuda_gpu_tests 180 "$bundle/bin/cuda_gpu_tests"
-step cuda_latency 120 "$bundle/bin/cuda_latency" 2000 0
+# CUDA backend (issue 16 first, so its results come back even if a later step hangs).
+step cuda_gpu_issue16 100 "$bundle/bin/cuda_gpu_tests" "[issue16]" --durations yes
+step cuda_gpu_tests 100 "$bundle/bin/cuda_gpu_tests" "~[issue16]" --durations yes
+step cuda_latency 60 "$bundle/bin/cuda_latency" 2000 0
 step model_gpu_tests 300 "$bundle/bin/model_gpu_tests"
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
 ! grep -qv 'exit 0$' "$out/summary.txt"

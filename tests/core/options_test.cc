@@ -5,6 +5,8 @@
 
 #include <catch2/catch.hpp>
 
+#include "absl/strings/match.h"
+
 #include "stepmesh/options.h"
 #include "stepmesh/tensor.h"
 
@@ -88,6 +90,21 @@ TEST_CASE("FromEnv rejects bad values with the variable's name", "[options]") {
   SECTION("rank out of range") {
     ScopedEnv env({{"STEPMESH_RANK", "7"}, {"STEPMESH_NUM_WORKERS", "2"}});
     CHECK(absl::IsInvalidArgument(MeshOptions::FromEnv().status()));
+  }
+}
+
+TEST_CASE("FromEnv reads CUDA_DEVICE_MAX_CONNECTIONS for the cuda backend", "[options]") {
+  {
+    ScopedEnv env({{"CUDA_DEVICE_MAX_CONNECTIONS", "1"}});
+    auto o = MeshOptions::FromEnv();
+    REQUIRE(o.ok());
+    CHECK(o->cuda_device_max_connections == 1);
+  }
+  {
+    ScopedEnv env({{"CUDA_DEVICE_MAX_CONNECTIONS", "-3"}});
+    auto o = MeshOptions::FromEnv();
+    CHECK(absl::IsInvalidArgument(o.status()));
+    CHECK(absl::StrContains(o.status().message(), "cuda_device_max_connections"));
   }
 }
 
