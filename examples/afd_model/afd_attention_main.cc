@@ -5,6 +5,7 @@
 // afd_ffn servers. Normally started by afd_launch.
 //
 //   afd_attention --scheduler HOST:PORT --rank A --results FILE [--dump-layers]
+//                 [--progress FILE]
 //                 [run flags: --config --attention --ffn --requests --prompt-len
 //                  --decode-steps --micro-batches --transport --backend
 //                  --poll-mode --timeout-ms] [--device N]
@@ -76,6 +77,7 @@ class AttentionInstance {
   // Joins the mesh and registers every micro-batch's tensors.
   absl::Status Init(const std::string& scheduler, int device);
   absl::Status Run();
+  absl::Status OpenProgress(const std::string& path) { return progress_.Open(path); }
   const AttentionResults& results() const { return results_; }
   absl::Status Finish() {
     if (absl::Status s = worker_->Barrier(); !s.ok()) return s;
@@ -107,6 +109,7 @@ class AttentionInstance {
   std::vector<std::vector<int32_t>> prompts_;  // this instance's requests
   std::shared_ptr<stepmesh::Backend> backend_;
   AttentionResults results_;
+  ProgressWriter progress_;
   absl::Mutex error_mu_;
   absl::Status error_ ABSL_GUARDED_BY(error_mu_);
   // The worker reads the registered memory the micro-batches own, so it is
@@ -171,9 +174,9 @@ absl::Status AttentionInstance::Init(const std::string& scheduler, int device) {
         PushKey(m, A2FTensor::kCodes), mb->codes->View(DType::kFloat8E4M3, Shape{slot, h})));
     STEPMESH_RETURN_IF_ERROR(worker_->RegisterPushTensor(
         PushKey(m, A2FTensor::kScales), mb->scales->View(DType::kFloat32, Shape{slot, groups})));
-    STEPMESH_RETURN_IF_ERROR(worker_->RegisterPushTensor(
-        PushKey(m, A2FTensor::kTopkIds),
-        mb->topk_ids->View(DType::kInt32, Shape{slot, config_.top_k})));
+    STEPMESH_RETURN_IF_ERROR(
+        worker_->RegisterPushTensor(PushKey(m, A2FTensor::kTopkIds),
+                                    mb->topk_ids->View(DType::kInt32, Shape{slot, config_.top_k})));
     STEPMESH_RETURN_IF_ERROR(worker_->RegisterPushTensor(
         PushKey(m, A2FTensor::kTopkWeights),
         mb->topk_weights->View(DType::kFloat32, Shape{slot, config_.top_k})));
@@ -218,8 +221,8 @@ void AttentionInstance::BeginStep(int step, MicroBatch& mb) {
     }
   }
   if (!side_.BeginStep(mb.chunks, mb.inputs, &mb.state)) {
-    Fail(absl::InternalError(absl::StrCat("BeginStep failed for micro-batch ", mb.index,
-                                          " step ", step, " (KV cache overflow?)")));
+    Fail(absl::InternalError(absl::StrCat("BeginStep failed for micro-batch ", mb.index, " step ",
+                                          step, " (KV cache overflow?)")));
   }
 }
 
@@ -269,10 +272,10 @@ void AttentionInstance::Stage(int step, int layer, MicroBatch& mb) {
   }
   side_.Attention(layer, &mb.state);
   side_.PrepareFfnInput(layer, &mb.state);
-  side_.WriteA2F(mb.state, {static_cast<uint8_t*>(mb.codes->data()),
-                            static_cast<float*>(mb.scales->data()),
-                            static_cast<int32_t*>(mb.topk_ids->data()),
-                            static_cast<float*>(mb.topk_weights->data())});
+  side_.WriteA2F(
+      mb.state,
+      {static_cast<uint8_t*>(mb.codes->data()), static_cast<float*>(mb.scales->data()),
+       static_cast<int32_t*>(mb.topk_ids->data()), static_cast<float*>(mb.topk_weights->data())});
   t.end_ns = stepmesh::MonotonicNowNs();
 }
 
@@ -297,9 +300,8 @@ absl::Status AttentionInstance::WaitReply(MicroBatch& mb) {
 }
 
 absl::Status AttentionInstance::Launch(int step, int layer, MicroBatch& mb) {
-  STEPMESH_RETURN_IF_ERROR(mb.stream->LaunchHostFunc([this, step, layer, &mb] {
-    Stage(step, layer, mb);
-  }));
+  STEPMESH_RETURN_IF_ERROR(
+      mb.stream->LaunchHostFunc([this, step, layer, &mb] { Stage(step, layer, mb); }));
   STEPMESH_RETURN_IF_ERROR(mb.ready->Record(*mb.stream));
   const int64_t n = int64_t{mb.count()} * shape_.TokensPerRequest(step);
   const A2FSizes sizes{n, config_.hidden_size, config_.top_k, config_.fp8_group};
@@ -333,6 +335,7 @@ absl::Status AttentionInstance::Run() {
   results_.start_ns = stepmesh::MonotonicNowNs();
   for (int step = 0; step < shape_.steps(); ++step) {
     for (int layer = 0; layer < config_.num_layers; ++layer) {
+      progress_.Update(step, layer);
       for (auto& mb : micro_batches_) {
         // The previous layer's partials must have landed before this
         // micro-batch's stage reduces them.
@@ -360,6 +363,7 @@ int Main(int argc, char** argv) {
   absl::StatusOr<RunShape> shape = ParseRunFlags(*flags);
   const std::string scheduler = flags->Str("scheduler", "");
   const std::string results_path = flags->Str("results", "");
+  const std::string progress_path = flags->Str("progress", "");
   const bool dump_layers = flags->Bool("dump-layers");
   absl::StatusOr<int64_t> rank = flags->Int("rank", -1);
   absl::StatusOr<int64_t> device = flags->Int("device", 0);
@@ -379,14 +383,15 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "afd_attention: config: %s\n", error.c_str());
     return 2;
   }
-  if (int64_t{shape->prompt_len} + shape->decode_steps > config->max_positions) {
-    std::fprintf(stderr, "afd_attention: prompt + decode exceeds max_position_embedding\n");
+  if (st = ValidateRunForModel(*shape, *config); !st.ok()) {
+    std::fprintf(stderr, "afd_attention: %s\n", st.ToString().c_str());
     return 2;
   }
 
   const int a = static_cast<int>(*rank);
   AttentionInstance instance(*shape, *config, a, dump_layers);
-  st = instance.Init(scheduler, static_cast<int>(*device));
+  if (!progress_path.empty()) st = instance.OpenProgress(progress_path);
+  if (st.ok()) st = instance.Init(scheduler, static_cast<int>(*device));
   if (st.ok()) st = instance.Run();
   if (st.ok() && !results_path.empty()) st = WriteResults(results_path, instance.results());
   if (st.ok()) st = instance.Finish();

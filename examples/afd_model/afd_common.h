@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "examples/afd_model/config.h"
 #include "stepmesh/options.h"
 #include "stepmesh/trace.h"
 #include "stepmesh/worker.h"
@@ -42,9 +43,9 @@ class Flags {
 // (AppendRunFlags / ParseRunFlags) so the shapes and key plans line up.
 struct RunShape {
   std::string config = "tiny";
-  int attention = 1;      // attention instances = stepmesh workers
-  int ffn = 1;            // FFN instances = stepmesh servers = partitions
-  int requests = 6;       // per attention instance
+  int attention = 1;  // attention instances = stepmesh workers
+  int ffn = 1;        // FFN instances = stepmesh servers = partitions
+  int requests = 6;   // per attention instance
   int prompt_len = 32;
   int decode_steps = 16;
   int micro_batches = 3;  // pipeline stages per attention instance
@@ -68,13 +69,52 @@ struct RunShape {
 };
 
 absl::StatusOr<RunShape> ParseRunFlags(Flags& flags);
+
+// The checks of a run shape against its model that need the config: FFN
+// partitions vs experts and FFN widths, positions vs max_position_embedding.
+// Every program applies them; the launcher before it starts anything. (The
+// model selection point: a second model adds its own constraints here.)
+absl::Status ValidateRunForModel(const RunShape& shape, const ModelConfig& config);
+
+// Host memory a run needs, from the config alone (fp32 weights, KV cache,
+// wire regions, a margin for activations): each attention instance, each FFN
+// instance, and the launcher's monolithic reference (every weight, every
+// request's KV cache), which runs after the children have exited.
+struct HostMemoryEstimate {
+  int64_t attention_instance = 0;
+  int64_t ffn_instance = 0;
+  int64_t reference = 0;
+  int64_t children(const RunShape& s) const {
+    return s.attention * attention_instance + s.ffn * ffn_instance;
+  }
+};
+HostMemoryEstimate EstimateHostMemory(const RunShape& shape, const ModelConfig& config);
+
+// Progress of an attention instance, for the launcher's progress lines: a
+// fixed-size record rewritten in place (one pwrite per layer).
+class ProgressWriter {
+ public:
+  ProgressWriter() = default;
+  ~ProgressWriter();
+  ProgressWriter(const ProgressWriter&) = delete;
+  ProgressWriter& operator=(const ProgressWriter&) = delete;
+  absl::Status Open(const std::string& path);
+  void Update(int step, int layer);
+
+ private:
+  int fd_ = -1;
+};
+struct Progress {
+  int step = -1;
+  int layer = -1;
+};
+// {-1, -1} when the file is missing or not written yet.
+Progress ReadProgress(const std::string& path);
 void AppendRunFlags(const RunShape& shape, std::vector<std::string>* argv);
 
 // MeshOptions of a participant from the run shape.
-absl::StatusOr<stepmesh::MeshOptions> MeshOptionsFor(const RunShape& shape,
-                                                     stepmesh::Role role,
-                                                     int rank,
-                                                     const std::string& scheduler);
+absl::StatusOr<stepmesh::MeshOptions> MeshOptionsFor(const RunShape& shape, stepmesh::Role role,
+                                                     int rank, const std::string& scheduler);
 
 // Key plan: micro-batch m pushes codes, scales, topk ids and topk weights (in
 // this order; the codes key is the batch's group) and pulls one partial from
@@ -102,7 +142,7 @@ struct AttentionResults {
   int32_t servers = 0;
   int64_t hidden = 0;
   int64_t vocab = 0;
-  uint64_t start_ns = 0;  // after the start barrier
+  uint64_t start_ns = 0;              // after the start barrier
   std::vector<uint64_t> step_end_ns;  // [step][micro-batch]: logits of the step done
   std::vector<int32_t> tokens;        // [request][step]
   std::vector<float> logits;          // [step][request][vocab]
@@ -118,7 +158,23 @@ struct AttentionResults {
   }
 };
 
+// What the launcher expects of instance `instance`'s results file; every
+// header field and vector length is checked against it before any element is
+// read, so a short, stale or foreign file is a clear error, not an
+// out-of-bounds read.
+struct ExpectedResults {
+  int instance = 0;
+  const RunShape* shape = nullptr;
+  int layers = 0;
+  int64_t hidden = 0;
+  int64_t vocab = 0;
+  bool layers_dumped = false;  // --dump-layers was passed
+};
+
 absl::Status WriteResults(const std::string& path, const AttentionResults& r);
-absl::StatusOr<AttentionResults> ReadResults(const std::string& path);
+absl::StatusOr<AttentionResults> ReadResults(const std::string& path,
+                                             const ExpectedResults& expected);
+// The checks ReadResults applies, for results from elsewhere.
+absl::Status ValidateResults(const AttentionResults& r, const ExpectedResults& expected);
 
 }  // namespace afd::example

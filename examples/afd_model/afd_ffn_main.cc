@@ -119,11 +119,11 @@ absl::Status FfnInstance::Init(const std::string& scheduler, int device) {
         PushKey(m, A2FTensor::kScales), r.scales->View(DType::kFloat32, Shape{w, slot, groups})));
     STEPMESH_RETURN_IF_ERROR(server_->RegisterRecvTensor(
         PushKey(m, A2FTensor::kTopkIds), r.topk_ids->View(DType::kInt32, Shape{w, slot, k})));
-    STEPMESH_RETURN_IF_ERROR(server_->RegisterRecvTensor(
-        PushKey(m, A2FTensor::kTopkWeights),
-        r.topk_weights->View(DType::kFloat32, Shape{w, slot, k})));
     STEPMESH_RETURN_IF_ERROR(
-        server_->RegisterReplyTensor(PullKey(m), r.reply->View(DType::kBFloat16, Shape{w, slot, h})));
+        server_->RegisterRecvTensor(PushKey(m, A2FTensor::kTopkWeights),
+                                    r.topk_weights->View(DType::kFloat32, Shape{w, slot, k})));
+    STEPMESH_RETURN_IF_ERROR(server_->RegisterReplyTensor(
+        PullKey(m), r.reply->View(DType::kBFloat16, Shape{w, slot, h})));
   }
   return absl::OkStatus();
 }
@@ -144,9 +144,10 @@ void FfnInstance::Compute(MicroBatchRegions& r, int layer, const std::vector<Wor
   if (contiguous) {
     // Zero-copy: the rows already sit back to back in the recv regions.
     const int64_t base = int64_t{rows.front().worker} * slot;
-    ffn_.Forward(layer, A2FView{n, codes + base * h, scales + base * groups, ids + base * k,
-                                weights + base * k},
-                 reply + base * h, &workspace_);
+    ffn_.Forward(
+        layer,
+        A2FView{n, codes + base * h, scales + base * groups, ids + base * k, weights + base * k},
+        reply + base * h, &workspace_);
     return;
   }
   r.codes_stage.resize(n * h);
@@ -184,8 +185,8 @@ absl::Status FfnInstance::Serve(const stepmesh::Batch& batch) {
   }
   for (int t = 0; t < kA2FTensors; ++t) {
     if (batch.tensors[t].key != PushKey(m, static_cast<A2FTensor>(t))) {
-      return absl::InternalError(absl::StrCat("ffn ", rank_, ": tensor ", t, " has key ",
-                                              batch.tensors[t].key));
+      return absl::InternalError(
+          absl::StrCat("ffn ", rank_, ": tensor ", t, " has key ", batch.tensors[t].key));
     }
   }
   MicroBatchRegions& r = regions_[m];
@@ -204,12 +205,14 @@ absl::Status FfnInstance::Serve(const stepmesh::Batch& batch) {
     if (code_bytes % h != 0 || batch.tensors[1].valid_bytes[w] != sizes.scales_bytes() ||
         batch.tensors[2].valid_bytes[w] != sizes.topk_ids_bytes() ||
         batch.tensors[3].valid_bytes[w] != sizes.topk_weights_bytes()) {
-      return absl::DataLossError(absl::StrCat("ffn ", rank_, ": inconsistent A2F sizes from "
-                                              "attention ", w));
+      return absl::DataLossError(absl::StrCat("ffn ", rank_,
+                                              ": inconsistent A2F sizes from "
+                                              "attention ",
+                                              w));
     }
     if (batch.pull_keys[i] != PullKey(m)) {
-      return absl::InternalError(absl::StrCat("ffn ", rank_, ": attention ", w, " pulls key ",
-                                              batch.pull_keys[i]));
+      return absl::InternalError(
+          absl::StrCat("ffn ", rank_, ": attention ", w, " pulls key ", batch.pull_keys[i]));
     }
     // Rows are contiguous across slots only if the workers are consecutive
     // and every slot but the last is full (prefill with equal micro-batches).
@@ -229,8 +232,7 @@ absl::Status FfnInstance::Serve(const stepmesh::Batch& batch) {
 
 absl::Status FfnInstance::Run() {
   STEPMESH_RETURN_IF_ERROR(server_->Barrier());
-  const int64_t expected =
-      int64_t{shape_.steps()} * config_.num_layers * shape_.micro_batches;
+  const int64_t expected = int64_t{shape_.steps()} * config_.num_layers * shape_.micro_batches;
   for (int64_t b = 0; b < expected; ++b) {
     absl::StatusOr<stepmesh::Batch> batch = server_->GetBatch(shape_.timeout);
     if (!batch.ok()) {
@@ -244,8 +246,7 @@ absl::Status FfnInstance::Run() {
   STEPMESH_RETURN_IF_ERROR(server_->Barrier());
   STEPMESH_RETURN_IF_ERROR(server_->Shutdown());
   std::printf("afd_ffn[%d]: partition %d of %d served %lld batches, %lld tokens\n", rank_, rank_,
-              shape_.ffn, static_cast<long long>(expected),
-              static_cast<long long>(tokens_served_));
+              shape_.ffn, static_cast<long long>(expected), static_cast<long long>(tokens_served_));
   return absl::OkStatus();
 }
 
@@ -275,8 +276,8 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "afd_ffn: config: %s\n", error.c_str());
     return 2;
   }
-  if (shape->ffn > config->num_experts) {
-    std::fprintf(stderr, "afd_ffn: --ffn must not exceed the expert count\n");
+  if (st = ValidateRunForModel(*shape, *config); !st.ok()) {
+    std::fprintf(stderr, "afd_ffn: %s\n", st.ToString().c_str());
     return 2;
   }
   const int p = static_cast<int>(*rank);

@@ -4,6 +4,7 @@
 // it prints"), the optional Chrome trace, and Gate A (the disaggregated run
 // against the monolithic AFD-emulation reference).
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -29,11 +30,17 @@ struct ReferenceCheck {
   std::string summary;  // the text inside "reference check: PASS (...)"
 };
 
-// Runs ReferenceModel (codec afd, partitions = shape.ffn) on the same prompts
-// and compares: token ids identical, logits rel-L2 <= 1e-4 per request and
-// step, per-layer residual stream rel-L2 <= 1e-5 (when the instances dumped
-// it).
+// Gate A: runs ReferenceModel (codec afd, partitions = shape.ffn) on the same
+// prompts and requires, with memcmp, identical token ids, logits of every
+// request and step, and (when `layers_expected`: the instances were asked
+// for --dump-layers) the residual stream after every layer. The CPU kernels
+// are row-independent and every partial is reduced in partition order, so
+// the disaggregated run is bitwise equal to the reference; rel-L2 figures are
+// printed to size a failure. `results` must have passed ValidateResults.
+// `progress(step)` is called after each reference step.
 ReferenceCheck CheckAgainstReference(const RunShape& shape, const ModelConfig& config,
-                                     const std::vector<AttentionResults>& results);
+                                     const std::vector<AttentionResults>& results,
+                                     bool layers_expected,
+                                     const std::function<void(int step)>& progress = {});
 
 }  // namespace afd::example
