@@ -8,6 +8,7 @@ packages=(
   libabsl-dev libhwloc-dev libibverbs-dev
   catch2 libbenchmark-dev libzmq3-dev
   gnuplot-nox
+  python3 python3-numpy   # the example's independent float64 reference (tests/model)
   clang-14 libclang-rt-14-dev   # libFuzzer (scripts/run-fuzz.sh)
 )
 

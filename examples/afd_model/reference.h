@@ -11,6 +11,7 @@
 //           residual add (AttentionSide::ApplyF2A).
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -57,18 +58,22 @@ class ReferenceModel {
   // compare codecs on the same state (teacher forcing).
   void ComputeFfnOutput(int layer, StepState* state);
 
+  // Called after every layer of every RunStep with the state whose hidden
+  // rows are the residual stream after that layer (dumps, comparisons).
+  using LayerObserver = std::function<void(int layer, const StepState& state)>;
+  void set_layer_observer(LayerObserver observer) { observer_ = std::move(observer); }
+
   // One step through every layer: embed, then per layer attention,
   // ComputeFfnOutput and the residual add.
-  bool RunStep(std::span<const SequenceChunk> chunks,
-               std::span<const int32_t> tokens, StepState* state);
+  bool RunStep(std::span<const SequenceChunk> chunks, std::span<const int32_t> tokens,
+               StepState* state);
 
   // Prefills prompts[s] into sequence slot s, then runs decode_steps greedy
   // steps. If forced_tokens is given, decode step i of sequence s feeds
   // forced_tokens[s][i] instead of its own previous greedy token (teacher
   // forcing across codecs). Sequences must fit max_sequences/max_seq_len.
-  GenerationResult Generate(
-      const std::vector<std::vector<int32_t>>& prompts, int decode_steps,
-      const std::vector<std::vector<int32_t>>* forced_tokens = nullptr);
+  GenerationResult Generate(const std::vector<std::vector<int32_t>>& prompts, int decode_steps,
+                            const std::vector<std::vector<int32_t>>* forced_tokens = nullptr);
 
  private:
   ModelConfig config_;
@@ -82,6 +87,7 @@ class ReferenceModel {
   std::vector<int32_t> a2f_topk_ids_;
   std::vector<float> a2f_topk_weights_;
   std::vector<std::vector<uint16_t>> f2a_partials_;
+  LayerObserver observer_;
 };
 
 // Relative L2 error ||a - b|| / ||b|| in double (0 when both are zero).

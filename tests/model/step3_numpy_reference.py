@@ -25,12 +25,17 @@ every layer; rows are request-major: B*T rows at step 0, B after).
 """
 
 import argparse
+import itertools
 import math
 import sys
 
 import numpy as np
 
 MASK64 = (1 << 64) - 1
+# An FP8 code is a near tie when y/scale lies this close (relative) to a
+# rounding midpoint: fp32 arithmetic (~1e-7 relative per operation, a few
+# operations deep) may round it the other way.
+NEAR_TIE = 1e-5
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -204,15 +209,49 @@ def e4m3_rne(x):
     return np.copysign(r, x)
 
 
-def fp8_roundtrip(y, group):
-    """Quantise rows of y per (token, group) and dequantise."""
+def fp8_roundtrip(y, group, near=None):
+    """Quantises rows of y per (token, group) and dequantises them.
+
+    With `near` (a relative distance), also returns the near ties: elements
+    whose y/scale lies within near*|y/scale| of the midpoint between two
+    E4M3 values, where an fp32 implementation may legitimately round the
+    other way. Each is (row, column, the other dequantised value)."""
     n, h = y.shape
     g = y.reshape(n, h // group, group)
     amax = np.max(np.abs(g), axis=2)
     scale = np.where(amax > 0, np.float32(amax) / np.float32(448.0), np.float32(1.0))
     scale = scale.astype(np.float32).astype(np.float64)[:, :, None]
-    codes = e4m3_rne(g / scale)
-    return (codes * scale).reshape(n, h)
+    q = g / scale
+    x = (e4m3_rne(q) * scale).reshape(n, h)
+    if near is None:
+        return x
+    a = np.abs(q)
+    _, e = np.frexp(a)
+    quantum = np.ldexp(1.0, np.maximum(e - 1, -6) - 3)
+    lo = np.floor(a / quantum) * quantum
+    hi = lo + quantum
+    mid = (lo + hi) / 2
+    tie = (np.abs(a - mid) <= near * a) & (hi <= 448.0) & (a > 0)
+    chosen = np.abs(e4m3_rne(q))
+    other = np.copysign(np.where(chosen == lo, hi, lo), q) * scale
+    other = other.reshape(n, h)
+    ties = [(int(r), int(col), float(other[r, col]))
+            for r, col in np.argwhere(tie.reshape(n, h))]
+    return x, ties
+
+
+def bf16_near_ties(x, near):
+    """Elements of x (before bf16_rne) within near*|x| of a bf16 rounding
+    midpoint, and the other bf16 value each could round to."""
+    a = np.abs(x)
+    _, e = np.frexp(a)
+    ulp = np.ldexp(1.0, e - 1 - 7)  # 8 significant bits
+    lo = np.floor(a / ulp) * ulp
+    mid = lo + ulp / 2
+    tie = (np.abs(a - mid) <= near * a) & (a > 0)
+    chosen = np.abs(bf16_rne(x))
+    other = np.copysign(np.where(chosen == lo, lo + ulp, lo), x)
+    return tie, other
 
 
 def bf16_rne(x):
@@ -283,26 +322,31 @@ class Model:
             out[r] = (scores / scores.sum(axis=1, keepdims=True)) @ vals
         return h + out.reshape(len(h), -1) @ W['o_proj'].T
 
-    def ffn(self, l, h):
+    def route(self, l, y):
+        """Router softmax over all experts and top-k, ties toward the lower
+        id; no renormalisation."""
+        r = y @ self.w['layers'][l]['router'].T
+        p = np.exp(r - r.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        top = np.argsort(-p, axis=1, kind='stable')[:, :self.c['top_k']]
+        return top, p
+
+    def ffn_output(self, l, x, route, bf16_ties=None):
+        """f for rows x (the FFN input after the codec): the sum over the
+        partitions of their partials (bf16 in the afd codec). With a list
+        `bf16_ties`, appends (mask, other - rounded) per partition: the
+        partial elements near a bf16 rounding midpoint."""
         c, W = self.c, self.w['layers'][l]
-        y = rms(h, W['post_norm'], c['eps'])
-        moe = c['moe'][l]
-        if moe:
-            r = y @ W['router'].T  # the router sees the unquantised y
-            p = np.exp(r - r.max(axis=1, keepdims=True))
-            p /= p.sum(axis=1, keepdims=True)
-            # top-k by probability, ties toward the lower expert id; no renormalisation.
-            top = np.argsort(-p, axis=1, kind='stable')[:, :c['top_k']]
-        x = fp8_roundtrip(y, c['group']) if self.codec == 'afd' else y
         parts = self.partitions if self.codec == 'afd' else 1
-        f = np.zeros_like(h)
+        f = np.zeros_like(x)
         for part in range(parts):
             # Partition `part` owns experts e % F == part and a contiguous
             # 1/F slice of the shared / dense intermediate columns.
-            if moe:
+            if c['moe'][l]:
+                top, p = route
                 cols = column_slice(c['shared_inter'], part, parts)
                 partial = swiglu(x, W['s_gate'][cols], W['s_up'][cols], W['s_down'][:, cols])
-                for row in range(len(h)):
+                for row in range(len(x)):
                     for e in top[row]:
                         if e % parts != part:
                             continue
@@ -311,8 +355,58 @@ class Model:
             else:
                 cols = column_slice(c['dense_inter'], part, parts)
                 partial = swiglu(x, W['d_gate'][cols], W['d_up'][cols], W['d_down'][:, cols])
-            f += bf16_rne(partial) if self.codec == 'afd' else partial
-        return h + f
+            if self.codec == 'afd':
+                rounded = bf16_rne(partial)
+                if bf16_ties is not None:
+                    tie, other = bf16_near_ties(partial, NEAR_TIE)
+                    bf16_ties.append((tie, other - rounded))
+                partial = rounded
+            f += partial
+        return f
+
+    def ffn(self, l, h, target=None):
+        """h + FFN(RMS(h; post norm)).
+
+        With `target` (the other implementation's result for these rows),
+        every codec near tie (an FP8 code or a BF16 partial element that an
+        fp32 implementation may legitimately round the other way, see
+        NEAR_TIE) is resolved whichever way brings the row closer to the
+        target; returns (h, number of near ties)."""
+        c, W = self.c, self.w['layers'][l]
+        y = rms(h, W['post_norm'], c['eps'])
+        route = self.route(l, y) if c['moe'][l] else None  # on the unquantised y
+        if self.codec != 'afd':
+            return h + self.ffn_output(l, y, route) if target is None else (
+                h + self.ffn_output(l, y, route), 0)
+        if target is None:
+            return h + self.ffn_output(l, fp8_roundtrip(y, c['group']), route)
+
+        x, fp8_ties = fp8_roundtrip(y, c['group'], near=NEAR_TIE)
+        by_row = {}
+        for row, col, other in fp8_ties:
+            by_row.setdefault(row, []).append((col, other))
+        for row, alternatives in by_row.items():
+            if len(alternatives) > 4:
+                raise ValueError('layer %d row %d: %d FP8 near ties' % (l, row, len(alternatives)))
+            row_route = None if route is None else (route[0][row:row + 1], route[1][row:row + 1])
+            best, best_err = None, np.inf
+            for choice in itertools.product([False, True], repeat=len(alternatives)):
+                xr = x[row:row + 1].copy()
+                for (col, other), flip in zip(alternatives, choice):
+                    if flip:
+                        xr[0, col] = other
+                err = np.linalg.norm(h[row] + self.ffn_output(l, xr, row_route)[0] - target[row])
+                if err < best_err:
+                    best, best_err = xr[0], err
+            x[row] = best
+        bf16_ties = []
+        f = self.ffn_output(l, x, route, bf16_ties)
+        near = len(fp8_ties)
+        for tie, delta in bf16_ties:
+            better = np.abs(h + f + delta - target) < np.abs(h + f - target)
+            f = np.where(tie & better, f + delta, f)
+            near += int(tie.sum())
+        return h + f, near
 
     def step(self, tokens, seq, pos):
         """One forward over rows (token, sequence, position); returns the
@@ -353,6 +447,43 @@ def run(c, batch, prompt_len, decode_steps, codec, partitions):
         last, per_layer = model.step(tokens[:, s], seq, pos)
         hidden['hidden_s%d' % (s + 1)] = per_layer
     return prompts, tokens, np.stack(logits_all), hidden
+
+
+def teacher_forced(c, codec, partitions, batch, prompt_len, decode_steps, tokens, hidden):
+    """Every layer of every step fed the other implementation's input.
+
+    `tokens` [batch, steps] and `hidden[s]` [layers, rows, H] (the residual
+    stream after every layer) come from the implementation under test. Layer
+    l of step s runs here on its hidden[s][l-1] (the embedding of its tokens
+    for l = 0), with a KV cache built the same way, so every layer is checked
+    on its own and errors do not compound. Returns per step the residual
+    after every layer computed here [layers, rows, H], the logits of the
+    last rows of hidden[s][-1], and the number of FP8 near ties resolved."""
+    w = load_weights(c)
+    model = Model(c, w, codec, partitions, batch, prompt_len + decode_steps)
+    prompts = prompt_tokens(c, batch, prompt_len)
+    out_hidden, out_logits, near_ties = [], [], 0
+    for s in range(decode_steps + 1):
+        if s == 0:
+            toks = prompts.reshape(-1)
+            seq = np.repeat(np.arange(batch), prompt_len)
+            pos = np.tile(np.arange(prompt_len), batch)
+        else:
+            toks = tokens[:, s - 1]
+            seq = np.arange(batch)
+            pos = np.full(batch, prompt_len + s - 1)
+        h_in = w['embed'][toks]
+        per_layer = []
+        for l in range(c['layers']):
+            target = hidden[s][l].astype(np.float64)
+            h_out, ties = model.ffn(l, model.attention(l, h_in, seq, pos), target=target)
+            near_ties += ties
+            per_layer.append(h_out)
+            h_in = target
+        last = h_in.reshape(batch, -1, c['H'])[:, -1]
+        out_hidden.append(np.stack(per_layer))
+        out_logits.append(model.logits(last))
+    return out_hidden, np.stack(out_logits), near_ties
 
 
 def main(argv):

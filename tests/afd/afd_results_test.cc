@@ -1,0 +1,224 @@
+// The launcher's side of Gate A without processes: the results file
+// (ReadResults validates sizes against the run's shape) and
+// CheckAgainstReference (memcmp on tokens, logits and per-layer residuals).
+
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "examples/afd_model/afd_common.h"
+#include "examples/afd_model/afd_report.h"
+#include "examples/afd_model/config.h"
+#include "examples/afd_model/model_weights.h"
+#include "examples/afd_model/reference.h"
+
+namespace afd::example {
+namespace {
+
+ModelConfig Tiny() {
+  std::string error;
+  auto config = LoadModelConfig("tiny", BundledConfigDir(), &error);
+  INFO(error);
+  REQUIRE(config.has_value());
+  return *config;
+}
+
+RunShape SmallShape() {
+  RunShape s;
+  s.attention = 1;
+  s.ffn = 2;
+  s.requests = 3;
+  s.prompt_len = 8;
+  s.decode_steps = 3;
+  s.micro_batches = 3;
+  return s;
+}
+
+// What a correct attention instance 0 of a 1A run would write: the
+// reference's tokens, logits and residual stream after every layer, laid out
+// as afd_attention lays them out (AttentionResults comments).
+AttentionResults ReferenceResults(const RunShape& shape, const ModelConfig& config,
+                                  bool dump_layers) {
+  const int total = shape.attention * shape.requests;
+  ReferenceModel model(config, ReferenceOptions{Codec::kAfd, shape.ffn, total,
+                                                int64_t{shape.prompt_len} + shape.decode_steps});
+  AttentionResults r;
+  r.instance = 0;
+  r.requests = shape.requests;
+  r.steps = shape.steps();
+  r.layers = config.num_layers;
+  r.micro_batches = shape.micro_batches;
+  r.servers = shape.ffn;
+  r.hidden = config.hidden_size;
+  r.vocab = config.vocab_size;
+  r.step_end_ns.assign(size_t(r.steps) * r.micro_batches, 1);
+  r.attention.assign(size_t(r.steps) * r.layers * r.micro_batches, {});
+  r.traces.assign(r.attention.size() * r.servers, {});
+  if (dump_layers) {
+    // [step][layer][rows of the step][H], in the order the observer sees them.
+    model.set_layer_observer([&](int, const StepState& state) {
+      r.layer_hidden.insert(r.layer_hidden.end(), state.hidden.begin(), state.hidden.end());
+    });
+  }
+  const std::vector<int32_t> flat = GeneratePromptTokens(config, total, shape.prompt_len);
+  std::vector<std::vector<int32_t>> prompts(total);
+  for (int g = 0; g < total; ++g) {
+    prompts[g].assign(flat.begin() + g * shape.prompt_len,
+                      flat.begin() + (g + 1) * shape.prompt_len);
+  }
+  const GenerationResult gen = model.Generate(prompts, shape.decode_steps);
+  r.tokens.resize(size_t(total) * r.steps);
+  for (int g = 0; g < total; ++g) {
+    for (int s = 0; s < r.steps; ++s) r.tokens[size_t(g) * r.steps + s] = gen.tokens[g][s];
+  }
+  for (const auto& logits : gen.step_logits) {
+    r.logits.insert(r.logits.end(), logits.begin(), logits.end());
+  }
+  return r;
+}
+
+ExpectedResults Expect(const RunShape& shape, const ModelConfig& config, bool dumped) {
+  return ExpectedResults{0,     &shape, config.num_layers, config.hidden_size, config.vocab_size,
+                         dumped};
+}
+
+std::string TempPath(const std::string& name) {
+  return "/tmp/afd_results_test." + std::to_string(::getpid()) + "." + name;
+}
+
+TEST_CASE("gate A passes only on bitwise equality", "[afd][gate_a]") {
+  const ModelConfig config = Tiny();
+  const RunShape shape = SmallShape();
+  const AttentionResults good = ReferenceResults(shape, config, true);
+  REQUIRE(ValidateResults(good, Expect(shape, config, true)).ok());
+
+  SECTION("the reference's own results pass") {
+    const ReferenceCheck check = CheckAgainstReference(shape, config, {good}, true);
+    INFO(check.summary);
+    CHECK(check.pass);
+    CHECK(check.summary.find("logits bitwise equal") != std::string::npos);
+    CHECK(check.summary.find("per-layer residuals bitwise equal") != std::string::npos);
+  }
+  SECTION("one logit one ulp off fails") {
+    AttentionResults bad = good;
+    float& x = bad.logits[bad.logits.size() / 2 + 7];
+    x = std::nextafter(x, INFINITY);
+    // Within the old rel-L2 <= 1e-4 bound, which passed this run.
+    const size_t v = config.vocab_size;
+    const size_t row = (bad.logits.size() / 2 + 7) / v;
+    CHECK(RelativeL2({bad.logits.data() + row * v, v}, {good.logits.data() + row * v, v}) < 1e-6);
+    const ReferenceCheck check = CheckAgainstReference(shape, config, {bad}, true);
+    INFO(check.summary);
+    CHECK_FALSE(check.pass);
+    CHECK(check.summary.find("logits 1 of 12 differ") != std::string::npos);
+  }
+  SECTION("one residual element one ulp off fails") {
+    AttentionResults bad = good;
+    float& x = bad.layer_hidden[bad.layer_hidden.size() - 3];
+    x = std::nextafter(x, INFINITY);
+    const ReferenceCheck check = CheckAgainstReference(shape, config, {bad}, true);
+    INFO(check.summary);
+    CHECK_FALSE(check.pass);
+    CHECK(check.summary.find("per-layer residuals 1 of") != std::string::npos);
+  }
+  SECTION("a wrong token fails") {
+    AttentionResults bad = good;
+    bad.tokens[4] = (bad.tokens[4] + 1) % config.vocab_size;
+    const ReferenceCheck check = CheckAgainstReference(shape, config, {bad}, true);
+    CHECK_FALSE(check.pass);
+    CHECK(check.summary.find("11/12 tokens identical") != std::string::npos);
+  }
+  SECTION("missing per-layer dumps fail when they were asked for") {
+    AttentionResults bad = good;
+    bad.layer_hidden.clear();
+    const ReferenceCheck check = CheckAgainstReference(shape, config, {bad}, true);
+    CHECK_FALSE(check.pass);
+    CHECK(check.summary.find("did not dump its per-layer residuals") != std::string::npos);
+    CHECK_FALSE(ValidateResults(bad, Expect(shape, config, true)).ok());
+  }
+  SECTION("without dumps asked for, tokens and logits still decide") {
+    AttentionResults plain = good;
+    plain.layer_hidden.clear();
+    const ReferenceCheck check = CheckAgainstReference(shape, config, {plain}, false);
+    INFO(check.summary);
+    CHECK(check.pass);
+    CHECK(check.summary.find("not checked (--no-layer-check)") != std::string::npos);
+  }
+}
+
+TEST_CASE("results files: round trip and size validation", "[afd][results]") {
+  const ModelConfig config = Tiny();
+  const RunShape shape = SmallShape();
+  AttentionResults r = ReferenceResults(shape, config, true);
+  const std::string path = TempPath("results");
+  REQUIRE(WriteResults(path, r).ok());
+
+  SECTION("round trip") {
+    absl::StatusOr<AttentionResults> back = ReadResults(path, Expect(shape, config, true));
+    REQUIRE(back.ok());
+    CHECK(back->logits == r.logits);
+    CHECK(back->layer_hidden == r.layer_hidden);
+    CHECK(back->tokens == r.tokens);
+  }
+  SECTION("another run's shape is named") {
+    RunShape other = shape;
+    other.requests = 4;
+    absl::StatusOr<AttentionResults> back = ReadResults(path, Expect(other, config, true));
+    REQUIRE_FALSE(back.ok());
+    CHECK(std::string(back.status().message()).find("requests is 3, the run needs 4") !=
+          std::string::npos);
+  }
+  SECTION("dumps asked for but absent") {
+    r.layer_hidden.clear();
+    REQUIRE(WriteResults(path, r).ok());
+    absl::StatusOr<AttentionResults> back = ReadResults(path, Expect(shape, config, true));
+    REQUIRE_FALSE(back.ok());
+    CHECK(std::string(back.status().message()).find("layer_hidden elements is 0") !=
+          std::string::npos);
+  }
+  SECTION("a short vector is caught before any element is read") {
+    r.logits.resize(r.logits.size() - 1);
+    REQUIRE(WriteResults(path, r).ok());
+    absl::StatusOr<AttentionResults> back = ReadResults(path, Expect(shape, config, true));
+    REQUIRE_FALSE(back.ok());
+    CHECK(std::string(back.status().message()).find("logits elements") != std::string::npos);
+  }
+  SECTION("truncated, corrupt count, trailing bytes") {
+    std::FILE* f = std::fopen(path.c_str(), "rb");
+    REQUIRE(f != nullptr);
+    std::vector<char> bytes(1 << 24);
+    bytes.resize(std::fread(bytes.data(), 1, bytes.size(), f));
+    std::fclose(f);
+    auto write = [&](const std::vector<char>& b) {
+      std::FILE* out = std::fopen(path.c_str(), "wb");
+      REQUIRE(out != nullptr);
+      REQUIRE(std::fwrite(b.data(), 1, b.size(), out) == b.size());
+      std::fclose(out);
+    };
+    auto truncated = bytes;
+    truncated.resize(bytes.size() - 100);
+    write(truncated);
+    CHECK(ReadResults(path, Expect(shape, config, true)).status().code() ==
+          absl::StatusCode::kDataLoss);
+    // The step_end_ns count (after the magic and 48 header bytes) says 2^60.
+    auto corrupt = bytes;
+    corrupt[8 + 48 + 7] = 0x10;
+    write(corrupt);
+    CHECK(ReadResults(path, Expect(shape, config, true)).status().code() ==
+          absl::StatusCode::kDataLoss);
+    auto trailing = bytes;
+    trailing.push_back(0);
+    write(trailing);
+    absl::StatusOr<AttentionResults> back = ReadResults(path, Expect(shape, config, true));
+    REQUIRE_FALSE(back.ok());
+    CHECK(std::string(back.status().message()).find("trailing") != std::string::npos);
+  }
+  ::unlink(path.c_str());
+}
+
+}  // namespace
+}  // namespace afd::example
