@@ -125,6 +125,27 @@ TEST_CASE("mqa attention: prefill and cached decode match naive", "[kernels]") {
   CHECK(MaxAbsDiff(decode, prefill) < 1e-6);
 }
 
+TEST_CASE("mqa attention: a query that sees no row gets zeros", "[kernels]") {
+  const int64_t heads = 2, d = 8;
+  const auto q = RandomVector(3 * heads * d, 22);
+  const auto k = RandomVector(4 * d, 23);
+  const auto v = RandomVector(4 * d, 24);
+  const std::vector<int32_t> positions = {-1, 2, -5};
+  std::vector<float> out(3 * heads * d, NAN);
+  cpu::MqaAttention(q.data(), 3, heads, d, k.data(), v.data(), 4, positions.data(), 0.5f,
+                    out.data());
+  for (int64_t i = 0; i < heads * d; ++i) {
+    CHECK(out[i] == 0.0f);
+    CHECK(out[2 * heads * d + i] == 0.0f);
+    CHECK(std::isfinite(out[heads * d + i]));
+  }
+  // An empty cache: zeros too.
+  const int32_t zero = 0;
+  std::vector<float> empty(heads * d, NAN);
+  cpu::MqaAttention(q.data(), 1, heads, d, k.data(), v.data(), 0, &zero, 0.5f, empty.data());
+  for (float x : empty) CHECK(x == 0.0f);
+}
+
 TEST_CASE("router: softmax top-3, ties to the lower id, no renorm", "[kernels]") {
   // Experts 2, 5, 9 and 11 tie at the top: the three lowest ids win.
   std::vector<float> logits(2 * 12, 0.0f);

@@ -49,7 +49,8 @@ void RopeNeoxInPlace(float* x, int64_t tokens, int64_t heads,
 // single K head and the single V head.
 //   q      [queries, heads, head_dim] (already rotated)
 //   k, v   [kv_len, head_dim]         (cache of the sequence, k rotated)
-//   query_positions[i]: query i attends to cache rows 0..query_positions[i].
+//   query_positions[i]: query i attends to cache rows 0..query_positions[i]
+//   (a query that sees no row, negative position or kv_len 0, gets zeros).
 //   out    [queries, heads, head_dim]
 // Prefill is queries == kv_len with positions 0..T-1 (offset by the cache
 // length before the chunk); decode is one query at kv_len - 1.
