@@ -97,9 +97,28 @@ absl::Status RunShape::Validate() const {
   if (backend != "cpu_mock" && backend != "cuda") {
     return absl::InvalidArgumentError("--backend must be cpu_mock or cuda");
   }
+  if (engine != "auto" && engine != "cpu" && engine != "cuda") {
+    return absl::InvalidArgumentError("--engine must be auto, cpu or cuda");
+  }
+  if (ResolvedEngine() == "cuda" && backend != "cuda") {
+    return absl::InvalidArgumentError("--engine cuda needs --backend cuda");
+  }
   if (timeout <= absl::ZeroDuration())
     return absl::InvalidArgumentError("--timeout-ms must be > 0");
   return absl::OkStatus();
+}
+
+int64_t LayerDumpRow(const RunShape& shape, const ModelConfig& config, int step, int layer,
+                     int first_request) {
+  // [step][layer][rows of the step][H]: step 0 has requests * prompt_len
+  // rows, each later step one row per request.
+  const int64_t per_request = shape.TokensPerRequest(step);
+  const int64_t step_rows = per_request * shape.requests;
+  const int64_t rows_before = step == 0
+                                  ? 0
+                                  : int64_t{shape.prompt_len} * shape.requests * config.num_layers +
+                                        int64_t{step - 1} * shape.requests * config.num_layers;
+  return rows_before + layer * step_rows + first_request * per_request;
 }
 
 absl::Status ValidateRunForModel(const RunShape& shape, const ModelConfig& config) {
@@ -205,6 +224,7 @@ absl::StatusOr<RunShape> ParseRunFlags(Flags& flags) {
   s.transport = flags.Str("transport", s.transport);
   s.backend = flags.Str("backend", s.backend);
   s.poll_mode = flags.Str("poll-mode", s.poll_mode);
+  s.engine = flags.Str("engine", s.engine);
   absl::StatusOr<int64_t> timeout_ms =
       flags.Int("timeout-ms", absl::ToInt64Milliseconds(s.timeout));
   if (!timeout_ms.ok()) return timeout_ms.status();
@@ -228,6 +248,7 @@ void AppendRunFlags(const RunShape& s, std::vector<std::string>* argv) {
   add("transport", s.transport);
   add("backend", s.backend);
   add("poll-mode", s.poll_mode);
+  add("engine", s.engine);
   add("timeout-ms", absl::StrCat(absl::ToInt64Milliseconds(s.timeout)));
 }
 
@@ -257,6 +278,37 @@ int MicroBatchOfGroup(stepmesh::Key group, int micro_batches) {
     if (group == PushKey(m, A2FTensor::kCodes)) return m;
   }
   return -1;
+}
+
+void WriteWireHeader(const WireHeader& h, int32_t* out) {
+  const int32_t words[kWireHeaderInts] = {kWireHeaderMagic, h.step,     h.layer, h.micro_batch,
+                                          h.rows,           h.instance, h.flags, h.hidden};
+  std::memcpy(out, words, sizeof(words));
+}
+
+absl::Status CheckWireHeader(const int32_t* got, const WireHeader& want, int ffn) {
+  const auto who = [&] {
+    return absl::StrCat("ffn ", ffn, ": attention ", want.instance, " sent ");
+  };
+  if (got[0] != kWireHeaderMagic) {
+    return absl::DataLossError(absl::StrCat(who(), "a frame without an A2F header (magic 0x",
+                                            absl::Hex(static_cast<uint32_t>(got[0])), ")"));
+  }
+  if (got[1] != want.step || got[2] != want.layer || got[3] != want.micro_batch) {
+    return absl::DataLossError(absl::StrCat(who(), "step ", got[1], " layer ", got[2],
+                                            " micro-batch ", got[3], ", this FFN expects step ",
+                                            want.step, " layer ", want.layer, " micro-batch ",
+                                            want.micro_batch));
+  }
+  if (got[4] != want.rows || got[5] != want.instance || got[6] != want.flags ||
+      got[7] != want.hidden) {
+    return absl::DataLossError(
+        absl::StrCat(who(), "a header for ", got[4], " rows from instance ", got[5], " flags ",
+                     got[6], " hidden ", got[7], " with step ", want.step, " layer ", want.layer,
+                     "; expected ", want.rows, " rows, instance ", want.instance, ", flags ",
+                     want.flags, ", hidden ", want.hidden));
+  }
+  return absl::OkStatus();
 }
 
 // The results file: a magic, the header scalars, then each vector as a

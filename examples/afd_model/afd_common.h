@@ -52,6 +52,9 @@ struct RunShape {
   std::string transport = "tcp";
   std::string backend = "cpu_mock";
   std::string poll_mode = "adaptive";
+  // The compute engine (afd_engine.h): "auto" is "cuda" on the cuda backend
+  // (where built), "cpu" otherwise; "cpu" runs the CPU kernels on any backend.
+  std::string engine = "auto";
   absl::Duration timeout = absl::Seconds(30);
 
   int steps() const { return decode_steps + 1; }  // prefill + decode
@@ -66,7 +69,17 @@ struct RunShape {
   // Tokens fed per request in a step.
   int64_t TokensPerRequest(int step) const { return step == 0 ? prompt_len : 1; }
   absl::Status Validate() const;
+  // The engine "auto" stands for.
+  std::string ResolvedEngine() const {
+    return engine != "auto" ? engine : backend == "cuda" ? "cuda" : "cpu";
+  }
 };
+
+// Element row (of `hidden` floats) where instance rows of (step, layer)
+// start in AttentionResults::layer_hidden, for the micro-batch whose first
+// request is `first_request`.
+int64_t LayerDumpRow(const RunShape& shape, const ModelConfig& config, int step, int layer,
+                     int first_request);
 
 absl::StatusOr<RunShape> ParseRunFlags(Flags& flags);
 
@@ -116,17 +129,38 @@ void AppendRunFlags(const RunShape& shape, std::vector<std::string>* argv);
 absl::StatusOr<stepmesh::MeshOptions> MeshOptionsFor(const RunShape& shape, stepmesh::Role role,
                                                      int rank, const std::string& scheduler);
 
-// Key plan: micro-batch m pushes codes, scales, topk ids and topk weights (in
-// this order; the codes key is the batch's group) and pulls one partial from
-// every FFN server.
-enum class A2FTensor : int { kCodes = 0, kScales = 1, kTopkIds = 2, kTopkWeights = 3 };
-inline constexpr int kA2FTensors = 4;
+// Key plan: micro-batch m pushes codes, scales, topk ids, topk weights and
+// the header (in this order; the codes key is the batch's group) and pulls
+// one partial from every FFN server.
+enum class A2FTensor : int { kCodes = 0, kScales = 1, kTopkIds = 2, kTopkWeights = 3, kHeader = 4 };
+inline constexpr int kA2FTensors = 5;
 inline stepmesh::Key PushKey(int micro_batch, A2FTensor t) {
   return 1000 + 16 * micro_batch + static_cast<int>(t);
 }
 inline stepmesh::Key PullKey(int micro_batch) { return 1000 + 16 * micro_batch + 8; }
 // The micro-batch a group key names, or -1.
 int MicroBatchOfGroup(stepmesh::Key group, int micro_batches);
+
+// The A2F header: what a push is, so the FFN checks it instead of trusting
+// its own count of batches (a frame for the wrong layer or step is an error,
+// not silently wrong numbers). int32 [kWireHeaderInts]:
+//   magic, step, layer, micro_batch, rows, instance, flags, hidden.
+inline constexpr int kWireHeaderInts = 8;
+inline constexpr int32_t kWireHeaderMagic = 0x31444641;  // "AFD1" little-endian
+struct WireHeader {
+  int32_t step = 0;
+  int32_t layer = 0;
+  int32_t micro_batch = 0;
+  int32_t rows = 0;
+  int32_t instance = 0;  // the attention instance that sent it
+  int32_t flags = 0;     // kMoeLayer
+  int32_t hidden = 0;
+  static constexpr int32_t kMoeLayer = 1;
+};
+void WriteWireHeader(const WireHeader& h, int32_t* out);
+// `got` is what attention instance expected.instance sent; `ffn` names the
+// checking FFN instance in the error.
+absl::Status CheckWireHeader(const int32_t* got, const WireHeader& expected, int ffn);
 
 // The results of one attention instance, written to a file for the launcher.
 struct StageTiming {

@@ -47,9 +47,11 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "examples/afd_model/afd_common.h"
@@ -212,6 +214,7 @@ struct LaunchFlags {
   int64_t kill_ffn_after_ms = -1;
   int kill_ffn = -1;
   bool expect_failure = false;
+  std::string inject_wrong_layer;  // "STEP:LAYER" for attention 0's header
 };
 
 int Fail(absl::string_view line) {
@@ -232,6 +235,9 @@ class Launcher {
   // Waits for every child: true when all exited 0. Applies the kill test.
   bool WaitChildren(absl::Time deadline, std::string* why);
   int CheckExpectedFailure();
+  // --inject-wrong-layer: every FFN refuses the frame, naming the layer it
+  // expected, and every attention instance fails on its own.
+  int CheckWrongLayerRefused();
   std::string ProgressPath(int a) const {
     return absl::StrCat(f_.work_dir, "/attention-", a, ".progress");
   }
@@ -249,6 +255,7 @@ class Launcher {
   absl::Time started_;
   absl::Time next_progress_ = absl::InfiniteFuture();
   absl::Time ffn_killed_at_;
+  std::optional<absl::Time> decode_started_;  // every attention instance past the barrier
 };
 
 absl::Status Launcher::StartScheduler() {
@@ -307,10 +314,13 @@ absl::Status Launcher::StartChildren() {
                                      "--results",
                                      absl::StrCat(f_.work_dir, "/attention-", a, ".results")};
     if (f_.reference && f_.layer_check) argv.push_back("--dump-layers");
-    if (f_.progress_s > 0) {
-      argv.push_back("--progress");
-      argv.push_back(ProgressPath(a));
+    if (a == 0 && !f_.inject_wrong_layer.empty()) {
+      argv.push_back("--inject-wrong-layer");
+      argv.push_back(f_.inject_wrong_layer);
     }
+    // Progress feeds the progress lines and starts the kill test's clock.
+    argv.push_back("--progress");
+    argv.push_back(ProgressPath(a));
     AppendRunFlags(f_.shape, &argv);
     const std::string base = absl::StrCat(f_.work_dir, "/attention-", a);
     STEPMESH_ASSIGN_OR_RETURN(auto child, Child::Start(absl::StrCat("attention ", a), argv,
@@ -370,10 +380,21 @@ bool Launcher::WaitChildren(absl::Time deadline, std::string* why) {
     }
     if (all_done) break;
     const absl::Time now = absl::Now();
-    if (!kill_done && now - started_ >= absl::Milliseconds(f_.kill_ffn_after_ms)) {
+    // The kill test's premise is a running decode: its clock starts when
+    // every attention instance has passed the start barrier (weights
+    // generated, mesh connected), however long a loaded machine takes.
+    if (!kill_done && !decode_started_) {
+      bool all_started = true;
+      for (int a = 0; a < f_.shape.attention; ++a) {
+        all_started = all_started && ReadProgress(ProgressPath(a)).step >= 0;
+      }
+      if (all_started) decode_started_ = now;
+    }
+    if (!kill_done && decode_started_ &&
+        now - *decode_started_ >= absl::Milliseconds(f_.kill_ffn_after_ms)) {
       ffn_[f_.kill_ffn]->Signal(SIGKILL);
       ffn_killed_at_ = now;
-      std::printf("afd_launch: killed ffn %d after %lld ms\n", f_.kill_ffn,
+      std::printf("afd_launch: killed ffn %d %lld ms into the run\n", f_.kill_ffn,
                   static_cast<long long>(f_.kill_ffn_after_ms));
       std::fflush(stdout);
       kill_done = true;
@@ -442,6 +463,40 @@ int Launcher::CheckExpectedFailure() {
   return 0;
 }
 
+int Launcher::CheckWrongLayerRefused() {
+  const std::vector<std::string> at = absl::StrSplit(f_.inject_wrong_layer, ':');
+  // Any of attention 0's micro-batches may be the first the FFN refuses.
+  const std::string sent = absl::StrCat("attention 0 sent step ", at[0], " layer ",
+                                        std::stoi(at[1]) + 1, " micro-batch ");
+  const std::string expects = absl::StrCat("this FFN expects step ", at[0], " layer ", at[1]);
+  const std::string needle = absl::StrCat(sent, "M, ", expects);
+  std::vector<std::string> problems;
+  for (auto* group : {&ffn_, &attention_}) {
+    for (auto& c : *group) {
+      const std::string err = c->Stderr();
+      std::printf("%s exited %d; its error:\n%s", c->name().c_str(), c->exit_code(),
+                  Tail(err, 2).c_str());
+      if (c->exit_code() == 0) {
+        problems.push_back(absl::StrCat(c->name(), " succeeded"));
+      } else if (c->killed_by_launcher()) {
+        problems.push_back(absl::StrCat(c->name(), " hung (killed)"));
+      } else if (group == &ffn_ &&
+                 !(absl::StrContains(err, sent) && absl::StrContains(err, expects))) {
+        problems.push_back(absl::StrCat(c->name(), "'s error does not say \"", needle, "\""));
+      }
+    }
+  }
+  if (!problems.empty()) {
+    std::printf("failure check: FAIL (%s)\n", absl::StrJoin(problems, "; ").c_str());
+    return 1;
+  }
+  std::printf(
+      "failure check: PASS (every FFN refused the frame: \"%s\"; every attention instance "
+      "exited with an error)\n",
+      needle.c_str());
+  return 0;
+}
+
 int Launcher::Run() {
   if (absl::Status s = StartScheduler(); !s.ok())
     return Fail(absl::StrCat("scheduler: ", s.ToString()));
@@ -458,7 +513,9 @@ int Launcher::Run() {
   if (scheduler_process_) scheduler_process_->Kill();
   const double wall = absl::ToDoubleSeconds(absl::Now() - started_);
 
-  if (f_.expect_failure) return CheckExpectedFailure();
+  if (f_.expect_failure) {
+    return f_.inject_wrong_layer.empty() ? CheckExpectedFailure() : CheckWrongLayerRefused();
+  }
   if (!ok) {
     for (auto* group : {&attention_, &ffn_}) {
       for (auto& c : *group) {
@@ -550,8 +607,13 @@ launcher:
   --no-reference         skip Gate A
   --no-layer-check       Gate A without the per-layer residual dumps
   --kill-ffn-after-ms N [--kill-ffn P] --expect-failure
-                         SIGKILL FFN P (default the last) N ms in; passes when
+                         SIGKILL FFN P (default the last) N ms after every
+                         attention instance started decoding; passes when
                          every attention instance fails naming that server
+  --inject-wrong-layer STEP:LAYER --expect-failure
+                         attention 0 labels that A2F frame layer LAYER+1; passes
+                         when every FFN refuses it and every process fails
+  --engine auto|cpu|cuda   compute engine; auto: cuda on --backend cuda
   --help                 this text
 )help";
 
@@ -589,8 +651,23 @@ absl::Status Preflight(const LaunchFlags& f, ModelConfig* config) {
   STEPMESH_RETURN_IF_ERROR(ValidateRunForModel(f.shape, *config));
   if (f.deadline_s <= 0) return absl::InvalidArgumentError("--deadline-s must be > 0");
   if (f.progress_s < 0) return absl::InvalidArgumentError("--progress-s must be >= 0");
-  if (f.expect_failure && f.kill_ffn_after_ms < 0) {
-    return absl::InvalidArgumentError("--expect-failure needs --kill-ffn-after-ms");
+  if (f.expect_failure && f.kill_ffn_after_ms < 0 && f.inject_wrong_layer.empty()) {
+    return absl::InvalidArgumentError(
+        "--expect-failure needs --kill-ffn-after-ms or --inject-wrong-layer");
+  }
+  if (!f.inject_wrong_layer.empty()) {
+    const std::vector<std::string> parts = absl::StrSplit(f.inject_wrong_layer, ':');
+    int step = -1, layer = -1;
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &step) ||
+        !absl::SimpleAtoi(parts[1], &layer) || step < 0 || step >= f.shape.steps() || layer < 0 ||
+        layer >= config->num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--inject-wrong-layer ", f.inject_wrong_layer, ": want STEP:LAYER within the run (",
+          f.shape.steps(), " steps, ", config->num_layers, " layers)"));
+    }
+    if (!f.expect_failure) {
+      return absl::InvalidArgumentError("--inject-wrong-layer needs --expect-failure");
+    }
   }
   if (f.kill_ffn_after_ms >= 0 && (f.kill_ffn < -1 || f.kill_ffn >= f.shape.ffn)) {
     return absl::InvalidArgumentError(
@@ -676,6 +753,7 @@ int Main(int argc, char** argv) {
   f.reference = !flags->Bool("no-reference");
   f.layer_check = !flags->Bool("no-layer-check");
   f.expect_failure = flags->Bool("expect-failure");
+  f.inject_wrong_layer = flags->Str("inject-wrong-layer", "");
   const bool keep = flags->Bool("keep-work-dir") || !f.work_dir.empty();
   if (absl::Status s = flags->CheckAllUsed(); !s.ok()) return UsageError(s.message());
   ModelConfig config;

@@ -7,28 +7,22 @@
 
 namespace afd {
 
-AttentionSide::AttentionSide(const ModelConfig& config, int max_sequences,
-                             int64_t max_seq_len)
+AttentionSide::AttentionSide(const ModelConfig& config, int max_sequences, int64_t max_seq_len)
     : config_(config),
       weights_(GenerateAttentionWeights(config)),
       max_sequences_(max_sequences),
       max_seq_len_(max_seq_len),
       sequence_lengths_(max_sequences, 0),
-      kv_cache_(static_cast<size_t>(max_sequences) * config.num_layers * 2 *
-                max_seq_len * config.head_dim) {}
+      kv_cache_(static_cast<size_t>(max_sequences) * config.num_layers * 2 * max_seq_len *
+                config.head_dim) {}
 
-void AttentionSide::ResetSequence(int sequence) {
-  sequence_lengths_[sequence] = 0;
-}
+void AttentionSide::ResetSequence(int sequence) { sequence_lengths_[sequence] = 0; }
 
-int64_t AttentionSide::SequenceLength(int sequence) const {
-  return sequence_lengths_[sequence];
-}
+int64_t AttentionSide::SequenceLength(int sequence) const { return sequence_lengths_[sequence]; }
 
 float* AttentionSide::CacheKeys(int sequence, int layer) {
   const int64_t block = 2 * max_seq_len_ * config_.head_dim;
-  return kv_cache_.data() +
-         (static_cast<int64_t>(sequence) * config_.num_layers + layer) * block;
+  return kv_cache_.data() + (static_cast<int64_t>(sequence) * config_.num_layers + layer) * block;
 }
 
 float* AttentionSide::CacheValues(int sequence, int layer) {
@@ -36,12 +30,10 @@ float* AttentionSide::CacheValues(int sequence, int layer) {
 }
 
 bool AttentionSide::BeginStep(std::span<const SequenceChunk> chunks,
-                              std::span<const int32_t> tokens,
-                              StepState* state) {
+                              std::span<const int32_t> tokens, StepState* state) {
   int64_t total = 0;
   for (const SequenceChunk& chunk : chunks) {
-    if (chunk.sequence < 0 || chunk.sequence >= max_sequences_ ||
-        chunk.num_tokens < 0 ||
+    if (chunk.sequence < 0 || chunk.sequence >= max_sequences_ || chunk.num_tokens < 0 ||
         sequence_lengths_[chunk.sequence] + chunk.num_tokens > max_seq_len_) {
       return false;
     }
@@ -76,8 +68,7 @@ bool AttentionSide::BeginStep(std::span<const SequenceChunk> chunks,
   state->queries.resize(total * width);
   state->attn_heads.resize(total * width);
   state->router_logits.resize(total * config_.num_experts);
-  cpu::EmbeddingLookup(weights_.embedding.data(), tokens.data(), total, h,
-                       state->hidden.data());
+  cpu::EmbeddingLookup(weights_.embedding.data(), tokens.data(), total, h, state->hidden.data());
   return true;
 }
 
@@ -90,26 +81,22 @@ void AttentionSide::Attention(int layer, StepState* state) {
   const int64_t heads = config_.num_heads;
   const int64_t qkv_width = q_rank + 2 * d;
 
-  cpu::RmsNorm(state->hidden.data(), w.input_norm.data(), n, h,
-               config_.rms_norm_eps, state->attn_input.data());
-  cpu::Linear(state->attn_input.data(), n, h, w.qkv.data(), qkv_width,
-              state->qkv.data());
+  cpu::RmsNorm(state->hidden.data(), w.input_norm.data(), n, h, config_.rms_norm_eps,
+               state->attn_input.data());
+  cpu::Linear(state->attn_input.data(), n, h, w.qkv.data(), qkv_width, state->qkv.data());
   // Split the fused projection: the low-rank query goes through inter_norm,
   // the single K head gets RoPE, the single V head goes straight to the cache.
   for (int64_t t = 0; t < n; ++t) {
     const float* row = state->qkv.data() + t * qkv_width;
-    std::memcpy(state->q_low_rank.data() + t * q_rank, row,
-                sizeof(float) * q_rank);
+    std::memcpy(state->q_low_rank.data() + t * q_rank, row, sizeof(float) * q_rank);
     std::memcpy(state->keys.data() + t * d, row + q_rank, sizeof(float) * d);
   }
-  cpu::RmsNorm(state->q_low_rank.data(), w.inter_norm.data(), n, q_rank,
-               config_.rms_norm_eps, state->q_low_rank.data());
-  cpu::Linear(state->q_low_rank.data(), n, q_rank, w.wq.data(), heads * d,
-              state->queries.data());
-  cpu::RopeNeoxInPlace(state->queries.data(), n, heads, d,
-                       state->positions.data(), config_.rope_theta);
-  cpu::RopeNeoxInPlace(state->keys.data(), n, 1, d, state->positions.data(),
+  cpu::RmsNorm(state->q_low_rank.data(), w.inter_norm.data(), n, q_rank, config_.rms_norm_eps,
+               state->q_low_rank.data());
+  cpu::Linear(state->q_low_rank.data(), n, q_rank, w.wq.data(), heads * d, state->queries.data());
+  cpu::RopeNeoxInPlace(state->queries.data(), n, heads, d, state->positions.data(),
                        config_.rope_theta);
+  cpu::RopeNeoxInPlace(state->keys.data(), n, 1, d, state->positions.data(), config_.rope_theta);
 
   int64_t row = 0;
   for (const SequenceChunk& chunk : state->chunks) {
@@ -118,25 +105,20 @@ void AttentionSide::Attention(int layer, StepState* state) {
     for (int32_t i = 0; i < chunk.num_tokens; ++i) {
       const int64_t t = row + i;
       const int64_t pos = state->positions[t];
-      std::memcpy(cache_k + pos * d, state->keys.data() + t * d,
-                  sizeof(float) * d);
-      std::memcpy(cache_v + pos * d,
-                  state->qkv.data() + t * qkv_width + q_rank + d,
+      std::memcpy(cache_k + pos * d, state->keys.data() + t * d, sizeof(float) * d);
+      std::memcpy(cache_v + pos * d, state->qkv.data() + t * qkv_width + q_rank + d,
                   sizeof(float) * d);
     }
     if (chunk.num_tokens > 0) {
       const int64_t kv_len = state->positions[row + chunk.num_tokens - 1] + 1;
-      cpu::MqaAttention(state->queries.data() + row * heads * d,
-                        chunk.num_tokens, heads, d, cache_k, cache_v, kv_len,
-                        state->positions.data() + row,
-                        config_.attention_scale(),
-                        state->attn_heads.data() + row * heads * d);
+      cpu::MqaAttention(state->queries.data() + row * heads * d, chunk.num_tokens, heads, d,
+                        cache_k, cache_v, kv_len, state->positions.data() + row,
+                        config_.attention_scale(), state->attn_heads.data() + row * heads * d);
     }
     row += chunk.num_tokens;
   }
   // attn_input is free again: reuse it for the output projection.
-  cpu::Linear(state->attn_heads.data(), n, heads * d, w.o_proj.data(), h,
-              state->attn_input.data());
+  cpu::Linear(state->attn_heads.data(), n, heads * d, w.o_proj.data(), h, state->attn_input.data());
   cpu::AddInPlace(state->attn_input.data(), n * h, state->hidden.data());
 }
 
@@ -144,8 +126,8 @@ void AttentionSide::PrepareFfnInput(int layer, StepState* state) const {
   const AttentionLayerWeights& w = weights_.layers[layer];
   const int64_t n = state->num_tokens();
   const int64_t h = config_.hidden_size;
-  cpu::RmsNorm(state->hidden.data(), w.post_norm.data(), n, h,
-               config_.rms_norm_eps, state->normed.data());
+  cpu::RmsNorm(state->hidden.data(), w.post_norm.data(), n, h, config_.rms_norm_eps,
+               state->normed.data());
   if (!config_.is_moe_layer[layer]) {
     std::fill(state->topk_ids.begin(), state->topk_ids.end(), -1);
     std::fill(state->topk_weights.begin(), state->topk_weights.end(), 0.0f);
@@ -153,42 +135,34 @@ void AttentionSide::PrepareFfnInput(int layer, StepState* state) const {
   }
   cpu::Linear(state->normed.data(), n, h, w.router.data(), config_.num_experts,
               state->router_logits.data());
-  cpu::RouterSoftmaxTopK(state->router_logits.data(), n, config_.num_experts,
-                         config_.top_k, state->topk_ids.data(),
-                         state->topk_weights.data());
+  cpu::RouterSoftmaxTopK(state->router_logits.data(), n, config_.num_experts, config_.top_k,
+                         state->topk_ids.data(), state->topk_weights.data());
 }
 
-void AttentionSide::WriteA2F(const StepState& state,
-                             const A2FBuffers& out) const {
+void AttentionSide::WriteA2F(const StepState& state, const A2FBuffers& out) const {
   const int64_t n = state.num_tokens();
-  cpu::QuantizeFp8PerGroup(state.normed.data(), n, config_.hidden_size,
-                           config_.fp8_group, out.codes, out.scales);
+  cpu::QuantizeFp8PerGroup(state.normed.data(), n, config_.hidden_size, config_.fp8_group,
+                           out.codes, out.scales);
   std::copy(state.topk_ids.begin(), state.topk_ids.end(), out.topk_ids);
-  std::copy(state.topk_weights.begin(), state.topk_weights.end(),
-            out.topk_weights);
+  std::copy(state.topk_weights.begin(), state.topk_weights.end(), out.topk_weights);
 }
 
-void AttentionSide::ReduceF2A(std::span<const uint16_t* const> partials,
-                              StepState* state) const {
+void AttentionSide::ReduceF2A(std::span<const uint16_t* const> partials, StepState* state) const {
   cpu::SumBf16Partials(partials.data(), static_cast<int>(partials.size()),
-                       state->num_tokens() * config_.hidden_size,
-                       state->ffn_output.data());
+                       state->num_tokens() * config_.hidden_size, state->ffn_output.data());
 }
 
 void AttentionSide::AddFfnOutput(StepState* state) const {
-  cpu::AddInPlace(state->ffn_output.data(),
-                  state->num_tokens() * config_.hidden_size,
+  cpu::AddInPlace(state->ffn_output.data(), state->num_tokens() * config_.hidden_size,
                   state->hidden.data());
 }
 
-void AttentionSide::ApplyF2A(std::span<const uint16_t* const> partials,
-                             StepState* state) const {
+void AttentionSide::ApplyF2A(std::span<const uint16_t* const> partials, StepState* state) const {
   ReduceF2A(partials, state);
   AddFfnOutput(state);
 }
 
-void AttentionSide::LastTokenLogits(const StepState& state,
-                                    std::vector<float>* final_hidden,
+void AttentionSide::LastTokenLogits(const StepState& state, std::vector<float>* final_hidden,
                                     std::vector<float>* logits) const {
   const int64_t h = config_.hidden_size;
   const int64_t rows = static_cast<int64_t>(state.chunks.size());
@@ -199,16 +173,15 @@ void AttentionSide::LastTokenLogits(const StepState& state,
     end += state.chunks[c].num_tokens;
     // A chunk without tokens has no last token; its row stays zero.
     if (state.chunks[c].num_tokens > 0) {
-      std::memcpy(last.data() + c * h, state.hidden.data() + (end - 1) * h,
-                  sizeof(float) * h);
+      std::memcpy(last.data() + c * h, state.hidden.data() + (end - 1) * h, sizeof(float) * h);
     }
   }
-  cpu::RmsNorm(last.data(), weights_.final_norm.data(), rows, h,
-               config_.rms_norm_eps, normed.data());
+  cpu::RmsNorm(last.data(), weights_.final_norm.data(), rows, h, config_.rms_norm_eps,
+               normed.data());
   if (logits != nullptr) {
     logits->resize(rows * config_.vocab_size);
-    cpu::Linear(normed.data(), rows, h, weights_.lm_head.data(),
-                config_.vocab_size, logits->data());
+    cpu::Linear(normed.data(), rows, h, weights_.lm_head.data(), config_.vocab_size,
+                logits->data());
   }
   if (final_hidden != nullptr) *final_hidden = std::move(normed);
 }

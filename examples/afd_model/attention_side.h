@@ -30,20 +30,20 @@ struct SequenceChunk {
 // tokens concatenated in chunk order.
 struct StepState {
   std::vector<SequenceChunk> chunks;
-  std::vector<int32_t> positions;  // [n] absolute positions
-  std::vector<float> hidden;       // [n, H] residual stream
-  std::vector<float> normed;       // [n, H] y = RMS(h; post norm), FFN input
-  std::vector<int32_t> topk_ids;   // [n, k] (-1 on dense layers)
-  std::vector<float> topk_weights; // [n, k] (0 on dense layers)
-  std::vector<float> ffn_output;   // [n, H] FFN output before the residual add
+  std::vector<int32_t> positions;   // [n] absolute positions
+  std::vector<float> hidden;        // [n, H] residual stream
+  std::vector<float> normed;        // [n, H] y = RMS(h; post norm), FFN input
+  std::vector<int32_t> topk_ids;    // [n, k] (-1 on dense layers)
+  std::vector<float> topk_weights;  // [n, k] (0 on dense layers)
+  std::vector<float> ffn_output;    // [n, H] FFN output before the residual add
 
   // Attention scratch, kept here so concurrent steps never share it.
-  std::vector<float> attn_input;   // [n, H]
-  std::vector<float> qkv;          // [n, Q + 2d]
-  std::vector<float> q_low_rank;   // [n, Q]
-  std::vector<float> keys;         // [n, d]
-  std::vector<float> queries;      // [n, heads * d]
-  std::vector<float> attn_heads;   // [n, heads * d]
+  std::vector<float> attn_input;     // [n, H]
+  std::vector<float> qkv;            // [n, Q + 2d]
+  std::vector<float> q_low_rank;     // [n, Q]
+  std::vector<float> keys;           // [n, d]
+  std::vector<float> queries;        // [n, heads * d]
+  std::vector<float> attn_heads;     // [n, heads * d]
   std::vector<float> router_logits;  // [n, E]
 
   int64_t num_tokens() const { return static_cast<int64_t>(positions.size()); }
@@ -53,8 +53,7 @@ class AttentionSide {
  public:
   // Generates the attention-side weights; KV caches hold max_seq_len tokens
   // for each of max_sequences sequences.
-  AttentionSide(const ModelConfig& config, int max_sequences,
-                int64_t max_seq_len);
+  AttentionSide(const ModelConfig& config, int max_sequences, int64_t max_seq_len);
 
   const ModelConfig& config() const { return config_; }
   int max_sequences() const { return max_sequences_; }
@@ -68,8 +67,8 @@ class AttentionSide {
   // reserves their cache rows and embeds `tokens` (chunks concatenated) into
   // state->hidden. Returns false (and changes nothing) if a chunk would
   // overflow its cache or names a bad slot.
-  bool BeginStep(std::span<const SequenceChunk> chunks,
-                 std::span<const int32_t> tokens, StepState* state);
+  bool BeginStep(std::span<const SequenceChunk> chunks, std::span<const int32_t> tokens,
+                 StepState* state);
 
   // h += o_proj(MFA(RMS(h; input norm))), writing this step's K/V rows into
   // the caches.
@@ -85,16 +84,14 @@ class AttentionSide {
 
   // The reduction module: state->ffn_output = p_0 + p_1 + ... + p_{F-1}
   // (bf16 partials widened to fp32, added in this order).
-  void ReduceF2A(std::span<const uint16_t* const> partials,
-                 StepState* state) const;
+  void ReduceF2A(std::span<const uint16_t* const> partials, StepState* state) const;
 
   // h += state->ffn_output.
   void AddFfnOutput(StepState* state) const;
 
   // ReduceF2A then AddFfnOutput: what the disaggregated attention instance
   // does with the F2A buffers of a layer.
-  void ApplyF2A(std::span<const uint16_t* const> partials,
-                StepState* state) const;
+  void ApplyF2A(std::span<const uint16_t* const> partials, StepState* state) const;
 
   // Final norm and LM head of the last token of every chunk:
   // final_hidden [chunks, H] (normed), logits [chunks, V]. Either may be

@@ -220,5 +220,43 @@ TEST_CASE("results files: round trip and size validation", "[afd][results]") {
   ::unlink(path.c_str());
 }
 
+TEST_CASE("A2F header: a frame for another layer, step or shape is refused", "[afd][wire]") {
+  const WireHeader want{3, 2, 1, 48, 1, WireHeader::kMoeLayer, 256};
+  int32_t words[kWireHeaderInts];
+  WriteWireHeader(want, words);
+  CHECK(CheckWireHeader(words, want, 0).ok());
+  auto refused = [&](WireHeader sent) {
+    int32_t w[kWireHeaderInts];
+    WriteWireHeader(sent, w);
+    const absl::Status s = CheckWireHeader(w, want, 1);
+    INFO(s.ToString());
+    CHECK(s.code() == absl::StatusCode::kDataLoss);
+    return std::string(s.message());
+  };
+  WireHeader other = want;
+  other.layer = 3;
+  CHECK(refused(other) ==
+        "ffn 1: attention 1 sent step 3 layer 3 micro-batch 1, this FFN expects step 3 layer 2 "
+        "micro-batch 1");
+  other = want;
+  other.step = 2;
+  CHECK(refused(other).find("sent step 2 layer 2") != std::string::npos);
+  other = want;
+  other.micro_batch = 0;
+  refused(other);
+  other = want;
+  other.rows = 47;
+  CHECK(refused(other).find("47 rows") != std::string::npos);
+  other = want;
+  other.flags = 0;  // a dense-layer frame where the FFN expects MoE
+  refused(other);
+  other = want;
+  other.instance = 0;
+  refused(other);
+  words[0] = 0;  // no header at all (a stale region)
+  CHECK(CheckWireHeader(words, want, 0).message().find("without an A2F header") !=
+        absl::string_view::npos);
+}
+
 }  // namespace
 }  // namespace afd::example

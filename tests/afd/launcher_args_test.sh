@@ -51,6 +51,10 @@ expect 2 "step3 \(316\.3 billion parameters\) needs about [0-9.]+ GiB of host me
 expect 2 "--kill-ffn 5 out of range" --ffn 2 --kill-ffn-after-ms 10 --kill-ffn 5
 expect 2 "--expect-failure needs --kill-ffn-after-ms" --expect-failure
 expect 2 "--deadline-s must be > 0" --deadline-s 0
+expect 2 "--inject-wrong-layer 99:0: want STEP:LAYER within the run" --inject-wrong-layer 99:0 --expect-failure
+expect 2 "--inject-wrong-layer needs --expect-failure" --inject-wrong-layer 1:1
+expect 2 "--engine cuda needs --backend cuda" --engine cuda
+expect 2 "--engine must be auto, cpu or cuda" --engine tpu
 expect 2 "unexpected argument stray" stray
 if [[ ! -e /sys/class/infiniband ]] || [[ -z "$(ls -A /sys/class/infiniband 2>/dev/null)" ]]; then
   expect 2 "--transport rdma: no RDMA device here" --transport rdma
