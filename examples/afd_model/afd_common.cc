@@ -14,6 +14,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "examples/afd_model/attention_side.h"
 
 namespace afd::example {
 namespace {
@@ -97,6 +98,9 @@ absl::Status RunShape::Validate() const {
   if (backend != "cpu_mock" && backend != "cuda") {
     return absl::InvalidArgumentError("--backend must be cpu_mock or cuda");
   }
+  if (KvCacheFormat f; !ParseKvCacheFormat(kv_cache, &f)) {
+    return absl::InvalidArgumentError("--kv-cache must be fp32, bf16 or fp8");
+  }
   if (engine != "auto" && engine != "cpu" && engine != "cuda") {
     return absl::InvalidArgumentError("--engine must be auto, cpu or cuda");
   }
@@ -156,7 +160,10 @@ HostMemoryEstimate EstimateHostMemory(const RunShape& shape, const ModelConfig& 
     }
   }
   const int64_t positions = int64_t{shape.prompt_len} + shape.decode_steps;
-  const int64_t kv_per_request = c.num_layers * positions * 2 * c.head_dim * kF32;
+  KvCacheFormat kv_format = KvCacheFormat::kFp32;
+  ParseKvCacheFormat(shape.kv_cache, &kv_format);
+  const int64_t kv_per_request =
+      c.num_layers * positions * KvCacheBytesPerToken(kv_format, c.head_dim);
   // Activations of the largest step: the residual stream, q, attention
   // output, FFN intermediates, logits; generous, it only has to catch runs
   // that cannot fit.
@@ -225,6 +232,7 @@ absl::StatusOr<RunShape> ParseRunFlags(Flags& flags) {
   s.backend = flags.Str("backend", s.backend);
   s.poll_mode = flags.Str("poll-mode", s.poll_mode);
   s.engine = flags.Str("engine", s.engine);
+  s.kv_cache = flags.Str("kv-cache", s.kv_cache);
   absl::StatusOr<int64_t> timeout_ms =
       flags.Int("timeout-ms", absl::ToInt64Milliseconds(s.timeout));
   if (!timeout_ms.ok()) return timeout_ms.status();
@@ -249,6 +257,7 @@ void AppendRunFlags(const RunShape& s, std::vector<std::string>* argv) {
   add("backend", s.backend);
   add("poll-mode", s.poll_mode);
   add("engine", s.engine);
+  add("kv-cache", s.kv_cache);
   add("timeout-ms", absl::StrCat(absl::ToInt64Milliseconds(s.timeout)));
 }
 

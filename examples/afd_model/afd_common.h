@@ -55,6 +55,7 @@ struct RunShape {
   // The compute engine (afd_engine.h): "auto" is "cuda" on the cuda backend
   // (where built), "cpu" otherwise; "cpu" runs the CPU kernels on any backend.
   std::string engine = "auto";
+  std::string kv_cache = "fp32";  // fp32, bf16 or fp8 (KvCacheFormat)
   absl::Duration timeout = absl::Seconds(30);
 
   int steps() const { return decode_steps + 1; }  // prefill + decode

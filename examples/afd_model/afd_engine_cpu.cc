@@ -36,13 +36,20 @@ class FirstError {
   absl::Status status_ ABSL_GUARDED_BY(mu_);
 };
 
+KvCacheFormat KvFormat(const RunShape& shape) {
+  KvCacheFormat format = KvCacheFormat::kFp32;
+  ParseKvCacheFormat(shape.kv_cache, &format);  // validated with the run shape
+  return format;
+}
+
 class CpuAttentionEngine final : public AttentionEngine {
  public:
   explicit CpuAttentionEngine(AttentionEngineParams p)
       : p_(std::move(p)),
         shape_(*p_.shape),
         config_(*p_.config),
-        side_(config_, shape_.requests, int64_t{shape_.prompt_len} + shape_.decode_steps) {}
+        side_(config_, shape_.requests, int64_t{shape_.prompt_len} + shape_.decode_steps,
+              KvFormat(shape_)) {}
 
   absl::Status Init() {
     const int64_t h = config_.hidden_size;

@@ -303,8 +303,10 @@ ReferenceCheck CheckAgainstReference(const RunShape& shape, const ModelConfig& c
   }
 
   const auto start = std::chrono::steady_clock::now();
-  ReferenceModel model(config, ReferenceOptions{Codec::kAfd, shape.ffn, total,
-                                                int64_t{shape.prompt_len} + shape.decode_steps});
+  ReferenceOptions options{Codec::kAfd, shape.ffn, total,
+                           int64_t{shape.prompt_len} + shape.decode_steps};
+  ParseKvCacheFormat(shape.kv_cache, &options.kv_format);
+  ReferenceModel model(config, options);
   AttentionSide& side = model.attention();
   const std::vector<int32_t> prompts = GeneratePromptTokens(config, total, shape.prompt_len);
 
@@ -396,11 +398,11 @@ ReferenceCheck CheckAgainstReference(const RunShape& shape, const ModelConfig& c
   };
   check.summary = absl::StrFormat(
       "%d/%d tokens identical, logits %s, per-layer residuals %s; reference afd codec, %d "
-      "partitions, %.2f s%s",
+      "partitions, %s KV cache, %.2f s%s",
       tokens - token_mismatches, tokens, verdict(logits_differ, tokens, worst_logits),
       layers_expected ? verdict(layers_differ, blocks, worst_layer)
                       : std::string("not checked (--no-layer-check)"),
-      shape.ffn, seconds, first_mismatch);
+      shape.ffn, shape.kv_cache, seconds, first_mismatch);
   return check;
 }
 

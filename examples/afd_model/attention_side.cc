@@ -7,26 +7,111 @@
 
 namespace afd {
 
-AttentionSide::AttentionSide(const ModelConfig& config, int max_sequences, int64_t max_seq_len)
+const char* KvCacheFormatName(KvCacheFormat format) {
+  switch (format) {
+    case KvCacheFormat::kFp32:
+      return "fp32";
+    case KvCacheFormat::kBf16:
+      return "bf16";
+    case KvCacheFormat::kFp8:
+      return "fp8";
+  }
+  return "?";
+}
+
+bool ParseKvCacheFormat(std::string_view name, KvCacheFormat* format) {
+  for (KvCacheFormat f : {KvCacheFormat::kFp32, KvCacheFormat::kBf16, KvCacheFormat::kFp8}) {
+    if (name == KvCacheFormatName(f)) {
+      *format = f;
+      return true;
+    }
+  }
+  return false;
+}
+
+int64_t KvCacheBytesPerToken(KvCacheFormat format, int64_t head_dim) {
+  switch (format) {
+    case KvCacheFormat::kFp32:
+      return 2 * head_dim * 4;
+    case KvCacheFormat::kBf16:
+      return 2 * head_dim * 2;
+    case KvCacheFormat::kFp8:
+      return 2 * (head_dim + 4);  // codes and one fp32 scale each for K and V
+  }
+  return 0;
+}
+
+AttentionSide::AttentionSide(const ModelConfig& config, int max_sequences, int64_t max_seq_len,
+                             KvCacheFormat kv_format)
     : config_(config),
       weights_(GenerateAttentionWeights(config)),
       max_sequences_(max_sequences),
       max_seq_len_(max_seq_len),
-      sequence_lengths_(max_sequences, 0),
-      kv_cache_(static_cast<size_t>(max_sequences) * config.num_layers * 2 * max_seq_len *
-                config.head_dim) {}
+      kv_format_(kv_format),
+      sequence_lengths_(max_sequences, 0) {
+  const size_t rows = static_cast<size_t>(max_sequences) * config.num_layers * 2 * max_seq_len;
+  const size_t values = rows * config.head_dim;
+  switch (kv_format_) {
+    case KvCacheFormat::kFp32:
+      kv_fp32_.resize(values);
+      break;
+    case KvCacheFormat::kBf16:
+      kv_bf16_.resize(values);
+      break;
+    case KvCacheFormat::kFp8:
+      kv_fp8_.resize(values);
+      kv_fp8_scales_.resize(rows);
+      break;
+  }
+}
 
 void AttentionSide::ResetSequence(int sequence) { sequence_lengths_[sequence] = 0; }
 
 int64_t AttentionSide::SequenceLength(int sequence) const { return sequence_lengths_[sequence]; }
 
-float* AttentionSide::CacheKeys(int sequence, int layer) {
-  const int64_t block = 2 * max_seq_len_ * config_.head_dim;
-  return kv_cache_.data() + (static_cast<int64_t>(sequence) * config_.num_layers + layer) * block;
+int64_t AttentionSide::CacheRow(int sequence, int layer, int kv, int64_t position) const {
+  return ((static_cast<int64_t>(sequence) * config_.num_layers + layer) * 2 + kv) * max_seq_len_ +
+         position;
 }
 
-float* AttentionSide::CacheValues(int sequence, int layer) {
-  return CacheKeys(sequence, layer) + max_seq_len_ * config_.head_dim;
+void AttentionSide::StoreCacheRow(int64_t row, const float* values) {
+  const int64_t d = config_.head_dim;
+  switch (kv_format_) {
+    case KvCacheFormat::kFp32:
+      std::memcpy(kv_fp32_.data() + row * d, values, sizeof(float) * d);
+      break;
+    case KvCacheFormat::kBf16:
+      cpu::EncodeBf16Array(values, d, kv_bf16_.data() + row * d);
+      break;
+    case KvCacheFormat::kFp8:
+      // One scale per row: the A2F codec with a single group of d channels.
+      cpu::QuantizeFp8PerGroup(values, 1, d, d, kv_fp8_.data() + row * d,
+                               kv_fp8_scales_.data() + row);
+      break;
+  }
+}
+
+void AttentionSide::LoadCache(int sequence, int layer, int64_t count, std::vector<float>* out,
+                              const float** keys, const float** values) const {
+  const int64_t d = config_.head_dim;
+  if (kv_format_ == KvCacheFormat::kFp32) {
+    *keys = kv_fp32_.data() + CacheRow(sequence, layer, 0, 0) * d;
+    *values = kv_fp32_.data() + CacheRow(sequence, layer, 1, 0) * d;
+    return;
+  }
+  out->resize(2 * count * d);
+  for (int kv = 0; kv < 2; ++kv) {
+    const int64_t row = CacheRow(sequence, layer, kv, 0);
+    float* dst = out->data() + kv * count * d;
+    if (kv_format_ == KvCacheFormat::kBf16) {
+      cpu::DecodeBf16Array(kv_bf16_.data() + row * d, count * d, dst);
+    } else {
+      cpu::DequantizeFp8PerGroup(kv_fp8_.data() + row * d, kv_fp8_scales_.data() + row, count, d, d,
+                                 dst);
+    }
+  }
+  *keys = out->data();
+  *values = out->data() + count * d;
 }
 
 bool AttentionSide::BeginStep(std::span<const SequenceChunk> chunks,
@@ -100,17 +185,20 @@ void AttentionSide::Attention(int layer, StepState* state) {
 
   int64_t row = 0;
   for (const SequenceChunk& chunk : state->chunks) {
-    float* cache_k = CacheKeys(chunk.sequence, layer);
-    float* cache_v = CacheValues(chunk.sequence, layer);
     for (int32_t i = 0; i < chunk.num_tokens; ++i) {
       const int64_t t = row + i;
       const int64_t pos = state->positions[t];
-      std::memcpy(cache_k + pos * d, state->keys.data() + t * d, sizeof(float) * d);
-      std::memcpy(cache_v + pos * d, state->qkv.data() + t * qkv_width + q_rank + d,
-                  sizeof(float) * d);
+      StoreCacheRow(CacheRow(chunk.sequence, layer, 0, pos), state->keys.data() + t * d);
+      StoreCacheRow(CacheRow(chunk.sequence, layer, 1, pos),
+                    state->qkv.data() + t * qkv_width + q_rank + d);
     }
     if (chunk.num_tokens > 0) {
+      // The whole visible cache, this chunk's rows included, as the cache
+      // format stores it.
       const int64_t kv_len = state->positions[row + chunk.num_tokens - 1] + 1;
+      const float* cache_k = nullptr;
+      const float* cache_v = nullptr;
+      LoadCache(chunk.sequence, layer, kv_len, &state->kv_decoded, &cache_k, &cache_v);
       cpu::MqaAttention(state->queries.data() + row * heads * d, chunk.num_tokens, heads, d,
                         cache_k, cache_v, kv_len, state->positions.data() + row,
                         config_.attention_scale(), state->attn_heads.data() + row * heads * d);

@@ -1,5 +1,6 @@
 #include "examples/afd_model/reference.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 
@@ -19,7 +20,7 @@ std::string CodecName(Codec codec) { return codec == Codec::kNone ? "none" : "af
 ReferenceModel::ReferenceModel(const ModelConfig& config, const ReferenceOptions& options)
     : config_(config),
       options_(options),
-      attention_(config, options.max_sequences, options.max_seq_len) {
+      attention_(config, options.max_sequences, options.max_seq_len, options.kv_format) {
   if (options_.codec == Codec::kNone) options_.partitions = 1;
   ffn_partitions_.reserve(options_.partitions);
   for (int p = 0; p < options_.partitions; ++p) {
@@ -109,6 +110,43 @@ GenerationResult ReferenceModel::Generate(const std::vector<std::vector<int32_t>
   }
   result.decode_seconds = SecondsSince(start);
   return result;
+}
+
+KvCacheEffect MeasureKvCacheEffect(const ModelConfig& config, ReferenceOptions options,
+                                   KvCacheFormat format,
+                                   const std::vector<std::vector<int32_t>>& prompts,
+                                   int decode_steps) {
+  options.kv_format = KvCacheFormat::kFp32;
+  const GenerationResult exact = ReferenceModel(config, options).Generate(prompts, decode_steps);
+  options.kv_format = format;
+  const GenerationResult forced =
+      ReferenceModel(config, options).Generate(prompts, decode_steps, &exact.tokens);
+  const GenerationResult free = ReferenceModel(config, options).Generate(prompts, decode_steps);
+
+  KvCacheEffect e;
+  e.steps = static_cast<int>(exact.step_logits.size());
+  const int64_t v = config.vocab_size;
+  const int batch = static_cast<int>(prompts.size());
+  double sum = 0.0;
+  std::vector<int32_t> top1(batch);
+  for (int step = 0; step < e.steps; ++step) {
+    cpu::ArgmaxRows(forced.step_logits[step].data(), batch, v, top1.data());
+    for (int s = 0; s < batch; ++s) {
+      const double rel = RelativeL2({forced.step_logits[step].data() + s * v, size_t(v)},
+                                    {exact.step_logits[step].data() + s * v, size_t(v)});
+      sum += rel;
+      e.logits_rel_l2_max = std::max(e.logits_rel_l2_max, rel);
+      e.top1_agree += top1[s] == exact.tokens[s][step] ? 1 : 0;
+      const bool same = free.tokens[s][step] == exact.tokens[s][step];
+      e.free_identical += same ? 1 : 0;
+      if (!same && (e.first_divergence_step < 0 || step < e.first_divergence_step)) {
+        e.first_divergence_step = step;
+      }
+    }
+  }
+  e.tokens = int64_t{batch} * e.steps;
+  e.logits_rel_l2_mean = e.tokens == 0 ? 0.0 : sum / e.tokens;
+  return e;
 }
 
 double RelativeL2(std::span<const float> a, std::span<const float> b) {

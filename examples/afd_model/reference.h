@@ -31,6 +31,7 @@ struct ReferenceOptions {
   int partitions = 1;  // FFN partitions F (kAfd only)
   int max_sequences = 1;
   int64_t max_seq_len = 128;
+  KvCacheFormat kv_format = KvCacheFormat::kFp32;
 };
 
 struct GenerationResult {
@@ -89,6 +90,24 @@ class ReferenceModel {
   std::vector<std::vector<uint16_t>> f2a_partials_;
   LayerObserver observer_;
 };
+
+// The effect of a KV cache format against the fp32 cache, same codec and
+// prompts: teacher forced (the format's run fed the fp32 run's tokens, so
+// every step compares the same inputs) and free running (each decodes its
+// own greedy tokens).
+struct KvCacheEffect {
+  int steps = 0;                    // prefill + decode steps
+  int64_t tokens = 0;               // sequences x steps
+  double logits_rel_l2_mean = 0.0;  // teacher forced, over sequences and steps
+  double logits_rel_l2_max = 0.0;
+  int64_t top1_agree = 0;          // teacher forced: same argmax as fp32
+  int64_t free_identical = 0;      // free running: same token as fp32
+  int first_divergence_step = -1;  // free running, -1 if none
+};
+KvCacheEffect MeasureKvCacheEffect(const ModelConfig& config, ReferenceOptions options,
+                                   KvCacheFormat format,
+                                   const std::vector<std::vector<int32_t>>& prompts,
+                                   int decode_steps);
 
 // Relative L2 error ||a - b|| / ||b|| in double (0 when both are zero).
 double RelativeL2(std::span<const float> a, std::span<const float> b);

@@ -4,6 +4,11 @@
 //   afd_reference [--config tiny|full|step3|PATH] [--prompt-len N]
 //                 [--decode-steps N] [--batch B] [--codec none|afd]
 //                 [--partitions F] [--max-params N] [--dump FILE]
+//                 [--kv-cache fp32|bf16|fp8] [--compare-kv-cache 0|1]
+//
+// --compare-kv-cache 1 measures the --kv-cache format against the fp32 cache
+// (MeasureKvCacheEffect): teacher-forced logits rel-L2 and top-1 agreement,
+// free-running token agreement.
 //
 // --dump FILE writes the greedy tokens, every step's logits and the residual
 // stream after every layer, for tests/model/compare_numpy_reference.py:
@@ -32,6 +37,8 @@ struct Flags {
   afd::Codec codec = afd::Codec::kNone;
   int partitions = 2;
   std::string dump;
+  afd::KvCacheFormat kv_format = afd::KvCacheFormat::kFp32;
+  bool compare_kv = false;
   // Weights are materialised in fp32 host memory; refuse configs that would
   // not fit instead of thrashing (full-width is for the GPU path).
   int64_t max_params = 2'000'000'000;
@@ -42,7 +49,8 @@ void PrintUsage() {
                "usage: afd_reference [--config tiny|full|step3|PATH] "
                "[--prompt-len N] [--decode-steps N] [--batch B] "
                "[--codec none|afd] [--partitions F] [--max-params N] "
-               "[--dump FILE]\n");
+               "[--dump FILE] [--kv-cache fp32|bf16|fp8] "
+               "[--compare-kv-cache 0|1]\n");
 }
 
 bool ParsePositive(std::string_view text, int64_t* value) {
@@ -69,6 +77,9 @@ bool ParseFlags(int argc, char** argv, Flags* flags) {
       flags->config = value;
     } else if (name == "--dump") {
       flags->dump = value;
+    } else if (name == "--kv-cache" && afd::ParseKvCacheFormat(value, &flags->kv_format)) {
+    } else if (name == "--compare-kv-cache" && (value == "0" || value == "1")) {
+      flags->compare_kv = value == "1";
     } else if (name == "--codec" && (value == "none" || value == "afd")) {
       flags->codec = value == "none" ? afd::Codec::kNone : afd::Codec::kAfd;
     } else if (name == "--prompt-len" && is_number) {
@@ -145,8 +156,8 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  const afd::ReferenceOptions options{flags.codec, flags.partitions, flags.batch, max_len};
-  afd::ReferenceModel model(*config, options);
+  const afd::ReferenceOptions options{flags.codec, flags.partitions, flags.batch, max_len,
+                                      flags.kv_format};
   const std::vector<int32_t> flat =
       afd::GeneratePromptTokens(*config, flags.batch, flags.prompt_len);
   std::vector<std::vector<int32_t>> prompts(flags.batch);
@@ -154,6 +165,25 @@ int main(int argc, char** argv) {
     prompts[s].assign(flat.begin() + int64_t{s} * flags.prompt_len,
                       flat.begin() + int64_t{s + 1} * flags.prompt_len);
   }
+  if (flags.compare_kv) {
+    const afd::KvCacheEffect e =
+        afd::MeasureKvCacheEffect(*config, options, flags.kv_format, prompts, flags.decode_steps);
+    std::printf(
+        "kv cache %s vs fp32 (codec %s, batch %d, prompt %d, %d decode steps, %lld B/token/layer "
+        "vs %lld): teacher forced: logits rel-L2 mean %.3g max %.3g, top-1 agreement %lld/%lld "
+        "(%.2f%%); free running: %lld/%lld tokens identical, first divergence at step %s\n",
+        afd::KvCacheFormatName(flags.kv_format), afd::CodecName(flags.codec).c_str(), flags.batch,
+        flags.prompt_len, flags.decode_steps,
+        static_cast<long long>(afd::KvCacheBytesPerToken(flags.kv_format, config->head_dim)),
+        static_cast<long long>(
+            afd::KvCacheBytesPerToken(afd::KvCacheFormat::kFp32, config->head_dim)),
+        e.logits_rel_l2_mean, e.logits_rel_l2_max, static_cast<long long>(e.top1_agree),
+        static_cast<long long>(e.tokens), 100.0 * e.top1_agree / e.tokens,
+        static_cast<long long>(e.free_identical), static_cast<long long>(e.tokens),
+        e.first_divergence_step < 0 ? "(none)" : std::to_string(e.first_divergence_step).c_str());
+    return 0;
+  }
+  afd::ReferenceModel model(*config, options);
   // Per step: [layers][rows][hidden], filled by the observer.
   std::vector<std::vector<float>> layer_hidden;
   if (!flags.dump.empty()) {
@@ -169,9 +199,9 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  std::printf("codec %s, partitions %d, batch %d, prompt %d, decode steps %d\n",
+  std::printf("codec %s, partitions %d, batch %d, prompt %d, decode steps %d, kv cache %s\n",
               afd::CodecName(flags.codec).c_str(), model.options().partitions, flags.batch,
-              flags.prompt_len, flags.decode_steps);
+              flags.prompt_len, flags.decode_steps, afd::KvCacheFormatName(flags.kv_format));
   for (int s = 0; s < flags.batch; ++s) {
     std::printf("seq %d:", s);
     for (const int32_t token : result.tokens[s]) std::printf(" %d", token);
