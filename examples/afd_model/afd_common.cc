@@ -101,11 +101,15 @@ absl::Status RunShape::Validate() const {
   if (KvCacheFormat f; !ParseKvCacheFormat(kv_cache, &f)) {
     return absl::InvalidArgumentError("--kv-cache must be fp32, bf16 or fp8");
   }
-  if (engine != "auto" && engine != "cpu" && engine != "cuda") {
-    return absl::InvalidArgumentError("--engine must be auto, cpu or cuda");
+  if (engine != "auto" && engine != "cpu" && engine != "cuda" && engine != "cpu-device") {
+    return absl::InvalidArgumentError("--engine must be auto, cpu, cuda or cpu-device");
   }
   if (ResolvedEngine() == "cuda" && backend != "cuda") {
     return absl::InvalidArgumentError("--engine cuda needs --backend cuda");
+  }
+  if (ResolvedEngine() == "cpu-device" && backend != "cpu_mock") {
+    // Its host functions read "device" memory, host memory only on cpu_mock.
+    return absl::InvalidArgumentError("--engine cpu-device needs --backend cpu_mock");
   }
   if (timeout <= absl::ZeroDuration())
     return absl::InvalidArgumentError("--timeout-ms must be > 0");

@@ -52,8 +52,9 @@ struct RunShape {
   std::string transport = "tcp";
   std::string backend = "cpu_mock";
   std::string poll_mode = "adaptive";
-  // The compute engine (afd_engine.h): "auto" is "cuda" on the cuda backend
-  // (where built), "cpu" otherwise; "cpu" runs the CPU kernels on any backend.
+  // The compute engine (afd_engine.h): "auto" is "cuda" on the cuda backend,
+  // "cpu" otherwise; "cpu" runs the CPU kernels on any backend; "cpu-device"
+  // the device engines over the CPU kernels (cpu_mock).
   std::string engine = "auto";
   std::string kv_cache = "fp32";  // fp32, bf16 or fp8 (KvCacheFormat)
   absl::Duration timeout = absl::Seconds(30);

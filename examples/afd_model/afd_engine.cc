@@ -3,13 +3,28 @@
 
 #include "examples/afd_model/afd_engine.h"
 
+#include "examples/afd_model/device_ops.h"
+#include "stepmesh/status.h"
+
 namespace afd::example {
 
 #ifdef AFD_HAVE_CUDA_ENGINE
-// examples/afd_model/cuda/afd_engine_cuda.cc
-absl::StatusOr<std::unique_ptr<AttentionEngine>> CreateCudaAttentionEngine(AttentionEngineParams p);
-absl::StatusOr<std::unique_ptr<FfnEngine>> CreateCudaFfnEngine(FfnEngineParams p);
+// examples/afd_model/cuda/device_ops_cuda.cc
+absl::StatusOr<std::unique_ptr<DeviceOps>> CreateCudaOps();
 #endif
+
+namespace {
+
+absl::StatusOr<std::unique_ptr<DeviceOps>> OpsFor(const std::string& engine) {
+  if (engine == "cpu-device") return CreateCpuOps();
+#ifdef AFD_HAVE_CUDA_ENGINE
+  return CreateCudaOps();
+#else
+  return absl::UnimplementedError("this build has no CUDA engine (built without CUDA)");
+#endif
+}
+
+}  // namespace
 
 bool RowsContiguous(std::span<const WorkerRows> rows, int64_t slot_rows) {
   for (size_t i = 1; i < rows.size(); ++i) {
@@ -19,25 +34,17 @@ bool RowsContiguous(std::span<const WorkerRows> rows, int64_t slot_rows) {
 }
 
 absl::StatusOr<std::unique_ptr<AttentionEngine>> CreateAttentionEngine(AttentionEngineParams p) {
-  if (p.shape->ResolvedEngine() == "cuda") {
-#ifdef AFD_HAVE_CUDA_ENGINE
-    return CreateCudaAttentionEngine(std::move(p));
-#else
-    return absl::UnimplementedError("this build has no CUDA engine (built without CUDA)");
-#endif
-  }
-  return CreateCpuAttentionEngine(std::move(p));
+  const std::string engine = p.shape->ResolvedEngine();
+  if (engine == "cpu") return CreateCpuAttentionEngine(std::move(p));
+  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<DeviceOps> ops, OpsFor(engine));
+  return CreateDeviceAttentionEngine(std::move(p), std::move(ops));
 }
 
 absl::StatusOr<std::unique_ptr<FfnEngine>> CreateFfnEngine(FfnEngineParams p) {
-  if (p.shape->ResolvedEngine() == "cuda") {
-#ifdef AFD_HAVE_CUDA_ENGINE
-    return CreateCudaFfnEngine(std::move(p));
-#else
-    return absl::UnimplementedError("this build has no CUDA engine (built without CUDA)");
-#endif
-  }
-  return CreateCpuFfnEngine(std::move(p));
+  const std::string engine = p.shape->ResolvedEngine();
+  if (engine == "cpu") return CreateCpuFfnEngine(std::move(p));
+  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<DeviceOps> ops, OpsFor(engine));
+  return CreateDeviceFfnEngine(std::move(p), std::move(ops));
 }
 
 }  // namespace afd::example

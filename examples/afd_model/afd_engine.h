@@ -8,8 +8,11 @@
 // micro-batch on that micro-batch's stream. Engines:
 //  - "cpu": the CPU kernels (AttentionSide / FfnSide) as host functions on
 //    the backend's streams (cpu_mock, or cudaLaunchHostFunc on CUDA);
-//  - "cuda": the CUDA kernels on the CUDA backend's streams, wire tensors in
-//    device memory (examples/afd_model/cuda/, built with CUDA only).
+//  - "cuda": the device engines (afd_engine_device.cc) over the CUDA
+//    kernels on the CUDA backend's streams, activations, KV cache and wire
+//    tensors in device memory (built with CUDA only);
+//  - "cpu-device": the same device engines over the CPU kernels on cpu_mock,
+//    so the orchestration of the CUDA path runs (and is checked) in CI.
 // A new way to compute (another model, kernels replaced by sleeps) is a new
 // engine; the pipeline does not change.
 
@@ -114,10 +117,18 @@ struct FfnEngineParams {
   std::shared_ptr<stepmesh::Backend> backend;
 };
 
-// The engine for shape->backend: "cpu" on cpu_mock, "cuda" on cuda (where
-// built; UNIMPLEMENTED otherwise).
+// The engine shape->ResolvedEngine() names ("cuda" is UNIMPLEMENTED in
+// builds without CUDA).
 absl::StatusOr<std::unique_ptr<AttentionEngine>> CreateAttentionEngine(AttentionEngineParams p);
 absl::StatusOr<std::unique_ptr<FfnEngine>> CreateFfnEngine(FfnEngineParams p);
+
+class DeviceOps;
+
+// The device engines over any DeviceOps (afd_engine_device.cc).
+absl::StatusOr<std::unique_ptr<AttentionEngine>> CreateDeviceAttentionEngine(
+    AttentionEngineParams p, std::unique_ptr<DeviceOps> ops);
+absl::StatusOr<std::unique_ptr<FfnEngine>> CreateDeviceFfnEngine(FfnEngineParams p,
+                                                                 std::unique_ptr<DeviceOps> ops);
 
 // The CPU engines (any backend whose streams run host functions).
 absl::StatusOr<std::unique_ptr<AttentionEngine>> CreateCpuAttentionEngine(AttentionEngineParams p);

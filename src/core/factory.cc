@@ -1,8 +1,8 @@
 // Picks the backend and transport named in the options. The only file that
 // knows every implementation; each is compiled in when its dependency exists.
 
-#include "absl/strings/string_view.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "src/core/logging.h"
 #include "src/core/mesh.h"
 #include "src/transport/tcp_fallback/tcp_transport.h"
@@ -28,6 +28,14 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view name, i
 #endif
   }
   return absl::NotFoundError(absl::StrCat("unknown backend '", name, "' (cpu_mock or cuda)"));
+}
+
+absl::StatusOr<void*> NativeStreamHandle(Stream& stream) {
+#ifdef STEPMESH_HAVE_CUDA
+  if (absl::StatusOr<void*> handle = NativeCudaStream(stream); handle.ok()) return handle;
+#endif
+  (void)stream;
+  return absl::UnimplementedError("this stream has no native accelerator stream (cpu_mock?)");
 }
 
 namespace core {

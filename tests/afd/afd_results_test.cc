@@ -4,9 +4,12 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdio>
+#include <functional>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -147,6 +150,77 @@ TEST_CASE("gate A passes only on bitwise equality", "[afd][gate_a]") {
     INFO(check.summary);
     CHECK(check.pass);
     CHECK(check.summary.find("not checked (--no-layer-check)") != std::string::npos);
+  }
+}
+
+// Top-1 minus top-2 of a row.
+float TestMargin(const float* row, int64_t v) {
+  std::vector<float> sorted(row, row + v);
+  std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+  return sorted[0] - sorted[1];
+}
+
+TEST_CASE("gate C bounds for the cuda engine", "[afd][gate_c]") {
+  const ModelConfig config = Tiny();
+  RunShape shape = SmallShape();
+  shape.requests = 12;
+  const AttentionResults good = ReferenceResults(shape, config, true);
+  const int64_t v = config.vocab_size;
+  auto check = [&](const AttentionResults& r) {
+    return CheckAgainstReference(shape, config, {r}, true, {}, GateMode::kBounded);
+  };
+
+  SECTION("exact results pass") {
+    const ReferenceCheck c = check(good);
+    INFO(c.summary);
+    CHECK(c.pass);
+    CHECK(c.summary.find("gate C bounds") != std::string::npos);
+  }
+  SECTION("bf16-sized noise passes the bound, not memcmp") {
+    AttentionResults noisy = good;
+    for (size_t i = 0; i < noisy.logits.size(); ++i) noisy.logits[i] *= 1.0f + 3e-3f * (i % 3);
+    for (size_t i = 0; i < noisy.layer_hidden.size(); ++i) {
+      noisy.layer_hidden[i] *= 1.0f - 3e-3f * (i % 2);
+    }
+    const ReferenceCheck c = check(noisy);
+    INFO(c.summary);
+    CHECK(c.pass);
+    CHECK_FALSE(CheckAgainstReference(shape, config, {noisy}, true).pass);
+  }
+  SECTION("logits or residuals over the bound fail") {
+    AttentionResults bad = good;
+    for (int64_t c = 0; c < v; ++c) bad.logits[5 * v + c] *= 1.2f;
+    CHECK_FALSE(check(bad).pass);
+    AttentionResults bad_layer = good;
+    for (int64_t c = 0; c < 8 * config.hidden_size; ++c) bad_layer.layer_hidden[c] *= 1.3f;
+    CHECK_FALSE(check(bad_layer).pass);
+  }
+  SECTION("a token differing where the reference is decisive fails; a near tie may differ") {
+    // The last step: no later step is fed the changed token.
+    const int last = shape.steps() - 1;
+    int decisive = -1, tie = -1;
+    for (int r = 0; r < shape.requests; ++r) {
+      const float m = TestMargin(good.logits.data() + (size_t(last) * shape.requests + r) * v, v);
+      if (m > 0.5f && decisive < 0) decisive = r;
+      if (m <= kTokenMargin && tie < 0) tie = r;
+    }
+    REQUIRE(decisive >= 0);
+    AttentionResults bad = good;
+    int32_t& token = bad.tokens[size_t(decisive) * shape.steps() + last];
+    token = (token + 1) % config.vocab_size;
+    CHECK_FALSE(check(bad).pass);
+    REQUIRE(tie >= 0);  // 12 requests: at least one near tie at the last step
+    AttentionResults flipped = good;
+    const float* row = good.logits.data() + (size_t(last) * shape.requests + tie) * v;
+    std::vector<int32_t> order(v);
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + 2, order.end(),
+                      [&](int32_t a, int32_t b) { return row[a] > row[b]; });
+    flipped.tokens[size_t(tie) * shape.steps() + last] = order[1];  // the runner-up
+    const ReferenceCheck c = check(flipped);
+    INFO(c.summary);
+    CHECK(c.pass);
+    CHECK(c.summary.find("(1 near ties differ") != std::string::npos);
   }
 }
 

@@ -54,7 +54,8 @@ expect 2 "--deadline-s must be > 0" --deadline-s 0
 expect 2 "--inject-wrong-layer 99:0: want STEP:LAYER within the run" --inject-wrong-layer 99:0 --expect-failure
 expect 2 "--inject-wrong-layer needs --expect-failure" --inject-wrong-layer 1:1
 expect 2 "--engine cuda needs --backend cuda" --engine cuda
-expect 2 "--engine must be auto, cpu or cuda" --engine tpu
+expect 2 "--engine must be auto, cpu, cuda or cpu-device" --engine tpu
+expect 2 "--engine cpu-device needs --backend cpu_mock" --engine cpu-device --backend cuda
 expect 2 "unexpected argument stray" stray
 if [[ ! -e /sys/class/infiniband ]] || [[ -z "$(ls -A /sys/class/infiniband 2>/dev/null)" ]]; then
   expect 2 "--transport rdma: no RDMA device here" --transport rdma

@@ -152,6 +152,17 @@ cudaError_t GroupedExpertSwiGlu(const float* x, int64_t tokens, int64_t hidden,
                                 size_t workspace_bytes, float* y, cudaStream_t stream,
                                 const GemmOptions& options = {});
 
+// ---------------------------------------------------------------- engine
+
+// ids[r] = argmax of logits[r, :], ties to the lower index (the CPU's first
+// maximum). One block per row.
+cudaError_t ArgmaxRows(const float* logits, int64_t rows, int64_t cols, int32_t* ids,
+                       cudaStream_t stream);
+
+// dst[row_index[r] * width + c] = src[r * width + c] (the KV-cache append).
+cudaError_t ScatterRows(const float* src, int64_t rows, int64_t width, const int32_t* row_index,
+                        float* dst, cudaStream_t stream);
+
 // ---------------------------------------------------------------- codecs
 
 // Bit-identical to the CPU codecs (they share kernels/codec.h).
