@@ -177,14 +177,29 @@ HostMemoryEstimate EstimateHostMemory(const RunShape& shape, const ModelConfig& 
   const int64_t activations = 8 * slot * shape.micro_batches * widest * kF32;
   const int64_t wire = slot * shape.micro_batches * h * (1 + 2 * shape.ffn + 1);
   constexpr int64_t kProcessBase = int64_t{64} << 20;  // code, libraries, mesh buffers
+  // What an attention instance collects (and the launcher reads back).
+  const int64_t results = int64_t{shape.steps()} * shape.requests * c.vocab_size * kF32 +
+                          int64_t{shape.requests} * positions * c.num_layers * h * kF32;
   HostMemoryEstimate e;
-  e.attention_instance =
-      attention_params * kF32 + shape.requests * kv_per_request + activations + wire + kProcessBase;
-  e.ffn_instance =
-      ffn_params * kF32 / shape.ffn + activations + wire * shape.attention + kProcessBase;
   e.reference = (attention_params + ffn_params) * kF32 +
                 int64_t{shape.attention} * shape.requests * kv_per_request +
-                activations * shape.attention + kProcessBase;
+                activations * shape.attention + shape.attention * results + kProcessBase;
+  if (shape.ResolvedEngine() != "cuda") {
+    e.attention_instance = attention_params * kF32 + shape.requests * kv_per_request + activations +
+                           wire + results + kProcessBase;
+    e.ffn_instance =
+        ffn_params * kF32 / shape.ffn + activations + wire * shape.attention + kProcessBase;
+    return e;
+  }
+  // The cuda engine: weights (bf16 linears, fp32 embedding), KV cache and
+  // activations on the device, every process on the same GPU.
+  constexpr int64_t kBf16 = 2;
+  e.attention_instance = results + wire + kProcessBase;
+  e.ffn_instance = wire * shape.attention + kProcessBase;
+  e.device_total =
+      shape.attention * ((attention_params - c.vocab_size * h) * kBf16 + c.vocab_size * h * kF32 +
+                         shape.requests * kv_per_request + activations + wire) +
+      ffn_params * kBf16 + shape.ffn * (activations + wire * shape.attention);
   return e;
 }
 

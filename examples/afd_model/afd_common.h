@@ -91,14 +91,18 @@ absl::StatusOr<RunShape> ParseRunFlags(Flags& flags);
 // model selection point: a second model adds its own constraints here.)
 absl::Status ValidateRunForModel(const RunShape& shape, const ModelConfig& config);
 
-// Host memory a run needs, from the config alone (fp32 weights, KV cache,
-// wire regions, a margin for activations): each attention instance, each FFN
-// instance, and the launcher's monolithic reference (every weight, every
-// request's KV cache), which runs after the children have exited.
+// Memory a run needs, from the config alone (weights, KV cache, wire
+// regions, results, a margin for activations): host memory of each attention
+// instance, each FFN instance and the launcher's monolithic reference (every
+// weight in fp32, every request's KV cache), which runs after the children
+// have exited; with the cuda engine the device memory of all children.
 struct HostMemoryEstimate {
   int64_t attention_instance = 0;
   int64_t ffn_instance = 0;
   int64_t reference = 0;
+  // The cuda engine: device memory of every process together (they share
+  // one GPU); 0 for the CPU engines.
+  int64_t device_total = 0;
   int64_t children(const RunShape& s) const {
     return s.attention * attention_instance + s.ffn * ffn_instance;
   }

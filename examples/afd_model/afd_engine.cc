@@ -11,7 +11,16 @@ namespace afd::example {
 #ifdef AFD_HAVE_CUDA_ENGINE
 // examples/afd_model/cuda/device_ops_cuda.cc
 absl::StatusOr<std::unique_ptr<DeviceOps>> CreateCudaOps();
+absl::StatusOr<int64_t> CudaFreeBytes();
 #endif
+
+absl::StatusOr<int64_t> CudaDeviceFreeBytes() {
+#ifdef AFD_HAVE_CUDA_ENGINE
+  return CudaFreeBytes();
+#else
+  return absl::UnimplementedError("this build has no CUDA engine (built without CUDA)");
+#endif
+}
 
 namespace {
 

@@ -122,6 +122,10 @@ struct FfnEngineParams {
 absl::StatusOr<std::unique_ptr<AttentionEngine>> CreateAttentionEngine(AttentionEngineParams p);
 absl::StatusOr<std::unique_ptr<FfnEngine>> CreateFfnEngine(FfnEngineParams p);
 
+// Free memory of the GPU the cuda engine runs on (device 0); UNIMPLEMENTED
+// without the CUDA engine, UNAVAILABLE without a GPU.
+absl::StatusOr<int64_t> CudaDeviceFreeBytes();
+
 class DeviceOps;
 
 // The device engines over any DeviceOps (afd_engine_device.cc).

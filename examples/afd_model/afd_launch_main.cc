@@ -55,6 +55,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "examples/afd_model/afd_common.h"
+#include "examples/afd_model/afd_engine.h"
 #include "examples/afd_model/afd_report.h"
 #include "examples/afd_model/config.h"
 #include "stepmesh/stepmesh.h"
@@ -704,6 +705,19 @@ absl::Status Preflight(const LaunchFlags& f, ModelConfig* config) {
     if (!b.ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "--backend ", f.shape.backend, " is not available here: ", b.status().message()));
+    }
+  }
+  if (mem.device_total > 0) {
+    absl::StatusOr<int64_t> free_bytes = CudaDeviceFreeBytes();
+    if (!free_bytes.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--engine cuda is not available here: ", free_bytes.status().message()));
+    }
+    if (mem.device_total > *free_bytes) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "%s needs about %.1f GiB of GPU memory for this run (every process on GPU 0); "
+          "%.1f GiB free",
+          config->name, GiB(mem.device_total), GiB(*free_bytes)));
     }
   }
   if (f.shape.transport == "rdma") {

@@ -466,6 +466,43 @@ void CheckSiluMul(const Env& env) {
   env.report->Check("silu * up", "128 x 5120", RelL2(ToHost(d_out.get(), count), want), 1e-6);
 }
 
+// The device engine's own kernels: greedy argmax (ties to the lower index,
+// as the CPU) and the KV-cache append.
+void CheckEngineKernels(const Env& env) {
+  const int64_t rows = 64;
+  const int64_t vocab = env.config.vocab_size;  // 128815: odd, not a multiple of the block
+  std::vector<float> logits = RandomNormal(rows * vocab, 21, 2.0f);
+  // Ties: row 1's maximum appears at two columns, row 2's at the last one.
+  logits[1 * vocab + 17] = logits[1 * vocab + 90000] = 50.0f;
+  logits[2 * vocab + vocab - 1] = 60.0f;
+  std::vector<int32_t> want(rows);
+  cpu::ArgmaxRows(logits.data(), rows, vocab, want.data());
+  DeviceBuffer<float> d_logits = ToDevice(logits);
+  DeviceBuffer<int32_t> d_ids = Alloc<int32_t>(rows);
+  CUDA_OK(cuda::ArgmaxRows(d_logits.get(), rows, vocab, d_ids.get(), env.stream));
+  const std::vector<int32_t> got = ToHost(d_ids.get(), rows);
+  size_t mismatches = 0;
+  for (int64_t r = 0; r < rows; ++r) mismatches += got[r] == want[r] ? 0 : 1;
+  env.report->Exact("argmax rows (ties to lower id)", "64 x 128815", mismatches);
+
+  const int64_t width = env.config.head_dim;
+  const int64_t n = 96;
+  const std::vector<float> src = RandomNormal(n * width, 22);
+  std::vector<int32_t> index(n);
+  for (int64_t r = 0; r < n; ++r) index[r] = static_cast<int32_t>((r * 37) % 200 + 5);
+  std::vector<float> cache(256 * width, 0.0f);
+  for (int64_t r = 0; r < n; ++r) {
+    std::copy(src.begin() + r * width, src.begin() + (r + 1) * width,
+              cache.begin() + int64_t{index[r]} * width);
+  }
+  DeviceBuffer<float> d_src = ToDevice(src);
+  DeviceBuffer<int32_t> d_index = ToDevice(index);
+  DeviceBuffer<float> d_cache = ToDevice(std::vector<float>(256 * width, 0.0f));
+  CUDA_OK(cuda::ScatterRows(d_src.get(), n, width, d_index.get(), d_cache.get(), env.stream));
+  env.report->Exact("scatter rows (kv append)", "96 rows of 256",
+                    BitMismatches(ToHost(d_cache.get(), cache.size()), cache));
+}
+
 void CheckPrefillAttention(const Env& env) {
   const int64_t t = 256;
   const int64_t heads = env.config.num_heads;
@@ -911,6 +948,7 @@ int Main() {
       {"fp8", CheckFp8},
       {"bf16", CheckBf16},
       {"silu", CheckSiluMul},
+      {"engine kernels", CheckEngineKernels},
       {"prefill attention", CheckPrefillAttention},
       {"decode attention", CheckDecodeAttention},
       {"linear/swiglu", CheckLinearAndSwiGlu},

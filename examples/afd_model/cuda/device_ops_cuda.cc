@@ -215,6 +215,14 @@ class CudaOps final : public DeviceOps {
 
 }  // namespace
 
+absl::StatusOr<int64_t> CudaFreeBytes() {
+  size_t free_bytes = 0, total = 0;
+  if (cudaError_t e = cudaMemGetInfo(&free_bytes, &total); e != cudaSuccess) {
+    return absl::UnavailableError(absl::StrCat("cudaMemGetInfo: ", cudaGetErrorString(e)));
+  }
+  return static_cast<int64_t>(free_bytes);
+}
+
 absl::StatusOr<std::unique_ptr<DeviceOps>> CreateCudaOps() {
   auto ops = std::make_unique<CudaOps>();
   STEPMESH_RETURN_IF_ERROR(ops->Init());
