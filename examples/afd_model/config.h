@@ -46,8 +46,8 @@ std::optional<ModelConfig> ParseModelConfig(std::string_view text, std::string* 
 // Loads a config file.
 std::optional<ModelConfig> LoadModelConfigFile(const std::string& path, std::string* error);
 
-// `name_or_path` is "tiny", "full", "step3" (files in `config_dir`) or a path
-// to a config file.
+// `name_or_path` is "tiny", "full", "step3", "wire" (files in `config_dir`)
+// or a path to a config file.
 std::optional<ModelConfig> LoadModelConfig(const std::string& name_or_path,
                                            const std::string& config_dir, std::string* error);
 
