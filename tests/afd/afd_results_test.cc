@@ -14,10 +14,12 @@
 #include <vector>
 
 #include "examples/afd_model/afd_common.h"
+#include "examples/afd_model/afd_engine.h"
 #include "examples/afd_model/afd_report.h"
 #include "examples/afd_model/config.h"
 #include "examples/afd_model/model_weights.h"
 #include "examples/afd_model/reference.h"
+#include "stepmesh/stepmesh.h"
 
 namespace afd::example {
 namespace {
@@ -330,6 +332,25 @@ TEST_CASE("A2F header: a frame for another layer, step or shape is refused", "[a
   words[0] = 0;  // no header at all (a stale region)
   CHECK(CheckWireHeader(words, want, 0).message().find("without an A2F header") !=
         absl::string_view::npos);
+}
+
+TEST_CASE("NativeStreamHandle: none behind a cpu_mock stream", "[afd][engine]") {
+  std::unique_ptr<stepmesh::Backend> backend = stepmesh::CreateCpuMockBackend();
+  absl::StatusOr<std::unique_ptr<stepmesh::Stream>> stream = backend->CreateStream();
+  REQUIRE(stream.ok());
+  CHECK(stepmesh::NativeStreamHandle(**stream).status().code() ==
+        absl::StatusCode::kUnimplemented);
+}
+
+TEST_CASE("RowsContiguous: consecutive workers, full slots but the last", "[afd][engine]") {
+  const std::vector<WorkerRows> prefill = {{0, 8}, {1, 8}, {2, 5}};
+  CHECK(RowsContiguous(prefill, 8));
+  const std::vector<WorkerRows> decode = {{0, 2}, {1, 2}};
+  CHECK_FALSE(RowsContiguous(decode, 8));
+  const std::vector<WorkerRows> gap = {{0, 8}, {2, 8}};
+  CHECK_FALSE(RowsContiguous(gap, 8));
+  CHECK(RowsContiguous(std::vector<WorkerRows>{{1, 3}}, 8));
+  CHECK_FALSE(RowsContiguous({}, 8));
 }
 
 }  // namespace
