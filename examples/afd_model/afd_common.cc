@@ -107,6 +107,11 @@ absl::Status RunShape::Validate() const {
   if (ResolvedEngine() == "cuda" && backend != "cuda") {
     return absl::InvalidArgumentError("--engine cuda needs --backend cuda");
   }
+  if (ResolvedEngine() != "cpu" && kv_cache != "fp32") {
+    return absl::InvalidArgumentError(absl::StrCat("--kv-cache ", kv_cache,
+                                                   " needs --engine cpu (the ", ResolvedEngine(),
+                                                   " engine keeps an fp32 KV cache)"));
+  }
   if (ResolvedEngine() == "cpu-device" && backend != "cpu_mock") {
     // Its host functions read "device" memory, host memory only on cpu_mock.
     return absl::InvalidArgumentError("--engine cpu-device needs --backend cpu_mock");

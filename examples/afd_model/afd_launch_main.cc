@@ -579,7 +579,7 @@ int Launcher::Run() {
 
 constexpr char kUsageLine[] =
     "usage: afd_launch --attention X --ffn Y [--requests R] [--prompt-len N] "
-    "[--decode-steps N] [--micro-batches M] [--config tiny|full|step3|PATH] [flags...]\n"
+    "[--decode-steps N] [--micro-batches M] [--config tiny|full|wire|step3|PATH] [flags...]\n"
     "       afd_launch --help";
 
 constexpr char kHelp[] = R"help(
@@ -597,10 +597,18 @@ run shape (passed to every process):
   --prompt-len N         prompt tokens per request, default 32
   --decode-steps N       greedy decode steps after the prefill, default 16
   --micro-batches M      pipeline stages per attention instance (<= R), default 3
-  --config NAME|PATH     tiny (default), full (step3-fullwidth-L4), step3, or a
+  --config NAME|PATH     tiny (default), full (step3-fullwidth-L4), wire
+                         (step3-wire: full wire widths, CPU-sized FFN), step3, or a
                          config file
   --transport tcp|rdma   default tcp (rdma needs an RDMA device)
   --backend cpu_mock|cuda  default cpu_mock (cuda needs a GPU)
+  --engine auto|cpu|cuda|cpu-device
+                         compute engine: cpu = the CPU kernels; cuda = the CUDA
+                         kernels, tensors in GPU memory; cpu-device = the cuda
+                         engine's orchestration over CPU kernels (cpu_mock);
+                         auto (default): cuda on --backend cuda, else cpu
+  --kv-cache fp32|bf16|fp8  KV-cache format (fp8: E4M3, one scale per token),
+                         default fp32; bf16/fp8 with the cpu engine
   --poll-mode adaptive|spin|blocking  default adaptive
   --timeout-ms N         mesh timeout (connect, barrier, every wait), default 30000
 
@@ -621,7 +629,6 @@ launcher:
   --inject-wrong-layer STEP:LAYER --expect-failure
                          attention 0 labels that A2F frame layer LAYER+1; passes
                          when an FFN refuses it and every process fails
-  --engine auto|cpu|cuda   compute engine; auto: cuda on --backend cuda
   --help                 this text
 )help";
 

@@ -56,6 +56,8 @@ expect 2 "--inject-wrong-layer needs --expect-failure" --inject-wrong-layer 1:1
 expect 2 "--engine cuda needs --backend cuda" --engine cuda
 expect 2 "--engine must be auto, cpu, cuda or cpu-device" --engine tpu
 expect 2 "--engine cpu-device needs --backend cpu_mock" --engine cpu-device --backend cuda
+expect 2 "--kv-cache fp8 needs --engine cpu \(the cpu-device engine keeps an fp32 KV cache\)" --engine cpu-device --kv-cache fp8
+expect 2 "--kv-cache must be fp32, bf16 or fp8" --kv-cache int4
 expect 2 "unexpected argument stray" stray
 if [[ ! -e /sys/class/infiniband ]] || [[ -z "$(ls -A /sys/class/infiniband 2>/dev/null)" ]]; then
   expect 2 "--transport rdma: no RDMA device here" --transport rdma
