@@ -10,10 +10,10 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "stepmesh/tensor.h"
 
@@ -78,8 +78,8 @@ class Stream {
 // Where memory lives, for choosing a nearby NIC and cores.
 struct MemoryLocation {
   Device device;
-  int numa_node = -1;       // -1: unknown
-  std::string pci_bus_id;   // "0000:3b:00.0"; empty for host memory
+  int numa_node = -1;      // -1: unknown
+  std::string pci_bus_id;  // "0000:3b:00.0"; empty for host memory
 };
 
 class Backend {

@@ -338,8 +338,7 @@ TEST_CASE("NativeStreamHandle: none behind a cpu_mock stream", "[afd][engine]") 
   std::unique_ptr<stepmesh::Backend> backend = stepmesh::CreateCpuMockBackend();
   absl::StatusOr<std::unique_ptr<stepmesh::Stream>> stream = backend->CreateStream();
   REQUIRE(stream.ok());
-  CHECK(stepmesh::NativeStreamHandle(**stream).status().code() ==
-        absl::StatusCode::kUnimplemented);
+  CHECK(stepmesh::NativeStreamHandle(**stream).status().code() == absl::StatusCode::kUnimplemented);
 }
 
 TEST_CASE("RowsContiguous: consecutive workers, full slots but the last", "[afd][engine]") {
