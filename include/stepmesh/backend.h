@@ -10,10 +10,10 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "stepmesh/tensor.h"
 
@@ -78,8 +78,8 @@ class Stream {
 // Where memory lives, for choosing a nearby NIC and cores.
 struct MemoryLocation {
   Device device;
-  int numa_node = -1;      // -1: unknown
-  std::string pci_bus_id;  // "0000:3b:00.0"; empty for host memory
+  int numa_node = -1;       // -1: unknown
+  std::string pci_bus_id;   // "0000:3b:00.0"; empty for host memory
 };
 
 class Backend {
@@ -121,6 +121,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view name, i
 // the stream whose events gate its sends. UNIMPLEMENTED for streams without
 // one (cpu_mock) and in builds without CUDA.
 absl::StatusOr<void*> NativeStreamHandle(Stream& stream);
+
 std::unique_ptr<Backend> CreateCpuMockBackend(const CpuMockOptions& options = {});
 
 }  // namespace stepmesh

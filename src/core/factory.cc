@@ -1,8 +1,8 @@
 // Picks the backend and transport named in the options. The only file that
 // knows every implementation; each is compiled in when its dependency exists.
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/strings/str_cat.h"
 #include "src/core/logging.h"
 #include "src/core/mesh.h"
 #include "src/transport/tcp_fallback/tcp_transport.h"
