@@ -116,12 +116,12 @@ struct CpuMockOptions {
 // "cpu_mock" or "cuda" (when built with CUDA). NOT_FOUND / UNAVAILABLE otherwise.
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view name, int device);
 
+std::unique_ptr<Backend> CreateCpuMockBackend(const CpuMockOptions& options = {});
+
 // The accelerator's own stream behind `stream` (the cudaStream_t of a "cuda"
 // backend's Stream, as void*), so an application can enqueue its kernels on
 // the stream whose events gate its sends. UNIMPLEMENTED for streams without
 // one (cpu_mock) and in builds without CUDA.
 absl::StatusOr<void*> NativeStreamHandle(Stream& stream);
-
-std::unique_ptr<Backend> CreateCpuMockBackend(const CpuMockOptions& options = {});
 
 }  // namespace stepmesh
