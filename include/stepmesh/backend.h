@@ -115,7 +115,6 @@ struct CpuMockOptions {
 
 // "cpu_mock" or "cuda" (when built with CUDA). NOT_FOUND / UNAVAILABLE otherwise.
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view name, int device);
-
 std::unique_ptr<Backend> CreateCpuMockBackend(const CpuMockOptions& options = {});
 
 // The accelerator's own stream behind `stream` (the cudaStream_t of a "cuda"
