@@ -23,6 +23,7 @@ rules=(
   "tests/fuzz/|src/core/ stepmesh/"
   "tests/model/|examples/afd_model/ stepmesh/ tests/support/"
   "tests/model_gpu/|examples/afd_model/ stepmesh/ tests/support/"
+  "tests/afd/|examples/afd_model/ stepmesh/ tests/support/"
   "tests/|src/ stepmesh/ tests/support/ tests/rdma/fake_verbs.h tests/cuda/fake_cuda_api.h"
   "benchmarks/|src/ stepmesh/ benchmarks/ tests/support/"
   "examples/|stepmesh/ examples/ src/backends/cuda/cuda_backend.h"

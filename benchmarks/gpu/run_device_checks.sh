@@ -14,6 +14,13 @@
 #                    resumes (memop, kernel, wait-next); Backend::Copy vs cudaMemcpy
 #   model_gpu_tests  every model kernel against the CPU at full width, and the
 #                    timing table (decode attention vs HBM, expert GEMMs vs cuBLAS)
+#   afd_gate_c       the Step-3 example disaggregated with its CUDA kernels
+#                    (--backend cuda: the "cuda" engine), 1A1F at full width on
+#                    this one GPU, attention and FFN processes sharing it; Gate C
+#                    against the fp32 CPU reference (bounded, reference fed the
+#                    run's tokens) and the report's tokens/s
+#   afd_paper_mb     the same at the paper's 128 tokens per micro-batch in decode
+#                    (384 requests, 3 micro-batches): tokens/s, no reference
 # Logs go to $OUT (the device tool brings them back) or .device-bundle/out.
 # Each step has its own time limit; one failing does not stop the others.
 set -uo pipefail
@@ -48,5 +55,13 @@ step cuda_gpu_issue16 100 "$bundle/bin/cuda_gpu_tests" "[issue16]" --durations y
 step cuda_gpu_tests 100 "$bundle/bin/cuda_gpu_tests" "~[issue16]" --durations yes
 step cuda_latency 60 "$bundle/bin/cuda_latency" 2000 0
 step model_gpu_tests 300 "$bundle/bin/model_gpu_tests"
+# The CPU reference of full width needs ~56 GB of host memory and a few
+# minutes; the run itself seconds. Configs are found from the repository root.
+step afd_gate_c 420 "$bundle/bin/afd_launch" --config full --attention 1 --ffn 1 \
+  --requests 3 --prompt-len 16 --decode-steps 4 --micro-batches 3 --backend cuda \
+  --transport tcp --timeout-ms 120000 --deadline-s 400 --progress-s 30
+step afd_paper_mb 300 "$bundle/bin/afd_launch" --config full --attention 1 --ffn 1 \
+  --requests 384 --prompt-len 2 --decode-steps 8 --micro-batches 3 --backend cuda \
+  --transport tcp --timeout-ms 120000 --deadline-s 280 --no-reference --progress-s 30
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
 ! grep -qv 'exit 0$' "$out/summary.txt"

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -16,9 +17,6 @@
 
 namespace afd::example {
 namespace {
-
-constexpr double kLogitsBound = 1e-4;
-constexpr double kLayerBound = 1e-5;
 
 double Ms(uint64_t ns) { return static_cast<double>(ns) * 1e-6; }
 
@@ -139,8 +137,8 @@ std::string FormatReport(const RunShape& shape, const ModelConfig& config,
           }
         }
       }
-      absl::StrAppendFormat(&out, "  %5d %3d %10.3f %9.3f %9.3f %9.3f\n", l, m, attn.ms(),
-                            a2f.ms(), ffn.ms(), f2a.ms());
+      absl::StrAppendFormat(&out, "  %5d %3d %10.3f %9.3f %9.3f %9.3f\n", l, m, attn.ms(), a2f.ms(),
+                            ffn.ms(), f2a.ms());
       total_attn.sum += attn.sum, total_attn.n += attn.n;
       total_a2f.sum += a2f.sum, total_a2f.n += a2f.n;
       total_ffn.sum += ffn.sum, total_ffn.n += ffn.n;
@@ -288,19 +286,47 @@ absl::Status WriteChromeTrace(const std::string& path, const RunShape& shape,
   return absl::OkStatus();
 }
 
+namespace {
+
+// Top-1 minus top-2 of a logits row.
+float Margin(const float* row, int64_t v) {
+  float first = -INFINITY, second = -INFINITY;
+  for (int64_t c = 0; c < v; ++c) {
+    if (row[c] > first) {
+      second = first;
+      first = row[c];
+    } else if (row[c] > second) {
+      second = row[c];
+    }
+  }
+  return first - second;
+}
+
+}  // namespace
+
 ReferenceCheck CheckAgainstReference(const RunShape& shape, const ModelConfig& config,
-                                     const std::vector<AttentionResults>& results) {
+                                     const std::vector<AttentionResults>& results,
+                                     bool layers_expected,
+                                     const std::function<void(int step)>& progress, GateMode mode) {
   const int total = shape.attention * shape.requests;
   const int64_t h = config.hidden_size;
   const int64_t v = config.vocab_size;
-  const bool layers_dumped =
-      std::all_of(results.begin(), results.end(), [](const AttentionResults& r) {
-        return !r.layer_hidden.empty();
-      });
+  const bool bitwise = mode == GateMode::kBitwise;
+  for (const AttentionResults& r : results) {
+    // ValidateResults has checked the sizes; this only guards the
+    // comparisons below against a caller that skipped it.
+    if (r.layer_hidden.empty() == layers_expected) {
+      return {false, absl::StrCat("attention ", r.instance,
+                                  layers_expected ? " did not dump its per-layer residuals"
+                                                  : " dumped residuals nobody asked for")};
+    }
+  }
 
   const auto start = std::chrono::steady_clock::now();
-  ReferenceModel model(config, ReferenceOptions{Codec::kAfd, shape.ffn, total,
-                                                int64_t{shape.prompt_len} + shape.decode_steps});
+  ReferenceOptions options{Codec::kAfd, shape.ffn, total,
+                           int64_t{shape.prompt_len} + shape.decode_steps};
+  ParseKvCacheFormat(shape.kv_cache, &options.kv_format);
+  ReferenceModel model(config, options);
   AttentionSide& side = model.attention();
   const std::vector<int32_t> prompts = GeneratePromptTokens(config, total, shape.prompt_len);
 
@@ -314,81 +340,112 @@ ReferenceCheck CheckAgainstReference(const RunShape& shape, const ModelConfig& c
   }
   std::vector<int32_t> next(total);
   int64_t token_mismatches = 0;
+  int64_t near_ties = 0;      // bounded: differing tokens within the reference's margin
+  int64_t logits_differ = 0;  // (request, step) pairs not bitwise equal / over the bound
+  int64_t layers_differ = 0;  // (instance, step, layer) blocks likewise
   double worst_logits = 0.0;
   double worst_layer = 0.0;
-  bool logits_bitwise = true;
-  bool layers_bitwise = true;
   std::string first_mismatch;
+  auto note = [&](std::string what) {
+    if (first_mismatch.empty()) first_mismatch = absl::StrCat("; first difference: ", what);
+  };
   for (int step = 0; step < shape.steps(); ++step) {
     if (!side.BeginStep(chunks, inputs, &state)) {
       return {false, "the reference could not start a step (KV cache overflow)"};
     }
     const int64_t per_request = shape.TokensPerRequest(step);
-    const int64_t rows_before =
-        step == 0 ? 0
-                  : int64_t{shape.prompt_len} * shape.requests * config.num_layers +
-                        int64_t{step - 1} * shape.requests * config.num_layers;
     for (int l = 0; l < config.num_layers; ++l) {
       side.Attention(l, &state);
       model.ComputeFfnOutput(l, &state);
       side.AddFfnOutput(&state);
-      if (!layers_dumped) continue;
+      if (!layers_expected) continue;
       // Instance a's rows of this step are the reference's rows of its
       // requests [a*R, (a+1)*R): the same request-major order.
       const int64_t instance_rows = per_request * shape.requests;
       for (const AttentionResults& r : results) {
-        const int64_t row = rows_before + l * instance_rows;
+        const int64_t row = LayerDumpRow(shape, config, step, l, 0);
         std::span<const float> got(r.layer_hidden.data() + row * h, instance_rows * h);
         std::span<const float> want(state.hidden.data() + r.instance * instance_rows * h,
                                     instance_rows * h);
-        worst_layer = std::max(worst_layer, RelativeL2(got, want));
-        layers_bitwise =
-            layers_bitwise && std::memcmp(got.data(), want.data(), got.size_bytes()) == 0;
+        const double rel = RelativeL2(got, want);
+        worst_layer = std::max(worst_layer, rel);
+        const bool differs = bitwise ? std::memcmp(got.data(), want.data(), got.size_bytes()) != 0
+                                     : !(rel <= kGateCBound);
+        if (differs && layers_differ++ == 0) {
+          note(absl::StrCat("residual after layer ", l, ", step ", step, ", attention ",
+                            r.instance));
+        }
       }
     }
     std::vector<float> logits;
     side.LastTokenLogits(state, nullptr, &logits);
     cpu::ArgmaxRows(logits.data(), total, v, next.data());
+    std::vector<int32_t> run_tokens(total);
     for (const AttentionResults& r : results) {
       for (int i = 0; i < shape.requests; ++i) {
         const int g = r.instance * shape.requests + i;
         const int32_t got = r.tokens[size_t(i) * r.steps + step];
+        run_tokens[g] = got;
         if (got != next[g]) {
-          if (token_mismatches++ == 0) {
-            first_mismatch = absl::StrCat("; first token mismatch: request ", g, " step ", step,
-                                          ": ", got, " vs ", next[g]);
+          // Bounded: a near tie in the reference may go either way.
+          if (!bitwise && Margin(logits.data() + g * v, v) <= kTokenMargin) {
+            ++near_ties;
+          } else if (token_mismatches++ == 0) {
+            note(absl::StrCat("token of request ", g, " step ", step, ": ", got, " vs ", next[g]));
           }
         }
-        std::span<const float> got_logits(r.logits.data() + (size_t(step) * r.requests + i) * v,
-                                          v);
+        std::span<const float> got_logits(r.logits.data() + (size_t(step) * r.requests + i) * v, v);
         std::span<const float> want_logits(logits.data() + g * v, v);
-        worst_logits = std::max(worst_logits, RelativeL2(got_logits, want_logits));
-        logits_bitwise = logits_bitwise && std::memcmp(got_logits.data(), want_logits.data(),
-                                                       got_logits.size_bytes()) == 0;
+        const double rel = RelativeL2(got_logits, want_logits);
+        worst_logits = std::max(worst_logits, rel);
+        const bool differs = bitwise ? std::memcmp(got_logits.data(), want_logits.data(),
+                                                   got_logits.size_bytes()) != 0
+                                     : !(rel <= kGateCBound);
+        if (differs && logits_differ++ == 0) {
+          note(absl::StrCat("logits of request ", g, " step ", step));
+        }
       }
     }
-    // The reference decodes its own greedy tokens (not the run's), so a
-    // divergence shows up as mismatches instead of being masked.
+    // Bitwise: the reference decodes its own greedy tokens (not the run's),
+    // so a divergence shows up as mismatches instead of being masked.
+    // Bounded: it is fed the run's tokens (teacher forcing), so a legitimate
+    // near-tie flip does not make every later step incomparable.
     chunks.assign(chunks.size(), {});
-    inputs.assign(next.begin(), next.end());
+    inputs.assign(bitwise ? next.begin() : run_tokens.begin(),
+                  bitwise ? next.end() : run_tokens.end());
     for (int g = 0; g < total; ++g) chunks[g] = {g, 1};
+    if (progress) progress(step);
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   const int64_t tokens = int64_t{total} * shape.steps();
+  const int64_t blocks = int64_t{shape.attention} * shape.steps() * config.num_layers;
   ReferenceCheck check;
-  check.pass = token_mismatches == 0 && worst_logits <= kLogitsBound &&
-               (!layers_dumped || worst_layer <= kLayerBound);
+  check.pass = token_mismatches == 0 && logits_differ == 0 && layers_differ == 0;
+  auto verdict = [&](int64_t differ, int64_t of, double rel) {
+    if (bitwise) {
+      return differ == 0 ? absl::StrFormat("bitwise equal (memcmp; max rel-L2 %.3g)", rel)
+                         : absl::StrFormat("%d of %d differ (max rel-L2 %.3g)", differ, of, rel);
+    }
+    return absl::StrFormat("max rel-L2 %.3g (<= %g%s)", rel, kGateCBound,
+                           differ == 0 ? "" : absl::StrFormat("; %d of %d over", differ, of));
+  };
+  const std::string token_text =
+      bitwise
+          ? absl::StrFormat("%d/%d tokens identical", tokens - token_mismatches, tokens)
+          : absl::StrFormat(
+                "%d/%d tokens identical where the reference's top-1 margin > %g (%d near "
+                "ties differ; reference fed the run's tokens)",
+                tokens - token_mismatches - near_ties, tokens - near_ties, kTokenMargin, near_ties);
   check.summary = absl::StrFormat(
-      "%d/%d tokens identical, logits max rel-L2 %.3g%s (<= %g), per-layer max rel-L2 %s; "
-      "reference afd codec, %d partitions, %.2f s%s",
-      tokens - token_mismatches, tokens, worst_logits, logits_bitwise ? " bitwise equal" : "",
-      kLogitsBound,
-      layers_dumped ? absl::StrFormat("%.3g%s (<= %g)", worst_layer,
-                                      layers_bitwise ? " bitwise equal" : "", kLayerBound)
-                    : std::string("not dumped"),
-      shape.ffn, seconds, first_mismatch);
+      "%s%s, logits %s, per-layer residuals %s; reference afd codec, %d partitions, %s KV "
+      "cache, %.2f s%s",
+      bitwise ? "" : "gate C bounds (bf16 GEMMs): ", token_text,
+      verdict(logits_differ, tokens, worst_logits),
+      layers_expected ? verdict(layers_differ, blocks, worst_layer)
+                      : std::string("not checked (--no-layer-check)"),
+      shape.ffn, shape.kv_cache, seconds, first_mismatch);
   return check;
 }
 
