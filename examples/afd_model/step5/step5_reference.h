@@ -1,0 +1,56 @@
+#pragma once
+
+// Monolithic reference of the Step-5 variant, built from the same
+// Step5AttentionSide and afd::FfnSide units the disaggregated run uses (as
+// afd::ReferenceModel is for Step-3): codec kNone runs fp32 throughout with
+// one FFN partition; kAfd emulates the wire (FP8 A2F, F BF16 partials added
+// in partition order), so a disaggregated run with the same F matches it bit
+// for bit.
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "examples/afd_model/ffn_side.h"
+#include "examples/afd_model/reference.h"
+#include "examples/afd_model/step5/step5_attention_side.h"
+#include "examples/afd_model/step5/step5_config.h"
+
+namespace afd::step5 {
+
+class Step5ReferenceModel {
+ public:
+  Step5ReferenceModel(const Step5Config& config, const ReferenceOptions& options);
+
+  const Step5Config& config() const { return config_; }
+  const ReferenceOptions& options() const { return options_; }
+  Step5AttentionSide& attention() { return attention_; }
+
+  // PrepareFfnInput, then state->ffn_output = FFN(y) under this codec.
+  void ComputeFfnOutput(int layer, Step5StepState* state);
+
+  // One step through every layer. If `layer_hidden` is non-null, the residual
+  // stream after each layer is appended to it ([layer][rows][H]).
+  bool RunStep(std::span<const SequenceChunk> chunks, std::span<const int32_t> tokens,
+               Step5StepState* state, std::vector<float>* layer_hidden = nullptr);
+
+  // Prefill prompts[s] into slot s, then decode_steps greedy steps (see
+  // afd::ReferenceModel::Generate). `state` (optional) receives the last
+  // step's state, selection statistics of the whole run included.
+  GenerationResult Generate(const std::vector<std::vector<int32_t>>& prompts, int decode_steps,
+                            Step5StepState* state = nullptr);
+
+ private:
+  Step5Config config_;
+  ReferenceOptions options_;
+  Step5AttentionSide attention_;
+  std::vector<FfnSide> ffn_partitions_;
+  FfnWorkspace ffn_workspace_;
+  std::vector<uint8_t> a2f_codes_;
+  std::vector<float> a2f_scales_;
+  std::vector<int32_t> a2f_topk_ids_;
+  std::vector<float> a2f_topk_weights_;
+  std::vector<std::vector<uint16_t>> f2a_partials_;
+};
+
+}  // namespace afd::step5
