@@ -220,6 +220,14 @@ void Step5AttentionSide::GlobalToken(int layer, int sequence, int64_t row, Step5
   } else {
     std::fill(state->selected_count.begin(), state->selected_count.end(), 0);
   }
+  if (state->record_selection) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int32_t* ids = state->selected.data() + g * k;
+      for (int64_t i = 0; i < k; ++i) {
+        state->selection_log.push_back(i < state->selected_count[g] ? ids[i] : -1);
+      }
+    }
+  }
   step5::cpu::SparseBlockAttention(
       state->queries.data() + row * config_.q_width(), m.num_heads, groups, d, keys, values, pos, b,
       state->selected.data(), state->selected_count.data(), k, m.attention_scale(),

@@ -53,6 +53,12 @@ struct Step5StepState : StepState {
   // and history blocks attended (the top-k; the current block not counted).
   int64_t history_blocks = 0;
   int64_t attended_blocks = 0;
+
+  // When set, every (token, group) of every global layer appends its
+  // selected history blocks to selection_log: topk_blocks ids, ascending,
+  // padded with -1 (tokens in step row order, groups in order). For checks.
+  bool record_selection = false;
+  std::vector<int32_t> selection_log;
 };
 
 // KV bytes of one sequence of `tokens` tokens (element_bytes per K/V value:
