@@ -281,7 +281,7 @@ TEST_CASE("sparse attention: selected blocks plus the causal prefix of the curre
   }
 }
 
-TEST_CASE("sliding window: the window counts the current token; ring slots wrap",
+TEST_CASE("sliding window: the window counts the current token, ring slots wrap",
           "[step5][kernels][sliding]") {
   const int64_t heads = 4, groups = 2, d = 8, window = 5, len = 20;
   const float scale = 0.3f;
