@@ -19,10 +19,10 @@ scripts/install-deps.sh
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DSTEPMESH_BUILD_TESTS=ON -DSTEPMESH_BUILD_BENCHMARKS=ON -DSTEPMESH_BUILD_EXAMPLES=ON \
   -DSTEPMESH_ENABLE_CUDA=ON -DSTEPMESH_ENABLE_RDMA=ON >/dev/null
-cmake --build "$build" -j "$jobs" --target cuda_gpu_tests cuda_latency model_gpu_tests
+cmake --build "$build" -j "$jobs" --target cuda_gpu_tests cuda_latency model_gpu_tests step5_gpu_tests
 
 programs=("$build/tests/cuda/cuda_gpu_tests" "$build/benchmarks/gpu/cuda_latency"
-          "$build/tests/model_gpu/model_gpu_tests")
+          "$build/tests/model_gpu/model_gpu_tests" "$build/tests/step5/step5_gpu_tests")
 rm -rf "$bundle"
 mkdir -p "$bundle/bin" "$bundle/lib"
 for program in "${programs[@]}"; do

@@ -7,6 +7,8 @@
 #   cuda_latency     record -> send thread sees it (both modes); flag -> stream resumes
 #   model_gpu_tests  every model kernel against the CPU at full width, and the
 #                    timing table (decode attention vs HBM, expert GEMMs vs cuBLAS)
+#   step5_gpu_tests  the Step-5 kernels (indexer scores, top-k block selection,
+#                    sparse decode attention) against the CPU, full and tiny widths
 # Logs go to $OUT (the device tool brings them back) or .device-bundle/out.
 # Each step has its own time limit; one failing does not stop the others.
 set -uo pipefail
@@ -39,5 +41,10 @@ step() {  # name, seconds, command...
 step cuda_gpu_tests 180 "$bundle/bin/cuda_gpu_tests"
 step cuda_latency 120 "$bundle/bin/cuda_latency" 2000 0
 step model_gpu_tests 300 "$bundle/bin/model_gpu_tests"
+if [[ -x $bundle/bin/step5_gpu_tests ]]; then
+  step step5_gpu_tests 240 "$bundle/bin/step5_gpu_tests"
+else
+  summary+=("step5_gpu_tests: not in the bundle (rebuild it with scripts/device-bundle.sh)")
+fi
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
 ! grep -qv 'exit 0$' "$out/summary.txt"
