@@ -35,14 +35,14 @@ using afd::cuda::DeviceBuffer;
 
 bool g_ok = true;
 
-#define CUDA_OK(expr)                                                                    \
-  do {                                                                                   \
-    const cudaError_t status_ = (expr);                                                  \
-    if (status_ != cudaSuccess) {                                                        \
-      std::fprintf(stderr, "%s:%d: %s -> %s\n", __FILE__, __LINE__, #expr,               \
-                   cudaGetErrorString(status_));                                         \
-      std::exit(1);                                                                      \
-    }                                                                                    \
+#define CUDA_OK(expr)                                                      \
+  do {                                                                     \
+    const cudaError_t status_ = (expr);                                    \
+    if (status_ != cudaSuccess) {                                          \
+      std::fprintf(stderr, "%s:%d: %s -> %s\n", __FILE__, __LINE__, #expr, \
+                   cudaGetErrorString(status_));                           \
+      std::exit(1);                                                        \
+    }                                                                      \
   } while (0)
 
 // Cheap deterministic normal-ish values (sum of 4 uniforms), fast enough for
@@ -163,24 +163,24 @@ void RunShape(const Shape& s) {
     const int64_t history = s.positions[t] / s.b;
     std::vector<float> scratch((s.index_heads + 1) * s.p);
     std::vector<float> rows(s.groups * history);
-    cpu::IndexerScores(qc.data() + t * s.index_heads * s.p, w.data() + t * s.index_heads,
-                       s.groups, hpg_index, s.p, cc.data() + sequence[t] * max_blocks * s.p,
-                       history, scratch.data(), rows.data());
+    cpu::IndexerScores(qc.data() + t * s.index_heads * s.p, w.data() + t * s.index_heads, s.groups,
+                       hpg_index, s.p, cc.data() + sequence[t] * max_blocks * s.p, history,
+                       scratch.data(), rows.data());
     std::vector<int32_t> order(std::max<int64_t>(history, 1));
     for (int64_t g = 0; g < s.groups; ++g) {
       std::copy_n(rows.begin() + g * history, history,
                   cpu_scores.begin() + (t * s.groups + g) * max_blocks);
-      cpu_count[t * s.groups + g] = cpu::SelectTopKBlocks(
-          rows.data() + g * history, history, s.k, order.data(),
-          cpu_selected.data() + (t * s.groups + g) * s.k);
+      cpu_count[t * s.groups + g] =
+          cpu::SelectTopKBlocks(rows.data() + g * history, history, s.k, order.data(),
+                                cpu_selected.data() + (t * s.groups + g) * s.k);
     }
     std::vector<float> attention_scratch((s.k + 1) * s.b);
     cpu::SparseBlockAttention(q.data() + t * s.heads * s.d, s.heads, s.groups, s.d,
                               kc.data() + sequence[t] * s.max_len * kv_row,
                               vc.data() + sequence[t] * s.max_len * kv_row, s.positions[t], s.b,
                               cpu_selected.data() + t * s.groups * s.k,
-                              cpu_count.data() + t * s.groups, s.k, scale,
-                              attention_scratch.data(), cpu_out.data() + t * s.heads * s.d);
+                              cpu_count.data() + t * s.groups, s.k, scale, attention_scratch.data(),
+                              cpu_out.data() + t * s.heads * s.d);
   });
 
   // GPU.
@@ -203,14 +203,13 @@ void RunShape(const Shape& s) {
                                 nullptr));
   };
   auto select_launch = [&] {
-    CUDA_OK(cuda::SelectTopKBlocks(d_scores.get(), d_pos.get(), n, s.groups, max_blocks, s.b,
-                                   s.k, d_selected.get(), d_count.get(), nullptr));
+    CUDA_OK(cuda::SelectTopKBlocks(d_scores.get(), d_pos.get(), n, s.groups, max_blocks, s.b, s.k,
+                                   d_selected.get(), d_count.get(), nullptr));
   };
   auto attention_launch = [&] {
-    CUDA_OK(cuda::SparseDecodeAttention(d_q.get(), n, s.heads, s.groups, s.d, d_k.get(),
-                                        d_v.get(), s.max_len, d_seq.get(), d_pos.get(), s.b,
-                                        d_selected.get(), d_count.get(), s.k, scale, d_out.get(),
-                                        nullptr));
+    CUDA_OK(cuda::SparseDecodeAttention(d_q.get(), n, s.heads, s.groups, s.d, d_k.get(), d_v.get(),
+                                        s.max_len, d_seq.get(), d_pos.get(), s.b, d_selected.get(),
+                                        d_count.get(), s.k, scale, d_out.get(), nullptr));
   };
   scores_launch();
   select_launch();
@@ -271,8 +270,8 @@ void RunShape(const Shape& s) {
               static_cast<double>(attended_total) / std::max<int64_t>(history_total, 1));
   std::snprintf(buffer, sizeof(buffer), "%lld/%lld differ", static_cast<long long>(score_mismatch),
                 static_cast<long long>(entries));
-  std::string rate = std::to_string(static_cast<int>(summary_bytes / scores_ms / 1e6)) +
-                     " GB/s of summaries";
+  std::string rate =
+      std::to_string(static_cast<int>(summary_bytes / scores_ms / 1e6)) + " GB/s of summaries";
   Row(s.name + " IndexerScores", buffer, "bitwise", score_mismatch == 0, scores_ms, rate);
   std::snprintf(buffer, sizeof(buffer), "%lld differ", static_cast<long long>(selection_mismatch));
   Row(s.name + " SelectTopKBlocks", buffer, "exact", selection_mismatch == 0, select_ms, "");
@@ -306,7 +305,7 @@ int Main() {
   Shape full{"full", 64, 4, 192, 16, 256, 8, 512, 16, 8192, {}};
   for (int i = 0; i < 128; ++i) {
     const int32_t lengths[] = {8191, 8000, 6000, 4103, 4104, 4105, 4095, 2048,
-                               1000, 513, 64, 9, 8, 7, 1, 0};
+                               1000, 513,  64,   9,    8,    7,    1,    0};
     full.positions.push_back(std::max(0, lengths[i % 16] - 16 * (i / 16)));
   }
   RunShape(full);
