@@ -27,8 +27,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "examples/afd_model/afd_common.h"
-#include "examples/afd_model/attention_side.h"
+#include "examples/afd_model/attention_model.h"
 #include "examples/afd_model/config.h"
+#include "examples/afd_model/example_model.h"
 #include "examples/afd_model/kernels/cpu_kernels.h"
 #include "examples/afd_model/model_weights.h"
 #include "examples/afd_model/wire.h"
@@ -46,7 +47,8 @@ struct MicroBatch {
   int end = 0;
   int count() const { return end - begin; }
 
-  StepState state;
+  StepStatePtr state{nullptr, nullptr};  // made by the model (NewStepState)
+  SelectionStats prefill_selection, decode_selection;  // sparse models only
   std::vector<SequenceChunk> chunks;
   std::vector<int32_t> inputs;
   std::vector<int32_t> next_tokens;  // greedy tokens of the last finished step
@@ -66,12 +68,12 @@ struct MicroBatch {
 
 class AttentionInstance {
  public:
-  AttentionInstance(const RunShape& shape, const ModelConfig& config, int rank, bool dump_layers)
+  AttentionInstance(const RunShape& shape, const ExampleModel& model, int rank, bool dump_layers)
       : shape_(shape),
-        config_(config),
+        config_(model.config),
         rank_(rank),
         dump_layers_(dump_layers),
-        side_(config, shape.requests, int64_t{shape.prompt_len} + shape.decode_steps) {}
+        side_(model.NewAttention(shape.requests, int64_t{shape.prompt_len} + shape.decode_steps)) {}
 
   // Joins the mesh and registers every micro-batch's tensors.
   absl::Status Init(const std::string& scheduler, int device);
@@ -103,7 +105,7 @@ class AttentionInstance {
   const ModelConfig config_;
   const int rank_;
   const bool dump_layers_;
-  AttentionSide side_;
+  std::unique_ptr<AttentionModel> side_;  // the model's attention side
   std::vector<std::vector<int32_t>> prompts_;  // this instance's requests
   std::shared_ptr<stepmesh::Backend> backend_;
   AttentionResults results_;
@@ -145,6 +147,7 @@ absl::Status AttentionInstance::Init(const std::string& scheduler, int device) {
     mb->begin = shape_.MicroBatchBegin(m);
     mb->end = shape_.MicroBatchEnd(m);
     mb->next_tokens.resize(mb->count());
+    mb->state = side_->NewStepState();
     STEPMESH_ASSIGN_OR_RETURN(mb->codes, alloc(sizes.codes_bytes()));
     STEPMESH_ASSIGN_OR_RETURN(mb->scales, alloc(sizes.scales_bytes()));
     STEPMESH_ASSIGN_OR_RETURN(mb->topk_ids, alloc(sizes.topk_ids_bytes()));
@@ -217,7 +220,7 @@ void AttentionInstance::BeginStep(int step, MicroBatch& mb) {
       mb.inputs.push_back(mb.next_tokens[i]);
     }
   }
-  if (!side_.BeginStep(mb.chunks, mb.inputs, &mb.state)) {
+  if (!side_->BeginStep(mb.chunks, mb.inputs, mb.state.get())) {
     Fail(absl::InternalError(absl::StrCat("BeginStep failed for micro-batch ", mb.index,
                                           " step ", step, " (KV cache overflow?)")));
   }
@@ -235,15 +238,19 @@ void AttentionInstance::DumpLayer(int step, int layer, const MicroBatch& mb) {
                 : int64_t{shape_.prompt_len} * shape_.requests * config_.num_layers +
                       int64_t{step - 1} * shape_.requests * config_.num_layers;
   const int64_t row = rows_before + layer * step_rows + mb.begin * per_request;
-  std::copy(mb.state.hidden.begin(), mb.state.hidden.end(),
+  std::copy(mb.state->hidden.begin(), mb.state->hidden.end(),
             results_.layer_hidden.begin() + row * h);
 }
 
 void AttentionInstance::FinishStep(int step, MicroBatch& mb) {
-  side_.ApplyF2A(mb.partial_ptrs, &mb.state);
+  side_->ApplyF2A(mb.partial_ptrs, mb.state.get());
   DumpLayer(step, config_.num_layers - 1, mb);
+  const SelectionStats selection = side_->TakeSelectionStats(mb.state.get());
+  SelectionStats& sum = step == 0 ? mb.prefill_selection : mb.decode_selection;
+  sum.history_blocks += selection.history_blocks;
+  sum.attended_blocks += selection.attended_blocks;
   std::vector<float> logits;
-  side_.LastTokenLogits(mb.state, nullptr, &logits);
+  side_->LastTokenLogits(*mb.state, nullptr, &logits);
   const int64_t v = config_.vocab_size;
   cpu::ArgmaxRows(logits.data(), mb.count(), v, mb.next_tokens.data());
   for (int i = 0; i < mb.count(); ++i) {
@@ -264,12 +271,12 @@ void AttentionInstance::Stage(int step, int layer, MicroBatch& mb) {
     if (step > 0) FinishStep(step - 1, mb);
     BeginStep(step, mb);
   } else {
-    side_.ApplyF2A(mb.partial_ptrs, &mb.state);
+    side_->ApplyF2A(mb.partial_ptrs, mb.state.get());
     DumpLayer(step, layer - 1, mb);
   }
-  side_.Attention(layer, &mb.state);
-  side_.PrepareFfnInput(layer, &mb.state);
-  side_.WriteA2F(mb.state, {static_cast<uint8_t*>(mb.codes->data()),
+  side_->Attention(layer, mb.state.get());
+  side_->PrepareFfnInput(layer, mb.state.get());
+  side_->WriteA2F(*mb.state, {static_cast<uint8_t*>(mb.codes->data()),
                             static_cast<float*>(mb.scales->data()),
                             static_cast<int32_t*>(mb.topk_ids->data()),
                             static_cast<float*>(mb.topk_weights->data())});
@@ -348,6 +355,14 @@ absl::Status AttentionInstance::Run() {
         mb->stream->LaunchHostFunc([this, p] { FinishStep(shape_.steps() - 1, *p); }));
   }
   for (auto& mb : micro_batches_) STEPMESH_RETURN_IF_ERROR(mb->stream->Synchronize(shape_.timeout));
+  // [prefill history, prefill attended, decode history, decode attended]
+  results_.selection_blocks.assign(4, 0);
+  for (auto& mb : micro_batches_) {
+    results_.selection_blocks[0] += mb->prefill_selection.history_blocks;
+    results_.selection_blocks[1] += mb->prefill_selection.attended_blocks;
+    results_.selection_blocks[2] += mb->decode_selection.history_blocks;
+    results_.selection_blocks[3] += mb->decode_selection.attended_blocks;
+  }
   return Error();
 }
 
@@ -373,19 +388,20 @@ int Main(int argc, char** argv) {
     return 2;
   }
   std::string error;
-  const std::optional<ModelConfig> config =
-      LoadModelConfig(shape->config, BundledConfigDir(), &error);
-  if (!config) {
+  const std::optional<ExampleModel> model =
+      LoadExampleModel(shape->config, BundledConfigDir(), &error);
+  if (!model) {
     std::fprintf(stderr, "afd_attention: config: %s\n", error.c_str());
     return 2;
   }
+  const ModelConfig* config = &model->config;
   if (int64_t{shape->prompt_len} + shape->decode_steps > config->max_positions) {
     std::fprintf(stderr, "afd_attention: prompt + decode exceeds max_position_embedding\n");
     return 2;
   }
 
   const int a = static_cast<int>(*rank);
-  AttentionInstance instance(*shape, *config, a, dump_layers);
+  AttentionInstance instance(*shape, *model, a, dump_layers);
   st = instance.Init(scheduler, static_cast<int>(*device));
   if (st.ok()) st = instance.Run();
   if (st.ok() && !results_path.empty()) st = WriteResults(results_path, instance.results());

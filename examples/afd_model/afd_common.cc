@@ -99,7 +99,15 @@ absl::Status RunShape::Validate() const {
 
 absl::StatusOr<RunShape> ParseRunFlags(Flags& flags) {
   RunShape s;
-  s.config = flags.Str("config", s.config);
+  // --model picks the model (docs/example.md, "Models"); --config is the
+  // older name of the same flag.
+  const std::string config = flags.Str("config", "");
+  const std::string model = flags.Str("model", "");
+  if (!config.empty() && !model.empty() && config != model) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--model ", model, " and --config ", config, " disagree; pass one"));
+  }
+  s.config = !model.empty() ? model : !config.empty() ? config : s.config;
   auto read_int = [&](absl::string_view name, int* out) -> absl::Status {
     absl::StatusOr<int64_t> v = flags.Int(name, *out);
     if (!v.ok()) return v.status();
@@ -242,6 +250,7 @@ void Fields(IO& io, R& r) {
   io.Vector(&r.layer_hidden);
   io.Vector(&r.attention);
   io.Vector(&r.traces);
+  io.Vector(&r.selection_blocks);
 }
 
 // Adapts Writer's by-value interface to the pointer-taking Fields().

@@ -112,6 +112,10 @@ struct AttentionResults {
   std::vector<StageTiming> attention;  // [step][layer][micro-batch]
   // [step][layer][micro-batch][server]
   std::vector<stepmesh::TraceStamps> traces;
+  // Sparse models: history blocks [prefill possible, prefill attended,
+  // decode possible, decode attended] over (token, KV group) pairs of the
+  // global layers; zeros for dense models.
+  std::vector<int64_t> selection_blocks;
 
   size_t StageIndex(int step, int layer, int mb) const {
     return (static_cast<size_t>(step) * layers + layer) * micro_batches + mb;

@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "examples/afd_model/afd_common.h"
 #include "examples/afd_model/config.h"
+#include "examples/afd_model/example_model.h"
 #include "examples/afd_model/ffn_side.h"
 #include "examples/afd_model/model_weights.h"
 #include "examples/afd_model/wire.h"
@@ -269,12 +270,14 @@ int Main(int argc, char** argv) {
     return 2;
   }
   std::string error;
-  const std::optional<ModelConfig> config =
-      LoadModelConfig(shape->config, BundledConfigDir(), &error);
-  if (!config) {
+  // Every model of the example has the same FFN side: its ModelConfig.
+  const std::optional<ExampleModel> model =
+      LoadExampleModel(shape->config, BundledConfigDir(), &error);
+  if (!model) {
     std::fprintf(stderr, "afd_ffn: config: %s\n", error.c_str());
     return 2;
   }
+  const ModelConfig* config = &model->config;
   if (shape->ffn > config->num_experts) {
     std::fprintf(stderr, "afd_ffn: --ffn must not exceed the expert count\n");
     return 2;

@@ -1,7 +1,7 @@
 // afd_launch: runs a disaggregated Step-3 decode on this host and checks it.
 //
 //   afd_launch --attention X --ffn Y [--requests R] [--prompt-len 32]
-//              [--decode-steps 16] [--micro-batches 3] [--config tiny]
+//              [--decode-steps 16] [--micro-batches 3] [--model tiny]
 //              [--transport tcp|rdma] [--backend cpu_mock|cuda]
 //              [--poll-mode adaptive|spin|blocking] [--timeout-ms 30000]
 //              [--deadline-s 300] [--chrome-trace FILE] [--work-dir DIR]
@@ -55,6 +55,7 @@
 #include "examples/afd_model/afd_common.h"
 #include "examples/afd_model/afd_report.h"
 #include "examples/afd_model/config.h"
+#include "examples/afd_model/example_model.h"
 #include "stepmesh/stepmesh.h"
 
 namespace afd::example {
@@ -228,7 +229,7 @@ class Launcher {
   int CheckExpectedFailure();
 
   LaunchFlags f_;
-  std::optional<ModelConfig> config_;
+  std::optional<ExampleModel> model_;  // the model the run uses (--model / --config)
   std::unique_ptr<stepmesh::Scheduler> scheduler_;
   std::unique_ptr<Child> scheduler_process_;
   std::string scheduler_address_;
@@ -387,8 +388,8 @@ int Launcher::CheckExpectedFailure() {
 
 int Launcher::Run() {
   std::string error;
-  config_ = LoadModelConfig(f_.shape.config, BundledConfigDir(), &error);
-  if (!config_) return Fail(absl::StrCat("config: ", error));
+  model_ = LoadExampleModel(f_.shape.config, BundledConfigDir(), &error);
+  if (!model_) return Fail(absl::StrCat("config: ", error));
   if (f_.kill_ffn < 0) f_.kill_ffn = f_.shape.ffn - 1;
   if (f_.kill_ffn >= f_.shape.ffn) return Fail("--kill-ffn out of range");
 
@@ -427,7 +428,7 @@ int Launcher::Run() {
     if (!r.ok()) return Fail(r.status().ToString());
     results.push_back(std::move(*r));
   }
-  std::printf("\n%s", FormatReport(f_.shape, *config_, results).c_str());
+  std::printf("\n%s", FormatReport(f_.shape, *model_, results).c_str());
   std::printf("(all processes done in %.2f s wall, including weight generation)\n", wall);
   if (!f_.chrome_trace.empty()) {
     if (absl::Status s = WriteChromeTrace(f_.chrome_trace, f_.shape, results); !s.ok()) {
@@ -440,7 +441,7 @@ int Launcher::Run() {
     return 0;
   }
   std::fflush(stdout);
-  const ReferenceCheck check = CheckAgainstReference(f_.shape, *config_, results);
+  const ReferenceCheck check = CheckAgainstReference(f_.shape, *model_, results);
   std::printf("reference check: %s (%s)\n", check.pass ? "PASS" : "FAIL", check.summary.c_str());
   return check.pass ? 0 : 1;
 }

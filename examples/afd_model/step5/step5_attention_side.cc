@@ -84,8 +84,21 @@ float* Step5AttentionSide::RingValues(int sequence, int layer) {
   return RingKeys(sequence, layer) + config_.sliding_window * config_.kv_width();
 }
 
+StepStatePtr Step5AttentionSide::NewStepState() const {
+  return StepStatePtr(new Step5StepState,
+                      [](StepState* s) { delete static_cast<Step5StepState*>(s); });
+}
+
+SelectionStats Step5AttentionSide::TakeSelectionStats(StepState* base) const {
+  auto* state = static_cast<Step5StepState*>(base);
+  const SelectionStats stats{state->history_blocks, state->attended_blocks};
+  state->history_blocks = state->attended_blocks = 0;
+  return stats;
+}
+
 bool Step5AttentionSide::BeginStep(std::span<const SequenceChunk> chunks,
-                                   std::span<const int32_t> tokens, Step5StepState* state) {
+                                   std::span<const int32_t> tokens, StepState* base) {
+  auto* state = static_cast<Step5StepState*>(base);
   const ModelConfig& m = config_.model;
   int64_t total = 0;
   for (const SequenceChunk& chunk : chunks) {
@@ -252,7 +265,8 @@ void Step5AttentionSide::SlidingToken(int layer, int sequence, int64_t row, Step
       state->kernel_scratch.data(), state->attn_heads.data() + row * config_.q_width());
 }
 
-void Step5AttentionSide::Attention(int layer, Step5StepState* state) {
+void Step5AttentionSide::Attention(int layer, StepState* base) {
+  auto* state = static_cast<Step5StepState*>(base);
   const Step5LayerWeights& w = weights_.layers[layer];
   const ModelConfig& m = config_.model;
   const int64_t n = state->num_tokens();
@@ -305,7 +319,7 @@ void Step5AttentionSide::Attention(int layer, Step5StepState* state) {
   afd::cpu::AddInPlace(state->attn_input.data(), n * h, state->hidden.data());
 }
 
-void Step5AttentionSide::PrepareFfnInput(int layer, Step5StepState* state) const {
+void Step5AttentionSide::PrepareFfnInput(int layer, StepState* state) const {
   const Step5LayerWeights& w = weights_.layers[layer];
   const ModelConfig& m = config_.model;
   const int64_t n = state->num_tokens();
@@ -323,7 +337,7 @@ void Step5AttentionSide::PrepareFfnInput(int layer, Step5StepState* state) const
                                 state->topk_ids.data(), state->topk_weights.data());
 }
 
-void Step5AttentionSide::WriteA2F(const Step5StepState& state, const A2FBuffers& out) const {
+void Step5AttentionSide::WriteA2F(const StepState& state, const A2FBuffers& out) const {
   const ModelConfig& m = config_.model;
   afd::cpu::QuantizeFp8PerGroup(state.normed.data(), state.num_tokens(), m.hidden_size, m.fp8_group,
                                 out.codes, out.scales);
@@ -332,24 +346,18 @@ void Step5AttentionSide::WriteA2F(const Step5StepState& state, const A2FBuffers&
 }
 
 void Step5AttentionSide::ReduceF2A(std::span<const uint16_t* const> partials,
-                                   Step5StepState* state) const {
+                                   StepState* state) const {
   afd::cpu::SumBf16Partials(partials.data(), static_cast<int>(partials.size()),
                             state->num_tokens() * config_.model.hidden_size,
                             state->ffn_output.data());
 }
 
-void Step5AttentionSide::AddFfnOutput(Step5StepState* state) const {
+void Step5AttentionSide::AddFfnOutput(StepState* state) const {
   afd::cpu::AddInPlace(state->ffn_output.data(), state->num_tokens() * config_.model.hidden_size,
                        state->hidden.data());
 }
 
-void Step5AttentionSide::ApplyF2A(std::span<const uint16_t* const> partials,
-                                  Step5StepState* state) const {
-  ReduceF2A(partials, state);
-  AddFfnOutput(state);
-}
-
-void Step5AttentionSide::LastTokenLogits(const Step5StepState& state,
+void Step5AttentionSide::LastTokenLogits(const StepState& state,
                                          std::vector<float>* final_hidden,
                                          std::vector<float>* logits) const {
   const ModelConfig& m = config_.model;

@@ -22,6 +22,7 @@
 #include <span>
 #include <vector>
 
+#include "examples/afd_model/attention_model.h"
 #include "examples/afd_model/attention_side.h"
 #include "examples/afd_model/step5/step5_config.h"
 #include "examples/afd_model/step5/step5_weights.h"
@@ -71,7 +72,9 @@ struct KvFootprint {
 };
 KvFootprint KvBytes(const Step5Config& config, int64_t tokens, int64_t element_bytes);
 
-class Step5AttentionSide {
+// An AttentionModel: every StepState* it takes must be a Step5StepState
+// (NewStepState() makes one; tests may pass their own).
+class Step5AttentionSide : public AttentionModel {
  public:
   Step5AttentionSide(const Step5Config& config, int max_sequences, int64_t max_seq_len);
 
@@ -79,30 +82,33 @@ class Step5AttentionSide {
   int max_sequences() const { return max_sequences_; }
   int64_t max_seq_len() const { return max_seq_len_; }
 
-  void ResetSequence(int sequence);
-  int64_t SequenceLength(int sequence) const;
+  StepStatePtr NewStepState() const override;
+  void ResetSequence(int sequence) override;
+  int64_t SequenceLength(int sequence) const override;
 
   // As afd::AttentionSide::BeginStep: positions after each sequence's cached
   // tokens, embedding into state->hidden; false (nothing changed) on a bad
   // slot, a cache overflow or a bad token id.
   bool BeginStep(std::span<const SequenceChunk> chunks, std::span<const int32_t> tokens,
-                 Step5StepState* state);
+                 StepState* state) override;
 
   // h += o_proj(gate * attention(RMS(h; input norm))), filling this step's
   // cache rows; sliding or global sparse by the layer's type.
-  void Attention(int layer, Step5StepState* state);
+  void Attention(int layer, StepState* state) override;
 
   // y = RMS(h; post norm); MoE layers: sigmoid router + bias, top-k,
   // normalised and scaled weights; dense layers: ids -1, weights 0.
-  void PrepareFfnInput(int layer, Step5StepState* state) const;
+  void PrepareFfnInput(int layer, StepState* state) const override;
 
   // The rest is the Step-3 example's contract, see afd::AttentionSide.
-  void WriteA2F(const Step5StepState& state, const A2FBuffers& out) const;
-  void ReduceF2A(std::span<const uint16_t* const> partials, Step5StepState* state) const;
-  void AddFfnOutput(Step5StepState* state) const;
-  void ApplyF2A(std::span<const uint16_t* const> partials, Step5StepState* state) const;
-  void LastTokenLogits(const Step5StepState& state, std::vector<float>* final_hidden,
-                       std::vector<float>* logits) const;
+  void WriteA2F(const StepState& state, const A2FBuffers& out) const override;
+  void ReduceF2A(std::span<const uint16_t* const> partials, StepState* state) const override;
+  void AddFfnOutput(StepState* state) const override;
+  void LastTokenLogits(const StepState& state, std::vector<float>* final_hidden,
+                       std::vector<float>* logits) const override;
+
+  // Step5StepState::history_blocks / attended_blocks, then zeroes them.
+  SelectionStats TakeSelectionStats(StepState* state) const override;
 
  private:
   void GlobalToken(int layer, int sequence, int64_t row, Step5StepState* state);

@@ -3,7 +3,6 @@
 #include <chrono>
 
 #include "examples/afd_model/kernels/cpu_kernels.h"
-#include "examples/afd_model/wire.h"
 
 namespace afd::step5 {
 namespace {
@@ -14,43 +13,28 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
-Step5ReferenceModel::Step5ReferenceModel(const Step5Config& config, const ReferenceOptions& options)
+Step5ReferenceModel::Step5ReferenceModel(const Step5Config& config,
+                                         const ReferenceOptions& options)
     : config_(config),
       options_(options),
       attention_(config, options.max_sequences, options.max_seq_len) {
-  if (options_.codec == Codec::kNone) options_.partitions = 1;
-  ffn_partitions_.reserve(options_.partitions);
-  for (int p = 0; p < options_.partitions; ++p) {
-    ffn_partitions_.emplace_back(config.model, FfnPartition{p, options_.partitions});
+  if (options_.codec == Codec::kNone) {
+    options_.partitions = 1;
+    fp32_ffn_.emplace(config.model, FfnPartition{0, 1});
+  } else {
+    wire_.emplace(config.model, options_.partitions);
   }
-  f2a_partials_.resize(options_.partitions);
 }
 
 void Step5ReferenceModel::ComputeFfnOutput(int layer, Step5StepState* state) {
-  attention_.PrepareFfnInput(layer, state);
-  const ModelConfig& m = config_.model;
-  const int64_t n = state->num_tokens();
-  if (options_.codec == Codec::kNone) {
-    ffn_partitions_[0].ForwardFp32(layer, n, state->normed.data(), state->topk_ids.data(),
-                                   state->topk_weights.data(), state->ffn_output.data(),
-                                   &ffn_workspace_);
+  if (options_.codec == Codec::kAfd) {
+    wire_->ComputeFfnOutput(layer, attention_, state);
     return;
   }
-  const A2FSizes sizes{n, m.hidden_size, m.top_k, m.fp8_group};
-  a2f_codes_.resize(sizes.codes_bytes());
-  a2f_scales_.resize(sizes.scales_bytes() / sizeof(float));
-  a2f_topk_ids_.resize(sizes.topk_ids_bytes() / sizeof(int32_t));
-  a2f_topk_weights_.resize(sizes.topk_weights_bytes() / sizeof(float));
-  const A2FBuffers a2f{a2f_codes_.data(), a2f_scales_.data(), a2f_topk_ids_.data(),
-                       a2f_topk_weights_.data()};
-  attention_.WriteA2F(*state, a2f);
-  std::vector<const uint16_t*> partials;
-  for (int p = 0; p < options_.partitions; ++p) {
-    f2a_partials_[p].resize(n * m.hidden_size);
-    ffn_partitions_[p].Forward(layer, AsView(a2f, n), f2a_partials_[p].data(), &ffn_workspace_);
-    partials.push_back(f2a_partials_[p].data());
-  }
-  attention_.ReduceF2A(partials, state);
+  attention_.PrepareFfnInput(layer, state);
+  fp32_ffn_->ForwardFp32(layer, state->num_tokens(), state->normed.data(),
+                        state->topk_ids.data(), state->topk_weights.data(),
+                        state->ffn_output.data(), &fp32_workspace_);
 }
 
 bool Step5ReferenceModel::RunStep(std::span<const SequenceChunk> chunks,

@@ -8,9 +8,11 @@
 // for bit.
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
+#include "examples/afd_model/attention_model.h"
 #include "examples/afd_model/ffn_side.h"
 #include "examples/afd_model/reference.h"
 #include "examples/afd_model/step5/step5_attention_side.h"
@@ -44,13 +46,9 @@ class Step5ReferenceModel {
   Step5Config config_;
   ReferenceOptions options_;
   Step5AttentionSide attention_;
-  std::vector<FfnSide> ffn_partitions_;
-  FfnWorkspace ffn_workspace_;
-  std::vector<uint8_t> a2f_codes_;
-  std::vector<float> a2f_scales_;
-  std::vector<int32_t> a2f_topk_ids_;
-  std::vector<float> a2f_topk_weights_;
-  std::vector<std::vector<uint16_t>> f2a_partials_;
+  std::optional<FfnSide> fp32_ffn_;        // codec none: the whole FFN, one partition
+  FfnWorkspace fp32_workspace_;
+  std::optional<AfdWireEmulation> wire_;  // codec afd
 };
 
 }  // namespace afd::step5
