@@ -47,7 +47,7 @@ struct MicroBatch {
   int end = 0;
   int count() const { return end - begin; }
 
-  StepStatePtr state{nullptr, nullptr};  // made by the model (NewStepState)
+  StepStatePtr state{nullptr, nullptr};                // made by the model (NewStepState)
   SelectionStats prefill_selection, decode_selection;  // sparse models only
   std::vector<SequenceChunk> chunks;
   std::vector<int32_t> inputs;
@@ -105,7 +105,7 @@ class AttentionInstance {
   const ModelConfig config_;
   const int rank_;
   const bool dump_layers_;
-  std::unique_ptr<AttentionModel> side_;  // the model's attention side
+  std::unique_ptr<AttentionModel> side_;       // the model's attention side
   std::vector<std::vector<int32_t>> prompts_;  // this instance's requests
   std::shared_ptr<stepmesh::Backend> backend_;
   AttentionResults results_;
@@ -276,10 +276,10 @@ void AttentionInstance::Stage(int step, int layer, MicroBatch& mb) {
   }
   side_->Attention(layer, mb.state.get());
   side_->PrepareFfnInput(layer, mb.state.get());
-  side_->WriteA2F(*mb.state, {static_cast<uint8_t*>(mb.codes->data()),
-                            static_cast<float*>(mb.scales->data()),
-                            static_cast<int32_t*>(mb.topk_ids->data()),
-                            static_cast<float*>(mb.topk_weights->data())});
+  side_->WriteA2F(
+      *mb.state,
+      {static_cast<uint8_t*>(mb.codes->data()), static_cast<float*>(mb.scales->data()),
+       static_cast<int32_t*>(mb.topk_ids->data()), static_cast<float*>(mb.topk_weights->data())});
   t.end_ns = stepmesh::MonotonicNowNs();
 }
 

@@ -104,7 +104,9 @@ void AppendStep5Lines(const RunShape& shape, const step5::Step5Config& c,
                         final_length, end.original, end.proxy, end.summaries, end.total());
   int64_t blocks[4] = {0, 0, 0, 0};
   for (const AttentionResults& r : results) {
-    for (size_t i = 0; i < 4 && i < r.selection_blocks.size(); ++i) blocks[i] += r.selection_blocks[i];
+    for (size_t i = 0; i < 4 && i < r.selection_blocks.size(); ++i) {
+      blocks[i] += r.selection_blocks[i];
+    }
   }
   auto fraction = [](int64_t attended, int64_t history) {
     return history == 0 ? std::string("no history yet")

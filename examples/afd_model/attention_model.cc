@@ -5,7 +5,8 @@ namespace afd {
 AfdWireEmulation::AfdWireEmulation(const ModelConfig& config, int partitions)
     : config_(config), partials_(partitions), partial_ptrs_(partitions) {
   partitions_.reserve(partitions);
-  for (int p = 0; p < partitions; ++p) partitions_.emplace_back(config, FfnPartition{p, partitions});
+  for (int p = 0; p < partitions; ++p)
+    partitions_.emplace_back(config, FfnPartition{p, partitions});
 }
 
 void AfdWireEmulation::ComputeFfnOutput(int layer, const AttentionModel& attention,

@@ -66,8 +66,8 @@ std::unique_ptr<AttentionModel> ExampleModel::NewAttention(int max_sequences,
 std::optional<ExampleModel> LoadExampleModel(const std::string& name_or_path,
                                              const std::string& config_dir, std::string* error) {
   ExampleModel model;
-  const bool step3_name = name_or_path == "tiny" || name_or_path == "full" ||
-                          name_or_path == "step3";
+  const bool step3_name =
+      name_or_path == "tiny" || name_or_path == "full" || name_or_path == "step3";
   if (step5::IsStep5ConfigName(name_or_path) || (!step3_name && IsStep5File(name_or_path))) {
     auto config = step5::LoadStep5Config(name_or_path, config_dir, error);
     if (!config) return std::nullopt;

@@ -357,8 +357,7 @@ void Step5AttentionSide::AddFfnOutput(StepState* state) const {
                        state->hidden.data());
 }
 
-void Step5AttentionSide::LastTokenLogits(const StepState& state,
-                                         std::vector<float>* final_hidden,
+void Step5AttentionSide::LastTokenLogits(const StepState& state, std::vector<float>* final_hidden,
                                          std::vector<float>* logits) const {
   const ModelConfig& m = config_.model;
   const int64_t h = m.hidden_size;

@@ -13,8 +13,7 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
-Step5ReferenceModel::Step5ReferenceModel(const Step5Config& config,
-                                         const ReferenceOptions& options)
+Step5ReferenceModel::Step5ReferenceModel(const Step5Config& config, const ReferenceOptions& options)
     : config_(config),
       options_(options),
       attention_(config, options.max_sequences, options.max_seq_len) {
@@ -32,9 +31,8 @@ void Step5ReferenceModel::ComputeFfnOutput(int layer, Step5StepState* state) {
     return;
   }
   attention_.PrepareFfnInput(layer, state);
-  fp32_ffn_->ForwardFp32(layer, state->num_tokens(), state->normed.data(),
-                        state->topk_ids.data(), state->topk_weights.data(),
-                        state->ffn_output.data(), &fp32_workspace_);
+  fp32_ffn_->ForwardFp32(layer, state->num_tokens(), state->normed.data(), state->topk_ids.data(),
+                         state->topk_weights.data(), state->ffn_output.data(), &fp32_workspace_);
 }
 
 bool Step5ReferenceModel::RunStep(std::span<const SequenceChunk> chunks,

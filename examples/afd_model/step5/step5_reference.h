@@ -46,7 +46,7 @@ class Step5ReferenceModel {
   Step5Config config_;
   ReferenceOptions options_;
   Step5AttentionSide attention_;
-  std::optional<FfnSide> fp32_ffn_;        // codec none: the whole FFN, one partition
+  std::optional<FfnSide> fp32_ffn_;  // codec none: the whole FFN, one partition
   FfnWorkspace fp32_workspace_;
   std::optional<AfdWireEmulation> wire_;  // codec afd
 };

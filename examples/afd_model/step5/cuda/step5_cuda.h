@@ -30,10 +30,10 @@ namespace afd::step5::cuda {
 // query_codes [n, groups*hpg, dim] (E4M3); head_weights [n, groups*hpg];
 // scores [n, groups, max_blocks]. groups * hpg * dim <= 8192.
 cudaError_t IndexerScores(const uint8_t* query_codes, const float* head_weights,
-                          const int32_t* query_sequence, const int32_t* query_position,
-                          int64_t n, int64_t groups, int64_t heads_per_group, int64_t dim,
-                          int64_t block_size, const uint8_t* summaries, int64_t max_blocks,
-                          float* scores, cudaStream_t stream);
+                          const int32_t* query_sequence, const int32_t* query_position, int64_t n,
+                          int64_t groups, int64_t heads_per_group, int64_t dim, int64_t block_size,
+                          const uint8_t* summaries, int64_t max_blocks, float* scores,
+                          cudaStream_t stream);
 
 // Per (t, g): the min(k, history(t)) best of scores[t, g, 0..history) by
 // (score descending, block id ascending), written ascending to
@@ -51,7 +51,7 @@ cudaError_t SparseDecodeAttention(const float* q, int64_t n, int64_t heads, int6
                                   int64_t head_dim, const float* k_cache, const float* v_cache,
                                   int64_t max_len, const int32_t* query_sequence,
                                   const int32_t* query_position, int64_t block_size,
-                                  const int32_t* selected, const int32_t* selected_count,
-                                  int64_t k, float scale, float* out, cudaStream_t stream);
+                                  const int32_t* selected, const int32_t* selected_count, int64_t k,
+                                  float scale, float* out, cudaStream_t stream);
 
 }  // namespace afd::step5::cuda

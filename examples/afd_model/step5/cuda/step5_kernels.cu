@@ -1,14 +1,13 @@
-#include "examples/afd_model/step5/cuda/step5_cuda.h"
-
 #include <algorithm>
 #include <cstdint>
 
 #include "examples/afd_model/kernels/codec.h"
+#include "examples/afd_model/step5/cuda/step5_cuda.h"
 
 namespace afd::step5::cuda {
 namespace {
 
-constexpr int kScoreThreads = 128;   // blocks of one token per CTA
+constexpr int kScoreThreads = 128;     // blocks of one token per CTA
 constexpr int kMaxIndexFloats = 8192;  // groups * heads_per_group * dim
 constexpr int kSelectThreads = 256;
 constexpr int kAttentionWarps = 8;
@@ -66,7 +65,7 @@ __global__ void IndexerScoresKernel(const uint8_t* __restrict__ query_codes,
                                     const uint8_t* __restrict__ summaries, int64_t max_blocks,
                                     float* __restrict__ scores) {
   extern __shared__ float shared[];
-  float* table = shared;         // [256]
+  float* table = shared;          // [256]
   float* queries = shared + 256;  // [heads, dim]
   const int64_t t = blockIdx.x;
   const int64_t heads = groups * heads_per_group;
@@ -161,8 +160,7 @@ __global__ void SelectTopKKernel(const float* __restrict__ scores,
   int64_t base = 0;
   for (int64_t chunk = 0; chunk < count; chunk += blockDim.x) {
     const int64_t i = chunk + threadIdx.x;
-    const bool win =
-        i < count && SelectionKey(row[i], static_cast<uint32_t>(i)) >= threshold;
+    const bool win = i < count && SelectionKey(row[i], static_cast<uint32_t>(i)) >= threshold;
     scan[threadIdx.x] = win ? 1 : 0;
     __syncthreads();
     for (int offset = 1; offset < blockDim.x; offset <<= 1) {
@@ -191,11 +189,11 @@ __global__ void SparseDecodeAttentionKernel(
     const int32_t* __restrict__ selected_count, int64_t k, float scale, float* __restrict__ out) {
   extern __shared__ float shared[];
   const int64_t hpg = heads / groups;
-  const int64_t key_stride = head_dim + 1;  // padded: lanes read different rows
-  float* queries = shared;                        // [hpg, d]
-  float* keys = queries + hpg * head_dim;         // [kTile, d + 1]
-  float* values = keys + kTile * key_stride;      // [kTile, d]
-  __shared__ int64_t tile_rows[kTile];            // K/V row offsets of the tile
+  const int64_t key_stride = head_dim + 1;    // padded: lanes read different rows
+  float* queries = shared;                    // [hpg, d]
+  float* keys = queries + hpg * head_dim;     // [kTile, d + 1]
+  float* values = keys + kTile * key_stride;  // [kTile, d]
+  __shared__ int64_t tile_rows[kTile];        // K/V row offsets of the tile
 
   const int64_t row_index = blockIdx.x;  // t * groups + g
   const int64_t t = row_index / groups;
@@ -288,10 +286,10 @@ __global__ void SparseDecodeAttentionKernel(
 }  // namespace
 
 cudaError_t IndexerScores(const uint8_t* query_codes, const float* head_weights,
-                          const int32_t* query_sequence, const int32_t* query_position,
-                          int64_t n, int64_t groups, int64_t heads_per_group, int64_t dim,
-                          int64_t block_size, const uint8_t* summaries, int64_t max_blocks,
-                          float* scores, cudaStream_t stream) {
+                          const int32_t* query_sequence, const int32_t* query_position, int64_t n,
+                          int64_t groups, int64_t heads_per_group, int64_t dim, int64_t block_size,
+                          const uint8_t* summaries, int64_t max_blocks, float* scores,
+                          cudaStream_t stream) {
   const int64_t floats = groups * heads_per_group * dim;
   if (n <= 0 || max_blocks <= 0) return cudaSuccess;
   if (floats > kMaxIndexFloats || block_size <= 0) return cudaErrorInvalidValue;
@@ -323,19 +321,18 @@ cudaError_t SparseDecodeAttention(const float* q, int64_t n, int64_t heads, int6
                                   int64_t head_dim, const float* k_cache, const float* v_cache,
                                   int64_t max_len, const int32_t* query_sequence,
                                   const int32_t* query_position, int64_t block_size,
-                                  const int32_t* selected, const int32_t* selected_count,
-                                  int64_t k, float scale, float* out, cudaStream_t stream) {
+                                  const int32_t* selected, const int32_t* selected_count, int64_t k,
+                                  float scale, float* out, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   const int64_t hpg = heads / groups;
   if (groups <= 0 || heads % groups != 0 || hpg > kAttentionWarps * kMaxHeadsPerWarp ||
       head_dim <= 0 || head_dim > 32 * kMaxCoordsPerLane || block_size <= 0) {
     return cudaErrorInvalidValue;
   }
-  const size_t smem =
-      sizeof(float) * (hpg * head_dim + kTile * (head_dim + 1) + kTile * head_dim);
+  const size_t smem = sizeof(float) * (hpg * head_dim + kTile * (head_dim + 1) + kTile * head_dim);
   cudaError_t status =
-      cudaFuncSetAttribute(SparseDecodeAttentionKernel,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+      cudaFuncSetAttribute(SparseDecodeAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem));
   if (status != cudaSuccess) return status;
   SparseDecodeAttentionKernel<<<static_cast<unsigned int>(n * groups), kAttentionWarps * 32, smem,
                                 stream>>>(q, heads, groups, head_dim, k_cache, v_cache, max_len,
