@@ -66,6 +66,26 @@ class AttentionModel {
   }
 };
 
+// Pieces every attention side shares (Step-3's and Step-5's).
+
+// Checks a step (slots in [0, max_sequences), lengths within max_seq_len,
+// token ids below vocab_size, one token per chunk row) and, only when it is
+// valid, sets state->chunks and state->positions (after each sequence's
+// cached tokens) and advances `lengths`. False changes nothing.
+bool AssignStepPositions(std::span<const SequenceChunk> chunks, std::span<const int32_t> tokens,
+                         int64_t vocab_size, int64_t max_seq_len, std::vector<int64_t>* lengths,
+                         StepState* state);
+
+// RMS(last token of every chunk; final_norm) into final_hidden [chunks, H]
+// and the LM head's logits [chunks, V]; a chunk without tokens gets a zero
+// row. Either output may be null.
+void LastTokenLogitsOf(const StepState& state, const ModelConfig& config, const float* final_norm,
+                       const float* lm_head, std::vector<float>* final_hidden,
+                       std::vector<float>* logits);
+
+// FP8 quantisation of state.normed and the routing, into the A2F buffers.
+void WriteA2FOf(const StepState& state, const ModelConfig& config, const A2FBuffers& out);
+
 // The AFD wire in one process: ComputeFfnOutput runs PrepareFfnInput, writes
 // the A2F tensors, runs every FfnSide partition on them and reduces the BF16
 // partials into state->ffn_output, exactly as the disaggregated run does.

@@ -30,21 +30,15 @@ std::vector<float> Random(int64_t n, uint32_t seed, float stddev = 1.0f) {
 
 double Sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
-TEST_CASE("partial rope rotates only the prefix and equals full rope at full width",
-          "[step5][kernels]") {
+TEST_CASE("partial rope rotates only the prefix, by the formula", "[step5][kernels]") {
   const int64_t tokens = 3, heads = 2, d = 48;
   const std::vector<int32_t> positions = {0, 5, 3000};
   const auto x = Random(tokens * heads * d, 1);
 
-  auto full = x;
-  auto reference = x;
-  cpu::RopePartialNeoxInPlace(full.data(), tokens, heads, d, d, positions.data(), 1e4f);
-  afd::cpu::RopeNeoxInPlace(reference.data(), tokens, heads, d, positions.data(), 1e4f);
-  CHECK(full == reference);
-
   const int64_t rotary = 16;
   auto partial = x;
-  cpu::RopePartialNeoxInPlace(partial.data(), tokens, heads, d, rotary, positions.data(), 1e7f);
+  afd::cpu::RopePartialNeoxInPlace(partial.data(), tokens, heads, d, rotary, positions.data(),
+                                   1e7f);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t h = 0; h < heads; ++h) {
       const float* in = x.data() + (t * heads + h) * d;

@@ -60,14 +60,19 @@ void ArgmaxRows(const float* logits, int64_t rows, int64_t cols, int32_t* ids) {
 
 void RopeNeoxInPlace(float* x, int64_t tokens, int64_t heads,
                      int64_t head_dim, const int32_t* positions, float theta) {
-  const int64_t half = head_dim / 2;
+  RopePartialNeoxInPlace(x, tokens, heads, head_dim, head_dim, positions, theta);
+}
+
+void RopePartialNeoxInPlace(float* x, int64_t tokens, int64_t heads, int64_t head_dim,
+                            int64_t rotary_dim, const int32_t* positions, float theta) {
+  const int64_t half = rotary_dim / 2;
   std::vector<float> cosines(half);
   std::vector<float> sines(half);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t i = 0; i < half; ++i) {
       const double inv_freq = std::pow(static_cast<double>(theta),
                                        -2.0 * static_cast<double>(i) /
-                                           static_cast<double>(head_dim));
+                                           static_cast<double>(rotary_dim));
       const double angle = static_cast<double>(positions[t]) * inv_freq;
       cosines[i] = static_cast<float>(std::cos(angle));
       sines[i] = static_cast<float>(std::sin(angle));

@@ -100,27 +100,11 @@ bool Step5AttentionSide::BeginStep(std::span<const SequenceChunk> chunks,
                                    std::span<const int32_t> tokens, StepState* base) {
   auto* state = static_cast<Step5StepState*>(base);
   const ModelConfig& m = config_.model;
-  int64_t total = 0;
-  for (const SequenceChunk& chunk : chunks) {
-    if (chunk.sequence < 0 || chunk.sequence >= max_sequences_ || chunk.num_tokens < 0 ||
-        sequence_lengths_[chunk.sequence] + chunk.num_tokens > max_seq_len_) {
-      return false;
-    }
-    total += chunk.num_tokens;
+  if (!AssignStepPositions(chunks, tokens, m.vocab_size, max_seq_len_, &sequence_lengths_,
+                           state)) {
+    return false;
   }
-  if (total != static_cast<int64_t>(tokens.size())) return false;
-  for (const int32_t token : tokens) {
-    if (token < 0 || token >= m.vocab_size) return false;
-  }
-  state->chunks.assign(chunks.begin(), chunks.end());
-  state->positions.clear();
-  for (const SequenceChunk& chunk : chunks) {
-    int64_t& length = sequence_lengths_[chunk.sequence];
-    for (int32_t i = 0; i < chunk.num_tokens; ++i) {
-      state->positions.push_back(static_cast<int32_t>(length + i));
-    }
-    length += chunk.num_tokens;
-  }
+  const int64_t total = state->num_tokens();
   const int64_t h = m.hidden_size;
   const int64_t groups = config_.num_kv_groups;
   const int64_t index_width = config_.index_heads * config_.index_dim;
@@ -184,9 +168,9 @@ void Step5AttentionSide::IndexerProjections(int layer, Step5StepState* state) co
                     config_.index_norm_eps, state->index_q.data());
   step5::cpu::LayerNorm(state->index_k.data(), w.index_k_gamma.data(), w.index_k_beta.data(), n, p,
                         config_.index_norm_eps, state->index_k.data());
-  step5::cpu::RopePartialNeoxInPlace(state->index_q.data(), n, heads, p, config_.index_rotary_dim,
+  afd::cpu::RopePartialNeoxInPlace(state->index_q.data(), n, heads, p, config_.index_rotary_dim,
                                      state->positions.data(), config_.full_rope_theta);
-  step5::cpu::RopePartialNeoxInPlace(state->index_k.data(), n, 1, p, config_.index_rotary_dim,
+  afd::cpu::RopePartialNeoxInPlace(state->index_k.data(), n, 1, p, config_.index_rotary_dim,
                                      state->positions.data(), config_.full_rope_theta);
   step5::cpu::CastFp8E4m3(state->index_q.data(), n * heads * p, state->index_q_codes.data());
 }
@@ -297,9 +281,9 @@ void Step5AttentionSide::Attention(int layer, StepState* base) {
                     state->keys.data());
   const int64_t rotary = global ? config_.full_rotary_dim : config_.sliding_rotary_dim;
   const float theta = global ? config_.full_rope_theta : config_.sliding_rope_theta;
-  step5::cpu::RopePartialNeoxInPlace(state->queries.data(), n, heads, d, rotary,
+  afd::cpu::RopePartialNeoxInPlace(state->queries.data(), n, heads, d, rotary,
                                      state->positions.data(), theta);
-  step5::cpu::RopePartialNeoxInPlace(state->keys.data(), n, groups, d, rotary,
+  afd::cpu::RopePartialNeoxInPlace(state->keys.data(), n, groups, d, rotary,
                                      state->positions.data(), theta);
   if (global) IndexerProjections(layer, state);
 
@@ -338,11 +322,7 @@ void Step5AttentionSide::PrepareFfnInput(int layer, StepState* state) const {
 }
 
 void Step5AttentionSide::WriteA2F(const StepState& state, const A2FBuffers& out) const {
-  const ModelConfig& m = config_.model;
-  afd::cpu::QuantizeFp8PerGroup(state.normed.data(), state.num_tokens(), m.hidden_size, m.fp8_group,
-                                out.codes, out.scales);
-  std::copy(state.topk_ids.begin(), state.topk_ids.end(), out.topk_ids);
-  std::copy(state.topk_weights.begin(), state.topk_weights.end(), out.topk_weights);
+  WriteA2FOf(state, config_.model, out);
 }
 
 void Step5AttentionSide::ReduceF2A(std::span<const uint16_t* const> partials,
@@ -357,27 +337,11 @@ void Step5AttentionSide::AddFfnOutput(StepState* state) const {
                        state->hidden.data());
 }
 
-void Step5AttentionSide::LastTokenLogits(const StepState& state, std::vector<float>* final_hidden,
+void Step5AttentionSide::LastTokenLogits(const StepState& state,
+                                         std::vector<float>* final_hidden,
                                          std::vector<float>* logits) const {
-  const ModelConfig& m = config_.model;
-  const int64_t h = m.hidden_size;
-  const int64_t rows = static_cast<int64_t>(state.chunks.size());
-  std::vector<float> last(rows * h);
-  std::vector<float> normed(rows * h);
-  int64_t end = 0;
-  for (int64_t c = 0; c < rows; ++c) {
-    end += state.chunks[c].num_tokens;
-    if (state.chunks[c].num_tokens > 0) {
-      std::memcpy(last.data() + c * h, state.hidden.data() + (end - 1) * h, sizeof(float) * h);
-    }
-  }
-  afd::cpu::RmsNorm(last.data(), weights_.final_norm.data(), rows, h, m.rms_norm_eps,
-                    normed.data());
-  if (logits != nullptr) {
-    logits->resize(rows * m.vocab_size);
-    afd::cpu::Linear(normed.data(), rows, h, weights_.lm_head.data(), m.vocab_size, logits->data());
-  }
-  if (final_hidden != nullptr) *final_hidden = std::move(normed);
+  LastTokenLogitsOf(state, config_.model, weights_.final_norm.data(), weights_.lm_head.data(),
+                    final_hidden, logits);
 }
 
 }  // namespace afd::step5

@@ -60,33 +60,6 @@ void AttendHead(const float* q, int64_t head_dim, const float* k, const float* v
 
 }  // namespace
 
-void RopePartialNeoxInPlace(float* x, int64_t tokens, int64_t heads, int64_t head_dim,
-                            int64_t rotary_dim, const int32_t* positions, float theta) {
-  const int64_t half = rotary_dim / 2;
-  std::vector<float> cosines(half);
-  std::vector<float> sines(half);
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t i = 0; i < half; ++i) {
-      const double inv_freq =
-          std::pow(static_cast<double>(theta),
-                   -2.0 * static_cast<double>(i) / static_cast<double>(rotary_dim));
-      const double angle = static_cast<double>(positions[t]) * inv_freq;
-      cosines[i] = static_cast<float>(std::cos(angle));
-      sines[i] = static_cast<float>(std::sin(angle));
-    }
-    for (int64_t h = 0; h < heads; ++h) {
-      float* lo = x + (t * heads + h) * head_dim;
-      float* hi = lo + half;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = lo[i];
-        const float b = hi[i];
-        lo[i] = a * cosines[i] - b * sines[i];
-        hi[i] = b * cosines[i] + a * sines[i];
-      }
-    }
-  }
-}
-
 void LayerNorm(const float* x, const float* gamma, const float* beta, int64_t rows, int64_t dim,
                float eps, float* y) {
   for (int64_t r = 0; r < rows; ++r) {

@@ -1,13 +1,12 @@
 #pragma once
 
 // CPU kernels of the Step-5-Preview attention (docs/model.md,
-// "Step-5-Preview"): partial RoPE, LayerNorm, the head-wise sigmoid gate, the
-// block indexer (FP8 block summaries, weighted-ReLU scores, top-k with its
-// tie rule), sparse attention over selected blocks, sliding-window GQA and the
-// sigmoid router. Same conventions as kernels/cpu_kernels.h: raw row-major
-// buffers, int64_t sizes, [out, in] weights, results that depend only on the
-// shapes (never on batching), so streaming decode and prefill agree bit for
-// bit. The CUDA twins are in step5/cuda/.
+// "Step-5-Preview"): LayerNorm, the head-wise sigmoid gate, the block indexer (FP8 block summaries,
+// weighted-ReLU scores, top-k with its tie rule), sparse attention over selected blocks,
+// sliding-window GQA and the sigmoid router (partial RoPE is afd::cpu::RopePartialNeoxInPlace).
+// Same conventions as kernels/cpu_kernels.h: raw row-major buffers, int64_t sizes, [out, in]
+// weights, results that depend only on the shapes (never on batching), so streaming decode and
+// prefill agree bit for bit. The CUDA twins are in step5/cuda/.
 //
 // GQA layout: q [heads, d] per token; K/V rows [groups, d] per position;
 // query head h reads group g(h) = h / (heads / groups).
@@ -17,14 +16,6 @@
 namespace afd::step5::cpu {
 
 // ---------------------------------------------------------------- basics
-
-// NeoX RoPE over the first `rotary_dim` of every head's `head_dim` values, in
-// place; x is [tokens, heads, head_dim]. Pairs (i, i + rotary_dim/2), i <
-// rotary_dim/2, rotate by positions[t] * theta^(-2i/rotary_dim) (angles in
-// double); the other head_dim - rotary_dim values are untouched. With
-// rotary_dim == head_dim this is afd::cpu::RopeNeoxInPlace exactly.
-void RopePartialNeoxInPlace(float* x, int64_t tokens, int64_t heads, int64_t head_dim,
-                            int64_t rotary_dim, const int32_t* positions, float theta);
 
 // y[r] = (x[r] - mean) / sqrt(var + eps) * gamma + beta, mean and the biased
 // variance in fp32. May run in place.

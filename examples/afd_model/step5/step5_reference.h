@@ -31,16 +31,12 @@ class Step5ReferenceModel {
   // PrepareFfnInput, then state->ffn_output = FFN(y) under this codec.
   void ComputeFfnOutput(int layer, Step5StepState* state);
 
-  // One step through every layer. If `layer_hidden` is non-null, the residual
-  // stream after each layer is appended to it ([layer][rows][H]).
+  // One step through every layer (embed, then per layer attention,
+  // ComputeFfnOutput and the residual add). If `layer_hidden` is non-null,
+  // the residual stream after each layer is appended to it ([layer][rows][H]).
   bool RunStep(std::span<const SequenceChunk> chunks, std::span<const int32_t> tokens,
                Step5StepState* state, std::vector<float>* layer_hidden = nullptr);
 
-  // Prefill prompts[s] into slot s, then decode_steps greedy steps (see
-  // afd::ReferenceModel::Generate). `state` (optional) receives the last
-  // step's state, selection statistics of the whole run included.
-  GenerationResult Generate(const std::vector<std::vector<int32_t>>& prompts, int decode_steps,
-                            Step5StepState* state = nullptr);
 
  private:
   Step5Config config_;

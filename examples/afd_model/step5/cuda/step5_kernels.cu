@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "examples/afd_model/cuda/internal.cuh"
 #include "examples/afd_model/kernels/codec.h"
 #include "examples/afd_model/step5/cuda/step5_cuda.h"
 
@@ -15,23 +16,11 @@ constexpr int kTile = 32;             // positions per K/V tile (one per lane)
 constexpr int kMaxHeadsPerWarp = 4;   // heads_per_group <= 32
 constexpr int kMaxCoordsPerLane = 8;  // head_dim <= 256
 
-cudaError_t LaunchStatus() { return cudaGetLastError(); }
+using afd::cuda::internal::LaunchStatus;
+using afd::cuda::internal::WarpMax;
+using afd::cuda::internal::WarpSum;
 
 __device__ __forceinline__ int64_t Min64(int64_t a, int64_t b) { return a < b ? a : b; }
-
-__device__ __forceinline__ float WarpSum(float value) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    value += __shfl_xor_sync(0xFFFFFFFFu, value, offset);
-  }
-  return value;
-}
-
-__device__ __forceinline__ float WarpMax(float value) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    value = fmaxf(value, __shfl_xor_sync(0xFFFFFFFFu, value, offset));
-  }
-  return value;
-}
 
 // afd::cpu::Dot's exact order: eight interleaved partial sums, a pairwise
 // final sum, then the tail; every product and sum rounded on its own (no
