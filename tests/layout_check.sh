@@ -24,7 +24,9 @@ rules=(
   "tests/model/|examples/afd_model/ stepmesh/ tests/support/"
   "tests/model_gpu/|examples/afd_model/ stepmesh/ tests/support/"
   "tests/afd/|examples/afd_model/ stepmesh/ tests/support/"
+  "tests/step5/|examples/afd_model/ stepmesh/ tests/support/"
   "tests/|src/ stepmesh/ tests/support/ tests/rdma/fake_verbs.h tests/cuda/fake_cuda_api.h"
+  "benchmarks/model/|examples/afd_model/ stepmesh/ benchmarks/model/"
   "benchmarks/|src/ stepmesh/ benchmarks/ tests/support/"
   "examples/|stepmesh/ examples/ src/backends/cuda/cuda_backend.h"
 )

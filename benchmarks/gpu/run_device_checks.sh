@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine, from the repository root, every GPU check of
-# issues 3, 5 and 16 out of .device-bundle/ (made here by scripts/device-bundle.sh):
+# issues 3, 5, 16, 19 and 20 out of .device-bundle/ (made here by scripts/device-bundle.sh):
 #   cuda_gpu_issue16 the CUDA backend's hazards on the device (issue 16): a
 #                    blocking application stream waiting on the reply while the
 #                    send thread copies (10 s deadline), a device fault failing
@@ -14,6 +14,8 @@
 #                    resumes (memop, kernel, wait-next); Backend::Copy vs cudaMemcpy
 #   model_gpu_tests  every model kernel against the CPU at full width, and the
 #                    timing table (decode attention vs HBM, expert GEMMs vs cuBLAS)
+#   step5_gpu_tests  the Step-5 kernels (indexer scores, top-k block selection,
+#                    sparse decode attention) against the CPU, full and tiny widths
 #   afd_gate_c       the Step-3 example disaggregated with its CUDA kernels
 #                    (--backend cuda: the "cuda" engine), 1A1F at full width on
 #                    this one GPU, attention and FFN processes sharing it; Gate C
@@ -55,6 +57,11 @@ step cuda_gpu_issue16 100 "$bundle/bin/cuda_gpu_tests" "[issue16]" --durations y
 step cuda_gpu_tests 100 "$bundle/bin/cuda_gpu_tests" "~[issue16]" --durations yes
 step cuda_latency 60 "$bundle/bin/cuda_latency" 2000 0
 step model_gpu_tests 300 "$bundle/bin/model_gpu_tests"
+if [[ -x $bundle/bin/step5_gpu_tests ]]; then
+  step step5_gpu_tests 240 "$bundle/bin/step5_gpu_tests"
+else
+  summary+=("step5_gpu_tests: not in the bundle (rebuild it with scripts/device-bundle.sh)")
+fi
 # The CPU reference of full width needs ~56 GB of host memory and a few
 # minutes; the run itself seconds. Configs are found from the repository root.
 step afd_gate_c 420 "$bundle/bin/afd_launch" --config full --attention 1 --ffn 1 \

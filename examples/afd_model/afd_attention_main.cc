@@ -1,14 +1,15 @@
-// afd_attention: one attention instance of a disaggregated Step-3 run (a
-// stepmesh worker). Owns the embedding, MFA attention + KV cache, the norms,
+// afd_attention: one attention instance of a disaggregated run of the example
+// model (Step-3, or Step-5 with --model tiny-step5; a stepmesh worker). Its
+// engine owns the embedding, attention + KV cache, the norms,
 // the router, FP8 quantisation of the A2F activations, the reduction of the
 // FFN partials, the residual stream and the LM head; the FFN lives on the
 // afd_ffn servers. Normally started by afd_launch.
 //
 //   afd_attention --scheduler HOST:PORT --rank A --results FILE [--dump-layers]
 //                 [--progress FILE] [--inject-wrong-layer STEP:LAYER]
-//                 [run flags: --config --attention --ffn --requests --prompt-len
-//                  --decode-steps --micro-batches --transport --backend
-//                  --poll-mode --timeout-ms] [--device N]
+//                 [run flags: --model (or --config) --attention --ffn --requests
+//                  --prompt-len --decode-steps --micro-batches --transport --backend
+//                  --poll-mode --engine --kv-cache --timeout-ms] [--device N]
 //
 // Pipeline: the instance's requests are split into micro-batches, each with
 // its own pre-registered wire tensors, StepState and backend stream. The main
@@ -31,6 +32,7 @@
 #include "examples/afd_model/afd_common.h"
 #include "examples/afd_model/afd_engine.h"
 #include "examples/afd_model/config.h"
+#include "examples/afd_model/example_model.h"
 #include "examples/afd_model/model_weights.h"
 #include "examples/afd_model/wire.h"
 #include "stepmesh/stepmesh.h"
@@ -57,8 +59,12 @@ struct MicroBatch {
 
 class AttentionInstance {
  public:
-  AttentionInstance(const RunShape& shape, const ModelConfig& config, int rank, bool dump_layers)
-      : shape_(shape), config_(config), rank_(rank), dump_layers_(dump_layers) {}
+  AttentionInstance(const RunShape& shape, const ExampleModel& model, int rank, bool dump_layers)
+      : shape_(shape),
+        model_(model),
+        config_(model.config),
+        rank_(rank),
+        dump_layers_(dump_layers) {}
 
   // Creates the engine, joins the mesh and registers every micro-batch's tensors.
   absl::Status Init(const std::string& scheduler, int device);
@@ -78,7 +84,8 @@ class AttentionInstance {
   void SizeResults();
 
   const RunShape shape_;
-  const ModelConfig config_;
+  const ExampleModel model_;
+  const ModelConfig& config_;  // model_.config
   const int rank_;
   const bool dump_layers_;
   Progress wrong_layer_;
@@ -106,6 +113,7 @@ void AttentionInstance::SizeResults() {
   results_.step_end_ns.assign(size_t(shape_.steps()) * shape_.micro_batches, 0);
   results_.tokens.assign(size_t(shape_.requests) * shape_.steps(), -1);
   results_.logits.assign(size_t(shape_.steps()) * shape_.requests * config_.vocab_size, 0.0f);
+  results_.selection_blocks.assign(kSelectionBlockCounts, 0);
   if (dump_layers_) {
     const size_t rows = size_t(shape_.requests) * (shape_.prompt_len + shape_.decode_steps);
     results_.layer_hidden.assign(rows * config_.num_layers * config_.hidden_size, 0.0f);
@@ -127,7 +135,7 @@ absl::Status AttentionInstance::Init(const std::string& scheduler, int device) {
 
   AttentionEngineParams params;
   params.shape = &shape_;
-  params.config = &config_;
+  params.model = &model_;
   params.rank = rank_;
   params.dump_layers = dump_layers_;
   params.backend = backend_;
@@ -297,19 +305,19 @@ int Main(int argc, char** argv) {
     return 2;
   }
   std::string error;
-  const std::optional<ModelConfig> config =
-      LoadModelConfig(shape->config, BundledConfigDir(), &error);
-  if (!config) {
+  const std::optional<ExampleModel> model =
+      LoadExampleModel(shape->config, BundledConfigDir(), &error);
+  if (!model) {
     std::fprintf(stderr, "afd_attention: config: %s\n", error.c_str());
     return 2;
   }
-  if (st = ValidateRunForModel(*shape, *config); !st.ok()) {
+  if (st = ValidateRunForModel(*shape, *model); !st.ok()) {
     std::fprintf(stderr, "afd_attention: %s\n", st.ToString().c_str());
     return 2;
   }
 
   const int a = static_cast<int>(*rank);
-  AttentionInstance instance(*shape, *config, a, dump_layers);
+  AttentionInstance instance(*shape, *model, a, dump_layers);
   if (wrong_layer.step >= 0) instance.InjectWrongLayer(wrong_layer.step, wrong_layer.layer);
   if (!progress_path.empty()) st = instance.OpenProgress(progress_path);
   if (st.ok()) st = instance.Init(scheduler, static_cast<int>(*device));

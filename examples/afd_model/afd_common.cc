@@ -134,7 +134,22 @@ int64_t LayerDumpRow(const RunShape& shape, const ModelConfig& config, int step,
   return rows_before + layer * step_rows + first_request * per_request;
 }
 
-absl::Status ValidateRunForModel(const RunShape& shape, const ModelConfig& config) {
+absl::Status ValidateRunForModel(const RunShape& shape, const ExampleModel& model) {
+  const ModelConfig& config = model.config;
+  if (model.step5) {
+    // Step-5's attention side is CPU code with fp32 caches; the device
+    // engines (cpu-device, cuda) implement Step-3's MFA attention only.
+    if (shape.ResolvedEngine() != "cpu") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--engine ", shape.engine, " (", shape.ResolvedEngine(), "): the Step-5 model ",
+          config.name, " runs on the cpu engine only (--engine cpu)"));
+    }
+    if (shape.kv_cache != "fp32") {
+      return absl::InvalidArgumentError(absl::StrCat("--kv-cache ", shape.kv_cache,
+                                                     ": the Step-5 model ", config.name,
+                                                     " keeps an fp32 KV cache"));
+    }
+  }
   // Partition p owns experts e % F == p and a 1/F column slice of the shared
   // expert and the dense FFN: each must get at least one of each.
   const int64_t max_ffn = std::min<int64_t>(
@@ -236,7 +251,15 @@ Progress ReadProgress(const std::string& path) {
 
 absl::StatusOr<RunShape> ParseRunFlags(Flags& flags) {
   RunShape s;
-  s.config = flags.Str("config", s.config);
+  // --model picks the model (docs/example.md, "Models"); --config is the
+  // older name of the same flag.
+  const std::string config = flags.Str("config", "");
+  const std::string model = flags.Str("model", "");
+  if (!config.empty() && !model.empty() && config != model) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--model ", model, " and --config ", config, " disagree; pass one"));
+  }
+  s.config = !model.empty() ? model : !config.empty() ? config : s.config;
   auto read_int = [&](absl::string_view name, int* out) -> absl::Status {
     absl::StatusOr<int64_t> v = flags.Int(name, *out);
     if (!v.ok()) return v.status();
@@ -419,6 +442,7 @@ void Fields(IO& io, R& r) {
   io.Vector(&r.layer_hidden);
   io.Vector(&r.attention);
   io.Vector(&r.traces);
+  io.Vector(&r.selection_blocks);
 }
 
 // Adapts Writer's by-value interface to the pointer-taking Fields().
@@ -484,6 +508,7 @@ absl::Status ValidateResults(const AttentionResults& r, const ExpectedResults& e
        e.layers_dumped ? rows * e.layers * uint64_t(e.hidden) : 0},
       {"attention elements", r.attention.size(), stages},
       {"traces elements", r.traces.size(), stages * s.ffn},
+      {"selection_blocks elements", r.selection_blocks.size(), kSelectionBlockCounts},
   };
   for (const Field& f : fields) {
     if (f.got != f.want) {

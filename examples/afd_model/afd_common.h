@@ -15,6 +15,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "examples/afd_model/config.h"
+#include "examples/afd_model/example_model.h"
 #include "stepmesh/options.h"
 #include "stepmesh/trace.h"
 #include "stepmesh/worker.h"
@@ -86,10 +87,10 @@ int64_t LayerDumpRow(const RunShape& shape, const ModelConfig& config, int step,
 absl::StatusOr<RunShape> ParseRunFlags(Flags& flags);
 
 // The checks of a run shape against its model that need the config: FFN
-// partitions vs experts and FFN widths, positions vs max_position_embedding.
-// Every program applies them; the launcher before it starts anything. (The
-// model selection point: a second model adds its own constraints here.)
-absl::Status ValidateRunForModel(const RunShape& shape, const ModelConfig& config);
+// partitions vs experts and FFN widths, positions vs max_position_embedding,
+// and what a model family runs on (Step-5: the cpu engine, an fp32 KV
+// cache). Every program applies them; the launcher before it starts anything.
+absl::Status ValidateRunForModel(const RunShape& shape, const ExampleModel& model);
 
 // Memory a run needs, from the config alone (weights, KV cache, wire
 // regions, results, a margin for activations): host memory of each attention
@@ -169,6 +170,7 @@ void WriteWireHeader(const WireHeader& h, int32_t* out);
 absl::Status CheckWireHeader(const int32_t* got, const WireHeader& expected, int ffn);
 
 // The results of one attention instance, written to a file for the launcher.
+inline constexpr int kSelectionBlockCounts = 4;
 struct StageTiming {
   uint64_t begin_ns = 0;  // attention compute of (step, layer, micro-batch)
   uint64_t end_ns = 0;
@@ -192,6 +194,10 @@ struct AttentionResults {
   std::vector<StageTiming> attention;  // [step][layer][micro-batch]
   // [step][layer][micro-batch][server]
   std::vector<stepmesh::TraceStamps> traces;
+  // Sparse models: history blocks [prefill possible, prefill attended,
+  // decode possible, decode attended] over (token, KV group) pairs of the
+  // global layers; zeros for dense models. kSelectionBlockCounts entries.
+  std::vector<int64_t> selection_blocks;
 
   size_t StageIndex(int step, int layer, int mb) const {
     return (static_cast<size_t>(step) * layers + layer) * micro_batches + mb;

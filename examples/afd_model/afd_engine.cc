@@ -3,6 +3,7 @@
 
 #include "examples/afd_model/afd_engine.h"
 
+#include "absl/strings/str_cat.h"
 #include "examples/afd_model/device_ops.h"
 #include "stepmesh/status.h"
 
@@ -45,6 +46,11 @@ bool RowsContiguous(std::span<const WorkerRows> rows, int64_t slot_rows) {
 absl::StatusOr<std::unique_ptr<AttentionEngine>> CreateAttentionEngine(AttentionEngineParams p) {
   const std::string engine = p.shape->ResolvedEngine();
   if (engine == "cpu") return CreateCpuAttentionEngine(std::move(p));
+  if (p.model->step5) {
+    return absl::InvalidArgumentError(absl::StrCat("the ", engine,
+                                                   " engine implements Step-3's attention, not ",
+                                                   p.model->config.name, "'s (use --engine cpu)"));
+  }
   STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<DeviceOps> ops, OpsFor(engine));
   return CreateDeviceAttentionEngine(std::move(p), std::move(ops));
 }

@@ -6,13 +6,15 @@
 // wire checks; an engine owns the weights, the KV cache, the per-micro-batch
 // state and the wire tensors, and enqueues the per-layer work of a
 // micro-batch on that micro-batch's stream. Engines:
-//  - "cpu": the CPU kernels (AttentionSide / FfnSide) as host functions on
-//    the backend's streams (cpu_mock, or cudaLaunchHostFunc on CUDA);
+//  - "cpu": the CPU kernels (the model's AttentionModel / FfnSide) as host
+//    functions on the backend's streams (cpu_mock, or cudaLaunchHostFunc on
+//    CUDA); every model of the example (Step-3, Step-5);
 //  - "cuda": the device engines (afd_engine_device.cc) over the CUDA
 //    kernels on the CUDA backend's streams, activations, KV cache and wire
 //    tensors in device memory (built with CUDA only);
 //  - "cpu-device": the same device engines over the CPU kernels on cpu_mock,
 //    so the orchestration of the CUDA path runs (and is checked) in CI.
+// The device engines implement Step-3's attention only.
 // A new way to compute (another model, kernels replaced by sleeps) is a new
 // engine; the pipeline does not change.
 
@@ -26,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "examples/afd_model/afd_common.h"
 #include "examples/afd_model/config.h"
+#include "examples/afd_model/example_model.h"
 #include "stepmesh/backend.h"
 
 namespace afd::example {
@@ -65,7 +68,7 @@ class AttentionEngine {
 
 struct AttentionEngineParams {
   const RunShape* shape = nullptr;
-  const ModelConfig* config = nullptr;
+  const ExampleModel* model = nullptr;  // its config is the run's ModelConfig
   int rank = 0;
   bool dump_layers = false;
   std::shared_ptr<stepmesh::Backend> backend;
@@ -118,7 +121,7 @@ struct FfnEngineParams {
 };
 
 // The engine shape->ResolvedEngine() names ("cuda" is UNIMPLEMENTED in
-// builds without CUDA).
+// builds without CUDA; a device engine for a Step-5 model INVALID_ARGUMENT).
 absl::StatusOr<std::unique_ptr<AttentionEngine>> CreateAttentionEngine(AttentionEngineParams p);
 absl::StatusOr<std::unique_ptr<FfnEngine>> CreateFfnEngine(FfnEngineParams p);
 

@@ -1,6 +1,7 @@
-// The "cpu" engines: the CPU kernels (AttentionSide / FfnSide) run as host
-// functions on the backend's streams. On cpu_mock a stream is a thread; on
-// CUDA, cudaLaunchHostFunc, with the wire tensors in pinned host memory.
+// The "cpu" engines: the CPU kernels (the model's AttentionModel, FfnSide)
+// run as host functions on the backend's streams. On cpu_mock a stream is a
+// thread; on CUDA, cudaLaunchHostFunc, with the wire tensors in pinned host
+// memory.
 
 #include <algorithm>
 #include <cstring>
@@ -10,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "examples/afd_model/afd_engine.h"
-#include "examples/afd_model/attention_side.h"
+#include "examples/afd_model/attention_model.h"
 #include "examples/afd_model/ffn_side.h"
 #include "examples/afd_model/kernels/cpu_kernels.h"
 #include "examples/afd_model/wire.h"
@@ -45,13 +46,14 @@ KvCacheFormat KvFormat(const RunShape& shape) {
 class CpuAttentionEngine final : public AttentionEngine {
  public:
   explicit CpuAttentionEngine(AttentionEngineParams p)
-      : p_(std::move(p)),
-        shape_(*p_.shape),
-        config_(*p_.config),
-        side_(config_, shape_.requests, int64_t{shape_.prompt_len} + shape_.decode_steps,
-              KvFormat(shape_)) {}
+      : p_(std::move(p)), shape_(*p_.shape), config_(p_.model->config) {}
 
   absl::Status Init() {
+    std::string error;
+    side_ =
+        p_.model->NewAttention(shape_.requests, int64_t{shape_.prompt_len} + shape_.decode_steps,
+                               KvFormat(shape_), &error);
+    if (side_ == nullptr) return absl::InvalidArgumentError(error);
     const int64_t h = config_.hidden_size;
     const int64_t slot = shape_.SlotRows();
     const A2FSizes sizes{slot, h, config_.top_k, config_.fp8_group};
@@ -66,6 +68,7 @@ class CpuAttentionEngine final : public AttentionEngine {
       mb->begin = shape_.MicroBatchBegin(m);
       mb->end = shape_.MicroBatchEnd(m);
       mb->next_tokens.resize(mb->count());
+      mb->state = side_->NewStepState();
       AttentionWire& w = mb->wire;
       STEPMESH_ASSIGN_OR_RETURN(w.header, alloc(sizeof(int32_t) * kWireHeaderInts));
       STEPMESH_ASSIGN_OR_RETURN(w.codes, alloc(sizes.codes_bytes()));
@@ -97,7 +100,18 @@ class CpuAttentionEngine final : public AttentionEngine {
     return mb->stream->LaunchHostFunc([this, mb, step] { FinishStep(step, *mb); });
   }
 
-  absl::Status Finish() override { return error_.Get(); }
+  absl::Status Finish() override {
+    // [prefill history, prefill attended, decode history, decode attended]
+    std::vector<int64_t>& blocks = p_.results->selection_blocks;
+    blocks.assign(kSelectionBlockCounts, 0);
+    for (const auto& mb : micro_batches_) {
+      blocks[0] += mb->prefill_selection.history_blocks;
+      blocks[1] += mb->prefill_selection.attended_blocks;
+      blocks[2] += mb->decode_selection.history_blocks;
+      blocks[3] += mb->decode_selection.attended_blocks;
+    }
+    return error_.Get();
+  }
 
  private:
   struct MicroBatch {
@@ -105,7 +119,8 @@ class CpuAttentionEngine final : public AttentionEngine {
     int begin = 0;  // requests [begin, end) of this instance
     int end = 0;
     int count() const { return end - begin; }
-    StepState state;
+    StepStatePtr state{nullptr, nullptr};                // made by the model (NewStepState)
+    SelectionStats prefill_selection, decode_selection;  // sparse models only
     std::vector<SequenceChunk> chunks;
     std::vector<int32_t> inputs;
     std::vector<int32_t> next_tokens;  // greedy tokens of the last finished step
@@ -127,7 +142,7 @@ class CpuAttentionEngine final : public AttentionEngine {
         mb.inputs.push_back(mb.next_tokens[i]);
       }
     }
-    if (!side_.BeginStep(mb.chunks, mb.inputs, &mb.state)) {
+    if (!side_->BeginStep(mb.chunks, mb.inputs, mb.state.get())) {
       error_.Set(absl::InternalError(absl::StrCat("BeginStep failed for micro-batch ", mb.index,
                                                   " step ", step, " (KV cache overflow?)")));
     }
@@ -136,15 +151,19 @@ class CpuAttentionEngine final : public AttentionEngine {
   void DumpLayer(int step, int layer, const MicroBatch& mb) {
     if (!p_.dump_layers) return;
     const int64_t row = LayerDumpRow(shape_, config_, step, layer, mb.begin);
-    std::copy(mb.state.hidden.begin(), mb.state.hidden.end(),
+    std::copy(mb.state->hidden.begin(), mb.state->hidden.end(),
               p_.results->layer_hidden.begin() + row * config_.hidden_size);
   }
 
   void FinishStep(int step, MicroBatch& mb) {
-    side_.ApplyF2A(mb.partial_ptrs, &mb.state);
+    side_->ApplyF2A(mb.partial_ptrs, mb.state.get());
     DumpLayer(step, config_.num_layers - 1, mb);
+    const SelectionStats selection = side_->TakeSelectionStats(mb.state.get());
+    SelectionStats& sum = step == 0 ? mb.prefill_selection : mb.decode_selection;
+    sum.history_blocks += selection.history_blocks;
+    sum.attended_blocks += selection.attended_blocks;
     std::vector<float> logits;
-    side_.LastTokenLogits(mb.state, nullptr, &logits);
+    side_->LastTokenLogits(*mb.state, nullptr, &logits);
     const int64_t v = config_.vocab_size;
     cpu::ArgmaxRows(logits.data(), mb.count(), v, mb.next_tokens.data());
     AttentionResults& res = *p_.results;
@@ -166,14 +185,14 @@ class CpuAttentionEngine final : public AttentionEngine {
       if (step > 0) FinishStep(step - 1, mb);
       BeginStep(step, mb);
     } else {
-      side_.ApplyF2A(mb.partial_ptrs, &mb.state);
+      side_->ApplyF2A(mb.partial_ptrs, mb.state.get());
       DumpLayer(step, layer - 1, mb);
     }
-    side_.Attention(layer, &mb.state);
-    side_.PrepareFfnInput(layer, &mb.state);
+    side_->Attention(layer, mb.state.get());
+    side_->PrepareFfnInput(layer, mb.state.get());
     AttentionWire& w = mb.wire;
-    side_.WriteA2F(
-        mb.state,
+    side_->WriteA2F(
+        *mb.state,
         {static_cast<uint8_t*>(w.codes->data()), static_cast<float*>(w.scales->data()),
          static_cast<int32_t*>(w.topk_ids->data()), static_cast<float*>(w.topk_weights->data())});
     t.end_ns = stepmesh::MonotonicNowNs();
@@ -182,7 +201,7 @@ class CpuAttentionEngine final : public AttentionEngine {
   const AttentionEngineParams p_;
   const RunShape& shape_;
   const ModelConfig& config_;
-  AttentionSide side_;
+  std::unique_ptr<AttentionModel> side_;  // the model's attention side
   FirstError error_;
   // Declared last, destroyed first: a stream drains on destruction and its
   // queued stages touch side_.

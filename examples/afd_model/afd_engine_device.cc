@@ -75,7 +75,7 @@ class DeviceAttentionEngine final : public AttentionEngine {
   DeviceAttentionEngine(AttentionEngineParams p, std::unique_ptr<DeviceOps> ops)
       : p_(std::move(p)),
         shape_(*p_.shape),
-        config_(*p_.config),
+        config_(p_.model->config),
         ops_(std::move(ops)),
         arena_(*p_.backend),
         max_len_(int64_t{shape_.prompt_len} + shape_.decode_steps) {}

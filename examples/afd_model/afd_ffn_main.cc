@@ -1,4 +1,5 @@
-// afd_ffn: one FFN instance of a disaggregated Step-3 run: stepmesh server
+// afd_ffn: one FFN instance of a disaggregated run (Step-3 and Step-5 share
+// the FFN side: the model's ModelConfig): stepmesh server
 // rank p computes FFN partition p of F (routed experts e with e % F == p, a
 // 1/F column slice of the dense FFN and the shared expert). Normally started
 // by afd_launch.
@@ -23,6 +24,7 @@
 #include "examples/afd_model/afd_common.h"
 #include "examples/afd_model/afd_engine.h"
 #include "examples/afd_model/config.h"
+#include "examples/afd_model/example_model.h"
 #include "examples/afd_model/wire.h"
 #include "stepmesh/stepmesh.h"
 
@@ -204,18 +206,19 @@ int Main(int argc, char** argv) {
     return 2;
   }
   std::string error;
-  const std::optional<ModelConfig> config =
-      LoadModelConfig(shape->config, BundledConfigDir(), &error);
-  if (!config) {
+  // Every model of the example has the same FFN side: its ModelConfig.
+  const std::optional<ExampleModel> model =
+      LoadExampleModel(shape->config, BundledConfigDir(), &error);
+  if (!model) {
     std::fprintf(stderr, "afd_ffn: config: %s\n", error.c_str());
     return 2;
   }
-  if (st = ValidateRunForModel(*shape, *config); !st.ok()) {
+  if (st = ValidateRunForModel(*shape, *model); !st.ok()) {
     std::fprintf(stderr, "afd_ffn: %s\n", st.ToString().c_str());
     return 2;
   }
   const int p = static_cast<int>(*rank);
-  FfnInstance instance(*shape, *config, p);
+  FfnInstance instance(*shape, model->config, p);
   st = instance.Init(scheduler, static_cast<int>(*device));
   if (st.ok()) st = instance.Run();
   if (!st.ok()) {

@@ -1,7 +1,8 @@
-// afd_launch: runs a disaggregated Step-3 decode on this host and checks it.
+// afd_launch: runs a disaggregated decode of the example model (Step-3 or
+// Step-5-Preview, --model) on this host and checks it.
 //
 //   afd_launch --attention X --ffn Y [--requests R] [--prompt-len 32]
-//              [--decode-steps 16] [--micro-batches 3] [--config tiny]
+//              [--decode-steps 16] [--micro-batches 3] [--model tiny]
 //              [--transport tcp|rdma] [--backend cpu_mock|cuda]
 //              [--poll-mode adaptive|spin|blocking] [--timeout-ms 30000]
 //              [--deadline-s 300] [--chrome-trace FILE] [--work-dir DIR]
@@ -58,6 +59,7 @@
 #include "examples/afd_model/afd_engine.h"
 #include "examples/afd_model/afd_report.h"
 #include "examples/afd_model/config.h"
+#include "examples/afd_model/example_model.h"
 #include "stepmesh/stepmesh.h"
 
 namespace afd::example {
@@ -226,8 +228,8 @@ int Fail(absl::string_view line) {
 
 class Launcher {
  public:
-  Launcher(LaunchFlags flags, ModelConfig config)
-      : f_(std::move(flags)), config_(std::move(config)) {}
+  Launcher(LaunchFlags flags, ExampleModel model)
+      : f_(std::move(flags)), model_(std::move(model)), config_(model_.config) {}
   int Run();
 
  private:
@@ -247,7 +249,8 @@ class Launcher {
   void PrintProgress(absl::Time now);
 
   LaunchFlags f_;
-  const ModelConfig config_;
+  const ExampleModel model_;   // the model the run uses (--model / --config)
+  const ModelConfig& config_;  // model_.config
   std::unique_ptr<stepmesh::Scheduler> scheduler_;
   std::unique_ptr<Child> scheduler_process_;
   std::string scheduler_address_;
@@ -545,7 +548,7 @@ int Launcher::Run() {
     if (!r.ok()) return Fail(r.status().ToString());
     results.push_back(std::move(*r));
   }
-  std::printf("\n%s", FormatReport(f_.shape, config_, results).c_str());
+  std::printf("\n%s", FormatReport(f_.shape, model_, results).c_str());
   std::printf("(all processes done in %.2f s wall, including weight generation)\n", wall);
   if (!f_.chrome_trace.empty()) {
     if (absl::Status s = WriteChromeTrace(f_.chrome_trace, f_.shape, results); !s.ok()) {
@@ -571,7 +574,7 @@ int Launcher::Run() {
     std::fflush(stdout);
   };
   const ReferenceCheck check = CheckAgainstReference(
-      f_.shape, config_, results, f_.layer_check, progress,
+      f_.shape, model_, results, f_.layer_check, progress,
       f_.shape.ResolvedEngine() == "cuda" ? GateMode::kBounded : GateMode::kBitwise);
   std::printf("reference check: %s (%s)\n", check.pass ? "PASS" : "FAIL", check.summary.c_str());
   return check.pass ? 0 : 1;
@@ -579,13 +582,14 @@ int Launcher::Run() {
 
 constexpr char kUsageLine[] =
     "usage: afd_launch --attention X --ffn Y [--requests R] [--prompt-len N] "
-    "[--decode-steps N] [--micro-batches M] [--config tiny|full|wire|step3|PATH] [flags...]\n"
+    "[--decode-steps N] [--micro-batches M] [--model NAME|PATH] [flags...]\n"
     "       afd_launch --help";
 
 constexpr char kHelp[] = R"help(
-Runs a disaggregated Step-3 decode on this host (X attention and Y FFN
-processes talking through stepmesh), prints the report and checks it against
-the monolithic reference (Gate A). The last line is "reference check:
+Runs a disaggregated decode of the example model (Step-3, or Step-5-Preview
+with --model tiny-step5) on this host: X attention and Y FFN processes talking
+through stepmesh. Prints the report and checks it against the model's
+monolithic reference (Gate A). The last line is "reference check:
 PASS|FAIL (...)" and the exit status follows it (0 / 1). Argument errors are
 reported before any process starts and exit 2.
 
@@ -597,9 +601,11 @@ run shape (passed to every process):
   --prompt-len N         prompt tokens per request, default 32
   --decode-steps N       greedy decode steps after the prefill, default 16
   --micro-batches M      pipeline stages per attention instance (<= R), default 3
-  --config NAME|PATH     tiny (default), full (step3-fullwidth-L4), wire
-                         (step3-wire: full wire widths, CPU-sized FFN), step3, or a
-                         config file
+  --model NAME|PATH      the model (--config is the same flag): Step-3 tiny
+                         (default), full (step3-fullwidth-L4), wire (step3-wire:
+                         full wire widths, CPU-sized FFN), step3; Step-5-Preview
+                         tiny-step5, full-width-step5, step5; or a config file.
+                         Step-5 models run on the cpu engine with an fp32 KV cache
   --transport tcp|rdma   default tcp (rdma needs an RDMA device)
   --backend cpu_mock|cuda  default cpu_mock (cuda needs a GPU)
   --engine auto|cpu|cuda|cpu-device
@@ -658,12 +664,13 @@ bool IsExecutable(const std::string& path) { return ::access(path.c_str(), X_OK)
 
 // Everything that can be checked before a process starts: the flags, the
 // config, the run against the model, memory, the backend and transport.
-absl::Status Preflight(const LaunchFlags& f, ModelConfig* config) {
+absl::Status Preflight(const LaunchFlags& f, ExampleModel* model) {
   std::string error;
-  std::optional<ModelConfig> loaded = LoadModelConfig(f.shape.config, BundledConfigDir(), &error);
-  if (!loaded) return absl::InvalidArgumentError(absl::StrCat("--config: ", error));
-  *config = *loaded;
-  STEPMESH_RETURN_IF_ERROR(ValidateRunForModel(f.shape, *config));
+  std::optional<ExampleModel> loaded = LoadExampleModel(f.shape.config, BundledConfigDir(), &error);
+  if (!loaded) return absl::InvalidArgumentError(absl::StrCat("--model: ", error));
+  *model = *std::move(loaded);
+  const ModelConfig* config = &model->config;
+  STEPMESH_RETURN_IF_ERROR(ValidateRunForModel(f.shape, *model));
   if (f.deadline_s <= 0) return absl::InvalidArgumentError("--deadline-s must be > 0");
   if (f.progress_s < 0) return absl::InvalidArgumentError("--progress-s must be >= 0");
   if (f.expect_failure && f.kill_ffn_after_ms < 0 && f.inject_wrong_layer.empty()) {
@@ -700,7 +707,7 @@ absl::Status Preflight(const LaunchFlags& f, ModelConfig* config) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "%s (%.1f billion parameters) needs about %.1f GiB of host memory for this run "
         "(%d attention x %.1f GiB + %d FFN x %.1f GiB%s); %.1f GiB available",
-        config->name, static_cast<double>(config->ParameterCount()) * 1e-9, GiB(need),
+        config->name, static_cast<double>(model->ParameterCount()) * 1e-9, GiB(need),
         f.shape.attention, GiB(mem.attention_instance), f.shape.ffn, GiB(mem.ffn_instance),
         f.reference ? absl::StrFormat("; reference %.1f GiB", GiB(mem.reference)) : "", GiB(have)));
   }
@@ -784,8 +791,8 @@ int Main(int argc, char** argv) {
   f.inject_wrong_layer = flags->Str("inject-wrong-layer", "");
   const bool keep = flags->Bool("keep-work-dir") || !f.work_dir.empty();
   if (absl::Status s = flags->CheckAllUsed(); !s.ok()) return UsageError(s.message());
-  ModelConfig config;
-  if (absl::Status s = Preflight(f, &config); !s.ok()) return UsageError(s.message());
+  ExampleModel model;
+  if (absl::Status s = Preflight(f, &model); !s.ok()) return UsageError(s.message());
   if (f.kill_ffn < 0) f.kill_ffn = f.shape.ffn - 1;
 
   if (f.work_dir.empty()) {
@@ -801,7 +808,7 @@ int Main(int argc, char** argv) {
   ::sigaction(SIGTERM, &sa, nullptr);
 
   const std::string work_dir = f.work_dir;
-  const int rc = Launcher(std::move(f), std::move(config)).Run();
+  const int rc = Launcher(std::move(f), std::move(model)).Run();
   if (!keep && rc == 0) RemoveWorkDir(work_dir);
   return rc;
 }

@@ -14,6 +14,7 @@
 #include "examples/afd_model/kernels/cpu_kernels.h"
 #include "examples/afd_model/model_weights.h"
 #include "examples/afd_model/reference.h"
+#include "examples/afd_model/step5/step5_attention_side.h"
 
 namespace afd::example {
 namespace {
@@ -74,10 +75,53 @@ uint64_t Covered(const std::vector<Interval>& busy, uint64_t a, uint64_t b) {
   return covered;
 }
 
+// Step-5: what its caches hold per token, and how much history the global
+// layers' selection kept.
+void AppendStep5Lines(const RunShape& shape, const step5::Step5Config& c,
+                      const std::vector<AttentionResults>& results, std::string* out) {
+  constexpr int64_t kElement = 4;  // this example's K/V caches are fp32
+  const int64_t kv_row = 2 * c.kv_width() * kElement;
+  absl::StrAppendFormat(out,
+                        "  step5 attention: %d sliding layers (window %d) + %d global sparse "
+                        "layers (top-%d blocks of %d + the current block)\n",
+                        c.num_sliding_layers(), c.sliding_window, c.num_global_layers(),
+                        c.topk_blocks, c.block_size);
+  absl::StrAppendFormat(
+      out,
+      "KV bytes per token (fp32 cache): original K/V %d B (global layers; sliding rings %d B per "
+      "sequence, bounded), proxy keys 0 B (pending block < %d tokens x %d B per global layer, "
+      "per sequence), summaries %.0f B (FP8, %d B per block per global layer)\n",
+      c.num_global_layers() * kv_row, c.num_sliding_layers() * c.sliding_window * kv_row,
+      c.block_size, 2 * c.index_dim * 4,
+      static_cast<double>(c.num_global_layers() * c.index_dim) / c.block_size, c.index_dim);
+  const int64_t final_length = int64_t{shape.prompt_len} + shape.decode_steps;
+  const step5::KvFootprint end = step5::KvBytes(c, final_length, kElement);
+  absl::StrAppendFormat(out,
+                        "KV bytes per sequence at %d tokens: original %d, proxy %d, summaries %d "
+                        "(total %d)\n",
+                        final_length, end.original, end.proxy, end.summaries, end.total());
+  int64_t blocks[4] = {0, 0, 0, 0};
+  for (const AttentionResults& r : results) {
+    for (size_t i = 0; i < 4 && i < r.selection_blocks.size(); ++i) {
+      blocks[i] += r.selection_blocks[i];
+    }
+  }
+  auto fraction = [](int64_t attended, int64_t history) {
+    return history == 0 ? std::string("no history yet")
+                        : absl::StrFormat("%d/%d = %.3f", attended, history,
+                                          static_cast<double>(attended) / history);
+  };
+  absl::StrAppendFormat(out,
+                        "history blocks attended by the global layers, per (token, KV group): "
+                        "decode %s; prefill %s\n",
+                        fraction(blocks[3], blocks[2]), fraction(blocks[1], blocks[0]));
+}
+
 }  // namespace
 
-std::string FormatReport(const RunShape& shape, const ModelConfig& config,
+std::string FormatReport(const RunShape& shape, const ExampleModel& model,
                          const std::vector<AttentionResults>& results) {
+  const ModelConfig& config = model.config;
   std::string out;
   const int layers = config.num_layers;
   const int mbs = shape.micro_batches;
@@ -91,6 +135,7 @@ std::string FormatReport(const RunShape& shape, const ModelConfig& config,
       config.name, layers, config.hidden_size, config.num_experts, config.top_k, shape.attention,
       shape.ffn, shape.transport, shape.backend, shape.requests, mbs, shape.prompt_len,
       shape.decode_steps);
+  if (model.step5) AppendStep5Lines(shape, *model.step5, results, &out);
 
   // Throughput: every instance runs the same schedule; the slowest sets the pace.
   double prefill_s = 0.0;
@@ -304,10 +349,11 @@ float Margin(const float* row, int64_t v) {
 
 }  // namespace
 
-ReferenceCheck CheckAgainstReference(const RunShape& shape, const ModelConfig& config,
+ReferenceCheck CheckAgainstReference(const RunShape& shape, const ExampleModel& model,
                                      const std::vector<AttentionResults>& results,
                                      bool layers_expected,
                                      const std::function<void(int step)>& progress, GateMode mode) {
+  const ModelConfig& config = model.config;
   const int total = shape.attention * shape.requests;
   const int64_t h = config.hidden_size;
   const int64_t v = config.vocab_size;
@@ -323,19 +369,24 @@ ReferenceCheck CheckAgainstReference(const RunShape& shape, const ModelConfig& c
   }
 
   const auto start = std::chrono::steady_clock::now();
-  ReferenceOptions options{Codec::kAfd, shape.ffn, total,
-                           int64_t{shape.prompt_len} + shape.decode_steps};
-  ParseKvCacheFormat(shape.kv_cache, &options.kv_format);
-  ReferenceModel model(config, options);
-  AttentionSide& side = model.attention();
+  // The model's own attention side and the wire emulated in process: the
+  // same units the disaggregated run used, in one process.
+  KvCacheFormat kv_format = KvCacheFormat::kFp32;
+  ParseKvCacheFormat(shape.kv_cache, &kv_format);  // validated with the run shape
+  std::string error;
+  const std::unique_ptr<AttentionModel> side =
+      model.NewAttention(total, int64_t{shape.prompt_len} + shape.decode_steps, kv_format, &error);
+  if (side == nullptr) return {false, absl::StrCat("no reference: ", error)};
+  AfdWireEmulation wire(config, shape.ffn);
   const std::vector<int32_t> prompts = GeneratePromptTokens(config, total, shape.prompt_len);
 
-  // RunStep by hand so the residual stream after every layer can be compared.
-  StepState state;
+  // Step by hand so the residual stream after every layer can be compared.
+  const StepStatePtr state_ptr = side->NewStepState();
+  StepState& state = *state_ptr;
   std::vector<SequenceChunk> chunks;
   std::vector<int32_t> inputs = prompts;
   for (int g = 0; g < total; ++g) {
-    side.ResetSequence(g);
+    side->ResetSequence(g);
     chunks.push_back({g, shape.prompt_len});
   }
   std::vector<int32_t> next(total);
@@ -350,14 +401,14 @@ ReferenceCheck CheckAgainstReference(const RunShape& shape, const ModelConfig& c
     if (first_mismatch.empty()) first_mismatch = absl::StrCat("; first difference: ", what);
   };
   for (int step = 0; step < shape.steps(); ++step) {
-    if (!side.BeginStep(chunks, inputs, &state)) {
+    if (!side->BeginStep(chunks, inputs, &state)) {
       return {false, "the reference could not start a step (KV cache overflow)"};
     }
     const int64_t per_request = shape.TokensPerRequest(step);
     for (int l = 0; l < config.num_layers; ++l) {
-      side.Attention(l, &state);
-      model.ComputeFfnOutput(l, &state);
-      side.AddFfnOutput(&state);
+      side->Attention(l, &state);
+      wire.ComputeFfnOutput(l, *side, &state);
+      side->AddFfnOutput(&state);
       if (!layers_expected) continue;
       // Instance a's rows of this step are the reference's rows of its
       // requests [a*R, (a+1)*R): the same request-major order.
@@ -378,7 +429,7 @@ ReferenceCheck CheckAgainstReference(const RunShape& shape, const ModelConfig& c
       }
     }
     std::vector<float> logits;
-    side.LastTokenLogits(state, nullptr, &logits);
+    side->LastTokenLogits(state, nullptr, &logits);
     cpu::ArgmaxRows(logits.data(), total, v, next.data());
     std::vector<int32_t> run_tokens(total);
     for (const AttentionResults& r : results) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "examples/afd_model/attention_model.h"
 #include "examples/afd_model/kernels/cpu_kernels.h"
 
 namespace afd {
@@ -116,30 +117,13 @@ void AttentionSide::LoadCache(int sequence, int layer, int64_t count, std::vecto
 
 bool AttentionSide::BeginStep(std::span<const SequenceChunk> chunks,
                               std::span<const int32_t> tokens, StepState* state) {
-  int64_t total = 0;
-  for (const SequenceChunk& chunk : chunks) {
-    if (chunk.sequence < 0 || chunk.sequence >= max_sequences_ || chunk.num_tokens < 0 ||
-        sequence_lengths_[chunk.sequence] + chunk.num_tokens > max_seq_len_) {
-      return false;
-    }
-    total += chunk.num_tokens;
+  if (!AssignStepPositions(chunks, tokens, config_.vocab_size, max_seq_len_, &sequence_lengths_,
+                           state)) {
+    return false;
   }
-  if (total != static_cast<int64_t>(tokens.size())) return false;
-  for (const int32_t token : tokens) {
-    if (token < 0 || token >= config_.vocab_size) return false;
-  }
-
+  const int64_t total = state->num_tokens();
   const int64_t h = config_.hidden_size;
   const int64_t k = config_.top_k;
-  state->chunks.assign(chunks.begin(), chunks.end());
-  state->positions.clear();
-  for (const SequenceChunk& chunk : chunks) {
-    int64_t& length = sequence_lengths_[chunk.sequence];
-    for (int32_t i = 0; i < chunk.num_tokens; ++i) {
-      state->positions.push_back(static_cast<int32_t>(length + i));
-    }
-    length += chunk.num_tokens;
-  }
   const int64_t width = config_.attention_width();
   state->hidden.resize(total * h);
   state->normed.resize(total * h);
@@ -228,11 +212,7 @@ void AttentionSide::PrepareFfnInput(int layer, StepState* state) const {
 }
 
 void AttentionSide::WriteA2F(const StepState& state, const A2FBuffers& out) const {
-  const int64_t n = state.num_tokens();
-  cpu::QuantizeFp8PerGroup(state.normed.data(), n, config_.hidden_size, config_.fp8_group,
-                           out.codes, out.scales);
-  std::copy(state.topk_ids.begin(), state.topk_ids.end(), out.topk_ids);
-  std::copy(state.topk_weights.begin(), state.topk_weights.end(), out.topk_weights);
+  WriteA2FOf(state, config_, out);
 }
 
 void AttentionSide::ReduceF2A(std::span<const uint16_t* const> partials, StepState* state) const {
@@ -252,26 +232,8 @@ void AttentionSide::ApplyF2A(std::span<const uint16_t* const> partials, StepStat
 
 void AttentionSide::LastTokenLogits(const StepState& state, std::vector<float>* final_hidden,
                                     std::vector<float>* logits) const {
-  const int64_t h = config_.hidden_size;
-  const int64_t rows = static_cast<int64_t>(state.chunks.size());
-  std::vector<float> last(rows * h);
-  std::vector<float> normed(rows * h);
-  int64_t end = 0;
-  for (int64_t c = 0; c < rows; ++c) {
-    end += state.chunks[c].num_tokens;
-    // A chunk without tokens has no last token; its row stays zero.
-    if (state.chunks[c].num_tokens > 0) {
-      std::memcpy(last.data() + c * h, state.hidden.data() + (end - 1) * h, sizeof(float) * h);
-    }
-  }
-  cpu::RmsNorm(last.data(), weights_.final_norm.data(), rows, h, config_.rms_norm_eps,
-               normed.data());
-  if (logits != nullptr) {
-    logits->resize(rows * config_.vocab_size);
-    cpu::Linear(normed.data(), rows, h, weights_.lm_head.data(), config_.vocab_size,
-                logits->data());
-  }
-  if (final_hidden != nullptr) *final_hidden = std::move(normed);
+  LastTokenLogitsOf(state, config_, weights_.final_norm.data(), weights_.lm_head.data(),
+                    final_hidden, logits);
 }
 
 }  // namespace afd

@@ -221,12 +221,24 @@ std::optional<ModelConfig> LoadModelConfigFile(const std::string& path, std::str
   return config;
 }
 
+namespace {
+
+constexpr std::pair<const char*, const char*> kBundled[] = {{"tiny", "tiny.cfg"},
+                                                            {"full", "full_width.cfg"},
+                                                            {"step3", "step3.cfg"},
+                                                            {"wire", "step3_wire.cfg"}};
+
+}  // namespace
+
+bool IsStep3ConfigName(std::string_view name) {
+  for (const auto& [alias, file] : kBundled) {
+    if (name == alias) return true;
+  }
+  return false;
+}
+
 std::optional<ModelConfig> LoadModelConfig(const std::string& name_or_path,
                                            const std::string& config_dir, std::string* error) {
-  static constexpr std::pair<const char*, const char*> kBundled[] = {{"tiny", "tiny.cfg"},
-                                                                     {"full", "full_width.cfg"},
-                                                                     {"step3", "step3.cfg"},
-                                                                     {"wire", "step3_wire.cfg"}};
   for (const auto& [alias, file] : kBundled) {
     if (name_or_path == alias) {
       return LoadModelConfigFile(config_dir + "/" + file, error);

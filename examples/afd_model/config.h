@@ -51,6 +51,9 @@ std::optional<ModelConfig> LoadModelConfigFile(const std::string& path, std::str
 std::optional<ModelConfig> LoadModelConfig(const std::string& name_or_path,
                                            const std::string& config_dir, std::string* error);
 
+// True for the bundled names above.
+bool IsStep3ConfigName(std::string_view name);
+
 // Directory of the bundled configs, fixed at build time.
 std::string BundledConfigDir();
 

@@ -64,6 +64,7 @@ AttentionResults ReferenceResults(const RunShape& shape, const ModelConfig& conf
   r.step_end_ns.assign(size_t(r.steps) * r.micro_batches, 1);
   r.attention.assign(size_t(r.steps) * r.layers * r.micro_batches, {});
   r.traces.assign(r.attention.size() * r.servers, {});
+  r.selection_blocks.assign(kSelectionBlockCounts, 0);  // a dense model
   if (dump_layers) {
     // [step][layer][rows of the step][H], in the order the observer sees them.
     model.set_layer_observer([&](int, const StepState& state) {
@@ -87,6 +88,13 @@ AttentionResults ReferenceResults(const RunShape& shape, const ModelConfig& conf
   return r;
 }
 
+// The Step-3 model of `config`, as LoadExampleModel makes it.
+ExampleModel AsModel(const ModelConfig& config) {
+  ExampleModel model;
+  model.config = config;
+  return model;
+}
+
 ExpectedResults Expect(const RunShape& shape, const ModelConfig& config, bool dumped) {
   return ExpectedResults{0,     &shape, config.num_layers, config.hidden_size, config.vocab_size,
                          dumped};
@@ -103,7 +111,7 @@ TEST_CASE("gate A passes only on bitwise equality", "[afd][gate_a]") {
   REQUIRE(ValidateResults(good, Expect(shape, config, true)).ok());
 
   SECTION("the reference's own results pass") {
-    const ReferenceCheck check = CheckAgainstReference(shape, config, {good}, true);
+    const ReferenceCheck check = CheckAgainstReference(shape, AsModel(config), {good}, true);
     INFO(check.summary);
     CHECK(check.pass);
     CHECK(check.summary.find("logits bitwise equal") != std::string::npos);
@@ -117,7 +125,7 @@ TEST_CASE("gate A passes only on bitwise equality", "[afd][gate_a]") {
     const size_t v = config.vocab_size;
     const size_t row = (bad.logits.size() / 2 + 7) / v;
     CHECK(RelativeL2({bad.logits.data() + row * v, v}, {good.logits.data() + row * v, v}) < 1e-6);
-    const ReferenceCheck check = CheckAgainstReference(shape, config, {bad}, true);
+    const ReferenceCheck check = CheckAgainstReference(shape, AsModel(config), {bad}, true);
     INFO(check.summary);
     CHECK_FALSE(check.pass);
     CHECK(check.summary.find("logits 1 of 12 differ") != std::string::npos);
@@ -126,7 +134,7 @@ TEST_CASE("gate A passes only on bitwise equality", "[afd][gate_a]") {
     AttentionResults bad = good;
     float& x = bad.layer_hidden[bad.layer_hidden.size() - 3];
     x = std::nextafter(x, INFINITY);
-    const ReferenceCheck check = CheckAgainstReference(shape, config, {bad}, true);
+    const ReferenceCheck check = CheckAgainstReference(shape, AsModel(config), {bad}, true);
     INFO(check.summary);
     CHECK_FALSE(check.pass);
     CHECK(check.summary.find("per-layer residuals 1 of") != std::string::npos);
@@ -134,14 +142,14 @@ TEST_CASE("gate A passes only on bitwise equality", "[afd][gate_a]") {
   SECTION("a wrong token fails") {
     AttentionResults bad = good;
     bad.tokens[4] = (bad.tokens[4] + 1) % config.vocab_size;
-    const ReferenceCheck check = CheckAgainstReference(shape, config, {bad}, true);
+    const ReferenceCheck check = CheckAgainstReference(shape, AsModel(config), {bad}, true);
     CHECK_FALSE(check.pass);
     CHECK(check.summary.find("11/12 tokens identical") != std::string::npos);
   }
   SECTION("missing per-layer dumps fail when they were asked for") {
     AttentionResults bad = good;
     bad.layer_hidden.clear();
-    const ReferenceCheck check = CheckAgainstReference(shape, config, {bad}, true);
+    const ReferenceCheck check = CheckAgainstReference(shape, AsModel(config), {bad}, true);
     CHECK_FALSE(check.pass);
     CHECK(check.summary.find("did not dump its per-layer residuals") != std::string::npos);
     CHECK_FALSE(ValidateResults(bad, Expect(shape, config, true)).ok());
@@ -149,7 +157,7 @@ TEST_CASE("gate A passes only on bitwise equality", "[afd][gate_a]") {
   SECTION("without dumps asked for, tokens and logits still decide") {
     AttentionResults plain = good;
     plain.layer_hidden.clear();
-    const ReferenceCheck check = CheckAgainstReference(shape, config, {plain}, false);
+    const ReferenceCheck check = CheckAgainstReference(shape, AsModel(config), {plain}, false);
     INFO(check.summary);
     CHECK(check.pass);
     CHECK(check.summary.find("not checked (--no-layer-check)") != std::string::npos);
@@ -170,7 +178,7 @@ TEST_CASE("gate C bounds for the cuda engine", "[afd][gate_c]") {
   const AttentionResults good = ReferenceResults(shape, config, true);
   const int64_t v = config.vocab_size;
   auto check = [&](const AttentionResults& r) {
-    return CheckAgainstReference(shape, config, {r}, true, {}, GateMode::kBounded);
+    return CheckAgainstReference(shape, AsModel(config), {r}, true, {}, GateMode::kBounded);
   };
 
   SECTION("exact results pass") {
@@ -188,7 +196,7 @@ TEST_CASE("gate C bounds for the cuda engine", "[afd][gate_c]") {
     const ReferenceCheck c = check(noisy);
     INFO(c.summary);
     CHECK(c.pass);
-    CHECK_FALSE(CheckAgainstReference(shape, config, {noisy}, true).pass);
+    CHECK_FALSE(CheckAgainstReference(shape, AsModel(config), {noisy}, true).pass);
   }
   SECTION("logits or residuals over the bound fail") {
     AttentionResults bad = good;

@@ -37,6 +37,7 @@ expect() {
 }
 
 expect 0 "--attention X +attention instances" --help
+expect 0 "--model NAME\|PATH +the model" --help
 expect 2 "--ffn 17: at most 16 FFN instances" --attention 1 --ffn 17
 expect 2 "need at least 1A1F" --attention 0 --ffn 1
 expect 2 "unknown flag\(s\): --bogus" --bogus 3
@@ -46,7 +47,9 @@ expect 2 "--requests \(2\) must be at least --micro-batches \(3\)" --requests 2
 expect 2 "--transport must be tcp or rdma" --transport udp
 expect 2 "--backend must be cpu_mock or cuda" --backend tpu
 expect 2 "exceeds tiny-step3's max_position_embedding 4096" --prompt-len 4000 --decode-steps 200
-expect 2 "--config: cannot open /nonexistent.cfg" --config /nonexistent.cfg
+expect 2 "--model: unknown model '/nonexistent.cfg'" --config /nonexistent.cfg
+expect 2 "--model: unknown model 'nope': neither a bundled name" --model nope
+expect 2 "--model tiny-step5 and --config tiny disagree" --model tiny-step5 --config tiny
 expect 2 "step3 \(316\.3 billion parameters\) needs about [0-9.]+ GiB of host memory" --config step3
 expect 2 "--kill-ffn 5 out of range" --ffn 2 --kill-ffn-after-ms 10 --kill-ffn 5
 expect 2 "--expect-failure needs --kill-ffn-after-ms" --expect-failure
@@ -59,6 +62,10 @@ expect 2 "--engine cpu-device needs --backend cpu_mock" --engine cpu-device --ba
 expect 2 "--kv-cache fp8 needs --engine cpu \(the cpu-device engine keeps an fp32 KV cache\)" --engine cpu-device --kv-cache fp8
 expect 2 "--kv-cache must be fp32, bf16 or fp8" --kv-cache int4
 expect 2 "unexpected argument stray" stray
+# The Step-5 model runs on the cpu engine with an fp32 KV cache only.
+expect 2 "--engine cpu-device \(cpu-device\): the Step-5 model [a-z0-9-]+ runs on the cpu engine only" --model tiny-step5 --engine cpu-device
+expect 2 "--engine auto \(cuda\): the Step-5 model [a-z0-9-]+ runs on the cpu engine only" --model tiny-step5 --backend cuda
+expect 2 "--kv-cache bf16: the Step-5 model [a-z0-9-]+ keeps an fp32 KV cache" --model tiny-step5 --kv-cache bf16
 if [[ ! -e /sys/class/infiniband ]] || [[ -z "$(ls -A /sys/class/infiniband 2>/dev/null)" ]]; then
   expect 2 "--transport rdma: no RDMA device here" --transport rdma
 fi

@@ -6,33 +6,9 @@
 #include <vector>
 
 #include "examples/afd_model/kernels/codec.h"
+#include "examples/afd_model/kernels/vector_ops.h"
 
 namespace afd::cpu {
-namespace {
-
-// Eight independent partial sums let -O2 keep a whole vector register busy
-// without -ffast-math; the fixed lane order keeps the result deterministic.
-inline float Dot(const float* a, const float* b, int64_t n) {
-  constexpr int kLanes = 8;
-  float lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int lane = 0; lane < kLanes; ++lane) {
-      lanes[lane] += a[i + lane] * b[i + lane];
-    }
-  }
-  float tail = 0.0f;
-  for (; i < n; ++i) tail += a[i] * b[i];
-  return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
-         ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) + tail;
-}
-
-// acc[i] += alpha * x[i].
-inline void Axpy(float alpha, const float* x, int64_t n, float* acc) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += alpha * x[i];
-}
-
-}  // namespace
 
 void RmsNorm(const float* x, const float* gamma, int64_t rows, int64_t dim, float eps, float* y) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -82,14 +58,19 @@ void ArgmaxRows(const float* logits, int64_t rows, int64_t cols, int32_t* ids) {
 
 void RopeNeoxInPlace(float* x, int64_t tokens, int64_t heads, int64_t head_dim,
                      const int32_t* positions, float theta) {
-  const int64_t half = head_dim / 2;
+  RopePartialNeoxInPlace(x, tokens, heads, head_dim, head_dim, positions, theta);
+}
+
+void RopePartialNeoxInPlace(float* x, int64_t tokens, int64_t heads, int64_t head_dim,
+                            int64_t rotary_dim, const int32_t* positions, float theta) {
+  const int64_t half = rotary_dim / 2;
   std::vector<float> cosines(half);
   std::vector<float> sines(half);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t i = 0; i < half; ++i) {
       const double inv_freq =
           std::pow(static_cast<double>(theta),
-                   -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
+                   -2.0 * static_cast<double>(i) / static_cast<double>(rotary_dim));
       const double angle = static_cast<double>(positions[t]) * inv_freq;
       cosines[i] = static_cast<float>(std::cos(angle));
       sines[i] = static_cast<float>(std::sin(angle));

@@ -43,6 +43,14 @@ void ArgmaxRows(const float* logits, int64_t rows, int64_t cols, int32_t* ids);
 void RopeNeoxInPlace(float* x, int64_t tokens, int64_t heads, int64_t head_dim,
                      const int32_t* positions, float theta);
 
+// NeoX RoPE over the first `rotary_dim` of every head's `head_dim` values
+// (partial RoPE, Step-5's global layers and indexer), in place: pairs
+// (i, i + rotary_dim/2), i < rotary_dim/2, rotate by
+// positions[t] * theta^(-2i/rotary_dim); the other values are untouched.
+// RopeNeoxInPlace is the case rotary_dim == head_dim.
+void RopePartialNeoxInPlace(float* x, int64_t tokens, int64_t heads, int64_t head_dim,
+                            int64_t rotary_dim, const int32_t* positions, float theta);
+
 // Multi-query causal attention of one sequence: every query head shares the
 // single K head and the single V head.
 //   q      [queries, heads, head_dim] (already rotated)
