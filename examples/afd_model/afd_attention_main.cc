@@ -268,6 +268,9 @@ void AttentionInstance::Stage(int step, int layer, MicroBatch& mb) {
     DumpLayer(step, layer - 1, mb);
   }
   side_.Attention(layer, &mb.state);
+  t.rows = mb.state.num_tokens();
+  t.kv_tokens = 0;
+  for (const SequenceChunk& c : mb.chunks) t.kv_tokens += side_.SequenceLength(c.sequence);
   side_.PrepareFfnInput(layer, &mb.state);
   side_.WriteA2F(mb.state, {static_cast<uint8_t*>(mb.codes->data()),
                             static_cast<float*>(mb.scales->data()),

@@ -92,6 +92,11 @@ int MicroBatchOfGroup(stepmesh::Key group, int micro_batches);
 struct StageTiming {
   uint64_t begin_ns = 0;  // attention compute of (step, layer, micro-batch)
   uint64_t end_ns = 0;
+  // What the stage computed, for calibrating latency models (stepmesh_plan
+  // --calibrate-trace): its token rows and the KV tokens it attended over
+  // (the cache lengths of its sequences after the step's tokens).
+  int64_t rows = 0;
+  int64_t kv_tokens = 0;
 };
 struct AttentionResults {
   int32_t instance = 0;
