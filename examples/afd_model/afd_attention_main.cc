@@ -29,6 +29,7 @@
 #include "examples/afd_model/afd_common.h"
 #include "examples/afd_model/attention_side.h"
 #include "examples/afd_model/config.h"
+#include "examples/afd_model/emulated_compute.h"
 #include "examples/afd_model/kernels/cpu_kernels.h"
 #include "examples/afd_model/model_weights.h"
 #include "examples/afd_model/wire.h"
@@ -104,6 +105,7 @@ class AttentionInstance {
   const int rank_;
   const bool dump_layers_;
   AttentionSide side_;
+  std::unique_ptr<EmulatedAttention> emulated_;  // --emulate-compute
   std::vector<std::vector<int32_t>> prompts_;  // this instance's requests
   std::shared_ptr<stepmesh::Backend> backend_;
   AttentionResults results_;
@@ -133,6 +135,11 @@ absl::Status AttentionInstance::Init(const std::string& scheduler, int device) {
       stepmesh::CreateBackend(shape_.backend, device);
   if (!backend.ok()) return backend.status();
   backend_ = std::move(*backend);
+
+  if (!shape_.emulate_compute.empty()) {
+    STEPMESH_ASSIGN_OR_RETURN(const auto plan, LoadEmulationPlan(shape_.emulate_compute));
+    emulated_ = std::make_unique<EmulatedAttention>(plan, rank_, shape_.micro_batches);
+  }
 
   auto alloc = [&](size_t bytes) -> absl::StatusOr<std::unique_ptr<stepmesh::Memory>> {
     // Pinned host memory: the model kernels are CPU kernels, and on CUDA the
@@ -240,6 +247,10 @@ void AttentionInstance::DumpLayer(int step, int layer, const MicroBatch& mb) {
 }
 
 void AttentionInstance::FinishStep(int step, MicroBatch& mb) {
+  if (emulated_) {  // no model: only the step's end counts
+    results_.step_end_ns[size_t(step) * shape_.micro_batches + mb.index] = stepmesh::MonotonicNowNs();
+    return;
+  }
   side_.ApplyF2A(mb.partial_ptrs, &mb.state);
   DumpLayer(step, config_.num_layers - 1, mb);
   std::vector<float> logits;
@@ -260,6 +271,11 @@ void AttentionInstance::FinishStep(int step, MicroBatch& mb) {
 void AttentionInstance::Stage(int step, int layer, MicroBatch& mb) {
   StageTiming& t = results_.attention[results_.StageIndex(step, layer, mb.index)];
   t.begin_ns = stepmesh::MonotonicNowNs();
+  if (emulated_) {  // sleeps instead of the kernels; the A2F bytes still go out
+    if (layer == 0 && step > 0) FinishStep(step - 1, mb);
+    emulated_->RunStage(step, layer, mb.index, &t);
+    return;
+  }
   if (layer == 0) {
     if (step > 0) FinishStep(step - 1, mb);
     BeginStep(step, mb);

@@ -118,6 +118,7 @@ absl::StatusOr<RunShape> ParseRunFlags(Flags& flags) {
   s.transport = flags.Str("transport", s.transport);
   s.backend = flags.Str("backend", s.backend);
   s.poll_mode = flags.Str("poll-mode", s.poll_mode);
+  s.emulate_compute = flags.Str("emulate-compute", "");
   absl::StatusOr<int64_t> timeout_ms = flags.Int("timeout-ms", absl::ToInt64Milliseconds(s.timeout));
   if (!timeout_ms.ok()) return timeout_ms.status();
   s.timeout = absl::Milliseconds(*timeout_ms);
@@ -141,6 +142,7 @@ void AppendRunFlags(const RunShape& s, std::vector<std::string>* argv) {
   add("backend", s.backend);
   add("poll-mode", s.poll_mode);
   add("timeout-ms", absl::StrCat(absl::ToInt64Milliseconds(s.timeout)));
+  if (!s.emulate_compute.empty()) add("emulate-compute", s.emulate_compute);
 }
 
 absl::StatusOr<stepmesh::MeshOptions> MeshOptionsFor(const RunShape& shape, stepmesh::Role role,

@@ -52,6 +52,9 @@ struct RunShape {
   std::string backend = "cpu_mock";
   std::string poll_mode = "adaptive";
   absl::Duration timeout = absl::Seconds(30);
+  // --emulate-compute PLAN.json: sleeps from a latency model instead of the
+  // model's kernels (emulated_compute.h).
+  std::string emulate_compute;
 
   int steps() const { return decode_steps + 1; }  // prefill + decode
   // Requests [begin, end) of micro-batch m (sizes differ by at most one).

@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "examples/afd_model/afd_common.h"
 #include "examples/afd_model/config.h"
+#include "examples/afd_model/emulated_compute.h"
 #include "examples/afd_model/ffn_side.h"
 #include "examples/afd_model/model_weights.h"
 #include "examples/afd_model/wire.h"
@@ -72,6 +73,7 @@ class FfnInstance {
   const ModelConfig config_;
   const int rank_;
   FfnSide ffn_;
+  std::unique_ptr<EmulatedFfn> emulated_;  // --emulate-compute
   FfnWorkspace workspace_;  // one stream runs every Compute, so one suffices
   std::shared_ptr<stepmesh::Backend> backend_;
   std::vector<MicroBatchRegions> regions_;
@@ -87,6 +89,10 @@ absl::Status FfnInstance::Init(const std::string& scheduler, int device) {
   if (!backend.ok()) return backend.status();
   backend_ = std::move(*backend);
   STEPMESH_ASSIGN_OR_RETURN(stream_, backend_->CreateStream());
+  if (!shape_.emulate_compute.empty()) {
+    STEPMESH_ASSIGN_OR_RETURN(const auto plan, LoadEmulationPlan(shape_.emulate_compute));
+    emulated_ = std::make_unique<EmulatedFfn>(plan, shape_.ffn);
+  }
 
   const int64_t w = shape_.attention;
   const int64_t slot = shape_.SlotRows();
@@ -130,6 +136,10 @@ absl::Status FfnInstance::Init(const std::string& scheduler, int device) {
 
 void FfnInstance::Compute(MicroBatchRegions& r, int layer, const std::vector<WorkerRows>& rows,
                           bool contiguous) {
+  if (emulated_) {  // a sleep instead of the experts; the reply bytes still go back
+    emulated_->RunBatch(static_cast<int>(rows.size()));
+    return;
+  }
   const int64_t slot = shape_.SlotRows();
   const int64_t h = config_.hidden_size;
   const int64_t k = config_.top_k;

@@ -7,6 +7,7 @@
 //              [--deadline-s 300] [--chrome-trace FILE] [--work-dir DIR]
 //              [--scheduler-binary PATH] [--no-reference] [--no-layer-check]
 //              [--kill-ffn-after-ms N [--kill-ffn P] --expect-failure]
+//              [--emulate-compute PLAN.json]
 //
 // Starts the stepmesh scheduler (in this process on a free 127.0.0.1 port,
 // or the stepmesh_scheduler program), X afd_attention and Y afd_ffn
@@ -21,6 +22,11 @@
 // with --expect-failure the run passes when every attention instance exits
 // with an error naming that server within the mesh timeout ("failure check:
 // PASS (...)").
+//
+// --emulate-compute PLAN.json replaces the kernels by sleeps from the
+// planner's latency model (emulated_compute.h); the bytes still move. The
+// reference check is skipped; an "emulated compute:" line gives the decode
+// throughput in the plan's virtual tokens.
 
 #include <arpa/inet.h>
 #include <dirent.h>
@@ -55,6 +61,7 @@
 #include "examples/afd_model/afd_common.h"
 #include "examples/afd_model/afd_report.h"
 #include "examples/afd_model/config.h"
+#include "examples/afd_model/emulated_compute.h"
 #include "stepmesh/stepmesh.h"
 
 namespace afd::example {
@@ -391,6 +398,13 @@ int Launcher::Run() {
   if (!config_) return Fail(absl::StrCat("config: ", error));
   if (f_.kill_ffn < 0) f_.kill_ffn = f_.shape.ffn - 1;
   if (f_.kill_ffn >= f_.shape.ffn) return Fail("--kill-ffn out of range");
+  std::optional<stepmesh::planner::Plan> emulation;  // --emulate-compute
+  if (!f_.shape.emulate_compute.empty()) {
+    absl::StatusOr<stepmesh::planner::Plan> plan = LoadEmulationPlan(f_.shape.emulate_compute);
+    if (!plan.ok()) return Fail(plan.status().ToString());
+    emulation = *plan;
+    f_.reference = false;  // no model, nothing to compare
+  }
 
   if (absl::Status s = StartScheduler(); !s.ok()) return Fail(absl::StrCat("scheduler: ", s.ToString()));
   started_ = absl::Now();
@@ -434,6 +448,12 @@ int Launcher::Run() {
       return Fail(s.ToString());
     }
     std::printf("chrome trace: %s\n", f_.chrome_trace.c_str());
+  }
+  if (emulation) {
+    std::printf("%s", FormatEmulationSummary(f_.shape, *emulation, results).c_str());
+    std::printf("reference check: PASS (skipped: --emulate-compute replaces the kernels; all "
+                "processes succeeded)\n");
+    return 0;
   }
   if (!f_.reference) {
     std::printf("reference check: PASS (skipped: --no-reference; all processes succeeded)\n");
