@@ -202,3 +202,39 @@ TEST_CASE("sparse attention flattens the token load in context length", "[planne
 
 }  // namespace
 }  // namespace stepmesh::planner
+
+namespace stepmesh::planner {
+namespace {
+
+TEST_CASE("the barrier refinement's ingredients", "[planner][closed_form]") {
+  // Known order statistics of the standard normal.
+  CHECK(ExpectedMaxOfNormals(1) == 0);
+  CHECK(ExpectedMaxOfNormals(2) == Approx(1 / std::sqrt(M_PI)).epsilon(1e-4));
+  CHECK(ExpectedMaxOfNormals(3) == Approx(0.846284).epsilon(1e-4));
+  CHECK(ExpectedMaxOfNormals(10) == Approx(1.538753).epsilon(1e-4));
+  // The token load's spread against stationary slot batches' sample spread.
+  for (bool sparse : {false, true}) {
+    for (PrefillDistribution d : {PrefillDistribution::kFixed, PrefillDistribution::kUniform,
+                                  PrefillDistribution::kExponential}) {
+      Workload w;
+      w.mu_p = 3000;
+      w.mu_d = 800;
+      w.batch = 16;
+      w.prefill = d;
+      w.context.sparse = sparse;
+      double sum = 0, sum2 = 0;
+      const int n = 4000;
+      for (int i = 0; i < n; ++i) {
+        const double t = SlotBatch(w, w.batch, 5000 + i, true).KvTokens();
+        sum += t;
+        sum2 += t * t;
+      }
+      const double sd = std::sqrt(sum2 / n - (sum / n) * (sum / n));
+      INFO("sparse " << sparse << " prefill " << PrefillDistributionName(d));
+      CHECK(KvTokensStdDev(w) == Approx(sd).epsilon(0.05));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace stepmesh::planner

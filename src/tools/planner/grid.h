@@ -25,13 +25,13 @@ struct GridRow {
   double mu_p = 0, mu_d = 0;
   Regime seed_regime = Regime::kFfn, full_regime = Regime::kFfn;
   double r_seed = 0, r_full = 0;
-  int pick_seed = 0, pick_full = 0;     // best integer ratio by each model
-  int best_sim = 0;                     // the simulator's best integer ratio
-  double err_seed = 0, err_full = 0;    // |r* - best_sim| / best_sim
-  double loss_seed = 0, loss_full = 0;  // 1 - sim(pick) / sim(best_sim)
-  double barrier_excess = 0;            // slowest instance's t_A / mean t_A - 1, at best_sim
-  bool within = false;                  // err_seed <= 10 %
-  std::string why;                      // for a miss: the likely cause
+  int pick_seed = 0, pick_full = 0, pick_barrier = 0;     // best integer ratio by each model
+  int best_sim = 0;                                       // the simulator's best integer ratio
+  double err_seed = 0, err_full = 0;                      // |r* - best_sim| / best_sim
+  double loss_seed = 0, loss_full = 0, loss_barrier = 0;  // 1 - sim(pick) / sim(best_sim)
+  double barrier_excess = 0;  // slowest instance's t_A / mean t_A - 1, at best_sim
+  bool within = false;        // err_seed <= 10 %
+  std::string why;            // for a miss: the likely cause
 };
 
 absl::StatusOr<std::vector<GridRow>> RunGrid(const std::string& grid_path);

@@ -51,20 +51,23 @@ std::vector<CycleTerm> CycleTerms(const Coefficients& c, const Workload& w, cons
       {Regime::kFfn, c.ffn.alpha * w.batch, c.ffn.beta / y},
   };
   if (!full) return terms;
-  if (w.micro_batches > 0) {
-    // One micro-batch's round trip is A, A2F, F, F2A in sequence; with m of
-    // them in flight an attention instance finishes at most m per round trip.
-    const double m = w.micro_batches;
-    terms.push_back({Regime::kPipelineDepth, c.ffn.alpha * w.batch / m,
-                     (t_a + (1.0 + c.a2f_fraction) * t_c + c.ffn.beta / y) / m});
-  }
+  // The FFN link (when modelled): every FFN instance receives every
+  // attention instance's rows (the FFN is split by experts, tokens are
+  // broadcast) and returns a partial for each: r*y*B rows each way.
+  double link_in = 0, link_out = 0;  // per unit of r
   if (wire.ffn_link_gbps > 0) {
-    // Every FFN instance receives every attention instance's rows (the FFN
-    // is split by experts, tokens are broadcast) and returns a partial for
-    // each: r*y*B rows per direction, full duplex.
-    const double bytes = std::max(wire.a2f_bytes_per_row, wire.f2a_bytes_per_row);
     const double us_per_byte = 8.0 / (wire.ffn_link_gbps * 1e3);
-    terms.push_back({Regime::kFfnLink, y * w.batch * bytes * us_per_byte, 0.0});
+    link_in = y * w.batch * wire.a2f_bytes_per_row * us_per_byte;
+    link_out = y * w.batch * wire.f2a_bytes_per_row * us_per_byte;
+    terms.push_back({Regime::kFfnLink, std::max(link_in, link_out), 0.0});  // full duplex
+  }
+  if (w.micro_batches > 0) {
+    // One micro-batch's round trip is A, A2F, [link in], F, [link out], F2A
+    // in sequence; with m of them in flight an attention instance finishes
+    // at most m per round trip.
+    const double m = w.micro_batches;
+    terms.push_back({Regime::kPipelineDepth, (c.ffn.alpha * w.batch + link_in + link_out) / m,
+                     (t_a + (1.0 + c.a2f_fraction) * t_c + c.ffn.beta / y) / m});
   }
   return terms;
 }

@@ -13,9 +13,10 @@
 // r = x/y that is alpha_F*r*B + beta_F/y, so beta_F becomes beta_F/y.
 //
 // The full model adds two more lower bounds on tau (docs/planning.md):
-//   depth  (t_A + (1+a2f)*t_C + t_F(r)) / m   only m micro-batches in flight
 //   link   r*y*B*bytes / bandwidth            the FFN instance's scale-out link
 //                                             (the "dead zone" of arXiv 2602.09721)
+//   depth  (t_A + (1+a2f)*t_C + t_F(r) + link in + link out) / m
+//                                             only m micro-batches in flight
 // Every bound is a line in r, so tau is their upper envelope and f's maximum
 // sits at a corner of the envelope or at sqrt(intercept/slope) of one of its
 // segments; Optimize evaluates exactly those candidates.

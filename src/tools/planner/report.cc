@@ -65,6 +65,12 @@ RatioRow EvaluateRatio(const Plan& plan, int x, int y) {
   row.tau_full = CycleTime(full, row.r, &row.full_binding);
   row.seed = ThroughputPerInstance(seed, w, row.r);
   row.full = ThroughputPerInstance(full, w, row.r);
+  Coefficients slowest = plan.coefficients;
+  const double excess =
+      plan.coefficients.attention.alpha * KvTokensStdDev(w) * ExpectedMaxOfNormals(x);
+  slowest.attention.beta += excess;
+  row.barrier_t_a = plan.coefficients.attention.At(MeanKvTokens(w)) + excess;
+  row.barrier = ThroughputPerInstance(CycleTerms(slowest, w, plan.wire, true), w, row.r);
   row.ffn_utilisation = plan.coefficients.ffn.At(double(x) * w.batch) / y / row.tau_full;
   row.a2f_bytes = double(x) * w.batch * plan.wire.a2f_bytes_per_row;
   row.f2a_bytes = double(x) * w.batch * plan.wire.f2a_bytes_per_row;
@@ -113,6 +119,7 @@ absl::StatusOr<PlanReport> BuildReport(const Plan& plan, int max_x,
   };
   rep.best_x = best([](const RatioRow& r) { return r.full; });
   rep.best_x_seed = best([](const RatioRow& r) { return r.seed; });
+  rep.best_x_barrier = best([](const RatioRow& r) { return r.barrier; });
   if (simulation) rep.best_x_simulated = best([](const RatioRow& r) { return *r.simulated; });
   if (w.tpot_ms > 0) {
     for (const RatioRow& row : rep.ratios) {
@@ -183,17 +190,19 @@ std::string FormatText(const PlanReport& rep) {
   }
   const bool sim = rep.best_x_simulated.has_value();
   absl::StrAppendFormat(&out, "integer ratios (y = %d; tokens/s per instance):\n", w.ffn_instances);
-  absl::StrAppendFormat(&out,
-                        "  %-7s %6s  %10s %-5s %12s  %10s %-5s %12s %7s %8s %10s %10s %9s%s\n",
-                        "xAyF", "r", "tau_seed", "bind", "seed", "tau_full", "bind", "full", "FFN",
-                        "TPOT ms", "A2F MB", "F2A MB", "link us", sim ? "    simulated" : "");
+  absl::StrAppendFormat(
+      &out, "  %-7s %6s  %10s %-5s %12s  %10s %-5s %12s %12s %7s %8s %10s %10s %9s%s\n", "xAyF",
+      "r", "tau_seed", "bind", "seed", "tau_full", "bind", "full", "barrier", "FFN", "TPOT ms",
+      "A2F MB", "F2A MB", "link us", sim ? "    simulated" : "");
   for (const RatioRow& row : rep.ratios) {
-    absl::StrAppendFormat(
-        &out,
-        "  %-7s %6.3g  %10.4g %-5s %12.6g  %10.4g %-5s %12.6g %6.0f%% %8.3g %10.4g %10.4g %9.4g",
-        absl::StrCat(row.x, "A", row.y, "F"), row.r, row.tau_seed, ShortRegime(row.seed_binding),
-        row.seed, row.tau_full, ShortRegime(row.full_binding), row.full, 100 * row.ffn_utilisation,
-        row.tpot_ms, row.a2f_bytes / 1e6, row.f2a_bytes / 1e6, row.link_us);
+    absl::StrAppendFormat(&out,
+                          "  %-7s %6.3g  %10.4g %-5s %12.6g  %10.4g %-5s %12.6g %12.6g %6.0f%% "
+                          "%8.3g %10.4g %10.4g %9.4g",
+                          absl::StrCat(row.x, "A", row.y, "F"), row.r, row.tau_seed,
+                          ShortRegime(row.seed_binding), row.seed, row.tau_full,
+                          ShortRegime(row.full_binding), row.full, row.barrier,
+                          100 * row.ffn_utilisation, row.tpot_ms, row.a2f_bytes / 1e6,
+                          row.f2a_bytes / 1e6, row.link_us);
     if (sim) absl::StrAppendFormat(&out, " %12.6g", *row.simulated);
     absl::StrAppend(&out, row.x == rep.best_x ? "  <- best (full model)" : "", "\n");
   }
@@ -208,6 +217,10 @@ std::string FormatText(const PlanReport& rep) {
         row.tau_full, RegimeName(row.full_binding), row.full);
   }
   absl::StrAppendFormat(&out, "recommendation: %dA%dF (full model)", rep.best_x, w.ffn_instances);
+  if (rep.best_x_barrier != rep.best_x) {
+    absl::StrAppendFormat(&out, "; with the barrier priced in %dA%dF", rep.best_x_barrier,
+                          w.ffn_instances);
+  }
   if (rep.best_x_seed != rep.best_x) {
     absl::StrAppendFormat(&out, "; the seed's model alone says %dA%dF", rep.best_x_seed,
                           w.ffn_instances);
@@ -263,7 +276,8 @@ std::string FormatJson(const PlanReport& rep) {
                   ", \"regime\": ", Quote(RegimeName(rep.full.regime)),
                   ", \"throughput\": ", Num(rep.full.throughput),
                   ", \"link_bound_from\": ", Num(rep.link_bound_from), ", \"best_x\": ", rep.best_x,
-                  ", \"best_x_seed\": ", rep.best_x_seed);
+                  ", \"best_x_seed\": ", rep.best_x_seed,
+                  ", \"best_x_barrier\": ", rep.best_x_barrier);
   if (rep.best_x_simulated)
     absl::StrAppend(&out, ", \"best_x_simulated\": ", *rep.best_x_simulated);
   if (rep.best_x_within_tpot)
@@ -299,6 +313,7 @@ std::string FormatJson(const PlanReport& rep) {
     const RatioRow& row = rep.ratios[i];
     absl::StrAppend(&out, "    {\"x\": ", row.x, ", \"y\": ", row.y, ", \"r\": ", Num(row.r),
                     ", \"seed\": ", Num(row.seed), ", \"full\": ", Num(row.full),
+                    ", \"barrier\": ", Num(row.barrier),
                     ", \"seed_bound\": ", Quote(ShortRegime(row.seed_binding)),
                     ", \"full_bound\": ", Quote(ShortRegime(row.full_binding)),
                     ", \"tau_seed_us\": ", Num(row.tau_seed),

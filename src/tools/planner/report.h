@@ -23,6 +23,11 @@ struct RatioRow {
   double tau_seed = 0, tau_full = 0;
   Regime seed_binding = Regime::kFfn, full_binding = Regime::kFfn;
   double seed = 0, full = 0;  // tokens/s per instance
+  // The full model with the barrier priced in: every FFN batch waits for the
+  // slowest of x attention stages, t_A + alpha_A * sd(T) * E[max of x
+  // standard normals] (a Gaussian approximation of the token load).
+  double barrier = 0;
+  double barrier_t_a = 0;
   std::optional<double> simulated;
   double ffn_utilisation = 0;  // t_F / tau (full model): the FFN's busy share
   // One FFN instance, one layer, one micro-batch: bytes in (A2F) and out
@@ -41,6 +46,7 @@ struct PlanReport {
   std::vector<RatioRow> ffn_sweep;  // y = 1..4 at the best x of `ratios`
   int best_x = 1;                   // best integer x by the full model
   int best_x_seed = 1;              // by the seed's model
+  int best_x_barrier = 1;           // by the barrier-aware full model
   std::optional<int> best_x_simulated;
   std::optional<int> best_x_within_tpot;  // with workload.tpot_ms: the best that meets it
   std::optional<SimOptions> simulation;

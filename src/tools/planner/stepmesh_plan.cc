@@ -47,6 +47,7 @@ constexpr char kUsage[] =
     "  --perf-stat STAT         latency statistic of the perf fit: p50_us (default) or mean_us\n"
     "  --batch B --mu-p P --mu-d D --micro-batches M --ffn-instances Y --layers L\n"
     "                           override the plan's workload\n"
+    "  --ffn-link-gbps G        override one FFN instance's link bandwidth (0: no link bound)\n"
     "  --max-attention X        integer ratios 1..X in the table (default max(8, 2*ceil(r*)))\n"
     "  --simulate               also simulate every integer ratio\n"
     "  --sim-steps N            measured decode steps per simulation (default 200)\n"
@@ -59,7 +60,7 @@ constexpr char kUsage[] =
 struct Args {
   std::string plan, grid, json, write_plan, perf_stat = "p50_us";
   std::vector<std::string> perf, trace;
-  std::optional<double> batch, mu_p, mu_d, micro_batches, ffn_instances, layers;
+  std::optional<double> batch, mu_p, mu_d, micro_batches, ffn_instances, layers, link_gbps;
   int max_attention = 0;
   bool simulate = false;
   SimOptions sim;
@@ -100,37 +101,39 @@ absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
       }
       return absl::OkStatus();
     };
-    if (flag == "--calibrate-perf")
+    if (flag == "--calibrate-perf") {
       a.perf.push_back(value);
-    else if (flag == "--calibrate-trace")
+    } else if (flag == "--calibrate-trace") {
       a.trace.push_back(value);
-    else if (flag == "--perf-stat")
+    } else if (flag == "--perf-stat") {
       a.perf_stat = value;
-    else if (flag == "--validate-grid")
+    } else if (flag == "--validate-grid") {
       a.grid = value;
-    else if (flag == "--json")
+    } else if (flag == "--json") {
       a.json = value;
-    else if (flag == "--write-plan")
+    } else if (flag == "--write-plan") {
       a.write_plan = value;
-    else if (flag == "--batch")
+    } else if (flag == "--batch") {
       STEPMESH_RETURN_IF_ERROR(number(&a.batch));
-    else if (flag == "--mu-p")
+    } else if (flag == "--mu-p") {
       STEPMESH_RETURN_IF_ERROR(number(&a.mu_p));
-    else if (flag == "--mu-d")
+    } else if (flag == "--mu-d") {
       STEPMESH_RETURN_IF_ERROR(number(&a.mu_d));
-    else if (flag == "--micro-batches")
+    } else if (flag == "--micro-batches") {
       STEPMESH_RETURN_IF_ERROR(number(&a.micro_batches));
-    else if (flag == "--ffn-instances")
+    } else if (flag == "--ffn-instances") {
       STEPMESH_RETURN_IF_ERROR(number(&a.ffn_instances));
-    else if (flag == "--layers")
+    } else if (flag == "--layers") {
       STEPMESH_RETURN_IF_ERROR(number(&a.layers));
-    else if (flag == "--max-attention")
+    } else if (flag == "--ffn-link-gbps") {
+      STEPMESH_RETURN_IF_ERROR(number(&a.link_gbps));
+    } else if (flag == "--max-attention") {
       STEPMESH_RETURN_IF_ERROR(integer(&a.max_attention, 1));
-    else if (flag == "--sim-steps")
+    } else if (flag == "--sim-steps") {
       STEPMESH_RETURN_IF_ERROR(integer(&a.sim.measure_steps, 2));
-    else if (flag == "--sim-warmup")
+    } else if (flag == "--sim-warmup") {
       STEPMESH_RETURN_IF_ERROR(integer(&a.sim.warmup_steps, 0));
-    else if (flag == "--seed") {
+    } else if (flag == "--seed") {
       int seed = 0;
       STEPMESH_RETURN_IF_ERROR(integer(&seed, 0));
       a.sim.seed = seed;
@@ -166,7 +169,9 @@ absl::StatusOr<Plan> LoadWithOverrides(const Args& a) {
     absl::StrAppend(&patch, first ? "" : ", ", "\"", key, "\": ", *v);
     first = false;
   }
-  absl::StatusOr<Json> over = Json::Parse(patch + "}}");
+  absl::StrAppend(&patch, "}");
+  if (a.link_gbps) absl::StrAppend(&patch, ", \"wire\": {\"ffn_link_gbps\": ", *a.link_gbps, "}");
+  absl::StatusOr<Json> over = Json::Parse(patch + "}");
   if (!over.ok()) return over.status();
   absl::StatusOr<Plan> plan = ParsePlan(Json::Merge(*doc, *over));
   if (!plan.ok())

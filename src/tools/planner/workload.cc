@@ -1,6 +1,8 @@
 #include "src/tools/planner/workload.h"
 
+#include <algorithm>
 #include <cmath>
+#include <utility>
 
 namespace stepmesh::planner {
 
@@ -66,10 +68,12 @@ void SlotBatch::FinishStep(double now, std::vector<Completion>* ended) {
   Recount();
 }
 
-double MeanKvTokens(const Workload& w) {
-  if (!w.context.sparse) return w.batch * (w.mu_p + w.mu_d);
-  // Midpoint quadrature in probability space over P and over the stationary
-  // geometric decode index (both are independent of each other).
+namespace {
+
+// Midpoint quadrature in probability space over P and over the stationary
+// geometric decode index (independent of each other): E[g] and E[g^2] for
+// one slot.
+std::pair<double, double> SlotMoments(const Workload& w) {
   std::vector<double> prefills;
   constexpr int kP = 64;
   switch (w.prefill) {
@@ -85,12 +89,53 @@ double MeanKvTokens(const Workload& w) {
   }
   constexpr int kI = 2048;
   const double p = w.EndProbability();
-  double sum = 0;
+  double sum = 0, sum2 = 0;
   for (int k = 0; k < kI; ++k) {
     const double i = static_cast<double>(GeometricFromUniform(p, (k + 0.5) / kI));
-    for (double pf : prefills) sum += w.context.EffectiveTokens(pf + i);
+    for (double pf : prefills) {
+      const double g = w.context.EffectiveTokens(pf + i);
+      sum += g;
+      sum2 += g * g;
+    }
   }
-  return w.batch * sum / (static_cast<double>(kI) * prefills.size());
+  const double n = static_cast<double>(kI) * prefills.size();
+  return {sum / n, sum2 / n};
+}
+
+}  // namespace
+
+double MeanKvTokens(const Workload& w) {
+  if (!w.context.sparse) return w.batch * (w.mu_p + w.mu_d);
+  return w.batch * SlotMoments(w).first;
+}
+
+double KvTokensStdDev(const Workload& w) {
+  double var = 0;
+  if (!w.context.sparse) {
+    // Var(P) + Var(i), i geometric on {0, 1, ...}: (1-p)/p^2.
+    const double p = w.EndProbability();
+    const double var_p = w.prefill == PrefillDistribution::kFixed     ? 0.0
+                         : w.prefill == PrefillDistribution::kUniform ? w.mu_p * w.mu_p / 12
+                                                                      : w.mu_p * w.mu_p;
+    var = var_p + (1 - p) / (p * p);
+  } else {
+    const auto [m1, m2] = SlotMoments(w);
+    var = std::max(0.0, m2 - m1 * m1);
+  }
+  return std::sqrt(w.batch * var);
+}
+
+double ExpectedMaxOfNormals(int n) {
+  if (n <= 1) return 0;
+  // E[max] = integral of z * n * phi(z) * Phi(z)^(n-1) dz.
+  const double dz = 1e-3;
+  double sum = 0;
+  for (double z = -9; z < 9; z += dz) {
+    const double phi = std::exp(-0.5 * z * z) / std::sqrt(2 * M_PI);
+    const double cdf = 0.5 * std::erfc(-z / std::sqrt(2.0));
+    sum += z * n * phi * std::pow(cdf, n - 1) * dz;
+  }
+  return sum;
 }
 
 }  // namespace stepmesh::planner

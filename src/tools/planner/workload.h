@@ -81,4 +81,11 @@ class SlotBatch {
 // numerical expectation over P and the geometric i when sparse).
 double MeanKvTokens(const Workload& w);
 
+// The standard deviation of one micro-batch's KV tokens in the stationary
+// state: sqrt(B) times one slot's (slots are independent).
+double KvTokensStdDev(const Workload& w);
+
+// E[max of n independent standard normals] (0 for n = 1).
+double ExpectedMaxOfNormals(int n);
+
 }  // namespace stepmesh::planner
