@@ -2,8 +2,8 @@
 # --emulate-compute: real processes and real bytes over TCP, the kernels
 # replaced by sleeps from the latency model) runs 1A1F and 3A1F for a few
 # seconds each; the measured decode throughput per instance must be ordered
-# as the planner predicts. The plan puts the two ratios ~25 % apart, far
-# more than the sleeps' jitter on a loaded machine.
+# as the planner predicts. The plan puts the two ratios ~40 % apart, far
+# more than what a loaded machine's wake-up delays take off either.
 #   cmake -DPLANNER=<stepmesh_plan> -DLAUNCH=<afd_launch> -DPLAN=<plan.json>
 #         -DWORK=<dir> -P emulated_ordering.cmake
 file(MAKE_DIRECTORY ${WORK})
