@@ -52,6 +52,37 @@ TEST_CASE("a line is recovered within 2% from noisy samples", "[planner][fit]") 
   }
 }
 
+TEST_CASE("the robust fit leaves out late wake-ups that pull an ordinary fit", "[planner][fit]") {
+  // FFN batch times with 2 % noise; one in twenty delayed by 2-20 ms.
+  Rng rng(31);
+  std::vector<double> x, y;
+  for (int i = 0; i < 800; ++i) {
+    const double rows = (i % 2) ? 64 : 192;
+    double t = (1.5625 * rows + 3000) * 3 * (1 + Gaussian(rng, 0.02));
+    if (i % 20 == 1) t += 2000 + 18000 * rng.Uniform();  // at 64 rows (i odd)
+    x.push_back(rows);
+    y.push_back(t);
+  }
+  absl::StatusOr<LinearFit> plain = FitLine(x, y, "ffn");
+  absl::StatusOr<LinearFit> robust = FitLineRobust(x, y, "ffn");
+  REQUIRE(plain.ok());
+  REQUIRE(robust.ok());
+  std::printf(
+      "late wake-ups: ordinary alpha %.4g beta %.4g R^2 %.3f; robust alpha %.4g beta %.4g "
+      "R^2 %.3f (%zu left out)\n",
+      plain->alpha, plain->beta, plain->r2, robust->alpha, robust->beta, robust->r2,
+      robust->rejected);
+  CHECK(plain->alpha < 0);  // the delays at 64 rows tilt the ordinary fit
+  CHECK(robust->alpha == Approx(1.5625 * 3).epsilon(0.1));
+  CHECK(robust->beta == Approx(3000 * 3).epsilon(0.02));
+  CHECK(robust->rejected >= 40);  // the 40 delayed ones, and a few noisy ones at most
+  CHECK(robust->rejected <= 60);
+  // Clean samples lose nothing.
+  absl::StatusOr<LinearFit> exact = FitLineRobust({1, 2, 3, 4}, {3, 5, 7, 9}, "exact");
+  REQUIRE(exact.ok());
+  CHECK(exact->rejected == 0);
+}
+
 TEST_CASE("an exact line fits with R^2 = 1; bad inputs are refused by name", "[planner][fit]") {
   absl::StatusOr<LinearFit> exact = FitLine({1, 2, 3}, {5, 7, 9}, "exact");
   REQUIRE(exact.ok());

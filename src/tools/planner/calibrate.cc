@@ -142,7 +142,7 @@ absl::StatusOr<Calibration> Fit(const CalibrationSamples& s) {
   auto fit = [](const Samples& samples, const char* what,
                 std::optional<LinearFit>* out) -> absl::Status {
     if (samples.x.empty()) return absl::OkStatus();
-    STEPMESH_ASSIGN_OR_RETURN(*out, FitLine(samples.x, samples.y, what));
+    STEPMESH_ASSIGN_OR_RETURN(*out, FitLineRobust(samples.x, samples.y, what));
     return absl::OkStatus();
   };
   STEPMESH_RETURN_IF_ERROR(

@@ -50,7 +50,8 @@ struct Calibration {
   std::optional<LinearFit> round_trip, attention, ffn;
 };
 
-// Fits what has samples (at least two distinct x each).
+// Fits what has samples (at least two distinct x each), leaving out gross
+// outliers (FitLineRobust).
 absl::StatusOr<Calibration> Fit(const CalibrationSamples& samples);
 
 // Writes the fitted coefficients into the plan (the comm fit needs the

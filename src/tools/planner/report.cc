@@ -149,9 +149,9 @@ std::string FormatText(const PlanReport& rep) {
                         c.ffn.alpha, c.ffn.beta);
   for (const auto& [label, f] : rep.fits) {
     absl::StrAppendFormat(&out,
-                          "  fitted %s: alpha %.6g, beta %.6g, R^2 %.4f, rmse %.3g us, %d samples, "
-                          "x in [%.6g, %.6g]\n",
-                          label, f.alpha, f.beta, f.r2, f.rmse, f.n, f.x_min, f.x_max);
+                          "  fitted %s: alpha %.6g, beta %.6g, R^2 %.4f, rmse %.3g us, %d samples "
+                          "(%d outliers left out), x in [%.6g, %.6g]\n",
+                          label, f.alpha, f.beta, f.r2, f.rmse, f.n, f.rejected, f.x_min, f.x_max);
   }
   absl::StrAppendFormat(
       &out,
