@@ -83,7 +83,7 @@ TEST_CASE("the robust fit leaves out late wake-ups that pull an ordinary fit", "
   CHECK(exact->rejected == 0);
 }
 
-TEST_CASE("an exact line fits with R^2 = 1; bad inputs are refused by name", "[planner][fit]") {
+TEST_CASE("an exact line fits with R^2 = 1 and bad inputs are refused by name", "[planner][fit]") {
   absl::StatusOr<LinearFit> exact = FitLine({1, 2, 3}, {5, 7, 9}, "exact");
   REQUIRE(exact.ok());
   CHECK(exact->alpha == Approx(2));
