@@ -72,7 +72,7 @@ class ObjectReader {
     }
     if (!(v->number() >= lo && v->number() <= hi)) {
       return absl::InvalidArgumentError(
-          absl::StrCat(Path(key), " = ", v->number(), " is outside [", lo, ", ", hi, "]"));
+          absl::StrFormat("%s = %.10g is outside [%.10g, %.10g]", Path(key), v->number(), lo, hi));
     }
     *out = v->number();
     return absl::OkStatus();
