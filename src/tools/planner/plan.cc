@@ -222,6 +222,14 @@ absl::StatusOr<Plan> ParsePlan(const Json& doc) {
   STEPMESH_RETURN_IF_ERROR(wire.Number("ffn_link_gbps", 0, kBig, &plan.wire.ffn_link_gbps));
   STEPMESH_RETURN_IF_ERROR(wire.CheckAllRead());
 
+  ObjectReader hw(top.Get("hardware"), "hardware");
+  STEPMESH_RETURN_IF_ERROR(hw.CheckIsObject());
+  STEPMESH_RETURN_IF_ERROR(hw.Int("gpus_per_attention_instance", 1, 1 << 20,
+                                  &plan.hardware.gpus_per_attention_instance));
+  STEPMESH_RETURN_IF_ERROR(
+      hw.Int("gpus_per_ffn_instance", 1, 1 << 20, &plan.hardware.gpus_per_ffn_instance));
+  STEPMESH_RETURN_IF_ERROR(hw.CheckAllRead());
+
   ObjectReader emu(top.Get("emulation"), "emulation");
   STEPMESH_RETURN_IF_ERROR(emu.CheckIsObject());
   STEPMESH_RETURN_IF_ERROR(emu.Number("time_scale", 1e-3, 1e6, &plan.emulation.time_scale));
@@ -286,6 +294,9 @@ std::string PlanToJson(const Plan& p) {
   absl::StrAppend(&out, "  \"wire\": {\"a2f_bytes_per_row\": ", num(p.wire.a2f_bytes_per_row),
                   ", \"f2a_bytes_per_row\": ", num(p.wire.f2a_bytes_per_row),
                   ", \"ffn_link_gbps\": ", num(p.wire.ffn_link_gbps), "},\n");
+  absl::StrAppend(&out, "  \"hardware\": {\"gpus_per_attention_instance\": ",
+                  p.hardware.gpus_per_attention_instance,
+                  ", \"gpus_per_ffn_instance\": ", p.hardware.gpus_per_ffn_instance, "},\n");
   absl::StrAppend(&out, "  \"emulation\": {\"time_scale\": ", num(p.emulation.time_scale),
                   ", \"seed\": ", p.emulation.seed, "}\n}\n");
   return out;

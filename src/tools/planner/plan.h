@@ -90,6 +90,14 @@ struct WireModel {
   double ffn_link_gbps = 0;      // one FFN instance's scale-out bandwidth; 0: not modelled
 };
 
+// What an instance is made of, for throughput per GPU (the seed's optimum
+// counts instances; with unequal instances the best ratio per GPU can
+// differ, and the report gives both).
+struct Hardware {
+  int gpus_per_attention_instance = 1;
+  int gpus_per_ffn_instance = 1;
+};
+
 // Settings only afd_launch --emulate-compute reads.
 struct EmulationSettings {
   double time_scale = 1.0;  // every emulated compute time is multiplied by this
@@ -102,6 +110,7 @@ struct Plan {
   Coefficients coefficients;
   Workload workload;
   WireModel wire;
+  Hardware hardware;
   EmulationSettings emulation;
   // For bytes per row when "wire" gives none: hidden size, top-k, FP8 group.
   int hidden = 0;

@@ -65,6 +65,10 @@ RatioRow EvaluateRatio(const Plan& plan, int x, int y) {
   row.tau_full = CycleTime(full, row.r, &row.full_binding);
   row.seed = ThroughputPerInstance(seed, w, row.r);
   row.full = ThroughputPerInstance(full, w, row.r);
+  const Hardware& hw = plan.hardware;
+  row.full_per_gpu =
+      row.full * (x + y) /
+      (double(x) * hw.gpus_per_attention_instance + double(y) * hw.gpus_per_ffn_instance);
   Coefficients slowest = plan.coefficients;
   const double excess =
       plan.coefficients.attention.alpha * KvTokensStdDev(w) * ExpectedMaxOfNormals(x);
@@ -120,6 +124,7 @@ absl::StatusOr<PlanReport> BuildReport(const Plan& plan, int max_x,
   rep.best_x = best([](const RatioRow& r) { return r.full; });
   rep.best_x_seed = best([](const RatioRow& r) { return r.seed; });
   rep.best_x_barrier = best([](const RatioRow& r) { return r.barrier; });
+  rep.best_x_per_gpu = best([](const RatioRow& r) { return r.full_per_gpu; });
   if (simulation) rep.best_x_simulated = best([](const RatioRow& r) { return *r.simulated; });
   if (w.tpot_ms > 0) {
     for (const RatioRow& row : rep.ratios) {
@@ -189,18 +194,22 @@ std::string FormatText(const PlanReport& rep) {
     }
   }
   const bool sim = rep.best_x_simulated.has_value();
-  absl::StrAppendFormat(&out, "integer ratios (y = %d; tokens/s per instance):\n", w.ffn_instances);
+  absl::StrAppendFormat(&out,
+                        "integer ratios (y = %d; tokens/s per instance, and per GPU with %d GPUs "
+                        "per attention and %d per FFN instance):\n",
+                        w.ffn_instances, p.hardware.gpus_per_attention_instance,
+                        p.hardware.gpus_per_ffn_instance);
   absl::StrAppendFormat(
-      &out, "  %-7s %6s  %10s %-5s %12s  %10s %-5s %12s %12s %7s %8s %10s %10s %9s%s\n", "xAyF",
-      "r", "tau_seed", "bind", "seed", "tau_full", "bind", "full", "barrier", "FFN", "TPOT ms",
-      "A2F MB", "F2A MB", "link us", sim ? "    simulated" : "");
+      &out, "  %-7s %6s  %10s %-5s %12s  %10s %-5s %12s %12s %10s %7s %8s %10s %10s %9s%s\n",
+      "xAyF", "r", "tau_seed", "bind", "seed", "tau_full", "bind", "full", "barrier", "full/GPU",
+      "FFN", "TPOT ms", "A2F MB", "F2A MB", "link us", sim ? "    simulated" : "");
   for (const RatioRow& row : rep.ratios) {
     absl::StrAppendFormat(&out,
-                          "  %-7s %6.3g  %10.4g %-5s %12.6g  %10.4g %-5s %12.6g %12.6g %6.0f%% "
-                          "%8.3g %10.4g %10.4g %9.4g",
+                          "  %-7s %6.3g  %10.4g %-5s %12.6g  %10.4g %-5s %12.6g %12.6g %10.6g "
+                          "%6.0f%% %8.3g %10.4g %10.4g %9.4g",
                           absl::StrCat(row.x, "A", row.y, "F"), row.r, row.tau_seed,
                           ShortRegime(row.seed_binding), row.seed, row.tau_full,
-                          ShortRegime(row.full_binding), row.full, row.barrier,
+                          ShortRegime(row.full_binding), row.full, row.barrier, row.full_per_gpu,
                           100 * row.ffn_utilisation, row.tpot_ms, row.a2f_bytes / 1e6,
                           row.f2a_bytes / 1e6, row.link_us);
     if (sim) absl::StrAppendFormat(&out, " %12.6g", *row.simulated);
@@ -220,6 +229,9 @@ std::string FormatText(const PlanReport& rep) {
   if (rep.best_x_barrier != rep.best_x) {
     absl::StrAppendFormat(&out, "; with the barrier priced in %dA%dF", rep.best_x_barrier,
                           w.ffn_instances);
+  }
+  if (rep.best_x_per_gpu != rep.best_x) {
+    absl::StrAppendFormat(&out, "; per GPU %dA%dF", rep.best_x_per_gpu, w.ffn_instances);
   }
   if (rep.best_x_seed != rep.best_x) {
     absl::StrAppendFormat(&out, "; the seed's model alone says %dA%dF", rep.best_x_seed,
@@ -277,7 +289,8 @@ std::string FormatJson(const PlanReport& rep) {
                   ", \"throughput\": ", Num(rep.full.throughput),
                   ", \"link_bound_from\": ", Num(rep.link_bound_from), ", \"best_x\": ", rep.best_x,
                   ", \"best_x_seed\": ", rep.best_x_seed,
-                  ", \"best_x_barrier\": ", rep.best_x_barrier);
+                  ", \"best_x_barrier\": ", rep.best_x_barrier,
+                  ", \"best_x_per_gpu\": ", rep.best_x_per_gpu);
   if (rep.best_x_simulated)
     absl::StrAppend(&out, ", \"best_x_simulated\": ", *rep.best_x_simulated);
   if (rep.best_x_within_tpot)

@@ -23,6 +23,7 @@ struct RatioRow {
   double tau_seed = 0, tau_full = 0;
   Regime seed_binding = Regime::kFfn, full_binding = Regime::kFfn;
   double seed = 0, full = 0;  // tokens/s per instance
+  double full_per_gpu = 0;    // the full model's tokens/s per GPU
   // The full model with the barrier priced in: every FFN batch waits for the
   // slowest of x attention stages, t_A + alpha_A * sd(T) * E[max of x
   // standard normals] (a Gaussian approximation of the token load).
@@ -47,6 +48,7 @@ struct PlanReport {
   int best_x = 1;                   // best integer x by the full model
   int best_x_seed = 1;              // by the seed's model
   int best_x_barrier = 1;           // by the barrier-aware full model
+  int best_x_per_gpu = 1;           // by the full model per GPU
   std::optional<int> best_x_simulated;
   std::optional<int> best_x_within_tpot;  // with workload.tpot_ms: the best that meets it
   std::optional<SimOptions> simulation;
