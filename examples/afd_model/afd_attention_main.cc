@@ -248,7 +248,8 @@ void AttentionInstance::DumpLayer(int step, int layer, const MicroBatch& mb) {
 
 void AttentionInstance::FinishStep(int step, MicroBatch& mb) {
   if (emulated_) {  // no model: only the step's end counts
-    results_.step_end_ns[size_t(step) * shape_.micro_batches + mb.index] = stepmesh::MonotonicNowNs();
+    results_.step_end_ns[size_t(step) * shape_.micro_batches + mb.index] =
+        stepmesh::MonotonicNowNs();
     return;
   }
   side_.ApplyF2A(mb.partial_ptrs, &mb.state);

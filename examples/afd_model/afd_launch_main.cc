@@ -451,8 +451,9 @@ int Launcher::Run() {
   }
   if (emulation) {
     std::printf("%s", FormatEmulationSummary(f_.shape, *emulation, results).c_str());
-    std::printf("reference check: PASS (skipped: --emulate-compute replaces the kernels; all "
-                "processes succeeded)\n");
+    std::printf(
+        "reference check: PASS (skipped: --emulate-compute replaces the kernels; all "
+        "processes succeeded)\n");
     return 0;
   }
   if (!f_.reference) {
