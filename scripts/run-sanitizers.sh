@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the unit, transport, end-to-end and reliability tests under
+# Builds the unit, transport, end-to-end, reliability and planner tests under
 # ASan+UBSan (preset asan) and TSan (preset tsan) and runs them; any sanitizer
 # report fails the run (halt_on_error / -fno-sanitize-recover).
 #
@@ -23,7 +23,7 @@ export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:strict_string_checks=1:dete
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/reliability/tsan.supp"
 
-targets=(core_tests stepmesh_test_node reliability_tests stepmesh_reliability_node)
+targets=(core_tests stepmesh_test_node reliability_tests stepmesh_reliability_node planner_tests)
 exclude='separate processes: 2A2F*'
 
 for preset in "${presets[@]}"; do
@@ -43,7 +43,7 @@ for preset in "${presets[@]}"; do
   echo "== $preset: test"
   # The binaries run directly (one process per executable, random order):
   # much faster than ctest's process per case under sanitizers.
-  for exe in core_tests reliability_tests "${extra[@]}"; do
+  for exe in core_tests reliability_tests planner_tests "${extra[@]}"; do
     path=$(find "$build/tests" -name "$exe" -type f -perm -u+x | head -1)
     echo "-- $exe"
     "$path" --order rand --rng-seed time "~$exclude" > "$build/$exe.log" 2>&1 || {

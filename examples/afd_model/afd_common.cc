@@ -104,6 +104,17 @@ absl::Status RunShape::Validate() const {
   if (engine != "auto" && engine != "cpu" && engine != "cuda" && engine != "cpu-device") {
     return absl::InvalidArgumentError("--engine must be auto, cpu, cuda or cpu-device");
   }
+  if (!emulate_compute.empty()) {
+    // The emulated engine computes nothing: no kernels to pick, no KV cache.
+    if (engine != "auto") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--emulate-compute selects the emulated engine; drop --engine ", engine));
+    }
+    if (kv_cache != "fp32") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--kv-cache ", kv_cache, ": the emulated engine (--emulate-compute) keeps no KV cache"));
+    }
+  }
   if (ResolvedEngine() == "cuda" && backend != "cuda") {
     return absl::InvalidArgumentError("--engine cuda needs --backend cuda");
   }
@@ -136,6 +147,15 @@ int64_t LayerDumpRow(const RunShape& shape, const ModelConfig& config, int step,
 
 absl::Status ValidateRunForModel(const RunShape& shape, const ExampleModel& model) {
   const ModelConfig& config = model.config;
+  if (model.step5 && !shape.emulate_compute.empty()) {
+    // The emulated engine runs no model, and the report's Step-5 lines would
+    // describe a selection that never happened; a plan's latency model
+    // (e.g. a Step-5-like plan) is what stands for the model there.
+    return absl::InvalidArgumentError(
+        absl::StrCat("--emulate-compute with the Step-5 model ", config.name,
+                     ": the emulated engine runs no model; emulate with a Step-3 --model (the "
+                     "wire shapes) and a plan for the model you want (docs/planning.md)"));
+  }
   if (model.step5) {
     // Step-5's attention side is CPU code with fp32 caches; the device
     // engines (cpu-device, cuda) implement Step-3's MFA attention only.
@@ -280,6 +300,7 @@ absl::StatusOr<RunShape> ParseRunFlags(Flags& flags) {
   s.poll_mode = flags.Str("poll-mode", s.poll_mode);
   s.engine = flags.Str("engine", s.engine);
   s.kv_cache = flags.Str("kv-cache", s.kv_cache);
+  s.emulate_compute = flags.Str("emulate-compute", "");
   absl::StatusOr<int64_t> timeout_ms =
       flags.Int("timeout-ms", absl::ToInt64Milliseconds(s.timeout));
   if (!timeout_ms.ok()) return timeout_ms.status();
@@ -306,6 +327,7 @@ void AppendRunFlags(const RunShape& s, std::vector<std::string>* argv) {
   add("engine", s.engine);
   add("kv-cache", s.kv_cache);
   add("timeout-ms", absl::StrCat(absl::ToInt64Milliseconds(s.timeout)));
+  if (!s.emulate_compute.empty()) add("emulate-compute", s.emulate_compute);
 }
 
 absl::StatusOr<stepmesh::MeshOptions> MeshOptionsFor(const RunShape& shape, stepmesh::Role role,

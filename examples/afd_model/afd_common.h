@@ -59,6 +59,10 @@ struct RunShape {
   std::string engine = "auto";
   std::string kv_cache = "fp32";  // fp32, bf16 or fp8 (KvCacheFormat)
   absl::Duration timeout = absl::Seconds(30);
+  // --emulate-compute PLAN.json selects the "emulated" engine: sleeps from
+  // the plan's latency model instead of the model's kernels
+  // (emulated_compute.h); --engine stays auto.
+  std::string emulate_compute;
 
   int steps() const { return decode_steps + 1; }  // prefill + decode
   // Requests [begin, end) of micro-batch m (sizes differ by at most one).
@@ -72,8 +76,10 @@ struct RunShape {
   // Tokens fed per request in a step.
   int64_t TokensPerRequest(int step) const { return step == 0 ? prompt_len : 1; }
   absl::Status Validate() const;
-  // The engine "auto" stands for.
+  // The engine that runs: "emulated" with --emulate-compute, else the one
+  // "auto" stands for.
   std::string ResolvedEngine() const {
+    if (!emulate_compute.empty()) return "emulated";
     return engine != "auto" ? engine : backend == "cuda" ? "cuda" : "cpu";
   }
 };
@@ -174,6 +180,11 @@ inline constexpr int kSelectionBlockCounts = 4;
 struct StageTiming {
   uint64_t begin_ns = 0;  // attention compute of (step, layer, micro-batch)
   uint64_t end_ns = 0;
+  // What the stage computed, for calibrating latency models (stepmesh_plan
+  // --calibrate-trace): its token rows and the KV tokens it attended over
+  // (the cache lengths of its sequences after the step's tokens).
+  int64_t rows = 0;
+  int64_t kv_tokens = 0;
 };
 struct AttentionResults {
   int32_t instance = 0;

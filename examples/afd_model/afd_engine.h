@@ -13,10 +13,13 @@
 //    kernels on the CUDA backend's streams, activations, KV cache and wire
 //    tensors in device memory (built with CUDA only);
 //  - "cpu-device": the same device engines over the CPU kernels on cpu_mock,
-//    so the orchestration of the CUDA path runs (and is checked) in CI.
+//    so the orchestration of the CUDA path runs (and is checked) in CI;
+//  - "emulated" (--emulate-compute PLAN.json): no model at all, each stage
+//    and FFN batch a sleep from the planner's latency model
+//    (emulated_compute.h), the bytes still real, so ratios like 6A1F run on
+//    a small machine.
 // The device engines implement Step-3's attention only.
-// A new way to compute (another model, kernels replaced by sleeps) is a new
-// engine; the pipeline does not change.
+// A new way to compute is a new engine; the pipeline does not change.
 
 #include <cstdint>
 #include <memory>
@@ -86,6 +89,13 @@ struct FfnWire {
   std::unique_ptr<stepmesh::Memory> codes, scales, topk_ids, topk_weights, reply;
 };
 
+// One micro-batch's wire tensors, all in pinned host memory (the engines
+// whose stages are host functions: cpu, emulated).
+absl::StatusOr<AttentionWire> HostAttentionWire(stepmesh::Backend& backend, const RunShape& shape,
+                                                const ModelConfig& config);
+absl::StatusOr<FfnWire> HostFfnWire(stepmesh::Backend& backend, const RunShape& shape,
+                                    const ModelConfig& config);
+
 struct WorkerRows {
   int worker = 0;
   int64_t rows = 0;
@@ -140,5 +150,12 @@ absl::StatusOr<std::unique_ptr<FfnEngine>> CreateDeviceFfnEngine(FfnEngineParams
 // The CPU engines (any backend whose streams run host functions).
 absl::StatusOr<std::unique_ptr<AttentionEngine>> CreateCpuAttentionEngine(AttentionEngineParams p);
 absl::StatusOr<std::unique_ptr<FfnEngine>> CreateCpuFfnEngine(FfnEngineParams p);
+
+// The emulated engines (afd_engine_emulated.cc, --emulate-compute PLAN.json):
+// no model, sleeps from the plan's latency model on the same pipeline and
+// wire (any backend whose streams run host functions).
+absl::StatusOr<std::unique_ptr<AttentionEngine>> CreateEmulatedAttentionEngine(
+    AttentionEngineParams p);
+absl::StatusOr<std::unique_ptr<FfnEngine>> CreateEmulatedFfnEngine(FfnEngineParams p);
 
 }  // namespace afd::example

@@ -54,14 +54,6 @@ class CpuAttentionEngine final : public AttentionEngine {
         p_.model->NewAttention(shape_.requests, int64_t{shape_.prompt_len} + shape_.decode_steps,
                                KvFormat(shape_), &error);
     if (side_ == nullptr) return absl::InvalidArgumentError(error);
-    const int64_t h = config_.hidden_size;
-    const int64_t slot = shape_.SlotRows();
-    const A2FSizes sizes{slot, h, config_.top_k, config_.fp8_group};
-    auto alloc = [&](size_t bytes) {
-      // Pinned host memory: the CPU kernels read and write it, and on CUDA
-      // the copy engines still get page-locked buffers.
-      return p_.backend->Allocate(bytes, stepmesh::MemoryKind::kHostPinned);
-    };
     for (int m = 0; m < shape_.micro_batches; ++m) {
       auto mb = std::make_unique<MicroBatch>();
       mb->index = m;
@@ -69,16 +61,11 @@ class CpuAttentionEngine final : public AttentionEngine {
       mb->end = shape_.MicroBatchEnd(m);
       mb->next_tokens.resize(mb->count());
       mb->state = side_->NewStepState();
-      AttentionWire& w = mb->wire;
-      STEPMESH_ASSIGN_OR_RETURN(w.header, alloc(sizeof(int32_t) * kWireHeaderInts));
-      STEPMESH_ASSIGN_OR_RETURN(w.codes, alloc(sizes.codes_bytes()));
-      STEPMESH_ASSIGN_OR_RETURN(w.scales, alloc(sizes.scales_bytes()));
-      STEPMESH_ASSIGN_OR_RETURN(w.topk_ids, alloc(sizes.topk_ids_bytes()));
-      STEPMESH_ASSIGN_OR_RETURN(w.topk_weights, alloc(sizes.topk_weights_bytes()));
-      for (int s = 0; s < shape_.ffn; ++s) {
-        STEPMESH_ASSIGN_OR_RETURN(auto partial, alloc(F2APartialBytes(slot, h)));
+      // Pinned host memory: the CPU kernels read and write it, and on CUDA
+      // the copy engines still get page-locked buffers.
+      STEPMESH_ASSIGN_OR_RETURN(mb->wire, HostAttentionWire(*p_.backend, shape_, config_));
+      for (const auto& partial : mb->wire.partials) {
         mb->partial_ptrs.push_back(static_cast<const uint16_t*>(partial->data()));
-        w.partials.push_back(std::move(partial));
       }
       STEPMESH_ASSIGN_OR_RETURN(mb->stream, p_.backend->CreateStream());
       micro_batches_.push_back(std::move(mb));
@@ -189,6 +176,10 @@ class CpuAttentionEngine final : public AttentionEngine {
       DumpLayer(step, layer - 1, mb);
     }
     side_->Attention(layer, mb.state.get());
+    // What the stage computed, for latency models (the trace's args).
+    t.rows = mb.state->num_tokens();
+    t.kv_tokens = 0;
+    for (const SequenceChunk& c : mb.chunks) t.kv_tokens += side_->SequenceLength(c.sequence);
     side_->PrepareFfnInput(layer, mb.state.get());
     AttentionWire& w = mb.wire;
     side_->WriteA2F(
@@ -218,22 +209,9 @@ class CpuFfnEngine final : public FfnEngine {
 
   absl::Status Init() {
     STEPMESH_ASSIGN_OR_RETURN(stream_, p_.backend->CreateStream());
-    const int64_t w = shape_.attention;
-    const int64_t slot = shape_.SlotRows();
-    const int64_t h = config_.hidden_size;
-    const A2FSizes sizes{w * slot, h, config_.top_k, config_.fp8_group};
-    auto alloc = [&](size_t bytes) {
-      return p_.backend->Allocate(bytes, stepmesh::MemoryKind::kHostPinned);
-    };
     regions_.resize(shape_.micro_batches);
     for (Regions& r : regions_) {
-      FfnWire& wire = r.wire;
-      STEPMESH_ASSIGN_OR_RETURN(wire.header, alloc(sizeof(int32_t) * w * kWireHeaderInts));
-      STEPMESH_ASSIGN_OR_RETURN(wire.codes, alloc(sizes.codes_bytes()));
-      STEPMESH_ASSIGN_OR_RETURN(wire.scales, alloc(sizes.scales_bytes()));
-      STEPMESH_ASSIGN_OR_RETURN(wire.topk_ids, alloc(sizes.topk_ids_bytes()));
-      STEPMESH_ASSIGN_OR_RETURN(wire.topk_weights, alloc(sizes.topk_weights_bytes()));
-      STEPMESH_ASSIGN_OR_RETURN(wire.reply, alloc(F2APartialBytes(w * slot, h)));
+      STEPMESH_ASSIGN_OR_RETURN(r.wire, HostFfnWire(*p_.backend, shape_, config_));
     }
     return absl::OkStatus();
   }

@@ -446,7 +446,15 @@ absl::Status DeviceAttentionEngine::EnqueueStage(int m, int step, int layer) {
   }
   STEPMESH_RETURN_IF_ERROR(EnqueueAttention(mb, step, layer));
   STEPMESH_RETURN_IF_ERROR(EnqueueFfnInput(mb, step, layer));
-  return mb.stream->LaunchHostFunc([timing] { timing->end_ns = stepmesh::MonotonicNowNs(); });
+  // What the stage computed, for latency models (the trace's args): every
+  // sequence of the micro-batch holds prompt + step tokens after it.
+  const int64_t rows = mb.steps[step].rows;
+  const int64_t kv_tokens = int64_t{mb.count} * (shape_.prompt_len + step);
+  return mb.stream->LaunchHostFunc([timing, rows, kv_tokens] {
+    timing->end_ns = stepmesh::MonotonicNowNs();
+    timing->rows = rows;
+    timing->kv_tokens = kv_tokens;
+  });
 }
 
 absl::Status DeviceAttentionEngine::EnqueueFinishStep(int m, int step) {

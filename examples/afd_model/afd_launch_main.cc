@@ -8,6 +8,7 @@
 //              [--deadline-s 300] [--chrome-trace FILE] [--work-dir DIR]
 //              [--scheduler-binary PATH] [--no-reference] [--no-layer-check]
 //              [--kill-ffn-after-ms N [--kill-ffn P] --expect-failure]
+//              [--emulate-compute PLAN.json]
 //
 // Starts the stepmesh scheduler (in this process on a free 127.0.0.1 port,
 // or the stepmesh_scheduler program), X afd_attention and Y afd_ffn
@@ -22,6 +23,12 @@
 // with --expect-failure the run passes when every attention instance exits
 // with an error naming that server within the mesh timeout ("failure check:
 // PASS (...)").
+//
+// --emulate-compute PLAN.json selects the emulated engine (afd_engine.h):
+// sleeps from the planner's latency model (emulated_compute.h) instead of the
+// model's kernels; the bytes still move. The reference check is skipped; an
+// "emulated compute:" line gives the decode throughput in the plan's virtual
+// tokens.
 
 #include <arpa/inet.h>
 #include <dirent.h>
@@ -59,6 +66,7 @@
 #include "examples/afd_model/afd_engine.h"
 #include "examples/afd_model/afd_report.h"
 #include "examples/afd_model/config.h"
+#include "examples/afd_model/emulated_compute.h"
 #include "examples/afd_model/example_model.h"
 #include "stepmesh/stepmesh.h"
 
@@ -228,8 +236,11 @@ int Fail(absl::string_view line) {
 
 class Launcher {
  public:
-  Launcher(LaunchFlags flags, ExampleModel model)
-      : f_(std::move(flags)), model_(std::move(model)), config_(model_.config) {}
+  Launcher(LaunchFlags flags, ExampleModel model, std::optional<stepmesh::planner::Plan> emulation)
+      : f_(std::move(flags)),
+        model_(std::move(model)),
+        config_(model_.config),
+        emulation_(std::move(emulation)) {}
   int Run();
 
  private:
@@ -251,6 +262,8 @@ class Launcher {
   LaunchFlags f_;
   const ExampleModel model_;   // the model the run uses (--model / --config)
   const ModelConfig& config_;  // model_.config
+  // --emulate-compute: the plan, for the emulated throughput line.
+  const std::optional<stepmesh::planner::Plan> emulation_;
   std::unique_ptr<stepmesh::Scheduler> scheduler_;
   std::unique_ptr<Child> scheduler_process_;
   std::string scheduler_address_;
@@ -556,6 +569,13 @@ int Launcher::Run() {
     }
     std::printf("chrome trace: %s\n", f_.chrome_trace.c_str());
   }
+  if (emulation_) {
+    std::printf("%s", FormatEmulationSummary(f_.shape, *emulation_, results).c_str());
+    std::printf(
+        "reference check: PASS (skipped: --emulate-compute replaces the kernels; all "
+        "processes succeeded)\n");
+    return 0;
+  }
   if (!f_.reference) {
     std::printf("reference check: PASS (skipped: --no-reference; all processes succeeded)\n");
     return 0;
@@ -615,6 +635,13 @@ run shape (passed to every process):
                          auto (default): cuda on --backend cuda, else cpu
   --kv-cache fp32|bf16|fp8  KV-cache format (fp8: E4M3, one scale per token),
                          default fp32; bf16/fp8 with the cpu engine
+  --emulate-compute PLAN.json
+                         the emulated engine: no model runs, every attention
+                         stage and FFN batch sleeps for the plan's latency model
+                         (docs/planning.md) while the pipeline and the bytes stay
+                         real; no reference check, an "emulated compute:" line
+                         gives the decode throughput. Not with --engine, nor
+                         with a Step-5 --model
   --poll-mode adaptive|spin|blocking  default adaptive
   --timeout-ms N         mesh timeout (connect, barrier, every wait), default 30000
 
@@ -664,13 +691,17 @@ bool IsExecutable(const std::string& path) { return ::access(path.c_str(), X_OK)
 
 // Everything that can be checked before a process starts: the flags, the
 // config, the run against the model, memory, the backend and transport.
-absl::Status Preflight(const LaunchFlags& f, ExampleModel* model) {
+absl::Status Preflight(const LaunchFlags& f, ExampleModel* model,
+                       std::optional<stepmesh::planner::Plan>* emulation) {
   std::string error;
   std::optional<ExampleModel> loaded = LoadExampleModel(f.shape.config, BundledConfigDir(), &error);
   if (!loaded) return absl::InvalidArgumentError(absl::StrCat("--model: ", error));
   *model = *std::move(loaded);
   const ModelConfig* config = &model->config;
   STEPMESH_RETURN_IF_ERROR(ValidateRunForModel(f.shape, *model));
+  if (!f.shape.emulate_compute.empty()) {
+    STEPMESH_ASSIGN_OR_RETURN(*emulation, LoadEmulationPlan(f.shape.emulate_compute));
+  }
   if (f.deadline_s <= 0) return absl::InvalidArgumentError("--deadline-s must be > 0");
   if (f.progress_s < 0) return absl::InvalidArgumentError("--progress-s must be >= 0");
   if (f.expect_failure && f.kill_ffn_after_ms < 0 && f.inject_wrong_layer.empty()) {
@@ -791,8 +822,11 @@ int Main(int argc, char** argv) {
   f.inject_wrong_layer = flags->Str("inject-wrong-layer", "");
   const bool keep = flags->Bool("keep-work-dir") || !f.work_dir.empty();
   if (absl::Status s = flags->CheckAllUsed(); !s.ok()) return UsageError(s.message());
+  // The emulated engine runs no model: there is nothing to check against.
+  if (!f.shape.emulate_compute.empty()) f.reference = false;
   ExampleModel model;
-  if (absl::Status s = Preflight(f, &model); !s.ok()) return UsageError(s.message());
+  std::optional<stepmesh::planner::Plan> emulation;
+  if (absl::Status s = Preflight(f, &model, &emulation); !s.ok()) return UsageError(s.message());
   if (f.kill_ffn < 0) f.kill_ffn = f.shape.ffn - 1;
 
   if (f.work_dir.empty()) {
@@ -808,7 +842,7 @@ int Main(int argc, char** argv) {
   ::sigaction(SIGTERM, &sa, nullptr);
 
   const std::string work_dir = f.work_dir;
-  const int rc = Launcher(std::move(f), std::move(model)).Run();
+  const int rc = Launcher(std::move(f), std::move(model), std::move(emulation)).Run();
   if (!keep && rc == 0) RemoveWorkDir(work_dir);
   return rc;
 }

@@ -280,12 +280,14 @@ absl::Status WriteChromeTrace(const std::string& path, const RunShape& shape,
   for (const AttentionResults& r : results) origin = std::min(origin, r.start_ns);
   std::string json = "{\"traceEvents\":[\n";
   bool first = true;
-  auto event = [&](absl::string_view name, int pid, int tid, uint64_t a, uint64_t b) {
+  auto event = [&](absl::string_view name, int pid, int tid, uint64_t a, uint64_t b,
+                   absl::string_view args = "") {
     if (Span(a, b) < 0 || a < origin) return;
     absl::StrAppendFormat(&json,
                           "%s{\"name\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,"
-                          "\"dur\":%.3f}",
-                          first ? "" : ",\n", name, pid, tid, (a - origin) * 1e-3, (b - a) * 1e-3);
+                          "\"dur\":%.3f%s%s}",
+                          first ? "" : ",\n", name, pid, tid, (a - origin) * 1e-3, (b - a) * 1e-3,
+                          args.empty() ? "" : ",\"args\":", args);
     first = false;
   };
   auto meta = [&](int pid, absl::string_view name) {
@@ -304,8 +306,12 @@ absl::Status WriteChromeTrace(const std::string& path, const RunShape& shape,
         for (int m = 0; m < r.micro_batches; ++m) {
           const size_t stage = r.StageIndex(s, l, m);
           const std::string tag = absl::StrCat("s", s, " L", l, " mb", m);
+          // args: what latency models are calibrated against (docs/planning.md).
           event(absl::StrCat("attention ", tag), pid, 1 + m, r.attention[stage].begin_ns,
-                r.attention[stage].end_ns);
+                r.attention[stage].end_ns,
+                absl::StrFormat("{\"step\":%d,\"layer\":%d,\"mb\":%d,\"rows\":%d,"
+                                "\"kv_tokens\":%d}",
+                                s, l, m, r.attention[stage].rows, r.attention[stage].kv_tokens));
           for (int p = 0; p < r.servers; ++p) {
             const stepmesh::TraceStamps& t = r.traces[stage * r.servers + p];
             event(absl::StrCat("A2F->ffn", p, " ", tag), pid, 10 + 10 * p + m, t.post_ns,
@@ -314,8 +320,10 @@ absl::Status WriteChromeTrace(const std::string& path, const RunShape& shape,
                   t.reply_arrival_ns);
             // A batch spans every attention instance; draw it once.
             if (r.instance == 0) {
+              int64_t rows = 0;  // the batch holds this stage of every attention instance
+              for (const AttentionResults& other : results) rows += other.attention[stage].rows;
               event(absl::StrCat("FFN ", tag), 100 + p, 1 + m, t.server_handler_ns,
-                    t.server_reply_ns);
+                    t.server_reply_ns, absl::StrFormat("{\"rows\":%d}", rows));
             }
           }
         }

@@ -6,6 +6,7 @@
 #   launcher_args_test.sh <afd_launch>
 set -uo pipefail
 launch="$1"
+plan="$(cd "$(dirname "$0")/../.." && pwd)/src/tools/planner/configs/emulated_ordering.json"
 fails=0
 work="$(mktemp -d /tmp/afd_args_test.XXXXXX)"
 trap 'rm -rf "$work"' EXIT
@@ -38,6 +39,7 @@ expect() {
 
 expect 0 "--attention X +attention instances" --help
 expect 0 "--model NAME\|PATH +the model" --help
+expect 0 "--emulate-compute PLAN.json" --help
 expect 2 "--ffn 17: at most 16 FFN instances" --attention 1 --ffn 17
 expect 2 "need at least 1A1F" --attention 0 --ffn 1
 expect 2 "unknown flag\(s\): --bogus" --bogus 3
@@ -66,6 +68,10 @@ expect 2 "unexpected argument stray" stray
 expect 2 "--engine cpu-device \(cpu-device\): the Step-5 model [a-z0-9-]+ runs on the cpu engine only" --model tiny-step5 --engine cpu-device
 expect 2 "--engine auto \(cuda\): the Step-5 model [a-z0-9-]+ runs on the cpu engine only" --model tiny-step5 --backend cuda
 expect 2 "--kv-cache bf16: the Step-5 model [a-z0-9-]+ keeps an fp32 KV cache" --model tiny-step5 --kv-cache bf16
+# --emulate-compute selects the emulated engine: no other engine, no Step-5 model.
+expect 2 "--emulate-compute selects the emulated engine; drop --engine cpu" --emulate-compute "$plan" --engine cpu
+expect 2 "--emulate-compute with the Step-5 model [a-z0-9-]+: the emulated engine runs no model" --model tiny-step5 --emulate-compute "$plan"
+expect 2 "--emulate-compute: .*/nonexistent.json" --emulate-compute /nonexistent.json
 if [[ ! -e /sys/class/infiniband ]] || [[ -z "$(ls -A /sys/class/infiniband 2>/dev/null)" ]]; then
   expect 2 "--transport rdma: no RDMA device here" --transport rdma
 fi
