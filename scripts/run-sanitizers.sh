@@ -34,8 +34,12 @@ for preset in "${presets[@]}"; do
   # The RDMA tests (fake verbs; their GPUDirect cases use the fake CUDA API)
   # and the CUDA backend's tests over the fake CUDA API: built wherever the
   # verbs / CUDA headers exist, no NIC or GPU needed.
+  # The target list is read whole first: `ninja ... | grep -q` under pipefail
+  # fails whenever grep stops reading before ninja has written everything
+  # (SIGPIPE), which silently dropped targets late in the list.
+  all_targets=$(ninja -C "$build" -t targets all 2>/dev/null)
   for optional in rdma_tests cuda_backend_tests; do
-    if ninja -C "$build" -t targets all 2>/dev/null | grep -q "^$optional:"; then
+    if grep -q "^$optional:" <<<"$all_targets"; then
       extra+=("$optional")
     fi
   done
