@@ -8,8 +8,10 @@ packages=(
   libabsl-dev libhwloc-dev libibverbs-dev
   catch2 libbenchmark-dev libzmq3-dev
   gnuplot-nox
+  python3 python3-numpy   # the example's independent float64 reference (tests/model)
   clang-14 libclang-rt-14-dev   # libFuzzer (scripts/run-fuzz.sh)
-  # the Python package (python/) and its tests; torch is a test dependency
+  # the Python package (python/) and its tests; torch is a test dependency;
+  # python3-numpy also runs the independent numpy reference of tests/step5
   python3-dev pybind11-dev python3-numpy python3-pytest python3-setuptools python3-torch
 )
 

@@ -6,6 +6,7 @@
 # reference check.
 #
 #   scripts/run-example.sh [extra afd_launch flags, e.g. --chrome-trace t.json]
+#   scripts/run-example.sh --model tiny-step5     # the Step-5-Preview model
 #
 # BUILD_DIR (default build) and BUILD_TYPE (default RelWithDebInfo) may be
 # set in the environment.
@@ -29,7 +30,18 @@ cmake --build "$build_dir" -j "$(nproc)" \
   --target afd_attention afd_ffn afd_launch stepmesh_scheduler
 
 # 2A2F: 9 requests per attention instance in 3 micro-batches, 32-token
-# prompts, 16 greedy decode steps.
+# prompts, 16 greedy decode steps. A Step-5 model (--model tiny-step5) gets
+# 112-token prompts instead, so its global layers' block selection really
+# drops history; an explicit --prompt-len wins.
+prompt_len=32
+args=("$@")
+for ((i = 0; i < ${#args[@]}; ++i)); do
+  case "${args[i]}" in
+    --prompt-len) prompt_len="" ;;
+    --model|--config)
+      if [[ -n $prompt_len && ${args[i+1]:-} == *step5* ]]; then prompt_len=112; fi ;;
+  esac
+done
 exec "$build_dir/examples/afd_model/afd_launch" --attention 2 --ffn 2 \
-  --requests 9 --prompt-len 32 --decode-steps 16 --micro-batches 3 \
-  --transport tcp --backend cpu_mock "$@"
+  --requests 9 ${prompt_len:+--prompt-len "$prompt_len"} --decode-steps 16 \
+  --micro-batches 3 --transport tcp --backend cpu_mock "$@"

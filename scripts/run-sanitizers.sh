@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the unit, transport, end-to-end and reliability tests under
+# Builds the unit, transport, end-to-end, reliability and planner tests under
 # ASan+UBSan (preset asan) and TSan (preset tsan) and runs them; any sanitizer
 # report fails the run (halt_on_error / -fno-sanitize-recover).
 #
@@ -23,7 +23,7 @@ export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:strict_string_checks=1:dete
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/reliability/tsan.supp"
 
-targets=(core_tests stepmesh_test_node reliability_tests stepmesh_reliability_node)
+targets=(core_tests stepmesh_test_node reliability_tests stepmesh_reliability_node planner_tests)
 exclude='separate processes: 2A2F*'
 
 for preset in "${presets[@]}"; do
@@ -31,14 +31,23 @@ for preset in "${presets[@]}"; do
   cmake --preset "$preset" >/dev/null
   build=build-$preset
   extra=()
-  if ninja -C "$build" -t targets all 2>/dev/null | grep -q '^rdma_tests:'; then
-    extra+=(rdma_tests)
-  fi
+  # The RDMA tests (fake verbs; their GPUDirect cases use the fake CUDA API)
+  # and the CUDA backend's tests over the fake CUDA API: built wherever the
+  # verbs / CUDA headers exist, no NIC or GPU needed.
+  # The target list is read whole first: `ninja ... | grep -q` under pipefail
+  # fails whenever grep stops reading before ninja has written everything
+  # (SIGPIPE), which silently dropped targets late in the list.
+  all_targets=$(ninja -C "$build" -t targets all 2>/dev/null)
+  for optional in rdma_tests cuda_backend_tests; do
+    if grep -q "^$optional:" <<<"$all_targets"; then
+      extra+=("$optional")
+    fi
+  done
   cmake --build "$build" --target "${targets[@]}" "${extra[@]}" -j"$jobs"
   echo "== $preset: test"
   # The binaries run directly (one process per executable, random order):
   # much faster than ctest's process per case under sanitizers.
-  for exe in core_tests reliability_tests "${extra[@]}"; do
+  for exe in core_tests reliability_tests planner_tests "${extra[@]}"; do
     path=$(find "$build/tests" -name "$exe" -type f -perm -u+x | head -1)
     echo "-- $exe"
     "$path" --order rand --rng-seed time "~$exclude" > "$build/$exe.log" 2>&1 || {

@@ -18,14 +18,18 @@ rules=(
   "src/backends/cpu_mock/|src/base/ src/backends/cpu_mock/ stepmesh/"
   "src/backends/cuda/|src/base/ src/backends/cuda/ stepmesh/"
   "src/compose/|src/ stepmesh/"
+  "src/tools/planner/|stepmesh/status.h"
   "src/tools/|src/compose/ src/core/ src/base/ stepmesh/"
   "tests/support/|src/ stepmesh/ tests/support/ tests/rdma/fake_verbs.h tests/cuda/fake_cuda_api.h"
   "tests/fuzz/|src/core/ stepmesh/"
   "tests/model/|examples/afd_model/ stepmesh/ tests/support/"
   "tests/model_gpu/|examples/afd_model/ stepmesh/ tests/support/"
+  "tests/afd/|examples/afd_model/ stepmesh/ tests/support/"
+  "tests/step5/|examples/afd_model/ stepmesh/ tests/support/"
   "tests/|src/ stepmesh/ tests/support/ tests/rdma/fake_verbs.h tests/cuda/fake_cuda_api.h"
+  "benchmarks/model/|examples/afd_model/ stepmesh/ benchmarks/model/"
   "benchmarks/|src/ stepmesh/ benchmarks/ tests/support/"
-  "examples/|stepmesh/ examples/ src/backends/cuda/cuda_backend.h"
+  "examples/|stepmesh/ examples/ src/backends/cuda/cuda_backend.h src/tools/planner/"
 )
 
 # A folder under src/transport or src/backends that no rule names is a new

@@ -3,14 +3,20 @@
 //           ReadyEventMode, on an otherwise idle stream;
 //   resume  host flag Store() -> the waiting stream resumes, per wait path,
 //           observed as the stream's SignalHostFlag write arriving back on the
-//           host (so it includes one GPU->host write as well).
+//           host (so it includes one GPU->host write as well);
+//   copy    Backend::Copy (cudaMemcpyAsync on the backend's own stream + stream
+//           sync) against the cudaMemcpy it replaced (legacy default stream),
+//           measured interleaved in the same run; prints the ratio.
 // Usage: cuda_latency [iterations=2000] [device=0]. Exits 77 without a GPU.
+
+#include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -112,6 +118,58 @@ int ResumeLatency(int device, StreamWaitMode mode, int iterations) {
   return 0;
 }
 
+int NextLatency(int device, int iterations) {
+  auto backend = CreateCudaBackend(device, {});
+  if (!backend.ok()) return 1;
+  auto stream = *(*backend)->CreateStream();
+  auto counter = *(*backend)->CreateHostFlag();
+  auto cursor = *(*backend)->CreateHostFlag();
+  auto ack = *(*backend)->CreateHostFlag();
+  std::vector<double> micros;
+  for (uint32_t i = 1; i <= static_cast<uint32_t>(iterations); ++i) {
+    if (!stream->WaitHostFlagNext(*counter, *cursor).ok() ||
+        !stream->SignalHostFlag(*ack, i).ok()) {
+      return 1;
+    }
+    absl::SleepFor(absl::Microseconds(200));
+    const Clock::time_point start = Clock::now();
+    counter->Store(i);
+    while (ack->Load() != i) base::CpuRelax();
+    micros.push_back(Micros(start, Clock::now()));
+  }
+  if (!stream->Synchronize(absl::Seconds(10)).ok()) return 1;
+  Report("resume: counter->stream (wait-next)", micros);
+  return 0;
+}
+
+// The backend's synchronous copy against the baseline it replaced, device to
+// pinned host (what the send thread does when it stages a push).
+int CopyLatency(int device, size_t bytes, int iterations) {
+  auto backend = CreateCudaBackend(device, {});
+  if (!backend.ok()) return 1;
+  auto source = *(*backend)->Allocate(bytes, MemoryKind::kDevice);
+  auto target = *(*backend)->Allocate(bytes, MemoryKind::kHostPinned);
+  if (cudaSetDevice(device) != cudaSuccess) return 1;
+  std::vector<double> ours, baseline;
+  for (int i = 0; i < iterations; ++i) {
+    Clock::time_point start = Clock::now();
+    if (!(*backend)->Copy(target->data(), source->data(), bytes).ok()) return 1;
+    ours.push_back(Micros(start, Clock::now()));
+    start = Clock::now();
+    if (cudaMemcpy(target->data(), source->data(), bytes, cudaMemcpyDefault) != cudaSuccess) {
+      return 1;
+    }
+    baseline.push_back(Micros(start, Clock::now()));
+  }
+  const std::string size = bytes >= (1 << 20) ? std::to_string(bytes >> 20) + " MiB"
+                                              : std::to_string(bytes >> 10) + " KiB";
+  Report(("copy " + size + ": Backend::Copy").c_str(), ours);
+  Report(("copy " + size + ": cudaMemcpy (baseline)").c_str(), baseline);
+  std::printf("copy %s: p50 ratio Backend::Copy / cudaMemcpy = %.2f\n", size.c_str(),
+              ours[ours.size() / 2] / baseline[baseline.size() / 2]);
+  return 0;
+}
+
 }  // namespace
 }  // namespace stepmesh
 
@@ -129,5 +187,8 @@ int main(int argc, char** argv) {
   rc |= stepmesh::ReadyLatency(device, stepmesh::ReadyEventMode::kCudaEvent, iterations);
   rc |= stepmesh::ResumeLatency(device, stepmesh::StreamWaitMode::kStreamMemOp, iterations);
   rc |= stepmesh::ResumeLatency(device, stepmesh::StreamWaitMode::kKernel, iterations);
+  rc |= stepmesh::NextLatency(device, iterations);
+  rc |= stepmesh::CopyLatency(device, size_t{4} << 10, iterations);
+  rc |= stepmesh::CopyLatency(device, size_t{1} << 20, iterations);
   return rc;
 }

@@ -1,12 +1,28 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine, from the repository root, every GPU check of
-# issues 3 and 5 out of .device-bundle/ (made here by scripts/device-bundle.sh):
-#   cuda_gpu_tests   the CUDA backend on the device (allocation, both ready-event
-#                    modes, stream waits on host flags, the wait kernel in a
-#                    captured graph, 1A1F over TCP with device tensors)
-#   cuda_latency     record -> send thread sees it (both modes); flag -> stream resumes
+# issues 3, 5, 16, 19 and 20 out of .device-bundle/ (made here by scripts/device-bundle.sh):
+#   cuda_gpu_issue16 the CUDA backend's hazards on the device (issue 16): a
+#                    blocking application stream waiting on the reply while the
+#                    send thread copies (10 s deadline), a device fault failing
+#                    a copy-engine ready event, no context on device 0 when
+#                    using device 1 (skipped with one GPU), both sides' arrival
+#                    waits inside captured graphs replayed 100 times
+#   cuda_gpu_tests   the rest: allocation, both ready-event modes, stream waits on
+#                    host flags, the wait kernel in a captured graph, 1A1F over
+#                    TCP with device tensors
+#   cuda_latency     record -> send thread sees it (both modes); flag -> stream
+#                    resumes (memop, kernel, wait-next); Backend::Copy vs cudaMemcpy
 #   model_gpu_tests  every model kernel against the CPU at full width, and the
 #                    timing table (decode attention vs HBM, expert GEMMs vs cuBLAS)
+#   step5_gpu_tests  the Step-5 kernels (indexer scores, top-k block selection,
+#                    sparse decode attention) against the CPU, full and tiny widths
+#   afd_gate_c       the Step-3 example disaggregated with its CUDA kernels
+#                    (--backend cuda: the "cuda" engine), 1A1F at full width on
+#                    this one GPU, attention and FFN processes sharing it; Gate C
+#                    against the fp32 CPU reference (bounded, reference fed the
+#                    run's tokens) and the report's tokens/s
+#   afd_paper_mb     the same at the paper's 128 tokens per micro-batch in decode
+#                    (384 requests, 3 micro-batches): tokens/s, no reference
 # Logs go to $OUT (the device tool brings them back) or .device-bundle/out.
 # Each step has its own time limit; one failing does not stop the others.
 set -uo pipefail
@@ -36,8 +52,23 @@ step() {  # name, seconds, command...
   tail -n 40 "$out/$name.log"
   summary+=("$name: exit $rc")
 }
-step cuda_gpu_tests 180 "$bundle/bin/cuda_gpu_tests"
-step cuda_latency 120 "$bundle/bin/cuda_latency" 2000 0
+# CUDA backend (issue 16 first, so its results come back even if a later step hangs).
+step cuda_gpu_issue16 100 "$bundle/bin/cuda_gpu_tests" "[issue16]" --durations yes
+step cuda_gpu_tests 100 "$bundle/bin/cuda_gpu_tests" "~[issue16]" --durations yes
+step cuda_latency 60 "$bundle/bin/cuda_latency" 2000 0
 step model_gpu_tests 300 "$bundle/bin/model_gpu_tests"
+if [[ -x $bundle/bin/step5_gpu_tests ]]; then
+  step step5_gpu_tests 240 "$bundle/bin/step5_gpu_tests"
+else
+  summary+=("step5_gpu_tests: not in the bundle (rebuild it with scripts/device-bundle.sh)")
+fi
+# The CPU reference of full width needs ~56 GB of host memory and a few
+# minutes; the run itself seconds. Configs are found from the repository root.
+step afd_gate_c 420 "$bundle/bin/afd_launch" --config full --attention 1 --ffn 1 \
+  --requests 3 --prompt-len 16 --decode-steps 4 --micro-batches 3 --backend cuda \
+  --transport tcp --timeout-ms 120000 --deadline-s 400 --progress-s 30
+step afd_paper_mb 300 "$bundle/bin/afd_launch" --config full --attention 1 --ffn 1 \
+  --requests 384 --prompt-len 2 --decode-steps 8 --micro-batches 3 --backend cuda \
+  --transport tcp --timeout-ms 120000 --deadline-s 280 --no-reference --progress-s 30
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
 ! grep -qv 'exit 0$' "$out/summary.txt"

@@ -1,13 +1,15 @@
-// afd_attention: one attention instance of a disaggregated Step-3 run (a
-// stepmesh worker). Owns the embedding, MFA attention + KV cache, the norms,
+// afd_attention: one attention instance of a disaggregated run of the example
+// model (Step-3, or Step-5 with --model tiny-step5; a stepmesh worker). Its
+// engine owns the embedding, attention + KV cache, the norms,
 // the router, FP8 quantisation of the A2F activations, the reduction of the
 // FFN partials, the residual stream and the LM head; the FFN lives on the
 // afd_ffn servers. Normally started by afd_launch.
 //
 //   afd_attention --scheduler HOST:PORT --rank A --results FILE [--dump-layers]
-//                 [run flags: --config --attention --ffn --requests --prompt-len
-//                  --decode-steps --micro-batches --transport --backend
-//                  --poll-mode --timeout-ms] [--device N]
+//                 [--progress FILE] [--inject-wrong-layer STEP:LAYER]
+//                 [run flags: --model (or --config) --attention --ffn --requests
+//                  --prompt-len --decode-steps --micro-batches --transport --backend
+//                  --poll-mode --engine --kv-cache --timeout-ms] [--device N]
 //
 // Pipeline: the instance's requests are split into micro-batches, each with
 // its own pre-registered wire tensors, StepState and backend stream. The main
@@ -24,12 +26,13 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
+#include "absl/strings/str_split.h"
 #include "examples/afd_model/afd_common.h"
-#include "examples/afd_model/attention_side.h"
+#include "examples/afd_model/afd_engine.h"
 #include "examples/afd_model/config.h"
-#include "examples/afd_model/kernels/cpu_kernels.h"
+#include "examples/afd_model/example_model.h"
 #include "examples/afd_model/model_weights.h"
 #include "examples/afd_model/wire.h"
 #include "stepmesh/stepmesh.h"
@@ -40,24 +43,14 @@ namespace {
 using stepmesh::DType;
 using stepmesh::Shape;
 
+// The pipeline's view of a micro-batch: its request in flight and the event
+// that gates its next send. The compute state lives in the engine.
 struct MicroBatch {
   int index = 0;
   int begin = 0;  // requests [begin, end) of this instance
   int end = 0;
   int count() const { return end - begin; }
-
-  StepState state;
-  std::vector<SequenceChunk> chunks;
-  std::vector<int32_t> inputs;
-  std::vector<int32_t> next_tokens;  // greedy tokens of the last finished step
-
-  // Pre-registered wire tensors (backend memory: pinned host on CUDA).
-  std::unique_ptr<stepmesh::Memory> codes, scales, topk_ids, topk_weights;
-  std::vector<std::unique_ptr<stepmesh::Memory>> partials;  // per FFN server
-  std::vector<const uint16_t*> partial_ptrs;
-
-  std::unique_ptr<stepmesh::Stream> stream;
-  std::unique_ptr<stepmesh::Event> ready;  // the attention of the current layer is done
+  std::unique_ptr<stepmesh::Event> ready;  // the engine's stage of the current layer is done
   stepmesh::RequestHandle handle;
   bool in_flight = false;
   size_t in_flight_stage = 0;  // StageIndex of the request in flight
@@ -66,16 +59,19 @@ struct MicroBatch {
 
 class AttentionInstance {
  public:
-  AttentionInstance(const RunShape& shape, const ModelConfig& config, int rank, bool dump_layers)
+  AttentionInstance(const RunShape& shape, const ExampleModel& model, int rank, bool dump_layers)
       : shape_(shape),
-        config_(config),
+        model_(model),
+        config_(model.config),
         rank_(rank),
-        dump_layers_(dump_layers),
-        side_(config, shape.requests, int64_t{shape.prompt_len} + shape.decode_steps) {}
+        dump_layers_(dump_layers) {}
 
-  // Joins the mesh and registers every micro-batch's tensors.
+  // Creates the engine, joins the mesh and registers every micro-batch's tensors.
   absl::Status Init(const std::string& scheduler, int device);
   absl::Status Run();
+  absl::Status OpenProgress(const std::string& path) { return progress_.Open(path); }
+  // Test hook: the header of (step, layer) names layer + 1 (the FFN must refuse it).
+  void InjectWrongLayer(int step, int layer) { wrong_layer_ = {step, layer}; }
   const AttentionResults& results() const { return results_; }
   absl::Status Finish() {
     if (absl::Status s = worker_->Barrier(); !s.ok()) return s;
@@ -83,80 +79,83 @@ class AttentionInstance {
   }
 
  private:
-  // Host-side work of (step, layer) for a micro-batch; runs on its stream.
-  void Stage(int step, int layer, MicroBatch& mb);
-  void BeginStep(int step, MicroBatch& mb);
-  void FinishStep(int step, MicroBatch& mb);
-  void DumpLayer(int step, int layer, const MicroBatch& mb);
   absl::Status WaitReply(MicroBatch& mb);
   absl::Status Launch(int step, int layer, MicroBatch& mb);
-  void Fail(absl::Status s) {
-    absl::MutexLock lock(&error_mu_);
-    if (error_.ok()) error_ = std::move(s);
-  }
-  absl::Status Error() {
-    absl::MutexLock lock(&error_mu_);
-    return error_;
-  }
+  void SizeResults();
 
   const RunShape shape_;
-  const ModelConfig config_;
+  const ExampleModel model_;
+  const ModelConfig& config_;  // model_.config
   const int rank_;
   const bool dump_layers_;
-  AttentionSide side_;
-  std::vector<std::vector<int32_t>> prompts_;  // this instance's requests
+  Progress wrong_layer_;
   std::shared_ptr<stepmesh::Backend> backend_;
   AttentionResults results_;
-  absl::Mutex error_mu_;
-  absl::Status error_ ABSL_GUARDED_BY(error_mu_);
-  // The worker reads the registered memory the micro-batches own, so it is
-  // declared last and destroyed first; the streams drain on destruction and
-  // their queued stages touch side_/results_, declared earlier.
-  std::vector<std::unique_ptr<MicroBatch>> micro_batches_;
+  ProgressWriter progress_;
+  std::vector<MicroBatch> micro_batches_;
+  // Destroyed before the results: its streams drain on destruction and the
+  // queued stages write the results.
+  std::unique_ptr<AttentionEngine> engine_;
+  // The worker reads the registered memory the engine owns, so it is
+  // declared last and destroyed first.
   std::unique_ptr<stepmesh::AFTensorWorker> worker_;
 };
+
+void AttentionInstance::SizeResults() {
+  results_.instance = rank_;
+  results_.requests = shape_.requests;
+  results_.steps = shape_.steps();
+  results_.layers = config_.num_layers;
+  results_.micro_batches = shape_.micro_batches;
+  results_.servers = shape_.ffn;
+  results_.hidden = config_.hidden_size;
+  results_.vocab = config_.vocab_size;
+  results_.step_end_ns.assign(size_t(shape_.steps()) * shape_.micro_batches, 0);
+  results_.tokens.assign(size_t(shape_.requests) * shape_.steps(), -1);
+  results_.logits.assign(size_t(shape_.steps()) * shape_.requests * config_.vocab_size, 0.0f);
+  results_.selection_blocks.assign(kSelectionBlockCounts, 0);
+  if (dump_layers_) {
+    const size_t rows = size_t(shape_.requests) * (shape_.prompt_len + shape_.decode_steps);
+    results_.layer_hidden.assign(rows * config_.num_layers * config_.hidden_size, 0.0f);
+  }
+  const size_t stages = size_t(shape_.steps()) * config_.num_layers * shape_.micro_batches;
+  results_.attention.assign(stages, {});
+  results_.traces.assign(stages * shape_.ffn, {});
+}
 
 absl::Status AttentionInstance::Init(const std::string& scheduler, int device) {
   const int64_t h = config_.hidden_size;
   const int64_t slot = shape_.SlotRows();
-  const A2FSizes sizes{slot, h, config_.top_k, config_.fp8_group};
-
-  const std::vector<int32_t> all =
-      GeneratePromptTokens(config_, shape_.attention * shape_.requests, shape_.prompt_len);
-  for (int r = 0; r < shape_.requests; ++r) {
-    const int64_t g = int64_t{rank_} * shape_.requests + r;
-    prompts_.emplace_back(all.begin() + g * shape_.prompt_len,
-                          all.begin() + (g + 1) * shape_.prompt_len);
-  }
+  SizeResults();
 
   absl::StatusOr<std::unique_ptr<stepmesh::Backend>> backend =
       stepmesh::CreateBackend(shape_.backend, device);
   if (!backend.ok()) return backend.status();
   backend_ = std::move(*backend);
 
-  auto alloc = [&](size_t bytes) -> absl::StatusOr<std::unique_ptr<stepmesh::Memory>> {
-    // Pinned host memory: the model kernels are CPU kernels, and on CUDA the
-    // NIC/copy engines still get page-locked buffers.
-    return backend_->Allocate(bytes, stepmesh::MemoryKind::kHostPinned);
-  };
+  AttentionEngineParams params;
+  params.shape = &shape_;
+  params.model = &model_;
+  params.rank = rank_;
+  params.dump_layers = dump_layers_;
+  params.backend = backend_;
+  params.results = &results_;
+  const std::vector<int32_t> all =
+      GeneratePromptTokens(config_, shape_.attention * shape_.requests, shape_.prompt_len);
+  for (int r = 0; r < shape_.requests; ++r) {
+    const int64_t g = int64_t{rank_} * shape_.requests + r;
+    params.prompts.emplace_back(all.begin() + g * shape_.prompt_len,
+                                all.begin() + (g + 1) * shape_.prompt_len);
+  }
+  STEPMESH_ASSIGN_OR_RETURN(engine_, CreateAttentionEngine(std::move(params)));
+
+  micro_batches_.resize(shape_.micro_batches);
   for (int m = 0; m < shape_.micro_batches; ++m) {
-    auto mb = std::make_unique<MicroBatch>();
-    mb->index = m;
-    mb->begin = shape_.MicroBatchBegin(m);
-    mb->end = shape_.MicroBatchEnd(m);
-    mb->next_tokens.resize(mb->count());
-    STEPMESH_ASSIGN_OR_RETURN(mb->codes, alloc(sizes.codes_bytes()));
-    STEPMESH_ASSIGN_OR_RETURN(mb->scales, alloc(sizes.scales_bytes()));
-    STEPMESH_ASSIGN_OR_RETURN(mb->topk_ids, alloc(sizes.topk_ids_bytes()));
-    STEPMESH_ASSIGN_OR_RETURN(mb->topk_weights, alloc(sizes.topk_weights_bytes()));
-    for (int s = 0; s < shape_.ffn; ++s) {
-      STEPMESH_ASSIGN_OR_RETURN(auto p, alloc(F2APartialBytes(slot, h)));
-      mb->partial_ptrs.push_back(static_cast<const uint16_t*>(p->data()));
-      mb->partials.push_back(std::move(p));
-    }
-    STEPMESH_ASSIGN_OR_RETURN(mb->stream, backend_->CreateStream());
-    STEPMESH_ASSIGN_OR_RETURN(mb->ready, backend_->CreateEvent());
-    micro_batches_.push_back(std::move(mb));
+    MicroBatch& mb = micro_batches_[m];
+    mb.index = m;
+    mb.begin = shape_.MicroBatchBegin(m);
+    mb.end = shape_.MicroBatchEnd(m);
+    STEPMESH_ASSIGN_OR_RETURN(mb.ready, backend_->CreateEvent());
   }
 
   STEPMESH_ASSIGN_OR_RETURN(stepmesh::MeshOptions options,
@@ -165,115 +164,26 @@ absl::Status AttentionInstance::Init(const std::string& scheduler, int device) {
   STEPMESH_ASSIGN_OR_RETURN(worker_, stepmesh::AFTensorWorker::Create(options, backend_));
 
   const int64_t groups = h / config_.fp8_group;
-  for (auto& mb : micro_batches_) {
-    const int m = mb->index;
+  for (int m = 0; m < shape_.micro_batches; ++m) {
+    AttentionWire& w = engine_->wire(m);
     STEPMESH_RETURN_IF_ERROR(worker_->RegisterPushTensor(
-        PushKey(m, A2FTensor::kCodes), mb->codes->View(DType::kFloat8E4M3, Shape{slot, h})));
+        PushKey(m, A2FTensor::kCodes), w.codes->View(DType::kFloat8E4M3, Shape{slot, h})));
     STEPMESH_RETURN_IF_ERROR(worker_->RegisterPushTensor(
-        PushKey(m, A2FTensor::kScales), mb->scales->View(DType::kFloat32, Shape{slot, groups})));
-    STEPMESH_RETURN_IF_ERROR(worker_->RegisterPushTensor(
-        PushKey(m, A2FTensor::kTopkIds),
-        mb->topk_ids->View(DType::kInt32, Shape{slot, config_.top_k})));
+        PushKey(m, A2FTensor::kScales), w.scales->View(DType::kFloat32, Shape{slot, groups})));
+    STEPMESH_RETURN_IF_ERROR(
+        worker_->RegisterPushTensor(PushKey(m, A2FTensor::kTopkIds),
+                                    w.topk_ids->View(DType::kInt32, Shape{slot, config_.top_k})));
     STEPMESH_RETURN_IF_ERROR(worker_->RegisterPushTensor(
         PushKey(m, A2FTensor::kTopkWeights),
-        mb->topk_weights->View(DType::kFloat32, Shape{slot, config_.top_k})));
+        w.topk_weights->View(DType::kFloat32, Shape{slot, config_.top_k})));
+    STEPMESH_RETURN_IF_ERROR(worker_->RegisterPushTensor(
+        PushKey(m, A2FTensor::kHeader), w.header->View(DType::kInt32, Shape{kWireHeaderInts})));
     for (int s = 0; s < shape_.ffn; ++s) {
       STEPMESH_RETURN_IF_ERROR(worker_->RegisterPullTensor(
-          PullKey(m), s, mb->partials[s]->View(DType::kBFloat16, Shape{slot, h})));
+          PullKey(m), s, w.partials[s]->View(DType::kBFloat16, Shape{slot, h})));
     }
   }
-
-  results_.instance = rank_;
-  results_.requests = shape_.requests;
-  results_.steps = shape_.steps();
-  results_.layers = config_.num_layers;
-  results_.micro_batches = shape_.micro_batches;
-  results_.servers = shape_.ffn;
-  results_.hidden = h;
-  results_.vocab = config_.vocab_size;
-  results_.step_end_ns.assign(size_t(shape_.steps()) * shape_.micro_batches, 0);
-  results_.tokens.assign(size_t(shape_.requests) * shape_.steps(), -1);
-  results_.logits.assign(size_t(shape_.steps()) * shape_.requests * config_.vocab_size, 0.0f);
-  if (dump_layers_) {
-    const size_t rows = size_t(shape_.requests) * (shape_.prompt_len + shape_.decode_steps);
-    results_.layer_hidden.assign(rows * config_.num_layers * h, 0.0f);
-  }
-  const size_t stages = size_t(shape_.steps()) * config_.num_layers * shape_.micro_batches;
-  results_.attention.assign(stages, {});
-  results_.traces.assign(stages * shape_.ffn, {});
   return absl::OkStatus();
-}
-
-void AttentionInstance::BeginStep(int step, MicroBatch& mb) {
-  mb.chunks.clear();
-  mb.inputs.clear();
-  for (int i = 0; i < mb.count(); ++i) {
-    const int r = mb.begin + i;
-    if (step == 0) {
-      mb.chunks.push_back({r, shape_.prompt_len});
-      mb.inputs.insert(mb.inputs.end(), prompts_[r].begin(), prompts_[r].end());
-    } else {
-      mb.chunks.push_back({r, 1});
-      mb.inputs.push_back(mb.next_tokens[i]);
-    }
-  }
-  if (!side_.BeginStep(mb.chunks, mb.inputs, &mb.state)) {
-    Fail(absl::InternalError(absl::StrCat("BeginStep failed for micro-batch ", mb.index,
-                                          " step ", step, " (KV cache overflow?)")));
-  }
-}
-
-void AttentionInstance::DumpLayer(int step, int layer, const MicroBatch& mb) {
-  if (!dump_layers_) return;
-  // [step][layer][rows of the step][H]: step 0 has requests * prompt_len
-  // rows, each later step one row per request.
-  const int64_t h = config_.hidden_size;
-  const int64_t per_request = shape_.TokensPerRequest(step);
-  const int64_t step_rows = per_request * shape_.requests;
-  const int64_t rows_before =
-      step == 0 ? 0
-                : int64_t{shape_.prompt_len} * shape_.requests * config_.num_layers +
-                      int64_t{step - 1} * shape_.requests * config_.num_layers;
-  const int64_t row = rows_before + layer * step_rows + mb.begin * per_request;
-  std::copy(mb.state.hidden.begin(), mb.state.hidden.end(),
-            results_.layer_hidden.begin() + row * h);
-}
-
-void AttentionInstance::FinishStep(int step, MicroBatch& mb) {
-  side_.ApplyF2A(mb.partial_ptrs, &mb.state);
-  DumpLayer(step, config_.num_layers - 1, mb);
-  std::vector<float> logits;
-  side_.LastTokenLogits(mb.state, nullptr, &logits);
-  const int64_t v = config_.vocab_size;
-  cpu::ArgmaxRows(logits.data(), mb.count(), v, mb.next_tokens.data());
-  for (int i = 0; i < mb.count(); ++i) {
-    const int r = mb.begin + i;
-    results_.tokens[size_t(r) * shape_.steps() + step] = mb.next_tokens[i];
-    std::copy(logits.begin() + i * v, logits.begin() + (i + 1) * v,
-              results_.logits.begin() + (size_t(step) * shape_.requests + r) * v);
-  }
-  // Each micro-batch writes its own slot (streams run concurrently); the
-  // launcher takes the maximum.
-  results_.step_end_ns[size_t(step) * shape_.micro_batches + mb.index] = stepmesh::MonotonicNowNs();
-}
-
-void AttentionInstance::Stage(int step, int layer, MicroBatch& mb) {
-  StageTiming& t = results_.attention[results_.StageIndex(step, layer, mb.index)];
-  t.begin_ns = stepmesh::MonotonicNowNs();
-  if (layer == 0) {
-    if (step > 0) FinishStep(step - 1, mb);
-    BeginStep(step, mb);
-  } else {
-    side_.ApplyF2A(mb.partial_ptrs, &mb.state);
-    DumpLayer(step, layer - 1, mb);
-  }
-  side_.Attention(layer, &mb.state);
-  side_.PrepareFfnInput(layer, &mb.state);
-  side_.WriteA2F(mb.state, {static_cast<uint8_t*>(mb.codes->data()),
-                            static_cast<float*>(mb.scales->data()),
-                            static_cast<int32_t*>(mb.topk_ids->data()),
-                            static_cast<float*>(mb.topk_weights->data())});
-  t.end_ns = stepmesh::MonotonicNowNs();
 }
 
 absl::Status AttentionInstance::WaitReply(MicroBatch& mb) {
@@ -293,23 +203,34 @@ absl::Status AttentionInstance::WaitReply(MicroBatch& mb) {
       }
     }
   }
-  return Error();
+  return absl::OkStatus();
 }
 
 absl::Status AttentionInstance::Launch(int step, int layer, MicroBatch& mb) {
-  STEPMESH_RETURN_IF_ERROR(mb.stream->LaunchHostFunc([this, step, layer, &mb] {
-    Stage(step, layer, mb);
-  }));
-  STEPMESH_RETURN_IF_ERROR(mb.ready->Record(*mb.stream));
-  const int64_t n = int64_t{mb.count()} * shape_.TokensPerRequest(step);
-  const A2FSizes sizes{n, config_.hidden_size, config_.top_k, config_.fp8_group};
   const int m = mb.index;
+  STEPMESH_RETURN_IF_ERROR(engine_->EnqueueStage(m, step, layer));
+  STEPMESH_RETURN_IF_ERROR(mb.ready->Record(engine_->stream(m)));
+  const int64_t n = int64_t{mb.count()} * shape_.TokensPerRequest(step);
+  // The header is written here, not on the stream: the previous request of
+  // this micro-batch has completed (WaitReply), so nothing reads it now, and
+  // the send thread reads it only after `ready`.
+  WireHeader header{step,
+                    layer,
+                    m,
+                    static_cast<int32_t>(n),
+                    rank_,
+                    config_.is_moe_layer[layer] ? WireHeader::kMoeLayer : 0,
+                    static_cast<int32_t>(config_.hidden_size)};
+  if (wrong_layer_.step == step && wrong_layer_.layer == layer) header.layer = layer + 1;
+  WriteWireHeader(header, static_cast<int32_t*>(engine_->wire(m).header->data()));
+  const A2FSizes sizes{n, config_.hidden_size, config_.top_k, config_.fp8_group};
   // Only the rows of this step travel: a prefix of each registered tensor.
   const stepmesh::Push pushes[kA2FTensors] = {
       {PushKey(m, A2FTensor::kCodes), sizes.codes_bytes()},
       {PushKey(m, A2FTensor::kScales), sizes.scales_bytes()},
       {PushKey(m, A2FTensor::kTopkIds), sizes.topk_ids_bytes()},
       {PushKey(m, A2FTensor::kTopkWeights), sizes.topk_weights_bytes()},
+      {PushKey(m, A2FTensor::kHeader), sizeof(int32_t) * kWireHeaderInts},
   };
   std::vector<stepmesh::Pull> pulls;
   for (int s = 0; s < shape_.ffn; ++s) pulls.push_back({PullKey(m), s});
@@ -333,22 +254,23 @@ absl::Status AttentionInstance::Run() {
   results_.start_ns = stepmesh::MonotonicNowNs();
   for (int step = 0; step < shape_.steps(); ++step) {
     for (int layer = 0; layer < config_.num_layers; ++layer) {
-      for (auto& mb : micro_batches_) {
+      progress_.Update(step, layer);
+      for (MicroBatch& mb : micro_batches_) {
         // The previous layer's partials must have landed before this
         // micro-batch's stage reduces them.
-        STEPMESH_RETURN_IF_ERROR(WaitReply(*mb));
-        STEPMESH_RETURN_IF_ERROR(Launch(step, layer, *mb));
+        STEPMESH_RETURN_IF_ERROR(WaitReply(mb));
+        STEPMESH_RETURN_IF_ERROR(Launch(step, layer, mb));
       }
     }
   }
-  for (auto& mb : micro_batches_) {
-    STEPMESH_RETURN_IF_ERROR(WaitReply(*mb));
-    MicroBatch* p = mb.get();
-    STEPMESH_RETURN_IF_ERROR(
-        mb->stream->LaunchHostFunc([this, p] { FinishStep(shape_.steps() - 1, *p); }));
+  for (MicroBatch& mb : micro_batches_) {
+    STEPMESH_RETURN_IF_ERROR(WaitReply(mb));
+    STEPMESH_RETURN_IF_ERROR(engine_->EnqueueFinishStep(mb.index, shape_.steps() - 1));
   }
-  for (auto& mb : micro_batches_) STEPMESH_RETURN_IF_ERROR(mb->stream->Synchronize(shape_.timeout));
-  return Error();
+  for (int m = 0; m < shape_.micro_batches; ++m) {
+    STEPMESH_RETURN_IF_ERROR(engine_->stream(m).Synchronize(shape_.timeout));
+  }
+  return engine_->Finish();
 }
 
 int Main(int argc, char** argv) {
@@ -360,6 +282,16 @@ int Main(int argc, char** argv) {
   absl::StatusOr<RunShape> shape = ParseRunFlags(*flags);
   const std::string scheduler = flags->Str("scheduler", "");
   const std::string results_path = flags->Str("results", "");
+  const std::string progress_path = flags->Str("progress", "");
+  Progress wrong_layer;
+  if (const std::string inject = flags->Str("inject-wrong-layer", ""); !inject.empty()) {
+    std::vector<std::string> parts = absl::StrSplit(inject, ':');
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &wrong_layer.step) ||
+        !absl::SimpleAtoi(parts[1], &wrong_layer.layer)) {
+      std::fprintf(stderr, "afd_attention: --inject-wrong-layer wants STEP:LAYER\n");
+      return 2;
+    }
+  }
   const bool dump_layers = flags->Bool("dump-layers");
   absl::StatusOr<int64_t> rank = flags->Int("rank", -1);
   absl::StatusOr<int64_t> device = flags->Int("device", 0);
@@ -373,20 +305,22 @@ int Main(int argc, char** argv) {
     return 2;
   }
   std::string error;
-  const std::optional<ModelConfig> config =
-      LoadModelConfig(shape->config, BundledConfigDir(), &error);
-  if (!config) {
+  const std::optional<ExampleModel> model =
+      LoadExampleModel(shape->config, BundledConfigDir(), &error);
+  if (!model) {
     std::fprintf(stderr, "afd_attention: config: %s\n", error.c_str());
     return 2;
   }
-  if (int64_t{shape->prompt_len} + shape->decode_steps > config->max_positions) {
-    std::fprintf(stderr, "afd_attention: prompt + decode exceeds max_position_embedding\n");
+  if (st = ValidateRunForModel(*shape, *model); !st.ok()) {
+    std::fprintf(stderr, "afd_attention: %s\n", st.ToString().c_str());
     return 2;
   }
 
   const int a = static_cast<int>(*rank);
-  AttentionInstance instance(*shape, *config, a, dump_layers);
-  st = instance.Init(scheduler, static_cast<int>(*device));
+  AttentionInstance instance(*shape, *model, a, dump_layers);
+  if (wrong_layer.step >= 0) instance.InjectWrongLayer(wrong_layer.step, wrong_layer.layer);
+  if (!progress_path.empty()) st = instance.OpenProgress(progress_path);
+  if (st.ok()) st = instance.Init(scheduler, static_cast<int>(*device));
   if (st.ok()) st = instance.Run();
   if (st.ok() && !results_path.empty()) st = WriteResults(results_path, instance.results());
   if (st.ok()) st = instance.Finish();

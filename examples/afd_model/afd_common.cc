@@ -1,5 +1,9 @@
 #include "examples/afd_model/afd_common.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -10,6 +14,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "examples/afd_model/attention_side.h"
 
 namespace afd::example {
 namespace {
@@ -93,13 +98,188 @@ absl::Status RunShape::Validate() const {
   if (backend != "cpu_mock" && backend != "cuda") {
     return absl::InvalidArgumentError("--backend must be cpu_mock or cuda");
   }
-  if (timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("--timeout-ms must be > 0");
+  if (KvCacheFormat f; !ParseKvCacheFormat(kv_cache, &f)) {
+    return absl::InvalidArgumentError("--kv-cache must be fp32, bf16 or fp8");
+  }
+  if (engine != "auto" && engine != "cpu" && engine != "cuda" && engine != "cpu-device") {
+    return absl::InvalidArgumentError("--engine must be auto, cpu, cuda or cpu-device");
+  }
+  if (!emulate_compute.empty()) {
+    // The emulated engine computes nothing: no kernels to pick, no KV cache.
+    if (engine != "auto") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--emulate-compute selects the emulated engine; drop --engine ", engine));
+    }
+    if (kv_cache != "fp32") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--kv-cache ", kv_cache, ": the emulated engine (--emulate-compute) keeps no KV cache"));
+    }
+  }
+  if (ResolvedEngine() == "cuda" && backend != "cuda") {
+    return absl::InvalidArgumentError("--engine cuda needs --backend cuda");
+  }
+  if (ResolvedEngine() != "cpu" && kv_cache != "fp32") {
+    return absl::InvalidArgumentError(absl::StrCat("--kv-cache ", kv_cache,
+                                                   " needs --engine cpu (the ", ResolvedEngine(),
+                                                   " engine keeps an fp32 KV cache)"));
+  }
+  if (ResolvedEngine() == "cpu-device" && backend != "cpu_mock") {
+    // Its host functions read "device" memory, host memory only on cpu_mock.
+    return absl::InvalidArgumentError("--engine cpu-device needs --backend cpu_mock");
+  }
+  if (timeout <= absl::ZeroDuration())
+    return absl::InvalidArgumentError("--timeout-ms must be > 0");
   return absl::OkStatus();
+}
+
+int64_t LayerDumpRow(const RunShape& shape, const ModelConfig& config, int step, int layer,
+                     int first_request) {
+  // [step][layer][rows of the step][H]: step 0 has requests * prompt_len
+  // rows, each later step one row per request.
+  const int64_t per_request = shape.TokensPerRequest(step);
+  const int64_t step_rows = per_request * shape.requests;
+  const int64_t rows_before = step == 0
+                                  ? 0
+                                  : int64_t{shape.prompt_len} * shape.requests * config.num_layers +
+                                        int64_t{step - 1} * shape.requests * config.num_layers;
+  return rows_before + layer * step_rows + first_request * per_request;
+}
+
+absl::Status ValidateRunForModel(const RunShape& shape, const ExampleModel& model) {
+  const ModelConfig& config = model.config;
+  if (model.step5 && !shape.emulate_compute.empty()) {
+    // The emulated engine runs no model, and the report's Step-5 lines would
+    // describe a selection that never happened; a plan's latency model
+    // (e.g. a Step-5-like plan) is what stands for the model there.
+    return absl::InvalidArgumentError(
+        absl::StrCat("--emulate-compute with the Step-5 model ", config.name,
+                     ": the emulated engine runs no model; emulate with a Step-3 --model (the "
+                     "wire shapes) and a plan for the model you want (docs/planning.md)"));
+  }
+  if (model.step5) {
+    // Step-5's attention side is CPU code with fp32 caches; the device
+    // engines (cpu-device, cuda) implement Step-3's MFA attention only.
+    if (shape.ResolvedEngine() != "cpu") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--engine ", shape.engine, " (", shape.ResolvedEngine(), "): the Step-5 model ",
+          config.name, " runs on the cpu engine only (--engine cpu)"));
+    }
+    if (shape.kv_cache != "fp32") {
+      return absl::InvalidArgumentError(absl::StrCat("--kv-cache ", shape.kv_cache,
+                                                     ": the Step-5 model ", config.name,
+                                                     " keeps an fp32 KV cache"));
+    }
+  }
+  // Partition p owns experts e % F == p and a 1/F column slice of the shared
+  // expert and the dense FFN: each must get at least one of each.
+  const int64_t max_ffn = std::min<int64_t>(
+      {config.num_experts, config.shared_intermediate, config.dense_intermediate});
+  if (shape.ffn > max_ffn) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--ffn ", shape.ffn, ": at most ", max_ffn, " FFN instances for ", config.name,
+                     " (", config.num_experts, " experts; every instance owns at least one)"));
+  }
+  const int64_t positions = int64_t{shape.prompt_len} + shape.decode_steps;
+  if (positions > config.max_positions) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--prompt-len + --decode-steps = ", positions, " exceeds ", config.name,
+                     "'s max_position_embedding ", config.max_positions));
+  }
+  return absl::OkStatus();
+}
+
+HostMemoryEstimate EstimateHostMemory(const RunShape& shape, const ModelConfig& c) {
+  constexpr int64_t kF32 = 4;
+  const int64_t h = c.hidden_size;
+  const int64_t attention_layer = h * (c.q_rank + 2 * c.head_dim) + c.q_rank +
+                                  c.q_rank * c.attention_width() + c.attention_width() * h + 2 * h;
+  int64_t attention_params = 2 * c.vocab_size * h + h + c.num_layers * attention_layer;
+  int64_t ffn_params = 0;
+  for (int l = 0; l < c.num_layers; ++l) {
+    if (c.is_moe_layer[l]) {
+      attention_params += int64_t{c.num_experts} * h;  // router
+      ffn_params += 3 * h * (c.shared_intermediate + c.num_experts * c.expert_intermediate);
+    } else {
+      ffn_params += 3 * h * c.dense_intermediate;
+    }
+  }
+  const int64_t positions = int64_t{shape.prompt_len} + shape.decode_steps;
+  KvCacheFormat kv_format = KvCacheFormat::kFp32;
+  ParseKvCacheFormat(shape.kv_cache, &kv_format);
+  const int64_t kv_per_request =
+      c.num_layers * positions * KvCacheBytesPerToken(kv_format, c.head_dim);
+  // Activations of the largest step: the residual stream, q, attention
+  // output, FFN intermediates, logits; generous, it only has to catch runs
+  // that cannot fit.
+  const int64_t slot = shape.SlotRows();
+  const int64_t widest = std::max({h, c.attention_width(), c.dense_intermediate,
+                                   c.num_experts * c.expert_intermediate, c.vocab_size});
+  const int64_t activations = 8 * slot * shape.micro_batches * widest * kF32;
+  const int64_t wire = slot * shape.micro_batches * h * (1 + 2 * shape.ffn + 1);
+  constexpr int64_t kProcessBase = int64_t{64} << 20;  // code, libraries, mesh buffers
+  // What an attention instance collects (and the launcher reads back).
+  const int64_t results = int64_t{shape.steps()} * shape.requests * c.vocab_size * kF32 +
+                          int64_t{shape.requests} * positions * c.num_layers * h * kF32;
+  HostMemoryEstimate e;
+  e.reference = (attention_params + ffn_params) * kF32 +
+                int64_t{shape.attention} * shape.requests * kv_per_request +
+                activations * shape.attention + shape.attention * results + kProcessBase;
+  if (shape.ResolvedEngine() != "cuda") {
+    e.attention_instance = attention_params * kF32 + shape.requests * kv_per_request + activations +
+                           wire + results + kProcessBase;
+    e.ffn_instance =
+        ffn_params * kF32 / shape.ffn + activations + wire * shape.attention + kProcessBase;
+    return e;
+  }
+  // The cuda engine: weights (bf16 linears, fp32 embedding), KV cache and
+  // activations on the device, every process on the same GPU.
+  constexpr int64_t kBf16 = 2;
+  e.attention_instance = results + wire + kProcessBase;
+  e.ffn_instance = wire * shape.attention + kProcessBase;
+  e.device_total =
+      shape.attention * ((attention_params - c.vocab_size * h) * kBf16 + c.vocab_size * h * kF32 +
+                         shape.requests * kv_per_request + activations + wire) +
+      ffn_params * kBf16 + shape.ffn * (activations + wire * shape.attention);
+  return e;
+}
+
+ProgressWriter::~ProgressWriter() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+absl::Status ProgressWriter::Open(const std::string& path) {
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) return absl::UnavailableError(absl::StrCat("cannot create ", path));
+  return absl::OkStatus();
+}
+
+void ProgressWriter::Update(int step, int layer) {
+  if (fd_ < 0) return;
+  // Fixed width, so the reader never sees a mix of two lengths.
+  char line[32];
+  const int n = std::snprintf(line, sizeof(line), "%12d %12d\n", step, layer);
+  if (n > 0) (void)!::pwrite(fd_, line, static_cast<size_t>(n), 0);
+}
+
+Progress ReadProgress(const std::string& path) {
+  Progress p;
+  std::ifstream in(path);
+  int step = -1, layer = -1;
+  if (in >> step >> layer) p = {step, layer};
+  return p;
 }
 
 absl::StatusOr<RunShape> ParseRunFlags(Flags& flags) {
   RunShape s;
-  s.config = flags.Str("config", s.config);
+  // --model picks the model (docs/example.md, "Models"); --config is the
+  // older name of the same flag.
+  const std::string config = flags.Str("config", "");
+  const std::string model = flags.Str("model", "");
+  if (!config.empty() && !model.empty() && config != model) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--model ", model, " and --config ", config, " disagree; pass one"));
+  }
+  s.config = !model.empty() ? model : !config.empty() ? config : s.config;
   auto read_int = [&](absl::string_view name, int* out) -> absl::Status {
     absl::StatusOr<int64_t> v = flags.Int(name, *out);
     if (!v.ok()) return v.status();
@@ -118,7 +298,11 @@ absl::StatusOr<RunShape> ParseRunFlags(Flags& flags) {
   s.transport = flags.Str("transport", s.transport);
   s.backend = flags.Str("backend", s.backend);
   s.poll_mode = flags.Str("poll-mode", s.poll_mode);
-  absl::StatusOr<int64_t> timeout_ms = flags.Int("timeout-ms", absl::ToInt64Milliseconds(s.timeout));
+  s.engine = flags.Str("engine", s.engine);
+  s.kv_cache = flags.Str("kv-cache", s.kv_cache);
+  s.emulate_compute = flags.Str("emulate-compute", "");
+  absl::StatusOr<int64_t> timeout_ms =
+      flags.Int("timeout-ms", absl::ToInt64Milliseconds(s.timeout));
   if (!timeout_ms.ok()) return timeout_ms.status();
   s.timeout = absl::Milliseconds(*timeout_ms);
   if (absl::Status st = s.Validate(); !st.ok()) return st;
@@ -140,7 +324,10 @@ void AppendRunFlags(const RunShape& s, std::vector<std::string>* argv) {
   add("transport", s.transport);
   add("backend", s.backend);
   add("poll-mode", s.poll_mode);
+  add("engine", s.engine);
+  add("kv-cache", s.kv_cache);
   add("timeout-ms", absl::StrCat(absl::ToInt64Milliseconds(s.timeout)));
+  if (!s.emulate_compute.empty()) add("emulate-compute", s.emulate_compute);
 }
 
 absl::StatusOr<stepmesh::MeshOptions> MeshOptionsFor(const RunShape& shape, stepmesh::Role role,
@@ -171,6 +358,37 @@ int MicroBatchOfGroup(stepmesh::Key group, int micro_batches) {
   return -1;
 }
 
+void WriteWireHeader(const WireHeader& h, int32_t* out) {
+  const int32_t words[kWireHeaderInts] = {kWireHeaderMagic, h.step,     h.layer, h.micro_batch,
+                                          h.rows,           h.instance, h.flags, h.hidden};
+  std::memcpy(out, words, sizeof(words));
+}
+
+absl::Status CheckWireHeader(const int32_t* got, const WireHeader& want, int ffn) {
+  const auto who = [&] {
+    return absl::StrCat("ffn ", ffn, ": attention ", want.instance, " sent ");
+  };
+  if (got[0] != kWireHeaderMagic) {
+    return absl::DataLossError(absl::StrCat(who(), "a frame without an A2F header (magic 0x",
+                                            absl::Hex(static_cast<uint32_t>(got[0])), ")"));
+  }
+  if (got[1] != want.step || got[2] != want.layer || got[3] != want.micro_batch) {
+    return absl::DataLossError(absl::StrCat(who(), "step ", got[1], " layer ", got[2],
+                                            " micro-batch ", got[3], ", this FFN expects step ",
+                                            want.step, " layer ", want.layer, " micro-batch ",
+                                            want.micro_batch));
+  }
+  if (got[4] != want.rows || got[5] != want.instance || got[6] != want.flags ||
+      got[7] != want.hidden) {
+    return absl::DataLossError(
+        absl::StrCat(who(), "a header for ", got[4], " rows from instance ", got[5], " flags ",
+                     got[6], " hidden ", got[7], " with step ", want.step, " layer ", want.layer,
+                     "; expected ", want.rows, " rows, instance ", want.instance, ", flags ",
+                     want.flags, ", hidden ", want.hidden));
+  }
+  return absl::OkStatus();
+}
+
 // The results file: a magic, the header scalars, then each vector as a
 // 64-bit element count followed by its raw elements (same host, so no
 // endianness concerns).
@@ -197,27 +415,31 @@ class Writer {
 
 class Reader {
  public:
-  explicit Reader(std::FILE* f) : f_(f) {}
+  Reader(std::FILE* f, uint64_t file_bytes) : f_(f), left_(file_bytes) {}
   template <typename T>
   void Scalar(T* v) {
-    ok_ = ok_ && std::fread(v, sizeof(T), 1, f_) == 1;
+    ok_ = ok_ && left_ >= sizeof(T) && std::fread(v, sizeof(T), 1, f_) == 1;
+    if (ok_) left_ -= sizeof(T);
   }
   template <typename T>
   void Vector(std::vector<T>* v) {
     uint64_t n = 0;
     Scalar(&n);
-    // A corrupt count must not allocate the world.
-    if (!ok_ || n > (uint64_t{1} << 32)) {
+    // A corrupt count must not allocate more than the file holds.
+    if (!ok_ || n > left_ / sizeof(T)) {
       ok_ = false;
       return;
     }
     v->resize(n);
     if (n != 0) ok_ = ok_ && std::fread(v->data(), sizeof(T), n, f_) == n;
+    if (ok_) left_ -= n * sizeof(T);
   }
   bool ok() const { return ok_; }
+  uint64_t left() const { return left_; }
 
  private:
   std::FILE* f_;
+  uint64_t left_;
   bool ok_ = true;
 };
 
@@ -242,6 +464,7 @@ void Fields(IO& io, R& r) {
   io.Vector(&r.layer_hidden);
   io.Vector(&r.attention);
   io.Vector(&r.traces);
+  io.Vector(&r.selection_blocks);
 }
 
 // Adapts Writer's by-value interface to the pointer-taking Fields().
@@ -249,9 +472,13 @@ class PtrWriter {
  public:
   explicit PtrWriter(Writer& w) : w_(w) {}
   template <typename T>
-  void Scalar(const T* v) { w_.Scalar(*v); }
+  void Scalar(const T* v) {
+    w_.Scalar(*v);
+  }
   template <typename T>
-  void Vector(const std::vector<T>* v) { w_.Vector(*v); }
+  void Vector(const std::vector<T>* v) {
+    w_.Vector(*v);
+  }
 
  private:
   Writer& w_;
@@ -278,10 +505,52 @@ absl::Status WriteResults(const std::string& path, const AttentionResults& r) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<AttentionResults> ReadResults(const std::string& path) {
+absl::Status ValidateResults(const AttentionResults& r, const ExpectedResults& e) {
+  const RunShape& s = *e.shape;
+  const uint64_t steps = s.steps();
+  const uint64_t stages = steps * e.layers * s.micro_batches;
+  const uint64_t rows = uint64_t(s.requests) * (s.prompt_len + s.decode_steps);
+  struct Field {
+    const char* name;
+    uint64_t got, want;
+  };
+  const Field fields[] = {
+      {"instance", uint64_t(r.instance), uint64_t(e.instance)},
+      {"requests", uint64_t(r.requests), uint64_t(s.requests)},
+      {"steps", uint64_t(r.steps), steps},
+      {"layers", uint64_t(r.layers), uint64_t(e.layers)},
+      {"micro_batches", uint64_t(r.micro_batches), uint64_t(s.micro_batches)},
+      {"servers", uint64_t(r.servers), uint64_t(s.ffn)},
+      {"hidden", uint64_t(r.hidden), uint64_t(e.hidden)},
+      {"vocab", uint64_t(r.vocab), uint64_t(e.vocab)},
+      {"step_end_ns elements", r.step_end_ns.size(), steps * s.micro_batches},
+      {"tokens elements", r.tokens.size(), uint64_t(s.requests) * steps},
+      {"logits elements", r.logits.size(), steps * s.requests * uint64_t(e.vocab)},
+      {"layer_hidden elements", r.layer_hidden.size(),
+       e.layers_dumped ? rows * e.layers * uint64_t(e.hidden) : 0},
+      {"attention elements", r.attention.size(), stages},
+      {"traces elements", r.traces.size(), stages * s.ffn},
+      {"selection_blocks elements", r.selection_blocks.size(), kSelectionBlockCounts},
+  };
+  for (const Field& f : fields) {
+    if (f.got != f.want) {
+      return absl::DataLossError(absl::StrCat(
+          "results of attention ", e.instance, ": ", f.name, " is ", f.got, ", the run needs ",
+          f.want, f.want != 0 && f.got == 0 && e.layers_dumped ? " (not dumped?)" : ""));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<AttentionResults> ReadResults(const std::string& path,
+                                             const ExpectedResults& expected) {
   std::unique_ptr<std::FILE, FileCloser> f(std::fopen(path.c_str(), "rb"));
   if (!f) return absl::NotFoundError(absl::StrCat("no results file ", path));
-  Reader rd(f.get());
+  struct stat st {};
+  if (::fstat(::fileno(f.get()), &st) != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot stat ", path));
+  }
+  Reader rd(f.get(), static_cast<uint64_t>(st.st_size));
   char magic[sizeof(kMagic)] = {};
   for (char& c : magic) rd.Scalar(&c);
   if (!rd.ok() || std::memcmp(magic, kMagic, sizeof(kMagic)) != 0) {
@@ -290,6 +559,12 @@ absl::StatusOr<AttentionResults> ReadResults(const std::string& path) {
   AttentionResults r;
   Fields(rd, r);
   if (!rd.ok()) return absl::DataLossError(absl::StrCat(path, ": truncated"));
+  if (rd.left() != 0) {
+    return absl::DataLossError(absl::StrCat(path, ": trailing bytes after the results"));
+  }
+  if (absl::Status s = ValidateResults(r, expected); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(path, ": ", s.message()));
+  }
   return r;
 }
 

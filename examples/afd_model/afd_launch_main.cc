@@ -1,12 +1,14 @@
-// afd_launch: runs a disaggregated Step-3 decode on this host and checks it.
+// afd_launch: runs a disaggregated decode of the example model (Step-3 or
+// Step-5-Preview, --model) on this host and checks it.
 //
 //   afd_launch --attention X --ffn Y [--requests R] [--prompt-len 32]
-//              [--decode-steps 16] [--micro-batches 3] [--config tiny]
+//              [--decode-steps 16] [--micro-batches 3] [--model tiny]
 //              [--transport tcp|rdma] [--backend cpu_mock|cuda]
 //              [--poll-mode adaptive|spin|blocking] [--timeout-ms 30000]
 //              [--deadline-s 300] [--chrome-trace FILE] [--work-dir DIR]
 //              [--scheduler-binary PATH] [--no-reference] [--no-layer-check]
 //              [--kill-ffn-after-ms N [--kill-ffn P] --expect-failure]
+//              [--emulate-compute PLAN.json]
 //
 // Starts the stepmesh scheduler (in this process on a free 127.0.0.1 port,
 // or the stepmesh_scheduler program), X afd_attention and Y afd_ffn
@@ -21,6 +23,12 @@
 // with --expect-failure the run passes when every attention instance exits
 // with an error naming that server within the mesh timeout ("failure check:
 // PASS (...)").
+//
+// --emulate-compute PLAN.json selects the emulated engine (afd_engine.h):
+// sleeps from the planner's latency model (emulated_compute.h) instead of the
+// model's kernels; the bytes still move. The reference check is skipped; an
+// "emulated compute:" line gives the decode throughput in the plan's virtual
+// tokens.
 
 #include <arpa/inet.h>
 #include <dirent.h>
@@ -47,14 +55,19 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "examples/afd_model/afd_common.h"
+#include "examples/afd_model/afd_engine.h"
 #include "examples/afd_model/afd_report.h"
 #include "examples/afd_model/config.h"
+#include "examples/afd_model/emulated_compute.h"
+#include "examples/afd_model/example_model.h"
 #include "stepmesh/stepmesh.h"
 
 namespace afd::example {
@@ -141,7 +154,9 @@ class Child {
 
  private:
   Child(std::string name, pid_t pid, std::string out_path, std::string err_path)
-      : name_(std::move(name)), pid_(pid), out_path_(std::move(out_path)),
+      : name_(std::move(name)),
+        pid_(pid),
+        out_path_(std::move(out_path)),
         err_path_(std::move(err_path)) {}
   static std::string ReadFile(const std::string& path) {
     std::ifstream in(path);
@@ -175,8 +190,10 @@ std::string Tail(const std::string& text, int lines) {
       pos = 0;
       break;
     }
-    if (i < lines) pos = nl;
-    else pos = nl + 1;
+    if (i < lines)
+      pos = nl;
+    else
+      pos = nl + 1;
   }
   std::string out;
   std::istringstream in(text.substr(pos));
@@ -199,6 +216,7 @@ void RemoveWorkDir(const std::string& dir) {
 struct LaunchFlags {
   RunShape shape;
   int64_t deadline_s = 300;
+  int64_t progress_s = 10;
   std::string chrome_trace;
   std::string work_dir;
   std::string scheduler_binary;
@@ -207,6 +225,7 @@ struct LaunchFlags {
   int64_t kill_ffn_after_ms = -1;
   int kill_ffn = -1;
   bool expect_failure = false;
+  std::string inject_wrong_layer;  // "STEP:LAYER" for attention 0's header
 };
 
 int Fail(absl::string_view line) {
@@ -217,7 +236,11 @@ int Fail(absl::string_view line) {
 
 class Launcher {
  public:
-  explicit Launcher(LaunchFlags flags) : f_(std::move(flags)) {}
+  Launcher(LaunchFlags flags, ExampleModel model, std::optional<stepmesh::planner::Plan> emulation)
+      : f_(std::move(flags)),
+        model_(std::move(model)),
+        config_(model_.config),
+        emulation_(std::move(emulation)) {}
   int Run();
 
  private:
@@ -226,16 +249,30 @@ class Launcher {
   // Waits for every child: true when all exited 0. Applies the kill test.
   bool WaitChildren(absl::Time deadline, std::string* why);
   int CheckExpectedFailure();
+  // --inject-wrong-layer: every FFN refuses the frame, naming the layer it
+  // expected, and every attention instance fails on its own.
+  int CheckWrongLayerRefused();
+  std::string ProgressPath(int a) const {
+    return absl::StrCat(f_.work_dir, "/attention-", a, ".progress");
+  }
+  // "afd_launch: 20 s: attention 0 at step 3/17 layer 2/6 ..." every
+  // --progress-s seconds, so a long run is visibly alive.
+  void PrintProgress(absl::Time now);
 
   LaunchFlags f_;
-  std::optional<ModelConfig> config_;
+  const ExampleModel model_;   // the model the run uses (--model / --config)
+  const ModelConfig& config_;  // model_.config
+  // --emulate-compute: the plan, for the emulated throughput line.
+  const std::optional<stepmesh::planner::Plan> emulation_;
   std::unique_ptr<stepmesh::Scheduler> scheduler_;
   std::unique_ptr<Child> scheduler_process_;
   std::string scheduler_address_;
   std::vector<std::unique_ptr<Child>> attention_;
   std::vector<std::unique_ptr<Child>> ffn_;
   absl::Time started_;
+  absl::Time next_progress_ = absl::InfiniteFuture();
   absl::Time ffn_killed_at_;
+  std::optional<absl::Time> decode_started_;  // every attention instance past the barrier
 };
 
 absl::Status Launcher::StartScheduler() {
@@ -268,8 +305,7 @@ absl::Status Launcher::StartScheduler() {
       scheduler_process_,
       Child::Start("scheduler",
                    {f_.scheduler_binary, "--address", scheduler_address_, "--workers",
-                    absl::StrCat(f_.shape.attention), "--servers",
-                    absl::StrCat(f_.shape.ffn)},
+                    absl::StrCat(f_.shape.attention), "--servers", absl::StrCat(f_.shape.ffn)},
                    f_.work_dir + "/scheduler.out", f_.work_dir + "/scheduler.err"));
   absl::SleepFor(absl::Milliseconds(200));  // let it bind before clients dial
   return absl::OkStatus();
@@ -278,19 +314,30 @@ absl::Status Launcher::StartScheduler() {
 absl::Status Launcher::StartChildren() {
   const std::string dir = SelfDir();
   for (int p = 0; p < f_.shape.ffn; ++p) {
-    std::vector<std::string> argv = {dir + "/afd_ffn", "--scheduler", scheduler_address_,
-                                     "--rank", absl::StrCat(p)};
+    std::vector<std::string> argv = {dir + "/afd_ffn", "--scheduler", scheduler_address_, "--rank",
+                                     absl::StrCat(p)};
     AppendRunFlags(f_.shape, &argv);
     const std::string base = absl::StrCat(f_.work_dir, "/ffn-", p);
-    STEPMESH_ASSIGN_OR_RETURN(auto child, Child::Start(absl::StrCat("ffn ", p), argv,
-                                                       base + ".out", base + ".err"));
+    STEPMESH_ASSIGN_OR_RETURN(
+        auto child, Child::Start(absl::StrCat("ffn ", p), argv, base + ".out", base + ".err"));
     ffn_.push_back(std::move(child));
   }
   for (int a = 0; a < f_.shape.attention; ++a) {
-    std::vector<std::string> argv = {dir + "/afd_attention", "--scheduler", scheduler_address_,
-                                     "--rank", absl::StrCat(a), "--results",
+    std::vector<std::string> argv = {dir + "/afd_attention",
+                                     "--scheduler",
+                                     scheduler_address_,
+                                     "--rank",
+                                     absl::StrCat(a),
+                                     "--results",
                                      absl::StrCat(f_.work_dir, "/attention-", a, ".results")};
     if (f_.reference && f_.layer_check) argv.push_back("--dump-layers");
+    if (a == 0 && !f_.inject_wrong_layer.empty()) {
+      argv.push_back("--inject-wrong-layer");
+      argv.push_back(f_.inject_wrong_layer);
+    }
+    // Progress feeds the progress lines and starts the kill test's clock.
+    argv.push_back("--progress");
+    argv.push_back(ProgressPath(a));
     AppendRunFlags(f_.shape, &argv);
     const std::string base = absl::StrCat(f_.work_dir, "/attention-", a);
     STEPMESH_ASSIGN_OR_RETURN(auto child, Child::Start(absl::StrCat("attention ", a), argv,
@@ -300,7 +347,38 @@ absl::Status Launcher::StartChildren() {
   return absl::OkStatus();
 }
 
+void Launcher::PrintProgress(absl::Time now) {
+  if (now < next_progress_) return;
+  next_progress_ = now + absl::Seconds(f_.progress_s);
+  int running = 0;
+  for (auto* group : {&attention_, &ffn_}) {
+    for (auto& c : *group) running += c->running() ? 1 : 0;
+  }
+  // The slowest attention instance sets the pace.
+  Progress slowest{f_.shape.steps(), 0};
+  int slowest_instance = 0;
+  for (int a = 0; a < f_.shape.attention; ++a) {
+    const Progress p = ReadProgress(ProgressPath(a));
+    if (p.step < slowest.step || (p.step == slowest.step && p.layer < slowest.layer)) {
+      slowest = p;
+      slowest_instance = a;
+    }
+  }
+  std::string where = "starting (weights, mesh)";
+  if (slowest.step >= 0) {
+    where = absl::StrFormat("attention %d at step %d/%d (%s) layer %d/%d", slowest_instance,
+                            slowest.step + 1, f_.shape.steps(),
+                            slowest.step == 0 ? "prefill" : "decode", slowest.layer + 1,
+                            config_.num_layers);
+  }
+  std::printf("afd_launch: %.0f s: %s; %d of %d processes running\n",
+              absl::ToDoubleSeconds(now - started_), where.c_str(), running,
+              f_.shape.attention + f_.shape.ffn);
+  std::fflush(stdout);
+}
+
 bool Launcher::WaitChildren(absl::Time deadline, std::string* why) {
+  if (f_.progress_s > 0) next_progress_ = started_ + absl::Seconds(f_.progress_s);
   // After the first failure the others get the mesh timeout (plus slack) to
   // notice and exit on their own with their own diagnosis; then they are
   // killed.
@@ -311,20 +389,34 @@ bool Launcher::WaitChildren(absl::Time deadline, std::string* why) {
     bool any_failed = false;
     for (auto* group : {&attention_, &ffn_}) {
       for (auto& c : *group) {
-        if (!c->Poll()) all_done = false;
-        else if (c->exit_code() != 0) any_failed = true;
+        if (!c->Poll())
+          all_done = false;
+        else if (c->exit_code() != 0)
+          any_failed = true;
       }
     }
     if (all_done) break;
     const absl::Time now = absl::Now();
-    if (!kill_done && now - started_ >= absl::Milliseconds(f_.kill_ffn_after_ms)) {
+    // The kill test's premise is a running decode: its clock starts when
+    // every attention instance has passed the start barrier (weights
+    // generated, mesh connected), however long a loaded machine takes.
+    if (!kill_done && !decode_started_) {
+      bool all_started = true;
+      for (int a = 0; a < f_.shape.attention; ++a) {
+        all_started = all_started && ReadProgress(ProgressPath(a)).step >= 0;
+      }
+      if (all_started) decode_started_ = now;
+    }
+    if (!kill_done && decode_started_ &&
+        now - *decode_started_ >= absl::Milliseconds(f_.kill_ffn_after_ms)) {
       ffn_[f_.kill_ffn]->Signal(SIGKILL);
       ffn_killed_at_ = now;
-      std::printf("afd_launch: killed ffn %d after %lld ms\n", f_.kill_ffn,
+      std::printf("afd_launch: killed ffn %d %lld ms into the run\n", f_.kill_ffn,
                   static_cast<long long>(f_.kill_ffn_after_ms));
       std::fflush(stdout);
       kill_done = true;
     }
+    PrintProgress(now);
     if (any_failed && !grace_deadline) grace_deadline = now + f_.shape.timeout + absl::Seconds(5);
     const bool over = now > deadline || (grace_deadline && now > *grace_deadline);
     if (over || g_interrupted) {
@@ -363,8 +455,10 @@ int Launcher::CheckExpectedFailure() {
     const std::string err = c->Stderr();
     std::printf("%s exited %d; its error:\n%s", c->name().c_str(), c->exit_code(),
                 Tail(err, 3).c_str());
-    if (c->exit_code() == 0) problems.push_back(absl::StrCat(c->name(), " succeeded"));
-    else if (c->killed_by_launcher()) problems.push_back(absl::StrCat(c->name(), " hung (killed)"));
+    if (c->exit_code() == 0)
+      problems.push_back(absl::StrCat(c->name(), " succeeded"));
+    else if (c->killed_by_launcher())
+      problems.push_back(absl::StrCat(c->name(), " hung (killed)"));
     else if (!absl::StrContains(err, needle)) {
       problems.push_back(absl::StrCat(c->name(), "'s error does not name ", needle));
     }
@@ -379,20 +473,56 @@ int Launcher::CheckExpectedFailure() {
     std::printf("failure check: FAIL (%s)\n", absl::StrJoin(problems, "; ").c_str());
     return 1;
   }
-  std::printf("failure check: PASS (every attention instance exited with an error naming %s "
-              "within %.1f s of the kill; mesh timeout %.1f s)\n",
-              needle.c_str(), absl::ToDoubleSeconds(took), absl::ToDoubleSeconds(f_.shape.timeout));
+  std::printf(
+      "failure check: PASS (every attention instance exited with an error naming %s "
+      "within %.1f s of the kill; mesh timeout %.1f s)\n",
+      needle.c_str(), absl::ToDoubleSeconds(took), absl::ToDoubleSeconds(f_.shape.timeout));
+  return 0;
+}
+
+int Launcher::CheckWrongLayerRefused() {
+  const std::vector<std::string> at = absl::StrSplit(f_.inject_wrong_layer, ':');
+  // Any of attention 0's micro-batches may be the first an FFN refuses.
+  const std::string sent = absl::StrCat("attention 0 sent step ", at[0], " layer ",
+                                        std::stoi(at[1]) + 1, " micro-batch ");
+  const std::string expects = absl::StrCat("this FFN expects step ", at[0], " layer ", at[1]);
+  const std::string needle = absl::StrCat(sent, "M, ", expects);
+  std::vector<std::string> problems;
+  std::vector<std::string> refused;
+  for (auto* group : {&ffn_, &attention_}) {
+    for (auto& c : *group) {
+      const std::string err = c->Stderr();
+      std::printf("%s exited %d; its error:\n%s", c->name().c_str(), c->exit_code(),
+                  Tail(err, 2).c_str());
+      if (c->exit_code() == 0) {
+        problems.push_back(absl::StrCat(c->name(), " succeeded"));
+      } else if (c->killed_by_launcher()) {
+        problems.push_back(absl::StrCat(c->name(), " hung (killed)"));
+      } else if (group == &ffn_ && absl::StrContains(err, sent) &&
+                 absl::StrContains(err, expects)) {
+        refused.push_back(c->name());
+      }
+    }
+  }
+  // The frame goes to every FFN, but once one refuses it the run unravels:
+  // the others may fail first on the lost peers, before they see it.
+  if (refused.empty()) {
+    problems.push_back(absl::StrCat("no FFN's error says \"", needle, "\""));
+  }
+  if (!problems.empty()) {
+    std::printf("failure check: FAIL (%s)\n", absl::StrJoin(problems, "; ").c_str());
+    return 1;
+  }
+  std::printf(
+      "failure check: PASS (%s refused the frame: \"%s\"; every process exited with an "
+      "error)\n",
+      absl::StrJoin(refused, ", ").c_str(), needle.c_str());
   return 0;
 }
 
 int Launcher::Run() {
-  std::string error;
-  config_ = LoadModelConfig(f_.shape.config, BundledConfigDir(), &error);
-  if (!config_) return Fail(absl::StrCat("config: ", error));
-  if (f_.kill_ffn < 0) f_.kill_ffn = f_.shape.ffn - 1;
-  if (f_.kill_ffn >= f_.shape.ffn) return Fail("--kill-ffn out of range");
-
-  if (absl::Status s = StartScheduler(); !s.ok()) return Fail(absl::StrCat("scheduler: ", s.ToString()));
+  if (absl::Status s = StartScheduler(); !s.ok())
+    return Fail(absl::StrCat("scheduler: ", s.ToString()));
   started_ = absl::Now();
   if (absl::Status s = StartChildren(); !s.ok()) return Fail(s.ToString());
   std::printf("afd_launch: %dA%dF %s on %s, scheduler %s, logs in %s\n", f_.shape.attention,
@@ -406,7 +536,9 @@ int Launcher::Run() {
   if (scheduler_process_) scheduler_process_->Kill();
   const double wall = absl::ToDoubleSeconds(absl::Now() - started_);
 
-  if (f_.expect_failure) return CheckExpectedFailure();
+  if (f_.expect_failure) {
+    return f_.inject_wrong_layer.empty() ? CheckExpectedFailure() : CheckWrongLayerRefused();
+  }
   if (!ok) {
     for (auto* group : {&attention_, &ffn_}) {
       for (auto& c : *group) {
@@ -423,11 +555,13 @@ int Launcher::Run() {
   std::vector<AttentionResults> results;
   for (int a = 0; a < f_.shape.attention; ++a) {
     absl::StatusOr<AttentionResults> r =
-        ReadResults(absl::StrCat(f_.work_dir, "/attention-", a, ".results"));
+        ReadResults(absl::StrCat(f_.work_dir, "/attention-", a, ".results"),
+                    ExpectedResults{a, &f_.shape, config_.num_layers, config_.hidden_size,
+                                    config_.vocab_size, f_.reference && f_.layer_check});
     if (!r.ok()) return Fail(r.status().ToString());
     results.push_back(std::move(*r));
   }
-  std::printf("\n%s", FormatReport(f_.shape, *config_, results).c_str());
+  std::printf("\n%s", FormatReport(f_.shape, model_, results).c_str());
   std::printf("(all processes done in %.2f s wall, including weight generation)\n", wall);
   if (!f_.chrome_trace.empty()) {
     if (absl::Status s = WriteChromeTrace(f_.chrome_trace, f_.shape, results); !s.ok()) {
@@ -435,31 +569,248 @@ int Launcher::Run() {
     }
     std::printf("chrome trace: %s\n", f_.chrome_trace.c_str());
   }
+  if (emulation_) {
+    std::printf("%s", FormatEmulationSummary(f_.shape, *emulation_, results).c_str());
+    std::printf(
+        "reference check: PASS (skipped: --emulate-compute replaces the kernels; all "
+        "processes succeeded)\n");
+    return 0;
+  }
   if (!f_.reference) {
     std::printf("reference check: PASS (skipped: --no-reference; all processes succeeded)\n");
     return 0;
   }
   std::fflush(stdout);
-  const ReferenceCheck check = CheckAgainstReference(f_.shape, *config_, results);
+  // The reference recomputes the whole run in this process: as long as the
+  // run for big shapes, so it reports progress too.
+  const absl::Time reference_start = absl::Now();
+  absl::Time next = reference_start + absl::Seconds(f_.progress_s);
+  auto progress = [&](int step) {
+    const absl::Time now = absl::Now();
+    if (f_.progress_s <= 0 || now < next) return;
+    next = now + absl::Seconds(f_.progress_s);
+    std::printf("afd_launch: reference check %.0f s: step %d/%d\n",
+                absl::ToDoubleSeconds(now - reference_start), step + 1, f_.shape.steps());
+    std::fflush(stdout);
+  };
+  const ReferenceCheck check = CheckAgainstReference(
+      f_.shape, model_, results, f_.layer_check, progress,
+      f_.shape.ResolvedEngine() == "cuda" ? GateMode::kBounded : GateMode::kBitwise);
   std::printf("reference check: %s (%s)\n", check.pass ? "PASS" : "FAIL", check.summary.c_str());
   return check.pass ? 0 : 1;
 }
 
+constexpr char kUsageLine[] =
+    "usage: afd_launch --attention X --ffn Y [--requests R] [--prompt-len N] "
+    "[--decode-steps N] [--micro-batches M] [--model NAME|PATH] [flags...]\n"
+    "       afd_launch --help";
+
+constexpr char kHelp[] = R"help(
+Runs a disaggregated decode of the example model (Step-3, or Step-5-Preview
+with --model tiny-step5) on this host: X attention and Y FFN processes talking
+through stepmesh. Prints the report and checks it against the model's
+monolithic reference (Gate A). The last line is "reference check:
+PASS|FAIL (...)" and the exit status follows it (0 / 1). Argument errors are
+reported before any process starts and exit 2.
+
+run shape (passed to every process):
+  --attention X          attention instances (stepmesh workers), default 1
+  --ffn Y                FFN instances = partitions (stepmesh servers), default 1;
+                         at most the model's expert count
+  --requests R           requests per attention instance, default 6
+  --prompt-len N         prompt tokens per request, default 32
+  --decode-steps N       greedy decode steps after the prefill, default 16
+  --micro-batches M      pipeline stages per attention instance (<= R), default 3
+  --model NAME|PATH      the model (--config is the same flag): Step-3 tiny
+                         (default), full (step3-fullwidth-L4), wire (step3-wire:
+                         full wire widths, CPU-sized FFN), step3; Step-5-Preview
+                         tiny-step5, full-width-step5, step5; or a config file.
+                         Step-5 models run on the cpu engine with an fp32 KV cache
+  --transport tcp|rdma   default tcp (rdma needs an RDMA device)
+  --backend cpu_mock|cuda  default cpu_mock (cuda needs a GPU)
+  --engine auto|cpu|cuda|cpu-device
+                         compute engine: cpu = the CPU kernels; cuda = the CUDA
+                         kernels, tensors in GPU memory; cpu-device = the cuda
+                         engine's orchestration over CPU kernels (cpu_mock);
+                         auto (default): cuda on --backend cuda, else cpu
+  --kv-cache fp32|bf16|fp8  KV-cache format (fp8: E4M3, one scale per token),
+                         default fp32; bf16/fp8 with the cpu engine
+  --emulate-compute PLAN.json
+                         the emulated engine: no model runs, every attention
+                         stage and FFN batch sleeps for the plan's latency model
+                         (docs/planning.md) while the pipeline and the bytes stay
+                         real; no reference check, an "emulated compute:" line
+                         gives the decode throughput. Not with --engine, nor
+                         with a Step-5 --model
+  --poll-mode adaptive|spin|blocking  default adaptive
+  --timeout-ms N         mesh timeout (connect, barrier, every wait), default 30000
+
+launcher:
+  --deadline-s N         kill everything after N s, default 300
+  --progress-s N         a progress line every N s while running (0: none), default 10
+  --chrome-trace FILE    write a Chrome trace of the run
+  --work-dir DIR         logs and results there (kept); default a fresh
+                         /tmp/afd_launch.* removed on success
+  --keep-work-dir        keep the default work directory
+  --scheduler-binary P   run the scheduler as that program instead of in process
+  --no-reference         skip Gate A
+  --no-layer-check       Gate A without the per-layer residual dumps
+  --kill-ffn-after-ms N [--kill-ffn P] --expect-failure
+                         SIGKILL FFN P (default the last) N ms after every
+                         attention instance started decoding; passes when
+                         every attention instance fails naming that server
+  --inject-wrong-layer STEP:LAYER --expect-failure
+                         attention 0 labels that A2F frame layer LAYER+1; passes
+                         when an FFN refuses it and every process fails
+  --help                 this text
+)help";
+
+// An argument error: the message, the usage line, exit 2. Never a
+// "reference check" line: nothing ran, so nothing was checked.
+int UsageError(absl::string_view message) {
+  std::fprintf(stderr, "afd_launch: %s\n%s\n", std::string(message).c_str(), kUsageLine);
+  return 2;
+}
+
+// MemAvailable from /proc/meminfo in bytes, or -1.
+int64_t AvailableHostMemory() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  std::string unit;
+  while (in >> key >> kib) {
+    std::getline(in, unit);
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return -1;
+}
+
+double GiB(int64_t bytes) { return static_cast<double>(bytes) / (int64_t{1} << 30); }
+
+bool IsExecutable(const std::string& path) { return ::access(path.c_str(), X_OK) == 0; }
+
+// Everything that can be checked before a process starts: the flags, the
+// config, the run against the model, memory, the backend and transport.
+absl::Status Preflight(const LaunchFlags& f, ExampleModel* model,
+                       std::optional<stepmesh::planner::Plan>* emulation) {
+  std::string error;
+  std::optional<ExampleModel> loaded = LoadExampleModel(f.shape.config, BundledConfigDir(), &error);
+  if (!loaded) return absl::InvalidArgumentError(absl::StrCat("--model: ", error));
+  *model = *std::move(loaded);
+  const ModelConfig* config = &model->config;
+  STEPMESH_RETURN_IF_ERROR(ValidateRunForModel(f.shape, *model));
+  if (!f.shape.emulate_compute.empty()) {
+    STEPMESH_ASSIGN_OR_RETURN(*emulation, LoadEmulationPlan(f.shape.emulate_compute));
+  }
+  if (f.deadline_s <= 0) return absl::InvalidArgumentError("--deadline-s must be > 0");
+  if (f.progress_s < 0) return absl::InvalidArgumentError("--progress-s must be >= 0");
+  if (f.expect_failure && f.kill_ffn_after_ms < 0 && f.inject_wrong_layer.empty()) {
+    return absl::InvalidArgumentError(
+        "--expect-failure needs --kill-ffn-after-ms or --inject-wrong-layer");
+  }
+  if (!f.inject_wrong_layer.empty()) {
+    const std::vector<std::string> parts = absl::StrSplit(f.inject_wrong_layer, ':');
+    int step = -1, layer = -1;
+    if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &step) ||
+        !absl::SimpleAtoi(parts[1], &layer) || step < 0 || step >= f.shape.steps() || layer < 0 ||
+        layer >= config->num_layers) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--inject-wrong-layer ", f.inject_wrong_layer, ": want STEP:LAYER within the run (",
+          f.shape.steps(), " steps, ", config->num_layers, " layers)"));
+    }
+    if (!f.expect_failure) {
+      return absl::InvalidArgumentError("--inject-wrong-layer needs --expect-failure");
+    }
+  }
+  if (f.kill_ffn_after_ms >= 0 && (f.kill_ffn < -1 || f.kill_ffn >= f.shape.ffn)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kill-ffn ", f.kill_ffn, " out of range [0, ", f.shape.ffn, ")"));
+  }
+  // The mesh's own limits (participant counts, in-flight slots, poll mode).
+  for (stepmesh::Role role : {stepmesh::Role::kWorker, stepmesh::Role::kServer}) {
+    absl::StatusOr<stepmesh::MeshOptions> o = MeshOptionsFor(f.shape, role, 0, "127.0.0.1:1");
+    if (!o.ok()) return o.status();
+  }
+  const HostMemoryEstimate mem = EstimateHostMemory(f.shape, *config);
+  const int64_t need = std::max(mem.children(f.shape), f.reference ? mem.reference : 0);
+  const int64_t have = AvailableHostMemory();
+  if (have > 0 && need > have) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "%s (%.1f billion parameters) needs about %.1f GiB of host memory for this run "
+        "(%d attention x %.1f GiB + %d FFN x %.1f GiB%s); %.1f GiB available",
+        config->name, static_cast<double>(model->ParameterCount()) * 1e-9, GiB(need),
+        f.shape.attention, GiB(mem.attention_instance), f.shape.ffn, GiB(mem.ffn_instance),
+        f.reference ? absl::StrFormat("; reference %.1f GiB", GiB(mem.reference)) : "", GiB(have)));
+  }
+  if (f.shape.backend != "cpu_mock") {
+    // Creating the backend is the check (a CUDA build, a driver, a device);
+    // it is released before any child starts.
+    absl::StatusOr<std::unique_ptr<stepmesh::Backend>> b =
+        stepmesh::CreateBackend(f.shape.backend, 0);
+    if (!b.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "--backend ", f.shape.backend, " is not available here: ", b.status().message()));
+    }
+  }
+  if (mem.device_total > 0) {
+    absl::StatusOr<int64_t> free_bytes = CudaDeviceFreeBytes();
+    if (!free_bytes.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("--engine cuda is not available here: ", free_bytes.status().message()));
+    }
+    if (mem.device_total > *free_bytes) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "%s needs about %.1f GiB of GPU memory for this run (every process on GPU 0); "
+          "%.1f GiB free",
+          config->name, GiB(mem.device_total), GiB(*free_bytes)));
+    }
+  }
+  if (f.shape.transport == "rdma") {
+    DIR* d = ::opendir("/sys/class/infiniband");
+    bool any = false;
+    if (d != nullptr) {
+      while (const dirent* e = ::readdir(d)) any = any || e->d_name[0] != '.';
+      ::closedir(d);
+    }
+    if (!any) {
+      return absl::FailedPreconditionError(
+          "--transport rdma: no RDMA device here (/sys/class/infiniband is empty)");
+    }
+  }
+  const std::string dir = SelfDir();
+  for (const std::string& program : {dir + "/afd_attention", dir + "/afd_ffn"}) {
+    if (!IsExecutable(program)) {
+      return absl::FailedPreconditionError(absl::StrCat(program, " is missing (build it)"));
+    }
+  }
+  if (!f.scheduler_binary.empty() && !IsExecutable(f.scheduler_binary)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--scheduler-binary ", f.scheduler_binary, " is not an executable"));
+  }
+  return absl::OkStatus();
+}
+
 int Main(int argc, char** argv) {
   absl::StatusOr<Flags> flags = Flags::Parse(
-      argc, argv, {"no-reference", "no-layer-check", "expect-failure", "keep-work-dir"});
-  if (!flags.ok()) return Fail(flags.status().ToString());
+      argc, argv, {"no-reference", "no-layer-check", "expect-failure", "keep-work-dir", "help"});
+  if (!flags.ok()) return UsageError(flags.status().message());
+  if (flags->Bool("help")) {
+    std::printf("%s\n%s", kUsageLine, kHelp);
+    return 0;
+  }
   LaunchFlags f;
   absl::StatusOr<RunShape> shape = ParseRunFlags(*flags);
-  if (!shape.ok()) return Fail(shape.status().ToString());
+  if (!shape.ok()) return UsageError(shape.status().message());
   f.shape = *shape;
   absl::StatusOr<int64_t> deadline = flags->Int("deadline-s", f.deadline_s);
+  absl::StatusOr<int64_t> progress = flags->Int("progress-s", f.progress_s);
   absl::StatusOr<int64_t> kill_after = flags->Int("kill-ffn-after-ms", -1);
   absl::StatusOr<int64_t> kill_ffn = flags->Int("kill-ffn", -1);
-  for (const auto* s : {&deadline, &kill_after, &kill_ffn}) {
-    if (!s->ok()) return Fail(s->status().ToString());
+  for (const auto* s : {&deadline, &progress, &kill_after, &kill_ffn}) {
+    if (!s->ok()) return UsageError(s->status().message());
   }
   f.deadline_s = *deadline;
+  f.progress_s = *progress;
   f.kill_ffn_after_ms = *kill_after;
   f.kill_ffn = static_cast<int>(*kill_ffn);
   f.chrome_trace = flags->Str("chrome-trace", "");
@@ -468,18 +819,22 @@ int Main(int argc, char** argv) {
   f.reference = !flags->Bool("no-reference");
   f.layer_check = !flags->Bool("no-layer-check");
   f.expect_failure = flags->Bool("expect-failure");
+  f.inject_wrong_layer = flags->Str("inject-wrong-layer", "");
   const bool keep = flags->Bool("keep-work-dir") || !f.work_dir.empty();
-  if (absl::Status s = flags->CheckAllUsed(); !s.ok()) return Fail(s.ToString());
-  if (f.expect_failure && f.kill_ffn_after_ms < 0) {
-    return Fail("--expect-failure needs --kill-ffn-after-ms");
-  }
+  if (absl::Status s = flags->CheckAllUsed(); !s.ok()) return UsageError(s.message());
+  // The emulated engine runs no model: there is nothing to check against.
+  if (!f.shape.emulate_compute.empty()) f.reference = false;
+  ExampleModel model;
+  std::optional<stepmesh::planner::Plan> emulation;
+  if (absl::Status s = Preflight(f, &model, &emulation); !s.ok()) return UsageError(s.message());
+  if (f.kill_ffn < 0) f.kill_ffn = f.shape.ffn - 1;
 
   if (f.work_dir.empty()) {
     char tmpl[] = "/tmp/afd_launch.XXXXXX";
     if (::mkdtemp(tmpl) == nullptr) return Fail("mkdtemp failed");
     f.work_dir = tmpl;
-  } else {
-    ::mkdir(f.work_dir.c_str(), 0755);
+  } else if (::mkdir(f.work_dir.c_str(), 0755) != 0 && errno != EEXIST) {
+    return UsageError(absl::StrCat("--work-dir ", f.work_dir, ": ", std::strerror(errno)));
   }
   struct sigaction sa {};
   sa.sa_handler = OnSignal;
@@ -487,7 +842,7 @@ int Main(int argc, char** argv) {
   ::sigaction(SIGTERM, &sa, nullptr);
 
   const std::string work_dir = f.work_dir;
-  const int rc = Launcher(std::move(f)).Run();
+  const int rc = Launcher(std::move(f), std::move(model), std::move(emulation)).Run();
   if (!keep && rc == 0) RemoveWorkDir(work_dir);
   return rc;
 }

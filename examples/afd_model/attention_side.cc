@@ -3,66 +3,127 @@
 #include <algorithm>
 #include <cstring>
 
+#include "examples/afd_model/attention_model.h"
 #include "examples/afd_model/kernels/cpu_kernels.h"
 
 namespace afd {
 
-AttentionSide::AttentionSide(const ModelConfig& config, int max_sequences,
-                             int64_t max_seq_len)
+const char* KvCacheFormatName(KvCacheFormat format) {
+  switch (format) {
+    case KvCacheFormat::kFp32:
+      return "fp32";
+    case KvCacheFormat::kBf16:
+      return "bf16";
+    case KvCacheFormat::kFp8:
+      return "fp8";
+  }
+  return "?";
+}
+
+bool ParseKvCacheFormat(std::string_view name, KvCacheFormat* format) {
+  for (KvCacheFormat f : {KvCacheFormat::kFp32, KvCacheFormat::kBf16, KvCacheFormat::kFp8}) {
+    if (name == KvCacheFormatName(f)) {
+      *format = f;
+      return true;
+    }
+  }
+  return false;
+}
+
+int64_t KvCacheBytesPerToken(KvCacheFormat format, int64_t head_dim) {
+  switch (format) {
+    case KvCacheFormat::kFp32:
+      return 2 * head_dim * 4;
+    case KvCacheFormat::kBf16:
+      return 2 * head_dim * 2;
+    case KvCacheFormat::kFp8:
+      return 2 * (head_dim + 4);  // codes and one fp32 scale each for K and V
+  }
+  return 0;
+}
+
+AttentionSide::AttentionSide(const ModelConfig& config, int max_sequences, int64_t max_seq_len,
+                             KvCacheFormat kv_format)
     : config_(config),
       weights_(GenerateAttentionWeights(config)),
       max_sequences_(max_sequences),
       max_seq_len_(max_seq_len),
-      sequence_lengths_(max_sequences, 0),
-      kv_cache_(static_cast<size_t>(max_sequences) * config.num_layers * 2 *
-                max_seq_len * config.head_dim) {}
-
-void AttentionSide::ResetSequence(int sequence) {
-  sequence_lengths_[sequence] = 0;
+      kv_format_(kv_format),
+      sequence_lengths_(max_sequences, 0) {
+  const size_t rows = static_cast<size_t>(max_sequences) * config.num_layers * 2 * max_seq_len;
+  const size_t values = rows * config.head_dim;
+  switch (kv_format_) {
+    case KvCacheFormat::kFp32:
+      kv_fp32_.resize(values);
+      break;
+    case KvCacheFormat::kBf16:
+      kv_bf16_.resize(values);
+      break;
+    case KvCacheFormat::kFp8:
+      kv_fp8_.resize(values);
+      kv_fp8_scales_.resize(rows);
+      break;
+  }
 }
 
-int64_t AttentionSide::SequenceLength(int sequence) const {
-  return sequence_lengths_[sequence];
+void AttentionSide::ResetSequence(int sequence) { sequence_lengths_[sequence] = 0; }
+
+int64_t AttentionSide::SequenceLength(int sequence) const { return sequence_lengths_[sequence]; }
+
+int64_t AttentionSide::CacheRow(int sequence, int layer, int kv, int64_t position) const {
+  return ((static_cast<int64_t>(sequence) * config_.num_layers + layer) * 2 + kv) * max_seq_len_ +
+         position;
 }
 
-float* AttentionSide::CacheKeys(int sequence, int layer) {
-  const int64_t block = 2 * max_seq_len_ * config_.head_dim;
-  return kv_cache_.data() +
-         (static_cast<int64_t>(sequence) * config_.num_layers + layer) * block;
+void AttentionSide::StoreCacheRow(int64_t row, const float* values) {
+  const int64_t d = config_.head_dim;
+  switch (kv_format_) {
+    case KvCacheFormat::kFp32:
+      std::memcpy(kv_fp32_.data() + row * d, values, sizeof(float) * d);
+      break;
+    case KvCacheFormat::kBf16:
+      cpu::EncodeBf16Array(values, d, kv_bf16_.data() + row * d);
+      break;
+    case KvCacheFormat::kFp8:
+      // One scale per row: the A2F codec with a single group of d channels.
+      cpu::QuantizeFp8PerGroup(values, 1, d, d, kv_fp8_.data() + row * d,
+                               kv_fp8_scales_.data() + row);
+      break;
+  }
 }
 
-float* AttentionSide::CacheValues(int sequence, int layer) {
-  return CacheKeys(sequence, layer) + max_seq_len_ * config_.head_dim;
+void AttentionSide::LoadCache(int sequence, int layer, int64_t count, std::vector<float>* out,
+                              const float** keys, const float** values) const {
+  const int64_t d = config_.head_dim;
+  if (kv_format_ == KvCacheFormat::kFp32) {
+    *keys = kv_fp32_.data() + CacheRow(sequence, layer, 0, 0) * d;
+    *values = kv_fp32_.data() + CacheRow(sequence, layer, 1, 0) * d;
+    return;
+  }
+  out->resize(2 * count * d);
+  for (int kv = 0; kv < 2; ++kv) {
+    const int64_t row = CacheRow(sequence, layer, kv, 0);
+    float* dst = out->data() + kv * count * d;
+    if (kv_format_ == KvCacheFormat::kBf16) {
+      cpu::DecodeBf16Array(kv_bf16_.data() + row * d, count * d, dst);
+    } else {
+      cpu::DequantizeFp8PerGroup(kv_fp8_.data() + row * d, kv_fp8_scales_.data() + row, count, d, d,
+                                 dst);
+    }
+  }
+  *keys = out->data();
+  *values = out->data() + count * d;
 }
 
 bool AttentionSide::BeginStep(std::span<const SequenceChunk> chunks,
-                              std::span<const int32_t> tokens,
-                              StepState* state) {
-  int64_t total = 0;
-  for (const SequenceChunk& chunk : chunks) {
-    if (chunk.sequence < 0 || chunk.sequence >= max_sequences_ ||
-        chunk.num_tokens < 0 ||
-        sequence_lengths_[chunk.sequence] + chunk.num_tokens > max_seq_len_) {
-      return false;
-    }
-    total += chunk.num_tokens;
+                              std::span<const int32_t> tokens, StepState* state) {
+  if (!AssignStepPositions(chunks, tokens, config_.vocab_size, max_seq_len_, &sequence_lengths_,
+                           state)) {
+    return false;
   }
-  if (total != static_cast<int64_t>(tokens.size())) return false;
-  for (const int32_t token : tokens) {
-    if (token < 0 || token >= config_.vocab_size) return false;
-  }
-
+  const int64_t total = state->num_tokens();
   const int64_t h = config_.hidden_size;
   const int64_t k = config_.top_k;
-  state->chunks.assign(chunks.begin(), chunks.end());
-  state->positions.clear();
-  for (const SequenceChunk& chunk : chunks) {
-    int64_t& length = sequence_lengths_[chunk.sequence];
-    for (int32_t i = 0; i < chunk.num_tokens; ++i) {
-      state->positions.push_back(static_cast<int32_t>(length + i));
-    }
-    length += chunk.num_tokens;
-  }
   const int64_t width = config_.attention_width();
   state->hidden.resize(total * h);
   state->normed.resize(total * h);
@@ -76,8 +137,7 @@ bool AttentionSide::BeginStep(std::span<const SequenceChunk> chunks,
   state->queries.resize(total * width);
   state->attn_heads.resize(total * width);
   state->router_logits.resize(total * config_.num_experts);
-  cpu::EmbeddingLookup(weights_.embedding.data(), tokens.data(), total, h,
-                       state->hidden.data());
+  cpu::EmbeddingLookup(weights_.embedding.data(), tokens.data(), total, h, state->hidden.data());
   return true;
 }
 
@@ -90,53 +150,47 @@ void AttentionSide::Attention(int layer, StepState* state) {
   const int64_t heads = config_.num_heads;
   const int64_t qkv_width = q_rank + 2 * d;
 
-  cpu::RmsNorm(state->hidden.data(), w.input_norm.data(), n, h,
-               config_.rms_norm_eps, state->attn_input.data());
-  cpu::Linear(state->attn_input.data(), n, h, w.qkv.data(), qkv_width,
-              state->qkv.data());
+  cpu::RmsNorm(state->hidden.data(), w.input_norm.data(), n, h, config_.rms_norm_eps,
+               state->attn_input.data());
+  cpu::Linear(state->attn_input.data(), n, h, w.qkv.data(), qkv_width, state->qkv.data());
   // Split the fused projection: the low-rank query goes through inter_norm,
   // the single K head gets RoPE, the single V head goes straight to the cache.
   for (int64_t t = 0; t < n; ++t) {
     const float* row = state->qkv.data() + t * qkv_width;
-    std::memcpy(state->q_low_rank.data() + t * q_rank, row,
-                sizeof(float) * q_rank);
+    std::memcpy(state->q_low_rank.data() + t * q_rank, row, sizeof(float) * q_rank);
     std::memcpy(state->keys.data() + t * d, row + q_rank, sizeof(float) * d);
   }
-  cpu::RmsNorm(state->q_low_rank.data(), w.inter_norm.data(), n, q_rank,
-               config_.rms_norm_eps, state->q_low_rank.data());
-  cpu::Linear(state->q_low_rank.data(), n, q_rank, w.wq.data(), heads * d,
-              state->queries.data());
-  cpu::RopeNeoxInPlace(state->queries.data(), n, heads, d,
-                       state->positions.data(), config_.rope_theta);
-  cpu::RopeNeoxInPlace(state->keys.data(), n, 1, d, state->positions.data(),
+  cpu::RmsNorm(state->q_low_rank.data(), w.inter_norm.data(), n, q_rank, config_.rms_norm_eps,
+               state->q_low_rank.data());
+  cpu::Linear(state->q_low_rank.data(), n, q_rank, w.wq.data(), heads * d, state->queries.data());
+  cpu::RopeNeoxInPlace(state->queries.data(), n, heads, d, state->positions.data(),
                        config_.rope_theta);
+  cpu::RopeNeoxInPlace(state->keys.data(), n, 1, d, state->positions.data(), config_.rope_theta);
 
   int64_t row = 0;
   for (const SequenceChunk& chunk : state->chunks) {
-    float* cache_k = CacheKeys(chunk.sequence, layer);
-    float* cache_v = CacheValues(chunk.sequence, layer);
     for (int32_t i = 0; i < chunk.num_tokens; ++i) {
       const int64_t t = row + i;
       const int64_t pos = state->positions[t];
-      std::memcpy(cache_k + pos * d, state->keys.data() + t * d,
-                  sizeof(float) * d);
-      std::memcpy(cache_v + pos * d,
-                  state->qkv.data() + t * qkv_width + q_rank + d,
-                  sizeof(float) * d);
+      StoreCacheRow(CacheRow(chunk.sequence, layer, 0, pos), state->keys.data() + t * d);
+      StoreCacheRow(CacheRow(chunk.sequence, layer, 1, pos),
+                    state->qkv.data() + t * qkv_width + q_rank + d);
     }
     if (chunk.num_tokens > 0) {
+      // The whole visible cache, this chunk's rows included, as the cache
+      // format stores it.
       const int64_t kv_len = state->positions[row + chunk.num_tokens - 1] + 1;
-      cpu::MqaAttention(state->queries.data() + row * heads * d,
-                        chunk.num_tokens, heads, d, cache_k, cache_v, kv_len,
-                        state->positions.data() + row,
-                        config_.attention_scale(),
-                        state->attn_heads.data() + row * heads * d);
+      const float* cache_k = nullptr;
+      const float* cache_v = nullptr;
+      LoadCache(chunk.sequence, layer, kv_len, &state->kv_decoded, &cache_k, &cache_v);
+      cpu::MqaAttention(state->queries.data() + row * heads * d, chunk.num_tokens, heads, d,
+                        cache_k, cache_v, kv_len, state->positions.data() + row,
+                        config_.attention_scale(), state->attn_heads.data() + row * heads * d);
     }
     row += chunk.num_tokens;
   }
   // attn_input is free again: reuse it for the output projection.
-  cpu::Linear(state->attn_heads.data(), n, heads * d, w.o_proj.data(), h,
-              state->attn_input.data());
+  cpu::Linear(state->attn_heads.data(), n, heads * d, w.o_proj.data(), h, state->attn_input.data());
   cpu::AddInPlace(state->attn_input.data(), n * h, state->hidden.data());
 }
 
@@ -144,8 +198,8 @@ void AttentionSide::PrepareFfnInput(int layer, StepState* state) const {
   const AttentionLayerWeights& w = weights_.layers[layer];
   const int64_t n = state->num_tokens();
   const int64_t h = config_.hidden_size;
-  cpu::RmsNorm(state->hidden.data(), w.post_norm.data(), n, h,
-               config_.rms_norm_eps, state->normed.data());
+  cpu::RmsNorm(state->hidden.data(), w.post_norm.data(), n, h, config_.rms_norm_eps,
+               state->normed.data());
   if (!config_.is_moe_layer[layer]) {
     std::fill(state->topk_ids.begin(), state->topk_ids.end(), -1);
     std::fill(state->topk_weights.begin(), state->topk_weights.end(), 0.0f);
@@ -153,64 +207,33 @@ void AttentionSide::PrepareFfnInput(int layer, StepState* state) const {
   }
   cpu::Linear(state->normed.data(), n, h, w.router.data(), config_.num_experts,
               state->router_logits.data());
-  cpu::RouterSoftmaxTopK(state->router_logits.data(), n, config_.num_experts,
-                         config_.top_k, state->topk_ids.data(),
-                         state->topk_weights.data());
+  cpu::RouterSoftmaxTopK(state->router_logits.data(), n, config_.num_experts, config_.top_k,
+                         state->topk_ids.data(), state->topk_weights.data());
 }
 
-void AttentionSide::WriteA2F(const StepState& state,
-                             const A2FBuffers& out) const {
-  const int64_t n = state.num_tokens();
-  cpu::QuantizeFp8PerGroup(state.normed.data(), n, config_.hidden_size,
-                           config_.fp8_group, out.codes, out.scales);
-  std::copy(state.topk_ids.begin(), state.topk_ids.end(), out.topk_ids);
-  std::copy(state.topk_weights.begin(), state.topk_weights.end(),
-            out.topk_weights);
+void AttentionSide::WriteA2F(const StepState& state, const A2FBuffers& out) const {
+  WriteA2FOf(state, config_, out);
 }
 
-void AttentionSide::ReduceF2A(std::span<const uint16_t* const> partials,
-                              StepState* state) const {
+void AttentionSide::ReduceF2A(std::span<const uint16_t* const> partials, StepState* state) const {
   cpu::SumBf16Partials(partials.data(), static_cast<int>(partials.size()),
-                       state->num_tokens() * config_.hidden_size,
-                       state->ffn_output.data());
+                       state->num_tokens() * config_.hidden_size, state->ffn_output.data());
 }
 
 void AttentionSide::AddFfnOutput(StepState* state) const {
-  cpu::AddInPlace(state->ffn_output.data(),
-                  state->num_tokens() * config_.hidden_size,
+  cpu::AddInPlace(state->ffn_output.data(), state->num_tokens() * config_.hidden_size,
                   state->hidden.data());
 }
 
-void AttentionSide::ApplyF2A(std::span<const uint16_t* const> partials,
-                             StepState* state) const {
+void AttentionSide::ApplyF2A(std::span<const uint16_t* const> partials, StepState* state) const {
   ReduceF2A(partials, state);
   AddFfnOutput(state);
 }
 
-void AttentionSide::LastTokenLogits(const StepState& state,
-                                    std::vector<float>* final_hidden,
+void AttentionSide::LastTokenLogits(const StepState& state, std::vector<float>* final_hidden,
                                     std::vector<float>* logits) const {
-  const int64_t h = config_.hidden_size;
-  const int64_t rows = static_cast<int64_t>(state.chunks.size());
-  std::vector<float> last(rows * h);
-  std::vector<float> normed(rows * h);
-  int64_t end = 0;
-  for (int64_t c = 0; c < rows; ++c) {
-    end += state.chunks[c].num_tokens;
-    // A chunk without tokens has no last token; its row stays zero.
-    if (state.chunks[c].num_tokens > 0) {
-      std::memcpy(last.data() + c * h, state.hidden.data() + (end - 1) * h,
-                  sizeof(float) * h);
-    }
-  }
-  cpu::RmsNorm(last.data(), weights_.final_norm.data(), rows, h,
-               config_.rms_norm_eps, normed.data());
-  if (logits != nullptr) {
-    logits->resize(rows * config_.vocab_size);
-    cpu::Linear(normed.data(), rows, h, weights_.lm_head.data(),
-                config_.vocab_size, logits->data());
-  }
-  if (final_hidden != nullptr) *final_hidden = std::move(normed);
+  LastTokenLogitsOf(state, config_, weights_.final_norm.data(), weights_.lm_head.data(),
+                    final_hidden, logits);
 }
 
 }  // namespace afd

@@ -59,8 +59,8 @@ bool ParseFloat(std::string_view text, float* value) {
   return true;
 }
 
-bool ParseLayerList(std::string_view text, int num_layers,
-                    std::vector<bool>* is_moe, std::string* error) {
+bool ParseLayerList(std::string_view text, int num_layers, std::vector<bool>* is_moe,
+                    std::string* error) {
   is_moe->assign(num_layers, false);
   std::stringstream stream{std::string(text)};
   std::string item;
@@ -86,10 +86,9 @@ bool ParseLayerList(std::string_view text, int num_layers,
 }
 
 bool Validate(const ModelConfig& c, std::string* error) {
-  if (c.hidden_size <= 0 || c.num_layers <= 0 || c.q_rank <= 0 ||
-      c.num_heads <= 0 || c.head_dim <= 0 || c.dense_intermediate <= 0 ||
-      c.num_experts <= 0 || c.top_k <= 0 || c.expert_intermediate <= 0 ||
-      c.shared_intermediate <= 0 || c.vocab_size <= 0 ||
+  if (c.hidden_size <= 0 || c.num_layers <= 0 || c.q_rank <= 0 || c.num_heads <= 0 ||
+      c.head_dim <= 0 || c.dense_intermediate <= 0 || c.num_experts <= 0 || c.top_k <= 0 ||
+      c.expert_intermediate <= 0 || c.shared_intermediate <= 0 || c.vocab_size <= 0 ||
       c.max_positions <= 0 || c.fp8_group <= 0) {
     return Fail(error, "every size must be positive");
   }
@@ -110,8 +109,7 @@ float ModelConfig::attention_scale() const {
 
 int64_t ModelConfig::ParameterCount() const {
   const int64_t h = hidden_size;
-  const int64_t attention = h * (q_rank + 2 * head_dim) + q_rank +
-                            q_rank * attention_width() +
+  const int64_t attention = h * (q_rank + 2 * head_dim) + q_rank + q_rank * attention_width() +
                             attention_width() * h + 2 * h;
   int64_t total = 2 * vocab_size * h + h;
   for (int l = 0; l < num_layers; ++l) {
@@ -126,8 +124,7 @@ int64_t ModelConfig::ParameterCount() const {
   return total;
 }
 
-std::optional<ModelConfig> ParseModelConfig(std::string_view text,
-                                            std::string* error) {
+std::optional<ModelConfig> ParseModelConfig(std::string_view text, std::string* error) {
   std::map<std::string, std::string, std::less<>> values;
   std::stringstream stream{std::string(text)};
   std::string line;
@@ -204,15 +201,13 @@ std::optional<ModelConfig> ParseModelConfig(std::string_view text,
   }
   if (!ok) return std::nullopt;
   if (!Validate(config, error)) return std::nullopt;
-  if (!ParseLayerList(*moe_layers, config.num_layers, &config.is_moe_layer,
-                      error)) {
+  if (!ParseLayerList(*moe_layers, config.num_layers, &config.is_moe_layer, error)) {
     return std::nullopt;
   }
   return config;
 }
 
-std::optional<ModelConfig> LoadModelConfigFile(const std::string& path,
-                                               std::string* error) {
+std::optional<ModelConfig> LoadModelConfigFile(const std::string& path, std::string* error) {
   std::ifstream file(path);
   if (!file) {
     Fail(error, "cannot open " + path);
@@ -226,11 +221,24 @@ std::optional<ModelConfig> LoadModelConfigFile(const std::string& path,
   return config;
 }
 
+namespace {
+
+constexpr std::pair<const char*, const char*> kBundled[] = {{"tiny", "tiny.cfg"},
+                                                            {"full", "full_width.cfg"},
+                                                            {"step3", "step3.cfg"},
+                                                            {"wire", "step3_wire.cfg"}};
+
+}  // namespace
+
+bool IsStep3ConfigName(std::string_view name) {
+  for (const auto& [alias, file] : kBundled) {
+    if (name == alias) return true;
+  }
+  return false;
+}
+
 std::optional<ModelConfig> LoadModelConfig(const std::string& name_or_path,
-                                           const std::string& config_dir,
-                                           std::string* error) {
-  static constexpr std::pair<const char*, const char*> kBundled[] = {
-      {"tiny", "tiny.cfg"}, {"full", "full_width.cfg"}, {"step3", "step3.cfg"}};
+                                           const std::string& config_dir, std::string* error) {
   for (const auto& [alias, file] : kBundled) {
     if (name_or_path == alias) {
       return LoadModelConfigFile(config_dir + "/" + file, error);

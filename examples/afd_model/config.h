@@ -41,18 +41,18 @@ struct ModelConfig {
 // configs/tiny.cfg is required. moe_layers_enum is a comma separated list of
 // layer ids or inclusive ranges "a-b". On failure returns nullopt and, if
 // `error` is non-null, says why.
-std::optional<ModelConfig> ParseModelConfig(std::string_view text,
-                                            std::string* error);
+std::optional<ModelConfig> ParseModelConfig(std::string_view text, std::string* error);
 
 // Loads a config file.
-std::optional<ModelConfig> LoadModelConfigFile(const std::string& path,
-                                               std::string* error);
+std::optional<ModelConfig> LoadModelConfigFile(const std::string& path, std::string* error);
 
-// `name_or_path` is "tiny", "full", "step3" (files in `config_dir`) or a path
-// to a config file.
+// `name_or_path` is "tiny", "full", "step3", "wire" (files in `config_dir`)
+// or a path to a config file.
 std::optional<ModelConfig> LoadModelConfig(const std::string& name_or_path,
-                                           const std::string& config_dir,
-                                           std::string* error);
+                                           const std::string& config_dir, std::string* error);
+
+// True for the bundled names above.
+bool IsStep3ConfigName(std::string_view name);
 
 // Directory of the bundled configs, fixed at build time.
 std::string BundledConfigDir();

@@ -35,16 +35,14 @@ class FfnSide {
 
   // Wire in, wire out: dequantises in.codes/in.scales, computes this
   // partition's partial and rounds it (RNE) into partial_bf16 [n, H].
-  void Forward(int layer, const A2FView& in, uint16_t* partial_bf16,
-               FfnWorkspace* workspace) const;
+  void Forward(int layer, const A2FView& in, uint16_t* partial_bf16, FfnWorkspace* workspace) const;
 
   // The unquantised core, shared by Forward and the fp32 reference:
   // partial [n, H] (overwritten) = MLP slice(y) (+ owned routed experts,
   // each weighted by its router probability, on MoE layers). topk_ids and
   // topk_weights [n, k] are ignored on dense layers.
-  void ForwardFp32(int layer, int64_t tokens, const float* y,
-                   const int32_t* topk_ids, const float* topk_weights,
-                   float* partial, FfnWorkspace* workspace) const;
+  void ForwardFp32(int layer, int64_t tokens, const float* y, const int32_t* topk_ids,
+                   const float* topk_weights, float* partial, FfnWorkspace* workspace) const;
 
  private:
   ModelConfig config_;

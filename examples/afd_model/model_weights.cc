@@ -7,29 +7,24 @@ TensorSpec Linear(std::string name, int64_t fan_in) {
   return {std::move(name), WeightKind::kLinear, fan_in};
 }
 
-TensorSpec Gamma(std::string name) {
-  return {std::move(name), WeightKind::kNormGamma, 1};
-}
+TensorSpec Gamma(std::string name) { return {std::move(name), WeightKind::kNormGamma, 1}; }
 
-std::vector<float> Generate(const TensorSpec& spec, uint64_t seed,
-                            int64_t count) {
+std::vector<float> Generate(const TensorSpec& spec, uint64_t seed, int64_t count) {
   std::vector<float> values(count);
   FillTensor(spec, seed, 0, count, values.data());
   return values;
 }
 
 // Rows [row_begin, row_end) of a [rows, fan_in] tensor.
-void FillRows(const TensorSpec& spec, uint64_t seed, int64_t row_begin,
-              int64_t row_end, float* out) {
-  FillTensor(spec, seed, row_begin * spec.fan_in,
-             (row_end - row_begin) * spec.fan_in, out);
+void FillRows(const TensorSpec& spec, uint64_t seed, int64_t row_begin, int64_t row_end,
+              float* out) {
+  FillTensor(spec, seed, row_begin * spec.fan_in, (row_end - row_begin) * spec.fan_in, out);
 }
 
 // Column slice [c0, c1) of the SwiGLU whose tensors start at element `base`
 // of gate/up ([.., inter, H]) and down ([.., H, inter]).
-SwiGluWeights GenerateSwiGluSlice(const ModelConfig& config,
-                                  const std::string& prefix, int64_t inter,
-                                  int64_t base_gate_up, int64_t base_down,
+SwiGluWeights GenerateSwiGluSlice(const ModelConfig& config, const std::string& prefix,
+                                  int64_t inter, int64_t base_gate_up, int64_t base_down,
                                   int64_t c0, int64_t c1) {
   const int64_t h = config.hidden_size;
   const uint64_t seed = config.weight_seed;
@@ -41,12 +36,9 @@ SwiGluWeights GenerateSwiGluSlice(const ModelConfig& config,
   const TensorSpec gate = Linear(prefix + "gate_proj.weight", h);
   const TensorSpec up = Linear(prefix + "up_proj.weight", h);
   const TensorSpec down = Linear(prefix + "down_proj.weight", inter);
-  FillTensor(gate, seed, base_gate_up + c0 * h, weights.inter * h,
-             weights.gate.data());
-  FillTensor(up, seed, base_gate_up + c0 * h, weights.inter * h,
-             weights.up.data());
-  FillTensorColumns(down, seed, base_down, h, inter, c0, c1,
-                    weights.down.data());
+  FillTensor(gate, seed, base_gate_up + c0 * h, weights.inter * h, weights.gate.data());
+  FillTensor(up, seed, base_gate_up + c0 * h, weights.inter * h, weights.up.data());
+  FillTensorColumns(down, seed, base_down, h, inter, c0, c1, weights.down.data());
   return weights;
 }
 
@@ -56,8 +48,7 @@ std::string LayerTensorName(int layer, std::string_view suffix) {
   return "model.layers." + std::to_string(layer) + "." + std::string(suffix);
 }
 
-void FillTensor(const TensorSpec& spec, uint64_t seed, int64_t first,
-                int64_t count, float* out) {
+void FillTensor(const TensorSpec& spec, uint64_t seed, int64_t first, int64_t count, float* out) {
   const uint64_t key = TensorKey(spec.name, seed);
   const float step = PowerOfTwoInverse(WeightExponent(spec.kind, spec.fan_in));
   for (int64_t i = 0; i < count; ++i) {
@@ -65,13 +56,11 @@ void FillTensor(const TensorSpec& spec, uint64_t seed, int64_t first,
   }
 }
 
-void FillTensorColumns(const TensorSpec& spec, uint64_t seed, int64_t base,
-                       int64_t rows, int64_t row_length, int64_t col_begin,
-                       int64_t col_end, float* out) {
+void FillTensorColumns(const TensorSpec& spec, uint64_t seed, int64_t base, int64_t rows,
+                       int64_t row_length, int64_t col_begin, int64_t col_end, float* out) {
   const int64_t width = col_end - col_begin;
   for (int64_t r = 0; r < rows; ++r) {
-    FillTensor(spec, seed, base + r * row_length + col_begin, width,
-               out + r * width);
+    FillTensor(spec, seed, base + r * row_length + col_begin, width, out + r * width);
   }
 }
 
@@ -82,35 +71,27 @@ AttentionWeights GenerateAttentionWeights(const ModelConfig& config) {
   const int64_t width = config.attention_width();
   const uint64_t seed = config.weight_seed;
   AttentionWeights weights;
-  weights.embedding = Generate(
-      {"model.embed_tokens.weight", WeightKind::kEmbedding, h}, seed,
-      config.vocab_size * h);
+  weights.embedding = Generate({"model.embed_tokens.weight", WeightKind::kEmbedding, h}, seed,
+                               config.vocab_size * h);
   weights.final_norm = Generate(Gamma("model.norm.weight"), seed, h);
-  weights.lm_head = Generate(Linear("lm_head.weight", h), seed,
-                             config.vocab_size * h);
+  weights.lm_head = Generate(Linear("lm_head.weight", h), seed, config.vocab_size * h);
   weights.layers.resize(config.num_layers);
   for (int l = 0; l < config.num_layers; ++l) {
     AttentionLayerWeights& layer = weights.layers[l];
-    auto name = [l](std::string_view suffix) {
-      return LayerTensorName(l, suffix);
-    };
+    auto name = [l](std::string_view suffix) { return LayerTensorName(l, suffix); };
     layer.input_norm = Generate(Gamma(name("input_layernorm.weight")), seed, h);
     layer.qkv.resize((q + 2 * d) * h);
-    FillRows(Linear(name("self_attn.q_proj.weight"), h), seed, 0, q,
-             layer.qkv.data());
-    FillRows(Linear(name("self_attn.k_proj.weight"), h), seed, 0, d,
-             layer.qkv.data() + q * h);
+    FillRows(Linear(name("self_attn.q_proj.weight"), h), seed, 0, q, layer.qkv.data());
+    FillRows(Linear(name("self_attn.k_proj.weight"), h), seed, 0, d, layer.qkv.data() + q * h);
     FillRows(Linear(name("self_attn.v_proj.weight"), h), seed, 0, d,
              layer.qkv.data() + (q + d) * h);
     layer.inter_norm = Generate(Gamma(name("self_attn.inter_norm.weight")), seed, q);
     layer.wq = Generate(Linear(name("self_attn.wq.weight"), q), seed, width * q);
-    layer.o_proj = Generate(Linear(name("self_attn.o_proj.weight"), width), seed,
-                            h * width);
-    layer.post_norm =
-        Generate(Gamma(name("post_attention_layernorm.weight")), seed, h);
+    layer.o_proj = Generate(Linear(name("self_attn.o_proj.weight"), width), seed, h * width);
+    layer.post_norm = Generate(Gamma(name("post_attention_layernorm.weight")), seed, h);
     if (config.is_moe_layer[l]) {
-      layer.router = Generate({name("moe.gate.weight"), WeightKind::kRouter, h},
-                              seed, int64_t{config.num_experts} * h);
+      layer.router = Generate({name("moe.gate.weight"), WeightKind::kRouter, h}, seed,
+                              int64_t{config.num_experts} * h);
     }
   }
   return weights;
@@ -123,15 +104,13 @@ FfnLayerWeights GenerateFfnLayerWeights(const ModelConfig& config, int layer,
   weights.is_moe = config.is_moe_layer[layer];
   if (!weights.is_moe) {
     const int64_t inter = config.dense_intermediate;
-    weights.mlp = GenerateSwiGluSlice(
-        config, LayerTensorName(layer, "mlp."), inter, 0, 0,
-        partition.ColumnBegin(inter), partition.ColumnEnd(inter));
+    weights.mlp = GenerateSwiGluSlice(config, LayerTensorName(layer, "mlp."), inter, 0, 0,
+                                      partition.ColumnBegin(inter), partition.ColumnEnd(inter));
     return weights;
   }
   const int64_t shared = config.shared_intermediate;
-  weights.mlp = GenerateSwiGluSlice(
-      config, LayerTensorName(layer, "share_expert."), shared, 0, 0,
-      partition.ColumnBegin(shared), partition.ColumnEnd(shared));
+  weights.mlp = GenerateSwiGluSlice(config, LayerTensorName(layer, "share_expert."), shared, 0, 0,
+                                    partition.ColumnBegin(shared), partition.ColumnEnd(shared));
 
   weights.expert_to_slot.assign(config.num_experts, -1);
   for (int e = 0; e < config.num_experts; ++e) {
@@ -146,8 +125,7 @@ FfnLayerWeights GenerateFfnLayerWeights(const ModelConfig& config, int layer,
   weights.expert_down.resize(weights.num_slots * matrix);
   const TensorSpec gate = Linear(LayerTensorName(layer, "moe.gate_proj.weight"), h);
   const TensorSpec up = Linear(LayerTensorName(layer, "moe.up_proj.weight"), h);
-  const TensorSpec down =
-      Linear(LayerTensorName(layer, "moe.down_proj.weight"), inter);
+  const TensorSpec down = Linear(LayerTensorName(layer, "moe.down_proj.weight"), inter);
   for (int e = 0; e < config.num_experts; ++e) {
     const int32_t slot = weights.expert_to_slot[e];
     if (slot < 0) continue;
@@ -163,8 +141,7 @@ FfnLayerWeights GenerateFfnLayerWeights(const ModelConfig& config, int layer,
   return weights;
 }
 
-std::vector<int32_t> GeneratePromptTokens(const ModelConfig& config,
-                                          int requests, int prompt_len) {
+std::vector<int32_t> GeneratePromptTokens(const ModelConfig& config, int requests, int prompt_len) {
   const uint64_t key = TensorKey(kInputIdsTensorName, config.weight_seed);
   std::vector<int32_t> tokens(static_cast<size_t>(requests) * prompt_len);
   for (size_t i = 0; i < tokens.size(); ++i) {

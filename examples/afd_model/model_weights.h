@@ -25,15 +25,13 @@ struct TensorSpec {
 };
 
 // Elements [first, first + count) in HF row-major order.
-void FillTensor(const TensorSpec& spec, uint64_t seed, int64_t first,
-                int64_t count, float* out);
+void FillTensor(const TensorSpec& spec, uint64_t seed, int64_t first, int64_t count, float* out);
 
 // A column block of a row-major matrix stored inside a tensor at element
 // offset `base`: rows [0, rows), columns [col_begin, col_end) of a matrix
 // with `row_length` columns, written densely as [rows, col_end - col_begin].
-void FillTensorColumns(const TensorSpec& spec, uint64_t seed, int64_t base,
-                       int64_t rows, int64_t row_length, int64_t col_begin,
-                       int64_t col_end, float* out);
+void FillTensorColumns(const TensorSpec& spec, uint64_t seed, int64_t base, int64_t rows,
+                       int64_t row_length, int64_t col_begin, int64_t col_end, float* out);
 
 struct AttentionLayerWeights {
   std::vector<float> input_norm;  // [H]
@@ -93,7 +91,6 @@ FfnLayerWeights GenerateFfnLayerWeights(const ModelConfig& config, int layer,
 
 // Prompt tokens from the "input_ids" stream: request-major, so request r's
 // token t is element r * prompt_len + t.
-std::vector<int32_t> GeneratePromptTokens(const ModelConfig& config,
-                                          int requests, int prompt_len);
+std::vector<int32_t> GeneratePromptTokens(const ModelConfig& config, int requests, int prompt_len);
 
 }  // namespace afd

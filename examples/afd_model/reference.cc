@@ -1,5 +1,6 @@
 #include "examples/afd_model/reference.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 
@@ -9,21 +10,17 @@ namespace afd {
 namespace {
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
 }  // namespace
 
-std::string CodecName(Codec codec) {
-  return codec == Codec::kNone ? "none" : "afd";
-}
+std::string CodecName(Codec codec) { return codec == Codec::kNone ? "none" : "afd"; }
 
-ReferenceModel::ReferenceModel(const ModelConfig& config,
-                               const ReferenceOptions& options)
+ReferenceModel::ReferenceModel(const ModelConfig& config, const ReferenceOptions& options)
     : config_(config),
       options_(options),
-      attention_(config, options.max_sequences, options.max_seq_len) {
+      attention_(config, options.max_sequences, options.max_seq_len, options.kv_format) {
   if (options_.codec == Codec::kNone) options_.partitions = 1;
   ffn_partitions_.reserve(options_.partitions);
   for (int p = 0; p < options_.partitions; ++p) {
@@ -36,46 +33,43 @@ void ReferenceModel::ComputeFfnOutput(int layer, StepState* state) {
   attention_.PrepareFfnInput(layer, state);
   const int64_t n = state->num_tokens();
   if (options_.codec == Codec::kNone) {
-    ffn_partitions_[0].ForwardFp32(layer, n, state->normed.data(),
-                                   state->topk_ids.data(),
-                                   state->topk_weights.data(),
-                                   state->ffn_output.data(), &ffn_workspace_);
+    ffn_partitions_[0].ForwardFp32(layer, n, state->normed.data(), state->topk_ids.data(),
+                                   state->topk_weights.data(), state->ffn_output.data(),
+                                   &ffn_workspace_);
     return;
   }
-  const A2FSizes sizes{n, config_.hidden_size, config_.top_k,
-                       config_.fp8_group};
+  const A2FSizes sizes{n, config_.hidden_size, config_.top_k, config_.fp8_group};
   a2f_codes_.resize(sizes.codes_bytes());
   a2f_scales_.resize(sizes.scales_bytes() / sizeof(float));
   a2f_topk_ids_.resize(sizes.topk_ids_bytes() / sizeof(int32_t));
   a2f_topk_weights_.resize(sizes.topk_weights_bytes() / sizeof(float));
-  const A2FBuffers a2f{a2f_codes_.data(), a2f_scales_.data(),
-                       a2f_topk_ids_.data(), a2f_topk_weights_.data()};
+  const A2FBuffers a2f{a2f_codes_.data(), a2f_scales_.data(), a2f_topk_ids_.data(),
+                       a2f_topk_weights_.data()};
   attention_.WriteA2F(*state, a2f);
   std::vector<const uint16_t*> partials;
   for (int p = 0; p < options_.partitions; ++p) {
     f2a_partials_[p].resize(n * config_.hidden_size);
-    ffn_partitions_[p].Forward(layer, AsView(a2f, n), f2a_partials_[p].data(),
-                               &ffn_workspace_);
+    ffn_partitions_[p].Forward(layer, AsView(a2f, n), f2a_partials_[p].data(), &ffn_workspace_);
     partials.push_back(f2a_partials_[p].data());
   }
   attention_.ReduceF2A(partials, state);
 }
 
-bool ReferenceModel::RunStep(std::span<const SequenceChunk> chunks,
-                             std::span<const int32_t> tokens,
+bool ReferenceModel::RunStep(std::span<const SequenceChunk> chunks, std::span<const int32_t> tokens,
                              StepState* state) {
   if (!attention_.BeginStep(chunks, tokens, state)) return false;
   for (int l = 0; l < config_.num_layers; ++l) {
     attention_.Attention(l, state);
     ComputeFfnOutput(l, state);
     attention_.AddFfnOutput(state);
+    if (observer_) observer_(l, *state);
   }
   return true;
 }
 
-GenerationResult ReferenceModel::Generate(
-    const std::vector<std::vector<int32_t>>& prompts, int decode_steps,
-    const std::vector<std::vector<int32_t>>* forced_tokens) {
+GenerationResult ReferenceModel::Generate(const std::vector<std::vector<int32_t>>& prompts,
+                                          int decode_steps,
+                                          const std::vector<std::vector<int32_t>>* forced_tokens) {
   const int batch = static_cast<int>(prompts.size());
   GenerationResult result;
   result.tokens.resize(batch);
@@ -116,6 +110,43 @@ GenerationResult ReferenceModel::Generate(
   }
   result.decode_seconds = SecondsSince(start);
   return result;
+}
+
+KvCacheEffect MeasureKvCacheEffect(const ModelConfig& config, ReferenceOptions options,
+                                   KvCacheFormat format,
+                                   const std::vector<std::vector<int32_t>>& prompts,
+                                   int decode_steps) {
+  options.kv_format = KvCacheFormat::kFp32;
+  const GenerationResult exact = ReferenceModel(config, options).Generate(prompts, decode_steps);
+  options.kv_format = format;
+  const GenerationResult forced =
+      ReferenceModel(config, options).Generate(prompts, decode_steps, &exact.tokens);
+  const GenerationResult free = ReferenceModel(config, options).Generate(prompts, decode_steps);
+
+  KvCacheEffect e;
+  e.steps = static_cast<int>(exact.step_logits.size());
+  const int64_t v = config.vocab_size;
+  const int batch = static_cast<int>(prompts.size());
+  double sum = 0.0;
+  std::vector<int32_t> top1(batch);
+  for (int step = 0; step < e.steps; ++step) {
+    cpu::ArgmaxRows(forced.step_logits[step].data(), batch, v, top1.data());
+    for (int s = 0; s < batch; ++s) {
+      const double rel = RelativeL2({forced.step_logits[step].data() + s * v, size_t(v)},
+                                    {exact.step_logits[step].data() + s * v, size_t(v)});
+      sum += rel;
+      e.logits_rel_l2_max = std::max(e.logits_rel_l2_max, rel);
+      e.top1_agree += top1[s] == exact.tokens[s][step] ? 1 : 0;
+      const bool same = free.tokens[s][step] == exact.tokens[s][step];
+      e.free_identical += same ? 1 : 0;
+      if (!same && (e.first_divergence_step < 0 || step < e.first_divergence_step)) {
+        e.first_divergence_step = step;
+      }
+    }
+  }
+  e.tokens = int64_t{batch} * e.steps;
+  e.logits_rel_l2_mean = e.tokens == 0 ? 0.0 : sum / e.tokens;
+  return e;
 }
 
 double RelativeL2(std::span<const float> a, std::span<const float> b) {

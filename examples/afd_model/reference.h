@@ -11,6 +11,7 @@
 //           residual add (AttentionSide::ApplyF2A).
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -30,6 +31,7 @@ struct ReferenceOptions {
   int partitions = 1;  // FFN partitions F (kAfd only)
   int max_sequences = 1;
   int64_t max_seq_len = 128;
+  KvCacheFormat kv_format = KvCacheFormat::kFp32;
 };
 
 struct GenerationResult {
@@ -57,18 +59,22 @@ class ReferenceModel {
   // compare codecs on the same state (teacher forcing).
   void ComputeFfnOutput(int layer, StepState* state);
 
+  // Called after every layer of every RunStep with the state whose hidden
+  // rows are the residual stream after that layer (dumps, comparisons).
+  using LayerObserver = std::function<void(int layer, const StepState& state)>;
+  void set_layer_observer(LayerObserver observer) { observer_ = std::move(observer); }
+
   // One step through every layer: embed, then per layer attention,
   // ComputeFfnOutput and the residual add.
-  bool RunStep(std::span<const SequenceChunk> chunks,
-               std::span<const int32_t> tokens, StepState* state);
+  bool RunStep(std::span<const SequenceChunk> chunks, std::span<const int32_t> tokens,
+               StepState* state);
 
   // Prefills prompts[s] into sequence slot s, then runs decode_steps greedy
   // steps. If forced_tokens is given, decode step i of sequence s feeds
   // forced_tokens[s][i] instead of its own previous greedy token (teacher
   // forcing across codecs). Sequences must fit max_sequences/max_seq_len.
-  GenerationResult Generate(
-      const std::vector<std::vector<int32_t>>& prompts, int decode_steps,
-      const std::vector<std::vector<int32_t>>* forced_tokens = nullptr);
+  GenerationResult Generate(const std::vector<std::vector<int32_t>>& prompts, int decode_steps,
+                            const std::vector<std::vector<int32_t>>* forced_tokens = nullptr);
 
  private:
   ModelConfig config_;
@@ -82,7 +88,26 @@ class ReferenceModel {
   std::vector<int32_t> a2f_topk_ids_;
   std::vector<float> a2f_topk_weights_;
   std::vector<std::vector<uint16_t>> f2a_partials_;
+  LayerObserver observer_;
 };
+
+// The effect of a KV cache format against the fp32 cache, same codec and
+// prompts: teacher forced (the format's run fed the fp32 run's tokens, so
+// every step compares the same inputs) and free running (each decodes its
+// own greedy tokens).
+struct KvCacheEffect {
+  int steps = 0;                    // prefill + decode steps
+  int64_t tokens = 0;               // sequences x steps
+  double logits_rel_l2_mean = 0.0;  // teacher forced, over sequences and steps
+  double logits_rel_l2_max = 0.0;
+  int64_t top1_agree = 0;          // teacher forced: same argmax as fp32
+  int64_t free_identical = 0;      // free running: same token as fp32
+  int first_divergence_step = -1;  // free running, -1 if none
+};
+KvCacheEffect MeasureKvCacheEffect(const ModelConfig& config, ReferenceOptions options,
+                                   KvCacheFormat format,
+                                   const std::vector<std::vector<int32_t>>& prompts,
+                                   int decode_steps);
 
 // Relative L2 error ||a - b|| / ||b|| in double (0 when both are zero).
 double RelativeL2(std::span<const float> a, std::span<const float> b);

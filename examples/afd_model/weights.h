@@ -35,9 +35,7 @@ constexpr uint64_t Fnv1a64(std::string_view text) {
 }
 
 // Key of a tensor: fnv1a64(utf8 name) XOR seed.
-constexpr uint64_t TensorKey(std::string_view name, uint64_t seed) {
-  return Fnv1a64(name) ^ seed;
-}
+constexpr uint64_t TensorKey(std::string_view name, uint64_t seed) { return Fnv1a64(name) ^ seed; }
 
 // Raw draw of element `index` (row-major in the HF shape) of a tensor.
 AFD_HOST_DEVICE constexpr uint64_t TensorDraw(uint64_t key, uint64_t index) {
@@ -87,8 +85,8 @@ AFD_HOST_DEVICE constexpr float PowerOfTwoInverse(int exponent) {
 
 // Value of element `index` of a tensor. `step` is
 // PowerOfTwoInverse(WeightExponent(kind, fan_in)), hoisted out of loops.
-AFD_HOST_DEVICE constexpr float WeightValue(WeightKind kind, uint64_t key,
-                                            uint64_t index, float step) {
+AFD_HOST_DEVICE constexpr float WeightValue(WeightKind kind, uint64_t key, uint64_t index,
+                                            float step) {
   const int32_t k = WeightInt(key, index);
   if (kind == WeightKind::kNormGamma) {
     // Arithmetic shift of a negative value rounds toward -inf, as specified.
@@ -98,11 +96,9 @@ AFD_HOST_DEVICE constexpr float WeightValue(WeightKind kind, uint64_t key,
 }
 
 // Prompt token `index` (request-major: request * prompt_len + position).
-AFD_HOST_DEVICE constexpr int32_t InputTokenId(uint64_t input_key,
-                                               uint64_t index,
+AFD_HOST_DEVICE constexpr int32_t InputTokenId(uint64_t input_key, uint64_t index,
                                                int64_t vocab_size) {
-  return static_cast<int32_t>(TensorDraw(input_key, index) %
-                              static_cast<uint64_t>(vocab_size));
+  return static_cast<int32_t>(TensorDraw(input_key, index) % static_cast<uint64_t>(vocab_size));
 }
 
 inline constexpr std::string_view kInputIdsTensorName = "input_ids";

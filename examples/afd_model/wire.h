@@ -29,14 +29,11 @@ struct A2FSizes {
   int64_t group = kFp8GroupSize;
 
   size_t codes_bytes() const { return sizeof(uint8_t) * tokens * hidden; }
-  size_t scales_bytes() const {
-    return sizeof(float) * tokens * (hidden / group);
-  }
+  size_t scales_bytes() const { return sizeof(float) * tokens * (hidden / group); }
   size_t topk_ids_bytes() const { return sizeof(int32_t) * tokens * top_k; }
   size_t topk_weights_bytes() const { return sizeof(float) * tokens * top_k; }
   size_t total_bytes() const {
-    return codes_bytes() + scales_bytes() + topk_ids_bytes() +
-           topk_weights_bytes();
+    return codes_bytes() + scales_bytes() + topk_ids_bytes() + topk_weights_bytes();
   }
 };
 
@@ -62,8 +59,7 @@ struct A2FView {
 };
 
 inline A2FView AsView(const A2FBuffers& buffers, int64_t tokens) {
-  return {tokens, buffers.codes, buffers.scales, buffers.topk_ids,
-          buffers.topk_weights};
+  return {tokens, buffers.codes, buffers.scales, buffers.topk_ids, buffers.topk_weights};
 }
 
 }  // namespace afd

@@ -10,10 +10,10 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "stepmesh/tensor.h"
 
@@ -51,11 +51,17 @@ class Event {
 
 // A 32-bit word in host memory that both the host and the device can see.
 // Host writes are release stores; stream waits observe them without host sync.
+// Destroying a flag first releases every stream wait on it (ReleaseWaiters):
+// a stream must never wait on freed memory.
 class HostFlag {
  public:
   virtual ~HostFlag() = default;
   virtual void Store(uint32_t value) = 0;
   virtual uint32_t Load() const = 0;
+  // Moves the flag past every value a stream was told to wait for so far
+  // (WaitHostFlag, WaitHostFlagNext): for shutdown, when what those streams
+  // wait for will never come. The work behind the waits then runs.
+  virtual void ReleaseWaiters() = 0;
 };
 
 // An in-order queue of asynchronous work.
@@ -70,6 +76,13 @@ class Stream {
   // int32_t(flag - value) >= 0 so counters may run past 2^32 (cuStreamWaitValue32
   // GEQ semantics, or a wait kernel).
   virtual absl::Status WaitHostFlag(HostFlag& flag, uint32_t value) = 0;
+  // Later work waits for the next increment of a counter the host bumps per
+  // event: until counter >= cursor + 1 (wrap-safe), and then the stream itself
+  // sets cursor to that value. The target is read when the stream gets
+  // there, not when this is called, so a captured CUDA graph that contains it
+  // waits for one more increment at every replay. One stream (or graph) per
+  // cursor. Always a kernel on CUDA (graph-safe, one SM slot while waiting).
+  virtual absl::Status WaitHostFlagNext(HostFlag& counter, HostFlag& cursor) = 0;
   // The stream writes `value` to `flag` when it reaches this point.
   virtual absl::Status SignalHostFlag(HostFlag& flag, uint32_t value) = 0;
   virtual absl::Status Synchronize(absl::Duration timeout) = 0;
@@ -78,8 +91,8 @@ class Stream {
 // Where memory lives, for choosing a nearby NIC and cores.
 struct MemoryLocation {
   Device device;
-  int numa_node = -1;       // -1: unknown
-  std::string pci_bus_id;   // "0000:3b:00.0"; empty for host memory
+  int numa_node = -1;      // -1: unknown
+  std::string pci_bus_id;  // "0000:3b:00.0"; empty for host memory
 };
 
 class Backend {

@@ -90,6 +90,9 @@ struct MeshOptions {
   std::string transport = "auto";  // "tcp", "rdma" or "auto" (rdma when a device exists)
   std::string backend = "cpu_mock";  // "cpu_mock" or "cuda"
   int device = 0;
+  // The process's CUDA_DEVICE_MAX_CONNECTIONS (0: not set). With 1 the cuda
+  // backend never waits with stream memory operations (docs/cuda.md, rule 7).
+  int cuda_device_max_connections = 0;
 
   RdmaOptions rdma;
 

@@ -18,7 +18,7 @@
 namespace stepmesh {
 
 enum class BatchPolicy : uint8_t {
-  kAllWorkers,     // wait (up to the timeout) until every worker's request arrived
+  kAllWorkers,       // wait (up to the timeout) until every worker's request arrived
   kReadyByDeadline,  // at the timeout, hand out whatever workers arrived (at least one)
 };
 
@@ -35,7 +35,7 @@ struct BatchTensor {
 struct Batch {
   BatchHandle handle;
   Key group = 0;  // the first push key of the workers' requests: names the micro-batch
-  absl::Span<const int> workers;        // ranks present, ascending
+  absl::Span<const int> workers;          // ranks present, ascending
   absl::Span<const BatchTensor> tensors;  // in the workers' push order
   // Key each present worker pulls from this server (parallel to `workers`), or
   // kNoPull when that worker only pushed.
@@ -67,6 +67,16 @@ class AFTensorServer {
 
   virtual absl::StatusOr<Batch> GetBatch(absl::Duration timeout,
                                          BatchPolicy policy = BatchPolicy::kAllWorkers) = 0;
+  // Arrival on the GPU timeline: work enqueued on `stream` after this call
+  // waits, on the device and without a host sync, for the next batch to be
+  // complete (every live worker's request in the receive tensors, visible to
+  // the device), counted on the device: the n-th time the wait runs, it waits
+  // for the n-th batch, the one the n-th GetBatch(kAllWorkers) hands out. So
+  // the FFN kernels can be queued before the batch is there, and a CUDA graph
+  // holding the wait waits for a new batch at every replay. Pair each wait
+  // with one GetBatch(kAllWorkers) (kReadyByDeadline's partial batches are not
+  // counted); one stream or graph waits this way. Shutdown releases the waits.
+  virtual absl::Status StreamWaitNextBatch(Stream& stream) = 0;
   // Replies to every worker of the batch: worker w's slot of the reply region
   // named by its pull key (workers that only pushed get an empty acknowledgement).
   // Returns at once; sending waits for `options.ready`. Every worker with a pull

@@ -2,6 +2,7 @@
 // The whole public API.
 
 #include "stepmesh/backend.h"
+#include "stepmesh/cuda.h"
 #include "stepmesh/handle.h"
 #include "stepmesh/options.h"
 #include "stepmesh/scheduler.h"

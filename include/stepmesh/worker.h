@@ -59,6 +59,22 @@ class AFTensorWorker {
   virtual absl::Status Wait(RequestHandle handle, absl::Duration timeout) = 0;
   // Non-blocking: true once done (then Wait returns at once); never releases.
   virtual absl::StatusOr<bool> Test(RequestHandle handle) = 0;
+
+  // Arrival on the GPU timeline: work enqueued on `stream` after this call
+  // waits, on the device and without a host sync, until the request is done
+  // (its replies are in the pull tensors and visible to the device, or it
+  // failed: Wait() says which). Returns at once; the handle stays valid for
+  // Wait(), which the application still calls. May be captured into a CUDA
+  // graph, but a replay then waits for this same request again: in graphs
+  // replayed per step use StreamWaitNextPull.
+  virtual absl::Status StreamWaitReply(RequestHandle handle, Stream& stream) = 0;
+  // `stream` waits for the next reply under pull `key` from `server`,
+  // counted on the device: the n-th time the wait runs, it waits for the
+  // n-th reply (success or failure) under that registration. A CUDA graph
+  // holding it therefore waits for a new reply at every replay. Wait this
+  // way for every reply under the key (one stream or graph per key), or for
+  // none; Unregister and Shutdown release such waits.
+  virtual absl::Status StreamWaitNextPull(Key key, int server, Stream& stream) = 0;
   // The stamps of a completed request; valid after Wait until its slot is reused.
   virtual absl::StatusOr<TraceRecord> FetchTrace(RequestHandle handle) = 0;
 

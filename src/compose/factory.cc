@@ -42,6 +42,17 @@ absl::StatusOr<std::unique_ptr<core::Transport>> CreateTransport(const MeshOptio
   return absl::InvalidArgumentError(absl::StrCat("unknown transport '", options.transport, "'"));
 }
 
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const MeshOptions& options) {
+#ifdef STEPMESH_HAVE_CUDA
+  if (options.backend == "cuda") {
+    CudaBackendOptions cuda;
+    cuda.device_max_connections = options.cuda_device_max_connections;
+    return CreateCudaBackend(options.device, cuda);
+  }
+#endif
+  return ::stepmesh::CreateBackend(options.backend, options.device);
+}
+
 namespace {
 
 // The caller's backend, or the one the options name. The options are checked
@@ -50,8 +61,7 @@ absl::StatusOr<std::shared_ptr<Backend>> BackendFor(const MeshOptions& options, 
                                                     std::shared_ptr<Backend> backend) {
   STEPMESH_RETURN_IF_ERROR(core::OptionsForRole(options, role).status());
   if (backend != nullptr) return backend;
-  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<Backend> created,
-                            CreateBackend(options.backend, options.device));
+  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<Backend> created, CreateBackend(options));
   return std::shared_ptr<Backend>(std::move(created));
 }
 

@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "src/core/transport.h"
+#include "stepmesh/backend.h"
 #include "stepmesh/options.h"
 
 namespace stepmesh::compose {
@@ -14,5 +15,10 @@ namespace stepmesh::compose {
 // The transport named in options.transport: "tcp", "rdma", or "auto" (rdma
 // when built with it and a device is present, else tcp). A core::TransportFactory.
 absl::StatusOr<std::unique_ptr<core::Transport>> CreateTransport(const MeshOptions& options);
+
+// The backend named in options.backend ("cpu_mock" or "cuda") on
+// options.device, configured from the rest of the options
+// (cuda_device_max_connections).
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const MeshOptions& options);
 
 }  // namespace stepmesh::compose

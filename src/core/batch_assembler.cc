@@ -163,6 +163,9 @@ bool BatchAssembler::MaybeReady(uint32_t index) {
   slot.state = BatchState::kReady;
   ready_.push_back(index);
   ready_count_.fetch_add(1, std::memory_order_seq_cst);
+  // Its data is in the receive tensors (staged in, or flushed): a stream
+  // waiting for the next batch may go.
+  if (ready_counter_ != nullptr) ready_counter_->Store(++batches_counted_);
   return true;
 }
 
@@ -274,6 +277,8 @@ void BatchAssembler::ClearReady() {
   base::MutexLock lock(&mu_);
   ready_.clear();
   ready_count_.store(0);
+  // No batch comes any more: streams waiting for one must not wait forever.
+  if (ready_counter_ != nullptr) ready_counter_->ReleaseWaiters();
 }
 
 }  // namespace stepmesh::core

@@ -27,6 +27,7 @@
 #include "src/core/lost_peers.h"
 #include "src/core/protocol.h"
 #include "src/core/server_tensors.h"
+#include "stepmesh/backend.h"
 #include "stepmesh/server.h"
 #include "stepmesh/trace.h"
 
@@ -89,6 +90,11 @@ class BatchAssembler {
   BatchAssembler(int num_workers, const LostPeers& lost, bool trace);
 
   size_t num_slots() const { return slots_.size(); }
+  // Bumps `counter` each time a batch becomes ready (not for kReadyByDeadline's
+  // partial batches), after its data is in the receive tensors: streams wait
+  // on it on the device (AFTensorServer::StreamWaitNextBatch). Set before
+  // frames arrive; it must outlive the assembler. ClearReady releases its waiters.
+  void CountReadyBatches(HostFlag* counter) { ready_counter_ = counter; }
 
   // ---- receive thread: assembly ----
   struct Arrival {
@@ -127,7 +133,8 @@ class BatchAssembler {
   // `w` is gone: its requests in batches not yet handed out are dropped (they
   // can never be answered), and batches that waited only for it are ready.
   void DropWorker(int w);
-  // Shutdown: no batch is handed out any more.
+  // Shutdown: no batch is handed out any more (nor becomes ready: streams
+  // waiting for one are released).
   void ClearReady();
 
  private:
@@ -150,6 +157,8 @@ class BatchAssembler {
   std::vector<uint32_t> ready_ ABSL_GUARDED_BY(mu_);  // oldest first
   std::atomic<int> ready_count_{0};
   uint64_t opened_sequence_ ABSL_GUARDED_BY(mu_) = 0;
+  HostFlag* ready_counter_ = nullptr;
+  uint32_t batches_counted_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 template <typename Answer>

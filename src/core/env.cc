@@ -109,6 +109,8 @@ const std::vector<EnvEntry>& EnvTable() {
       {"STEPMESH_TRANSPORT", STEPMESH_ENV_STR(transport)},
       {"STEPMESH_BACKEND", STEPMESH_ENV_STR(backend)},
       {"STEPMESH_DEVICE", STEPMESH_ENV_INT(device)},
+      // Read by CUDA itself; the cuda backend must know it too (one hardware queue).
+      {"CUDA_DEVICE_MAX_CONNECTIONS", STEPMESH_ENV_INT(cuda_device_max_connections)},
       RdmaString("STEPMESH_RDMA_DEVICE", &RdmaOptions::device),
       RdmaInt("STEPMESH_RDMA_PORT", &RdmaOptions::port),
       RdmaInt("STEPMESH_RDMA_GID_INDEX", &RdmaOptions::gid_index),
@@ -289,6 +291,10 @@ absl::StatusOr<MeshOptions> MeshOptions::FromEnv(const MeshOptions& base) {
 absl::StatusOr<MeshOptions> MeshOptions::FromEnv() { return FromEnv(MeshOptions()); }
 
 absl::Status MeshOptions::Validate() const {
+  if (cuda_device_max_connections < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda_device_max_connections=", cuda_device_max_connections, " (0: unset, or >= 1)"));
+  }
   if (num_workers < 1 || num_workers > 4096) {
     return absl::InvalidArgumentError(absl::StrCat("num_workers=", num_workers, " (1..4096)"));
   }

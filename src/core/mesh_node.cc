@@ -169,7 +169,8 @@ absl::Status MeshNode::CheckRegistrationLimit(size_t registered) const {
   return absl::OkStatus();
 }
 
-absl::Status MeshNode::EnqueueSend(const SendItem& item) {
+absl::Status MeshNode::EnqueueSend(SendItem item) {
+  if (item.ready != nullptr) item.queued_ns = absl::GetCurrentTimeNanos();
   {
     base::MutexLock lock(&queue_mu_);
     if (queue_size_ == queue_.size()) {
@@ -222,13 +223,22 @@ void MeshNode::SendLoop() {
     }
     size_t kept = 0;
     bool progressed = false;
+    int64_t now_ns = 0;  // read once per pass, only when an event is pending
     for (const SendItem& item : waiting) {
       absl::Status ready;
       if (item.ready != nullptr) {
         absl::StatusOr<bool> reached = item.ready->Query();
         if (reached.ok() && !*reached) {
-          waiting[kept++] = item;  // order among the waiting is preserved
-          continue;
+          // Never forever: a stream that does not get to the event (a wait
+          // that is never released, a hung device) fails the send instead.
+          if (now_ns == 0) now_ns = absl::GetCurrentTimeNanos();
+          if (now_ns - item.queued_ns < absl::ToInt64Nanoseconds(options_.timeout)) {
+            waiting[kept++] = item;  // order among the waiting is preserved
+            continue;
+          }
+          reached = absl::DeadlineExceededError(
+              absl::StrCat("the ready event did not complete within ",
+                           absl::FormatDuration(options_.timeout)));
         }
         ready = reached.status();
       }

@@ -31,6 +31,7 @@ struct SendItem {
   uint32_t index = 0;
   uint32_t generation = 0;
   Event* ready = nullptr;  // sent once this completes
+  int64_t queued_ns = 0;   // set by EnqueueSend: a ready event pending past options.timeout fails it
 };
 
 // Whether one wait site should spin before it blocks (adaptive poll mode). A
@@ -69,7 +70,7 @@ class MeshNode : public TransportSink {
   void Stop();
   bool stopped() const { return stopping_.load(std::memory_order_acquire); }
 
-  absl::Status EnqueueSend(const SendItem& item);
+  absl::Status EnqueueSend(SendItem item);
   // Runs on the send thread once `item.ready` completed (or failed: `ready`).
   virtual void ExecuteSend(const SendItem& item, const absl::Status& ready) = 0;
   // A peer is gone. Called from the receive or the rendezvous thread, maybe twice.

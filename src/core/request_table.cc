@@ -24,6 +24,16 @@ RequestTable::RequestTable(int slots, int num_servers, uint32_t first_generation
   }
 }
 
+absl::Status RequestTable::CreateDoneFlags(Backend& backend) {
+  for (const auto& r : requests_) {
+    absl::StatusOr<std::unique_ptr<HostFlag>> flag = backend.CreateHostFlag();
+    if (!flag.ok()) return flag.status();
+    (*flag)->Store(r->generation.load(std::memory_order_relaxed));
+    r->done_flag = *std::move(flag);
+  }
+  return absl::OkStatus();
+}
+
 Request* RequestTable::NextFree() {
   return free_.empty() ? nullptr : requests_[free_.back()].get();
 }
@@ -115,6 +125,13 @@ bool RequestTable::IsCurrent(const Request& r, uint64_t request_id) const {
 bool RequestTable::Settle(Request& r, int server, const absl::Status& status) {
   if (r.settled[server].exchange(true, std::memory_order_acq_rel)) return false;
   if (!status.ok()) FailIfOk(r, status);
+  // The reply is in the pull tensor (staged in, or flushed), or never will
+  // be: a stream waiting for the next reply under this key may go
+  // (StreamWaitNextPull).
+  if (r.pull_key[server] != kNoPull) {
+    TensorRegistration& reg = *r.pull_reg[server];
+    if (reg.arrivals != nullptr) reg.arrivals->Store(++reg.arrived);
+  }
   return Release(r);
 }
 
@@ -130,6 +147,7 @@ void RequestTable::FailIfOk(Request& r, const absl::Status& why) {
 void RequestTable::MarkDone(Request& r, uint64_t complete_ns) {
   r.complete_ns = complete_ns;
   r.state.store(RequestState::kDone, std::memory_order_seq_cst);
+  if (r.done_flag != nullptr) r.done_flag->Store(r.generation.load(std::memory_order_relaxed));
 }
 
 }  // namespace stepmesh::core

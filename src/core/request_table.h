@@ -22,6 +22,7 @@
 #include "src/base/sync.h"
 #include "src/core/payload_io.h"
 #include "src/core/protocol.h"
+#include "stepmesh/backend.h"
 #include "stepmesh/handle.h"
 #include "stepmesh/tensor.h"
 #include "stepmesh/trace.h"
@@ -34,6 +35,12 @@ struct TensorRegistration {
   TensorView view;
   WireTensor wire;
   bool in_flight = false;  // in a pending request; guarded by the worker's registration lock
+  // Pull registrations: replies settled so far (success or failure), and the
+  // device-side cursor of StreamWaitNextPull. `arrived` changes once per
+  // request that pulls here, and one such request is in flight at a time.
+  std::unique_ptr<HostFlag> arrivals;
+  std::unique_ptr<HostFlag> cursor;
+  uint32_t arrived = 0;
 };
 
 enum class RequestState : uint8_t { kFree, kPending, kDone, kReleased };
@@ -65,6 +72,9 @@ struct Request {
   std::vector<TraceStamps> stamps;
   uint64_t enqueue_ns = 0;
   uint64_t complete_ns = 0;
+  // The generation of this slot's latest finished request, for streams
+  // waiting on the GPU timeline (StreamWaitReply); made by CreateDoneFlags.
+  std::unique_ptr<HostFlag> done_flag;
   base::Mutex status_mu;
   absl::Status status ABSL_GUARDED_BY(status_mu);
 };
@@ -79,6 +89,10 @@ class RequestTable {
   RequestTable(int slots, int num_servers, uint32_t first_generation);
 
   size_t size() const { return requests_.size(); }
+  // Gives every slot its done flag, holding the slot's current generation.
+  // Once, before the first request: making a flag later pins memory, which
+  // waits for the whole device.
+  absl::Status CreateDoneFlags(Backend& backend);
   Request& at(uint32_t index) { return *requests_[index]; }
   const Request& at(uint32_t index) const { return *requests_[index]; }
 
@@ -111,7 +125,8 @@ class RequestTable {
   bool IsCurrent(const Request& r, uint64_t request_id) const;
 
   // --- any thread ---
-  // Records `server`'s outcome (the first error is the request's result); a
+  // Records `server`'s outcome (the first error is the request's result) and
+  // counts it as an arrival of the pull registration it lands in, if any; a
   // second settle of the same server does nothing. True when that dropped the
   // last reference: the caller completes the request.
   [[nodiscard]] bool Settle(Request& r, int server, const absl::Status& status);
@@ -119,7 +134,8 @@ class RequestTable {
   [[nodiscard]] bool Release(Request& r);
   // Sets the result unless an error is already recorded.
   void FailIfOk(Request& r, const absl::Status& why);
-  // The request is done (the owner released its tensors first).
+  // The request is done (the owner released its tensors first); streams
+  // waiting for it on the device may go.
   void MarkDone(Request& r, uint64_t complete_ns);
 
  private:

@@ -51,7 +51,13 @@ class Server final : public AFTensorServer, public MeshNode {
   }
   ~Server() override { Stop(); }
 
-  absl::Status Init(const TransportFactory& factory) { return Start(factory); }
+  absl::Status Init(const TransportFactory& factory) {
+    // Made now: making a flag later pins memory, which waits for the whole device.
+    STEPMESH_ASSIGN_OR_RETURN(batches_ready_, backend_->CreateHostFlag());
+    STEPMESH_ASSIGN_OR_RETURN(batch_cursor_, backend_->CreateHostFlag());
+    assembler_.CountReadyBatches(batches_ready_.get());
+    return Start(factory);
+  }
 
   int rank() const override { return rank_; }
   int num_workers() const override { return options_.num_workers; }
@@ -133,6 +139,11 @@ class Server final : public AFTensorServer, public MeshNode {
     }
     return absl::DeadlineExceededError(
         absl::StrCat("no batch within ", absl::FormatDuration(timeout)));
+  }
+
+  absl::Status StreamWaitNextBatch(Stream& stream) override {
+    if (stopped()) return absl::FailedPreconditionError("server is shut down");
+    return stream.WaitHostFlagNext(*batches_ready_, *batch_cursor_);
   }
 
   absl::Status Respond(const Batch& batch, absl::Span<const Reply> replies,
@@ -327,6 +338,11 @@ class Server final : public AFTensorServer, public MeshNode {
   absl::flat_hash_map<Key, std::unique_ptr<RecvRegistration>> recv_regs_ ABSL_GUARDED_BY(reg_mu_);
   ReplyTensors reply_regs_ ABSL_GUARDED_BY(reg_mu_);
 
+  // StreamWaitNextBatch: the ready batches the assembler counts, and the
+  // device-side cursor of the waiting stream. Declared before the assembler,
+  // which points at the first.
+  std::unique_ptr<HostFlag> batches_ready_;
+  std::unique_ptr<HostFlag> batch_cursor_;
   BatchAssembler assembler_;
   ReplyPath replies_;
   std::vector<PushNote> notes_;  // receive thread only

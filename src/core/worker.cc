@@ -31,7 +31,10 @@ class Worker final : public AFTensorWorker, public MeshNode {
         requests_(options.max_inflight_requests, options.num_servers, std::random_device{}() | 1) {}
   ~Worker() override { Stop(); }
 
-  absl::Status Init(const TransportFactory& factory) { return Start(factory); }
+  absl::Status Init(const TransportFactory& factory) {
+    STEPMESH_RETURN_IF_ERROR(requests_.CreateDoneFlags(*backend_));
+    return Start(factory);
+  }
 
   int rank() const override { return rank_; }
   int num_servers() const override { return options_.num_servers; }
@@ -43,8 +46,10 @@ class Worker final : public AFTensorWorker, public MeshNode {
     if (push_regs_.contains(key)) {
       return absl::AlreadyExistsError(absl::StrCat("push key ", key, " already registered"));
     }
-    STEPMESH_ASSIGN_OR_RETURN(WireTensor wire, RegisterTensor(key, tensor, 1, {}));
-    push_regs_[key] = std::make_unique<TensorRegistration>(TensorRegistration{tensor, wire, false});
+    auto reg = std::make_unique<TensorRegistration>();
+    reg->view = tensor;
+    STEPMESH_ASSIGN_OR_RETURN(reg->wire, RegisterTensor(key, tensor, 1, {}));
+    push_regs_[key] = std::move(reg);
     return absl::OkStatus();
   }
 
@@ -59,9 +64,12 @@ class Worker final : public AFTensorWorker, public MeshNode {
       return absl::AlreadyExistsError(
           absl::StrCat("pull key ", key, " from server ", server, " already registered"));
     }
-    STEPMESH_ASSIGN_OR_RETURN(WireTensor wire, RegisterTensor(key, tensor, 1, {PeerId(server)}));
-    pull_regs_[{key, server}] =
-        std::make_unique<TensorRegistration>(TensorRegistration{tensor, wire, false});
+    auto reg = std::make_unique<TensorRegistration>();
+    reg->view = tensor;
+    STEPMESH_ASSIGN_OR_RETURN(reg->arrivals, backend_->CreateHostFlag());
+    STEPMESH_ASSIGN_OR_RETURN(reg->cursor, backend_->CreateHostFlag());
+    STEPMESH_ASSIGN_OR_RETURN(reg->wire, RegisterTensor(key, tensor, 1, {PeerId(server)}));
+    pull_regs_[{key, server}] = std::move(reg);
     return absl::OkStatus();
   }
 
@@ -150,6 +158,21 @@ class Worker final : public AFTensorWorker, public MeshNode {
   absl::StatusOr<bool> Test(RequestHandle handle) override {
     STEPMESH_ASSIGN_OR_RETURN(Request * r, requests_.Lookup(handle));
     return r->state.load(std::memory_order_acquire) == RequestState::kDone;
+  }
+
+  absl::Status StreamWaitReply(RequestHandle handle, Stream& stream) override {
+    STEPMESH_ASSIGN_OR_RETURN(Request * r, requests_.Lookup(handle));
+    return stream.WaitHostFlag(*r->done_flag, handle.generation());
+  }
+
+  absl::Status StreamWaitNextPull(Key key, int server, Stream& stream) override {
+    base::MutexLock lock(&reg_mu_);  // Unregister must not free the flags meanwhile
+    auto it = pull_regs_.find({key, server});
+    if (it == pull_regs_.end()) {
+      return absl::NotFoundError(
+          absl::StrCat("pull key ", key, " from server ", server, " is not registered"));
+    }
+    return stream.WaitHostFlagNext(*it->second->arrivals, *it->second->cursor);
   }
 
   absl::StatusOr<TraceRecord> FetchTrace(RequestHandle handle) override {
@@ -464,6 +487,10 @@ class Worker final : public AFTensorWorker, public MeshNode {
       requests_.FailIfOk(r, why);
       Complete(r);
     }
+    // No reply comes any more: streams waiting on the GPU timeline must not
+    // wait forever.
+    base::MutexLock lock(&reg_mu_);
+    for (auto& [id, reg] : pull_regs_) reg->arrivals->ReleaseWaiters();
   }
 
   // --- request life ---

@@ -1,11 +1,11 @@
+#include "stepmesh/backend.h"
+
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <thread>
 #include <vector>
 
-#include <catch2/catch.hpp>
-
 #include "absl/time/clock.h"
-#include "stepmesh/backend.h"
 
 namespace stepmesh {
 namespace {
@@ -52,6 +52,42 @@ TEST_CASE("cpu_mock stream waits on a host flag without blocking the host", "[ba
   REQUIRE(stream->SignalHostFlag(*signal, 9).ok());
   REQUIRE(stream->Synchronize(absl::Seconds(5)).ok());
   CHECK(signal->Load() == 9);
+}
+
+TEST_CASE("cpu_mock WaitHostFlagNext waits for one more increment each time it runs", "[backend]") {
+  auto backend = CreateCpuMockBackend();
+  auto stream = *backend->CreateStream();
+  auto counter = *backend->CreateHostFlag();
+  auto cursor = *backend->CreateHostFlag();
+  std::atomic<int> passed{0};
+  for (int i = 0; i < 3; ++i) {
+    REQUIRE(stream->WaitHostFlagNext(*counter, *cursor).ok());
+    REQUIRE(stream->LaunchHostFunc([&] { ++passed; }).ok());
+  }
+  for (int i = 1; i <= 3; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+    CHECK(passed.load() == i - 1);
+    counter->Store(static_cast<uint32_t>(i));
+    const absl::Time deadline = absl::Now() + absl::Seconds(5);
+    while (passed.load() < i && absl::Now() < deadline) std::this_thread::yield();
+    CHECK(passed.load() == i);
+    CHECK(cursor->Load() == static_cast<uint32_t>(i));
+  }
+}
+
+TEST_CASE("cpu_mock: a destroyed or released flag lets its waiters go", "[backend]") {
+  auto backend = CreateCpuMockBackend();
+  auto stream = *backend->CreateStream();
+  auto flag = *backend->CreateHostFlag();
+  auto counter = *backend->CreateHostFlag();
+  auto cursor = *backend->CreateHostFlag();
+  REQUIRE(stream->WaitHostFlag(*flag, 7).ok());
+  REQUIRE(stream->WaitHostFlagNext(*counter, *cursor).ok());
+  REQUIRE(stream->WaitHostFlagNext(*counter, *cursor).ok());
+  flag.reset();               // destroyed: its waiters are released first
+  counter->ReleaseWaiters();  // shutdown: both next-waits go
+  CHECK(stream->Synchronize(absl::Seconds(5)).ok());
+  CHECK(cursor->Load() == 2);
 }
 
 TEST_CASE("cpu_mock memory is aligned and zeroed, unknown backends are errors", "[backend]") {

@@ -1,12 +1,15 @@
 #include "src/core/mesh.h"
 
 #include <catch2/catch.hpp>
+
+#include <atomic>
 #include <future>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "src/compose/transports.h"
@@ -211,6 +214,81 @@ TEST_CASE("a send gated on an event waits for it on the send thread", "[mesh][ev
   const Reply r{0};
   REQUIRE(mesh->server(0).Respond(*batch, {&r, 1}).ok());
   REQUIRE(mesh->worker(0).Wait(*h, absl::Seconds(5)).ok());
+}
+
+TEST_CASE("a ready event that never completes fails its request after options.timeout",
+          "[mesh][event]") {
+  std::vector<uint8_t> push(64, 0), pull(64), recv(64), reply(64);
+  MeshOptions o = TcpOptions();
+  o.timeout = absl::Seconds(2);
+  o.heartbeat_interval = absl::Milliseconds(200);
+  // After the tensors: registered memory outlives the mesh.
+  auto mesh = testing::StartPair(o, compose::CreateTransport);
+  AFTensorWorker& worker = mesh->worker(0);
+  REQUIRE_OK(worker.RegisterPushTensor(1, BytesView(push.data(), 64)));
+  REQUIRE_OK(worker.RegisterPullTensor(2, 0, BytesView(pull.data(), 64)));
+  REQUIRE_OK(mesh->server(0).RegisterRecvTensor(1, BytesView(recv.data(), 64)));
+  REQUIRE_OK(mesh->server(0).RegisterReplyTensor(2, BytesView(reply.data(), 64)));
+  auto stream = *worker.backend().CreateStream();
+  auto ready = *worker.backend().CreateEvent();
+  auto flag = *worker.backend().CreateHostFlag();
+  REQUIRE(stream->WaitHostFlag(*flag, 1).ok());  // a stream that never gets there
+  REQUIRE(ready->Record(*stream).ok());
+  const Push p{1};
+  const Pull q{2, 0};
+  SendOptions options;
+  options.ready = ready.get();
+  auto h = worker.PushPull({&p, 1}, {&q, 1}, options);
+  REQUIRE_OK(h);
+  const absl::Status status = worker.Wait(*h, absl::Seconds(10));
+  INFO(status.ToString());
+  CHECK(absl::IsDeadlineExceeded(status));
+  CHECK(absl::StrContains(status.message(), "ready event"));
+  flag->Store(1);
+  REQUIRE(stream->Synchronize(absl::Seconds(5)).ok());
+}
+
+TEST_CASE("streams wait for a reply and for the next batch on cpu_mock", "[mesh][arrival]") {
+  std::vector<uint8_t> push(64, 0), pull(64, 0), recv(64), reply(64);
+  auto mesh = OneByOne();  // after the tensors: registered memory outlives the mesh
+  AFTensorWorker& worker = mesh->worker(0);
+  AFTensorServer& server = mesh->server(0);
+  REQUIRE_OK(worker.RegisterPushTensor(1, BytesView(push.data(), 64)));
+  REQUIRE_OK(worker.RegisterPullTensor(2, 0, BytesView(pull.data(), 64)));
+  REQUIRE_OK(server.RegisterRecvTensor(1, BytesView(recv.data(), 64)));
+  REQUIRE_OK(server.RegisterReplyTensor(2, BytesView(reply.data(), 64)));
+  auto worker_stream = *worker.backend().CreateStream();
+  auto server_stream = *server.backend().CreateStream();
+  std::atomic<int> seen_reply{-1}, seen_push{-1}, next_pull{-1};
+  for (int step = 1; step <= 3; ++step) {
+    seen_push = seen_reply = next_pull = -1;
+    std::fill(push.begin(), push.end(), static_cast<uint8_t>(step));
+    REQUIRE_OK(server.StreamWaitNextBatch(*server_stream));
+    REQUIRE_OK(server_stream->LaunchHostFunc([&] { seen_push = recv[63]; }));
+    absl::SleepFor(absl::Milliseconds(20));
+    CHECK(seen_push.load() == -1);  // no batch yet: the server stream waits
+    const Push p{1};
+    const Pull q{2, 0};
+    auto h = worker.PushPull({&p, 1}, {&q, 1});
+    REQUIRE_OK(h);
+    REQUIRE_OK(worker.StreamWaitReply(*h, *worker_stream));
+    REQUIRE_OK(worker_stream->LaunchHostFunc([&] { seen_reply = pull[63]; }));
+    REQUIRE_OK(worker.StreamWaitNextPull(2, 0, *worker_stream));
+    REQUIRE_OK(worker_stream->LaunchHostFunc([&] { next_pull = pull[0]; }));
+    auto batch = server.GetBatch(absl::Seconds(5));
+    REQUIRE_OK(batch);
+    REQUIRE_OK(server_stream->Synchronize(absl::Seconds(5)));
+    CHECK(seen_push.load() == step);  // the stream went once the batch was in
+    absl::SleepFor(absl::Milliseconds(20));
+    CHECK(seen_reply.load() == -1);  // no reply yet: the worker stream waits
+    std::fill(reply.begin(), reply.end(), static_cast<uint8_t>(step * 10));
+    const Reply r{0};
+    REQUIRE_OK(server.Respond(*batch, {&r, 1}));
+    REQUIRE_OK(worker.Wait(*h, absl::Seconds(5)));
+    REQUIRE_OK(worker_stream->Synchronize(absl::Seconds(5)));
+    CHECK(seen_reply.load() == step * 10);
+    CHECK(next_pull.load() == step * 10);
+  }
 }
 
 // ---- separate processes on 127.0.0.1 ----

@@ -5,6 +5,8 @@
 
 #include <catch2/catch.hpp>
 
+#include "absl/strings/match.h"
+
 #include "stepmesh/options.h"
 #include "stepmesh/tensor.h"
 
@@ -152,6 +154,21 @@ TEST_CASE("bad RDMA settings are refused naming the variable", "[options][rdma]"
   const absl::Status status = direct.Validate();
   CHECK(absl::IsInvalidArgument(status));
   CHECK(std::string(status.message()).find("rdma.ack_timeout") != std::string::npos);
+}
+
+TEST_CASE("FromEnv reads CUDA_DEVICE_MAX_CONNECTIONS for the cuda backend", "[options]") {
+  {
+    ScopedEnv env({{"CUDA_DEVICE_MAX_CONNECTIONS", "1"}});
+    auto o = MeshOptions::FromEnv();
+    REQUIRE(o.ok());
+    CHECK(o->cuda_device_max_connections == 1);
+  }
+  {
+    ScopedEnv env({{"CUDA_DEVICE_MAX_CONNECTIONS", "-3"}});
+    auto o = MeshOptions::FromEnv();
+    CHECK(absl::IsInvalidArgument(o.status()));
+    CHECK(absl::StrContains(o.status().message(), "cuda_device_max_connections"));
+  }
 }
 
 TEST_CASE("dtype sizes and names", "[tensor]") {

@@ -35,7 +35,10 @@ struct Fixture {
     REQUIRE(created.ok());
     backend = std::move(*created);
   }
-  ~Fixture() { CHECK(fake->violations().empty()); }
+  ~Fixture() {
+    backend.reset();  // its destructor's calls are checked too
+    CHECK(fake->violations().empty());
+  }
 
   std::unique_ptr<Stream> NewStream() {
     auto stream = backend->CreateStream();
@@ -61,7 +64,7 @@ CudaBackendOptions Options(ReadyEventMode ready, StreamWaitMode wait = StreamWai
   CudaBackendOptions options;
   options.ready_event_mode = ready;
   options.stream_wait_mode = wait;
-  options.initial_events = 2;
+  options.event_pool_size = 2;
   return options;
 }
 
@@ -117,6 +120,7 @@ TEST_CASE("cuda: devices above 7 work and the caller's current device is left al
   CHECK(f.fake->DeviceOfStream(f.Native(*stream)) == 11);
   CHECK(f.fake->FlagsOfStream(f.Native(*stream)) == cudaStreamNonBlocking);
   CHECK(f.fake->CurrentDeviceOfThisThread() == 2);
+  CHECK(f.fake->primary_contexts_created(0) == 0);
 }
 
 // --- Memory -----------------------------------------------------------------
@@ -155,15 +159,18 @@ TEST_CASE("cuda: out of memory is RESOURCE_EXHAUSTED naming the call and device"
   CHECK(cuda::CudaErrorFromStatus(memory.status()) == cudaErrorMemoryAllocation);
 }
 
-TEST_CASE("cuda: synchronous copy uses unified addressing", "[cuda]") {
+TEST_CASE("cuda: synchronous copy uses unified addressing on the backend's own stream", "[cuda]") {
   Fixture f;
   auto device = *f.backend->Allocate(16, MemoryKind::kDevice);
   const char text[16] = "hello, device";
   char back[16] = {};
+  const int async_before = f.fake->Calls("cudaMemcpyAsync");
   REQUIRE(f.backend->Copy(device->data(), text, sizeof(text)).ok());
   REQUIRE(f.backend->Copy(back, device->data(), sizeof(back)).ok());
   CHECK(std::string(back) == "hello, device");
-  CHECK(f.fake->Calls("cudaMemcpy") >= 2);
+  CHECK(f.fake->Calls("cudaMemcpyAsync") - async_before == 2);
+  CHECK(f.fake->Calls("cudaMemcpy") == 0);  // never the legacy default stream
+  CHECK(f.backend->Copy(back, device->data(), 0).ok());
 }
 
 // --- Error mapping ------------------------------------------------------------
@@ -197,9 +204,9 @@ TEST_CASE("cuda: cudaError and CUresult map to canonical status codes", "[cuda]"
 
 // --- Event pool ---------------------------------------------------------------
 
-TEST_CASE("cuda: events come from a pool: destroyed events are reused, not re-created", "[cuda]") {
+TEST_CASE("cuda: events come from a pool made up front: reused, never created later", "[cuda]") {
   Fixture f(1, Options(ReadyEventMode::kCudaEvent));
-  CHECK(f.fake->Calls("cudaEventCreate") == 2);  // initial_events
+  CHECK(f.fake->Calls("cudaEventCreate") == 2);  // event_pool_size
   for (int step = 0; step < 100; ++step) {
     auto a = f.backend->CreateEvent();
     auto b = f.backend->CreateEvent();
@@ -211,13 +218,14 @@ TEST_CASE("cuda: events come from a pool: destroyed events are reused, not re-cr
   {
     auto a = *f.backend->CreateEvent();
     auto b = *f.backend->CreateEvent();
-    auto c = *f.backend->CreateEvent();  // pool grows by one
+    auto c = f.backend->CreateEvent();  // a third live event: the pool is full
+    CHECK(c.status().code() == absl::StatusCode::kResourceExhausted);
+    CHECK_THAT(std::string(c.status().message()), Catch::Contains("event_pool_size"));
   }
-  CHECK(f.fake->Calls("cudaEventCreate") == 3);
+  CHECK(f.fake->Calls("cudaEventCreate") == 2);
   auto again = *f.backend->CreateEvent();
-  CHECK(f.fake->Calls("cudaEventCreate") == 3);
   f.backend.reset();
-  CHECK(f.fake->LiveEvents() == 3);  // `again` keeps the pool alive
+  CHECK(f.fake->LiveEvents() == 2);  // `again` keeps the pool alive
   again.reset();
   CHECK(f.fake->LiveEvents() == 0);
   CHECK(f.fake->LiveAllocations() == 0);
@@ -226,7 +234,7 @@ TEST_CASE("cuda: events come from a pool: destroyed events are reused, not re-cr
 TEST_CASE("cuda: copy-engine events reuse pooled host words, no allocation per step", "[cuda]") {
   Fixture f(1, Options(ReadyEventMode::kCopyEngineFlag));
   const int host_allocs = f.fake->Calls("cudaHostAlloc");
-  CHECK(host_allocs == 1);  // one chunk of words for the whole pool
+  CHECK(host_allocs == 1);  // one block of words for the whole pool
   auto stream = f.NewStream();
   for (int step = 0; step < 200; ++step) {
     auto event = *f.backend->CreateEvent();
@@ -238,14 +246,36 @@ TEST_CASE("cuda: copy-engine events reuse pooled host words, no allocation per s
   CHECK(f.fake->Calls("cudaEventCreate") == 0);
 }
 
-TEST_CASE("cuda: event pool growth failure is reported, later growth still works", "[cuda]") {
-  CudaBackendOptions options = Options(ReadyEventMode::kCudaEvent);
-  options.initial_events = 0;
+TEST_CASE("cuda: a failure while making the event pool fails creation cleanly", "[cuda]") {
+  for (const char* call : {"cudaEventCreate", "cudaHostAlloc", "cudaMalloc"}) {
+    INFO(call);
+    auto fake = std::make_shared<FakeCudaApi>(1);
+    fake->FailNext(call, cudaErrorMemoryAllocation);
+    const bool events = std::string(call) == "cudaEventCreate";
+    auto backend = CreateCudaBackend(
+        fake, 0, Options(events ? ReadyEventMode::kCudaEvent : ReadyEventMode::kCopyEngineFlag));
+    CHECK(backend.status().code() == absl::StatusCode::kResourceExhausted);
+    CHECK(fake->LiveAllocations() == 0);
+    CHECK(fake->LiveStreams() == 0);
+    CHECK(fake->LiveEvents() == 0);
+    CHECK(fake->violations().empty());
+  }
+}
+
+TEST_CASE("cuda: an event released mid-flight returns to the pool once its copy landed", "[cuda]") {
+  CudaBackendOptions options = Options(ReadyEventMode::kCopyEngineFlag);
+  options.event_pool_size = 1;
   Fixture f(1, options);
-  f.fake->FailNext("cudaEventCreate", cudaErrorMemoryAllocation);
-  auto event = f.backend->CreateEvent();
-  CHECK(event.status().code() == absl::StatusCode::kResourceExhausted);
-  CHECK(f.backend->CreateEvent().ok());
+  auto stream = f.NewStream();
+  {
+    auto event = *f.backend->CreateEvent();
+    REQUIRE(event->Record(*stream).ok());
+  }
+  CHECK(f.backend->CreateEvent().status().code() == absl::StatusCode::kResourceExhausted);
+  f.fake->RunAll();
+  auto reused = f.backend->CreateEvent();
+  REQUIRE(reused.ok());
+  CHECK(f.Ready(**reused));  // starts as never recorded
 }
 
 // --- Ready events, both modes ---------------------------------------------------
@@ -313,9 +343,7 @@ TEST_CASE("cuda: Event::Wait returns as soon as another thread's stream work lan
 
 TEST_CASE("cuda: a released pooled event starts as never-recorded for its next owner", "[cuda]") {
   for (ReadyEventMode mode : {ReadyEventMode::kCopyEngineFlag, ReadyEventMode::kCudaEvent}) {
-    CudaBackendOptions options = Options(mode);
-    options.initial_events = 1;
-    Fixture f(1, options);
+    Fixture f(1, Options(mode));
     auto stream = f.NewStream();
     {
       auto event = *f.backend->CreateEvent();
@@ -425,24 +453,37 @@ TEST_CASE("cuda: StreamWaitMode::kKernel always launches the kernel", "[cuda]") 
   CHECK(f.fake->Calls("cuStreamWaitValue32") == 0);
 }
 
-TEST_CASE("cuda: kAuto uses the kernel while the stream is being captured", "[cuda]") {
+TEST_CASE("cuda: kAuto uses the kernels while the stream is being captured, and replays work",
+          "[cuda]") {
   Fixture f;
   auto stream = f.NewStream();
   auto flag = *f.backend->CreateHostFlag();
-  f.fake->SetCapturing(f.Native(*stream), true);
+  auto done = *f.backend->CreateHostFlag();
+  REQUIRE(f.fake->BeginCapture(f.Native(*stream), cudaStreamCaptureModeGlobal) == cudaSuccess);
   REQUIRE(stream->WaitHostFlag(*flag, 1).ok());
-  REQUIRE(stream->SignalHostFlag(*flag, 2).ok());
-  CHECK(f.fake->PendingNames(f.Native(*stream)) ==
+  REQUIRE(stream->SignalHostFlag(*done, 2).ok());
+  CHECK(f.fake->CapturedNames(f.Native(*stream)) ==
         std::vector<std::string>{"wait_kernel", "signal_kernel"});
+  CHECK(f.fake->Pending(f.Native(*stream)) == 0);  // captured, not run
   CHECK(f.fake->memops().empty());
   // Host functions would be freed after their first replay: refused.
   CHECK(stream->LaunchHostFunc([] {}).code() == absl::StatusCode::kFailedPrecondition);
-  f.fake->SetCapturing(f.Native(*stream), false);
-  REQUIRE(stream->WaitHostFlag(*flag, 3).ok());
+  FakeCudaApi::Graph graph;
+  REQUIRE(f.fake->EndCapture(f.Native(*stream), &graph) == cudaSuccess);
+  auto replay = f.NewStream();
+  for (int round = 0; round < 3; ++round) {
+    done->Store(0);
+    REQUIRE(f.fake->LaunchGraph(graph, f.Native(*replay)) == cudaSuccess);
+    f.fake->RunAll();
+    CHECK(done->Load() == (round == 0 ? 0u : 2u));  // the gate opens after the first replay
+    flag->Store(1);
+    f.fake->RunAll();
+    CHECK(done->Load() == 2);
+  }
+  REQUIRE(stream->WaitHostFlag(*flag, 3).ok());  // not capturing: the memop again
   CHECK(f.fake->memops().size() == 1);
-  flag->Store(1);
+  flag->Store(3);
   f.fake->RunAll();
-  CHECK(flag->Load() == 2);  // the signal kernel ran after the wait
 }
 
 TEST_CASE("cuda: kStreamMemOp without driver support is UNIMPLEMENTED", "[cuda]") {
@@ -485,9 +526,11 @@ TEST_CASE("cuda: kStreamMemOp surfaces driver errors instead of falling back", "
 }
 
 TEST_CASE("cuda: flush_remote_writes adds CU_STREAM_WAIT_VALUE_FLUSH", "[cuda]") {
+  auto fake = std::make_shared<FakeCudaApi>(1);
+  fake->set_attribute(cudaDevAttrCanFlushRemoteWrites, 1);
   CudaBackendOptions options;
   options.flush_remote_writes = true;
-  Fixture f(1, options);
+  Fixture f(fake, 0, options);
   auto stream = f.NewStream();
   auto flag = *f.backend->CreateHostFlag();
   REQUIRE(stream->WaitHostFlag(*flag, 1).ok());
@@ -676,9 +719,11 @@ TEST_CASE("cuda: FlushRemoteWrites flushes only where the GPU needs and allows i
     CHECK(f.backend->FlushRemoteWrites().ok());
     CHECK(f.fake->Calls("cudaDeviceFlushGPUDirectRDMAWrites") == 0);
   }
-  SECTION("neither: no flush call (the device would refuse it)") {
+  SECTION("neither: FAILED_PRECONDITION naming the way out, no flush call") {
     Fixture f;
-    CHECK(f.backend->FlushRemoteWrites().ok());
+    const absl::Status status = f.backend->FlushRemoteWrites();
+    CHECK(status.code() == absl::StatusCode::kFailedPrecondition);
+    CHECK_THAT(std::string(status.message()), Catch::Contains("STEPMESH_RDMA_GPUDIRECT=off"));
     CHECK(f.fake->Calls("cudaDeviceFlushGPUDirectRDMAWrites") == 0);
   }
   SECTION("a failing probe is reported") {
@@ -687,6 +732,164 @@ TEST_CASE("cuda: FlushRemoteWrites flushes only where the GPU needs and allows i
     Fixture f(fake, 0);
     CHECK(!f.backend->FlushRemoteWrites().ok());
   }
+}
+
+TEST_CASE("cuda: WaitHostFlagNext in a captured graph waits for one new increment per replay",
+          "[cuda]") {
+  Fixture f;
+  auto capture = f.NewStream();
+  auto replay = f.NewStream();
+  auto counter = *f.backend->CreateHostFlag();
+  auto cursor = *f.backend->CreateHostFlag();
+  auto done = *f.backend->CreateHostFlag();
+  REQUIRE(f.fake->BeginCapture(f.Native(*capture), cudaStreamCaptureModeGlobal) == cudaSuccess);
+  REQUIRE(capture->WaitHostFlagNext(*counter, *cursor).ok());
+  REQUIRE(capture->SignalHostFlag(*done, 1).ok());
+  FakeCudaApi::Graph graph;
+  REQUIRE(f.fake->EndCapture(f.Native(*capture), &graph) == cudaSuccess);
+  CHECK(f.fake->memops().empty());
+  for (uint32_t step = 1; step <= 100; ++step) {
+    done->Store(0);
+    REQUIRE(f.fake->LaunchGraph(graph, f.Native(*replay)) == cudaSuccess);
+    f.fake->RunAll();
+    CHECK(done->Load() == 0);  // this replay waits for the next arrival
+    counter->Store(step);
+    f.fake->RunAll();
+    CHECK(done->Load() == 1);
+    CHECK(cursor->Load() == step);
+  }
+}
+
+TEST_CASE("cuda: WaitHostFlagNext outside graphs, and released for shutdown", "[cuda]") {
+  Fixture f(1, Options(ReadyEventMode::kCopyEngineFlag, StreamWaitMode::kKernel));
+  auto stream = f.NewStream();
+  auto counter = *f.backend->CreateHostFlag();
+  auto cursor = *f.backend->CreateHostFlag();
+  counter->Store(1);  // one arrival already there
+  REQUIRE(stream->WaitHostFlagNext(*counter, *cursor).ok());
+  REQUIRE(stream->WaitHostFlagNext(*counter, *cursor).ok());
+  REQUIRE(stream->WaitHostFlagNext(*counter, *cursor).ok());
+  f.fake->RunAll();
+  CHECK(cursor->Load() == 1);
+  CHECK(f.fake->Pending(f.Native(*stream)) == 2);
+  counter->ReleaseWaiters();  // nothing more will come
+  f.fake->RunAll();
+  CHECK(f.fake->Pending(f.Native(*stream)) == 0);
+  CHECK(cursor->Load() == 3);
+  CudaBackendOptions memop_only;
+  memop_only.stream_wait_mode = StreamWaitMode::kStreamMemOp;
+  Fixture g(1, memop_only);
+  auto other = g.NewStream();
+  auto c = *g.backend->CreateHostFlag();
+  auto d = *g.backend->CreateHostFlag();
+  CHECK(other->WaitHostFlagNext(*c, *d).code() == absl::StatusCode::kFailedPrecondition);
+}
+
+// --- Options and the public interop calls ---------------------------------------------
+
+TEST_CASE("cuda: options the device cannot honour, or nonsense, fail creation", "[cuda]") {
+  auto fake = std::make_shared<FakeCudaApi>(1);
+  CudaBackendOptions negative;
+  negative.event_pool_size = -1;
+  CHECK(CreateCudaBackend(fake, 0, negative).status().code() == absl::StatusCode::kInvalidArgument);
+  CudaBackendOptions interval;
+  interval.fault_check_interval = absl::ZeroDuration();
+  CHECK(CreateCudaBackend(fake, 0, interval).status().code() == absl::StatusCode::kInvalidArgument);
+  CudaBackendOptions one_queue;
+  one_queue.stream_wait_mode = StreamWaitMode::kStreamMemOp;
+  one_queue.device_max_connections = 1;
+  CHECK(CreateCudaBackend(fake, 0, one_queue).status().code() ==
+        absl::StatusCode::kFailedPrecondition);
+  CudaBackendOptions flush_kernel;
+  flush_kernel.flush_remote_writes = true;
+  flush_kernel.stream_wait_mode = StreamWaitMode::kKernel;
+  fake->set_attribute(cudaDevAttrCanFlushRemoteWrites, 1);
+  CHECK(CreateCudaBackend(fake, 0, flush_kernel).status().code() ==
+        absl::StatusCode::kFailedPrecondition);
+  CHECK(fake->LiveStreams() == 0);
+  CHECK(fake->violations().empty());
+}
+
+TEST_CASE("cuda: with one hardware queue kAuto waits with the kernel", "[cuda]") {
+  CudaBackendOptions options;
+  options.device_max_connections = 1;
+  Fixture f(1, options);
+  CHECK(CheckWaitOrdering(f) == std::vector<std::string>{"wait_kernel"});
+  CHECK(f.fake->Calls("cuStreamWaitValue32") == 0);
+}
+
+TEST_CASE("cuda: high_priority_streams = false leaves CreateStream's streams at the default",
+          "[cuda]") {
+  CudaBackendOptions options;
+  options.high_priority_streams = false;
+  Fixture f(1, options);
+  auto stream = f.NewStream();
+  CHECK(f.fake->PriorityOfStream(f.Native(*stream)) == 0);
+}
+
+TEST_CASE("cuda: the flag kernels are loaded when the backend is made", "[cuda]") {
+  auto fake = std::make_shared<FakeCudaApi>(3);
+  Fixture f(fake, 2);
+  CHECK(f.fake->KernelLoaded(2, "wait_kernel"));
+  CHECK(f.fake->KernelLoaded(2, "signal_kernel"));
+  CHECK(f.fake->KernelLoaded(2, "wait_next_kernel"));
+  CHECK_FALSE(f.fake->KernelLoaded(0, "wait_kernel"));
+}
+
+TEST_CASE("cuda: PreloadCudaKernels loads an application's kernels on the backend's device",
+          "[cuda]") {
+  auto fake = std::make_shared<FakeCudaApi>(2);
+  Fixture f(fake, 1);
+  static int kernel_a, kernel_b;  // stand-ins for __global__ functions' host stubs
+  const void* kernels[] = {&kernel_a, &kernel_b};
+  REQUIRE(PreloadCudaKernels(*f.backend, kernels).ok());
+  CHECK(f.fake->KernelLoaded(1, FakeCudaApi::KernelName(&kernel_a)));
+  CHECK(f.fake->KernelLoaded(1, FakeCudaApi::KernelName(&kernel_b)));
+  const void* null_kernel[] = {nullptr};
+  CHECK_FALSE(PreloadCudaKernels(*f.backend, null_kernel).ok());
+  auto mock = CreateCpuMockBackend();
+  CHECK(PreloadCudaKernels(*mock, kernels).code() == absl::StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("cuda: RecordOnCudaStream records on a native stream, the legacy one included",
+          "[cuda]") {
+  for (ReadyEventMode mode : {ReadyEventMode::kCopyEngineFlag, ReadyEventMode::kCudaEvent}) {
+    Fixture f(1, Options(mode));
+    cudaStream_t native = nullptr;
+    REQUIRE(f.fake->StreamCreateWithFlags(&native, cudaStreamNonBlocking) == cudaSuccess);
+    for (cudaStream_t stream : {native, static_cast<cudaStream_t>(nullptr)}) {
+      auto event = *f.backend->CreateEvent();
+      REQUIRE(RecordOnCudaStream(*event, stream).ok());
+      CHECK_FALSE(f.Ready(*event));
+      f.fake->RunAll();
+      CHECK(f.Ready(*event));
+    }
+    auto mock = CreateCpuMockBackend();
+    auto mock_event = *mock->CreateEvent();
+    CHECK(RecordOnCudaStream(*mock_event, native).code() == absl::StatusCode::kInvalidArgument);
+    REQUIRE(f.fake->StreamDestroy(native) == cudaSuccess);
+  }
+}
+
+TEST_CASE("cuda: a copy-engine event checks for a fault only after fault_check_interval",
+          "[cuda]") {
+  CudaBackendOptions options = Options(ReadyEventMode::kCopyEngineFlag);
+  options.fault_check_interval = absl::Milliseconds(200);
+  Fixture f(1, options);
+  auto stream = f.NewStream();
+  auto gate = *f.backend->CreateHostFlag();
+  auto event = *f.backend->CreateEvent();
+  REQUIRE(stream->WaitHostFlag(*gate, 1).ok());
+  REQUIRE(event->Record(*stream).ok());
+  const int queries = f.fake->Calls("cudaStreamQuery");
+  for (int i = 0; i < 1000; ++i) CHECK_FALSE(f.Ready(*event));
+  CHECK(f.fake->Calls("cudaStreamQuery") == queries);  // pending < 200 ms: host loads only
+  absl::SleepFor(absl::Milliseconds(250));
+  for (int i = 0; i < 1000; ++i) CHECK_FALSE(f.Ready(*event));
+  CHECK(f.fake->Calls("cudaStreamQuery") - queries == 1);  // at most once per interval
+  gate->Store(1);
+  f.fake->RunAll();
+  CHECK(f.Ready(*event));
 }
 
 // --- Lifetime -------------------------------------------------------------------------

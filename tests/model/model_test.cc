@@ -1,10 +1,9 @@
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
-
-#include <catch2/catch.hpp>
 
 #include "examples/afd_model/attention_side.h"
 #include "examples/afd_model/config.h"
@@ -30,13 +29,11 @@ const ModelConfig& Tiny() {
   return config;
 }
 
-std::vector<std::vector<int32_t>> Prompts(const ModelConfig& config,
-                                          int batch, int length) {
+std::vector<std::vector<int32_t>> Prompts(const ModelConfig& config, int batch, int length) {
   const auto flat = GeneratePromptTokens(config, batch, length);
   std::vector<std::vector<int32_t>> prompts(batch);
   for (int s = 0; s < batch; ++s) {
-    prompts[s].assign(flat.begin() + s * length,
-                      flat.begin() + (s + 1) * length);
+    prompts[s].assign(flat.begin() + s * length, flat.begin() + (s + 1) * length);
   }
   return prompts;
 }
@@ -45,8 +42,7 @@ TEST_CASE("bundled configs load", "[model][config]") {
   const ModelConfig& tiny = Tiny();
   CHECK(tiny.hidden_size == 256);
   CHECK(tiny.num_layers == 6);
-  CHECK(tiny.is_moe_layer ==
-        std::vector<bool>{false, true, true, true, true, false});
+  CHECK(tiny.is_moe_layer == std::vector<bool>{false, true, true, true, true, false});
   CHECK(tiny.q_rank == 128);
   CHECK(tiny.num_heads == 8);
   CHECK(tiny.head_dim == 64);
@@ -64,8 +60,7 @@ TEST_CASE("bundled configs load", "[model][config]") {
   // The real Step-3: 5 dense layers (0-3 and 60), 316,294,538,240 parameters.
   const ModelConfig step3 = LoadBundled("step3");
   CHECK(step3.num_layers == 61);
-  CHECK(std::count(step3.is_moe_layer.begin(), step3.is_moe_layer.end(),
-                   false) == 5);
+  CHECK(std::count(step3.is_moe_layer.begin(), step3.is_moe_layer.end(), false) == 5);
   CHECK(!step3.is_moe_layer[3]);
   CHECK(step3.is_moe_layer[4]);
   CHECK(step3.is_moe_layer[59]);
@@ -87,8 +82,8 @@ TEST_CASE("weights follow the SplitMix64 scheme", "[model][weights]") {
   CHECK(Fnv1a64("") == 0xCBF29CE484222325ull);
   CHECK(Fnv1a64("a") == 0xAF63DC4C8601EC8Cull);
   const ModelConfig& config = Tiny();
-  const TensorSpec wq{LayerTensorName(1, "self_attn.wq.weight"),
-                      WeightKind::kLinear, config.q_rank};
+  const TensorSpec wq{LayerTensorName(1, "self_attn.wq.weight"), WeightKind::kLinear,
+                      config.q_rank};
   std::vector<float> values(4096);
   FillTensor(wq, config.weight_seed, 0, 4096, values.data());
   const uint64_t key = TensorKey(wq.name, config.weight_seed);
@@ -111,16 +106,15 @@ TEST_CASE("weights follow the SplitMix64 scheme", "[model][weights]") {
   CHECK(std::equal(slice.begin(), slice.end(), values.begin() + 1000));
   // Norm gammas lie in [0.875, 1.117].
   std::vector<float> gamma(256);
-  FillTensor({"model.norm.weight", WeightKind::kNormGamma, 1},
-             config.weight_seed, 0, 256, gamma.data());
+  FillTensor({"model.norm.weight", WeightKind::kNormGamma, 1}, config.weight_seed, 0, 256,
+             gamma.data());
   for (float g : gamma) {
     CHECK(g >= 0.875f);
     CHECK(g <= 1.1171875f);
   }
 }
 
-TEST_CASE("prefill in one chunk equals prefill then cached decode",
-          "[model]") {
+TEST_CASE("prefill in one chunk equals prefill then cached decode", "[model]") {
   const ModelConfig& config = Tiny();
   ReferenceModel model(config, {Codec::kNone, 1, 2, 32});
   const auto prompts = Prompts(config, 2, 10);
@@ -158,8 +152,7 @@ TEST_CASE("BeginStep rejects overflow and bad tokens", "[model]") {
   CHECK_FALSE(side.BeginStep(too_long, std::vector<int32_t>(5, 1), &state));
   const std::vector<SequenceChunk> one = {{0, 1}};
   CHECK_FALSE(side.BeginStep(one, std::vector<int32_t>{4096}, &state));
-  CHECK_FALSE(side.BeginStep(std::vector<SequenceChunk>{{1, 1}},
-                             std::vector<int32_t>{3}, &state));
+  CHECK_FALSE(side.BeginStep(std::vector<SequenceChunk>{{1, 1}}, std::vector<int32_t>{3}, &state));
   CHECK(side.BeginStep(one, std::vector<int32_t>{3}, &state));
   CHECK(side.SequenceLength(0) == 1);
 }
@@ -197,8 +190,7 @@ TEST_CASE("FFN partitions add up to the whole FFN", "[model]") {
 // A2F wire, each FFN partition reads it and writes its F2A wire, and the
 // attention side reduces. It must equal the reference's AFD emulation bit
 // for bit (the structure behind gate A).
-TEST_CASE("hand-driven wire round trip equals the AFD emulation bitwise",
-          "[model][gate_a]") {
+TEST_CASE("hand-driven wire round trip equals the AFD emulation bitwise", "[model][gate_a]") {
   const ModelConfig& config = Tiny();
   constexpr int kPartitions = 2;
   const auto prompts = Prompts(config, 2, 8);
@@ -224,13 +216,12 @@ TEST_CASE("hand-driven wire round trip equals the AFD emulation bitwise",
     std::vector<int32_t> ids(sizes.topk_ids_bytes() / sizeof(int32_t));
     std::vector<float> weights(sizes.topk_weights_bytes() / sizeof(float));
     std::vector<std::vector<uint16_t>> f2a(
-        kPartitions, std::vector<uint16_t>(F2APartialBytes(n, config.hidden_size) /
-                                           sizeof(uint16_t)));
+        kPartitions,
+        std::vector<uint16_t>(F2APartialBytes(n, config.hidden_size) / sizeof(uint16_t)));
     for (int l = 0; l < config.num_layers; ++l) {
       attention.Attention(l, &state);
       attention.PrepareFfnInput(l, &state);
-      const A2FBuffers a2f{codes.data(), scales.data(), ids.data(),
-                           weights.data()};
+      const A2FBuffers a2f{codes.data(), scales.data(), ids.data(), weights.data()};
       attention.WriteA2F(state, a2f);
       std::vector<const uint16_t*> partials;
       for (int p = 0; p < kPartitions; ++p) {
@@ -251,8 +242,7 @@ TEST_CASE("hand-driven wire round trip equals the AFD emulation bitwise",
 // Gate B: teacher-forced per layer. The unquantised reference drives the
 // residual stream; at every layer the AFD path (FP8 A2F, 2 partitions, BF16
 // F2A) computes the FFN of the same y.
-TEST_CASE("gate B: teacher-forced FFN output error per layer",
-          "[model][gate_b]") {
+TEST_CASE("gate B: teacher-forced FFN output error per layer", "[model][gate_b]") {
   const ModelConfig& config = Tiny();
   ReferenceModel exact(config, {Codec::kNone, 1, 2, 16});
   ReferenceModel afd(config, {Codec::kAfd, 2, 2, 16});
@@ -289,8 +279,7 @@ TEST_CASE("gate B: teacher-forced FFN output error per layer",
     }
     exact.attention().AddFfnOutput(&state);
   }
-  WARN("gate B: max FFN rel L2 " << worst_ffn << ", max post-residual rel L2 "
-                                 << worst_residual);
+  WARN("gate B: max FFN rel L2 " << worst_ffn << ", max post-residual rel L2 " << worst_residual);
 }
 
 // Gate C: end to end on tiny (6 layers), the AFD emulation against fp32,
@@ -302,15 +291,13 @@ TEST_CASE("gate C: end-to-end final hidden and logits", "[model][gate_c]") {
   ReferenceModel exact(config, {Codec::kNone, 1, 2, 16});
   const GenerationResult reference = exact.Generate(prompts, kDecodeSteps);
   ReferenceModel afd(config, {Codec::kAfd, 2, 2, 16});
-  const GenerationResult emulated =
-      afd.Generate(prompts, kDecodeSteps, &reference.tokens);
+  const GenerationResult emulated = afd.Generate(prompts, kDecodeSteps, &reference.tokens);
   REQUIRE(emulated.step_logits.size() == reference.step_logits.size());
   double worst_hidden = 0.0, worst_logits = 0.0;
   for (size_t step = 0; step < reference.step_logits.size(); ++step) {
-    const double hidden_error = RelativeL2(emulated.step_final_hidden[step],
-                                           reference.step_final_hidden[step]);
-    const double logits_error =
-        RelativeL2(emulated.step_logits[step], reference.step_logits[step]);
+    const double hidden_error =
+        RelativeL2(emulated.step_final_hidden[step], reference.step_final_hidden[step]);
+    const double logits_error = RelativeL2(emulated.step_logits[step], reference.step_logits[step]);
     INFO("step " << step);
     CHECK(hidden_error <= 0.05);
     CHECK(logits_error <= 0.05);
@@ -318,9 +305,57 @@ TEST_CASE("gate C: end-to-end final hidden and logits", "[model][gate_c]") {
     worst_hidden = std::max(worst_hidden, hidden_error);
     worst_logits = std::max(worst_logits, logits_error);
   }
-  WARN("gate C: max final-hidden rel L2 " << worst_hidden
-                                          << ", max logits rel L2 "
+  WARN("gate C: max final-hidden rel L2 " << worst_hidden << ", max logits rel L2 "
                                           << worst_logits);
+}
+
+}  // namespace
+}  // namespace afd
+
+namespace afd {
+namespace {
+
+TEST_CASE("kv cache formats: sizes and names", "[model][kv_cache]") {
+  CHECK(KvCacheBytesPerToken(KvCacheFormat::kFp32, 256) == 2048);
+  CHECK(KvCacheBytesPerToken(KvCacheFormat::kBf16, 256) == 1024);  // Step-3's BF16: 1 KiB
+  // Step-3's FP8 cache is 512 B of codes; the per-token scales add 8 B.
+  CHECK(KvCacheBytesPerToken(KvCacheFormat::kFp8, 256) == 520);
+  for (KvCacheFormat f : {KvCacheFormat::kFp32, KvCacheFormat::kBf16, KvCacheFormat::kFp8}) {
+    KvCacheFormat parsed = KvCacheFormat::kFp32;
+    REQUIRE(ParseKvCacheFormat(KvCacheFormatName(f), &parsed));
+    CHECK(parsed == f);
+  }
+  KvCacheFormat unchanged = KvCacheFormat::kBf16;
+  CHECK_FALSE(ParseKvCacheFormat("fp16", &unchanged));
+  CHECK(unchanged == KvCacheFormat::kBf16);
+}
+
+TEST_CASE("kv cache formats: fp32 is the default, bf16 and fp8 stay close", "[model][kv_cache]") {
+  const ModelConfig& config = Tiny();
+  const auto prompts = Prompts(config, 2, 8);
+  const ReferenceOptions base{Codec::kNone, 1, 2, 8 + 32};
+  const GenerationResult plain = ReferenceModel(config, base).Generate(prompts, 32);
+  ReferenceOptions fp32 = base;
+  fp32.kv_format = KvCacheFormat::kFp32;
+  CHECK(ReferenceModel(config, fp32).Generate(prompts, 32).step_logits == plain.step_logits);
+
+  // Teacher forced over 32 decode steps (docs/model.md has the 256-step
+  // figures): bf16 moves logits by ~3e-4 relative on average, fp8 by ~4e-3;
+  // both must change something (the cache really is narrower) and keep the
+  // top-1 token almost always.
+  const KvCacheEffect bf16 = MeasureKvCacheEffect(config, base, KvCacheFormat::kBf16, prompts, 32);
+  const KvCacheEffect fp8 = MeasureKvCacheEffect(config, base, KvCacheFormat::kFp8, prompts, 32);
+  INFO("bf16 mean " << bf16.logits_rel_l2_mean << " max " << bf16.logits_rel_l2_max << " top1 "
+                    << bf16.top1_agree << "/" << bf16.tokens);
+  INFO("fp8 mean " << fp8.logits_rel_l2_mean << " max " << fp8.logits_rel_l2_max << " top1 "
+                   << fp8.top1_agree << "/" << fp8.tokens);
+  CHECK(bf16.tokens == 2 * 33);
+  CHECK(bf16.logits_rel_l2_mean > 0.0);
+  CHECK(bf16.logits_rel_l2_mean < 2e-3);
+  CHECK(fp8.logits_rel_l2_mean > bf16.logits_rel_l2_mean);
+  CHECK(fp8.logits_rel_l2_mean < 2e-2);
+  CHECK(bf16.top1_agree >= bf16.tokens - 1);
+  CHECK(fp8.top1_agree >= fp8.tokens * 9 / 10);
 }
 
 }  // namespace

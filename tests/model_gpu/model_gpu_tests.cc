@@ -43,8 +43,7 @@ constexpr double kTensorCoreBound = 1e-2;
 // ---------------------------------------------------------------- plumbing
 
 [[noreturn]] void Fail(const char* file, int line, const std::string& what) {
-  throw std::runtime_error(std::string(file) + ":" + std::to_string(line) +
-                           ": " + what);
+  throw std::runtime_error(std::string(file) + ":" + std::to_string(line) + ": " + what);
 }
 
 #define CUDA_OK(expr)                                                       \
@@ -67,8 +66,7 @@ DeviceBuffer<T> Alloc(size_t count) {
 template <typename T>
 DeviceBuffer<T> ToDevice(const std::vector<T>& host) {
   DeviceBuffer<T> buffer = Alloc<T>(host.size());
-  CUDA_OK(cudaMemcpy(buffer.get(), host.data(), sizeof(T) * host.size(),
-                     cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(buffer.get(), host.data(), sizeof(T) * host.size(), cudaMemcpyHostToDevice));
   // cudaMemcpy from pageable memory may return before the DMA lands, and the
   // test's stream does not synchronise with the legacy default stream.
   CUDA_OK(cudaDeviceSynchronize());
@@ -79,8 +77,7 @@ template <typename T>
 std::vector<T> ToHost(const T* device, size_t count) {
   std::vector<T> host(count);
   CUDA_OK(cudaDeviceSynchronize());
-  CUDA_OK(cudaMemcpy(host.data(), device, sizeof(T) * count,
-                     cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(host.data(), device, sizeof(T) * count, cudaMemcpyDeviceToHost));
   return host;
 }
 
@@ -133,8 +130,7 @@ std::vector<uint16_t> ToBf16(const std::vector<float>& x) {
 
 // Average milliseconds of `enqueue` over `iterations` back-to-back calls on
 // `stream`, after two warm-up calls.
-double TimeMs(cudaStream_t stream, int iterations,
-              const std::function<void()>& enqueue) {
+double TimeMs(cudaStream_t stream, int iterations, const std::function<void()>& enqueue) {
   cuda::Event start;
   cuda::Event stop;
   CUDA_OK(start.status());
@@ -177,20 +173,18 @@ class Report {
   void Add(Row row) { rows_.push_back(std::move(row)); }
   void Check(std::string check, std::string shape, double error, double bound,
              std::string time = "", std::string throughput = "") {
-    Add({std::move(check), std::move(shape), Format("%.3g", error),
-         Format("%.0e", bound), error <= bound, std::move(time),
+    Add({std::move(check), std::move(shape), Format("%.3g", error), Format("%.0e", bound),
+         error <= bound, std::move(time), std::move(throughput)});
+  }
+  void Exact(std::string check, std::string shape, size_t mismatches, std::string time = "",
+             std::string throughput = "") {
+    Add({std::move(check), std::move(shape), std::to_string(mismatches) + " diff", "bitwise",
+         mismatches == 0, std::move(time), std::move(throughput)});
+  }
+  void Info(std::string check, std::string shape, std::string what, std::string time = "",
+            std::string throughput = "") {
+    Add({std::move(check), std::move(shape), std::move(what), "-", true, std::move(time),
          std::move(throughput)});
-  }
-  void Exact(std::string check, std::string shape, size_t mismatches,
-             std::string time = "", std::string throughput = "") {
-    Add({std::move(check), std::move(shape),
-         std::to_string(mismatches) + " diff", "bitwise", mismatches == 0,
-         std::move(time), std::move(throughput)});
-  }
-  void Info(std::string check, std::string shape, std::string what,
-            std::string time = "", std::string throughput = "") {
-    Add({std::move(check), std::move(shape), std::move(what), "-", true,
-         std::move(time), std::move(throughput)});
   }
   void Error(const std::string& check, const std::string& message) {
     Add({check, "", "ERROR", "", false, "", ""});
@@ -200,13 +194,13 @@ class Report {
     return std::all_of(rows_.begin(), rows_.end(), [](const Row& r) { return r.pass; });
   }
   void Print() const {
-    std::printf("\n%-34s %-30s %-12s %-8s %-5s %-10s %s\n", "check", "shape",
-                "error", "bound", "ok", "gpu ms", "throughput");
+    std::printf("\n%-34s %-30s %-12s %-8s %-5s %-10s %s\n", "check", "shape", "error", "bound",
+                "ok", "gpu ms", "throughput");
     std::printf("%s\n", std::string(128, '-').c_str());
     for (const Row& r : rows_) {
-      std::printf("%-34s %-30s %-12s %-8s %-5s %-10s %s\n", r.check.c_str(),
-                  r.shape.c_str(), r.error.c_str(), r.bound.c_str(),
-                  r.pass ? "ok" : "FAIL", r.time.c_str(), r.throughput.c_str());
+      std::printf("%-34s %-30s %-12s %-8s %-5s %-10s %s\n", r.check.c_str(), r.shape.c_str(),
+                  r.error.c_str(), r.bound.c_str(), r.pass ? "ok" : "FAIL", r.time.c_str(),
+                  r.throughput.c_str());
     }
     std::fflush(stdout);
   }
@@ -233,15 +227,18 @@ void CheckWeights(const Env& env) {
   };
   const std::vector<Case> cases = {
       {{LayerTensorName(0, "self_attn.q_proj.weight"), WeightKind::kLinear, c.hidden_size},
-       12345, int64_t{1} << 22},
+       12345,
+       int64_t{1} << 22},
       {{LayerTensorName(1, "moe.gate.weight"), WeightKind::kRouter, c.hidden_size},
-       0, c.num_experts * c.hidden_size},
-      {{LayerTensorName(0, "input_layernorm.weight"), WeightKind::kNormGamma, 1},
-       0, c.hidden_size},
+       0,
+       c.num_experts * c.hidden_size},
+      {{LayerTensorName(0, "input_layernorm.weight"), WeightKind::kNormGamma, 1}, 0, c.hidden_size},
       {{"model.embed_tokens.weight", WeightKind::kEmbedding, 1},
-       100000 * c.hidden_size, int64_t{1} << 20},
+       100000 * c.hidden_size,
+       int64_t{1} << 20},
       {{LayerTensorName(1, "moe.down_proj.weight"), WeightKind::kLinear, c.expert_intermediate},
-       47 * c.hidden_size * c.expert_intermediate, int64_t{1} << 20},
+       47 * c.hidden_size * c.expert_intermediate,
+       int64_t{1} << 20},
   };
   size_t mismatches = 0;
   int64_t total = 0;
@@ -251,14 +248,13 @@ void CheckWeights(const Env& env) {
     DeviceBuffer<float> got = Alloc<float>(k.count);
     DeviceBuffer<uint16_t> got_bf16 = Alloc<uint16_t>(k.count);
     CUDA_OK(cuda::FillTensor(k.spec, c.weight_seed, k.first, k.count, got.get(), env.stream));
-    CUDA_OK(cuda::FillTensorBf16(k.spec, c.weight_seed, k.first, k.count,
-                                 got_bf16.get(), env.stream));
+    CUDA_OK(
+        cuda::FillTensorBf16(k.spec, c.weight_seed, k.first, k.count, got_bf16.get(), env.stream));
     mismatches += BitMismatches(ToHost(got.get(), k.count), want);
     mismatches += BitMismatches(ToHost(got_bf16.get(), k.count), ToBf16(want));
     total += k.count;
   }
-  env.report->Exact("weights fp32+bf16 (5 kinds)", std::to_string(total) + " elems",
-                    mismatches);
+  env.report->Exact("weights fp32+bf16 (5 kinds)", std::to_string(total) + " elems", mismatches);
 }
 
 void CheckRmsNorm(const Env& env) {
@@ -273,21 +269,21 @@ void CheckRmsNorm(const Env& env) {
   DeviceBuffer<float> d_x = ToDevice(x);
   DeviceBuffer<float> d_gamma = ToDevice(gamma);
   DeviceBuffer<float> d_y = Alloc<float>(rows * dim);
-  CUDA_OK(cuda::RmsNorm(d_x.get(), d_gamma.get(), rows, dim, env.config.rms_norm_eps,
-                        d_y.get(), env.stream));
+  CUDA_OK(cuda::RmsNorm(d_x.get(), d_gamma.get(), rows, dim, env.config.rms_norm_eps, d_y.get(),
+                        env.stream));
   const std::vector<float> got = ToHost(d_y.get(), rows * dim);
   // In place must give the same bits as out of place.
-  CUDA_OK(cuda::RmsNorm(d_x.get(), d_gamma.get(), rows, dim, env.config.rms_norm_eps,
-                        d_x.get(), env.stream));
+  CUDA_OK(cuda::RmsNorm(d_x.get(), d_gamma.get(), rows, dim, env.config.rms_norm_eps, d_x.get(),
+                        env.stream));
   const size_t in_place_diff = BitMismatches(ToHost(d_x.get(), rows * dim), got);
   const double ms = TimeMs(env.stream, 50, [&] {
-    CUDA_OK(cuda::RmsNorm(d_y.get(), d_gamma.get(), rows, dim, env.config.rms_norm_eps,
-                          d_y.get(), env.stream));
+    CUDA_OK(cuda::RmsNorm(d_y.get(), d_gamma.get(), rows, dim, env.config.rms_norm_eps, d_y.get(),
+                          env.stream));
   });
   const double gbs = 2.0 * rows * dim * 4 / (ms * 1e-3) / 1e9;
   const std::string shape = Format("%.0f x %.0f", rows, dim);
-  env.report->Check("rmsnorm", shape, RelL2(got, want), kFp32OrderBound,
-                    Format("%.4f", ms), Format("%.0f GB/s", gbs));
+  env.report->Check("rmsnorm", shape, RelL2(got, want), kFp32OrderBound, Format("%.4f", ms),
+                    Format("%.0f GB/s", gbs));
   env.report->Exact("rmsnorm in place == out of place", shape, in_place_diff);
 }
 
@@ -302,18 +298,18 @@ void CheckRope(const Env& env) {
   positions[0] = 0;
   DeviceBuffer<float> d_x = ToDevice(x);
   DeviceBuffer<int32_t> d_pos = ToDevice(positions);
-  CUDA_OK(cuda::RopeNeoxInPlace(d_x.get(), tokens, heads, d, d_pos.get(),
-                                env.config.rope_theta, env.stream));
+  CUDA_OK(cuda::RopeNeoxInPlace(d_x.get(), tokens, heads, d, d_pos.get(), env.config.rope_theta,
+                                env.stream));
   const std::vector<float> got = ToHost(d_x.get(), x.size());
   cpu::RopeNeoxInPlace(x.data(), tokens, heads, d, positions.data(), env.config.rope_theta);
   const size_t differing = BitMismatches(got, x);
   const double ms = TimeMs(env.stream, 50, [&] {
-    CUDA_OK(cuda::RopeNeoxInPlace(d_x.get(), tokens, heads, d, d_pos.get(),
-                                  env.config.rope_theta, env.stream));
+    CUDA_OK(cuda::RopeNeoxInPlace(d_x.get(), tokens, heads, d, d_pos.get(), env.config.rope_theta,
+                                  env.stream));
   });
   env.report->Check("rope neox (" + std::to_string(differing) + " elems not bitwise)",
-                    Format("%.0f tok x %.0f heads", tokens, heads) + " x 256",
-                    RelL2(got, x), 1e-6, Format("%.4f", ms));
+                    Format("%.0f tok x %.0f heads", tokens, heads) + " x 256", RelL2(got, x), 1e-6,
+                    Format("%.4f", ms));
 }
 
 void CheckRouter(const Env& env) {
@@ -333,8 +329,8 @@ void CheckRouter(const Env& env) {
   DeviceBuffer<float> d_logits = ToDevice(logits);
   DeviceBuffer<int32_t> d_ids = Alloc<int32_t>(tokens * k);
   DeviceBuffer<float> d_w = Alloc<float>(tokens * k);
-  CUDA_OK(cuda::RouterSoftmaxTopK(d_logits.get(), tokens, experts, k, d_ids.get(),
-                                  d_w.get(), env.stream));
+  CUDA_OK(cuda::RouterSoftmaxTopK(d_logits.get(), tokens, experts, k, d_ids.get(), d_w.get(),
+                                  env.stream));
   const std::vector<int32_t> ids = ToHost(d_ids.get(), tokens * k);
   const std::vector<float> weights = ToHost(d_w.get(), tokens * k);
   const std::string shape = Format("%.0f tok x %.0f experts", tokens, experts) + " top-3";
@@ -366,24 +362,23 @@ void CheckFp8(const Env& env) {
   x[3 * group + 3] = -INFINITY;
   float* tie = x.data() + 4 * group;
   tie[0] = 448.0f;
-  const float ties[] = {1.0625f, 1.1875f, 3.0f / 1024.0f, 5.0f / 1024.0f, -0.5f / 512.0f,
-                        1.0f / 4096.0f, 240.0f, 232.0f, -9.5f / 512.0f, 17.0f / 16.0f};
+  const float ties[] = {1.0625f,        1.1875f, 3.0f / 1024.0f, 5.0f / 1024.0f, -0.5f / 512.0f,
+                        1.0f / 4096.0f, 240.0f,  232.0f,         -9.5f / 512.0f, 17.0f / 16.0f};
   for (int i = 0; i < 10; ++i) tie[1 + i] = ties[i];
   std::vector<uint8_t> want_codes(tokens * hidden);
   std::vector<float> want_scales(tokens * hidden / group);
-  cpu::QuantizeFp8PerGroup(x.data(), tokens, hidden, group, want_codes.data(),
-                           want_scales.data());
+  cpu::QuantizeFp8PerGroup(x.data(), tokens, hidden, group, want_codes.data(), want_scales.data());
   std::vector<float> want_x(tokens * hidden);
-  cpu::DequantizeFp8PerGroup(want_codes.data(), want_scales.data(), tokens, hidden,
-                             group, want_x.data());
+  cpu::DequantizeFp8PerGroup(want_codes.data(), want_scales.data(), tokens, hidden, group,
+                             want_x.data());
   DeviceBuffer<float> d_x = ToDevice(x);
   DeviceBuffer<uint8_t> d_codes = Alloc<uint8_t>(tokens * hidden);
   DeviceBuffer<float> d_scales = Alloc<float>(want_scales.size());
   DeviceBuffer<float> d_back = Alloc<float>(tokens * hidden);
-  CUDA_OK(cuda::QuantizeFp8PerGroup(d_x.get(), tokens, hidden, group, d_codes.get(),
-                                    d_scales.get(), env.stream));
-  CUDA_OK(cuda::DequantizeFp8PerGroup(d_codes.get(), d_scales.get(), tokens, hidden,
-                                      group, d_back.get(), env.stream));
+  CUDA_OK(cuda::QuantizeFp8PerGroup(d_x.get(), tokens, hidden, group, d_codes.get(), d_scales.get(),
+                                    env.stream));
+  CUDA_OK(cuda::DequantizeFp8PerGroup(d_codes.get(), d_scales.get(), tokens, hidden, group,
+                                      d_back.get(), env.stream));
   const size_t diff = BitMismatches(ToHost(d_codes.get(), want_codes.size()), want_codes) +
                       BitMismatches(ToHost(d_scales.get(), want_scales.size()), want_scales);
   const size_t back_diff = FloatMismatches(ToHost(d_back.get(), want_x.size()), want_x);
@@ -401,8 +396,8 @@ void CheckFp8(const Env& env) {
   // shared codec on every fp32 bit pattern?
   DeviceBuffer<unsigned long long> d_mismatches = Alloc<unsigned long long>(1);
   DeviceBuffer<unsigned int> d_first = Alloc<unsigned int>(1);
-  CUDA_OK(cuda::CompareCudaFp8Conversion(0, uint64_t{1} << 32, d_mismatches.get(),
-                                         d_first.get(), env.stream));
+  CUDA_OK(cuda::CompareCudaFp8Conversion(0, uint64_t{1} << 32, d_mismatches.get(), d_first.get(),
+                                         env.stream));
   const unsigned long long mismatches = ToHost(d_mismatches.get(), 1)[0];
   const unsigned int first = ToHost(d_first.get(), 1)[0];
   char what[64];
@@ -435,8 +430,7 @@ void CheckBf16(const Env& env) {
   CUDA_OK(cuda::DecodeBf16Array(d_bf16.get(), count, d_back.get(), env.stream));
   const std::string shape = std::to_string(count) + " elems";
   env.report->Exact("bf16 encode", shape, BitMismatches(ToHost(d_bf16.get(), count), want));
-  env.report->Exact("bf16 decode", shape,
-                    BitMismatches(ToHost(d_back.get(), count), want_back));
+  env.report->Exact("bf16 decode", shape, BitMismatches(ToHost(d_back.get(), count), want_back));
 
   // The F2A reduction of three partials of one 128-token micro-batch.
   const int64_t n = 128 * env.config.hidden_size;
@@ -469,8 +463,44 @@ void CheckSiluMul(const Env& env) {
   DeviceBuffer<float> d_up = ToDevice(up);
   DeviceBuffer<float> d_out = Alloc<float>(count);
   CUDA_OK(cuda::SiluMul(d_gate.get(), d_up.get(), count, d_out.get(), env.stream));
-  env.report->Check("silu * up", "128 x 5120", RelL2(ToHost(d_out.get(), count), want),
-                    1e-6);
+  env.report->Check("silu * up", "128 x 5120", RelL2(ToHost(d_out.get(), count), want), 1e-6);
+}
+
+// The device engine's own kernels: greedy argmax (ties to the lower index,
+// as the CPU) and the KV-cache append.
+void CheckEngineKernels(const Env& env) {
+  const int64_t rows = 64;
+  const int64_t vocab = env.config.vocab_size;  // 128815: odd, not a multiple of the block
+  std::vector<float> logits = RandomNormal(rows * vocab, 21, 2.0f);
+  // Ties: row 1's maximum appears at two columns, row 2's at the last one.
+  logits[1 * vocab + 17] = logits[1 * vocab + 90000] = 50.0f;
+  logits[2 * vocab + vocab - 1] = 60.0f;
+  std::vector<int32_t> want(rows);
+  cpu::ArgmaxRows(logits.data(), rows, vocab, want.data());
+  DeviceBuffer<float> d_logits = ToDevice(logits);
+  DeviceBuffer<int32_t> d_ids = Alloc<int32_t>(rows);
+  CUDA_OK(cuda::ArgmaxRows(d_logits.get(), rows, vocab, d_ids.get(), env.stream));
+  const std::vector<int32_t> got = ToHost(d_ids.get(), rows);
+  size_t mismatches = 0;
+  for (int64_t r = 0; r < rows; ++r) mismatches += got[r] == want[r] ? 0 : 1;
+  env.report->Exact("argmax rows (ties to lower id)", "64 x 128815", mismatches);
+
+  const int64_t width = env.config.head_dim;
+  const int64_t n = 96;
+  const std::vector<float> src = RandomNormal(n * width, 22);
+  std::vector<int32_t> index(n);
+  for (int64_t r = 0; r < n; ++r) index[r] = static_cast<int32_t>((r * 37) % 200 + 5);
+  std::vector<float> cache(256 * width, 0.0f);
+  for (int64_t r = 0; r < n; ++r) {
+    std::copy(src.begin() + r * width, src.begin() + (r + 1) * width,
+              cache.begin() + int64_t{index[r]} * width);
+  }
+  DeviceBuffer<float> d_src = ToDevice(src);
+  DeviceBuffer<int32_t> d_index = ToDevice(index);
+  DeviceBuffer<float> d_cache = ToDevice(std::vector<float>(256 * width, 0.0f));
+  CUDA_OK(cuda::ScatterRows(d_src.get(), n, width, d_index.get(), d_cache.get(), env.stream));
+  env.report->Exact("scatter rows (kv append)", "96 rows of 256",
+                    BitMismatches(ToHost(d_cache.get(), cache.size()), cache));
 }
 
 void CheckPrefillAttention(const Env& env) {
@@ -484,22 +514,40 @@ void CheckPrefillAttention(const Env& env) {
   std::vector<int32_t> positions(t);
   for (int64_t i = 0; i < t; ++i) positions[i] = static_cast<int32_t>(i);
   std::vector<float> want(t * heads * d);
-  cpu::MqaAttention(q.data(), t, heads, d, k.data(), v.data(), t, positions.data(),
-                    scale, want.data());
+  cpu::MqaAttention(q.data(), t, heads, d, k.data(), v.data(), t, positions.data(), scale,
+                    want.data());
   DeviceBuffer<float> d_q = ToDevice(q);
   DeviceBuffer<float> d_k = ToDevice(k);
   DeviceBuffer<float> d_v = ToDevice(v);
   DeviceBuffer<int32_t> d_pos = ToDevice(positions);
   DeviceBuffer<float> d_out = Alloc<float>(want.size());
   auto run = [&] {
-    CUDA_OK(cuda::MqaAttention(d_q.get(), t, heads, d, d_k.get(), d_v.get(), t,
-                               d_pos.get(), scale, d_out.get(), env.stream));
+    CUDA_OK(cuda::MqaAttention(d_q.get(), t, heads, d, d_k.get(), d_v.get(), t, d_pos.get(), scale,
+                               d_out.get(), env.stream));
   };
   run();
   const std::vector<float> got = ToHost(d_out.get(), want.size());
   const double ms = TimeMs(env.stream, 10, run);
-  env.report->Check("prefill attention (fp32, causal)", "T=256, 64 x 256",
-                    RelL2(got, want), kFp32OrderBound, Format("%.4f", ms));
+  env.report->Check("prefill attention (fp32, causal)", "T=256, 64 x 256", RelL2(got, want),
+                    kFp32OrderBound, Format("%.4f", ms));
+
+  // A negative position sees no row: zeros on both sides, never NaN.
+  std::vector<int32_t> negative = positions;
+  negative[0] = -1;
+  negative[5] = -7;
+  std::vector<float> want_negative(want.size());
+  cpu::MqaAttention(q.data(), t, heads, d, k.data(), v.data(), t, negative.data(), scale,
+                    want_negative.data());
+  DeviceBuffer<int32_t> d_negative = ToDevice(negative);
+  CUDA_OK(cudaMemsetAsync(d_out.get(), 0xFF, d_out.bytes(), env.stream));
+  CUDA_OK(cuda::MqaAttention(d_q.get(), t, heads, d, d_k.get(), d_v.get(), t, d_negative.get(),
+                             scale, d_out.get(), env.stream));
+  const std::vector<float> got_negative = ToHost(d_out.get(), want.size());
+  size_t non_finite = 0;
+  for (float x : got_negative) non_finite += std::isfinite(x) ? 0 : 1;
+  env.report->Exact("prefill attention, negative positions: finite", "T=256", non_finite);
+  env.report->Check("prefill attention, negative positions vs cpu", "T=256",
+                    RelL2(got_negative, want_negative), kFp32OrderBound);
 }
 
 void CheckDecodeAttention(const Env& env) {
@@ -507,7 +555,7 @@ void CheckDecodeAttention(const Env& env) {
   const int64_t d = env.config.head_dim;
   const float scale = env.config.attention_scale();
   // Lengths around the tile (32) and split (256) boundaries, down to 1.
-  const std::vector<int32_t> lens = {4096, 4000, 3333, 2049, 1024, 777, 256, 255,
+  const std::vector<int32_t> lens = {4096, 4000, 3333, 2049, 1024, 777,  256,  255,
                                      100,  33,   32,   17,   1,    1500, 2500, 3900};
   const int64_t batch = static_cast<int64_t>(lens.size());
   const int64_t stride = 4096;
@@ -528,11 +576,42 @@ void CheckDecodeAttention(const Env& env) {
   DeviceBuffer<float> d_out = Alloc<float>(want.size());
   const size_t ws_bytes = cuda::MqaDecodeWorkspaceBytes(batch, heads, d, stride);
   DeviceBuffer<unsigned char> d_ws = Alloc<unsigned char>(ws_bytes);
-  CUDA_OK(cuda::MqaDecodeAttention(d_q.get(), batch, heads, d, d_k.get(), d_v.get(),
-                                   stride, d_lens.get(), stride, scale, d_out.get(),
-                                   d_ws.get(), ws_bytes, env.stream));
+  CUDA_OK(cuda::MqaDecodeAttention(d_q.get(), batch, heads, d, d_k.get(), d_v.get(), stride,
+                                   d_lens.get(), stride, scale, d_out.get(), d_ws.get(), ws_bytes,
+                                   env.stream));
   env.report->Check("decode attention (tf32) vs cpu", "16 seqs, kv 1..4096",
                     RelL2(ToHost(d_out.get(), want.size()), want), kTensorCoreBound);
+
+  {
+    // Out-of-contract lengths: 0 and negative give zeros (not 0/0 = NaN);
+    // above max_kv_len (here 300, 2 splits) is clamped to it in both kernels
+    // (the merge once read past the workspace of its sequence). A poisoned
+    // output shows that every element is written.
+    const std::vector<int32_t> edge_lens = {0, 5000, -3, 300, 1};
+    const int64_t edge_batch = static_cast<int64_t>(edge_lens.size());
+    const int64_t max_kv = 300;
+    std::vector<float> edge_want(edge_batch * heads * d, 0.0f);
+    for (int64_t b = 0; b < edge_batch; ++b) {
+      const int32_t len = std::clamp<int32_t>(edge_lens[b], 0, static_cast<int32_t>(max_kv));
+      const int32_t position = len - 1;
+      cpu::MqaAttention(q.data() + b * heads * d, 1, heads, d, k.data() + b * stride * d,
+                        v.data() + b * stride * d, len, &position, scale,
+                        edge_want.data() + b * heads * d);
+    }
+    DeviceBuffer<int32_t> d_edge = ToDevice(edge_lens);
+    const size_t edge_ws_bytes = cuda::MqaDecodeWorkspaceBytes(edge_batch, heads, d, max_kv);
+    DeviceBuffer<unsigned char> d_edge_ws = Alloc<unsigned char>(edge_ws_bytes);
+    CUDA_OK(cudaMemsetAsync(d_out.get(), 0xFF, d_out.bytes(), env.stream));  // NaNs
+    CUDA_OK(cuda::MqaDecodeAttention(d_q.get(), edge_batch, heads, d, d_k.get(), d_v.get(), stride,
+                                     d_edge.get(), max_kv, scale, d_out.get(), d_edge_ws.get(),
+                                     edge_ws_bytes, env.stream));
+    const std::vector<float> edge_got = ToHost(d_out.get(), edge_want.size());
+    size_t non_finite = 0;
+    for (float x : edge_got) non_finite += std::isfinite(x) ? 0 : 1;
+    env.report->Exact("decode attention kv_len 0 / < 0: finite", "5 seqs", non_finite);
+    env.report->Check("decode attention kv_len 0, >max, <0 vs cpu", "5 seqs, max kv 300",
+                      RelL2(edge_got, edge_want), kTensorCoreBound);
+  }
 
   // Bandwidth: uniform batches, KV several times the L2.
   struct Shape {
@@ -548,18 +627,18 @@ void CheckDecodeAttention(const Env& env) {
     DeviceBuffer<int32_t> t_lens = ToDevice(t_lens_host);
     CUDA_OK(cudaMemsetAsync(t_q.get(), 0, t_q.bytes(), env.stream));
     // Small random-ish values via the weight generator (no host copy).
-    CUDA_OK(cuda::GenerateWeights(WeightKind::kEmbedding, 1, 1, 0, s.batch * s.kv * d,
-                                  t_k.get(), env.stream));
-    CUDA_OK(cuda::GenerateWeights(WeightKind::kEmbedding, 2, 1, 0, s.batch * s.kv * d,
-                                  t_v.get(), env.stream));
-    CUDA_OK(cuda::GenerateWeights(WeightKind::kEmbedding, 3, 1, 0, s.batch * heads * d,
-                                  t_q.get(), env.stream));
+    CUDA_OK(cuda::GenerateWeights(WeightKind::kEmbedding, 1, 1, 0, s.batch * s.kv * d, t_k.get(),
+                                  env.stream));
+    CUDA_OK(cuda::GenerateWeights(WeightKind::kEmbedding, 2, 1, 0, s.batch * s.kv * d, t_v.get(),
+                                  env.stream));
+    CUDA_OK(cuda::GenerateWeights(WeightKind::kEmbedding, 3, 1, 0, s.batch * heads * d, t_q.get(),
+                                  env.stream));
     const size_t t_ws_bytes = cuda::MqaDecodeWorkspaceBytes(s.batch, heads, d, s.kv);
     DeviceBuffer<unsigned char> t_ws = Alloc<unsigned char>(t_ws_bytes);
     const double ms = TimeMs(env.stream, 20, [&] {
-      CUDA_OK(cuda::MqaDecodeAttention(t_q.get(), s.batch, heads, d, t_k.get(),
-                                       t_v.get(), s.kv, t_lens.get(), s.kv, scale,
-                                       t_out.get(), t_ws.get(), t_ws_bytes, env.stream));
+      CUDA_OK(cuda::MqaDecodeAttention(t_q.get(), s.batch, heads, d, t_k.get(), t_v.get(), s.kv,
+                                       t_lens.get(), s.kv, scale, t_out.get(), t_ws.get(),
+                                       t_ws_bytes, env.stream));
     });
     // Counted: K and V once, Q and the output (the split partials are extra
     // traffic of the algorithm, not counted).
@@ -578,15 +657,14 @@ struct LinearWeights {
   DeviceBuffer<uint16_t> device;
 };
 
-LinearWeights MakeLinear(const Env& env, const std::string& name, int64_t out,
-                         int64_t in) {
+LinearWeights MakeLinear(const Env& env, const std::string& name, int64_t out, int64_t in) {
   const TensorSpec spec{name, WeightKind::kLinear, in};
   LinearWeights w;
   w.host.resize(out * in);
   FillTensor(spec, env.config.weight_seed, 0, out * in, w.host.data());
   w.device = Alloc<uint16_t>(out * in);
-  CUDA_OK(cuda::FillTensorBf16(spec, env.config.weight_seed, 0, out * in, w.device.get(),
-                               env.stream));
+  CUDA_OK(
+      cuda::FillTensorBf16(spec, env.config.weight_seed, 0, out * in, w.device.get(), env.stream));
   return w;
 }
 
@@ -599,8 +677,8 @@ void CheckLinearAndSwiGlu(const Env& env) {
 
   {  // q_proj-like linear, 128 tokens.
     const int64_t rows = 128;
-    const LinearWeights w = MakeLinear(env, LayerTensorName(0, "self_attn.q_proj.weight"),
-                                       q_rank, hidden);
+    const LinearWeights w =
+        MakeLinear(env, LayerTensorName(0, "self_attn.q_proj.weight"), q_rank, hidden);
     const std::vector<float> x = RandomNormal(rows * hidden, 30);
     std::vector<float> want(rows * q_rank);
     cpu::Linear(x.data(), rows, hidden, w.host.data(), q_rank, want.data());
@@ -609,16 +687,15 @@ void CheckLinearAndSwiGlu(const Env& env) {
     DeviceBuffer<float> d_y_ref = Alloc<float>(rows * q_rank);
     const size_t ws = cuda::LinearWorkspaceBytes(rows, hidden, q_rank);
     DeviceBuffer<unsigned char> d_ws = Alloc<unsigned char>(ws);
-    CUDA_OK(cuda::Linear(d_x.get(), rows, hidden, w.device.get(), q_rank, d_y.get(),
-                         d_ws.get(), ws, env.stream, tiled));
-    CUDA_OK(cuda::Linear(d_x.get(), rows, hidden, w.device.get(), q_rank, d_y_ref.get(),
-                         d_ws.get(), ws, env.stream, cublas));
+    CUDA_OK(cuda::Linear(d_x.get(), rows, hidden, w.device.get(), q_rank, d_y.get(), d_ws.get(), ws,
+                         env.stream, tiled));
+    CUDA_OK(cuda::Linear(d_x.get(), rows, hidden, w.device.get(), q_rank, d_y_ref.get(), d_ws.get(),
+                         ws, env.stream, cublas));
     const std::vector<float> got = ToHost(d_y.get(), want.size());
     const std::vector<float> ref = ToHost(d_y_ref.get(), want.size());
     env.report->Check("linear bf16 tiled vs cpu", "128 x 7168 -> 2048", RelL2(got, want),
                       kTensorCoreBound);
-    env.report->Check("linear bf16 tiled vs cublas", "128 x 7168 -> 2048", RelL2(got, ref),
-                      1e-5);
+    env.report->Check("linear bf16 tiled vs cublas", "128 x 7168 -> 2048", RelL2(got, ref), 1e-5);
   }
 
   {  // Shared-expert-sized SwiGLU, 64 tokens.
@@ -632,8 +709,8 @@ void CheckLinearAndSwiGlu(const Env& env) {
     const std::vector<float> x = RandomNormal(rows * hidden, 31);
     std::vector<float> want(rows * hidden);
     std::vector<float> scratch(cpu::SwiGluScratchFloats(rows, inter));
-    cpu::SwiGlu(x.data(), rows, hidden, gate.host.data(), up.host.data(), down.host.data(),
-                inter, scratch.data(), want.data());
+    cpu::SwiGlu(x.data(), rows, hidden, gate.host.data(), up.host.data(), down.host.data(), inter,
+                scratch.data(), want.data());
     DeviceBuffer<float> d_x = ToDevice(x);
     DeviceBuffer<float> d_y = Alloc<float>(rows * hidden);
     DeviceBuffer<float> d_y_ref = Alloc<float>(rows * hidden);
@@ -641,8 +718,7 @@ void CheckLinearAndSwiGlu(const Env& env) {
     DeviceBuffer<unsigned char> d_ws = Alloc<unsigned char>(ws);
     auto run = [&](const cuda::GemmOptions& options, float* y) {
       CUDA_OK(cuda::SwiGlu(d_x.get(), rows, hidden, gate.device.get(), up.device.get(),
-                           down.device.get(), inter, d_ws.get(), ws, y, env.stream,
-                           options));
+                           down.device.get(), inter, d_ws.get(), ws, y, env.stream, options));
     };
     run(tiled, d_y.get());
     run(cublas, d_y_ref.get());
@@ -651,27 +727,25 @@ void CheckLinearAndSwiGlu(const Env& env) {
     const double flops = 2.0 * rows * 3 * hidden * inter;
     const double ms = TimeMs(env.stream, 10, [&] { run(tiled, d_y.get()); });
     const double ms_ref = TimeMs(env.stream, 10, [&] { run(cublas, d_y_ref.get()); });
-    env.report->Check("swiglu bf16 tiled vs cpu", "64 x 7168, inter 5120",
-                      RelL2(got, want), kTensorCoreBound, Format("%.4f", ms),
+    env.report->Check("swiglu bf16 tiled vs cpu", "64 x 7168, inter 5120", RelL2(got, want),
+                      kTensorCoreBound, Format("%.4f", ms),
                       Format("%.1f TFLOP/s", flops / (ms * 1e-3) / 1e12));
-    env.report->Check("swiglu bf16 cublas vs cpu", "64 x 7168, inter 5120",
-                      RelL2(ref, want), kTensorCoreBound, Format("%.4f", ms_ref),
+    env.report->Check("swiglu bf16 cublas vs cpu", "64 x 7168, inter 5120", RelL2(ref, want),
+                      kTensorCoreBound, Format("%.4f", ms_ref),
                       Format("%.1f TFLOP/s", flops / (ms_ref * 1e-3) / 1e12));
-    env.report->Check("swiglu tiled vs cublas", "64 x 7168, inter 5120", RelL2(got, ref),
-                      1e-3);
+    env.report->Check("swiglu tiled vs cublas", "64 x 7168, inter 5120", RelL2(got, ref), 1e-3);
   }
 
   {  // A compute-bound GEMM: dense-FFN gate shape, 4096 tokens. Timing only.
     const int64_t rows = 4096;
     const int64_t out = env.config.dense_intermediate;
     DeviceBuffer<uint16_t> w = Alloc<uint16_t>(out * hidden);
-    CUDA_OK(cuda::FillTensorBf16({LayerTensorName(0, "mlp.gate_proj.weight"),
-                                  WeightKind::kLinear, hidden},
-                                 env.config.weight_seed, 0, out * hidden, w.get(),
-                                 env.stream));
+    CUDA_OK(cuda::FillTensorBf16(
+        {LayerTensorName(0, "mlp.gate_proj.weight"), WeightKind::kLinear, hidden},
+        env.config.weight_seed, 0, out * hidden, w.get(), env.stream));
     DeviceBuffer<float> x = Alloc<float>(rows * hidden);
-    CUDA_OK(cuda::GenerateWeights(WeightKind::kEmbedding, 5, 1, 0, rows * hidden, x.get(),
-                                  env.stream));
+    CUDA_OK(
+        cuda::GenerateWeights(WeightKind::kEmbedding, 5, 1, 0, rows * hidden, x.get(), env.stream));
     DeviceBuffer<float> y = Alloc<float>(rows * out);
     const size_t ws = cuda::LinearWorkspaceBytes(rows, hidden, out);
     DeviceBuffer<unsigned char> d_ws = Alloc<unsigned char>(ws);
@@ -681,8 +755,7 @@ void CheckLinearAndSwiGlu(const Env& env) {
         CUDA_OK(cuda::Linear(x.get(), rows, hidden, w.get(), out, y.get(), d_ws.get(), ws,
                              env.stream, *options));
       });
-      env.report->Info(options == &tiled ? "gemm bf16 tiled (timing)"
-                                         : "gemm bf16 cublas (timing)",
+      env.report->Info(options == &tiled ? "gemm bf16 tiled (timing)" : "gemm bf16 cublas (timing)",
                        "4096 x 7168 -> 18432", "incl. fp32->bf16 of x", Format("%.4f", ms),
                        Format("%.1f TFLOP/s", flops / (ms * 1e-3) / 1e12));
     }
@@ -698,8 +771,7 @@ void CheckExperts(const Env& env) {
   const int64_t matrix = inter * hidden;
   const TensorSpec gate_spec{LayerTensorName(1, "moe.gate_proj.weight"), WeightKind::kLinear,
                              hidden};
-  const TensorSpec up_spec{LayerTensorName(1, "moe.up_proj.weight"), WeightKind::kLinear,
-                           hidden};
+  const TensorSpec up_spec{LayerTensorName(1, "moe.up_proj.weight"), WeightKind::kLinear, hidden};
   const TensorSpec down_spec{LayerTensorName(1, "moe.down_proj.weight"), WeightKind::kLinear,
                              inter};
   // All 48 experts on the device as bf16 (3 x 3.5 GB), generated in place.
@@ -708,8 +780,8 @@ void CheckExperts(const Env& env) {
   DeviceBuffer<uint16_t> w_down = Alloc<uint16_t>(experts * matrix);
   CUDA_OK(cuda::FillTensorBf16(gate_spec, c.weight_seed, 0, experts * matrix, w_gate.get(),
                                env.stream));
-  CUDA_OK(cuda::FillTensorBf16(up_spec, c.weight_seed, 0, experts * matrix, w_up.get(),
-                               env.stream));
+  CUDA_OK(
+      cuda::FillTensorBf16(up_spec, c.weight_seed, 0, experts * matrix, w_up.get(), env.stream));
   CUDA_OK(cuda::FillTensorBf16(down_spec, c.weight_seed, 0, experts * matrix, w_down.get(),
                                env.stream));
   std::vector<int32_t> identity(experts);
@@ -724,11 +796,9 @@ void CheckExperts(const Env& env) {
     const std::vector<float> y = RandomNormal(tokens * hidden, seed);
     std::vector<uint8_t> codes(tokens * hidden);
     std::vector<float> scales(tokens * hidden / c.fp8_group);
-    cpu::QuantizeFp8PerGroup(y.data(), tokens, hidden, c.fp8_group, codes.data(),
-                             scales.data());
+    cpu::QuantizeFp8PerGroup(y.data(), tokens, hidden, c.fp8_group, codes.data(), scales.data());
     x->resize(tokens * hidden);
-    cpu::DequantizeFp8PerGroup(codes.data(), scales.data(), tokens, hidden, c.fp8_group,
-                               x->data());
+    cpu::DequantizeFp8PerGroup(codes.data(), scales.data(), tokens, hidden, c.fp8_group, x->data());
     const std::vector<float> logits = RandomNormal(tokens * experts, seed + 1, 2.0f);
     ids->resize(tokens * k);
     weights->resize(tokens * k);
@@ -746,8 +816,8 @@ void CheckExperts(const Env& env) {
     // then the contributions are added in expert order, which is exactly
     // the order of the single-call CPU kernel: y0 + c_e1 + c_e2 + ...
     std::vector<std::vector<float>> contribution(experts);
-    const int threads = static_cast<int>(
-        std::clamp<unsigned>(std::thread::hardware_concurrency(), 1u, 16u));
+    const int threads =
+        static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1u, 16u));
     std::vector<std::thread> pool;
     for (int w = 0; w < threads; ++w) {
       pool.emplace_back([&, w] {
@@ -764,8 +834,8 @@ void CheckExperts(const Env& env) {
           FillTensor(down_spec, c.weight_seed, e * matrix, matrix, d.data());
           contribution[e].assign(tokens * hidden, 0.0f);
           cpu::GroupedExpertSwiGlu(x.data(), tokens, hidden, ids.data(), weights.data(), k,
-                                   to_slot.data(), experts, 1, g.data(), u.data(), d.data(),
-                                   inter, scratch.data(), contribution[e].data());
+                                   to_slot.data(), experts, 1, g.data(), u.data(), d.data(), inter,
+                                   scratch.data(), contribution[e].data());
         }
       });
     }
@@ -784,13 +854,13 @@ void CheckExperts(const Env& env) {
     const size_t ws = cuda::GroupedExpertWorkspaceBytes(tokens, k, hidden, inter, experts);
     DeviceBuffer<unsigned char> d_ws = Alloc<unsigned char>(ws);
     CUDA_OK(cuda::GroupedExpertSwiGlu(d_x.get(), tokens, hidden, d_ids.get(), d_w.get(), k,
-                                      d_slots.get(), experts, experts, w_gate.get(),
-                                      w_up.get(), w_down.get(), inter, d_ws.get(), ws,
-                                      d_y.get(), env.stream, tiled));
+                                      d_slots.get(), experts, experts, w_gate.get(), w_up.get(),
+                                      w_down.get(), inter, d_ws.get(), ws, d_y.get(), env.stream,
+                                      tiled));
     CUDA_OK(cuda::GroupedExpertSwiGlu(d_x.get(), tokens, hidden, d_ids.get(), d_w.get(), k,
-                                      d_slots.get(), experts, experts, w_gate.get(),
-                                      w_up.get(), w_down.get(), inter, d_ws.get(), ws,
-                                      d_y_ref.get(), env.stream, cublas));
+                                      d_slots.get(), experts, experts, w_gate.get(), w_up.get(),
+                                      w_down.get(), inter, d_ws.get(), ws, d_y_ref.get(),
+                                      env.stream, cublas));
     // Compare the FFN contributions (y - y0), not y, so y0 cannot hide errors.
     auto delta = [&](const std::vector<float>& y) {
       std::vector<float> out(y.size());
@@ -802,8 +872,7 @@ void CheckExperts(const Env& env) {
     const std::vector<float> cpu_delta = delta(want);
     const std::string shape = "64 tok, 48 x 5120, top-3";
     env.report->Check("experts tiled vs cpu", shape, RelL2(got, cpu_delta), kTensorCoreBound);
-    env.report->Check("experts cublas vs cpu", shape, RelL2(ref, cpu_delta),
-                      kTensorCoreBound);
+    env.report->Check("experts cublas vs cpu", shape, RelL2(ref, cpu_delta), kTensorCoreBound);
     env.report->Check("experts tiled vs cublas", shape, RelL2(got, ref), 1e-3);
   }
 
@@ -826,18 +895,17 @@ void CheckExperts(const Env& env) {
     const double weight_bytes = used_experts * 3 * matrix * 2;
     for (const auto* options : {&tiled, &cublas}) {
       const double ms = TimeMs(env.stream, 5, [&] {
-        CUDA_OK(cuda::GroupedExpertSwiGlu(d_x.get(), tokens, hidden, d_ids.get(), d_w.get(),
-                                          k, d_slots.get(), experts, experts, w_gate.get(),
-                                          w_up.get(), w_down.get(), inter, d_ws.get(), ws,
-                                          d_y.get(), env.stream, *options));
+        CUDA_OK(cuda::GroupedExpertSwiGlu(d_x.get(), tokens, hidden, d_ids.get(), d_w.get(), k,
+                                          d_slots.get(), experts, experts, w_gate.get(), w_up.get(),
+                                          w_down.get(), inter, d_ws.get(), ws, d_y.get(),
+                                          env.stream, *options));
       });
-      env.report->Info(options == &tiled ? "experts tiled (timing)"
-                                         : "experts cublas (timing, 1 sync)",
-                       std::to_string(tokens) + " tok, 48 x 5120, top-3",
-                       Format("%.0f experts used", used_experts), Format("%.3f", ms),
-                       Format("%.1f TFLOP/s, %.0f GB/s weights",
-                              flops / (ms * 1e-3) / 1e12,
-                              weight_bytes / (ms * 1e-3) / 1e9));
+      env.report->Info(
+          options == &tiled ? "experts tiled (timing)" : "experts cublas (timing, 1 sync)",
+          std::to_string(tokens) + " tok, 48 x 5120, top-3",
+          Format("%.0f experts used", used_experts), Format("%.3f", ms),
+          Format("%.1f TFLOP/s, %.0f GB/s weights", flops / (ms * 1e-3) / 1e12,
+                 weight_bytes / (ms * 1e-3) / 1e9));
     }
   }
 }
@@ -852,14 +920,12 @@ int Main() {
   }
   cudaDeviceProp properties{};
   CUDA_OK(cudaGetDeviceProperties(&properties, 0));
-  std::printf("device: %s, %d SMs, %.1f GiB, cc %d.%d\n", properties.name,
-              properties.multiProcessorCount,
-              properties.totalGlobalMem / (1024.0 * 1024.0 * 1024.0), properties.major,
-              properties.minor);
+  std::printf(
+      "device: %s, %d SMs, %.1f GiB, cc %d.%d\n", properties.name, properties.multiProcessorCount,
+      properties.totalGlobalMem / (1024.0 * 1024.0 * 1024.0), properties.major, properties.minor);
 
   std::string error;
-  const std::optional<ModelConfig> config =
-      LoadModelConfig("full", BundledConfigDir(), &error);
+  const std::optional<ModelConfig> config = LoadModelConfig("full", BundledConfigDir(), &error);
   if (!config) {
     std::fprintf(stderr, "cannot load the full-width config: %s\n", error.c_str());
     return 1;
@@ -882,6 +948,7 @@ int Main() {
       {"fp8", CheckFp8},
       {"bf16", CheckBf16},
       {"silu", CheckSiluMul},
+      {"engine kernels", CheckEngineKernels},
       {"prefill attention", CheckPrefillAttention},
       {"decode attention", CheckDecodeAttention},
       {"linear/swiglu", CheckLinearAndSwiGlu},

@@ -36,20 +36,25 @@ constexpr int kGenericWarps = 4;
 // One warp per (query, head), online softmax over the visible rows; lane l
 // holds dims l, l + 32, ... so every K/V row read is coalesced.
 template <int kPerLane>
-__global__ void MqaAttentionKernel(const float* __restrict__ q,
-                                   int64_t queries, int64_t heads,
-                                   const float* __restrict__ k,
-                                   const float* __restrict__ v, int64_t kv_len,
-                                   const int32_t* __restrict__ positions,
+__global__ void MqaAttentionKernel(const float* __restrict__ q, int64_t queries, int64_t heads,
+                                   const float* __restrict__ k, const float* __restrict__ v,
+                                   int64_t kv_len, const int32_t* __restrict__ positions,
                                    float scale, float* __restrict__ out) {
   constexpr int kHeadDim = kPerLane * 32;
   const int lane = threadIdx.x % 32;
-  const int64_t warp = blockIdx.x * static_cast<int64_t>(kGenericWarps) +
-                       threadIdx.x / 32;
+  const int64_t warp = blockIdx.x * static_cast<int64_t>(kGenericWarps) + threadIdx.x / 32;
   if (warp >= queries * heads) return;
   const int64_t query = warp / heads;
   const int64_t last = static_cast<int64_t>(positions[query]);
   const int64_t visible = last + 1 < kv_len ? last + 1 : kv_len;
+  float* out_row = out + warp * kHeadDim;
+  if (visible <= 0) {
+    // Nothing visible (a negative position, an empty cache): zeros, as on
+    // the CPU, instead of 0 / 0.
+#pragma unroll
+    for (int j = 0; j < kPerLane; ++j) out_row[lane + 32 * j] = 0.0f;
+    return;
+  }
   const float* query_row = q + warp * kHeadDim;
   float q_reg[kPerLane];
   float acc[kPerLane];
@@ -78,31 +83,32 @@ __global__ void MqaAttentionKernel(const float* __restrict__ q,
     running_max = new_max;
   }
   const float inv_denominator = 1.0f / denominator;
-  float* out_row = out + warp * kHeadDim;
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) out_row[lane + 32 * j] = acc[j] * inv_denominator;
 }
 
 // ---------------------------------------------------------------- decode
 
-constexpr int kRows = 64;     // query heads, padded with zero rows
-constexpr int kTile = 32;     // tokens per K/V tile in shared memory
+constexpr int kRows = 64;  // query heads, padded with zero rows
+constexpr int kTile = 32;  // tokens per K/V tile in shared memory
 constexpr int kChunk = static_cast<int>(kMqaDecodeSplitTokens);
-constexpr int kDecodeThreads = 256;  // 8 warps: 4 row tiles x 2 column halves
+constexpr int kDecodeThreads = 256;   // 8 warps: 4 row tiles x 2 column halves
 constexpr int kScoreLd = kChunk + 4;  // +4 floats: spreads rows over banks
 static_assert(kChunk % kTile == 0, "a split is a whole number of tiles");
+
+__device__ __forceinline__ int64_t ClampKvLen(int32_t kv_len, int64_t max_kv_len) {
+  const int64_t len = kv_len < 0 ? 0 : kv_len;
+  return len < max_kv_len ? len : max_kv_len;
+}
 
 template <int kHeadDim>
 constexpr size_t DecodeSmemBytes() {
   // Q [64][D+4], scores/probabilities [64][chunk+4], two K/V tiles [32][D+4].
-  return sizeof(float) * (kRows * (kHeadDim + 4) + kRows * kScoreLd +
-                          2 * kTile * (kHeadDim + 4));
+  return sizeof(float) * (kRows * (kHeadDim + 4) + kRows * kScoreLd + 2 * kTile * (kHeadDim + 4));
 }
 
-
 template <int kHeadDim>
-__device__ __forceinline__ void LoadKvTile(const float* __restrict__ cache,
-                                           int64_t first_token,
+__device__ __forceinline__ void LoadKvTile(const float* __restrict__ cache, int64_t first_token,
                                            int64_t end_token, float* tile) {
   constexpr int kLd = kHeadDim + 4;
   constexpr int kChunksPerRow = kHeadDim / 4;
@@ -120,13 +126,10 @@ __device__ __forceinline__ void LoadKvTile(const float* __restrict__ cache,
 // max and sum [batch][splits][64] each.
 template <int kHeadDim>
 __global__ void __launch_bounds__(kDecodeThreads, 1)
-    MqaDecodeSplitKernel(const float* __restrict__ q, int heads,
-                         const float* __restrict__ k_cache,
-                         const float* __restrict__ v_cache,
-                         int64_t cache_stride_rows,
-                         const int32_t* __restrict__ kv_lens, float scale,
-                         float* __restrict__ partial_out,
-                         float* __restrict__ partial_max,
+    MqaDecodeSplitKernel(const float* __restrict__ q, int heads, const float* __restrict__ k_cache,
+                         const float* __restrict__ v_cache, int64_t cache_stride_rows,
+                         const int32_t* __restrict__ kv_lens, int64_t max_kv_len, float scale,
+                         float* __restrict__ partial_out, float* __restrict__ partial_max,
                          float* __restrict__ partial_sum) {
   constexpr int kLd = kHeadDim + 4;
   constexpr int kDimFragments = kHeadDim / 32;  // per warp in the P V phase
@@ -138,18 +141,23 @@ __global__ void __launch_bounds__(kDecodeThreads, 1)
   const int split = blockIdx.x;
   const int batch_index = blockIdx.y;
   const int splits = gridDim.x;
-  const int64_t kv_len = kv_lens[batch_index];
+  // The workspace holds splits for max_kv_len rows: a longer (or negative)
+  // length is clamped the same way here and in the merge kernel.
+  const int64_t kv_len = ClampKvLen(kv_lens[batch_index], max_kv_len);
   const int64_t first = static_cast<int64_t>(split) * kChunk;
   if (first >= kv_len) return;  // the merge kernel skips empty splits
-  const int count =
-      static_cast<int>(kv_len - first < kChunk ? kv_len - first : kChunk);
+  const int count = static_cast<int>(kv_len - first < kChunk ? kv_len - first : kChunk);
   const int tiles = (count + kTile - 1) / kTile;
   const int64_t end = first + count;
   const float* k_seq = k_cache + batch_index * cache_stride_rows * kHeadDim;
   const float* v_seq = v_cache + batch_index * cache_stride_rows * kHeadDim;
 
   // K tile 0 is in flight while Q is staged (already rounded to TF32, as it
-  // is reused by every tile).
+  // is reused by every tile). One 16-byte store per thread: consecutive
+  // threads write consecutive float4s, so each quarter-warp store phase
+  // covers all 32 banks once (four scalar stores 16 bytes apart would hit
+  // only 8 banks, a 4-way conflict each). kLd is a multiple of 4 floats, so
+  // every destination is 16-byte aligned.
   LoadKvTile<kHeadDim>(k_seq, first, end, kv_s);
   CpAsyncCommit();
   const float* q_seq = q + static_cast<int64_t>(batch_index) * heads * kHeadDim;
@@ -160,11 +168,9 @@ __global__ void __launch_bounds__(kDecodeThreads, 1)
     if (row < heads) {
       value = *reinterpret_cast<const float4*>(q_seq + row * kHeadDim + column);
     }
-    float* dst = q_s + row * kLd + column;
-    dst[0] = wmma::__float_to_tf32(value.x);
-    dst[1] = wmma::__float_to_tf32(value.y);
-    dst[2] = wmma::__float_to_tf32(value.z);
-    dst[3] = wmma::__float_to_tf32(value.w);
+    *reinterpret_cast<float4*>(q_s + row * kLd + column) =
+        make_float4(wmma::__float_to_tf32(value.x), wmma::__float_to_tf32(value.y),
+                    wmma::__float_to_tf32(value.z), wmma::__float_to_tf32(value.w));
   }
 
   const int warp = threadIdx.x / 32;
@@ -187,8 +193,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1)
       if (next < tiles) {
         LoadKvTile<kHeadDim>(k_seq, first + next * kTile, end, next_buffer);
       } else {
-        LoadKvTile<kHeadDim>(v_seq, first + (next - tiles) * kTile, end,
-                             next_buffer);
+        LoadKvTile<kHeadDim>(v_seq, first + (next - tiles) * kTile, end, next_buffer);
       }
       CpAsyncCommit();
       CpAsyncWait<1>();
@@ -203,21 +208,16 @@ __global__ void __launch_bounds__(kDecodeThreads, 1)
       wmma::fill_fragment(s_acc, 0.0f);
 #pragma unroll 4
       for (int kk = 0; kk < kHeadDim / 8; ++kk) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32,
-                       wmma::row_major>
-            a;
-        wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32,
-                       wmma::col_major>
-            b;
+        wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> a;
+        wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::col_major> b;
         wmma::load_matrix_sync(a, q_s + row_tile * 16 * kLd + kk * 8, kLd);
         wmma::load_matrix_sync(b, current + half * 16 * kLd + kk * 8, kLd);
 #pragma unroll
         for (int e = 0; e < b.num_elements; ++e) b.x[e] = wmma::__float_to_tf32(b.x[e]);
         wmma::mma_sync(s_acc, a, b, s_acc);
       }
-      wmma::store_matrix_sync(
-          scores + row_tile * 16 * kScoreLd + step * kTile + half * 16, s_acc,
-          kScoreLd, wmma::mem_row_major);
+      wmma::store_matrix_sync(scores + row_tile * 16 * kScoreLd + step * kTile + half * 16, s_acc,
+                              kScoreLd, wmma::mem_row_major);
     } else {
       const int tile = step - tiles;
       if (tile == 0) {
@@ -236,8 +236,7 @@ __global__ void __launch_bounds__(kDecodeThreads, 1)
           }
           row_sum = internal::WarpSum(row_sum);
           if (lane == 0) {
-            const int64_t slot =
-                (static_cast<int64_t>(batch_index) * splits + split) * kRows + r;
+            const int64_t slot = (static_cast<int64_t>(batch_index) * splits + split) * kRows + r;
             partial_max[slot] = row_max;
             partial_sum[slot] = row_sum;
           }
@@ -247,19 +246,13 @@ __global__ void __launch_bounds__(kDecodeThreads, 1)
       // O[16 heads x D/2] += P[16 x 32 tokens] V[32 tokens x D/2].
 #pragma unroll
       for (int kk = 0; kk < kTile / 8; ++kk) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32,
-                       wmma::row_major>
-            a;
-        wmma::load_matrix_sync(
-            a, scores + row_tile * 16 * kScoreLd + tile * kTile + kk * 8,
-            kScoreLd);
+        wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major> a;
+        wmma::load_matrix_sync(a, scores + row_tile * 16 * kScoreLd + tile * kTile + kk * 8,
+                               kScoreLd);
 #pragma unroll
         for (int f = 0; f < kDimFragments; ++f) {
-          wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32,
-                         wmma::row_major>
-              b;
-          wmma::load_matrix_sync(
-              b, current + kk * 8 * kLd + (half * kDimFragments + f) * 16, kLd);
+          wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, wmma::row_major> b;
+          wmma::load_matrix_sync(b, current + kk * 8 * kLd + (half * kDimFragments + f) * 16, kLd);
 #pragma unroll
           for (int e = 0; e < b.num_elements; ++e) b.x[e] = wmma::__float_to_tf32(b.x[e]);
           wmma::mma_sync(out_acc[f], a, b, out_acc[f]);
@@ -272,28 +265,35 @@ __global__ void __launch_bounds__(kDecodeThreads, 1)
 
   float* out_block =
       partial_out +
-      ((static_cast<int64_t>(batch_index) * splits + split) * kRows +
-       row_tile * 16) *
-          kHeadDim;
+      ((static_cast<int64_t>(batch_index) * splits + split) * kRows + row_tile * 16) * kHeadDim;
 #pragma unroll
   for (int f = 0; f < kDimFragments; ++f) {
-    wmma::store_matrix_sync(out_block + (half * kDimFragments + f) * 16,
-                            out_acc[f], kHeadDim, wmma::mem_row_major);
+    wmma::store_matrix_sync(out_block + (half * kDimFragments + f) * 16, out_acc[f], kHeadDim,
+                            wmma::mem_row_major);
   }
 }
 
 // Grid (heads, batch), one thread per dim: the standard flash-decoding merge
 // out = sum_s e^(m_s - M) O_s / sum_s e^(m_s - M) l_s over the live splits.
+// A sequence with no live split (kv_len 0) gets zeros, not 0 / 0.
 __global__ void MqaDecodeMergeKernel(const float* __restrict__ partial_out,
                                      const float* __restrict__ partial_max,
                                      const float* __restrict__ partial_sum,
-                                     const int32_t* __restrict__ kv_lens,
-                                     int heads, int head_dim, int splits,
-                                     float* __restrict__ out) {
+                                     const int32_t* __restrict__ kv_lens, int64_t max_kv_len,
+                                     int heads, int head_dim, int splits, float* __restrict__ out) {
   const int head = blockIdx.x;
   const int batch_index = blockIdx.y;
-  const int live = static_cast<int>((kv_lens[batch_index] + kChunk - 1) / kChunk);
+  // Only the splits the split kernel wrote: never past `splits` (the
+  // workspace of the next sequence) whatever kv_lens holds.
+  const int64_t kv_len = ClampKvLen(kv_lens[batch_index], max_kv_len);
+  const int live_splits = static_cast<int>((kv_len + kChunk - 1) / kChunk);
+  const int live = live_splits < splits ? live_splits : splits;
   const int64_t base = static_cast<int64_t>(batch_index) * splits * kRows + head;
+  float* out_row = out + (static_cast<int64_t>(batch_index) * heads + head) * head_dim;
+  if (live == 0) {
+    for (int c = threadIdx.x; c < head_dim; c += blockDim.x) out_row[c] = 0.0f;
+    return;
+  }
   float global_max = -INFINITY;
   for (int s = 0; s < live; ++s) global_max = fmaxf(global_max, partial_max[base + s * kRows]);
   for (int c = threadIdx.x; c < head_dim; c += blockDim.x) {
@@ -304,83 +304,78 @@ __global__ void MqaDecodeMergeKernel(const float* __restrict__ partial_out,
       denominator += factor * partial_sum[base + s * kRows];
       numerator += factor * partial_out[(base + s * kRows) * head_dim + c];
     }
-    out[(static_cast<int64_t>(batch_index) * heads + head) * head_dim + c] =
-        numerator * (1.0f / denominator);
+    out_row[c] = numerator * (1.0f / denominator);
   }
 }
 
 struct DecodeLayout {
+  int64_t max_kv_len = 0;
   int64_t splits = 0;
   size_t out_floats = 0;
   size_t stat_floats = 0;
 };
 
-DecodeLayout MakeDecodeLayout(int64_t batch, int64_t head_dim,
-                              int64_t max_kv_len) {
+DecodeLayout MakeDecodeLayout(int64_t batch, int64_t head_dim, int64_t max_kv_len) {
   DecodeLayout layout;
+  layout.max_kv_len = max_kv_len;
   layout.splits = (max_kv_len + kChunk - 1) / kChunk;
   layout.out_floats = static_cast<size_t>(batch * layout.splits * kRows * head_dim);
   // Rounded to 64 floats so every section stays 256-byte aligned (WMMA
   // stores need 32-byte alignment).
-  layout.stat_floats =
-      (static_cast<size_t>(batch * layout.splits * kRows) + 63) / 64 * 64;
+  layout.stat_floats = (static_cast<size_t>(batch * layout.splits * kRows) + 63) / 64 * 64;
   return layout;
 }
 
 template <int kHeadDim>
-cudaError_t LaunchDecode(const float* q, int64_t batch, int64_t heads,
-                         const float* k_cache, const float* v_cache,
-                         int64_t cache_stride_rows, const int32_t* kv_lens,
-                         const DecodeLayout& layout, float scale, float* out,
-                         float* workspace, cudaStream_t stream) {
+cudaError_t LaunchDecode(const float* q, int64_t batch, int64_t heads, const float* k_cache,
+                         const float* v_cache, int64_t cache_stride_rows, const int32_t* kv_lens,
+                         const DecodeLayout& layout, float scale, float* out, float* workspace,
+                         cudaStream_t stream) {
   constexpr size_t kSmem = DecodeSmemBytes<kHeadDim>();
   // Raising the dynamic shared-memory limit is per kernel and cheap; doing
   // it on every call keeps the API free of an init step.
-  cudaError_t status = cudaFuncSetAttribute(
-      MqaDecodeSplitKernel<kHeadDim>,
-      cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
+  cudaError_t status =
+      cudaFuncSetAttribute(MqaDecodeSplitKernel<kHeadDim>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
   if (status != cudaSuccess) return status;
   float* partial_out = workspace;
   float* partial_max = partial_out + layout.out_floats;
   float* partial_sum = partial_max + layout.stat_floats;
-  const dim3 grid(static_cast<unsigned int>(layout.splits),
-                  static_cast<unsigned int>(batch));
+  const dim3 grid(static_cast<unsigned int>(layout.splits), static_cast<unsigned int>(batch));
   MqaDecodeSplitKernel<kHeadDim><<<grid, kDecodeThreads, kSmem, stream>>>(
-      q, static_cast<int>(heads), k_cache, v_cache, cache_stride_rows, kv_lens,
+      q, static_cast<int>(heads), k_cache, v_cache, cache_stride_rows, kv_lens, layout.max_kv_len,
       scale, partial_out, partial_max, partial_sum);
   status = LaunchStatus();
   if (status != cudaSuccess) return status;
-  const dim3 merge_grid(static_cast<unsigned int>(heads),
-                        static_cast<unsigned int>(batch));
+  const dim3 merge_grid(static_cast<unsigned int>(heads), static_cast<unsigned int>(batch));
   MqaDecodeMergeKernel<<<merge_grid, kHeadDim, 0, stream>>>(
-      partial_out, partial_max, partial_sum, kv_lens, static_cast<int>(heads),
+      partial_out, partial_max, partial_sum, kv_lens, layout.max_kv_len, static_cast<int>(heads),
       kHeadDim, static_cast<int>(layout.splits), out);
   return LaunchStatus();
 }
 
 }  // namespace
 
-cudaError_t MqaAttention(const float* q, int64_t queries, int64_t heads,
-                         int64_t head_dim, const float* k, const float* v,
-                         int64_t kv_len, const int32_t* query_positions,
-                         float scale, float* out, cudaStream_t stream) {
+cudaError_t MqaAttention(const float* q, int64_t queries, int64_t heads, int64_t head_dim,
+                         const float* k, const float* v, int64_t kv_len,
+                         const int32_t* query_positions, float scale, float* out,
+                         cudaStream_t stream) {
   if (queries <= 0 || heads <= 0) return cudaSuccess;
   const int64_t warps = queries * heads;
-  const auto blocks =
-      static_cast<unsigned int>((warps + kGenericWarps - 1) / kGenericWarps);
+  const auto blocks = static_cast<unsigned int>((warps + kGenericWarps - 1) / kGenericWarps);
   constexpr int kThreads = kGenericWarps * 32;
   switch (head_dim) {
     case 64:
-      MqaAttentionKernel<2><<<blocks, kThreads, 0, stream>>>(
-          q, queries, heads, k, v, kv_len, query_positions, scale, out);
+      MqaAttentionKernel<2><<<blocks, kThreads, 0, stream>>>(q, queries, heads, k, v, kv_len,
+                                                             query_positions, scale, out);
       break;
     case 128:
-      MqaAttentionKernel<4><<<blocks, kThreads, 0, stream>>>(
-          q, queries, heads, k, v, kv_len, query_positions, scale, out);
+      MqaAttentionKernel<4><<<blocks, kThreads, 0, stream>>>(q, queries, heads, k, v, kv_len,
+                                                             query_positions, scale, out);
       break;
     case 256:
-      MqaAttentionKernel<8><<<blocks, kThreads, 0, stream>>>(
-          q, queries, heads, k, v, kv_len, query_positions, scale, out);
+      MqaAttentionKernel<8><<<blocks, kThreads, 0, stream>>>(q, queries, heads, k, v, kv_len,
+                                                             query_positions, scale, out);
       break;
     default:
       return cudaErrorInvalidValue;
@@ -388,22 +383,19 @@ cudaError_t MqaAttention(const float* q, int64_t queries, int64_t heads,
   return LaunchStatus();
 }
 
-size_t MqaDecodeWorkspaceBytes(int64_t batch, int64_t /*heads*/,
-                               int64_t head_dim, int64_t max_kv_len) {
+size_t MqaDecodeWorkspaceBytes(int64_t batch, int64_t /*heads*/, int64_t head_dim,
+                               int64_t max_kv_len) {
   const DecodeLayout layout = MakeDecodeLayout(batch, head_dim, max_kv_len);
   return sizeof(float) * (layout.out_floats + 2 * layout.stat_floats);
 }
 
-cudaError_t MqaDecodeAttention(const float* q, int64_t batch, int64_t heads,
-                               int64_t head_dim, const float* k_cache,
-                               const float* v_cache,
-                               int64_t cache_stride_rows,
-                               const int32_t* kv_lens, int64_t max_kv_len,
-                               float scale, float* out, void* workspace,
+cudaError_t MqaDecodeAttention(const float* q, int64_t batch, int64_t heads, int64_t head_dim,
+                               const float* k_cache, const float* v_cache,
+                               int64_t cache_stride_rows, const int32_t* kv_lens,
+                               int64_t max_kv_len, float scale, float* out, void* workspace,
                                size_t workspace_bytes, cudaStream_t stream) {
   if (batch <= 0) return cudaSuccess;
-  if (heads <= 0 || heads > kRows || max_kv_len <= 0 ||
-      batch > 65535 || workspace == nullptr ||
+  if (heads <= 0 || heads > kRows || max_kv_len <= 0 || batch > 65535 || workspace == nullptr ||
       reinterpret_cast<uintptr_t>(workspace) % 256 != 0 ||
       workspace_bytes < MqaDecodeWorkspaceBytes(batch, heads, head_dim, max_kv_len)) {
     return cudaErrorInvalidValue;
@@ -412,17 +404,14 @@ cudaError_t MqaDecodeAttention(const float* q, int64_t batch, int64_t heads,
   float* scratch = static_cast<float*>(workspace);
   switch (head_dim) {
     case 64:
-      return LaunchDecode<64>(q, batch, heads, k_cache, v_cache,
-                              cache_stride_rows, kv_lens, layout, scale, out,
-                              scratch, stream);
+      return LaunchDecode<64>(q, batch, heads, k_cache, v_cache, cache_stride_rows, kv_lens, layout,
+                              scale, out, scratch, stream);
     case 128:
-      return LaunchDecode<128>(q, batch, heads, k_cache, v_cache,
-                               cache_stride_rows, kv_lens, layout, scale, out,
-                               scratch, stream);
+      return LaunchDecode<128>(q, batch, heads, k_cache, v_cache, cache_stride_rows, kv_lens,
+                               layout, scale, out, scratch, stream);
     case 256:
-      return LaunchDecode<256>(q, batch, heads, k_cache, v_cache,
-                               cache_stride_rows, kv_lens, layout, scale, out,
-                               scratch, stream);
+      return LaunchDecode<256>(q, batch, heads, k_cache, v_cache, cache_stride_rows, kv_lens,
+                               layout, scale, out, scratch, stream);
     default:
       return cudaErrorInvalidValue;
   }

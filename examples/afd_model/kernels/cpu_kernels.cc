@@ -6,36 +6,11 @@
 #include <vector>
 
 #include "examples/afd_model/kernels/codec.h"
+#include "examples/afd_model/kernels/vector_ops.h"
 
 namespace afd::cpu {
-namespace {
 
-// Eight independent partial sums let -O2 keep a whole vector register busy
-// without -ffast-math; the fixed lane order keeps the result deterministic.
-inline float Dot(const float* a, const float* b, int64_t n) {
-  constexpr int kLanes = 8;
-  float lanes[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int lane = 0; lane < kLanes; ++lane) {
-      lanes[lane] += a[i + lane] * b[i + lane];
-    }
-  }
-  float tail = 0.0f;
-  for (; i < n; ++i) tail += a[i] * b[i];
-  return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
-         ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) + tail;
-}
-
-// acc[i] += alpha * x[i].
-inline void Axpy(float alpha, const float* x, int64_t n, float* acc) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += alpha * x[i];
-}
-
-}  // namespace
-
-void RmsNorm(const float* x, const float* gamma, int64_t rows, int64_t dim,
-             float eps, float* y) {
+void RmsNorm(const float* x, const float* gamma, int64_t rows, int64_t dim, float eps, float* y) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = x + r * dim;
     const float mean_square = Dot(row, row, dim) / static_cast<float>(dim);
@@ -45,8 +20,7 @@ void RmsNorm(const float* x, const float* gamma, int64_t rows, int64_t dim,
   }
 }
 
-void Linear(const float* x, int64_t rows, int64_t in, const float* w,
-            int64_t out, float* y) {
+void Linear(const float* x, int64_t rows, int64_t in, const float* w, int64_t out, float* y) {
   // Blocking over tokens keeps a tile of x hot in L1/L2 while each weight
   // row is streamed once per block instead of once per token.
   constexpr int64_t kTokenBlock = 8;
@@ -59,8 +33,8 @@ void Linear(const float* x, int64_t rows, int64_t in, const float* w,
   }
 }
 
-void EmbeddingLookup(const float* table, const int32_t* ids, int64_t tokens,
-                     int64_t hidden, float* out) {
+void EmbeddingLookup(const float* table, const int32_t* ids, int64_t tokens, int64_t hidden,
+                     float* out) {
   for (int64_t t = 0; t < tokens; ++t) {
     std::memcpy(out + t * hidden, table + static_cast<int64_t>(ids[t]) * hidden,
                 sizeof(float) * hidden);
@@ -82,16 +56,21 @@ void ArgmaxRows(const float* logits, int64_t rows, int64_t cols, int32_t* ids) {
   }
 }
 
-void RopeNeoxInPlace(float* x, int64_t tokens, int64_t heads,
-                     int64_t head_dim, const int32_t* positions, float theta) {
-  const int64_t half = head_dim / 2;
+void RopeNeoxInPlace(float* x, int64_t tokens, int64_t heads, int64_t head_dim,
+                     const int32_t* positions, float theta) {
+  RopePartialNeoxInPlace(x, tokens, heads, head_dim, head_dim, positions, theta);
+}
+
+void RopePartialNeoxInPlace(float* x, int64_t tokens, int64_t heads, int64_t head_dim,
+                            int64_t rotary_dim, const int32_t* positions, float theta) {
+  const int64_t half = rotary_dim / 2;
   std::vector<float> cosines(half);
   std::vector<float> sines(half);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t i = 0; i < half; ++i) {
-      const double inv_freq = std::pow(static_cast<double>(theta),
-                                       -2.0 * static_cast<double>(i) /
-                                           static_cast<double>(head_dim));
+      const double inv_freq =
+          std::pow(static_cast<double>(theta),
+                   -2.0 * static_cast<double>(i) / static_cast<double>(rotary_dim));
       const double angle = static_cast<double>(positions[t]) * inv_freq;
       cosines[i] = static_cast<float>(std::cos(angle));
       sines[i] = static_cast<float>(std::sin(angle));
@@ -109,13 +88,18 @@ void RopeNeoxInPlace(float* x, int64_t tokens, int64_t heads,
   }
 }
 
-void MqaAttention(const float* q, int64_t queries, int64_t heads,
-                  int64_t head_dim, const float* k, const float* v,
-                  int64_t kv_len, const int32_t* query_positions, float scale,
+void MqaAttention(const float* q, int64_t queries, int64_t heads, int64_t head_dim, const float* k,
+                  const float* v, int64_t kv_len, const int32_t* query_positions, float scale,
                   float* out) {
   std::vector<float> scores(kv_len);
   for (int64_t i = 0; i < queries; ++i) {
     const int64_t visible = std::min<int64_t>(kv_len, query_positions[i] + 1);
+    if (visible <= 0) {
+      // Nothing to attend to (negative position, empty cache): zeros, not
+      // 0 / 0.
+      std::fill(out + i * heads * head_dim, out + (i + 1) * heads * head_dim, 0.0f);
+      continue;
+    }
     for (int64_t h = 0; h < heads; ++h) {
       const float* query = q + (i * heads + h) * head_dim;
       float max_score = -INFINITY;
@@ -146,13 +130,10 @@ void SiluMul(const float* gate, const float* up, int64_t count, float* out) {
   }
 }
 
-int64_t SwiGluScratchFloats(int64_t rows, int64_t inter) {
-  return 2 * rows * inter;
-}
+int64_t SwiGluScratchFloats(int64_t rows, int64_t inter) { return 2 * rows * inter; }
 
-void SwiGlu(const float* x, int64_t rows, int64_t hidden, const float* w_gate,
-            const float* w_up, const float* w_down, int64_t inter,
-            float* scratch, float* y) {
+void SwiGlu(const float* x, int64_t rows, int64_t hidden, const float* w_gate, const float* w_up,
+            const float* w_down, int64_t inter, float* scratch, float* y) {
   float* gate = scratch;
   float* up = scratch + rows * inter;
   Linear(x, rows, hidden, w_gate, inter, gate);
@@ -161,8 +142,8 @@ void SwiGlu(const float* x, int64_t rows, int64_t hidden, const float* w_gate,
   Linear(gate, rows, inter, w_down, hidden, y);
 }
 
-void RouterSoftmaxTopK(const float* logits, int64_t tokens, int64_t experts,
-                       int k, int32_t* topk_ids, float* topk_weights) {
+void RouterSoftmaxTopK(const float* logits, int64_t tokens, int64_t experts, int k,
+                       int32_t* topk_ids, float* topk_weights) {
   std::vector<float> probabilities(experts);
   std::vector<char> taken(experts);
   for (int64_t t = 0; t < tokens; ++t) {
@@ -190,19 +171,15 @@ void RouterSoftmaxTopK(const float* logits, int64_t tokens, int64_t experts,
   }
 }
 
-int64_t GroupedExpertScratchFloats(int64_t tokens, int64_t hidden,
-                                   int64_t inter) {
+int64_t GroupedExpertScratchFloats(int64_t tokens, int64_t hidden, int64_t inter) {
   // Gathered inputs, SwiGLU scratch and the expert's outputs.
   return tokens * hidden + SwiGluScratchFloats(tokens, inter) + tokens * hidden;
 }
 
-void GroupedExpertSwiGlu(const float* x, int64_t tokens, int64_t hidden,
-                         const int32_t* topk_ids, const float* topk_weights,
-                         int k, const int32_t* expert_to_slot,
-                         int64_t num_experts, int64_t slots,
-                         const float* w_gate, const float* w_up,
-                         const float* w_down, int64_t inter, float* scratch,
-                         float* y) {
+void GroupedExpertSwiGlu(const float* x, int64_t tokens, int64_t hidden, const int32_t* topk_ids,
+                         const float* topk_weights, int k, const int32_t* expert_to_slot,
+                         int64_t num_experts, int64_t slots, const float* w_gate, const float* w_up,
+                         const float* w_down, int64_t inter, float* scratch, float* y) {
   // Bucket the (token, weight) pairs by slot first so each expert runs one
   // dense GEMM over its tokens instead of one GEMV per token.
   std::vector<std::vector<int64_t>> routed_pairs(slots);
@@ -223,21 +200,18 @@ void GroupedExpertSwiGlu(const float* x, int64_t tokens, int64_t hidden,
     if (pairs.empty()) continue;
     const int64_t n = static_cast<int64_t>(pairs.size());
     for (int64_t i = 0; i < n; ++i) {
-      std::memcpy(gathered + i * hidden, x + (pairs[i] / k) * hidden,
-                  sizeof(float) * hidden);
+      std::memcpy(gathered + i * hidden, x + (pairs[i] / k) * hidden, sizeof(float) * hidden);
     }
-    SwiGlu(gathered, n, hidden, w_gate + slot * expert_matrix,
-           w_up + slot * expert_matrix, w_down + slot * expert_matrix, inter,
-           swiglu_scratch, expert_out);
+    SwiGlu(gathered, n, hidden, w_gate + slot * expert_matrix, w_up + slot * expert_matrix,
+           w_down + slot * expert_matrix, inter, swiglu_scratch, expert_out);
     for (int64_t i = 0; i < n; ++i) {
-      Axpy(topk_weights[pairs[i]], expert_out + i * hidden, hidden,
-           y + (pairs[i] / k) * hidden);
+      Axpy(topk_weights[pairs[i]], expert_out + i * hidden, hidden, y + (pairs[i] / k) * hidden);
     }
   }
 }
 
-void QuantizeFp8PerGroup(const float* x, int64_t tokens, int64_t hidden,
-                         int64_t group, uint8_t* codes, float* scales) {
+void QuantizeFp8PerGroup(const float* x, int64_t tokens, int64_t hidden, int64_t group,
+                         uint8_t* codes, float* scales) {
   const int64_t groups = hidden / group;
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t g = 0; g < groups; ++g) {
@@ -253,9 +227,8 @@ void QuantizeFp8PerGroup(const float* x, int64_t tokens, int64_t hidden,
   }
 }
 
-void DequantizeFp8PerGroup(const uint8_t* codes, const float* scales,
-                           int64_t tokens, int64_t hidden, int64_t group,
-                           float* x) {
+void DequantizeFp8PerGroup(const uint8_t* codes, const float* scales, int64_t tokens,
+                           int64_t hidden, int64_t group, float* x) {
   const int64_t groups = hidden / group;
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t g = 0; g < groups; ++g) {
@@ -276,8 +249,7 @@ void DecodeBf16Array(const uint16_t* x, int64_t count, float* out) {
   for (int64_t i = 0; i < count; ++i) out[i] = DecodeBf16(x[i]);
 }
 
-void SumBf16Partials(const uint16_t* const* partials, int num_partials,
-                     int64_t count, float* sum) {
+void SumBf16Partials(const uint16_t* const* partials, int num_partials, int64_t count, float* sum) {
   if (num_partials == 0) {
     std::fill(sum, sum + count, 0.0f);
     return;

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <thread>
 
@@ -34,13 +35,42 @@ class HostMemory final : public Memory {
   size_t bytes_;
 };
 
+bool Reached(uint32_t flag, uint32_t value) { return static_cast<int32_t>(flag - value) >= 0; }
+
+// The word lives in shared state that waiting stream items hold too, so a
+// flag destroyed while a stream still waits on it is not read after free.
+struct FlagWord {
+  alignas(64) std::atomic<uint32_t> value{0};
+  std::atomic<uint64_t> waited{0};      // bit 32: a WaitHostFlag was enqueued; low bits: its max
+  std::atomic<bool> next_waits{false};  // a WaitHostFlagNext used it as the counter
+
+  static constexpr uint64_t kHasWait = uint64_t{1} << 32;
+  void NoteWait(uint32_t target) {
+    uint64_t seen = waited.load(std::memory_order_relaxed);
+    while (!((seen & kHasWait) && Reached(static_cast<uint32_t>(seen), target)) &&
+           !waited.compare_exchange_weak(seen, kHasWait | target)) {
+    }
+  }
+};
+
 class MockHostFlag final : public HostFlag {
  public:
-  void Store(uint32_t value) override { value_.store(value, std::memory_order_release); }
-  uint32_t Load() const override { return value_.load(std::memory_order_acquire); }
+  ~MockHostFlag() override { ReleaseWaiters(); }
+  void Store(uint32_t value) override { word_->value.store(value, std::memory_order_release); }
+  uint32_t Load() const override { return word_->value.load(std::memory_order_acquire); }
+  void ReleaseWaiters() override {
+    const uint64_t waited = word_->waited.load(std::memory_order_acquire);
+    if ((waited & FlagWord::kHasWait) && !Reached(Load(), static_cast<uint32_t>(waited))) {
+      Store(static_cast<uint32_t>(waited));
+    }
+    // Next-waits read their target from the cursor when they run; any of them
+    // is within 2^30 of the counter.
+    if (word_->next_waits.load(std::memory_order_acquire)) Store(Load() + (1u << 30));
+  }
+  const std::shared_ptr<FlagWord>& word() const { return word_; }
 
  private:
-  alignas(64) std::atomic<uint32_t> value_{0};
+  const std::shared_ptr<FlagWord> word_ = std::make_shared<FlagWord>();
 };
 
 class MockStream final : public Stream {
@@ -73,17 +103,40 @@ class MockStream final : public Stream {
   }
 
   absl::Status WaitHostFlag(HostFlag& flag, uint32_t value) override {
+    auto* mock = dynamic_cast<MockHostFlag*>(&flag);
+    if (mock == nullptr) return absl::InvalidArgumentError("WaitHostFlag: not a cpu_mock flag");
+    mock->word()->NoteWait(value);
     // Like a GPU stream-wait: later work on this stream stalls, the host does not.
-    return LaunchHostFunc([this, &flag, value] {
-      while (static_cast<int32_t>(flag.Load() - value) < 0 &&
+    return LaunchHostFunc([this, word = mock->word(), value] {
+      while (!Reached(word->value.load(std::memory_order_acquire), value) &&
              !stopping_.load(std::memory_order_relaxed)) {
         std::this_thread::yield();
       }
     });
   }
 
+  absl::Status WaitHostFlagNext(HostFlag& counter, HostFlag& cursor) override {
+    auto* mock_counter = dynamic_cast<MockHostFlag*>(&counter);
+    auto* mock_cursor = dynamic_cast<MockHostFlag*>(&cursor);
+    if (mock_counter == nullptr || mock_cursor == nullptr) {
+      return absl::InvalidArgumentError("WaitHostFlagNext: not cpu_mock flags");
+    }
+    mock_counter->word()->next_waits.store(true, std::memory_order_release);
+    return LaunchHostFunc([this, counter = mock_counter->word(), cursor = mock_cursor->word()] {
+      const uint32_t target = cursor->value.load(std::memory_order_acquire) + 1;
+      while (!Reached(counter->value.load(std::memory_order_acquire), target) &&
+             !stopping_.load(std::memory_order_relaxed)) {
+        std::this_thread::yield();
+      }
+      cursor->value.store(target, std::memory_order_release);
+    });
+  }
+
   absl::Status SignalHostFlag(HostFlag& flag, uint32_t value) override {
-    return LaunchHostFunc([&flag, value] { flag.Store(value); });
+    auto* mock = dynamic_cast<MockHostFlag*>(&flag);
+    if (mock == nullptr) return absl::InvalidArgumentError("SignalHostFlag: not a cpu_mock flag");
+    return LaunchHostFunc(
+        [word = mock->word(), value] { word->value.store(value, std::memory_order_release); });
   }
 
   absl::Status Synchronize(absl::Duration timeout) override {

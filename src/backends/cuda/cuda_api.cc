@@ -17,12 +17,17 @@ using StreamValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned
 using GetHandleFn = CUresult (*)(void*, CUdeviceptr, size_t, CUmemRangeHandleType,
                                  unsigned long long);
 using GetErrorNameFn = CUresult (*)(CUresult, const char**);
+using CtxGetCurrentFn = CUresult (*)(CUcontext*);
+using CtxSetCurrentFn = CUresult (*)(CUcontext);
+using GetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 
 // ABI versions of the entry points we call (see cudaTypedefs.h). 12000 selects
 // the stream memory operations that are always enabled on CUDA 12+ drivers.
 constexpr unsigned int kStreamMemOpsVersion = 12000;
 constexpr unsigned int kGetHandleVersion = 11070;
 constexpr unsigned int kGetErrorNameVersion = 6000;
+constexpr unsigned int kCtxCurrentVersion = 4000;
+constexpr unsigned int kGetAddressRangeVersion = 3020;
 
 template <typename Fn>
 Fn Resolve(const char* symbol, unsigned int version) {
@@ -79,6 +84,16 @@ class RuntimeCudaApi final : public CudaApi {
   cudaError_t StreamCreateWithFlags(cudaStream_t* stream, unsigned int flags) override {
     return cudaStreamCreateWithFlags(stream, flags);
   }
+  cudaError_t DeviceGetStreamPriorityRange(int* least, int* greatest) override {
+    return cudaDeviceGetStreamPriorityRange(least, greatest);
+  }
+  cudaError_t StreamCreateWithPriority(cudaStream_t* stream, unsigned int flags,
+                                       int priority) override {
+    return cudaStreamCreateWithPriority(stream, flags, priority);
+  }
+  cudaError_t StreamSynchronize(cudaStream_t stream) override {
+    return cudaStreamSynchronize(stream);
+  }
   cudaError_t StreamDestroy(cudaStream_t stream) override { return cudaStreamDestroy(stream); }
   cudaError_t StreamQuery(cudaStream_t stream) override { return cudaStreamQuery(stream); }
   cudaError_t StreamIsCapturing(cudaStream_t stream, cudaStreamCaptureStatus* status) override {
@@ -95,6 +110,9 @@ class RuntimeCudaApi final : public CudaApi {
     return cudaEventRecord(event, stream);
   }
   cudaError_t EventQuery(cudaEvent_t event) override { return cudaEventQuery(event); }
+  cudaError_t ThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) override {
+    return cudaThreadExchangeStreamCaptureMode(mode);
+  }
 
   const char* GetErrorName(cudaError_t error) override { return cudaGetErrorName(error); }
   const char* GetErrorString(cudaError_t error) override { return cudaGetErrorString(error); }
@@ -105,6 +123,16 @@ class RuntimeCudaApi final : public CudaApi {
   }
   cudaError_t LaunchSignalFlagKernel(cudaStream_t stream, uint32_t* flag, uint32_t value) override {
     return cuda::LaunchSignalFlagKernel(stream, flag, value);
+  }
+  cudaError_t LaunchWaitNextFlagKernel(cudaStream_t stream, const uint32_t* counter,
+                                       uint32_t* cursor) override {
+    return cuda::LaunchWaitNextFlagKernel(stream, counter, cursor);
+  }
+  cudaError_t LoadFlagKernels() override { return cuda::LoadFlagKernels(); }
+  cudaError_t LoadKernel(const void* kernel) override {
+    // Asking for a kernel's attributes loads it into the current context.
+    cudaFuncAttributes attributes{};
+    return cudaFuncGetAttributes(&attributes, kernel);
   }
 
   bool HasStreamMemOps() override {
@@ -134,6 +162,21 @@ class RuntimeCudaApi final : public CudaApi {
     if (get_handle_ == nullptr) return CUDA_ERROR_NOT_FOUND;
     return get_handle_(handle, ptr, bytes, type, flags);
   }
+  CUresult CtxGetCurrent(CUcontext* context) override {
+    ResolveOnce();
+    if (ctx_get_current_ == nullptr) return CUDA_ERROR_NOT_FOUND;
+    return ctx_get_current_(context);
+  }
+  CUresult CtxSetCurrent(CUcontext context) override {
+    ResolveOnce();
+    if (ctx_set_current_ == nullptr) return CUDA_ERROR_NOT_FOUND;
+    return ctx_set_current_(context);
+  }
+  CUresult MemGetAddressRange(CUdeviceptr* base, size_t* size, CUdeviceptr ptr) override {
+    ResolveOnce();
+    if (get_address_range_ == nullptr) return CUDA_ERROR_NOT_FOUND;
+    return get_address_range_(base, size, ptr);
+  }
   const char* GetDriverErrorName(CUresult error) override {
     ResolveOnce();
     const char* name = nullptr;
@@ -153,6 +196,10 @@ class RuntimeCudaApi final : public CudaApi {
       write_value32_ = Resolve<StreamValue32Fn>("cuStreamWriteValue32", kStreamMemOpsVersion);
       get_handle_ = Resolve<GetHandleFn>("cuMemGetHandleForAddressRange", kGetHandleVersion);
       get_error_name_ = Resolve<GetErrorNameFn>("cuGetErrorName", kGetErrorNameVersion);
+      ctx_get_current_ = Resolve<CtxGetCurrentFn>("cuCtxGetCurrent", kCtxCurrentVersion);
+      ctx_set_current_ = Resolve<CtxSetCurrentFn>("cuCtxSetCurrent", kCtxCurrentVersion);
+      get_address_range_ =
+          Resolve<GetAddressRangeFn>("cuMemGetAddressRange", kGetAddressRangeVersion);
     });
   }
 
@@ -161,6 +208,9 @@ class RuntimeCudaApi final : public CudaApi {
   StreamValue32Fn write_value32_ = nullptr;
   GetHandleFn get_handle_ = nullptr;
   GetErrorNameFn get_error_name_ = nullptr;
+  CtxGetCurrentFn ctx_get_current_ = nullptr;
+  CtxSetCurrentFn ctx_set_current_ = nullptr;
+  GetAddressRangeFn get_address_range_ = nullptr;
 };
 
 }  // namespace

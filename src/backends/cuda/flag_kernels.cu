@@ -34,6 +34,15 @@ __global__ void SignalFlagKernel(uint32_t* flag, uint32_t value) {
   StoreReleaseSystem(flag, value);
 }
 
+// The target comes from memory, not from the launch: a graph replaying this
+// node waits for the next increment of `counter` every time. Only this kernel
+// writes `cursor` (one stream per cursor), so a plain read-modify-write will do.
+__global__ void WaitNextFlagKernel(const uint32_t* counter, uint32_t* cursor) {
+  const uint32_t target = LoadAcquireSystem(cursor) + 1;
+  while (static_cast<int32_t>(LoadAcquireSystem(counter) - target) < 0) __nanosleep(128);
+  StoreReleaseSystem(cursor, target);
+}
+
 }  // namespace
 
 // cudaLaunchKernel rather than <<<>>>: it returns the launch error itself,
@@ -49,6 +58,25 @@ cudaError_t LaunchSignalFlagKernel(cudaStream_t stream, uint32_t* flag, uint32_t
   void* args[] = {&flag, &value};
   return cudaLaunchKernel(reinterpret_cast<const void*>(&SignalFlagKernel), dim3(1), dim3(1), args,
                           0, stream);
+}
+
+cudaError_t LaunchWaitNextFlagKernel(cudaStream_t stream, const uint32_t* counter,
+                                     uint32_t* cursor) {
+  void* args[] = {&counter, &cursor};
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&WaitNextFlagKernel), dim3(1), dim3(1),
+                          args, 0, stream);
+}
+
+cudaError_t LoadFlagKernels() {
+  // cudaFuncGetAttributes finishes loading a lazily loaded kernel, with any
+  // device-wide wait that takes, here rather than at a first launch.
+  cudaFuncAttributes attributes{};
+  cudaError_t error =
+      cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&WaitFlagKernel));
+  if (error != cudaSuccess) return error;
+  error = cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&WaitNextFlagKernel));
+  if (error != cudaSuccess) return error;
+  return cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&SignalFlagKernel));
 }
 
 }  // namespace stepmesh::cuda

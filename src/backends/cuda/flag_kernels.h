@@ -17,4 +17,12 @@ cudaError_t LaunchWaitFlagKernel(cudaStream_t stream, const uint32_t* flag, uint
 // system-scope release so the host sees the data written before it.
 cudaError_t LaunchSignalFlagKernel(cudaStream_t stream, uint32_t* flag, uint32_t value);
 
+// Later work waits until (int32_t)(*counter - (*cursor + 1)) >= 0; then the
+// kernel advances *cursor to that target (see CudaApi::LaunchWaitNextFlagKernel).
+cudaError_t LaunchWaitNextFlagKernel(cudaStream_t stream, const uint32_t* counter,
+                                     uint32_t* cursor);
+
+// Loads the kernels into the current context (see CudaApi::LoadFlagKernels).
+cudaError_t LoadFlagKernels();
+
 }  // namespace stepmesh::cuda

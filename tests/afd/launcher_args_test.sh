@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# afd_launch argument handling: --help prints the flags and exits 0; every
+# argument error exits 2 within seconds with a message naming the problem
+# and the usage line, starts no process (no "logs in" line, no work
+# directory) and never prints a "reference check" line.
+#   launcher_args_test.sh <afd_launch>
+set -uo pipefail
+launch="$1"
+plan="$(cd "$(dirname "$0")/../.." && pwd)/src/tools/planner/configs/emulated_ordering.json"
+fails=0
+work="$(mktemp -d /tmp/afd_args_test.XXXXXX)"
+trap 'rm -rf "$work"' EXIT
+
+# expect <exit code> <regex the output must match> <afd_launch args...>
+expect() {
+  local want_rc="$1" pattern="$2"
+  shift 2
+  local out rc
+  out="$(timeout 20 "$launch" --work-dir "$work/run" "$@" 2>&1)"
+  rc=$?
+  local problems=()
+  [[ $rc -eq $want_rc ]] || problems+=("exit $rc, want $want_rc")
+  grep -Eq -- "$pattern" <<<"$out" || problems+=("output lacks /$pattern/")
+  if grep -q "^reference check" <<<"$out"; then problems+=("prints a reference check line"); fi
+  if grep -q "logs in" <<<"$out"; then problems+=("started processes"); fi
+  if [[ $want_rc -eq 2 ]]; then
+    grep -q "^usage: afd_launch" <<<"$out" || problems+=("no usage line")
+    [[ ! -e "$work/run" ]] || problems+=("created the work directory")
+  fi
+  rm -rf "$work/run"
+  if ((${#problems[@]})); then
+    echo "FAIL: afd_launch $*: ${problems[*]}"
+    sed 's/^/    /' <<<"$out"
+    fails=$((fails + 1))
+  else
+    echo "ok:   afd_launch $* -> exit $rc"
+  fi
+}
+
+expect 0 "--attention X +attention instances" --help
+expect 0 "--model NAME\|PATH +the model" --help
+expect 0 "--emulate-compute PLAN.json" --help
+expect 2 "--ffn 17: at most 16 FFN instances" --attention 1 --ffn 17
+expect 2 "need at least 1A1F" --attention 0 --ffn 1
+expect 2 "unknown flag\(s\): --bogus" --bogus 3
+expect 2 "missing value for --requests" --requests
+expect 2 "--requests: not an integer: many" --requests many
+expect 2 "--requests \(2\) must be at least --micro-batches \(3\)" --requests 2
+expect 2 "--transport must be tcp or rdma" --transport udp
+expect 2 "--backend must be cpu_mock or cuda" --backend tpu
+expect 2 "exceeds tiny-step3's max_position_embedding 4096" --prompt-len 4000 --decode-steps 200
+expect 2 "--model: unknown model '/nonexistent.cfg'" --config /nonexistent.cfg
+expect 2 "--model: unknown model 'nope': neither a bundled name" --model nope
+expect 2 "--model tiny-step5 and --config tiny disagree" --model tiny-step5 --config tiny
+expect 2 "step3 \(316\.3 billion parameters\) needs about [0-9.]+ GiB of host memory" --config step3
+expect 2 "--kill-ffn 5 out of range" --ffn 2 --kill-ffn-after-ms 10 --kill-ffn 5
+expect 2 "--expect-failure needs --kill-ffn-after-ms" --expect-failure
+expect 2 "--deadline-s must be > 0" --deadline-s 0
+expect 2 "--inject-wrong-layer 99:0: want STEP:LAYER within the run" --inject-wrong-layer 99:0 --expect-failure
+expect 2 "--inject-wrong-layer needs --expect-failure" --inject-wrong-layer 1:1
+expect 2 "--engine cuda needs --backend cuda" --engine cuda
+expect 2 "--engine must be auto, cpu, cuda or cpu-device" --engine tpu
+expect 2 "--engine cpu-device needs --backend cpu_mock" --engine cpu-device --backend cuda
+expect 2 "--kv-cache fp8 needs --engine cpu \(the cpu-device engine keeps an fp32 KV cache\)" --engine cpu-device --kv-cache fp8
+expect 2 "--kv-cache must be fp32, bf16 or fp8" --kv-cache int4
+expect 2 "unexpected argument stray" stray
+# The Step-5 model runs on the cpu engine with an fp32 KV cache only.
+expect 2 "--engine cpu-device \(cpu-device\): the Step-5 model [a-z0-9-]+ runs on the cpu engine only" --model tiny-step5 --engine cpu-device
+expect 2 "--engine auto \(cuda\): the Step-5 model [a-z0-9-]+ runs on the cpu engine only" --model tiny-step5 --backend cuda
+expect 2 "--kv-cache bf16: the Step-5 model [a-z0-9-]+ keeps an fp32 KV cache" --model tiny-step5 --kv-cache bf16
+# --emulate-compute selects the emulated engine: no other engine, no Step-5 model.
+expect 2 "--emulate-compute selects the emulated engine; drop --engine cpu" --emulate-compute "$plan" --engine cpu
+expect 2 "--emulate-compute with the Step-5 model [a-z0-9-]+: the emulated engine runs no model" --model tiny-step5 --emulate-compute "$plan"
+expect 2 "--emulate-compute: .*/nonexistent.json" --emulate-compute /nonexistent.json
+if [[ ! -e /sys/class/infiniband ]] || [[ -z "$(ls -A /sys/class/infiniband 2>/dev/null)" ]]; then
+  expect 2 "--transport rdma: no RDMA device here" --transport rdma
+fi
+if [[ ! -e /dev/nvidia0 ]]; then
+  expect 2 "--backend cuda is not available here" --backend cuda
+fi
+
+if ((fails)); then
+  echo "$fails case(s) failed"
+  exit 1
+fi
+echo "all launcher argument cases passed"
