@@ -118,7 +118,13 @@ int RunWorker(const stepmesh::MeshOptions& options, int64_t bytes, int64_t round
 }  // namespace
 
 int main(int argc, char** argv) {
-  stepmesh::MeshOptions options;
+  // STEPMESH_* variables apply (auth token, log level); the flags below win.
+  absl::StatusOr<stepmesh::MeshOptions> from_env = stepmesh::MeshOptions::FromEnv();
+  if (!from_env.ok()) {
+    std::fprintf(stderr, "%s\n", from_env.status().ToString().c_str());
+    return 2;
+  }
+  stepmesh::MeshOptions options = *from_env;
   options.transport = "tcp";
   options.role = stepmesh::Role::kServer;
   int64_t keys = 2, bytes = 4096, rounds = 0;
