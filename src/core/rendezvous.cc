@@ -250,7 +250,8 @@ void RendezvousClient::Disconnected(const absl::Status& why) {
 bool RendezvousClient::Reconnect() {
   const absl::Time deadline = absl::Now() + kRedialAttempt;
   absl::Status dialled = Dial(deadline, /*resume=*/true);
-  absl::StatusOr<ControlMessage> reply = dialled;
+  absl::StatusOr<ControlMessage> reply = absl::UnknownError("no answer");
+  if (!dialled.ok()) reply = dialled;
   while (dialled.ok()) {
     reply = ReceiveControl(fd_.get(), std::max(deadline, absl::Now() + absl::Seconds(2)));
     if (!reply.ok() || reply->type != ControlType::kPing) break;
