@@ -55,7 +55,9 @@ def server_id(rank):
 # --- control messages ------------------------------------------------------------
 
 CONTROL_MAGIC = 0x54434D53
-CONTROL_VERSION = 2
+# HOSTILE_CONTROL_VERSION=1 speaks the join of protocol 1 (before the mesh
+# shape): only to run these tests against a build from before it.
+CONTROL_VERSION = int(os.environ.get("HOSTILE_CONTROL_VERSION", "2"))
 (JOIN, ROSTER, BARRIER, RELEASE, LEAVE, PEER_LOST, PING, PONG, REJECT, PEER_JOINED, CHALLENGE,
  PROOF) = range(1, 13)
 JOIN_RESUME = 1
@@ -72,9 +74,10 @@ def control(kind, payload=b""):
 
 def join_message(role, rank, endpoint, workers, servers, mesh_id="", flags=0, barrier=0,
                  released=0):
-    payload = (struct.pack("<Bi", role, rank) + _text(endpoint) +
-               struct.pack("<II", workers, servers) + _text(mesh_id) +
-               struct.pack("<BQQ", flags, barrier, released))
+    payload = struct.pack("<Bi", role, rank) + _text(endpoint)
+    if CONTROL_VERSION >= 2:
+        payload += (struct.pack("<II", workers, servers) + _text(mesh_id) +
+                    struct.pack("<BQQ", flags, barrier, released))
     return control(JOIN, payload)
 
 
