@@ -9,6 +9,7 @@ import hashlib
 import hmac
 import os
 import re
+import shutil
 import signal
 import socket
 import struct
@@ -366,6 +367,10 @@ class Mesh:
                 p.wait(5)
             except subprocess.TimeoutExpired:
                 pass
+        if os.environ.get("HOSTILE_KEEP_LOGS"):
+            print("logs kept in", self.dir)
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def kill9(p):
