@@ -224,6 +224,18 @@ absl::Status ReadFully(int fd, void* data, size_t bytes, absl::Time deadline) {
   return absl::OkStatus();
 }
 
+void SkipWritten(size_t n, iovec** iov, int* iovcnt) {
+  while (*iovcnt > 0 && n >= (*iov)->iov_len) {
+    n -= (*iov)->iov_len;
+    ++*iov;
+    --*iovcnt;
+  }
+  if (*iovcnt > 0) {
+    (*iov)->iov_base = static_cast<char*>((*iov)->iov_base) + n;
+    (*iov)->iov_len -= n;
+  }
+}
+
 std::string PeerAddress(int fd) {
   sockaddr_storage addr{};
   socklen_t len = sizeof(addr);

@@ -3,6 +3,8 @@
 // descriptors, listen/connect with deadlines, and whole-buffer I/O that never
 // blocks past a deadline.
 
+#include <sys/uio.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -59,6 +61,10 @@ absl::Status SetBufferSizes(int fd, int bytes);
 // DEADLINE_EXCEEDED at the deadline.
 absl::Status WriteFully(int fd, const void* data, size_t bytes, absl::Time deadline);
 absl::Status ReadFully(int fd, void* data, size_t bytes, absl::Time deadline);
+// After a writev/sendmsg wrote `n` bytes of `*iov`: advances `*iov` and
+// `*iovcnt` past them (the first iovec left may be cut at its start).
+void SkipWritten(size_t n, iovec** iov, int* iovcnt);
+
 // Waits until `fd` is readable (true) or the deadline passes (false).
 absl::StatusOr<bool> WaitReadable(int fd, absl::Time deadline);
 

@@ -29,6 +29,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "src/base/admission.h"
 #include "src/base/logging.h"
 #include "src/base/net.h"
 #include "src/base/rate_limit.h"
@@ -206,31 +207,14 @@ class SchedulerImpl final : public Scheduler {
     }
   }
 
-  // Drops the oldest not-yet-joined connections so that one more from `peer`
-  // stays within both caps: a flood of idle clients evicts itself, and a real
-  // participant's join (a round trip) finishes long before it is the oldest.
+  // Makes room for one more connection from `peer` (base/admission.h).
   void MakeRoomFor(const std::string& peer) {
-    const absl::string_view host = base::AddressHost(peer);
-    size_t total = 0, same = 0;
-    Conn* oldest = nullptr;
-    Conn* oldest_same = nullptr;
-    for (Conn& c : conns_) {
-      if (!c.fd.valid() || !c.pending()) continue;
-      ++total;
-      if (oldest == nullptr) oldest = &c;
-      if (base::AddressHost(c.peer) == host) {
-        ++same;
-        if (oldest_same == nullptr) oldest_same = &c;
-      }
-    }
-    if (same >= kMaxPendingPerAddress) {
-      Drop(*oldest_same, absl::StrCat("more than ", kMaxPendingPerAddress,
-                                      " connections from one address have not joined "
-                                      "(the oldest is dropped)"));
-    } else if (total >= kMaxPending) {
-      Drop(*oldest, absl::StrCat("more than ", kMaxPending,
-                                 " connections have not joined (the oldest is dropped)"));
-    }
+    std::string why;
+    Conn* evict = base::OldestOverCap(
+        conns_, [](const Conn& c) { return c.fd.valid() && c.pending(); },
+        [](const Conn& c) -> const std::string& { return c.peer; }, peer,
+        {kMaxPendingPerAddress, kMaxPending}, &why);
+    if (evict != nullptr) Drop(*evict, why);
   }
 
   // Reads what arrived and handles complete messages; bounded per call, so

@@ -22,6 +22,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
+#include "src/base/admission.h"
 #include "src/base/logging.h"
 #include "src/base/net.h"
 #include "src/base/rate_limit.h"
@@ -423,16 +424,7 @@ class TcpTransport final : public Transport {
             absl::StrCat("tcp: sending to ", PeerName(c.peer), ": ", c.broken.message()));
       }
       *sent += static_cast<size_t>(n);
-      size_t left = static_cast<size_t>(n);
-      while (iovcnt > 0 && left >= iov->iov_len) {
-        left -= iov->iov_len;
-        ++iov;
-        --iovcnt;
-      }
-      if (iovcnt > 0) {
-        iov->iov_base = static_cast<char*>(iov->iov_base) + left;
-        iov->iov_len -= left;
-      }
+      base::SkipWritten(static_cast<size_t>(n), &iov, &iovcnt);
     }
     return absl::OkStatus();
   }
@@ -679,27 +671,14 @@ class TcpTransport final : public Transport {
     }
   }
 
+  // Makes room for one more handshake from `address` (base/admission.h).
   void MakeRoomFor(const std::string& address) {
-    const absl::string_view host = base::AddressHost(address);
-    size_t total = 0, same = 0;
-    Pending* oldest = nullptr;
-    Pending* oldest_same = nullptr;
-    for (auto& p : pending_) {
-      if (p->done) continue;
-      ++total;
-      if (oldest == nullptr) oldest = p.get();
-      if (base::AddressHost(p->address) == host) {
-        ++same;
-        if (oldest_same == nullptr) oldest_same = p.get();
-      }
-    }
-    if (same >= kMaxPendingPerAddress) {
-      Drop(*oldest_same, absl::StrCat("more than ", kMaxPendingPerAddress,
-                                      " handshakes from one address (the oldest is dropped)"));
-    } else if (total >= kMaxPending) {
-      Drop(*oldest,
-           absl::StrCat("more than ", kMaxPending, " handshakes at once (the oldest is dropped)"));
-    }
+    std::string why;
+    std::unique_ptr<Pending>* evict = base::OldestOverCap(
+        pending_, [](const std::unique_ptr<Pending>& p) { return !p->done; },
+        [](const std::unique_ptr<Pending>& p) -> const std::string& { return p->address; }, address,
+        {kMaxPendingPerAddress, kMaxPending}, &why);
+    if (evict != nullptr) Drop(**evict, why);
   }
 
   void Advance(Pending& p) {
