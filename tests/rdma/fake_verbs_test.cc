@@ -162,12 +162,13 @@ struct Side {
   }
 };
 
-void Connect(Side& a, Side& b) {
+// Both QPs to RTS; `a` with the given local ACK timeout and retry budget.
+void Connect(Side& a, Side& b, uint8_t a_timeout = 14, uint8_t a_retry = 7) {
   REQUIRE(a.ToInit() == 0);
   REQUIRE(b.ToInit() == 0);
   REQUIRE(a.ToRtr(b) == 0);
   REQUIRE(b.ToRtr(a) == 0);
-  REQUIRE(a.ToRts() == 0);
+  REQUIRE(a.ToRts(a_timeout, a_retry) == 0);
   REQUIRE(b.ToRts() == 0);
 }
 
@@ -593,12 +594,7 @@ TEST_CASE("fake verbs: lost packets fail RETRY_EXC once the retry budget is spen
           "[rdma][fake]") {
   FakeFabric fabric;
   Side a(fabric, 0x0A000001), b(fabric, 0x0A000002);
-  REQUIRE(a.ToInit() == 0);
-  REQUIRE(b.ToInit() == 0);
-  REQUIRE(a.ToRtr(b) == 0);
-  REQUIRE(b.ToRtr(a) == 0);
-  REQUIRE(a.ToRts(/*timeout=*/10, /*retry=*/2) == 0);  // 4.2 ms per try, 3 tries
-  REQUIRE(b.ToRts() == 0);
+  Connect(a, b, /*a_timeout=*/10, /*a_retry=*/2);  // 4.2 ms per try, 3 tries
   fabric.DropTraffic(a.qp->qp_num, true);
   const absl::Time start = absl::Now();
   REQUIRE(a.Write(b, 0, 0, 8, false, 0) == 0);
@@ -614,12 +610,7 @@ TEST_CASE("fake verbs: a PFC pause within the retry budget only delays, a longer
           "[rdma][fake]") {
   FakeFabric fabric;
   Side a(fabric, 0x0A000001), b(fabric, 0x0A000002);
-  REQUIRE(a.ToInit() == 0);
-  REQUIRE(b.ToInit() == 0);
-  REQUIRE(a.ToRtr(b) == 0);
-  REQUIRE(b.ToRtr(a) == 0);
-  REQUIRE(a.ToRts(/*timeout=*/12, /*retry=*/1) == 0);  // 16.8 ms per try, 2 tries
-  REQUIRE(b.ToRts() == 0);
+  Connect(a, b, /*a_timeout=*/12, /*a_retry=*/1);  // 16.8 ms per try, 2 tries
   const std::string name = b.verbs->GetDeviceName(b.ctx->device);
   fabric.PauseNic(name, absl::Milliseconds(10));
   REQUIRE(a.Write(b, 0, 0, 8) == 0);

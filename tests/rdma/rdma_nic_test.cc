@@ -37,10 +37,7 @@ TEST_CASE("rdma nic: a source region is deregistered only once the sends reading
           "[rdma][nic]") {
   Buffers buf;
   Pair pair;
-  RegisterAll(pair, buf);
-  ResolveToBuffers(pair, buf);
-  pair.worker.StartPolling();
-  pair.server.StartPolling();
+  Serve(pair, buf);
   Fill(buf.src.data(), 4096, 5);
   const uint32_t qp0 = pair.WorkerQps().at(0);
   pair.fabric.HoldQp(qp0, true);  // the push is posted, not yet executed
@@ -64,10 +61,7 @@ TEST_CASE("rdma nic: a withdrawn receive slot stays registered until the writer 
   config.options.timeout = absl::Milliseconds(500);  // the last push waits this long
   Buffers buf;
   Pair pair(config);
-  RegisterAll(pair, buf);
-  ResolveToBuffers(pair, buf);
-  pair.worker.StartPolling();
-  pair.server.StartPolling();
+  Serve(pair, buf);
   const uint32_t qp0 = pair.WorkerQps().at(0);
   pair.fabric.HoldQp(qp0, true);
   REQUIRE(Push(pair, buf, 4096, 1).ok());  // the writer holds the slot's rkey in flight
@@ -88,10 +82,7 @@ TEST_CASE("rdma nic: a withdrawn receive slot stays registered until the writer 
 TEST_CASE("rdma nic: frames posted before Shutdown arrive before the goodbye", "[rdma][nic]") {
   Buffers buf;
   Pair pair;
-  RegisterAll(pair, buf);
-  ResolveToBuffers(pair, buf);
-  pair.worker.StartPolling();
-  pair.server.StartPolling();
+  Serve(pair, buf);
   Fill(buf.reply.data(), 1000, 3);
   const uint32_t qp0 = pair.ServerQps().at(0);
   pair.fabric.HoldQp(qp0, true);
@@ -118,22 +109,9 @@ TEST_CASE("rdma nic: InfiniBand ports connect by LID", "[rdma][nic]") {
   config.server_nic.link_layer = IBV_LINK_LAYER_INFINIBAND;
   Buffers buf;
   Pair pair(config);
-  RegisterAll(pair, buf);
-  ResolveToBuffers(pair, buf);
-  pair.worker.StartPolling();
-  pair.server.StartPolling();
-  Fill(buf.src.data(), 5000, 1);
-  REQUIRE(Push(pair, buf, 5000, 1).ok());
-  auto events = pair.server.sink.WaitFor(1);
-  REQUIRE(events.size() == 1);
-  CHECK(events[0].status.ok());
-  CHECK(Same(buf.WorkerSlot(), 5000, 1));
-  Fill(buf.reply.data(), 700, 2);
-  REQUIRE(Reply(pair, buf, 700, 1).ok());
-  events = pair.worker.sink.WaitFor(1);
-  REQUIRE(events.size() == 1);
-  CHECK(events[0].status.ok());
-  CHECK(Same(buf.pull.data(), 700, 2));
+  Serve(pair, buf);
+  PushChecked(pair, buf, 5000, 1);
+  ReplyChecked(pair, buf, 700, 2);
 }
 
 TEST_CASE(
@@ -145,10 +123,7 @@ TEST_CASE(
   config.options.rdma.port = 1;
   Buffers buf;
   Pair pair(config);
-  RegisterAll(pair, buf);
-  ResolveToBuffers(pair, buf);
-  pair.worker.StartPolling();
-  pair.server.StartPolling();
+  Serve(pair, buf);
   pair.fabric.InjectPortEvent("fake_w", 2, IBV_EVENT_PORT_ERR);
   ibv_gid other{};
   other.raw[0] = 0x20;
@@ -172,17 +147,9 @@ TEST_CASE(
 TEST_CASE("rdma nic: the default ACK timeout rides out a one-second PFC pause", "[rdma][nic]") {
   Buffers buf;
   Pair pair;
-  RegisterAll(pair, buf);
-  ResolveToBuffers(pair, buf);
-  pair.worker.StartPolling();
-  pair.server.StartPolling();
+  Serve(pair, buf);
   pair.fabric.PauseNic("fake_s", absl::Seconds(1));
-  Fill(buf.src.data(), 2000, 6);
-  REQUIRE(Push(pair, buf, 2000, 1).ok());
-  auto events = pair.server.sink.WaitFor(1, absl::Seconds(10));
-  REQUIRE(events.size() == 1);
-  CHECK(events[0].status.ok());
-  CHECK(Same(buf.WorkerSlot(), 2000, 6));
+  PushChecked(pair, buf, 2000, 6, /*nth=*/1, /*wait=*/absl::Seconds(10));
   CHECK_FALSE(pair.worker.sink.AnyLoss());
 }
 
@@ -193,10 +160,7 @@ TEST_CASE("rdma nic: a send that is never acknowledged is reported with its own 
   config.options.rdma.retry_count = 1;
   Buffers buf;
   Pair pair(config);
-  RegisterAll(pair, buf);
-  ResolveToBuffers(pair, buf);
-  pair.worker.StartPolling();
-  pair.server.StartPolling();
+  Serve(pair, buf);
   pair.fabric.DropTraffic(pair.WorkerQps().at(0), true);
   REQUIRE(Push(pair, buf, 100, 1).ok());  // posted; the loss shows later
   auto events = pair.worker.sink.WaitFor(1);
@@ -225,23 +189,9 @@ TEST_CASE("rdma nic: payloads larger than the port's max_msg_sz are split", "[rd
   config.options.rdma.stripe_min_bytes = 8192;
   Buffers buf;
   Pair pair(config);
-  RegisterAll(pair, buf);
-  ResolveToBuffers(pair, buf);
-  pair.worker.StartPolling();
-  pair.server.StartPolling();
-  Fill(buf.src.data(), 300000, 8);
-  REQUIRE(Push(pair, buf, 300000, 1).ok());
-  auto events = pair.server.sink.WaitFor(1);
-  REQUIRE(events.size() == 1);
-  INFO(events[0].status.ToString());
-  CHECK_FALSE(events[0].lost);
-  CHECK(Same(buf.WorkerSlot(), 300000, 8));
-  Fill(buf.reply.data(), Buffers::kSlot, 9);
-  REQUIRE(Reply(pair, buf, Buffers::kSlot, 1).ok());
-  events = pair.worker.sink.WaitFor(1);
-  REQUIRE(events.size() == 1);
-  CHECK_FALSE(events[0].lost);
-  CHECK(Same(buf.pull.data(), Buffers::kSlot, 9));
+  Serve(pair, buf);
+  PushChecked(pair, buf, 300000, 8);
+  ReplyChecked(pair, buf, Buffers::kSlot, 9);
   CHECK(pair.fabric.stats().length_errors == 0);
 }
 

@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -176,43 +177,23 @@ struct Buffers {
   std::vector<std::byte> pull = std::vector<std::byte>(kSlot);
   std::vector<std::byte> reply = std::vector<std::byte>(kSlot);
 
-  RegionInfo Recv() {
+  // Receive regions name each slot's writer; send regions are local only.
+  static RegionInfo Region(RegionId id, uint64_t key, std::vector<std::byte>& memory,
+                           uint32_t num_slots = 1, std::vector<NodeId> writers = {}) {
     RegionInfo r;
-    r.id = 1;
-    r.key = 7;
-    r.base = recv.data();
+    r.id = id;
+    r.key = key;
+    r.base = memory.data();
     r.slot_bytes = kSlot;
-    r.num_slots = 2;
-    r.remote_writable = true;
-    r.slot_peers = {kOtherWorker, kWorker};
+    r.num_slots = num_slots;
+    r.remote_writable = !writers.empty();
+    r.slot_peers = std::move(writers);
     return r;
   }
-  RegionInfo Src() {
-    RegionInfo r;
-    r.id = 2;
-    r.key = 7;
-    r.base = src.data();
-    r.slot_bytes = kSlot;
-    return r;
-  }
-  RegionInfo Pull() {
-    RegionInfo r;
-    r.id = 3;
-    r.key = 9;
-    r.base = pull.data();
-    r.slot_bytes = kSlot;
-    r.remote_writable = true;
-    r.slot_peers = {kServer};
-    return r;
-  }
-  RegionInfo Reply() {
-    RegionInfo r;
-    r.id = 4;
-    r.key = 9;
-    r.base = reply.data();
-    r.slot_bytes = kSlot;
-    return r;
-  }
+  RegionInfo Recv() { return Region(1, 7, recv, 2, {kOtherWorker, kWorker}); }
+  RegionInfo Src() { return Region(2, 7, src); }
+  RegionInfo Pull() { return Region(3, 9, pull, 1, {kServer}); }
+  RegionInfo Reply() { return Region(4, 9, reply); }
   std::byte* WorkerSlot() { return recv.data() + kSlot; }
 };
 
@@ -253,6 +234,42 @@ inline absl::Status Reply(Pair& pair, Buffers& buf, size_t bytes, uint64_t reque
   return pair.server.transport->Send(kWorker,
                                      Header(FrameType::kReply, kServer, kWorker, 9, bytes, request),
                                      buf.reply.data(), 4, bytes);
+}
+
+// Registers every buffer, lands frames in them and starts both receive threads.
+inline void Serve(Pair& pair, Buffers& buf) {
+  RegisterAll(pair, buf);
+  ResolveToBuffers(pair, buf);
+  pair.worker.StartPolling();
+  pair.server.StartPolling();
+}
+
+// Pushes `bytes` of pattern `seed` (request 1) and checks that they arrive,
+// byte-exact in the worker's slot, as the server's event number `nth` (1-based),
+// waiting at most `wait`.
+inline void PushChecked(Pair& pair, Buffers& buf, size_t bytes, uint8_t seed, size_t nth = 1,
+                        absl::Duration wait = absl::Seconds(5)) {
+  Fill(buf.src.data(), bytes, seed);
+  REQUIRE(Push(pair, buf, bytes, 1).ok());
+  auto events = pair.server.sink.WaitFor(nth, wait);
+  REQUIRE(events.size() == nth);
+  INFO(events[nth - 1].status.ToString());
+  CHECK_FALSE(events[nth - 1].lost);
+  CHECK(events[nth - 1].status.ok());
+  CHECK(events[nth - 1].header.payload_bytes == bytes);
+  CHECK(Same(buf.WorkerSlot(), bytes, seed));
+}
+
+// The same for a reply of `bytes` into the worker's pull region.
+inline void ReplyChecked(Pair& pair, Buffers& buf, size_t bytes, uint8_t seed, size_t nth = 1) {
+  Fill(buf.reply.data(), bytes, seed);
+  REQUIRE(Reply(pair, buf, bytes, 1).ok());
+  auto events = pair.worker.sink.WaitFor(nth);
+  REQUIRE(events.size() == nth);
+  INFO(events[nth - 1].status.ToString());
+  CHECK_FALSE(events[nth - 1].lost);
+  CHECK(events[nth - 1].status.ok());
+  CHECK(Same(buf.pull.data(), bytes, seed));
 }
 
 }  // namespace stepmesh::core

@@ -31,35 +31,15 @@ PairConfig Config(int qps = 1, absl::Duration timeout = absl::Seconds(3), int re
 TEST_CASE("rdma: push and reply land byte-exact in the registered slots", "[rdma][transport]") {
   Buffers buf;
   Pair pair;
-  RegisterAll(pair, buf);
-  ResolveToBuffers(pair, buf);
-  pair.worker.StartPolling();
-  pair.server.StartPolling();
+  Serve(pair, buf);
 
-  const size_t push = 300000;
-  Fill(buf.src.data(), push, 3);
-  REQUIRE(pair.worker.transport
-              ->Send(kServer, Header(FrameType::kPush, kWorker, kServer, 7, push), buf.src.data(),
-                     2, push)
-              .ok());
+  PushChecked(pair, buf, 300000, 3);
   auto events = pair.server.sink.WaitFor(1);
   REQUIRE(events.size() == 1);
-  CHECK(events[0].status.ok());
   CHECK(events[0].header.key == 7);
-  CHECK(events[0].header.payload_bytes == push);
-  CHECK(Same(buf.WorkerSlot(), push, 3));
   CHECK(buf.recv[0] == std::byte{0});  // the other worker's slot is untouched
 
-  const size_t reply = 4096;
-  Fill(buf.reply.data(), reply, 11);
-  REQUIRE(pair.server.transport
-              ->Send(kWorker, Header(FrameType::kReply, kServer, kWorker, 9, reply),
-                     buf.reply.data(), 4, reply)
-              .ok());
-  events = pair.worker.sink.WaitFor(1);
-  REQUIRE(events.size() == 1);
-  CHECK(events[0].status.ok());
-  CHECK(Same(buf.pull.data(), reply, 11));
+  ReplyChecked(pair, buf, 4096, 11);
 
   // An empty reply (an acknowledgement) needs no advert and no payload write.
   REQUIRE(pair.server.transport
@@ -195,10 +175,7 @@ TEST_CASE("rdma: credits bound what is in flight, no RNR ever", "[rdma][transpor
 TEST_CASE("rdma: two QPs per peer stripe large payloads", "[rdma][transport]") {
   Buffers buf;
   Pair pair(Config(2, absl::Seconds(3), /*recv_depth=*/16, /*stripe_min_bytes=*/8192));
-  RegisterAll(pair, buf);
-  ResolveToBuffers(pair, buf);
-  pair.worker.StartPolling();
-  pair.server.StartPolling();
+  Serve(pair, buf);
   for (uint8_t round = 0; round < 40; ++round) {
     const size_t bytes = round % 2 ? 100000 : 100;  // striped and not, interleaved
     Fill(buf.src.data(), bytes, round);
