@@ -134,6 +134,7 @@ struct Peer {
   absl::flat_hash_map<uint64_t, std::unique_ptr<Route>> routes ABSL_GUARDED_BY(route_mu);
 
   std::atomic<bool> lost{false};  // reported (or shut down)
+  std::atomic<bool> loss_reported{false};  // the sink's OnPeerLost for it returned
   FailureRecord failure;          // waits for the receive thread to report it
 
   uint64_t stripes_sent = 0;  // send thread

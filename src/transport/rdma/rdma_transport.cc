@@ -528,10 +528,23 @@ class RdmaTransport final : public Transport {
     STEPMESH_RETURN_IF_ERROR(SetNoDelay(fd.get()));
     STEPMESH_RETURN_IF_ERROR(SetNonBlocking(fd.get(), true));
     peer->socket = std::move(fd);
-    return Publish(std::move(peer));
+    Peer* reporting = nullptr;
+    STEPMESH_RETURN_IF_ERROR(Publish(std::move(peer), &reporting));
+    // The connection this one replaces was being reported lost as it was
+    // superseded: let that report reach the core before Connect returns, so
+    // the core never takes the old connection's end for the new one's.
+    if (reporting != nullptr) {
+      const absl::Time until = std::min(deadline, absl::Now() + options_.timeout);
+      while (!reporting->loss_reported.load() && !shut_down_.load() && absl::Now() < until) {
+        absl::SleepFor(absl::Microseconds(100));
+      }
+    }
+    return absl::OkStatus();
   }
 
-  absl::Status Publish(std::unique_ptr<Peer> peer) {
+  // `*reporting`: the connection to the same node this one supersedes, when
+  // that one was already being reported lost.
+  absl::Status Publish(std::unique_ptr<Peer> peer, Peer** reporting) {
     MutexLock regions_lock(&regions_mu_);
     Peer* raw = peer.get();
     {
@@ -539,7 +552,9 @@ class RdmaTransport final : public Transport {
       const size_t slot = peer_count_.load(std::memory_order_relaxed);
       if (slot >= kMaxPeers) return absl::ResourceExhaustedError("rdma: too many connections");
       raw->token = slot;
-      if (auto it = by_id_.find(raw->id); it != by_id_.end() && !it->second->lost.exchange(true)) {
+      if (auto it = by_id_.find(raw->id); it != by_id_.end() && it->second->lost.load()) {
+        *reporting = it->second;
+      } else if (it != by_id_.end() && !it->second->lost.exchange(true)) {
         // A rejoin replaces a connection never reported lost (the core learns
         // of the new process from the scheduler). Its socket leaves the epoll
         // set too: a closed socket would keep it readable forever.
@@ -1236,6 +1251,7 @@ class RdmaTransport final : public Transport {
     WakeRouteWaiters(peer);
     WakeAckWaiters();
     sink.OnPeerLost(peer.id, std::move(why));
+    peer.loss_reported.store(true);
   }
 
   void WakeRouteWaiters(Peer& peer) {
