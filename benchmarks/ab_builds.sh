@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Interleaved stepmesh_perf acceptance runs of several builds (method order rotated per run).
-# usage: ab.sh RUNS OUTDIR name=BIN [name=BIN ...]
+# usage: benchmarks/ab_builds.sh RUNS OUTDIR name=BIN [name=BIN ...]
 set -euo pipefail
 runs="$1"; out="$2"; shift 2; mkdir -p "$out"
 names=(); bins=()
