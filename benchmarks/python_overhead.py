@@ -7,8 +7,17 @@ stepmesh_perf doing the same in the same run, reps interleaved.
     PYTHONPATH=build/python /usr/bin/python3 benchmarks/python_overhead.py \\
         [--perf build/benchmarks/stepmesh_perf] [--iters 2000] [--reps 3] [--json out.json]
 
-Prints the p50/p99 of both and the added p50 (target: <= 15 us). Both sides
-use TCP on 127.0.0.1, the cpu_mock backend and the default (adaptive) poll mode.
+Prints the p50/p99 of each and the added p50 (target: <= 15 us) of two Python
+loops: "call" (w.push_pull(...) then w.wait(...), two binding calls and a
+Request object per round trip) and "plan" (plan = w.prepare(...) once, then
+plan.run(): one call, one GIL release, no Python object per round trip). Both
+sides use TCP on 127.0.0.1, the cpu_mock backend, the default (adaptive) poll
+mode, page-aligned buffers (as cpu_mock allocates them for stepmesh_perf), a
+worker process and a server process. Then, from the requests' trace stamps,
+where the time goes per stage (p50, us) in C++ and in each Python loop: "pre"
+is the binding's entry to the library's submit stamp; "respond" includes the
+Python server loop (get_batch returned -> reply posted); "wake" the return
+to Python after completion.
 """
 
 from __future__ import annotations
@@ -31,12 +40,24 @@ PUSH_KEY, PULL_KEY = 1, 2
 TARGET_ADDED_P50_US = 15.0
 
 
+STAGES = ("submit", "push", "dispatch", "respond", "reply", "complete", "wake")
+
+
+def aligned(nbytes: int) -> np.ndarray:
+    """A page-aligned uint8 array (cpu_mock's Allocate aligns to 4096 too)."""
+    raw = np.empty(nbytes + 4096, np.uint8)
+    off = (-raw.ctypes.data) % 4096
+    return raw[off: off + nbytes]
+
+
 def serve(args) -> None:
     import stepmesh
     ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # die with the benchmark
     with stepmesh.Server(scheduler=args.scheduler, transport="tcp", timeout=60.0) as s:
-        s.register_recv(PUSH_KEY, np.zeros(PUSH_BYTES, np.uint8))
-        reply = np.zeros(PULL_BYTES, np.uint8)
+        recv = aligned(PUSH_BYTES)
+        recv[:] = 0
+        s.register_recv(PUSH_KEY, recv)
+        reply = aligned(PULL_BYTES)
         reply[:] = np.arange(PULL_BYTES) % 251
         s.register_reply(PULL_KEY, reply)
         s.barrier()
@@ -45,8 +66,17 @@ def serve(args) -> None:
         s.barrier()
 
 
-def python_run(args) -> np.ndarray:
-    """Round-trip latencies (us) of the Python worker against a Python server process."""
+def stages_of(trace: dict, t0_ns: int, returned_ns: int) -> list:
+    """[pre, submit, ..., wake] in us from one request's trace (1A1F: one server)."""
+    x = trace["servers"][0]
+    points = [t0_ns, x["enqueue_ns"], x["post_ns"], x["server_arrival_ns"], x["server_handler_ns"],
+              x["server_reply_ns"], x["reply_arrival_ns"], trace["complete_ns"], returned_ns]
+    return [(b - a) / 1e3 for a, b in zip(points, points[1:])]
+
+
+def python_run(args, mode: str):
+    """Round-trip latencies (us) and per-stage samples of the Python worker
+    (loop `mode`: "call" or "plan") against a Python server process."""
     import stepmesh
     with stepmesh.Scheduler() as sched:
         server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", "server",
@@ -54,20 +84,34 @@ def python_run(args) -> np.ndarray:
                                    "--warmup", str(args.warmup)])
         try:
             with stepmesh.Worker(scheduler=sched.address, transport="tcp", timeout=60.0) as w:
-                x = np.ones(PUSH_BYTES, np.uint8)
-                y = np.zeros(PULL_BYTES, np.uint8)
+                x = aligned(PUSH_BYTES)
+                x[:] = 1
+                y = aligned(PULL_BYTES)
+                y[:] = 0
                 w.register_push(PUSH_KEY, x)
                 w.register_pull(PULL_KEY, 0, y)
                 w.barrier()
                 pushes, pulls = [PUSH_KEY], [(PULL_KEY, 0)]
+                plan = w.prepare(pushes, pulls)
                 lat = np.empty(args.iters, np.float64)
-                clock = time.perf_counter_ns
+                stages = np.empty((args.iters, len(STAGES) + 1), np.float64)
+                clock = time.perf_counter_ns  # lat: the same clock for both loops
+                mono = stepmesh.monotonic_ns  # stages: the trace stamps' clock
                 for i in range(args.warmup + args.iters):
+                    m0 = mono()
                     t0 = clock()
-                    w.wait(w.push_pull(pushes, pulls), 60.0)
-                    t1 = clock()
+                    if mode == "plan":
+                        plan.run(60.0)
+                        t1 = clock()
+                        req = plan.last
+                    else:
+                        req = w.push_pull(pushes, pulls)
+                        w.wait(req, 60.0)
+                        t1 = clock()
+                    m1 = mono()
                     if i >= args.warmup:
                         lat[i - args.warmup] = (t1 - t0) / 1e3
+                        stages[i - args.warmup] = stages_of(w.fetch_trace(req), m0, m1)
                 if y[PULL_BYTES - 1] != (PULL_BYTES - 1) % 251:  # the reply really arrived
                     raise SystemExit("python_overhead: wrong reply bytes")
                 w.barrier()
@@ -78,7 +122,7 @@ def python_run(args) -> np.ndarray:
                 server.wait()
         if server.returncode != 0:
             raise SystemExit(f"python_overhead: server exited {server.returncode}")
-    return lat
+    return lat, stages
 
 
 def cpp_run(args) -> dict:
@@ -90,8 +134,10 @@ def cpp_run(args) -> dict:
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=600)
         with open(out) as f:
             result = json.load(f)
-    lat = result["results"][0]["methods"][0]["latency"]
-    return {"p50_us": lat["p50_us"], "p99_us": lat["p99_us"]}
+    first = result["results"][0]
+    lat = first["methods"][0]["latency"]
+    st = {x["stage"]: x["p50_us"] for x in first.get("stepmesh_stages", [])}
+    return {"p50_us": lat["p50_us"], "p99_us": lat["p99_us"], "stages": st}
 
 
 def main() -> int:
@@ -113,33 +159,55 @@ def main() -> int:
               file=sys.stderr)
         return 2
     rows = []
-    for rep in range(args.reps):  # interleaved: load changes hit both alike
-        cpp = cpp_run(args)
-        lat = python_run(args)
-        py = {"p50_us": float(np.percentile(lat, 50)), "p99_us": float(np.percentile(lat, 99))}
-        rows.append({"rep": rep, "cpp": cpp, "python": py,
-                     "added_p50_us": py["p50_us"] - cpp["p50_us"]})
+    stage_samples = {"call": [], "plan": []}
+    for rep in range(args.reps):  # interleaved: load changes hit all three alike
+        row = {"rep": rep, "cpp": cpp_run(args)}
+        for mode in ("call", "plan"):
+            lat, st = python_run(args, mode)
+            stage_samples[mode].append(st)
+            row[mode] = {"p50_us": float(np.percentile(lat, 50)),
+                         "p99_us": float(np.percentile(lat, 99))}
+            row[mode]["added_p50_us"] = row[mode]["p50_us"] - row["cpp"]["p50_us"]
+        rows.append(row)
     cpp_p50 = float(np.median([r["cpp"]["p50_us"] for r in rows]))
-    py_p50 = float(np.median([r["python"]["p50_us"] for r in rows]))
-    added = py_p50 - cpp_p50
     print(f"python_overhead: 1A1F tcp, push {PUSH_BYTES} B, pull {PULL_BYTES} B, "
           f"{args.iters} iters x {args.reps} interleaved reps, load {os.getloadavg()[0]:.2f}")
-    print(f"{'rep':>4} {'C++ p50':>10} {'C++ p99':>10} {'Py p50':>10} {'Py p99':>10} "
-          f"{'added p50':>10}")
+    print(f"{'rep':>4} {'C++ p50':>9} {'C++ p99':>9} {'call p50':>9} {'call p99':>9} "
+          f"{'+call':>7} {'plan p50':>9} {'plan p99':>9} {'+plan':>7}")
     for r in rows:
-        print(f"{r['rep']:>4} {r['cpp']['p50_us']:>10.1f} {r['cpp']['p99_us']:>10.1f} "
-              f"{r['python']['p50_us']:>10.1f} {r['python']['p99_us']:>10.1f} "
-              f"{r['added_p50_us']:>10.1f}")
-    verdict = "meets" if added <= TARGET_ADDED_P50_US else "misses"
-    print(f"median: C++ p50 {cpp_p50:.1f} us, Python p50 {py_p50:.1f} us, added {added:.1f} us "
-          f"(ratio {py_p50 / cpp_p50:.3f}); {verdict} the <= {TARGET_ADDED_P50_US:.0f} us target")
+        print(f"{r['rep']:>4} {r['cpp']['p50_us']:>9.1f} {r['cpp']['p99_us']:>9.1f} "
+              f"{r['call']['p50_us']:>9.1f} {r['call']['p99_us']:>9.1f} "
+              f"{r['call']['added_p50_us']:>7.1f} {r['plan']['p50_us']:>9.1f} "
+              f"{r['plan']['p99_us']:>9.1f} {r['plan']['added_p50_us']:>7.1f}")
+    summary = {}
+    for mode in ("call", "plan"):
+        py_p50 = float(np.median([r[mode]["p50_us"] for r in rows]))
+        added = py_p50 - cpp_p50
+        summary[mode] = {"python_p50_us": py_p50, "added_p50_us": added,
+                         "ratio_p50": py_p50 / cpp_p50}
+        verdict = "meets" if added <= TARGET_ADDED_P50_US else "misses"
+        print(f"median {mode}: C++ p50 {cpp_p50:.1f} us, Python p50 {py_p50:.1f} us, added "
+              f"{added:.1f} us (ratio {py_p50 / cpp_p50:.3f}); {verdict} the <= "
+              f"{TARGET_ADDED_P50_US:.0f} us target")
+    # Where the time goes: stage p50s over all reps (C++: median of the reps' p50s).
+    names = ("pre",) + STAGES
+    print(f"{'stage p50 us':>14} {'C++':>8} {'call':>8} {'plan':>8} {'call-C++':>9} {'plan-C++':>9}")
+    stage_table = {}
+    for k, name in enumerate(names):
+        cpp_vals = [r["cpp"]["stages"].get(name) for r in rows]
+        # stepmesh_perf has no "pre" stage: it stamps right before PushPull().
+        cpp_v = float(np.median(cpp_vals)) if all(v is not None for v in cpp_vals) else None
+        vals = {m: float(np.median(np.concatenate(stage_samples[m])[:, k])) for m in stage_samples}
+        stage_table[name] = {"cpp": cpp_v, **vals}
+        base = 0.0 if cpp_v is None else cpp_v
+        print(f"{name:>14} {'-' if cpp_v is None else f'{cpp_v:.1f}':>8} {vals['call']:>8.1f} "
+              f"{vals['plan']:>8.1f} {vals['call'] - base:>9.1f} {vals['plan'] - base:>9.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"tool": "python_overhead", "push_bytes": PUSH_BYTES,
                        "pull_bytes": PULL_BYTES, "iters": args.iters, "reps": rows,
-                       "cpp_p50_us": cpp_p50, "python_p50_us": py_p50, "added_p50_us": added,
-                       "ratio_p50": py_p50 / cpp_p50, "target_added_p50_us": TARGET_ADDED_P50_US},
-                      f, indent=2)
+                       "cpp_p50_us": cpp_p50, "python": summary, "stages_p50_us": stage_table,
+                       "target_added_p50_us": TARGET_ADDED_P50_US}, f, indent=2)
     return 0
 
 

@@ -210,6 +210,67 @@ class PyWorker {
 
   bool Test(const RequestRef& request) { return ValueOrThrow(live().Test(request.handle)); }
 
+  // Parses a request once for PyPlan: keys checked, rows turned into bytes,
+  // the registered tensors it touches kept alive by the plan.
+  void Prepare(py::handle pushes, py::handle pulls, std::vector<Push>& push_items,
+               std::vector<std::vector<int>>& push_servers, std::vector<Pull>& pull_items,
+               std::vector<Registered>& keep) {
+    live();
+    for (py::handle item : pushes) {
+      push_servers.emplace_back();
+      push_items.push_back(ParsePush(item, push_servers.back()));
+      auto it = push_regs_.find(push_items.back().key);
+      if (it == push_regs_.end()) {
+        ThrowStatus(absl::NotFoundError(
+            absl::StrCat("prepare: push key ", push_items.back().key, " is not registered")));
+      }
+      keep.push_back(it->second);
+    }
+    for (size_t i = 0; i < push_items.size(); ++i) push_items[i].servers = push_servers[i];
+    if (!pulls.is_none()) {
+      for (py::handle item : pulls) {
+        pull_items.push_back(ParsePull(item));
+        auto it = pull_regs_.find({pull_items.back().key, pull_items.back().server});
+        if (it == pull_regs_.end()) {
+          ThrowStatus(absl::NotFoundError(absl::StrCat("prepare: pull key ", pull_items.back().key,
+                                                       " from server ", pull_items.back().server,
+                                                       " is not registered")));
+        }
+        keep.push_back(it->second);
+      }
+    }
+    if (push_items.empty()) ThrowInvalidArgument("prepare: a request needs at least one push");
+  }
+
+  // PushPull + Wait with the GIL released once, for PyPlan. `last` receives
+  // the handle (kept pending when the wait timed out).
+  void RunPlan(absl::Span<const Push> pushes, absl::Span<const Pull> pulls, absl::Duration timeout,
+               RequestHandle& last) {
+    absl::Status s;
+    auto& node = live();  // may raise: do it holding the GIL
+    {
+      py::gil_scoped_release release;
+      absl::StatusOr<RequestHandle> h = node.PushPull(pushes, pulls);
+      if (h.ok()) {
+        last = *h;
+        s = node.Wait(*h, timeout);
+      } else {
+        s = h.status();
+      }
+    }
+    ThrowIfError(s);
+  }
+
+  RequestRef PostPlan(absl::Span<const Push> pushes, absl::Span<const Pull> pulls) {
+    absl::StatusOr<RequestHandle> handle;
+    auto& node = live();  // may raise: do it holding the GIL
+    {
+      py::gil_scoped_release release;
+      handle = node.PushPull(pushes, pulls);
+    }
+    return RequestRef{ValueOrThrow(std::move(handle))};
+  }
+
   py::dict FetchTrace(const RequestRef& request) {
     TraceRecord record = ValueOrThrow(live().FetchTrace(request.handle));
     py::list servers;
@@ -336,6 +397,41 @@ class PyWorker {
   std::unique_ptr<AFTensorWorker> worker_;
 };
 
+// A request prepared once and posted many times (Worker.prepare): the item
+// lists are parsed, the keys checked and the tensors pinned at preparation, so
+// a post does no Python parsing, and run() submits and waits under a single
+// GIL release without creating a Python object.
+class PyPlan {
+ public:
+  PyPlan(PyWorker& worker, py::handle pushes, py::handle pulls) : worker_(worker) {
+    worker.Prepare(pushes, pulls, pushes_, servers_, pulls_, keep_);
+    default_timeout_ = worker.options().timeout;
+  }
+
+  RequestRef Post() { return worker_.PostPlan(pushes_, pulls_); }
+
+  void Run(py::handle timeout) {
+    const absl::Duration t = timeout.is_none() ? default_timeout_ : TimeoutArg(timeout, {});
+    worker_.RunPlan(pushes_, pulls_, t, last_);
+  }
+
+  std::optional<RequestRef> last() const {
+    if (!last_.valid()) return std::nullopt;
+    return RequestRef{last_};
+  }
+  size_t num_pushes() const { return pushes_.size(); }
+  size_t num_pulls() const { return pulls_.size(); }
+
+ private:
+  PyWorker& worker_;  // kept alive by the Python plan object (keep_alive)
+  std::vector<Push> pushes_;
+  std::vector<std::vector<int>> servers_;  // what pushes_[i].servers points into
+  std::vector<Pull> pulls_;
+  std::vector<Registered> keep_;
+  absl::Duration default_timeout_;
+  RequestHandle last_;
+};
+
 // ---------------------------------------------------------------- server
 
 struct PyBatchTensor {
@@ -433,14 +529,15 @@ class PyServer {
     reply_regs_.erase(key);
   }
 
-  PyBatch GetBatch(py::handle timeout, const std::string& policy_name) {
-    BatchPolicy policy;
-    if (policy_name == "all") {
-      policy = BatchPolicy::kAllWorkers;
-    } else if (policy_name == "deadline") {
-      policy = BatchPolicy::kReadyByDeadline;
-    } else {
-      ThrowInvalidArgument(absl::StrCat("policy '", policy_name, "' (want 'all' or 'deadline')"));
+  PyBatch GetBatch(py::handle timeout, py::handle policy_arg) {
+    BatchPolicy policy = BatchPolicy::kAllWorkers;
+    if (!policy_arg.is_none()) {  // None or "all" (the default) cost no string conversion
+      const std::string policy_name = py::str(policy_arg);
+      if (policy_name == "deadline") {
+        policy = BatchPolicy::kReadyByDeadline;
+      } else if (policy_name != "all") {
+        ThrowInvalidArgument(absl::StrCat("policy '", policy_name, "' (want 'all' or 'deadline')"));
+      }
     }
     const absl::Duration t = TimeoutArg(timeout, options_.timeout);
     absl::StatusOr<Batch> got;
@@ -453,6 +550,8 @@ class PyServer {
     out.batch = ValueOrThrow(std::move(got));
     out.group = out.batch.group;
     out.workers.assign(out.batch.workers.begin(), out.batch.workers.end());
+    out.pull_keys.reserve(out.batch.pull_keys.size());
+    out.tensors.reserve(out.batch.tensors.size());
     for (Key k : out.batch.pull_keys) {
       out.pull_keys.push_back(k == Batch::kNoPull ? std::nullopt : std::optional<Key>(k));
     }
@@ -477,6 +576,7 @@ class PyServer {
     if (batch.answered) {
       ThrowStatus(absl::FailedPreconditionError("batch already answered"));
     }
+    // Only a call with rows= or bytes= fills the map (no allocation otherwise).
     std::map<int, size_t> explicit_bytes;
     auto collect = [&](py::handle mapping, bool in_rows) {
       if (mapping.is_none()) return;
@@ -499,7 +599,8 @@ class PyServer {
     };
     collect(rows, true);
     collect(nbytes, false);
-    std::vector<Reply> replies;
+    std::vector<Reply>& replies = replies_;  // reused: no allocation per batch
+    replies.clear();
     for (size_t i = 0; i < batch.workers.size(); ++i) {
       const int w = batch.workers[i];
       auto it = explicit_bytes.find(w);
@@ -585,6 +686,7 @@ class PyServer {
 
   MeshOptions options_;
   bool closed_ = false;
+  std::vector<Reply> replies_;  // Respond's scratch
   std::unordered_map<Key, Registered> recv_regs_;
   std::unordered_map<Key, Registered> reply_regs_;
   std::unique_ptr<AFTensorServer> server_;
@@ -729,6 +831,16 @@ its contents are only meaningful until the batch is answered.)doc")
                             "], tensors=", b.tensors.size(), b.answered ? ", answered" : "", ")");
       });
 
+  py::class_<PyPlan>(m, "Plan", "A prepared PushPull (Worker.prepare).")
+      .def("post", &PyPlan::Post, "Submits the request (returns at once): a Request to wait on.")
+      .def("run", &PyPlan::Run, py::arg("timeout") = py::none(),
+           "Submits and waits (GIL released once). On DeadlineExceeded the request stays\n"
+           "pending: plan.last is its Request.")
+      .def_property_readonly("last", &PyPlan::last,
+                             "The Request of the last run() (for fetch_trace), or None.")
+      .def_property_readonly("num_pushes", &PyPlan::num_pushes)
+      .def_property_readonly("num_pulls", &PyPlan::num_pulls);
+
   py::class_<PyWorker> worker(m, "Worker", R"doc(
 The attention side (C++ AFTensorWorker). Worker(options=None, **fields)
 connects to the scheduler and every server (blocking, GIL released).)doc");
@@ -746,6 +858,14 @@ connects to the scheduler and every server (blocking, GIL released).)doc");
            py::arg("tensor"))
       .def("unregister", &PyWorker::Unregister, py::arg("key"))
       .def("push_pull", &PyWorker::PushPull, py::arg("pushes"), py::arg("pulls") = py::tuple())
+      .def(
+          "prepare",
+          [](PyWorker& w, py::handle pushes, py::handle pulls) {
+            return std::make_unique<PyPlan>(w, pushes, pulls);
+          },
+          py::arg("pushes"), py::arg("pulls") = py::tuple(), py::keep_alive<0, 1>(),
+          "A PushPull parsed once (keys checked, tensors pinned): plan.post() -> Request,\n"
+          "plan.run(timeout) = post + wait under one GIL release (no Python object made).")
       .def("wait", &PyWorker::Wait, py::arg("request"), py::arg("timeout") = py::none())
       .def("test", &PyWorker::Test, py::arg("request"))
       .def("fetch_trace", &PyWorker::FetchTrace, py::arg("request"))
@@ -769,7 +889,7 @@ The FFN side (C++ AFTensorServer). Server(options=None, **fields) joins the mesh
       .def("register_reply", &PyServer::RegisterReply, py::arg("key"), py::arg("tensor"))
       .def("unregister", &PyServer::Unregister, py::arg("key"))
       .def("get_batch", &PyServer::GetBatch, py::arg("timeout") = py::none(),
-           py::arg("policy") = "all")
+           py::arg("policy") = py::none())
       .def("respond", &PyServer::Respond, py::arg("batch"), py::arg("rows") = py::none(),
            py::arg("bytes") = py::none())
       .def(

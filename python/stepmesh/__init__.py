@@ -31,6 +31,7 @@ from ._stepmesh import (  # noqa: F401  (re-exported)
     NotFound,
     OutOfRange,
     PermissionDenied,
+    Plan,
     Request,
     ResourceExhausted,
     Scheduler,
@@ -74,7 +75,7 @@ class Pull:
 __all__ = [
     "Aborted", "AlreadyExists", "Batch", "BatchTensor", "Cancelled", "DataLoss",
     "DeadlineExceeded", "DTYPES", "Error", "FailedPrecondition", "HostTensor", "Internal",
-    "InvalidArgument", "MeshOptions", "NotFound", "OutOfRange", "PermissionDenied", "Pull",
+    "InvalidArgument", "MeshOptions", "NotFound", "OutOfRange", "PermissionDenied", "Plan", "Pull",
     "Push", "Request", "ResourceExhausted", "Scheduler", "Server", "TensorSlice",
     "Unauthenticated", "Unavailable", "Unimplemented", "Unknown", "Worker", "copy_", "describe", "monotonic_ns",
 ]

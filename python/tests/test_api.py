@@ -470,3 +470,55 @@ def test_tensor_slices_outlive_their_batch_safely():
     del holder["view"]
     gc.collect()
     assert holder["alive"]() is None
+
+
+def test_prepared_plan_round_trips_pins_tensors_and_names_bad_keys():
+    """Worker.prepare: keys checked once (an unregistered key is a LookupError
+    naming it), rows resolved at preparation, run() = post + wait, post() a
+    Request, and the plan keeps its tensors alive after the user drops them."""
+    rows, cols, steps = 4, 3, 3
+    mesh = Mesh(echo_server(1, 2, steps, lambda: np.zeros((rows, cols), np.float32), times2=True))
+    try:
+        with mesh.worker() as w:
+            x = np.zeros((rows, cols), np.float32)
+            y = np.zeros((rows, cols), np.float32)
+            w.register_push(1, x)
+            w.register_pull(2, 0, y)
+            with pytest.raises(stepmesh.NotFound, match="push key 9"):
+                w.prepare([9], [(2, 0)])
+            with pytest.raises(stepmesh.NotFound, match="pull key 2 from server 1"):
+                w.prepare([1], [(2, 1)])
+            with pytest.raises(ValueError, match="at least one push"):
+                w.prepare([], [(2, 0)])
+            plan = w.prepare([1], [(2, 0)])
+            xr, yr = weakref.ref(x), weakref.ref(y)
+            w.unregister(1)  # the worker lets go: only the plan holds the tensors now
+            w.unregister(2)
+            del x, y
+            gc.collect()
+            assert xr() is not None and yr() is not None
+            del plan
+            gc.collect()
+            assert xr() is None and yr() is None
+            x = np.zeros((rows, cols), np.float32)
+            y = np.zeros((rows, cols), np.float32)
+            w.register_push(1, x)
+            w.register_pull(2, 0, y)
+            plan = w.prepare([stepmesh.Push(1, rows=2)], [(2, 0)])
+            assert (plan.num_pushes, plan.num_pulls, plan.last) == (1, 1, None)
+            w.barrier()
+            x[...] = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols)
+            plan.run(20)
+            np.testing.assert_array_equal(y[:2], 2 * x[:2])  # 2 rows: resolved at prepare
+            assert not y[2:].any()
+            assert plan.last is not None and w.fetch_trace(plan.last)["complete_ns"] > 0
+            x += 1
+            req = plan.post()
+            w.wait(req, 20)
+            np.testing.assert_array_equal(y[:2], 2 * x[:2])
+            x += 1
+            plan.run()  # default timeout: options.timeout
+            np.testing.assert_array_equal(y[:2], 2 * x[:2])
+            w.barrier()
+    finally:
+        mesh.close()
