@@ -14,6 +14,7 @@
 #include "python/src/dlpack_tensor.h"
 #include "python/src/errors.h"
 #include "python/src/options_binding.h"
+#include "python/src/stream_binding.h"
 #include "stepmesh/scheduler.h"
 #include "stepmesh/server.h"
 #include "stepmesh/worker.h"
@@ -110,16 +111,27 @@ class PyWorker {
       worker = AFTensorWorker::Create(options_);
     }
     worker_ = ValueOrThrow(std::move(worker));
+    streams_ = std::make_unique<StreamArgs>(worker_->backend());
+    events_ = std::make_unique<EventPool>(worker_->backend());
   }
 
   ~PyWorker() {
     {
       py::gil_scoped_release release;
+      (void)worker_->Shutdown();  // the send thread no longer reads ready events
+    }
+    ready_.clear();  // stream references (GIL held)
+    {
+      py::gil_scoped_release release;
+      events_.reset();  // before the backend that made them
+      streams_.reset();
       worker_.reset();  // stops the threads; registrations are dropped after
     }
     push_regs_.clear();
     pull_regs_.clear();
   }
+
+  PyStream* CreateStream() { return new PyStream(ValueOrThrow(live().backend().CreateStream())); }
 
   int rank() { return live().rank(); }
   int num_servers() { return live().num_servers(); }
@@ -168,7 +180,7 @@ class PyWorker {
     }
   }
 
-  RequestRef PushPull(py::handle pushes, py::handle pulls) {
+  RequestRef PushPull(py::handle pushes, py::handle pulls, py::handle stream) {
     // Per-thread scratch: parsed with the GIL held, used after releasing it.
     thread_local std::vector<Push> push_items;
     thread_local std::vector<std::vector<int>> push_servers;
@@ -188,24 +200,37 @@ class PyWorker {
     if (!pulls.is_none()) {
       for (py::handle item : pulls) pull_items.push_back(ParsePull(item));
     }
-    absl::StatusOr<RequestHandle> handle;
-    auto& node = live();  // may raise: do it holding the GIL
-    {
-      py::gil_scoped_release release;
-      handle = node.PushPull(push_items, pull_items);
-    }
-    return RequestRef{ValueOrThrow(std::move(handle))};
+    return Submit(push_items, pull_items, stream, "push_pull");
   }
 
-  void Wait(const RequestRef& request, py::handle timeout) {
+  // stream=None: blocks (GIL released) until done and releases the handle.
+  // Otherwise the stream waits for the reply on the device and this returns
+  // at once; the handle stays pending for a later host wait().
+  void Wait(const RequestRef& request, py::handle timeout, py::handle stream) {
+    auto& node = live();  // may raise: do it holding the GIL
+    if (!stream.is_none()) {
+      py::object keep;
+      Stream* s = streams_->Resolve(stream, "wait", keep);
+      ThrowIfError(node.StreamWaitReply(request.handle, *s));
+      return;
+    }
     const absl::Duration t = TimeoutArg(timeout, options_.timeout);
     absl::Status s;
-    auto& node = live();  // may raise: do it holding the GIL
     {
       py::gil_scoped_release release;
       s = node.Wait(request.handle, t);
     }
+    Finished(request.handle, s);
     ThrowIfError(s);
+  }
+
+  void StreamWaitNextPull(py::handle key_arg, int server, py::handle stream) {
+    const Key key = KeyArg(key_arg, "stream_wait_next_pull");
+    auto& node = live();
+    if (stream.is_none()) ThrowInvalidArgument("stream_wait_next_pull: stream is None");
+    py::object keep;
+    Stream* s = streams_->Resolve(stream, "stream_wait_next_pull", keep);
+    ThrowIfError(node.StreamWaitNextPull(key, server, *s));
   }
 
   bool Test(const RequestRef& request) { return ValueOrThrow(live().Test(request.handle)); }
@@ -245,9 +270,20 @@ class PyWorker {
   // PushPull + Wait with the GIL released once, for PyPlan. `last` receives
   // the handle (kept pending when the wait timed out).
   void RunPlan(absl::Span<const Push> pushes, absl::Span<const Pull> pulls, absl::Duration timeout,
-               RequestHandle& last) {
+               py::handle stream, RequestHandle& last) {
+    auto& node = live();      // may raise: do it holding the GIL
+    if (!stream.is_none()) {  // ordered after the stream's work: the same, with an event
+      last = Submit(pushes, pulls, stream, "run").handle;
+      absl::Status s;
+      {
+        py::gil_scoped_release release;
+        s = node.Wait(last, timeout);
+      }
+      Finished(last, s);
+      ThrowIfError(s);
+      return;
+    }
     absl::Status s;
-    auto& node = live();  // may raise: do it holding the GIL
     {
       py::gil_scoped_release release;
       absl::StatusOr<RequestHandle> h = node.PushPull(pushes, pulls);
@@ -261,14 +297,35 @@ class PyWorker {
     ThrowIfError(s);
   }
 
-  RequestRef PostPlan(absl::Span<const Push> pushes, absl::Span<const Pull> pulls) {
-    absl::StatusOr<RequestHandle> handle;
+  // Submits a request; with a stream, its send waits for a ready event
+  // recorded on that stream now (the producing kernels enqueued so far).
+  RequestRef Submit(absl::Span<const Push> pushes, absl::Span<const Pull> pulls, py::handle stream,
+                    const char* what) {
     auto& node = live();  // may raise: do it holding the GIL
+    py::object keep;
+    Stream* s = streams_->Resolve(stream, what, keep);
+    Event* ready = s == nullptr ? nullptr : events_->Take();
+    absl::StatusOr<RequestHandle> handle;
     {
       py::gil_scoped_release release;
-      handle = node.PushPull(pushes, pulls);
+      if (ready == nullptr) {
+        handle = node.PushPull(pushes, pulls);
+      } else if (absl::Status r = ready->Record(*s); !r.ok()) {
+        handle = r;
+      } else {
+        handle = node.PushPull(pushes, pulls, SendOptions{.ready = ready});
+      }
     }
-    return RequestRef{ValueOrThrow(std::move(handle))};
+    if (!handle.ok()) {
+      if (ready != nullptr) events_->Give(ready);
+      ThrowStatus(handle.status());
+    }
+    if (ready != nullptr) {
+      const uint32_t i = handle->index();
+      if (ready_.size() <= i) ready_.resize(i + 1);
+      ready_[i] = {handle->generation(), ready, std::move(keep)};
+    }
+    return RequestRef{*handle};
   }
 
   py::dict FetchTrace(const RequestRef& request) {
@@ -318,6 +375,16 @@ class PyWorker {
   AFTensorWorker& live() {
     if (closed_) ThrowStatus(absl::FailedPreconditionError("worker is closed"));
     return *worker_;
+  }
+
+  // A host wait ended: unless it timed out (the request is still pending), the
+  // request's send is over and its ready event may be reused.
+  void Finished(RequestHandle h, const absl::Status& s) {
+    if (absl::IsDeadlineExceeded(s) || h.index() >= ready_.size()) return;
+    ReadyOf& r = ready_[h.index()];
+    if (r.event == nullptr || r.generation != h.generation()) return;
+    events_->Give(r.event);
+    r = ReadyOf{};
   }
 
   size_t RowBytes(Key key) const {
@@ -389,8 +456,19 @@ class PyWorker {
                                       " (want (key, server) or stepmesh.Pull)"));
   }
 
+  // The ready event of a request submitted with a stream (by handle index)
+  // and the stream object it was recorded on, held until the send is over.
+  struct ReadyOf {
+    uint32_t generation = 0;
+    Event* event = nullptr;
+    py::object stream;
+  };
+
   MeshOptions options_;
   bool closed_ = false;
+  std::vector<ReadyOf> ready_;
+  std::unique_ptr<StreamArgs> streams_;
+  std::unique_ptr<EventPool> events_;
   // Declared before worker_: destroyed after it, so the memory outlives the mesh.
   std::unordered_map<Key, Registered> push_regs_;
   std::map<std::pair<Key, int>, Registered> pull_regs_;
@@ -408,11 +486,11 @@ class PyPlan {
     default_timeout_ = worker.options().timeout;
   }
 
-  RequestRef Post() { return worker_.PostPlan(pushes_, pulls_); }
+  RequestRef Post(py::handle stream) { return worker_.Submit(pushes_, pulls_, stream, "post"); }
 
-  void Run(py::handle timeout) {
+  void Run(py::handle timeout, py::handle stream) {
     const absl::Duration t = timeout.is_none() ? default_timeout_ : TimeoutArg(timeout, {});
-    worker_.RunPlan(pushes_, pulls_, t, last_);
+    worker_.RunPlan(pushes_, pulls_, t, stream, last_);
   }
 
   std::optional<RequestRef> last() const {
@@ -475,11 +553,20 @@ class PyServer {
       server = AFTensorServer::Create(options_);
     }
     server_ = ValueOrThrow(std::move(server));
+    streams_ = std::make_unique<StreamArgs>(server_->backend());
+    events_ = std::make_unique<EventPool>(server_->backend());
   }
 
   ~PyServer() {
     {
       py::gil_scoped_release release;
+      (void)server_->Shutdown();  // the send thread no longer reads ready events
+    }
+    group_ready_.clear();  // stream references (GIL held)
+    {
+      py::gil_scoped_release release;
+      events_.reset();  // before the backend that made them
+      streams_.reset();
       server_.reset();
     }
     recv_regs_.clear();
@@ -572,7 +659,17 @@ class PyServer {
     return out;
   }
 
-  void Respond(PyBatch& batch, py::handle rows, py::handle nbytes) {
+  PyStream* CreateStream() { return new PyStream(ValueOrThrow(live().backend().CreateStream())); }
+
+  void StreamWaitNextBatch(py::handle stream) {
+    auto& node = live();
+    if (stream.is_none()) ThrowInvalidArgument("stream_wait_next_batch: stream is None");
+    py::object keep;
+    Stream* s = streams_->Resolve(stream, "stream_wait_next_batch", keep);
+    ThrowIfError(node.StreamWaitNextBatch(*s));
+  }
+
+  void Respond(PyBatch& batch, py::handle rows, py::handle nbytes, py::handle stream) {
     if (batch.answered) {
       ThrowStatus(absl::FailedPreconditionError("batch already answered"));
     }
@@ -613,12 +710,21 @@ class PyServer {
     }
     // Replies to workers outside the batch: the library names the mistake.
     for (const auto& [w, b] : explicit_bytes) replies.push_back({w, b});
-    absl::Status s;
     auto& node = live();  // may raise: do it holding the GIL
+    py::object keep;
+    Stream* st = streams_->Resolve(stream, "respond", keep);
+    Event* ready = st == nullptr ? nullptr : ReadyFor(batch.group);
+    absl::Status s;
     {
       py::gil_scoped_release release;
-      s = node.Respond(batch.batch, replies);
+      if (ready == nullptr) {
+        s = node.Respond(batch.batch, replies);
+      } else {
+        s = ready->Record(*st);
+        if (s.ok()) s = node.Respond(batch.batch, replies, SendOptions{.ready = ready});
+      }
     }
+    if (ready != nullptr) group_ready_[batch.group].stream = std::move(keep);
     ThrowIfError(s);
     batch.answered = true;
   }
@@ -667,6 +773,21 @@ class PyServer {
     return *server_;
   }
 
+  // The ready event for a reply to micro-batch `group`. A batch of the same
+  // group arrives only after each of its workers got the previous reply of
+  // that group (a key is in one request at a time), so that reply's send is
+  // over and its event may be recorded again; one still pending (a worker
+  // left meanwhile) is left alone and a fresh event taken.
+  Event* ReadyFor(Key group) {
+    GroupReady& g = group_ready_[group];
+    if (g.event != nullptr) {
+      absl::StatusOr<bool> reached = g.event->Query();
+      if (reached.ok() && *reached) return g.event;
+    }
+    g.event = events_->Take();
+    return g.event;
+  }
+
   size_t ReplyRowBytes(const PyBatch& batch, int worker) const {
     for (size_t i = 0; i < batch.workers.size(); ++i) {
       if (batch.workers[i] != worker) continue;
@@ -687,6 +808,13 @@ class PyServer {
   MeshOptions options_;
   bool closed_ = false;
   std::vector<Reply> replies_;  // Respond's scratch
+  struct GroupReady {
+    Event* event = nullptr;
+    py::object stream;  // what it was last recorded on
+  };
+  std::unordered_map<Key, GroupReady> group_ready_;
+  std::unique_ptr<StreamArgs> streams_;
+  std::unique_ptr<EventPool> events_;
   std::unordered_map<Key, Registered> recv_regs_;
   std::unordered_map<Key, Registered> reply_regs_;
   std::unique_ptr<AFTensorServer> server_;
@@ -832,8 +960,9 @@ its contents are only meaningful until the batch is answered.)doc")
       });
 
   py::class_<PyPlan>(m, "Plan", "A prepared PushPull (Worker.prepare).")
-      .def("post", &PyPlan::Post, "Submits the request (returns at once): a Request to wait on.")
-      .def("run", &PyPlan::Run, py::arg("timeout") = py::none(),
+      .def("post", &PyPlan::Post, py::arg("stream") = py::none(),
+           "Submits the request (returns at once): a Request to wait on.")
+      .def("run", &PyPlan::Run, py::arg("timeout") = py::none(), py::arg("stream") = py::none(),
            "Submits and waits (GIL released once). On DeadlineExceeded the request stays\n"
            "pending: plan.last is its Request.")
       .def_property_readonly("last", &PyPlan::last,
@@ -857,7 +986,10 @@ connects to the scheduler and every server (blocking, GIL released).)doc");
       .def("register_pull", &PyWorker::RegisterPull, py::arg("key"), py::arg("server"),
            py::arg("tensor"))
       .def("unregister", &PyWorker::Unregister, py::arg("key"))
-      .def("push_pull", &PyWorker::PushPull, py::arg("pushes"), py::arg("pulls") = py::tuple())
+      .def("push_pull", &PyWorker::PushPull, py::arg("pushes"), py::arg("pulls") = py::tuple(),
+           py::arg("stream") = py::none(),
+           "stream: None, a stepmesh.Stream or an int cudaStream_t; the send waits for the\n"
+           "work enqueued on it so far (a ready event), without blocking the caller.")
       .def(
           "prepare",
           [](PyWorker& w, py::handle pushes, py::handle pulls) {
@@ -866,7 +998,15 @@ connects to the scheduler and every server (blocking, GIL released).)doc");
           py::arg("pushes"), py::arg("pulls") = py::tuple(), py::keep_alive<0, 1>(),
           "A PushPull parsed once (keys checked, tensors pinned): plan.post() -> Request,\n"
           "plan.run(timeout) = post + wait under one GIL release (no Python object made).")
-      .def("wait", &PyWorker::Wait, py::arg("request"), py::arg("timeout") = py::none())
+      .def("wait", &PyWorker::Wait, py::arg("request"), py::arg("timeout") = py::none(),
+           py::arg("stream") = py::none(),
+           "Host wait (GIL released), or with stream=: the stream waits on the device for\n"
+           "the reply and this returns at once (wait() on the host later releases the handle).")
+      .def("stream_wait_next_pull", &PyWorker::StreamWaitNextPull, py::arg("key"),
+           py::arg("server"), py::arg("stream"),
+           "The stream waits for the next reply under (key, server), counted on the device.")
+      .def("create_stream", &PyWorker::CreateStream, py::keep_alive<0, 1>(),
+           "A stream of this worker's backend (cpu_mock: a host thread).")
       .def("test", &PyWorker::Test, py::arg("request"))
       .def("fetch_trace", &PyWorker::FetchTrace, py::arg("request"))
       .def("barrier", &PyWorker::Barrier)
@@ -891,7 +1031,14 @@ The FFN side (C++ AFTensorServer). Server(options=None, **fields) joins the mesh
       .def("get_batch", &PyServer::GetBatch, py::arg("timeout") = py::none(),
            py::arg("policy") = py::none())
       .def("respond", &PyServer::Respond, py::arg("batch"), py::arg("rows") = py::none(),
-           py::arg("bytes") = py::none())
+           py::arg("bytes") = py::none(), py::arg("stream") = py::none(),
+           "stream: None, a stepmesh.Stream or an int cudaStream_t; the replies are sent\n"
+           "once the work enqueued on it so far ran (a ready event), without blocking.")
+      .def("stream_wait_next_batch", &PyServer::StreamWaitNextBatch, py::arg("stream"),
+           "The stream waits for the next complete batch, counted on the device (pair each\n"
+           "with one get_batch()).")
+      .def("create_stream", &PyServer::CreateStream, py::keep_alive<0, 1>(),
+           "A stream of this server's backend (cpu_mock: a host thread).")
       .def(
           "recv_slot", [](PyServer& s, py::handle key, int w) { return s.Slot(key, w, false); },
           py::arg("key"), py::arg("worker"))

@@ -5,12 +5,14 @@
 #include "python/src/host_tensor_binding.h"
 #include "python/src/mesh_binding.h"
 #include "python/src/options_binding.h"
+#include "python/src/stream_binding.h"
 #include "stepmesh/trace.h"
 
 PYBIND11_MODULE(_stepmesh, m) {
   m.doc() = "stepmesh: Attention-FFN disaggregation communication (C++ core bindings)";
   stepmesh::python::RegisterErrors(m);
   stepmesh::python::BindOptions(m);
+  stepmesh::python::BindStream(m);
   stepmesh::python::BindMesh(m);
   stepmesh::python::BindHostTensor(m);
   m.def("monotonic_ns", &stepmesh::MonotonicNowNs,

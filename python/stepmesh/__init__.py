@@ -36,6 +36,7 @@ from ._stepmesh import (  # noqa: F401  (re-exported)
     ResourceExhausted,
     Scheduler,
     Server,
+    Stream,
     TensorSlice,
     Unauthenticated,
     Unavailable,
@@ -76,6 +77,6 @@ __all__ = [
     "Aborted", "AlreadyExists", "Batch", "BatchTensor", "Cancelled", "DataLoss",
     "DeadlineExceeded", "DTYPES", "Error", "FailedPrecondition", "HostTensor", "Internal",
     "InvalidArgument", "MeshOptions", "NotFound", "OutOfRange", "PermissionDenied", "Plan", "Pull",
-    "Push", "Request", "ResourceExhausted", "Scheduler", "Server", "TensorSlice",
+    "Push", "Request", "ResourceExhausted", "Scheduler", "Server", "Stream", "TensorSlice",
     "Unauthenticated", "Unavailable", "Unimplemented", "Unknown", "Worker", "copy_", "describe", "monotonic_ns",
 ]

@@ -522,3 +522,119 @@ def test_prepared_plan_round_trips_pins_tensors_and_names_bad_keys():
             w.barrier()
     finally:
         mesh.close()
+
+
+def test_stream_arguments_order_sends_and_arrivals_on_cpu_mock_streams():
+    """stream= plumbing over cpu_mock streams (host threads standing in for
+    CUDA streams): push_pull(stream=) sends only after the stream's earlier
+    work wrote the tensor, respond(stream=) likewise, wait(req, stream=) and
+    stream_wait_next_pull/_next_batch hold later stream work until the data is
+    there. Each producer/consumer is delayed so that a missing wait shows as
+    stale data, not as a race that happens to pass."""
+    rows, cols = 2, 4
+    seen = {}
+    snaps = []  # the server's receive region as its batch stream saw it, per batch
+
+    def server(s):
+        recv = np.zeros((rows, cols), np.float32)
+        reply = np.zeros((rows, cols), np.float32)
+        recv2 = np.zeros((rows, cols), np.float32)
+        reply2 = np.zeros((rows, cols), np.float32)
+        s.register_recv(1, recv)
+        s.register_reply(2, reply)
+        s.register_recv(3, recv2)
+        s.register_reply(4, reply2)
+        st = s.create_stream()
+        bs = s.create_stream()  # waits for every batch, counted: queued before each get_batch
+        s.barrier()
+
+        def next_batch():
+            s.stream_wait_next_batch(bs)
+            bs.launch_host_func(lambda: snaps.append(recv.copy()))
+            return s.get_batch(timeout=20)
+        # 1. push_pull(stream=): the worker's push carries what its stream wrote.
+        b = next_batch()
+        reply[...] = np.from_dlpack(b.part(1, 0))
+        s.respond(b)
+        # 2. respond(stream=): the reply leaves after the stream computed it.
+        b = next_batch()
+
+        def compute():
+            time.sleep(0.2)
+            reply[...] = recv * 3
+        st.launch_host_func(compute)
+        s.respond(b, stream=st)
+        # 3. wait(stream=) on the worker: the reply comes late.
+        b = next_batch()
+        time.sleep(0.3)
+        reply[...] = recv + 100
+        s.respond(b)
+        # 4. the batch stream: its host function ran only once the batch was in.
+        b = next_batch()
+        bs.synchronize(20)
+        s.respond(b)
+        # 5. stream_wait_next_pull on the worker (keys 3/4: their first reply).
+        b = next_batch()
+        time.sleep(0.3)
+        reply2[...] = -1
+        with pytest.raises(ValueError, match="cpu_mock"):
+            s.respond(b, stream=1234)  # a cudaStream_t on a cpu_mock server: nothing sent
+        s.respond(b)
+        bs.synchronize(20)
+        s.barrier()
+
+    mesh = Mesh(server)
+    try:
+        with mesh.worker() as w:
+            x = np.zeros((rows, cols), np.float32)
+            y = np.zeros((rows, cols), np.float32)
+            y2 = np.zeros((rows, cols), np.float32)
+            w.register_push(1, x)
+            w.register_pull(2, 0, y)
+            w.register_push(3, x)
+            w.register_pull(4, 0, y2)
+            st = w.create_stream()
+            assert st.cuda_stream is None  # not a CUDA stream
+            with pytest.raises(ValueError, match="cpu_mock"):
+                w.push_pull([1], [(2, 0)], stream=0x7f00)
+            with pytest.raises(ValueError, match="stream must be None"):
+                w.push_pull([1], [(2, 0)], stream="default")
+            with pytest.raises(stepmesh.NotFound, match="pull key 9"):
+                w.stream_wait_next_pull(9, 0, st)
+            w.barrier()
+
+            def produce():
+                time.sleep(0.2)
+                x[...] = 7
+            st.launch_host_func(produce)
+            w.wait(w.push_pull([1], [(2, 0)], stream=st), 20)
+            np.testing.assert_array_equal(y, 7)  # sent after produce() ran
+
+            x[...] = 2
+            plan = w.prepare([1], [(2, 0)])
+            plan.run(20)
+            np.testing.assert_array_equal(y, 6)  # replied after compute() ran
+
+            req = plan.post()
+            w.wait(req, stream=st)  # returns at once; the stream waits for the reply
+            st.launch_host_func(lambda: seen.setdefault("reply", y.copy()))
+            st.synchronize(20)
+            w.wait(req, 20)  # the host wait releases the handle
+            np.testing.assert_array_equal(seen["reply"], 102)
+
+            time.sleep(0.3)  # the server's batch stream is already waiting
+            x[...] = 5
+            plan.run(20)
+
+            w.stream_wait_next_pull(4, 0, st)  # the first reply under (4, 0)
+            st.launch_host_func(lambda: seen.setdefault("pull", y2.copy()))
+            # Not stream=st: a ready event behind the wait would never complete.
+            w.wait(w.push_pull([3], [(4, 0)]), 20)
+            st.synchronize(20)
+            np.testing.assert_array_equal(seen["pull"], -1)
+            w.barrier()
+    finally:
+        mesh.close()
+    assert len(snaps) == 5
+    for got, want in zip(snaps, [7, 2, 2, 5, 5]):
+        np.testing.assert_array_equal(got, want)

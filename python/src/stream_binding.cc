@@ -1,0 +1,106 @@
+#include "python/src/stream_binding.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "python/src/errors.h"
+#include "stepmesh/cuda.h"
+
+namespace stepmesh::python {
+namespace py = pybind11;
+
+PyStream::~PyStream() {
+  py::gil_scoped_release release;
+  stream_.reset();
+}
+
+Stream* StreamArgs::Resolve(py::handle arg, const char* what, py::object& keep) {
+  if (arg.is_none()) return nullptr;
+  if (py::isinstance<PyStream>(arg)) {
+    keep = py::reinterpret_borrow<py::object>(arg);
+    return &arg.cast<PyStream&>().stream();
+  }
+  if (PyBool_Check(arg.ptr()) || !PyLong_Check(arg.ptr())) {
+    ThrowInvalidArgument(absl::StrCat(
+        what, ": stream must be None, a stepmesh.Stream or an int cudaStream_t, got a ",
+        std::string(py::str(arg.get_type().attr("__name__")))));
+  }
+  const unsigned long long value = PyLong_AsUnsignedLongLong(arg.ptr());
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    ThrowInvalidArgument(
+        absl::StrCat(what, ": stream ", std::string(py::str(arg)), " is not a cudaStream_t value"));
+  }
+  const uintptr_t native = static_cast<uintptr_t>(value);
+  auto it = wrapped_.find(native);
+  if (it != wrapped_.end()) return it->second.get();
+  if (backend_.name() != "cuda") {
+    ThrowInvalidArgument(
+        absl::StrCat(what, ": stream=", value, " is a cudaStream_t, but this node's backend is '",
+                     std::string(backend_.name()),
+                     "' (use backend='cuda', or a stepmesh.Stream from create_stream())"));
+  }
+  if (wrapped_.size() >= kMaxWrapped) {
+    ThrowStatus(absl::ResourceExhaustedError(absl::StrCat(
+        what, ": more than ", kMaxWrapped, " distinct CUDA streams passed as stream=")));
+  }
+  std::unique_ptr<Stream> stream =
+      ValueOrThrow(WrapCudaStream(backend_, reinterpret_cast<void*>(native)));
+  Stream* out = stream.get();
+  wrapped_.emplace(native, std::move(stream));
+  return out;
+}
+
+Event* EventPool::Take() {
+  if (!free_.empty()) {
+    Event* e = free_.back();
+    free_.pop_back();
+    return e;
+  }
+  all_.push_back(ValueOrThrow(backend_.CreateEvent()));
+  return all_.back().get();
+}
+
+void BindStream(py::module_& m) {
+  py::class_<PyStream>(m, "Stream", R"doc(
+A stream of a node's backend (Worker.create_stream(), Server.create_stream()):
+a CUDA stream on backend='cuda', a host thread on cpu_mock. Pass it as
+stream= to push_pull/respond/wait, like a raw cudaStream_t int.)doc")
+      .def(
+          "launch_host_func",
+          [](PyStream& s, py::function fn) {
+            // The stream's thread calls fn holding the GIL; an exception is
+            // reported as unraisable (it has no caller to go to).
+            PyObject* f = fn.release().ptr();
+            ThrowIfError(s.stream().LaunchHostFunc([f] {
+              py::gil_scoped_acquire gil;
+              PyObject* r = PyObject_CallNoArgs(f);
+              if (r == nullptr) PyErr_WriteUnraisable(f);
+              Py_XDECREF(r);
+              Py_DECREF(f);
+            }));
+          },
+          py::arg("fn"), "Runs fn() (no arguments) when the stream gets to this point.")
+      .def(
+          "synchronize",
+          [](PyStream& s, double timeout) {
+            absl::Status st;
+            {
+              py::gil_scoped_release release;
+              st = s.stream().Synchronize(absl::Seconds(timeout));
+            }
+            ThrowIfError(st);
+          },
+          py::arg("timeout") = 10.0, "Blocks (GIL released) until the enqueued work ran.")
+      .def_property_readonly(
+          "cuda_stream",
+          [](PyStream& s) -> py::object {
+            absl::StatusOr<void*> native = NativeCudaStream(s.stream());
+            if (!native.ok()) return py::none();
+            return py::int_(reinterpret_cast<uintptr_t>(*native));
+          },
+          "The cudaStream_t (int) of a CUDA backend's stream, else None.");
+}
+
+}  // namespace stepmesh::python
