@@ -122,6 +122,18 @@ def _as_user_tensor(view):
         return view  # e.g. bfloat16 without torch: the raw DLPack view
 
 
+def _current_stream(tensors) -> Optional[int]:
+    """torch's current CUDA stream (a cudaStream_t int) when any of `tensors` is
+    a device tensor, else None: host tensors have no producing stream to wait for."""
+    for t in tensors:
+        if stepmesh.describe(t)["device"] != "cpu":
+            torch = _torch()
+            if torch is None:
+                raise stepmesh.Unimplemented("device tensors need torch for their stream")
+            return torch.cuda.current_stream().cuda_stream
+    return None
+
+
 def _copy(dst_view, src) -> int:
     """Copies src into the start of dst_view; returns bytes copied."""
     info = stepmesh.describe(src)
@@ -219,7 +231,8 @@ class _Mesh:
                 f"announced at most {cap} bytes of {dtype} (the first use of a key must be its "
                 "largest, with the same dtype)")
 
-    def push_pull(self, push_tensors, push_keys, pull_tensors, pull_keys) -> int:
+    def push_pull(self, push_tensors, push_keys, pull_tensors, pull_keys,
+                  stream=None) -> int:
         if len(push_tensors) != len(push_keys):
             raise ValueError(f"{len(push_tensors)} push tensors but {len(push_keys)} push keys")
         if len(pull_tensors) != len(pull_keys):
@@ -242,7 +255,8 @@ class _Mesh:
         if notes["push"] or notes["pull"]:
             self._announce(notes)
         req = self.worker.push_pull([(int(k), nbytes[int(k)]) for k in push_keys],
-                                    [(int(k), s) for s, k in enumerate(pull_keys)])
+                                    [(int(k), s) for s, k in enumerate(pull_keys)],
+                                    stream=stream)
         handle = int(req)
         self.requests[handle] = req
         return handle
@@ -290,6 +304,10 @@ class _Mesh:
         self.recv: Dict[int, Tuple[stepmesh.HostTensor, tuple, str]] = {}  # key -> region, row shape
         self.reply: Dict[int, Tuple[stepmesh.HostTensor, int]] = {}  # key -> region, slot bytes
         self.pending: Dict[int, Tuple[Any, int]] = {}  # handler -> (batch entry, worker)
+        # Batches taken (key announcements too) and device waits queued
+        # (SimpleNotify): the device counts every batch, announcements included.
+        self.batches_seen = 0
+        self.device_waits = 0
         self.next_handler = 1
         s.register_recv(_ANNOUNCE_KEY, stepmesh.HostTensor([n, _ANNOUNCE_BYTES], "uint8"))
         s.register_reply(_ACK_KEY, stepmesh.HostTensor([n, 1], "int64"))
@@ -349,10 +367,11 @@ class _Mesh:
     def get_batch(self):
         while True:
             batch = self.server.get_batch(self.timeout)
+            self.batches_seen += 1
             if batch.group == _ANNOUNCE_KEY:
                 self._on_announce(batch)
                 continue
-            entry = {"batch": batch, "left": len(batch.workers), "bytes": {}}
+            entry = {"batch": batch, "left": len(batch.workers), "bytes": {}, "stream": None}
             out = []
             for i, w in enumerate(batch.workers):
                 handler = self.next_handler
@@ -379,9 +398,12 @@ class _Mesh:
                              f"respond got {len(tensors)}")
         if want:
             entry["bytes"][w] = _copy(self.server.reply_slot(pull_key, w), tensors[0])
+            # A device tensor is copied on torch's current stream: the reply
+            # leaves after that copy (a ready event), never before.
+            entry["stream"] = entry["stream"] or _current_stream(tensors)
         entry["left"] -= 1
         if entry["left"] == 0:
-            self.server.respond(entry["batch"], bytes=entry["bytes"])
+            self.server.respond(entry["batch"], bytes=entry["bytes"], stream=entry["stream"])
 
     # ---- both
     def barrier(self) -> None:
@@ -454,9 +476,13 @@ def register_recv_buffer(tensor, worker_ranks: Sequence[int], keys: Sequence[int
 
 
 def push_pull(push_tensors, push_keys, pull_tensors, pull_keys, need_event: bool = True) -> int:
-    """Attention side: one request; returns the handler for wait()."""
-    return _mesh("worker").push_pull(list(push_tensors), list(push_keys), list(pull_tensors),
-                                     list(pull_keys))
+    """Attention side: one request; returns the handler for wait(). With
+    need_event and device tensors, the send waits (a ready event, not the
+    caller) for the work queued so far on torch's current CUDA stream."""
+    push_tensors = list(push_tensors)
+    stream = _current_stream(push_tensors) if need_event else None
+    return _mesh("worker").push_pull(push_tensors, list(push_keys), list(pull_tensors),
+                                     list(pull_keys), stream=stream)
 
 
 def wait(handler: int, timeout_ms: int = 10000) -> None:
@@ -509,18 +535,108 @@ def get_all_handlers(handler: int) -> List[int]:
     return [int(handler)]
 
 
+def create_stream():
+    """A stepmesh.Stream of this process's worker or server backend (not in
+    fserver_lib): a CUDA stream on backend 'cuda', a host thread on cpu_mock,
+    for SimpleNotify(stream=...)."""
+    m = _mesh()
+    return (m.worker or m.server).create_stream()
+
+
 def get_nanosecond() -> int:
     return stepmesh.monotonic_ns()
 
 
 class SimpleNotify:
-    """CUDA stream notification (StepMesh's cuStreamWaitValue32 helper): not yet
-    available; it arrives with stepmesh's CUDA interop header (docs/python.md)."""
+    """StepMesh's SimpleNotify on stepmesh's arrival-on-stream calls: a stream
+    waits for network data on the device, without a host sync.
 
-    def __init__(self, *args, **kwargs):
-        raise stepmesh.Unimplemented(
-            "SimpleNotify needs the CUDA stream interop of include/stepmesh/cuda.h "
-            "(not in this build); wait() on the host instead")
+    `stream`: the stream to block; None (the default, as in StepMesh) means
+    torch's current CUDA stream at each call; a stepmesh.Stream or a
+    cudaStream_t int may be given instead.
+
+    * worker: ``stream_wait_event(handler)`` makes the stream wait for that
+      request's replies (Worker.wait(req, stream=)); ``wait_event_done()``
+      then waits on the host for those requests (as StepMesh's joined thread
+      did), which releases their handlers for fetch_trace.
+    * server: ``block_now_stream()`` makes the stream wait for the next batch
+      (Server.stream_wait_next_batch, counted on the device; batches taken
+      before are accounted for). A key announcement (a worker's first
+      push_pull of new keys) is a batch too: a stream blocked while one is on
+      the way goes when it arrives, so introduce keys before blocking.
+      ``block_now_stream_and_get_batch()`` also starts get_batch() on a
+      thread, ``get_future_batch_data()`` returns its result.
+    """
+
+    def __init__(self, stream=None):
+        self._stream = stream
+        self._handlers: List[int] = []
+        self._future: Optional[threading.Thread] = None
+        self._result: list = []
+
+    def init(self) -> None:
+        """StepMesh allocates its flag here; stepmesh's flags belong to the mesh."""
+
+    def _target(self):
+        if self._stream is not None:
+            return self._stream
+        torch = _torch()
+        if torch is None or not torch.cuda.is_available():
+            raise stepmesh.Unimplemented(
+                "SimpleNotify() without a stream uses torch's current CUDA stream, and torch "
+                "has no CUDA here; pass stream= (a stepmesh.Stream or a cudaStream_t)")
+        return torch.cuda.current_stream().cuda_stream
+
+    def stream_wait_event(self, handler: int) -> None:
+        m = _mesh("worker")
+        req = m.requests.get(int(handler))
+        if req is None:
+            raise ValueError(f"unknown or already waited handler {handler}")
+        m.worker.wait(req, stream=self._target())
+        self._handlers.append(int(handler))
+
+    def wait_event_done(self, timeout_ms: int = 10000) -> None:
+        handlers, self._handlers = self._handlers, []
+        for h in handlers:
+            wait(h, timeout_ms)
+
+    def block_now_stream(self) -> None:
+        m = _mesh("server")
+        stream = self._target()
+        # The device counts batches: the n-th wait is for the n-th batch. Waits
+        # for batches already taken without one (announcements, batches before
+        # the first block) are queued first and pass at once.
+        for _ in range(m.batches_seen - m.device_waits):
+            m.server.stream_wait_next_batch(stream)
+        m.server.stream_wait_next_batch(stream)
+        m.device_waits = m.batches_seen + 1
+
+    def block_now_stream_and_get_batch(self) -> None:
+        if self._future is not None:
+            raise RuntimeError("get_future_batch_data() the previous batch first")
+        self.block_now_stream()
+        self._result = []
+
+        def fetch():
+            try:
+                self._result.append(("ok", get_batch()))
+            except BaseException as e:  # handed to get_future_batch_data
+                self._result.append(("error", e))
+        self._future = threading.Thread(target=fetch, daemon=True)
+        self._future.start()
+
+    def get_future_batch_data(self):
+        if self._future is None:
+            raise RuntimeError("block_now_stream_and_get_batch() first")
+        m = _mesh("server")
+        self._future.join(m.timeout + 5.0)  # get_batch itself gives up after m.timeout
+        if self._future.is_alive():
+            raise stepmesh.DeadlineExceeded("get_batch() did not return in time")
+        self._future = None
+        kind, value = self._result[0]
+        if kind == "error":
+            raise value
+        return value
 
 
 def _unimplemented(name: str):

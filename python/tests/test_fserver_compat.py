@@ -1,9 +1,13 @@
 """StepMesh-shaped fserver programs (python/tests/programs/) run unchanged
 under stepmesh.fserver as separate processes over TCP. This test process is
 the fserver scheduler (DMLC_ROLE=scheduler, DMLC_PS_ROOT_PORT=0: the OS picks
-the port, no race) and hands the bound port to the children."""
+the port, no race) and hands the bound port to the children. The children are
+forked by fork_runner.py after one torch import (one per mesh, not one per
+process: that import was most of this test's time)."""
 
+import json
 import os
+import sys
 
 import pytest
 
@@ -15,7 +19,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run_mesh(monkeypatch, program, workers, servers, iters):
-    proc_util.require_torch()
     monkeypatch.setenv("DMLC_ROLE", "scheduler")
     monkeypatch.setenv("DMLC_NUM_WORKER", str(workers))
     monkeypatch.setenv("DMLC_NUM_SERVER", str(servers))
@@ -27,16 +30,23 @@ def run_mesh(monkeypatch, program, workers, servers, iters):
         port = f.scheduler_address().rsplit(":", 1)[1]
         common = {"DMLC_PS_ROOT_PORT": port, "STEPMESH_TRANSPORT": "tcp",
                   "STEPMESH_TIMEOUT": "30s", "FSERVER_TEST_ITERS": str(iters)}
-        for role, count in (("server", servers), ("worker", workers)):
-            for r in range(count):
-                procs.append(proc_util.spawn([os.path.join(HERE, "programs", program)],
-                                             {**common, "DMLC_ROLE": role,
-                                              "DMLC_NODE_RANK": str(r)}))
-        outs = proc_util.reap(procs, timeout_s=240)
+        children = [{"program": os.path.join(HERE, "programs", program),
+                     "env": {**common, "DMLC_ROLE": role, "DMLC_NODE_RANK": str(r)}}
+                    for role, count in (("server", servers), ("worker", workers))
+                    for r in range(count)]
+        spec = {"preload": ["torch", "torch.utils.dlpack", "stepmesh.fserver"],
+                "timeout_s": 200, "children": children}
+        procs.append(proc_util.spawn([os.path.join(HERE, "fork_runner.py"), json.dumps(spec)]))
+        (out,) = proc_util.reap(procs, timeout_s=240)
     finally:
         proc_util.kill_all(procs)
         f.stop()  # the scheduler: waits until every participant left
-    return outs
+    results = json.loads(out.strip().splitlines()[-1])
+    bad = [f"{c['program']} {c['env']['DMLC_ROLE']} {c['env']['DMLC_NODE_RANK']}: rc {r['rc']}"
+           f"{' (timed out)' if r['timed_out'] else ''}\n{r['output']}"
+           for c, r in zip(children, results) if r["rc"] != 0]
+    assert not bad, "\n----\n".join(bad)
+    return [r["output"] for r in results]
 
 
 def test_sum_program_two_workers_one_server(monkeypatch):
@@ -51,11 +61,19 @@ def test_dynamic_stages_program_two_workers_two_servers(monkeypatch):
     assert sum("server test done" in o for o in outs) == 2, outs
 
 
+def test_simple_notify_program_on_cpu_mock_streams(monkeypatch):
+    outs = run_mesh(monkeypatch, "fserver_notify.py", workers=2, servers=1, iters=5)
+    assert sum("worker test done" in o for o in outs) == 2, outs
+    assert sum("server test done" in o for o in outs) == 1, outs
+
+
 def test_api_errors_before_init_and_unimplemented_cuda_helpers(monkeypatch):
     with pytest.raises(RuntimeError, match="call init"):
         f.push_pull([], [], [], [])
-    with pytest.raises(stepmesh.Unimplemented, match="cuda.h"):
-        f.SimpleNotify()
+    with pytest.raises(RuntimeError, match="call init"):
+        f.SimpleNotify().block_now_stream()
+    with pytest.raises(stepmesh.Unimplemented, match="wait-kernel"):
+        f.write_flag(None, 1)
     monkeypatch.setenv("DMLC_ROLE", "ffn")
     with pytest.raises(ValueError, match="DMLC_ROLE='ffn'"):
         f.init()
