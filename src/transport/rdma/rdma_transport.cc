@@ -824,9 +824,11 @@ class RdmaTransport final : public Transport {
       }
       const ssize_t n = ::recv(peer.socket.get(), peer.rx.data() + peer.rx_got, want, MSG_DONTWAIT);
       if (n == 0) {
-        Lose(peer, sink, absl::UnavailableError(absl::StrCat(
-                             PeerName(peer.id), peer.said_goodbye ? " left"
-                                                                  : " closed its connection")));
+        // CANCELLED: an orderly departure (see TransportSink::OnPeerLost).
+        Lose(peer, sink,
+             peer.said_goodbye
+                 ? absl::CancelledError(absl::StrCat(PeerName(peer.id), " left"))
+                 : absl::UnavailableError(absl::StrCat(PeerName(peer.id), " closed its connection")));
         return;
       }
       if (n < 0) {
