@@ -92,7 +92,15 @@ const std::vector<EnvEntry>& EnvTable() {
       {"STEPMESH_NUM_SERVERS", STEPMESH_ENV_INT(num_servers)},
       {"STEPMESH_SCHEDULER", STEPMESH_ENV_STR(scheduler)},
       {"STEPMESH_BIND_HOST", STEPMESH_ENV_STR(bind_host)},
-      {"STEPMESH_TRANSPORT", STEPMESH_ENV_STR(transport)},
+      {"STEPMESH_TRANSPORT",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         // An unknown value is refused here, naming the variable, not later.
+         if (v != "tcp" && v != "rdma" && v != "auto") {
+           return absl::InvalidArgumentError("unknown transport (want tcp, rdma or auto)");
+         }
+         o.transport = std::string(v);
+         return absl::OkStatus();
+       }},
       {"STEPMESH_BACKEND", STEPMESH_ENV_STR(backend)},
       {"STEPMESH_DEVICE", STEPMESH_ENV_INT(device)},
       // Read by CUDA itself; the cuda backend must know it too (one hardware queue).
@@ -139,12 +147,7 @@ const std::vector<EnvEntry>& EnvTable() {
       {"STEPMESH_AUTH_TOKEN", STEPMESH_ENV_STR(auth_token)},
       {"STEPMESH_AUTH",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
-         absl::StatusOr<AuthMode> mode = ParseAuthMode(v);
-         if (!mode.ok()) {
-           return absl::InvalidArgumentError(
-               absl::StrCat("STEPMESH_AUTH: ", mode.status().message()));
-         }
-         o.auth = *mode;
+         STEPMESH_ASSIGN_OR_RETURN(o.auth, ParseAuthMode(v));
          return absl::OkStatus();
        }},
       {"STEPMESH_MESH_ID", STEPMESH_ENV_STR(mesh_id)},
@@ -170,7 +173,7 @@ const std::vector<EnvEntry>& EnvTable() {
          else if (v == "error")
            base::SetLogThreshold(LogLevel::kError);
          else
-           return absl::InvalidArgumentError(absl::StrCat("STEPMESH_LOG_LEVEL='", v, "'"));
+           return absl::InvalidArgumentError("want debug, info, warning or error");
          return absl::OkStatus();
        }},
       // StepMesh / ps-lite names, so existing launch scripts keep working.
@@ -271,12 +274,17 @@ absl::StatusOr<MeshOptions> MeshOptions::FromEnv(const MeshOptions& base) {
       if (absl::StartsWith(entry.name, "DMLC_") != dmlc_pass) continue;
       const char* value = std::getenv(entry.name);
       if (value == nullptr) continue;
-      STEPMESH_RETURN_IF_ERROR(entry.apply(value, options));
+      // Every error names the variable and its value, whatever the parser said.
+      if (absl::Status s = entry.apply(value, options); !s.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(entry.name, "='", value, "': ", s.message()));
+      }
     }
   }
   for (char** env = environ; env != nullptr && *env != nullptr; ++env) {
     absl::string_view var(*env);
-    if (!absl::StartsWith(var, "STEPMESH_")) continue;
+    // ps-lite launch scripts set DMLC_* names this library does not read: say so.
+    if (!absl::StartsWith(var, "STEPMESH_") && !absl::StartsWith(var, "DMLC_")) continue;
     absl::string_view name = var.substr(0, var.find('='));
     bool known = false;
     for (const EnvEntry& entry : EnvTable()) known = known || name == entry.name;
