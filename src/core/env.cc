@@ -7,6 +7,7 @@
 #include <functional>
 #include <string>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -182,6 +183,12 @@ const std::vector<EnvEntry>& EnvTable() {
          STEPMESH_ASSIGN_OR_RETURN(o.role, ParseRole("DMLC_ROLE", v));
          return absl::OkStatus();
        }},
+      {"DMLC_ENABLE_RDMA",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         // ps-lite's switch: empty, 0 or false is TCP, anything else RDMA.
+         o.transport = (v.empty() || v == "0" || v == "false") ? "tcp" : "rdma";
+         return absl::OkStatus();
+       }},
       {"DMLC_NUM_WORKER", STEPMESH_ENV_INT(num_workers)},
       {"DMLC_NUM_SERVER", STEPMESH_ENV_INT(num_servers)},
       {"DMLC_PS_ROOT_URI",
@@ -286,7 +293,10 @@ absl::StatusOr<MeshOptions> MeshOptions::FromEnv(const MeshOptions& base) {
     // ps-lite launch scripts set DMLC_* names this library does not read: say so.
     if (!absl::StartsWith(var, "STEPMESH_") && !absl::StartsWith(var, "DMLC_")) continue;
     absl::string_view name = var.substr(0, var.find('='));
-    bool known = false;
+    // Read by the Python fserver layer (python/stepmesh/fserver.py), not here.
+    constexpr absl::string_view kReadByPython[] = {"DMLC_GROUP_SIZE", "DMLC_NODE_RANK",
+                                                   "DMLC_RANK_OFFSET", "STEPMESH_GPU"};
+    bool known = absl::c_linear_search(kReadByPython, name);
     for (const EnvEntry& entry : EnvTable()) known = known || name == entry.name;
     if (!known) STEPMESH_LOG(kWarning, "unknown environment variable ", name, " ignored");
   }

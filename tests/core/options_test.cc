@@ -74,6 +74,27 @@ TEST_CASE("FromEnv understands StepMesh's DMLC_* names, STEPMESH_* wins", "[opti
   CHECK(o->scheduler == "10.1.2.3:8123");
 }
 
+TEST_CASE("DMLC_ENABLE_RDMA picks the transport as ps-lite does", "[options]") {
+  {
+    ScopedEnv env({{"DMLC_ENABLE_RDMA", "0"}});
+    auto o = MeshOptions::FromEnv();
+    REQUIRE(o.ok());
+    CHECK(o->transport == "tcp");
+  }
+  {
+    ScopedEnv env({{"DMLC_ENABLE_RDMA", "1"}, {"STEPMESH_TRANSPORT", "tcp"}});
+    auto o = MeshOptions::FromEnv();
+    REQUIRE(o.ok());
+    CHECK(o->transport == "tcp");  // STEPMESH_* wins
+  }
+  {
+    ScopedEnv env({{"DMLC_ENABLE_RDMA", "1"}});
+    auto o = MeshOptions::FromEnv();
+    REQUIRE(o.ok());
+    CHECK(o->transport == "rdma");
+  }
+}
+
 TEST_CASE("FromEnv rejects bad values with the variable's name", "[options]") {
   // Each error names the variable and the value it had.
   const std::pair<const char*, const char*> bad[] = {
