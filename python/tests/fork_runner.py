@@ -5,12 +5,14 @@ torch import instead of one per process (seconds of CPU each on a small
 machine). Each child is a fresh fork, before any thread exists, that sets its
 own environment and runs its program file unchanged as __main__.
 
-    fork_runner.py SPEC   (SPEC: JSON {"preload": [modules], "timeout_s": s,
-                           "children": [{"program": path, "env": {...}}]})
+    fork_runner.py MODULE...   then one JSON spec per line on stdin:
+        {"timeout_s": s, "children": [{"program": path, "env": {...}}]}
 
-Prints one JSON line: [{"rc": exit status or -signal, "output": text}] per
-child, in order; a child past the deadline is killed by PID and gets
-"timed_out": true. Exits 3 when a preload module cannot be imported."""
+imports the MODULEs once, prints "ready", then per spec runs its children
+at once and prints one JSON line: [{"rc": exit status or -signal,
+"timed_out": bool, "output": text}] per child, in order (a child past the
+deadline is killed by PID). Ends at EOF. Exits 3 when a module cannot be
+imported."""
 
 import ctypes
 import importlib
@@ -52,23 +54,7 @@ def _child(program: str, env: dict, out_fd: int) -> None:
         os._exit(code)
 
 
-def main() -> int:
-    spec = json.loads(sys.argv[1])
-    for name in spec.get("preload", []):
-        try:
-            importlib.import_module(name)
-        except ImportError as e:
-            print(f"fork_runner: cannot import {name} with {sys.executable} ({e}); "
-                  "the tests need Debian's python3-torch: run scripts/install-deps.sh",
-                  file=sys.stderr)
-            return 3
-    # fork() copies only the calling thread: with another thread alive (one
-    # holding a lock), a child could hang. The preloads must not start any.
-    tasks = len(os.listdir("/proc/self/task"))
-    if threading.active_count() != 1 or tasks != 1:
-        print(f"fork_runner: {tasks} threads after the preloads; refusing to fork",
-              file=sys.stderr)
-        return 2
+def run(spec: dict) -> list:
     deadline = time.monotonic() + float(spec.get("timeout_s", 240))
     children = []
     for c in spec["children"]:
@@ -96,7 +82,30 @@ def main() -> int:
         c["out"].seek(0)
         result.append({"rc": c["rc"], "timed_out": c["timed_out"],
                        "output": c["out"].read().decode(errors="replace")})
-    print(json.dumps(result))
+        c["out"].close()
+    return result
+
+
+def main() -> int:
+    for name in sys.argv[1:]:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            print(f"fork_runner: cannot import {name} with {sys.executable} ({e}); "
+                  "the tests need Debian's python3-torch: run scripts/install-deps.sh",
+                  file=sys.stderr)
+            return 3
+    # fork() copies only the calling thread: with another thread alive (one
+    # holding a lock), a child could hang. The imports must not start any.
+    tasks = len(os.listdir("/proc/self/task"))
+    if threading.active_count() != 1 or tasks != 1:
+        print(f"fork_runner: {tasks} threads after the imports; refusing to fork",
+              file=sys.stderr)
+        return 2
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip():
+            print(json.dumps(run(json.loads(line))), flush=True)
     return 0
 
 
