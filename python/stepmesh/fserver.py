@@ -126,7 +126,8 @@ def _current_stream(tensors) -> Optional[int]:
     """torch's current CUDA stream (a cudaStream_t int) when any of `tensors` is
     a device tensor, else None: host tensors have no producing stream to wait for."""
     for t in tensors:
-        if stepmesh.describe(t)["device"] != "cpu":
+        is_cuda = getattr(t, "is_cuda", None)  # torch: no DLPack export per call
+        if is_cuda if is_cuda is not None else stepmesh.describe(t)["device"] != "cpu":
             torch = _torch()
             if torch is None:
                 raise stepmesh.Unimplemented("device tensors need torch for their stream")
