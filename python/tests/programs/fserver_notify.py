@@ -19,8 +19,8 @@ role = os.environ.get("DMLC_ROLE")
 f.init()
 if role == "worker":
     rank = int(os.environ["DMLC_NODE_RANK"])
-    notify = f.SimpleNotify(stream=f.create_stream())
-    stream = notify._stream
+    stream = f.create_stream()
+    notify = f.SimpleNotify(stream=stream)
     f.barrier(False, True)
     push, pull = torch.zeros(1, 16), torch.zeros(1, 16)
     h = f.push_pull([push], [7], [pull], [7])  # introduces key 7 (an announcement)
@@ -36,8 +36,8 @@ if role == "worker":
         assert torch.equal(seen[0], push * 2), (i, seen[0][0, 0].item(), push[0, 0].item())
     print("worker test done", flush=True)
 elif role == "server":
-    notify = f.SimpleNotify(stream=f.create_stream())
-    stream = notify._stream
+    stream = f.create_stream()
+    notify = f.SimpleNotify(stream=stream)
     f.barrier(True, False)
     for handler, tensors, keys in f.get_batch():  # the first request of key 7
         f.respond([tensors[0] * 2], handler)
