@@ -8,7 +8,7 @@ endif()
 file(GLOB_RECURSE config LIST_DIRECTORIES false ${PREFIX}/*/stepmeshConfig.cmake)
 file(READ ${config} text)
 # The installed config evaluates nothing this build already decided.
-if(text MATCHES "if\\((ON|OFF|TRUE|FALSE|1|0)?\\)")
+if(text MATCHES "(^|[^a-z_])if\\((ON|OFF|TRUE|FALSE|1|0)?\\)")
   message(FATAL_ERROR "${config} carries a constant condition: ${CMAKE_MATCH_0}")
 endif()
 message(STATUS "installed into ${PREFIX}")

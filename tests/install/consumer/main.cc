@@ -66,8 +66,8 @@ int RunWorker(stepmesh::AFTensorWorker& worker, int rounds) {
   absl::Status st =
       worker.RegisterPushTensor(kPushKey, {push.data(), stepmesh::DType::kBFloat16, shape});
   for (int s = 0; st.ok() && s < kServers; ++s) {
-    st = worker.RegisterPullTensor(kPullKey, s,
-                                   {pull[s].data(), stepmesh::DType::kBFloat16, shape});
+    st =
+        worker.RegisterPullTensor(kPullKey, s, {pull[s].data(), stepmesh::DType::kBFloat16, shape});
   }
   if (!st.ok()) return Fail(who, st);
   const stepmesh::Push p{kPushKey};
@@ -80,8 +80,8 @@ int RunWorker(stepmesh::AFTensorWorker& worker, int rounds) {
     for (int s = 0; s < kServers; ++s) {
       for (size_t i = 0; i < kElems; ++i) {
         if (pull[s][i] != ReplyValue(PushValue(round, worker.rank(), i), s)) {
-          return Fail(who, absl::DataLossError(absl::StrCat("round ", round, " reply of server ",
-                                                            s, " element ", i)));
+          return Fail(who, absl::DataLossError(absl::StrCat("round ", round, " reply of server ", s,
+                                                            " element ", i)));
         }
       }
     }
@@ -99,23 +99,22 @@ int RunServer(stepmesh::AFTensorServer& server, int rounds) {
   absl::Status st =
       server.RegisterRecvTensor(kPushKey, {recv.data(), stepmesh::DType::kBFloat16, shape});
   if (st.ok()) {
-    st = server.RegisterReplyTensor(kPullKey,
-                                    {reply.data(), stepmesh::DType::kBFloat16, shape});
+    st = server.RegisterReplyTensor(kPullKey, {reply.data(), stepmesh::DType::kBFloat16, shape});
   }
   if (!st.ok()) return Fail(who, st);
   for (int round = 0; round < rounds; ++round) {
     absl::StatusOr<stepmesh::Batch> batch = server.GetBatch(kWait);
     if (!batch.ok()) return Fail(who, batch.status());
     if (batch->workers.size() != kWorkers) {
-      return Fail(who, absl::InternalError(absl::StrCat("round ", round, ": ",
-                                                        batch->workers.size(), " workers")));
+      return Fail(who, absl::InternalError(
+                           absl::StrCat("round ", round, ": ", batch->workers.size(), " workers")));
     }
     for (int w = 0; w < kWorkers; ++w) {
       for (size_t i = 0; i < kElems; ++i) {
         const uint16_t got = recv[w * kElems + i];
         if (got != PushValue(round, w, i)) {
-          return Fail(who, absl::DataLossError(absl::StrCat("round ", round, " push of worker ",
-                                                            w, " element ", i)));
+          return Fail(who, absl::DataLossError(absl::StrCat("round ", round, " push of worker ", w,
+                                                            " element ", i)));
         }
         reply[w * kElems + i] = ReplyValue(got, server.rank());
       }
@@ -167,6 +166,10 @@ absl::Status RunFormation(const char* self, int rounds, int formation) {
   options.num_workers = kWorkers;
   options.num_servers = kServers;
   options.timeout = kWait;
+  // A mesh open to any local process is worth a warning: this one has a secret.
+  absl::StatusOr<std::string> token = stepmesh::GenerateAuthToken();
+  if (!token.ok()) return token.status();
+  options.auth_token = *token;
   auto scheduler = stepmesh::Scheduler::Start(options);
   if (!scheduler.ok()) return scheduler.status();
   const std::string address = (*scheduler)->address();
@@ -180,6 +183,7 @@ absl::Status RunFormation(const char* self, int rounds, int formation) {
   env_strings.push_back(absl::StrCat("DMLC_NUM_SERVER=", kServers));
   env_strings.push_back("STEPMESH_TRANSPORT=tcp");
   env_strings.push_back("STEPMESH_TIMEOUT=20s");
+  env_strings.push_back("STEPMESH_AUTH_TOKEN=" + *token);
   const std::string rounds_arg = std::to_string(rounds);
   std::vector<pid_t> children;
   absl::Status result = absl::OkStatus();
@@ -190,8 +194,7 @@ absl::Status RunFormation(const char* self, int rounds, int formation) {
     for (std::string& s : env) envp.push_back(s.data());
     envp.push_back(nullptr);
     char* argv[] = {const_cast<char*>(self), const_cast<char*>("--child"),
-                    const_cast<char*>("--rounds"), const_cast<char*>(rounds_arg.c_str()),
-                    nullptr};
+                    const_cast<char*>("--rounds"), const_cast<char*>(rounds_arg.c_str()), nullptr};
     pid_t pid = 0;
     if (int err = posix_spawn(&pid, self, nullptr, nullptr, argv, envp.data()); err != 0) {
       result = absl::InternalError(absl::StrCat("posix_spawn: ", std::strerror(err)));
@@ -204,8 +207,8 @@ absl::Status RunFormation(const char* self, int rounds, int formation) {
   for (size_t c = 0; c < children.size(); ++c) {
     const int code = Reap(children[c], deadline);
     if (code != 0 && result.ok()) {
-      result = absl::InternalError(absl::StrCat("formation ", formation, ": child ", c,
-                                                " (pid ", children[c], ") ended with ", code));
+      result = absl::InternalError(absl::StrCat("formation ", formation, ": child ", c, " (pid ",
+                                                children[c], ") ended with ", code));
     }
   }
   (*scheduler)->Stop();
@@ -250,10 +253,10 @@ int main(int argc, char** argv) {
       Fail(absl::StrCat("formation ", f), st);
     }
   }
-  std::printf("stepmesh consumer: %d of %d formations of %d workers + %d servers passed "
-              "(%d rounds of %lldx%lld bf16 each, no barrier), %.1f s\n",
-              formations - failed, formations, kWorkers, kServers, rounds,
-              static_cast<long long>(kRows), static_cast<long long>(kCols),
-              absl::ToDoubleSeconds(absl::Now() - start));
+  std::printf(
+      "stepmesh consumer: %d of %d formations of %d workers + %d servers passed "
+      "(%d rounds of %lldx%lld bf16 each, no barrier), %.1f s\n",
+      formations - failed, formations, kWorkers, kServers, rounds, static_cast<long long>(kRows),
+      static_cast<long long>(kCols), absl::ToDoubleSeconds(absl::Now() - start));
   return failed == 0 ? 0 : 1;
 }
