@@ -3,7 +3,8 @@
 #   cmake      find_package(stepmesh) + stepmesh::stepmesh
 #   pkgconfig  c++ main.cc $(pkg-config --cflags --libs stepmesh)
 # then checks it links libstepmesh.so (not the archive), runs FORMATIONS
-# process meshes and fails on any warning or error line on stderr.
+# process meshes of ROUNDS push+pull rounds each, and fails on any warning or
+# error line on stderr.
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
 file(GLOB_RECURSE pc LIST_DIRECTORIES false ${PREFIX}/*/stepmesh.pc)
@@ -45,10 +46,8 @@ if(NOT rc EQUAL 0 OR NOT dynamic MATCHES "NEEDED[^\n]*\\[libstepmesh\\.so\\.[0-9
 endif()
 string(REGEX MATCH "libstepmesh\\.so\\.[0-9.]+" soname "${dynamic}")
 
-if(NOT FORMATIONS)
-  set(FORMATIONS 1)
-endif()
-execute_process(COMMAND ${CMAKE_COMMAND} -E env ${run_env} ${consumer} --formations ${FORMATIONS}
+execute_process(COMMAND ${CMAKE_COMMAND} -E env ${run_env} ${consumer}
+                        --formations ${FORMATIONS} --rounds ${ROUNDS}
                 OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc
                 TIMEOUT 280)
 message(STATUS "${KIND} consumer (${soname}): ${out}")
