@@ -47,20 +47,28 @@ install(FILES ${CMAKE_CURRENT_BINARY_DIR}/stepmeshConfig.cmake
 # (pkg-config --static). Cflags carry -std=c++20: the headers need it and a
 # plain `c++ $(pkg-config --cflags --libs stepmesh)` must work (g++ 12
 # defaults to C++17); a later -std= on the command line still wins.
-set(STEPMESH_PC_REQUIRES_PRIVATE "hwloc absl_synchronization absl_flat_hash_map")
-set(STEPMESH_PC_LIBS_PRIVATE "-pthread")
+# hwloc and libibverbs are plain -l flags, not Requires.private: pkg-config
+# reads the Cflags of every Requires.private module even without --static, so
+# naming them would make their .pc files (the -dev packages) a requirement of
+# every consumer of the shared library.
+set(STEPMESH_PC_REQUIRES_PRIVATE "absl_synchronization absl_flat_hash_map")
+set(STEPMESH_PC_LIBS_PRIVATE "-lhwloc")
 if(STEPMESH_HAVE_RDMA)
-  string(APPEND STEPMESH_PC_REQUIRES_PRIVATE " libibverbs")
+  string(APPEND STEPMESH_PC_LIBS_PRIVATE " -libverbs")
   foreach(lib IN LISTS CMAKE_DL_LIBS)
     string(APPEND STEPMESH_PC_LIBS_PRIVATE " -l${lib}")
   endforeach()
 endif()
 if(STEPMESH_HAVE_CUDA)
-  string(APPEND STEPMESH_PC_LIBS_PRIVATE " -L${CUDAToolkit_LIBRARY_DIR} -lcudart_static -lrt -ldl")
+  get_target_property(cudart_static CUDA::cudart_static IMPORTED_LOCATION)
+  get_filename_component(cudart_dir "${cudart_static}" DIRECTORY)
+  string(APPEND STEPMESH_PC_LIBS_PRIVATE " -L${cudart_dir} -lcudart_static -lrt -ldl")
 endif()
+string(APPEND STEPMESH_PC_LIBS_PRIVATE " -pthread")
 # Relocatable: the prefix is found from the .pc file's own place, so the file
 # is right wherever `cmake --install --prefix` puts the tree.
 file(RELATIVE_PATH STEPMESH_PC_UP /p/${CMAKE_INSTALL_LIBDIR}/pkgconfig /p)
+string(REGEX REPLACE "/$" "" STEPMESH_PC_UP "${STEPMESH_PC_UP}")
 set(STEPMESH_PC_PREFIX "\${pcfiledir}/${STEPMESH_PC_UP}")
 configure_file(cmake/stepmesh.pc.in ${CMAKE_CURRENT_BINARY_DIR}/stepmesh.pc @ONLY)
 install(FILES ${CMAKE_CURRENT_BINARY_DIR}/stepmesh.pc
