@@ -11,11 +11,9 @@ set(stepmesh_cmake_dir ${CMAKE_INSTALL_LIBDIR}/cmake/stepmesh)
 
 install(DIRECTORY include/stepmesh DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(TARGETS stepmesh_shared EXPORT stepmeshTargets
-        LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
-        INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+        LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
 install(TARGETS stepmesh EXPORT stepmeshStaticTargets
-        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
-        INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
 install(TARGETS stepmesh_scheduler RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 install(EXPORT stepmeshTargets NAMESPACE stepmesh:: DESTINATION ${stepmesh_cmake_dir})
 install(EXPORT stepmeshStaticTargets NAMESPACE stepmesh:: DESTINATION ${stepmesh_cmake_dir})
