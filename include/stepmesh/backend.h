@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "stepmesh/export.h"
 #include "stepmesh/tensor.h"
 
 namespace stepmesh {
@@ -22,7 +23,7 @@ namespace stepmesh {
 class Stream;
 
 // An owned allocation; freed by its destructor.
-class Memory {
+class STEPMESH_EXPORT Memory {
  public:
   virtual ~Memory() = default;
   virtual void* data() const = 0;
@@ -38,7 +39,7 @@ enum class MemoryKind : uint8_t {
 };
 
 // A point in a stream's work. Reusable: Record() again after completion.
-class Event {
+class STEPMESH_EXPORT Event {
  public:
   virtual ~Event() = default;
   // Marks the point after all work enqueued on `stream` so far.
@@ -53,7 +54,7 @@ class Event {
 // Host writes are release stores; stream waits observe them without host sync.
 // Destroying a flag first releases every stream wait on it (ReleaseWaiters):
 // a stream must never wait on freed memory.
-class HostFlag {
+class STEPMESH_EXPORT HostFlag {
  public:
   virtual ~HostFlag() = default;
   virtual void Store(uint32_t value) = 0;
@@ -65,7 +66,7 @@ class HostFlag {
 };
 
 // An in-order queue of asynchronous work.
-class Stream {
+class STEPMESH_EXPORT Stream {
  public:
   virtual ~Stream() = default;
   virtual absl::Status CopyAsync(void* dst, const void* src, size_t bytes) = 0;
@@ -95,7 +96,7 @@ struct MemoryLocation {
   std::string pci_bus_id;  // "0000:3b:00.0"; empty for host memory
 };
 
-class Backend {
+class STEPMESH_EXPORT Backend {
  public:
   virtual ~Backend() = default;
   virtual absl::string_view name() const = 0;
@@ -127,7 +128,8 @@ struct CpuMockOptions {
 };
 
 // "cpu_mock" or "cuda" (when built with CUDA). NOT_FOUND / UNAVAILABLE otherwise.
-absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view name, int device);
-std::unique_ptr<Backend> CreateCpuMockBackend(const CpuMockOptions& options = {});
+STEPMESH_EXPORT absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view name,
+                                                                       int device);
+STEPMESH_EXPORT std::unique_ptr<Backend> CreateCpuMockBackend(const CpuMockOptions& options = {});
 
 }  // namespace stepmesh

@@ -14,6 +14,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "stepmesh/backend.h"
+#include "stepmesh/export.h"
 
 namespace stepmesh {
 
@@ -76,23 +77,24 @@ struct CudaBackendOptions {
 // A backend on CUDA device `device` (any index the driver reports; no cap).
 // UNAVAILABLE when there is no driver or no device, INVALID_ARGUMENT for an
 // index out of range, FAILED_PRECONDITION for options the device cannot honour.
-absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device,
-                                                           const CudaBackendOptions& options = {});
+STEPMESH_EXPORT absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(
+    int device, const CudaBackendOptions& options = {});
 
 // The cudaStream_t behind a Stream made by a CUDA backend (as void*), for
 // capturing it into a graph or handing it to kernels; INVALID_ARGUMENT for
 // other streams.
-absl::StatusOr<void*> NativeCudaStream(Stream& stream);
+STEPMESH_EXPORT absl::StatusOr<void*> NativeCudaStream(Stream& stream);
 
 // Wraps an existing cudaStream_t (e.g. a framework's current stream; null is
 // the legacy default stream) without taking ownership; `backend` must be a
 // CUDA backend. The stream must outlive the wrapper and every event recorded
 // on it until that event completed.
-absl::StatusOr<std::unique_ptr<Stream>> WrapCudaStream(Backend& backend, void* cuda_stream);
+STEPMESH_EXPORT absl::StatusOr<std::unique_ptr<Stream>> WrapCudaStream(Backend& backend,
+                                                                       void* cuda_stream);
 
 // Records `event` (made by a CUDA backend) on a native cudaStream_t, as
 // Event::Record on a wrapped stream does, without making a wrapper.
-absl::Status RecordOnCudaStream(Event& event, void* cuda_stream);
+STEPMESH_EXPORT absl::Status RecordOnCudaStream(Event& event, void* cuda_stream);
 
 // Loads kernels (the host-side addresses of __global__ functions, as given to
 // cudaLaunchKernel) into the backend's device now. Under lazy loading, the
@@ -101,6 +103,7 @@ absl::Status RecordOnCudaStream(Event& event, void* cuda_stream);
 // raise, it waits forever. Call it at start-up for the kernels an application
 // launches while streams wait on arrivals. The backend loads its own flag
 // kernels when it is created.
-absl::Status PreloadCudaKernels(Backend& backend, absl::Span<const void* const> kernels);
+STEPMESH_EXPORT absl::Status PreloadCudaKernels(Backend& backend,
+                                                absl::Span<const void* const> kernels);
 
 }  // namespace stepmesh

@@ -11,11 +11,12 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "stepmesh/export.h"
 
 namespace stepmesh {
 
 enum class Role : uint8_t { kScheduler = 0, kWorker = 1, kServer = 2 };
-absl::string_view RoleName(Role role);
+STEPMESH_EXPORT absl::string_view RoleName(Role role);
 
 // How the progress threads and Wait() look for work.
 enum class PollMode : uint8_t {
@@ -24,8 +25,8 @@ enum class PollMode : uint8_t {
               // whose recent waits mostly outlasted the budget blocks at once
   kBlocking,  // blocks in the kernel (epoll / condition variable)
 };
-absl::StatusOr<PollMode> ParsePollMode(absl::string_view name);
-absl::string_view PollModeName(PollMode mode);
+STEPMESH_EXPORT absl::StatusOr<PollMode> ParsePollMode(absl::string_view name);
+STEPMESH_EXPORT absl::string_view PollModeName(PollMode mode);
 
 // Whether the RDMA transport moves device (GPU) tensors straight between the
 // NIC and device memory (GPUDirect RDMA: a dma-buf MR, or a plain MR on a
@@ -35,13 +36,13 @@ enum class GpuDirect : uint8_t {
   kOff,      // always stage
   kRequire,  // registering a device tensor fails rather than stage it
 };
-absl::StatusOr<GpuDirect> ParseGpuDirect(absl::string_view name);
-absl::string_view GpuDirectName(GpuDirect mode);
+STEPMESH_EXPORT absl::StatusOr<GpuDirect> ParseGpuDirect(absl::string_view name);
+STEPMESH_EXPORT absl::string_view GpuDirectName(GpuDirect mode);
 
 // The RDMA transport's knobs (docs/rdma.md explains each; every one has a
 // STEPMESH_RDMA_* variable, docs/configuration.md). The defaults suit RoCE v2
 // and InfiniBand fabrics; empty / zero / negative means "choose automatically".
-struct RdmaOptions {
+struct STEPMESH_EXPORT RdmaOptions {
   // Which NIC, port and address.
   std::string device;     // verbs device name ("mlx5_0"); empty: the best active port
   int port = 0;           // 0: any active port
@@ -72,12 +73,12 @@ enum class AuthMode : uint8_t {
   kOn,    // required everywhere
   kOff,   // never required (a token that is set is still used); no warning
 };
-absl::StatusOr<AuthMode> ParseAuthMode(absl::string_view name);
-absl::string_view AuthModeName(AuthMode mode);
+STEPMESH_EXPORT absl::StatusOr<AuthMode> ParseAuthMode(absl::string_view name);
+STEPMESH_EXPORT absl::string_view AuthModeName(AuthMode mode);
 
 // A fresh random secret for auth_token (64 hex digits from getrandom), for
 // launchers that start every process of a mesh themselves.
-absl::StatusOr<std::string> GenerateAuthToken();
+STEPMESH_EXPORT absl::StatusOr<std::string> GenerateAuthToken();
 
 struct ThreadingOptions {
   PollMode poll_mode = PollMode::kAdaptive;
@@ -93,7 +94,7 @@ struct TraceOptions {
   bool enabled = true;  // stamps are cheap (a clock read each); off removes even that
 };
 
-struct MeshOptions {
+struct STEPMESH_EXPORT MeshOptions {
   Role role = Role::kWorker;
   int rank = -1;  // -1: the scheduler assigns one in arrival order
   int num_workers = 1;

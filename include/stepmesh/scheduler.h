@@ -8,11 +8,12 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "stepmesh/export.h"
 #include "stepmesh/options.h"
 
 namespace stepmesh {
 
-class Scheduler {
+class STEPMESH_EXPORT Scheduler {
  public:
   // Listens on options.scheduler (port 0 picks a free one: see address()).
   static absl::StatusOr<std::unique_ptr<Scheduler>> Start(const MeshOptions& options);

@@ -10,6 +10,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "stepmesh/backend.h"
+#include "stepmesh/export.h"
 #include "stepmesh/handle.h"
 #include "stepmesh/options.h"
 #include "stepmesh/tensor.h"
@@ -48,7 +49,7 @@ struct Reply {
   size_t bytes = kWholeTensor;  // of the worker's slot in the reply region
 };
 
-class AFTensorServer {
+class STEPMESH_EXPORT AFTensorServer {
  public:
   static absl::StatusOr<std::unique_ptr<AFTensorServer>> Create(
       const MeshOptions& options, std::shared_ptr<Backend> backend = nullptr);

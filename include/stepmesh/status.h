@@ -28,11 +28,10 @@
   lhs = std::move(tmp).value()
 
 // For broken internal invariants only; never for bad input or network faults.
-#define STEPMESH_CHECK(cond)                                                \
-  do {                                                                      \
-    if (!(cond)) {                                                          \
-      std::fprintf(stderr, "stepmesh: CHECK failed at %s:%d: %s\n", __FILE__, \
-                   __LINE__, #cond);                                        \
-      std::abort();                                                         \
-    }                                                                       \
+#define STEPMESH_CHECK(cond)                                                                    \
+  do {                                                                                          \
+    if (!(cond)) {                                                                              \
+      std::fprintf(stderr, "stepmesh: CHECK failed at %s:%d: %s\n", __FILE__, __LINE__, #cond); \
+      std::abort();                                                                             \
+    }                                                                                           \
   } while (0)

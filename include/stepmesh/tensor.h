@@ -6,9 +6,10 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "stepmesh/export.h"
 
 namespace stepmesh {
 
@@ -23,10 +24,10 @@ enum class DType : uint8_t {
   kFloat8E4M3 = 7,
 };
 
-size_t DTypeSize(DType dtype);
-absl::string_view DTypeName(DType dtype);
-absl::StatusOr<DType> ParseDType(absl::string_view name);
-bool IsValidDType(uint8_t raw);
+STEPMESH_EXPORT size_t DTypeSize(DType dtype);
+STEPMESH_EXPORT absl::string_view DTypeName(DType dtype);
+STEPMESH_EXPORT absl::StatusOr<DType> ParseDType(absl::string_view name);
+STEPMESH_EXPORT bool IsValidDType(uint8_t raw);
 
 enum class DeviceKind : uint8_t { kCpu = 0, kCuda = 1 };
 
@@ -38,10 +39,10 @@ struct Device {
   static Device Cuda(int index) { return {DeviceKind::kCuda, index}; }
   friend bool operator==(const Device&, const Device&) = default;
 };
-std::string DeviceName(const Device& device);
+STEPMESH_EXPORT std::string DeviceName(const Device& device);
 
 // Up to kMaxDims dimensions, stored inline so a view never allocates.
-class Shape {
+class STEPMESH_EXPORT Shape {
  public:
   static constexpr int kMaxDims = 8;
 
@@ -52,7 +53,7 @@ class Shape {
   int rank() const { return rank_; }
   int64_t operator[](int i) const { return dims_[i]; }
   int64_t elements() const;
-  friend bool operator==(const Shape& a, const Shape& b);
+  friend STEPMESH_EXPORT bool operator==(const Shape& a, const Shape& b);
   std::string ToString() const;
 
  private:
@@ -74,6 +75,6 @@ struct TensorView {
 };
 
 // A view of `bytes` raw bytes (dtype uint8, rank 1).
-TensorView BytesView(void* data, size_t bytes, Device device = Device::Cpu());
+STEPMESH_EXPORT TensorView BytesView(void* data, size_t bytes, Device device = Device::Cpu());
 
 }  // namespace stepmesh

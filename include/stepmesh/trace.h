@@ -5,16 +5,18 @@
 #include <cstdint>
 #include <vector>
 
+#include "stepmesh/export.h"
+
 namespace stepmesh {
 
 // Nanoseconds of CLOCK_MONOTONIC on the host that took the stamp (0: not taken).
 struct TraceStamps {
-  uint64_t enqueue_ns = 0;        // worker: PushPull called              (worker clock)
-  uint64_t post_ns = 0;           // worker: send thread posted the push  (worker clock)
-  uint64_t server_arrival_ns = 0; // server: last push byte arrived      (server clock)
-  uint64_t server_handler_ns = 0; // server: batch handed to GetBatch    (server clock)
-  uint64_t server_reply_ns = 0;   // server: reply posted                (server clock)
-  uint64_t reply_arrival_ns = 0;  // worker: reply landed                (worker clock)
+  uint64_t enqueue_ns = 0;         // worker: PushPull called              (worker clock)
+  uint64_t post_ns = 0;            // worker: send thread posted the push  (worker clock)
+  uint64_t server_arrival_ns = 0;  // server: last push byte arrived      (server clock)
+  uint64_t server_handler_ns = 0;  // server: batch handed to GetBatch    (server clock)
+  uint64_t server_reply_ns = 0;    // server: reply posted                (server clock)
+  uint64_t reply_arrival_ns = 0;   // worker: reply landed                (worker clock)
 };
 
 struct TraceRecord {
@@ -26,6 +28,6 @@ struct TraceRecord {
   uint64_t complete_ns = 0;  // worker: the request completed
 };
 
-uint64_t MonotonicNowNs();
+STEPMESH_EXPORT uint64_t MonotonicNowNs();
 
 }  // namespace stepmesh

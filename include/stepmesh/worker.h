@@ -10,6 +10,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "stepmesh/backend.h"
+#include "stepmesh/export.h"
 #include "stepmesh/handle.h"
 #include "stepmesh/options.h"
 #include "stepmesh/tensor.h"
@@ -29,7 +30,7 @@ struct Pull {
   int server = 0;
 };
 
-class AFTensorWorker {
+class STEPMESH_EXPORT AFTensorWorker {
  public:
   // Connects to the scheduler and every server. `backend` may be null: one is
   // created from options.backend / options.device.

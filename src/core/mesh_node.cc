@@ -1,5 +1,7 @@
 #include "src/core/mesh_node.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "src/base/logging.h"
 #include "src/base/net.h"
@@ -8,6 +10,9 @@
 #include "stepmesh/status.h"
 
 namespace stepmesh::core {
+
+// How long Stop() lets already accepted sends go out (at most options.timeout).
+constexpr absl::Duration kSendDrain = absl::Seconds(2);
 
 MeshNode::MeshNode(const MeshOptions& options, std::shared_ptr<Backend> backend)
     : options_(options),
@@ -67,6 +72,17 @@ absl::Status MeshNode::Start(const TransportFactory& factory) {
 }
 
 void MeshNode::Stop() {
+  if (stopped()) return;
+  // What the application already handed over goes out before the goodbye: a
+  // server's Shutdown right after its last Respond must not drop that reply
+  // (the worker would see the server leave with its request pending). Bounded:
+  // a ready event that never completes, or a peer that does not read, does
+  // not hold the shutdown longer than this.
+  const absl::Time drain_deadline = absl::Now() + std::min(options_.timeout, kSendDrain);
+  while (unsent_.load(std::memory_order_acquire) > 0 && absl::Now() < drain_deadline) {
+    send_wake_.Bump();
+    absl::SleepFor(absl::Microseconds(200));
+  }
   if (stopping_.exchange(true)) return;
   if (rendezvous_ != nullptr) rendezvous_->Leave();
   send_wake_.Bump();
@@ -183,6 +199,7 @@ absl::Status MeshNode::EnqueueSend(SendItem item) {
     queue_[(queue_head_ + queue_size_) % queue_.size()] = item;
     ++queue_size_;
     queued_.fetch_add(1, std::memory_order_seq_cst);
+    unsent_.fetch_add(1, std::memory_order_relaxed);
   }
   // Woken outside the lock: the send thread takes queue_mu_ first thing.
   if (send_sleeping_.load(std::memory_order_seq_cst)) send_wake_.Bump();
@@ -247,6 +264,7 @@ void MeshNode::SendLoop() {
         ready = reached.status();
       }
       ExecuteSend(item, ready);
+      unsent_.fetch_sub(1, std::memory_order_release);
       progressed = true;
     }
     waiting.resize(kept);

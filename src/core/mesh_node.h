@@ -145,6 +145,9 @@ class MeshNode : public TransportSink {
   size_t queue_head_ ABSL_GUARDED_BY(queue_mu_) = 0;
   size_t queue_size_ ABSL_GUARDED_BY(queue_mu_) = 0;
   std::atomic<size_t> queued_{0};
+  // Items accepted by EnqueueSend and not yet executed (queued or waiting for
+  // their ready event): Stop() lets them go out before leaving.
+  std::atomic<size_t> unsent_{0};
   std::atomic<bool> send_sleeping_{false};
   base::WakeWord send_wake_;  // the send thread sleeps on it (WaitForSendWork)
 

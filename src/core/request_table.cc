@@ -67,7 +67,10 @@ std::vector<RequestHandle> RequestTable::PendingAddressing(int server) const {
   std::vector<RequestHandle> pending;
   for (uint32_t i = 0; i < requests_.size(); ++i) {
     const Request& r = *requests_[i];
-    if (r.state.load() == RequestState::kPending && r.addressed[server]) {
+    // A server that already replied is not owed anything: its departure
+    // strands nothing of this request (the warning counts only these).
+    if (r.state.load() == RequestState::kPending && r.addressed[server] &&
+        !r.settled[server].load(std::memory_order_acquire)) {
       pending.emplace_back(i, r.generation.load());
     }
   }

@@ -106,7 +106,7 @@ class RequestTable {
   RequestHandle Commit(int addressed, uint64_t enqueue_ns);
   // Returns a collected (or never queued) slot to the free list.
   void Free(uint32_t index);
-  // Handles of the pending requests that address `server`.
+  // Handles of the pending requests that address `server` and still await its reply.
   std::vector<RequestHandle> PendingAddressing(int server) const;
 
   // --- the application ---

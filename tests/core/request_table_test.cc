@@ -118,6 +118,7 @@ TEST_CASE("request table: a reply finds its request only while the request await
   REQUIRE(pending.size() == 1);
   CHECK(pending[0] == h);
   CHECK(table.PendingAddressing(0).empty());
+  CHECK(table.PendingAddressing(1).empty());  // server 1 replied: nothing of it is pending
 
   // Completed and reused: a frame resolved for the old request must not settle the new one.
   CHECK_FALSE(table.Settle(**r, 2, absl::OkStatus()));
