@@ -4,86 +4,30 @@
 // DMLC_INTERFACE pick the address bound and advertised (errors list the
 // interfaces found); DMLC_NODE_HOST / node_host the host advertised.
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <catch2/catch.hpp>
-#include <cstdio>
-#include <cstdlib>
-#include <fstream>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "src/base/interfaces.h"
 #include "src/compose/transports.h"
+#include "src/core/env_table.h"
 #include "src/core/mesh.h"
 #include "src/transport/tcp_fallback/tcp_transport.h"
 #include "stepmesh/options.h"
 #include "tests/support/loopback_mesh.h"
+#include "tests/support/scoped_env.h"
+#include "tests/support/stderr_capture.h"
 
 namespace stepmesh {
 namespace {
 
-// Sets environment variables for one scope and restores them after.
-class ScopedEnv {
- public:
-  ScopedEnv(std::initializer_list<std::pair<const char*, const char*>> vars) {
-    for (auto [name, value] : vars) {
-      const char* old = std::getenv(name);
-      saved_.emplace_back(name, old ? std::optional<std::string>(old) : std::nullopt);
-      setenv(name, value, 1);
-    }
-  }
-  ~ScopedEnv() {
-    for (auto& [name, value] : saved_) {
-      if (value)
-        setenv(name.c_str(), value->c_str(), 1);
-      else
-        unsetenv(name.c_str());
-    }
-  }
-
- private:
-  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
-};
-
-// This process's stderr (where the library logs) goes to a file while alive.
-class StderrCapture {
- public:
-  StderrCapture() : path_(absl::StrCat("/tmp/stepmesh_config_test_", getpid(), ".log")) {
-    std::fflush(stderr);
-    saved_ = dup(2);
-    const int fd = open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    dup2(fd, 2);
-    close(fd);
-  }
-  ~StderrCapture() {
-    Restore();
-    unlink(path_.c_str());
-  }
-  std::string Finish() {
-    Restore();
-    std::ifstream in(path_);
-    std::stringstream text;
-    text << in.rdbuf();
-    return text.str();
-  }
-
- private:
-  void Restore() {
-    if (saved_ < 0) return;
-    std::fflush(stderr);
-    dup2(saved_, 2);
-    close(saved_);
-    saved_ = -1;
-  }
-  std::string path_;
-  int saved_ = -1;
-};
+using testing::ScopedEnv;
+using testing::StderrCapture;
 
 int Count(absl::string_view text, absl::string_view needle) {
   int n = 0;
@@ -135,7 +79,7 @@ TEST_CASE("unknown STEPMESH_* and DMLC_* names are warned about once per process
   ScopedEnv env({{"STEPMESH_NUM_WORKER", "2"},  // a typo of STEPMESH_NUM_WORKERS
                  {"DMLC_PS_ROOT_URL", "10.0.0.1"},
                  {"DMLC_NODE_RANK", "0"}});  // read by the Python layer: no warning
-  StderrCapture capture;
+  StderrCapture capture("config_test");
   for (int i = 0; i < 3; ++i) REQUIRE(MeshOptions::FromEnv().ok());
   const std::string log = capture.Finish();
   INFO(log);
@@ -179,6 +123,9 @@ TEST_CASE("DMLC_INTERFACE / STEPMESH_INTERFACE pick the address bound and advert
     CHECK(resolved->bind_host == "127.0.0.1");
     CHECK(resolved->rdma.interface == "lo");
     CHECK(core::AdvertisedHost(*resolved) == "127.0.0.1");
+    absl::StatusOr<std::string> lo = base::InterfaceAddressOf("lo");
+    REQUIRE(lo.ok());
+    CHECK(*lo == "127.0.0.1");
   }
   SECTION("STEPMESH_INTERFACE wins over DMLC_INTERFACE; STEPMESH_RDMA_INTERFACE is kept") {
     ScopedEnv env({{"DMLC_INTERFACE", "nosuchif0"},
@@ -252,6 +199,54 @@ TEST_CASE("node_host (DMLC_NODE_HOST) is the host a participant advertises",
   absl::StatusOr<std::string> endpoint = (*t)->LocalEndpoint();
   REQUIRE(endpoint.ok());
   CHECK(absl::StartsWith(*endpoint, "localhost:"));
+}
+
+// Every field FromEnv can set, as text: two options that print the same are the same.
+std::string Dump(const MeshOptions& o) {
+  const RdmaOptions& r = o.rdma;
+  return absl::StrCat(
+      RoleName(o.role), "|", o.rank, "|", o.num_workers, "|", o.num_servers, "|", o.scheduler, "|",
+      o.bind_host, "|", o.node_host, "|", o.interface, "|", o.transport, "|", o.backend, "|",
+      o.device, "|", o.cuda_device_max_connections, "|", r.device, "|", r.port, "|", r.gid_index,
+      "|", r.interface, "|", r.traffic_class, "|", r.service_level, "|", r.path_mtu, "|",
+      r.ack_timeout, "|", r.retry_count, "|", r.rnr_retry, "|", r.min_rnr_timer, "|", r.recv_depth,
+      "|", r.qps_per_peer, "|", r.stripe_min_bytes, "|", GpuDirectName(r.gpudirect), "|",
+      PollModeName(o.threads.poll_mode), "|", absl::FormatDuration(o.threads.spin_budget), "|",
+      absl::StrJoin(o.threads.send_cores, ","), "|", absl::StrJoin(o.threads.recv_cores, ","), "|",
+      o.threads.auto_pin, "|", absl::FormatDuration(o.timeout), "|",
+      absl::FormatDuration(o.heartbeat_interval), "|", o.max_inflight_requests, "|",
+      o.max_registrations, "|", o.auth_token, "|", AuthModeName(o.auth), "|", o.mesh_id, "|",
+      o.payload_checksum, "|", o.trace.enabled);
+}
+
+TEST_CASE("the documented defaults are the code's defaults", "[options][config]") {
+  // docs/configuration.md is generated from the table (config_doc_check); here
+  // the table's default column is held to MeshOptions: setting a variable to
+  // its documented default changes nothing.
+  const std::string defaults = Dump(MeshOptions());
+  {
+    ScopedEnv env({{"STEPMESH_TIMEOUT", "31s"}});
+    REQUIRE(Dump(*MeshOptions::FromEnv()) != defaults);  // the dump sees a change
+  }
+  int checked = 0;
+  for (const core::EnvVariableDoc& v : core::DocumentedEnvironment()) {
+    // "`30s`" -> 30s, "0 (any)" -> 0; words ("empty", "unpinned", "unset
+    // (0)", "auto" for a name, "—") are not values of the variable.
+    std::string value = absl::StrReplaceAll(v.default_value, {{"`", ""}});
+    value = value.substr(0, value.find(' '));
+    if (value == "—" || value == "empty" || value == "unpinned" || value == "unset" ||
+        v.name == "STEPMESH_RDMA_DEVICE") {
+      continue;
+    }
+    const std::string name(v.name);
+    ScopedEnv env({{name.c_str(), value.c_str()}});
+    absl::StatusOr<MeshOptions> o = MeshOptions::FromEnv();
+    INFO(name << "='" << value << "': " << o.status().ToString());
+    REQUIRE(o.ok());
+    CHECK(Dump(*o) == defaults);
+    ++checked;
+  }
+  CHECK(checked >= 30);
 }
 
 }  // namespace
