@@ -12,6 +12,9 @@
 //   host A: stepmesh_perf --role scheduler --scheduler A:9000 --pattern 1A1F
 //   host A: stepmesh_perf --role server --rank 0 --scheduler A:9000 --host A ...
 //   host B: stepmesh_perf --role worker --rank 0 --scheduler A:9000 --host B --server-hosts A ...
+// Or configured like a StepMesh process: unset mesh flags come from the environment
+//   DMLC_ROLE=server DMLC_PS_ROOT_URI=A DMLC_PS_ROOT_PORT=9000 DMLC_NUM_WORKER=1 \
+//       DMLC_NUM_SERVER=1 stepmesh_perf --sizes 4096 --iters 100
 // Every participant must get the same plan flags (pattern, sizes, iters, warmup,
 // reps, micro-batches, baselines): the phases are lock-stepped by mesh barriers.
 
@@ -25,7 +28,9 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -90,7 +95,9 @@ int Usage(const char* why) {
       "  [--poll-mode spin|adaptive|blocking] [--send-cores C,..] [--recv-cores C,..]\n"
       "  [--baseline raw-tcp,zmq,memcpy] [--json FILE]\n"
       "  [--host IP] [--server-hosts IP,..] [--baseline-port P] [--threads]\n"
-      "  [--deadline-s S] [--timeout-ms T] [--sockbuf BYTES]\n");
+      "  [--deadline-s S] [--timeout-ms T] [--sockbuf BYTES]\n"
+      "Unset mesh flags (role, rank, pattern, scheduler, host, transport, backend, device,\n"
+      "poll mode, cores, timeout) come from STEPMESH_* / DMLC_* (docs/configuration.md).\n");
   return 2;
 }
 
@@ -114,8 +121,51 @@ bool ParsePattern(const std::string& p, int* workers, int* servers) {
          *servers > 0;
 }
 
+// The mesh a flag leaves unset comes from the environment (STEPMESH_* /
+// DMLC_*, docs/configuration.md), as in every stepmesh program: a launcher's
+// DMLC_ROLE, DMLC_NUM_WORKER, DMLC_PS_ROOT_URI, ... are not overridden by flag
+// defaults. A flag that is given wins over the environment.
+absl::Status TakeMeshFromEnvironment(Flags& f, const std::set<std::string>& given) {
+  auto unset = [&given](const char* flag) { return given.count(flag) == 0; };
+  STEPMESH_ASSIGN_OR_RETURN(std::optional<Role> role, RoleFromEnv());
+  if (unset("--role") && role.has_value()) f.role = std::string(RoleName(*role));
+  // The flag defaults as the base: a variable that is not set leaves them.
+  MeshOptions base;
+  base.rank = f.rank;
+  base.num_workers = f.workers;
+  base.num_servers = f.servers;
+  base.scheduler = f.scheduler;
+  base.bind_host = f.host;
+  base.transport = f.transport;
+  base.backend = f.backend;
+  base.device = f.device;
+  base.timeout = absl::Milliseconds(f.timeout_ms);
+  STEPMESH_ASSIGN_OR_RETURN(base.threads.poll_mode, ParsePollMode(f.poll_mode));
+  base.threads.send_cores = f.send_cores;
+  base.threads.recv_cores = f.recv_cores;
+  STEPMESH_ASSIGN_OR_RETURN(const MeshOptions env, MeshOptions::FromEnv(base));
+  if (unset("--rank")) f.rank = env.rank;
+  const bool shape_from_flags = !unset("--pattern") && f.pattern != "xAyF";
+  if (!shape_from_flags) {
+    if (unset("--workers")) f.workers = env.num_workers;
+    if (unset("--servers")) f.servers = env.num_servers;
+    f.pattern = absl::StrCat(f.workers, "A", f.servers, "F");
+  }
+  if (unset("--scheduler")) f.scheduler = env.scheduler;
+  if (unset("--host")) f.host = env.bind_host;
+  if (unset("--transport")) f.transport = env.transport;
+  if (unset("--backend")) f.backend = env.backend;
+  if (unset("--device")) f.device = env.device;
+  if (unset("--timeout-ms")) f.timeout_ms = static_cast<int>(env.timeout / absl::Milliseconds(1));
+  if (unset("--poll-mode")) f.poll_mode = std::string(PollModeName(env.threads.poll_mode));
+  if (unset("--send-cores")) f.send_cores = env.threads.send_cores;
+  if (unset("--recv-cores")) f.recv_cores = env.threads.recv_cores;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   Flags f;
+  std::set<std::string> given;
   f.command_line = absl::StrJoin(argv, argv + argc, " ");
   size_t push = 0, pull = 0;
   std::string sizes_text;
@@ -164,10 +214,13 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
     else if (flag == "--parent-pid") ok = absl::SimpleAtoi(value, &f.parent_pid);
     else return absl::InvalidArgumentError(absl::StrCat("unknown flag ", flag));
     if (!ok) return absl::InvalidArgumentError(absl::StrCat("bad value for ", flag, ": ", value));
+    given.insert(flag);
   }
   if (!ParsePattern(f.pattern, &f.workers, &f.servers) || f.workers < 1 || f.servers < 1) {
     return absl::InvalidArgumentError(absl::StrCat("bad pattern ", f.pattern));
   }
+  if (!ParsePollMode(f.poll_mode).ok()) return absl::InvalidArgumentError("bad --poll-mode");
+  STEPMESH_RETURN_IF_ERROR(TakeMeshFromEnvironment(f, given));
   if (!sizes_text.empty()) {
     for (absl::string_view pair : absl::StrSplit(sizes_text, ',', absl::SkipEmpty())) {
       std::pair<std::string, std::string> pq = absl::StrSplit(pair, absl::MaxSplits(':', 1));
@@ -226,6 +279,7 @@ MeshOptions MakeOptions(const Flags& f, Role role) {
                  from_env.status().ToString().c_str());
   }
   MeshOptions o = from_env.ok() ? *from_env : MeshOptions();
+  // The flags, completed from the environment where unset (TakeMeshFromEnvironment).
   o.role = role;
   o.rank = f.rank;
   o.num_workers = f.workers;

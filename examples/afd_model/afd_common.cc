@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "examples/afd_model/attention_side.h"
+#include "stepmesh/status.h"
 
 namespace afd::example {
 namespace {
@@ -280,6 +281,25 @@ absl::StatusOr<RunShape> ParseRunFlags(Flags& flags) {
         absl::StrCat("--model ", model, " and --config ", config, " disagree; pass one"));
   }
   s.config = !model.empty() ? model : !config.empty() ? config : s.config;
+  // Unset mesh flags come from the environment (STEPMESH_* / DMLC_*), as in
+  // every stepmesh program; the built-in defaults where a variable is unset.
+  {
+    stepmesh::MeshOptions base;
+    base.num_workers = s.attention;
+    base.num_servers = s.ffn;
+    base.transport = s.transport;
+    base.backend = s.backend;
+    base.timeout = s.timeout;
+    STEPMESH_ASSIGN_OR_RETURN(base.threads.poll_mode, stepmesh::ParsePollMode(s.poll_mode));
+    STEPMESH_ASSIGN_OR_RETURN(const stepmesh::MeshOptions env,
+                              stepmesh::MeshOptions::FromEnv(base));
+    s.attention = env.num_workers;
+    s.ffn = env.num_servers;
+    s.transport = env.transport;
+    s.backend = env.backend;
+    s.timeout = env.timeout;
+    s.poll_mode = std::string(stepmesh::PollModeName(env.threads.poll_mode));
+  }
   auto read_int = [&](absl::string_view name, int* out) -> absl::Status {
     absl::StatusOr<int64_t> v = flags.Int(name, *out);
     if (!v.ok()) return v.status();

@@ -193,13 +193,18 @@ int Main(int argc, char** argv) {
     return 2;
   }
   absl::StatusOr<RunShape> shape = ParseRunFlags(*flags);
-  const std::string scheduler = flags->Str("scheduler", "");
-  absl::StatusOr<int64_t> rank = flags->Int("rank", -1);
-  absl::StatusOr<int64_t> device = flags->Int("device", 0);
+  // Unset --scheduler, --rank and --device come from the environment
+  // (STEPMESH_SCHEDULER or DMLC_PS_ROOT_URI/PORT, STEPMESH_RANK, STEPMESH_DEVICE).
+  absl::StatusOr<stepmesh::MeshOptions> env = stepmesh::MeshOptions::FromEnv();
+  if (!env.ok()) shape = env.status();
+  const stepmesh::MeshOptions mesh = env.ok() ? *env : stepmesh::MeshOptions();
+  const std::string scheduler = flags->Str("scheduler", mesh.scheduler);
+  absl::StatusOr<int64_t> rank = flags->Int("rank", mesh.rank);
+  absl::StatusOr<int64_t> device = flags->Int("device", mesh.device);
   absl::Status st = shape.ok() ? flags->CheckAllUsed() : shape.status();
   if (st.ok() && (!rank.ok() || !device.ok())) st = !rank.ok() ? rank.status() : device.status();
   if (st.ok() && (scheduler.empty() || *rank < 0 || *rank >= shape->ffn)) {
-    st = absl::InvalidArgumentError("need --scheduler and --rank in [0, --ffn)");
+    st = absl::InvalidArgumentError("need --scheduler and --rank (or STEPMESH_RANK) in [0, --ffn)");
   }
   if (!st.ok()) {
     std::fprintf(stderr, "afd_ffn: %s\n", st.ToString().c_str());

@@ -7,15 +7,19 @@
 // the rows, and replies to every worker with its own rows. Workers check
 // every value.
 //
-// Everything runs as threads of this process for brevity; as separate
-// processes the code is the same, with options.scheduler pointing at one
-// `stepmesh_scheduler` (docs/api.md).
+// Everything runs as threads of this process for brevity. With STEPMESH_ROLE
+// or DMLC_ROLE set it runs only that participant, configured by the
+// environment like any StepMesh process (one scheduler, one server and
+// DMLC_NUM_WORKER workers, each its own process; docs/configuration.md):
 //
 //   build/examples/quickstart/quickstart [--steps N]
+//   DMLC_PS_ROOT_URI=127.0.0.1 DMLC_PS_ROOT_PORT=9000 DMLC_NUM_WORKER=2 DMLC_NUM_SERVER=1 \
+//     DMLC_ROLE=scheduler|server|worker build/examples/quickstart/quickstart [--steps N]
 
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -38,10 +42,11 @@ absl::Status RunServer(const stepmesh::MeshOptions& base, int steps) {
   options.role = stepmesh::Role::kServer;
   STEPMESH_ASSIGN_OR_RETURN(auto server, stepmesh::AFTensorServer::Create(options));
   // One slot per worker: worker w's rows land at rows [w * kTokens, (w + 1) * kTokens).
-  std::vector<float> in(kWorkers * kTokens * kHidden), out(in.size());
-  const stepmesh::Shape shape{kWorkers * kTokens, kHidden};
-  STEPMESH_RETURN_IF_ERROR(server->RegisterRecvTensor(
-      kActivations, {in.data(), stepmesh::DType::kFloat32, shape}));
+  const int64_t workers = options.num_workers;
+  std::vector<float> in(workers * kTokens * kHidden), out(in.size());
+  const stepmesh::Shape shape{workers * kTokens, kHidden};
+  STEPMESH_RETURN_IF_ERROR(
+      server->RegisterRecvTensor(kActivations, {in.data(), stepmesh::DType::kFloat32, shape}));
   STEPMESH_RETURN_IF_ERROR(
       server->RegisterReplyTensor(kOutputs, {out.data(), stepmesh::DType::kFloat32, shape}));
   STEPMESH_RETURN_IF_ERROR(server->Barrier());
@@ -67,11 +72,12 @@ absl::Status RunWorker(const stepmesh::MeshOptions& base, int rank, int steps) {
   options.role = stepmesh::Role::kWorker;
   options.rank = rank;
   STEPMESH_ASSIGN_OR_RETURN(auto worker, stepmesh::AFTensorWorker::Create(options));
+  rank = worker->rank();                           // -1 asked the scheduler for one
   stepmesh::Backend& backend = worker->backend();  // cpu_mock: streams are threads
-  STEPMESH_ASSIGN_OR_RETURN(auto act, backend.Allocate(kTokens * kHidden * 4,
-                                                       stepmesh::MemoryKind::kDevice));
-  STEPMESH_ASSIGN_OR_RETURN(auto outputs, backend.Allocate(kTokens * kHidden * 4,
-                                                           stepmesh::MemoryKind::kDevice));
+  STEPMESH_ASSIGN_OR_RETURN(auto act,
+                            backend.Allocate(kTokens * kHidden * 4, stepmesh::MemoryKind::kDevice));
+  STEPMESH_ASSIGN_OR_RETURN(auto outputs,
+                            backend.Allocate(kTokens * kHidden * 4, stepmesh::MemoryKind::kDevice));
   STEPMESH_ASSIGN_OR_RETURN(auto stream, backend.CreateStream());
   STEPMESH_ASSIGN_OR_RETURN(auto computed, backend.CreateEvent());
   const stepmesh::Shape shape{kTokens, kHidden};
@@ -105,6 +111,29 @@ absl::Status RunWorker(const stepmesh::MeshOptions& base, int rank, int steps) {
   return worker->Shutdown();
 }
 
+// One participant of a mesh the environment describes (STEPMESH_* / DMLC_*).
+absl::Status RunRole(const stepmesh::MeshOptions& options, stepmesh::Role role, int steps) {
+  if (options.num_servers != 1) {
+    return absl::InvalidArgumentError(
+        "quickstart runs one server: set DMLC_NUM_SERVER (or STEPMESH_NUM_SERVERS) to 1");
+  }
+  switch (role) {
+    case stepmesh::Role::kScheduler: {
+      STEPMESH_ASSIGN_OR_RETURN(auto scheduler, stepmesh::Scheduler::Start(options));
+      std::printf("quickstart: scheduler at %s for %d workers and 1 server\n",
+                  scheduler->address().c_str(), options.num_workers);
+      std::fflush(stdout);
+      // Done when every participant has left; bounded like every wait here.
+      return scheduler->WaitUntilDone(absl::Seconds(60) + steps * absl::Seconds(1));
+    }
+    case stepmesh::Role::kServer:
+      return RunServer(options, steps);
+    case stepmesh::Role::kWorker:
+      return RunWorker(options, options.rank, steps);
+  }
+  return absl::InvalidArgumentError("no role");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -122,6 +151,22 @@ int main(int argc, char** argv) {
     return 2;
   }
   stepmesh::MeshOptions options = *from_env;
+  absl::StatusOr<std::optional<stepmesh::Role>> role = stepmesh::RoleFromEnv();
+  if (!role.ok()) {
+    std::fprintf(stderr, "quickstart: %s\n", role.status().ToString().c_str());
+    return 2;
+  }
+  if (role->has_value()) {
+    const absl::Status done = RunRole(options, **role, steps);
+    const std::string name(stepmesh::RoleName(**role));
+    if (!done.ok()) {
+      std::fprintf(stderr, "quickstart %s: %s\n", name.c_str(), done.ToString().c_str());
+      return 1;
+    }
+    std::printf("quickstart %s: %d steps%s: OK\n", name.c_str(), steps,
+                **role == stepmesh::Role::kWorker ? ", every value checked" : "");
+    return 0;
+  }
   if (options.auth_token.empty()) {
     absl::StatusOr<std::string> token = stepmesh::GenerateAuthToken();
     if (!token.ok()) {

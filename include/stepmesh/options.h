@@ -5,6 +5,7 @@
 
 #include "absl/strings/string_view.h"
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -100,7 +101,15 @@ struct STEPMESH_EXPORT MeshOptions {
   int num_workers = 1;
   int num_servers = 1;
   std::string scheduler = "127.0.0.1:9000";  // host:port of the rendezvous
-  std::string bind_host = "127.0.0.1";       // interface the data listener binds
+  std::string bind_host = "127.0.0.1";       // address the data listener binds
+  // The host other participants dial to reach this one; empty: bind_host.
+  std::string node_host;
+  // A network interface ("eth2"): its address (IPv4 first) is bound and
+  // advertised, overriding bind_host (node_host still wins for advertising);
+  // an RDMA transport also takes it as rdma.interface when that is empty.
+  // Resolved when a worker or server starts: an unknown name is an error
+  // listing the interfaces found.
+  std::string interface;
 
   std::string transport = "auto";  // "tcp", "rdma" or "auto" (rdma when a device exists)
   std::string backend = "cpu_mock";  // "cpu_mock" or "cuda"
@@ -133,5 +142,9 @@ struct STEPMESH_EXPORT MeshOptions {
   static absl::StatusOr<MeshOptions> FromEnv();
   absl::Status Validate() const;
 };
+
+// The role STEPMESH_ROLE (or else DMLC_ROLE) names; nullopt when neither is
+// set. Programs that run a whole mesh themselves unless told one role use it.
+absl::StatusOr<std::optional<Role>> RoleFromEnv();
 
 }  // namespace stepmesh

@@ -1,20 +1,28 @@
-// The one place stepmesh reads the environment. Every name is in kEnvTable and
-// in docs/configuration.md; unknown STEPMESH_* names produce a warning.
+// The one place stepmesh reads the environment. Every name is in EnvTable(),
+// from which docs/configuration.md's tables are generated
+// (scripts/gen-config-doc.sh); unknown STEPMESH_* / DMLC_* names are warned once.
 
 #include <unistd.h>
 
 #include <cstdlib>
 #include <functional>
+#include <optional>
+#include <set>
 #include <string>
+#include <vector>
 
 #include "absl/algorithm/container.h"
+#include "absl/base/const_init.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "src/base/logging.h"
+#include "src/core/env_table.h"
 #include "stepmesh/options.h"
 #include "stepmesh/status.h"
 
@@ -23,231 +31,348 @@ extern char** environ;
 namespace stepmesh {
 namespace {
 
-absl::StatusOr<int> ParseInt(absl::string_view name, absl::string_view value) {
+// The parsers say what is wrong with a value; FromEnv prefixes NAME='value'.
+absl::StatusOr<int> ParseInt(absl::string_view value) {
   int out = 0;
-  if (!absl::SimpleAtoi(value, &out)) {
-    return absl::InvalidArgumentError(absl::StrCat(name, "='", value, "' is not an integer"));
-  }
+  if (!absl::SimpleAtoi(value, &out)) return absl::InvalidArgumentError("not an integer");
   return out;
 }
 
-absl::StatusOr<bool> ParseBool(absl::string_view name, absl::string_view value) {
+absl::StatusOr<bool> ParseBool(absl::string_view value) {
   bool out = false;
   if (!absl::SimpleAtob(value, &out)) {
-    return absl::InvalidArgumentError(absl::StrCat(name, "='", value, "' is not a boolean"));
+    return absl::InvalidArgumentError("not a boolean (want true, false, yes, no, 1 or 0)");
   }
   return out;
 }
 
 // Durations accept absl syntax ("250ms", "30s") or a bare number of milliseconds.
-absl::StatusOr<absl::Duration> ParseDuration(absl::string_view name, absl::string_view value) {
+absl::StatusOr<absl::Duration> ParseDuration(absl::string_view value) {
   absl::Duration d;
   if (absl::ParseDuration(value, &d)) return d;
   int64_t ms = 0;
   if (absl::SimpleAtoi(value, &ms)) return absl::Milliseconds(ms);
-  return absl::InvalidArgumentError(absl::StrCat(name, "='", value, "' is not a duration"));
+  return absl::InvalidArgumentError("not a duration (want 250ms, 2s, ... or milliseconds)");
 }
 
-absl::StatusOr<std::vector<int>> ParseCores(absl::string_view name, absl::string_view value) {
+absl::StatusOr<std::vector<int>> ParseCores(absl::string_view value) {
   std::vector<int> cores;
   for (absl::string_view part : absl::StrSplit(value, ',', absl::SkipEmpty())) {
-    STEPMESH_ASSIGN_OR_RETURN(int core, ParseInt(name, part));
-    if (core < 0) return absl::InvalidArgumentError(absl::StrCat(name, ": negative core"));
+    int core = 0;
+    if (!absl::SimpleAtoi(part, &core) || core < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("'", part, "' is not a core number (want 2,3 or auto)"));
+    }
     cores.push_back(core);
   }
   return cores;
 }
 
-absl::StatusOr<Role> ParseRole(absl::string_view name, absl::string_view value) {
+absl::StatusOr<Role> ParseRole(absl::string_view value) {
   // DMLC_ROLE uses worker/server/scheduler, as do we.
   if (value == "worker") return Role::kWorker;
   if (value == "server") return Role::kServer;
   if (value == "scheduler") return Role::kScheduler;
-  return absl::InvalidArgumentError(absl::StrCat(name, "='", value, "' is not a role"));
+  return absl::InvalidArgumentError("not a role (want worker, server or scheduler)");
 }
 
+// One row of the environment table: the variable, what it sets, its default
+// and meaning (docs/configuration.md is generated from these, see
+// scripts/gen-config-doc.sh), and how a value is applied.
 struct EnvEntry {
   const char* name;
+  const char* field;          // the MeshOptions field, "" when none
+  const char* default_value;  // as the docs show it
+  const char* meaning;        // markdown, one line
   std::function<absl::Status(absl::string_view, MeshOptions&)> apply;
 };
 
+// A value of an enumeration: one of `accepted`, else an error listing them.
+absl::Status CheckOneOf(absl::string_view value,
+                        std::initializer_list<absl::string_view> accepted) {
+  if (absl::c_linear_search(accepted, value)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("not one of ", absl::StrJoin(accepted, ", ")));
+}
+
 // RDMA entries name their variable in every error (ranges: RdmaOptions::Validate).
-EnvEntry RdmaInt(const char* name, int RdmaOptions::*field) {
-  return {name, [name, field](absl::string_view v, MeshOptions& o) -> absl::Status {
-            STEPMESH_ASSIGN_OR_RETURN(o.rdma.*field, ParseInt(name, v));
+EnvEntry RdmaInt(const char* name, const char* field_name, const char* default_value,
+                 const char* meaning, int RdmaOptions::*field) {
+  return {name, field_name, default_value, meaning,
+          [field](absl::string_view v, MeshOptions& o) -> absl::Status {
+            STEPMESH_ASSIGN_OR_RETURN(o.rdma.*field, ParseInt(v));
             return absl::OkStatus();
           }};
 }
-EnvEntry RdmaString(const char* name, std::string RdmaOptions::*field) {
-  return {name, [field](absl::string_view v, MeshOptions& o) -> absl::Status {
+EnvEntry RdmaString(const char* name, const char* field_name, const char* default_value,
+                    const char* meaning, std::string RdmaOptions::*field) {
+  return {name, field_name, default_value, meaning,
+          [field](absl::string_view v, MeshOptions& o) -> absl::Status {
             o.rdma.*field = std::string(v);
             return absl::OkStatus();
           }};
 }
 
-#define STEPMESH_ENV_INT(field) \
+#define STEPMESH_ENV_INT(field)                             \
   [](absl::string_view v, MeshOptions& o) -> absl::Status { \
-    STEPMESH_ASSIGN_OR_RETURN(o.field, ParseInt(#field, v)); return absl::OkStatus(); }
-#define STEPMESH_ENV_STR(field) \
-  [](absl::string_view v, MeshOptions& o) -> absl::Status { o.field = std::string(v); return absl::OkStatus(); }
-#define STEPMESH_ENV_DURATION(field) \
+    STEPMESH_ASSIGN_OR_RETURN(o.field, ParseInt(v));        \
+    return absl::OkStatus();                                \
+  }
+#define STEPMESH_ENV_STR(field)                             \
   [](absl::string_view v, MeshOptions& o) -> absl::Status { \
-    STEPMESH_ASSIGN_OR_RETURN(o.field, ParseDuration(#field, v)); return absl::OkStatus(); }
+    o.field = std::string(v);                               \
+    return absl::OkStatus();                                \
+  }
+#define STEPMESH_ENV_DURATION(field)                        \
+  [](absl::string_view v, MeshOptions& o) -> absl::Status { \
+    STEPMESH_ASSIGN_OR_RETURN(o.field, ParseDuration(v));   \
+    return absl::OkStatus();                                \
+  }
+#define STEPMESH_ENV_BOOL(field)                            \
+  [](absl::string_view v, MeshOptions& o) -> absl::Status { \
+    STEPMESH_ASSIGN_OR_RETURN(o.field, ParseBool(v));       \
+    return absl::OkStatus();                                \
+  }
 
-// The documented table (docs/configuration.md mirrors it).
+absl::Status ApplyCores(absl::string_view v, std::vector<int>& cores, MeshOptions& o) {
+  if (v == "auto") {
+    o.threads.auto_pin = true;
+    return absl::OkStatus();
+  }
+  STEPMESH_ASSIGN_OR_RETURN(cores, ParseCores(v));
+  return absl::OkStatus();
+}
+
+// The one environment table. STEPMESH_RDMA_* rows form the RDMA section of
+// docs/configuration.md, DMLC_* rows the StepMesh section, the rest the main one.
 const std::vector<EnvEntry>& EnvTable() {
   static const std::vector<EnvEntry> table = {
-      {"STEPMESH_ROLE",
+      {"STEPMESH_ROLE", "role", "`worker`", "`worker`, `server` or `scheduler`",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
-         STEPMESH_ASSIGN_OR_RETURN(o.role, ParseRole("STEPMESH_ROLE", v));
+         STEPMESH_ASSIGN_OR_RETURN(o.role, ParseRole(v));
          return absl::OkStatus();
        }},
-      {"STEPMESH_RANK", STEPMESH_ENV_INT(rank)},
-      {"STEPMESH_NUM_WORKERS", STEPMESH_ENV_INT(num_workers)},
-      {"STEPMESH_NUM_SERVERS", STEPMESH_ENV_INT(num_servers)},
-      {"STEPMESH_SCHEDULER", STEPMESH_ENV_STR(scheduler)},
-      {"STEPMESH_BIND_HOST", STEPMESH_ENV_STR(bind_host)},
-      {"STEPMESH_TRANSPORT",
+      {"STEPMESH_RANK", "rank", "`-1`", "rank within the role; -1 lets the scheduler assign",
+       STEPMESH_ENV_INT(rank)},
+      {"STEPMESH_NUM_WORKERS", "num_workers", "1", "attention instances in the mesh",
+       STEPMESH_ENV_INT(num_workers)},
+      {"STEPMESH_NUM_SERVERS", "num_servers", "1", "FFN instances in the mesh",
+       STEPMESH_ENV_INT(num_servers)},
+      {"STEPMESH_SCHEDULER", "scheduler", "`127.0.0.1:9000`", "rendezvous `host:port`",
+       STEPMESH_ENV_STR(scheduler)},
+      {"STEPMESH_BIND_HOST", "bind_host", "`127.0.0.1`",
+       "address the data listener binds (`0.0.0.0`: every interface); an `interface` overrides it",
+       STEPMESH_ENV_STR(bind_host)},
+      {"STEPMESH_NODE_HOST", "node_host", "empty (`bind_host`)",
+       "host other participants dial to reach this one (behind NAT, or when `bind_host` is "
+       "`0.0.0.0`)",
+       STEPMESH_ENV_STR(node_host)},
+      {"STEPMESH_INTERFACE", "interface", "empty",
+       "network interface (`eth2`, `bond0`): its address is bound and advertised (IPv4 first); "
+       "for RDMA also `rdma.interface` when that is empty. An unknown name is an error listing "
+       "the interfaces found",
+       STEPMESH_ENV_STR(interface)},
+      {"STEPMESH_TRANSPORT", "transport", "`auto`",
+       "`tcp`, `rdma`, or `auto` (RDMA if a device exists)",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
          // An unknown value is refused here, naming the variable, not later.
-         if (v != "tcp" && v != "rdma" && v != "auto") {
-           return absl::InvalidArgumentError("unknown transport (want tcp, rdma or auto)");
-         }
+         STEPMESH_RETURN_IF_ERROR(CheckOneOf(v, {"tcp", "rdma", "auto"}));
          o.transport = std::string(v);
          return absl::OkStatus();
        }},
-      {"STEPMESH_BACKEND", STEPMESH_ENV_STR(backend)},
-      {"STEPMESH_DEVICE", STEPMESH_ENV_INT(device)},
+      {"STEPMESH_BACKEND", "backend", "`cpu_mock`", "`cpu_mock` or `cuda`",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         // Whether this build has CUDA is decided when the backend is made;
+         // a name no build knows ("rocm") is refused here.
+         STEPMESH_RETURN_IF_ERROR(CheckOneOf(v, {"cpu_mock", "cuda"}));
+         o.backend = std::string(v);
+         return absl::OkStatus();
+       }},
+      {"STEPMESH_DEVICE", "device", "0", "accelerator index (any number of devices)",
+       STEPMESH_ENV_INT(device)},
       // Read by CUDA itself; the cuda backend must know it too (one hardware queue).
-      {"CUDA_DEVICE_MAX_CONNECTIONS", STEPMESH_ENV_INT(cuda_device_max_connections)},
-      RdmaString("STEPMESH_RDMA_DEVICE", &RdmaOptions::device),
-      RdmaInt("STEPMESH_RDMA_PORT", &RdmaOptions::port),
-      RdmaInt("STEPMESH_RDMA_GID_INDEX", &RdmaOptions::gid_index),
-      RdmaString("STEPMESH_RDMA_INTERFACE", &RdmaOptions::interface),
-      RdmaInt("STEPMESH_RDMA_TRAFFIC_CLASS", &RdmaOptions::traffic_class),
-      RdmaInt("STEPMESH_RDMA_SERVICE_LEVEL", &RdmaOptions::service_level),
-      RdmaInt("STEPMESH_RDMA_PATH_MTU", &RdmaOptions::path_mtu),
-      RdmaInt("STEPMESH_RDMA_ACK_TIMEOUT", &RdmaOptions::ack_timeout),
-      RdmaInt("STEPMESH_RDMA_RETRY_COUNT", &RdmaOptions::retry_count),
-      RdmaInt("STEPMESH_RDMA_RNR_RETRY", &RdmaOptions::rnr_retry),
-      RdmaInt("STEPMESH_RDMA_MIN_RNR_TIMER", &RdmaOptions::min_rnr_timer),
-      RdmaInt("STEPMESH_RDMA_RECV_DEPTH", &RdmaOptions::recv_depth),
-      RdmaInt("STEPMESH_RDMA_QPS_PER_PEER", &RdmaOptions::qps_per_peer),
-      {"STEPMESH_RDMA_STRIPE_MIN_BYTES", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+      {"CUDA_DEVICE_MAX_CONNECTIONS", "cuda_device_max_connections", "unset (0)",
+       "CUDA's own variable, read so the cuda backend knows: with 1 it waits with kernels, not "
+       "stream memory operations (docs/cuda.md, rule 7)",
+       STEPMESH_ENV_INT(cuda_device_max_connections)},
+      RdmaString("STEPMESH_RDMA_DEVICE", "rdma.device", "auto",
+                 "verbs device name, e.g. `mlx5_0` (iWARP devices are refused: no immediate "
+                 "data)",
+                 &RdmaOptions::device),
+      RdmaInt("STEPMESH_RDMA_PORT", "rdma.port", "0 (any)", "port number on the device",
+              &RdmaOptions::port),
+      RdmaInt("STEPMESH_RDMA_GID_INDEX", "rdma.gid_index", "-1 (auto)",
+              "GID index; auto prefers RoCE v2 IPv4-mapped and never picks a link-local "
+              "(`fe80::`) RoCE v2 GID",
+              &RdmaOptions::gid_index),
+      RdmaString("STEPMESH_RDMA_INTERFACE", "rdma.interface", "empty (`interface`)",
+                 "RoCE: only GIDs inside this interface's subnets, by name (`eth2`) or CIDR "
+                 "(`10.0.0.0/24`, `2001:db8::/64`)",
+                 &RdmaOptions::interface),
+      RdmaInt("STEPMESH_RDMA_TRAFFIC_CLASS", "rdma.traffic_class", "0",
+              "GRH traffic class, DSCP << 2 (0..255)", &RdmaOptions::traffic_class),
+      RdmaInt("STEPMESH_RDMA_SERVICE_LEVEL", "rdma.service_level", "0", "SL / priority (0..15)",
+              &RdmaOptions::service_level),
+      RdmaInt("STEPMESH_RDMA_PATH_MTU", "rdma.path_mtu", "0 (auto)",
+              "cap in bytes: 256, 512, 1024, 2048, 4096; auto is the smaller active MTU of both "
+              "ends",
+              &RdmaOptions::path_mtu),
+      RdmaInt("STEPMESH_RDMA_ACK_TIMEOUT", "rdma.ack_timeout", "18",
+              "local ACK timeout exponent, 4.096 µs × 2^n per try (1..31): 18 ≈ 1.07 s, × "
+              "(retries + 1) before a QP fails",
+              &RdmaOptions::ack_timeout),
+      RdmaInt("STEPMESH_RDMA_RETRY_COUNT", "rdma.retry_count", "7",
+              "transport retries after the first try (0..7)", &RdmaOptions::retry_count),
+      RdmaInt("STEPMESH_RDMA_RNR_RETRY", "rdma.rnr_retry", "3",
+              "RNR retries (0..6; credits make an RNR a bug, 7 = forever is refused)",
+              &RdmaOptions::rnr_retry),
+      RdmaInt("STEPMESH_RDMA_MIN_RNR_TIMER", "rdma.min_rnr_timer", "12",
+              "responder RNR NAK delay code (1..31)", &RdmaOptions::min_rnr_timer),
+      RdmaInt("STEPMESH_RDMA_RECV_DEPTH", "rdma.recv_depth", "256",
+              "receives = credits = header-ring slots per QP (4..8192); same on every "
+              "participant",
+              &RdmaOptions::recv_depth),
+      RdmaInt("STEPMESH_RDMA_QPS_PER_PEER", "rdma.qps_per_peer", "1",
+              "2 stripes large payloads over two QPs (LAG ports); same on every participant",
+              &RdmaOptions::qps_per_peer),
+      {"STEPMESH_RDMA_STRIPE_MIN_BYTES", "rdma.stripe_min_bytes", "65536",
+       "with 2 QPs, payloads at least this large are striped (≥ 8192)",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
          if (!absl::SimpleAtoi(v, &o.rdma.stripe_min_bytes)) {
-           return absl::InvalidArgumentError(
-               absl::StrCat("STEPMESH_RDMA_STRIPE_MIN_BYTES='", v, "' is not an integer"));
+           return absl::InvalidArgumentError("not an integer");
          }
          return absl::OkStatus();
        }},
-      {"STEPMESH_RDMA_GPUDIRECT", [](absl::string_view v, MeshOptions& o) -> absl::Status {
-         absl::StatusOr<GpuDirect> mode = ParseGpuDirect(v);
-         if (!mode.ok()) {
-           return absl::InvalidArgumentError(
-               absl::StrCat("STEPMESH_RDMA_GPUDIRECT: ", mode.status().message()));
-         }
-         o.rdma.gpudirect = *mode;
+      {"STEPMESH_RDMA_GPUDIRECT", "rdma.gpudirect", "`auto`",
+       "device tensors: `auto` (register in place by dma-buf or peer memory, stage if the NIC "
+       "refuses), `off` (always stage through pinned host memory), `require` (registration "
+       "fails rather than stage)",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         STEPMESH_ASSIGN_OR_RETURN(o.rdma.gpudirect, ParseGpuDirect(v));
          return absl::OkStatus();
        }},
-      {"STEPMESH_POLL_MODE",
+      {"STEPMESH_POLL_MODE", "threads.poll_mode", "`adaptive`", "`spin`, `adaptive`, `blocking`",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
          STEPMESH_ASSIGN_OR_RETURN(o.threads.poll_mode, ParsePollMode(v));
          return absl::OkStatus();
        }},
-      {"STEPMESH_SPIN_BUDGET", STEPMESH_ENV_DURATION(threads.spin_budget)},
-      {"STEPMESH_SEND_CORES",
+      {"STEPMESH_SPIN_BUDGET", "threads.spin_budget", "`1ms`",
+       "adaptive: spin (yielding) this long after activity before blocking; ≥ a layer's round "
+       "trip avoids a spin→block switch mid-transfer. A wait site whose recent waits mostly "
+       "outlasted it (4 of the last 8) skips the spin and blocks at once",
+       STEPMESH_ENV_DURATION(threads.spin_budget)},
+      {"STEPMESH_SEND_CORES", "threads.send_cores", "unpinned",
+       "`2,3`, or `auto` (hwloc, near the device)",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
-         if (v == "auto") {
-           o.threads.auto_pin = true;
-           return absl::OkStatus();
-         }
-         STEPMESH_ASSIGN_OR_RETURN(o.threads.send_cores, ParseCores("STEPMESH_SEND_CORES", v));
-         return absl::OkStatus();
+         return ApplyCores(v, o.threads.send_cores, o);
        }},
-      {"STEPMESH_RECV_CORES",
+      {"STEPMESH_RECV_CORES", "threads.recv_cores", "unpinned", "as above",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
-         if (v == "auto") {
-           o.threads.auto_pin = true;
-           return absl::OkStatus();
-         }
-         STEPMESH_ASSIGN_OR_RETURN(o.threads.recv_cores, ParseCores("STEPMESH_RECV_CORES", v));
-         return absl::OkStatus();
+         return ApplyCores(v, o.threads.recv_cores, o);
        }},
-      {"STEPMESH_TIMEOUT", STEPMESH_ENV_DURATION(timeout)},
-      {"STEPMESH_HEARTBEAT_INTERVAL", STEPMESH_ENV_DURATION(heartbeat_interval)},
-      {"STEPMESH_MAX_INFLIGHT", STEPMESH_ENV_INT(max_inflight_requests)},
-      {"STEPMESH_MAX_REGISTRATIONS", STEPMESH_ENV_INT(max_registrations)},
-      {"STEPMESH_AUTH_TOKEN", STEPMESH_ENV_STR(auth_token)},
-      {"STEPMESH_AUTH",
+      {"STEPMESH_TIMEOUT", "timeout", "`30s`", "connect, barrier, peer silence, send stall",
+       STEPMESH_ENV_DURATION(timeout)},
+      {"STEPMESH_HEARTBEAT_INTERVAL", "heartbeat_interval", "`1s`", "scheduler liveness pings",
+       STEPMESH_ENV_DURATION(heartbeat_interval)},
+      {"STEPMESH_MAX_INFLIGHT", "max_inflight_requests", "64", "worker request slots",
+       STEPMESH_ENV_INT(max_inflight_requests)},
+      {"STEPMESH_MAX_REGISTRATIONS", "max_registrations", "1024", "tensors per participant",
+       STEPMESH_ENV_INT(max_registrations)},
+      {"STEPMESH_AUTH_TOKEN", "auth_token", "empty",
+       "shared secret for challenge–response, the same on every process (`security.md`); "
+       "launchers (`afd_launch`, `quickstart`) make one up for their children when unset",
+       STEPMESH_ENV_STR(auth_token)},
+      {"STEPMESH_AUTH", "auth", "`auto`",
+       "`auto`: a listener on a non-loopback address refuses to start without a token "
+       "(loopback: the scheduler warns); `on`: a token is required everywhere; `off`: never "
+       "required, no warning",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
          STEPMESH_ASSIGN_OR_RETURN(o.auth, ParseAuthMode(v));
          return absl::OkStatus();
        }},
-      {"STEPMESH_MESH_ID", STEPMESH_ENV_STR(mesh_id)},
-      {"STEPMESH_PAYLOAD_CHECKSUM",
-       [](absl::string_view v, MeshOptions& o) -> absl::Status {
-         STEPMESH_ASSIGN_OR_RETURN(o.payload_checksum, ParseBool("STEPMESH_PAYLOAD_CHECKSUM", v));
-         return absl::OkStatus();
-       }},
-      {"STEPMESH_TRACE",
-       [](absl::string_view v, MeshOptions& o) -> absl::Status {
-         STEPMESH_ASSIGN_OR_RETURN(o.trace.enabled, ParseBool("STEPMESH_TRACE", v));
-         return absl::OkStatus();
-       }},
-      {"STEPMESH_LOG_LEVEL",
+      {"STEPMESH_MESH_ID", "mesh_id", "empty",
+       "names the mesh; the scheduler refuses a participant whose id (or "
+       "`num_workers`/`num_servers`) differs from its own, naming both",
+       STEPMESH_ENV_STR(mesh_id)},
+      {"STEPMESH_TRACE", "trace.enabled", "`true`", "per-request stamps",
+       STEPMESH_ENV_BOOL(trace.enabled)},
+      {"STEPMESH_PAYLOAD_CHECKSUM", "payload_checksum", "`false`",
+       "CRC32C of every host-memory payload, sealed by the sender and checked by the receiver "
+       "(`DATA_LOSS` on mismatch); one pass over the bytes per side, about 0.2 ms per 1.75 MiB: "
+       "for chasing corruption",
+       STEPMESH_ENV_BOOL(payload_checksum)},
+      {"STEPMESH_LOG_LEVEL", "", "`warning`",
+       "`debug`, `info`, `warning`, `error`; every program reads it (a bad value stops it, "
+       "naming the variable)",
        [](absl::string_view v, MeshOptions&) -> absl::Status {
          using base::LogLevel;
-         if (v == "debug")
-           base::SetLogThreshold(LogLevel::kDebug);
-         else if (v == "info")
-           base::SetLogThreshold(LogLevel::kInfo);
-         else if (v == "warning")
-           base::SetLogThreshold(LogLevel::kWarning);
-         else if (v == "error")
-           base::SetLogThreshold(LogLevel::kError);
-         else
-           return absl::InvalidArgumentError("want debug, info, warning or error");
+         STEPMESH_RETURN_IF_ERROR(CheckOneOf(v, {"debug", "info", "warning", "error"}));
+         base::SetLogThreshold(v == "debug"     ? LogLevel::kDebug
+                               : v == "info"    ? LogLevel::kInfo
+                               : v == "warning" ? LogLevel::kWarning
+                                                : LogLevel::kError);
          return absl::OkStatus();
        }},
       // StepMesh / ps-lite names, so existing launch scripts keep working.
-      {"DMLC_ROLE",
+      {"DMLC_ROLE", "role", "—", "`worker`, `server` or `scheduler`",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
-         STEPMESH_ASSIGN_OR_RETURN(o.role, ParseRole("DMLC_ROLE", v));
+         STEPMESH_ASSIGN_OR_RETURN(o.role, ParseRole(v));
          return absl::OkStatus();
        }},
-      {"DMLC_ENABLE_RDMA",
+      {"DMLC_ENABLE_RDMA", "transport", "—", "empty, `0` or `false` is `tcp`, anything else `rdma`",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
          // ps-lite's switch: empty, 0 or false is TCP, anything else RDMA.
          o.transport = (v.empty() || v == "0" || v == "false") ? "tcp" : "rdma";
          return absl::OkStatus();
        }},
-      {"DMLC_NUM_WORKER", STEPMESH_ENV_INT(num_workers)},
-      {"DMLC_NUM_SERVER", STEPMESH_ENV_INT(num_servers)},
-      {"DMLC_PS_ROOT_URI",
+      {"DMLC_NUM_WORKER", "num_workers", "—", "as `STEPMESH_NUM_WORKERS`",
+       STEPMESH_ENV_INT(num_workers)},
+      {"DMLC_NUM_SERVER", "num_servers", "—", "as `STEPMESH_NUM_SERVERS`",
+       STEPMESH_ENV_INT(num_servers)},
+      {"DMLC_PS_ROOT_URI", "scheduler", "—", "host part of `scheduler`",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
          const size_t colon = o.scheduler.rfind(':');
-         const std::string port = colon == std::string::npos ? "9000" : o.scheduler.substr(colon + 1);
+         const std::string port =
+             colon == std::string::npos ? "9000" : o.scheduler.substr(colon + 1);
          o.scheduler = absl::StrCat(v, ":", port);
          return absl::OkStatus();
        }},
-      {"DMLC_PS_ROOT_PORT",
+      {"DMLC_PS_ROOT_PORT", "scheduler", "—", "port part of `scheduler`",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
-         STEPMESH_ASSIGN_OR_RETURN(int port, ParseInt("DMLC_PS_ROOT_PORT", v));
+         STEPMESH_ASSIGN_OR_RETURN(int port, ParseInt(v));
          const size_t colon = o.scheduler.rfind(':');
          o.scheduler = absl::StrCat(o.scheduler.substr(0, colon), ":", port);
          return absl::OkStatus();
        }},
+      {"DMLC_NODE_HOST", "node_host, bind_host", "—",
+       "the host other participants dial, and the address bound unless `STEPMESH_BIND_HOST` "
+       "is set",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         // ps-lite binds every interface and advertises this host; binding
+         // just this address is the closest match that never listens wider.
+         o.node_host = std::string(v);
+         o.bind_host = std::string(v);
+         return absl::OkStatus();
+       }},
+      {"DMLC_INTERFACE", "interface", "—", "as `STEPMESH_INTERFACE`", STEPMESH_ENV_STR(interface)},
   };
   return table;
 }
+
+// Names FromEnv leaves alone without a warning: read by the Python fserver
+// layer (python/stepmesh/fserver.py), or by ps-lite only.
+constexpr absl::string_view kReadElsewhere[] = {"DMLC_GROUP_SIZE", "DMLC_NODE_RANK",
+                                                "DMLC_RANK_OFFSET", "STEPMESH_GPU"};
 
 }  // namespace
 
 absl::string_view RoleName(Role role) {
   switch (role) {
-    case Role::kScheduler: return "scheduler";
-    case Role::kWorker: return "worker";
-    case Role::kServer: return "server";
+    case Role::kScheduler:
+      return "scheduler";
+    case Role::kWorker:
+      return "worker";
+    case Role::kServer:
+      return "server";
   }
   return "invalid";
 }
@@ -262,9 +387,12 @@ absl::StatusOr<PollMode> ParsePollMode(absl::string_view name) {
 
 absl::string_view PollModeName(PollMode mode) {
   switch (mode) {
-    case PollMode::kSpin: return "spin";
-    case PollMode::kAdaptive: return "adaptive";
-    case PollMode::kBlocking: return "blocking";
+    case PollMode::kSpin:
+      return "spin";
+    case PollMode::kAdaptive:
+      return "adaptive";
+    case PollMode::kBlocking:
+      return "blocking";
   }
   return "invalid";
 }
@@ -298,12 +426,46 @@ absl::StatusOr<GpuDirect> ParseGpuDirect(absl::string_view name) {
 
 absl::string_view GpuDirectName(GpuDirect mode) {
   switch (mode) {
-    case GpuDirect::kAuto: return "auto";
-    case GpuDirect::kOff: return "off";
-    case GpuDirect::kRequire: return "require";
+    case GpuDirect::kAuto:
+      return "auto";
+    case GpuDirect::kOff:
+      return "off";
+    case GpuDirect::kRequire:
+      return "require";
   }
   return "invalid";
 }
+
+namespace {
+
+bool Known(absl::string_view name) {
+  if (absl::c_linear_search(kReadElsewhere, name)) return true;
+  return absl::c_any_of(EnvTable(), [name](const EnvEntry& e) { return name == e.name; });
+}
+
+// Warns about each unknown STEPMESH_* / DMLC_* name once per process, however
+// many times FromEnv runs (programs call it once per role they start).
+void WarnUnknownNames() {
+  static absl::Mutex mu(absl::kConstInit);
+  static auto* warned = new std::set<std::string>();
+  std::vector<std::string> unknown;
+  for (char** env = environ; env != nullptr && *env != nullptr; ++env) {
+    absl::string_view var(*env);
+    // ps-lite launch scripts set DMLC_* names this library does not read: say so.
+    if (!absl::StartsWith(var, "STEPMESH_") && !absl::StartsWith(var, "DMLC_")) continue;
+    absl::string_view name = var.substr(0, var.find('='));
+    if (!Known(name)) unknown.emplace_back(name);
+  }
+  if (unknown.empty()) return;
+  absl::MutexLock lock(&mu);
+  for (const std::string& name : unknown) {
+    if (!warned->insert(name).second) continue;
+    STEPMESH_LOG(kWarning, "unknown environment variable ", name,
+                 " ignored (docs/configuration.md lists the names stepmesh reads)");
+  }
+}
+
+}  // namespace
 
 absl::StatusOr<MeshOptions> MeshOptions::FromEnv(const MeshOptions& base) {
   MeshOptions options = base;
@@ -320,23 +482,43 @@ absl::StatusOr<MeshOptions> MeshOptions::FromEnv(const MeshOptions& base) {
       }
     }
   }
-  for (char** env = environ; env != nullptr && *env != nullptr; ++env) {
-    absl::string_view var(*env);
-    // ps-lite launch scripts set DMLC_* names this library does not read: say so.
-    if (!absl::StartsWith(var, "STEPMESH_") && !absl::StartsWith(var, "DMLC_")) continue;
-    absl::string_view name = var.substr(0, var.find('='));
-    // Read by the Python fserver layer (python/stepmesh/fserver.py), not here.
-    constexpr absl::string_view kReadByPython[] = {"DMLC_GROUP_SIZE", "DMLC_NODE_RANK",
-                                                   "DMLC_RANK_OFFSET", "STEPMESH_GPU"};
-    bool known = absl::c_linear_search(kReadByPython, name);
-    for (const EnvEntry& entry : EnvTable()) known = known || name == entry.name;
-    if (!known) STEPMESH_LOG(kWarning, "unknown environment variable ", name, " ignored");
-  }
+  WarnUnknownNames();
   STEPMESH_RETURN_IF_ERROR(options.Validate());
   return options;
 }
 
 absl::StatusOr<MeshOptions> MeshOptions::FromEnv() { return FromEnv(MeshOptions()); }
+
+absl::StatusOr<std::optional<Role>> RoleFromEnv() {
+  // STEPMESH_ROLE wins over DMLC_ROLE, as in FromEnv.
+  for (const char* name : {"STEPMESH_ROLE", "DMLC_ROLE"}) {
+    const char* value = std::getenv(name);
+    if (value == nullptr) continue;
+    absl::StatusOr<Role> role = ParseRole(value);
+    if (!role.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, "='", value, "': ", role.status().message()));
+    }
+    return std::optional<Role>(*role);
+  }
+  return std::optional<Role>();
+}
+
+namespace core {
+
+std::vector<EnvVariableDoc> DocumentedEnvironment() {
+  std::vector<EnvVariableDoc> out;
+  for (const EnvEntry& e : EnvTable()) {
+    out.push_back({e.name, e.field, e.default_value, e.meaning});
+  }
+  return out;
+}
+
+std::vector<absl::string_view> EnvironmentReadElsewhere() {
+  return {std::begin(kReadElsewhere), std::end(kReadElsewhere)};
+}
+
+}  // namespace core
 
 absl::Status MeshOptions::Validate() const {
   if (cuda_device_max_connections < 0) {
@@ -381,8 +563,8 @@ absl::Status RdmaOptions::Validate() const {
   auto range = [](const char* field, const char* variable, int64_t value, int64_t lo,
                   int64_t hi) -> absl::Status {
     if (value >= lo && value <= hi) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat("rdma.", field, "=", value, " (", variable,
-                                                   "): want ", lo, "..", hi));
+    return absl::InvalidArgumentError(
+        absl::StrCat("rdma.", field, "=", value, " (", variable, "): want ", lo, "..", hi));
   };
   STEPMESH_RETURN_IF_ERROR(range("port", "STEPMESH_RDMA_PORT", port, 0, 255));
   STEPMESH_RETURN_IF_ERROR(range("gid_index", "STEPMESH_RDMA_GID_INDEX", gid_index, -1, 65535));
@@ -390,10 +572,11 @@ absl::Status RdmaOptions::Validate() const {
       range("traffic_class", "STEPMESH_RDMA_TRAFFIC_CLASS", traffic_class, 0, 255));
   STEPMESH_RETURN_IF_ERROR(
       range("service_level", "STEPMESH_RDMA_SERVICE_LEVEL", service_level, 0, 15));
-  if (path_mtu != 0 && path_mtu != 256 && path_mtu != 512 && path_mtu != 1024 &&
-      path_mtu != 2048 && path_mtu != 4096) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "rdma.path_mtu=", path_mtu, " (STEPMESH_RDMA_PATH_MTU): want 0, 256, 512, 1024, 2048 or 4096"));
+  if (path_mtu != 0 && path_mtu != 256 && path_mtu != 512 && path_mtu != 1024 && path_mtu != 2048 &&
+      path_mtu != 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rdma.path_mtu=", path_mtu,
+                     " (STEPMESH_RDMA_PATH_MTU): want 0, 256, 512, 1024, 2048 or 4096"));
   }
   STEPMESH_RETURN_IF_ERROR(range("ack_timeout", "STEPMESH_RDMA_ACK_TIMEOUT", ack_timeout, 1, 31));
   STEPMESH_RETURN_IF_ERROR(range("retry_count", "STEPMESH_RDMA_RETRY_COUNT", retry_count, 0, 7));
@@ -401,8 +584,7 @@ absl::Status RdmaOptions::Validate() const {
   STEPMESH_RETURN_IF_ERROR(
       range("min_rnr_timer", "STEPMESH_RDMA_MIN_RNR_TIMER", min_rnr_timer, 1, 31));
   STEPMESH_RETURN_IF_ERROR(range("recv_depth", "STEPMESH_RDMA_RECV_DEPTH", recv_depth, 4, 8192));
-  STEPMESH_RETURN_IF_ERROR(
-      range("qps_per_peer", "STEPMESH_RDMA_QPS_PER_PEER", qps_per_peer, 1, 2));
+  STEPMESH_RETURN_IF_ERROR(range("qps_per_peer", "STEPMESH_RDMA_QPS_PER_PEER", qps_per_peer, 1, 2));
   STEPMESH_RETURN_IF_ERROR(range("stripe_min_bytes", "STEPMESH_RDMA_STRIPE_MIN_BYTES",
                                  stripe_min_bytes, 8192, int64_t{1} << 40));
   return absl::OkStatus();

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "src/base/interfaces.h"
 #include "src/base/logging.h"
 #include "src/base/net.h"
 #include "src/core/auth.h"
@@ -99,6 +100,18 @@ absl::StatusOr<MeshOptions> OptionsForRole(const MeshOptions& options, Role role
   MeshOptions out = options;
   out.role = role;
   STEPMESH_RETURN_IF_ERROR(out.Validate());
+  if (!out.interface.empty()) {
+    // The interface names the address both bound and (unless node_host says
+    // otherwise) advertised; for RoCE it also narrows the GIDs to its subnets.
+    absl::StatusOr<std::string> address = base::InterfaceAddressOf(out.interface);
+    if (!address.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "interface '", out.interface, "' (STEPMESH_INTERFACE / DMLC_INTERFACE): ",
+          address.status().message()));
+    }
+    out.bind_host = *address;
+    if (out.rdma.interface.empty()) out.rdma.interface = out.interface;
+  }
   return out;
 }
 

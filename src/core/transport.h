@@ -143,4 +143,10 @@ class Transport {
 using TransportFactory =
     std::function<absl::StatusOr<std::unique_ptr<Transport>>(const MeshOptions& options)>;
 
+// The host a transport's LocalEndpoint() advertises: node_host when set, else
+// the address its listener binds (OptionsForRole resolved any interface).
+inline const std::string& AdvertisedHost(const MeshOptions& options) {
+  return options.node_host.empty() ? options.bind_host : options.node_host;
+}
+
 }  // namespace stepmesh::core

@@ -10,29 +10,12 @@
 
 #include "stepmesh/options.h"
 #include "stepmesh/tensor.h"
+#include "tests/support/scoped_env.h"
 
 namespace stepmesh {
 namespace {
 
-// Sets environment variables for one test and restores them after.
-class ScopedEnv {
- public:
-  ScopedEnv(std::initializer_list<std::pair<const char*, const char*>> vars) {
-    for (auto [name, value] : vars) {
-      const char* old = std::getenv(name);
-      saved_.emplace_back(name, old ? std::optional<std::string>(old) : std::nullopt);
-      setenv(name, value, 1);
-    }
-  }
-  ~ScopedEnv() {
-    for (auto& [name, value] : saved_) {
-      if (value) setenv(name.c_str(), value->c_str(), 1); else unsetenv(name.c_str());
-    }
-  }
-
- private:
-  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
-};
+using testing::ScopedEnv;
 
 TEST_CASE("FromEnv overlays STEPMESH_* on the base", "[options]") {
   ScopedEnv env({{"STEPMESH_ROLE", "server"},

@@ -198,7 +198,7 @@ class RdmaTransport final : public Transport {
 
   absl::StatusOr<std::string> LocalEndpoint() override {
     STEPMESH_ASSIGN_OR_RETURN(uint16_t port, LocalPort(listener_.get()));
-    return absl::StrCat(options_.bind_host, ":", port, "|", GidToString(port_.gid), "|",
+    return absl::StrCat(core::AdvertisedHost(options_), ":", port, "|", GidToString(port_.gid), "|",
                         port_.device_name, "/", int{port_.port});
   }
 

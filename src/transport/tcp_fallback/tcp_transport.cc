@@ -188,7 +188,7 @@ class TcpTransport final : public Transport {
           Watch(accept_epoll_fd_.get(), acceptor_.fd(), EPOLLIN, kListenerToken));
     }
     STEPMESH_ASSIGN_OR_RETURN(uint16_t port, base::LocalPort(acceptor_.fd()));
-    return absl::StrCat(options_.bind_host, ":", port);
+    return absl::StrCat(core::AdvertisedHost(options_), ":", port);
   }
 
   absl::Status Connect(NodeId self, absl::Span<const PeerInfo> peers,
