@@ -12,6 +12,7 @@
 #include "stepmesh/backend.h"
 #include "stepmesh/handle.h"
 #include "stepmesh/options.h"
+#include "stepmesh/stats.h"
 #include "stepmesh/tensor.h"
 #include "stepmesh/types.h"
 
@@ -83,6 +84,10 @@ class AFTensorServer {
   // must have a Reply; nothing is sent when the call fails.
   virtual absl::Status Respond(const Batch& batch, absl::Span<const Reply> replies,
                                const SendOptions& options = {}) = 0;
+
+  // A copy of this server's counters and stage histograms (always kept; the
+  // stage histograms need options.trace.enabled). Any thread; allocates.
+  virtual MeshStats Stats() = 0;
 
   virtual absl::Status Barrier() = 0;
   virtual absl::Status Shutdown() = 0;

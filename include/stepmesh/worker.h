@@ -12,6 +12,7 @@
 #include "stepmesh/backend.h"
 #include "stepmesh/handle.h"
 #include "stepmesh/options.h"
+#include "stepmesh/stats.h"
 #include "stepmesh/tensor.h"
 #include "stepmesh/trace.h"
 #include "stepmesh/types.h"
@@ -77,6 +78,10 @@ class AFTensorWorker {
   virtual absl::Status StreamWaitNextPull(Key key, int server, Stream& stream) = 0;
   // The stamps of a completed request; valid after Wait until its slot is reused.
   virtual absl::StatusOr<TraceRecord> FetchTrace(RequestHandle handle) = 0;
+
+  // A copy of this worker's counters and stage histograms (always kept; the
+  // stage histograms need options.trace.enabled). Any thread; allocates.
+  virtual MeshStats Stats() = 0;
 
   // Waits for every worker and server to reach the same barrier.
   virtual absl::Status Barrier() = 0;
