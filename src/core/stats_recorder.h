@@ -17,9 +17,19 @@
 
 namespace stepmesh::core {
 
+// -DSTEPMESH_STATS=OFF (CMake) compiles the recording out, for measuring what
+// it costs (docs/metrics.md, "Overhead"); Stats() then reports zeros. Only for
+// that A/B build: the tests expect it on.
+#ifdef STEPMESH_STATS_OFF
+inline constexpr bool kStatsOn = false;
+#else
+inline constexpr bool kStatsOn = true;
+#endif
+
 class LiveHistogram {
  public:
   void Record(uint64_t ns) {
+    if constexpr (!kStatsOn) return;
     // bit_width(ns - 1) = the smallest i with ns <= 2^i (0 and 1 land in bucket 0).
     const int bucket =
         ns <= 1 ? 0 : std::min<int>(std::bit_width(ns - 1), LatencyHistogram::kBuckets - 1);
@@ -45,18 +55,21 @@ class StatsRecorder {
   StatsRecorder(Role role, Role peer_role, int num_peers);
 
   void Sent(int peer, uint64_t bytes) {
+    if constexpr (!kStatsOn) return;
     if (Peer* p = at(peer)) {
       p->bytes_sent.fetch_add(bytes, std::memory_order_relaxed);
       p->frames_sent.fetch_add(1, std::memory_order_relaxed);
     }
   }
   void Received(int peer, uint64_t bytes) {
+    if constexpr (!kStatsOn) return;
     if (Peer* p = at(peer)) {
       p->bytes_received.fetch_add(bytes, std::memory_order_relaxed);
       p->frames_received.fetch_add(1, std::memory_order_relaxed);
     }
   }
   void Outcome(int peer, absl::StatusCode code) {
+    if constexpr (!kStatsOn) return;
     if (Peer* p = at(peer)) p->outcomes[CodeIndex(code)].fetch_add(1, std::memory_order_relaxed);
   }
   void Lost(int peer) {
@@ -66,6 +79,7 @@ class StatsRecorder {
     if (Peer* p = at(peer)) p->rejoins.fetch_add(1, std::memory_order_relaxed);
   }
   void Request(absl::StatusCode code) {
+    if constexpr (!kStatsOn) return;
     requests_[CodeIndex(code)].fetch_add(1, std::memory_order_relaxed);
   }
   LiveHistogram& stage(Stage s) { return stages_[static_cast<int>(s)]; }

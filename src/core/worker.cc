@@ -149,8 +149,9 @@ class Worker final : public AFTensorWorker, public MeshNode {
       return absl::DeadlineExceededError(absl::StrCat(
           "request not complete after ", absl::FormatDuration(timeout), " (still pending)"));
     }
-    if (options_.trace.enabled)
+    if (kStatsOn && options_.trace.enabled) {
       stats_.stage(Stage::kWake).RecordSpan(r->complete_ns, MonotonicNowNs());
+    }
     absl::Status result;
     STEPMESH_RETURN_IF_ERROR(requests_.Collect(*r, &result));
     stats_.Request(result.code());
