@@ -34,8 +34,8 @@ enum class Stage : uint8_t {
 inline constexpr int kNumStages = 6;
 absl::string_view StageName(Stage stage);
 
-// Fixed log2 buckets: bucket i counts samples of at most 2^i ns (bucket 0:
-// 0..1 ns); the last bucket also takes everything larger (about 275 s and up).
+// Fixed log2 buckets: bucket i < 38 counts samples of at most 2^i ns (bucket
+// 0: 0 and 1 ns); the last, 38, everything above 2^37 ns (about 137 s).
 struct LatencyHistogram {
   static constexpr int kBuckets = 39;
   static constexpr uint64_t UpperBoundNs(int bucket) { return uint64_t{1} << bucket; }
