@@ -14,6 +14,7 @@
 #include "stepmesh/options.h"
 #include "stepmesh/stats.h"
 #include "stepmesh/tensor.h"
+#include "stepmesh/trace.h"
 #include "stepmesh/types.h"
 
 namespace stepmesh {
@@ -88,6 +89,11 @@ class AFTensorServer {
   // A copy of this server's counters and stage histograms (always kept; the
   // stage histograms need options.trace.enabled). Any thread; allocates.
   virtual MeshStats Stats() = 0;
+
+  // This host's clock against the scheduler's (stepmesh/trace.h): 8 exchanges
+  // over the control connection, the shortest kept; each bounded by
+  // options.timeout. For lining up stamps (FetchTrace) of several hosts.
+  virtual absl::StatusOr<ClockSync> SchedulerClock() = 0;
 
   virtual absl::Status Barrier() = 0;
   virtual absl::Status Shutdown() = 0;

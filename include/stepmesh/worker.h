@@ -83,6 +83,11 @@ class AFTensorWorker {
   // stage histograms need options.trace.enabled). Any thread; allocates.
   virtual MeshStats Stats() = 0;
 
+  // This host's clock against the scheduler's (stepmesh/trace.h): 8 exchanges
+  // over the control connection, the shortest kept; each bounded by
+  // options.timeout. For lining up stamps (FetchTrace) of several hosts.
+  virtual absl::StatusOr<ClockSync> SchedulerClock() = 0;
+
   // Waits for every worker and server to reach the same barrier.
   virtual absl::Status Barrier() = 0;
   // Leaves the mesh; pending requests fail with CANCELLED. Also run by the destructor.

@@ -168,6 +168,10 @@ class Server final : public AFTensorServer, public MeshNode {
     return s;
   }
 
+  absl::StatusOr<ClockSync> SchedulerClock() override {
+    return rendezvous_->EstimateClock(8, options_.timeout);
+  }
+
   absl::Status Barrier() override { return rendezvous_->Barrier(options_.timeout); }
 
   absl::Status Shutdown() override {

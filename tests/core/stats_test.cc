@@ -8,6 +8,7 @@
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <string>
 #include <thread>
@@ -19,6 +20,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "src/compose/transports.h"
+#include "src/core/rendezvous.h"
 #include "src/core/stats_recorder.h"
 #include "stepmesh/server.h"
 #include "stepmesh/worker.h"
@@ -321,6 +323,46 @@ TEST_CASE("Stats() counts what was sent, on both ends, and PrometheusText parses
       CheckHistogram(e, node, static_cast<Stage>(s), stats.stages[s]);
     }
   }
+}
+
+}  // namespace
+}  // namespace stepmesh
+
+namespace stepmesh {
+namespace {
+
+TEST_CASE("clock offset from one exchange: scheduler = local + offset", "[clock]") {
+  // The scheduler's clock is 1 ms ahead; 50 ns each way.
+  const ClockSync ahead = core::ClockFromExchange(100, 100 + 50 + 1000000, 200);
+  CHECK(ahead.round_trip_ns == 100);
+  CHECK(ahead.offset_ns == 1000000);
+  // Behind by 5 us, asymmetric delays (10 ns out, 90 back): off by their half difference.
+  const ClockSync behind = core::ClockFromExchange(10000, 10000 + 10 - 5000, 10100);
+  CHECK(behind.round_trip_ns == 100);
+  CHECK(behind.offset_ns == -5000 - 40);
+}
+
+TEST_CASE(
+    "SchedulerClock() over a live mesh: one host, so the offset is within half the round trip",
+    "[clock][tcp]") {
+  MeshOptions base;
+  base.transport = "tcp";
+  base.num_workers = 2;
+  base.num_servers = 2;
+  base.timeout = absl::Seconds(30);
+  auto mesh = testing::LoopbackMesh::Start(base, compose::CreateTransport);
+  REQUIRE_OK(mesh);
+  const auto check = [](absl::StatusOr<ClockSync> sync) {
+    REQUIRE_OK(sync);
+    INFO("offset " << sync->offset_ns << " ns, round trip " << sync->round_trip_ns << " ns");
+    CHECK(sync->round_trip_ns > 0);
+    CHECK(sync->round_trip_ns < 30'000'000'000ull);
+    // One CLOCK_MONOTONIC: the true offset is 0 and the estimate's error is
+    // at most half the round trip (rounded up).
+    CHECK(std::abs(sync->offset_ns) <= static_cast<int64_t>((sync->round_trip_ns + 1) / 2));
+  };
+  for (int w = 0; w < 2; ++w) check((*mesh)->worker(w).SchedulerClock());
+  for (int s = 0; s < 2; ++s) check((*mesh)->server(s).SchedulerClock());
 }
 
 }  // namespace
