@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <functional>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
@@ -45,6 +46,7 @@
 #include "benchmarks/perf_baselines.h"
 #include "benchmarks/perf_report.h"
 #include "src/base/net.h"
+#include "src/tools/metrics/metrics_http.h"
 #include "stepmesh/stepmesh.h"
 #include "tests/support/child_process.h"
 
@@ -80,6 +82,8 @@ struct Flags {
   int timeout_ms = 30000;                 // one wait, connect or barrier
   int sockbuf = 8 << 20;                  // raw-tcp SO_SNDBUF/SO_RCVBUF, as the TCP transport
   bool threads = false;
+  int metrics_port = 0;     // > 0: worker w serves GET /metrics on it + w, server s on it + X + s
+  std::string metrics_file; // each participant writes <file>.<role><rank> before leaving
   int parent_pid = 0;                     // internal: set on children
   std::string command_line;
 };
@@ -96,6 +100,7 @@ int Usage(const char* why) {
       "  [--baseline raw-tcp,zmq,memcpy] [--json FILE]\n"
       "  [--host IP] [--server-hosts IP,..] [--baseline-port P] [--threads]\n"
       "  [--deadline-s S] [--timeout-ms T] [--sockbuf BYTES]\n"
+      "  [--metrics-port P] [--metrics-file PATH]   (docs/metrics.md)\n"
       "Unset mesh flags (role, rank, pattern, scheduler, host, transport, backend, device,\n"
       "poll mode, cores, timeout) come from STEPMESH_* / DMLC_* (docs/configuration.md).\n");
   return 2;
@@ -211,6 +216,8 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
     else if (flag == "--deadline-s") ok = absl::SimpleAtoi(value, &f.deadline_s);
     else if (flag == "--timeout-ms") ok = absl::SimpleAtoi(value, &f.timeout_ms);
     else if (flag == "--sockbuf") ok = absl::SimpleAtoi(value, &f.sockbuf);
+    else if (flag == "--metrics-port") ok = absl::SimpleAtoi(value, &f.metrics_port);
+    else if (flag == "--metrics-file") f.metrics_file = value;
     else if (flag == "--parent-pid") ok = absl::SimpleAtoi(value, &f.parent_pid);
     else return absl::InvalidArgumentError(absl::StrCat("unknown flag ", flag));
     if (!ok) return absl::InvalidArgumentError(absl::StrCat("bad value for ", flag, ": ", value));
@@ -313,6 +320,31 @@ TensorView View2d(void* data, int64_t rows, size_t cols, Device device) {
   return TensorView{data, DType::kUInt8, Shape{rows, static_cast<int64_t>(cols)}, device};
 }
 
+// ---------------------------------------------------------------- metrics
+
+// --metrics-port: this participant's Stats() over HTTP on port + `offset`
+// while it runs (null without the flag). `stats` must outlive the server.
+absl::StatusOr<std::unique_ptr<tools::MetricsHttpServer>> ServeMetrics(
+    const Flags& f, int offset, std::function<MeshStats()> stats) {
+  if (f.metrics_port <= 0) return nullptr;
+  const int port = f.metrics_port + offset;
+  if (port > 65535) return absl::InvalidArgumentError(absl::StrCat("metrics port ", port));
+  STEPMESH_ASSIGN_OR_RETURN(
+      std::unique_ptr<tools::MetricsHttpServer> server,
+      tools::MetricsHttpServer::Start(static_cast<uint16_t>(port),
+                                      [stats] { return PrometheusText(stats()); }));
+  std::printf("metrics: http://127.0.0.1:%u/metrics\n", server->port());
+  std::fflush(stdout);
+  return server;
+}
+
+// --metrics-file: the final counters, as <file>.<role><rank>.
+absl::Status WriteMetrics(const Flags& f, const MeshStats& stats) {
+  if (f.metrics_file.empty()) return absl::OkStatus();
+  return tools::WriteMetricsFile(
+      absl::StrCat(f.metrics_file, ".", RoleName(stats.role), stats.rank), PrometheusText(stats));
+}
+
 // ---------------------------------------------------------------- server
 
 absl::Status RunServerRole(const Flags& f) {
@@ -321,6 +353,8 @@ absl::Status RunServerRole(const Flags& f) {
   STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<AFTensorServer> server,
                             AFTensorServer::Create(MakeOptions(f, Role::kServer), backend));
   const int s = server->rank();
+  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<tools::MetricsHttpServer> metrics,
+                            ServeMetrics(f, f.workers + s, [&] { return server->Stats(); }));
   std::unique_ptr<BaselineServers> baselines;
   if (Wants(f, "raw-tcp") || Wants(f, "zmq")) {
     if (f.baseline_port <= 0) return absl::InvalidArgumentError("baselines need --baseline-port");
@@ -364,6 +398,8 @@ absl::Status RunServerRole(const Flags& f) {
     }
   }
   STEPMESH_RETURN_IF_ERROR(server->Barrier());  // every worker is done with the baselines
+  STEPMESH_RETURN_IF_ERROR(WriteMetrics(f, server->Stats()));
+  metrics.reset();
   return server->Shutdown();
 }
 
@@ -421,6 +457,8 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
   std::shared_ptr<Backend> backend = std::move(made);
   STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<AFTensorWorker> worker,
                             AFTensorWorker::Create(MakeOptions(f, Role::kWorker), backend));
+  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<tools::MetricsHttpServer> metrics,
+                            ServeMetrics(f, worker->rank(), [&] { return worker->Stats(); }));
   const int y = worker->num_servers();
   const int M = f.micro_batches;
   Buffers buffers;
@@ -596,6 +634,8 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
   raw.reset();  // close the baseline connections before the servers stop serving
   zmq.reset();
   STEPMESH_RETURN_IF_ERROR(worker->Barrier());
+  STEPMESH_RETURN_IF_ERROR(WriteMetrics(f, worker->Stats()));
+  metrics.reset();
   STEPMESH_RETURN_IF_ERROR(worker->Shutdown());
   return results;
 }
@@ -672,6 +712,14 @@ std::vector<std::string> PlanArgs(const Flags& f) {
   if (!f.recv_cores.empty()) {
     a.push_back("--recv-cores");
     a.push_back(absl::StrJoin(f.recv_cores, ","));
+  }
+  if (f.metrics_port > 0) {
+    a.push_back("--metrics-port");
+    a.push_back(absl::StrCat(f.metrics_port));
+  }
+  if (!f.metrics_file.empty()) {
+    a.push_back("--metrics-file");
+    a.push_back(f.metrics_file);
   }
   return a;
 }

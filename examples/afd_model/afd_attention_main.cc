@@ -7,6 +7,7 @@
 //
 //   afd_attention --scheduler HOST:PORT --rank A --results FILE [--dump-layers]
 //                 [--progress FILE] [--inject-wrong-layer STEP:LAYER]
+//                 [--metrics-port P] [--metrics-file FILE]  (docs/metrics.md)
 //                 [run flags: --model (or --config) --attention --ffn --requests
 //                  --prompt-len --decode-steps --micro-batches --transport --backend
 //                  --poll-mode --engine --kv-cache --timeout-ms] [--device N]
@@ -35,6 +36,7 @@
 #include "examples/afd_model/example_model.h"
 #include "examples/afd_model/model_weights.h"
 #include "examples/afd_model/wire.h"
+#include "src/tools/metrics/metrics_http.h"
 #include "stepmesh/stepmesh.h"
 
 namespace afd::example {
@@ -73,8 +75,25 @@ class AttentionInstance {
   // Test hook: the header of (step, layer) names layer + 1 (the FFN must refuse it).
   void InjectWrongLayer(int step, int layer) { wrong_layer_ = {step, layer}; }
   const AttentionResults& results() const { return results_; }
-  absl::Status Finish() {
+  // --metrics-port: the worker's Stats() over HTTP until Finish.
+  absl::Status ServeMetrics(int port) {
+    STEPMESH_ASSIGN_OR_RETURN(metrics_,
+                              stepmesh::tools::MetricsHttpServer::Start(
+                                  static_cast<uint16_t>(port),
+                                  [this] { return stepmesh::PrometheusText(worker_->Stats()); }));
+    std::printf("afd_attention[%d]: metrics at http://127.0.0.1:%u/metrics\n", rank_,
+                metrics_->port());
+    std::fflush(stdout);
+    return absl::OkStatus();
+  }
+  // `metrics_file` (may be empty): the final Stats() in Prometheus text.
+  absl::Status Finish(const std::string& metrics_file) {
     if (absl::Status s = worker_->Barrier(); !s.ok()) return s;
+    if (!metrics_file.empty()) {
+      STEPMESH_RETURN_IF_ERROR(stepmesh::tools::WriteMetricsFile(
+          metrics_file, stepmesh::PrometheusText(worker_->Stats())));
+    }
+    metrics_.reset();
     return worker_->Shutdown();
   }
 
@@ -99,6 +118,7 @@ class AttentionInstance {
   // The worker reads the registered memory the engine owns, so it is
   // declared last and destroyed first.
   std::unique_ptr<stepmesh::AFTensorWorker> worker_;
+  std::unique_ptr<stepmesh::tools::MetricsHttpServer> metrics_;  // reads worker_
 };
 
 void AttentionInstance::SizeResults() {
@@ -288,6 +308,8 @@ int Main(int argc, char** argv) {
   const std::string scheduler = flags->Str("scheduler", mesh.scheduler);
   const std::string results_path = flags->Str("results", "");
   const std::string progress_path = flags->Str("progress", "");
+  const std::string metrics_file = flags->Str("metrics-file", "");
+  absl::StatusOr<int64_t> metrics_port = flags->Int("metrics-port", 0);
   Progress wrong_layer;
   if (const std::string inject = flags->Str("inject-wrong-layer", ""); !inject.empty()) {
     std::vector<std::string> parts = absl::StrSplit(inject, ':');
@@ -302,6 +324,9 @@ int Main(int argc, char** argv) {
   absl::StatusOr<int64_t> device = flags->Int("device", mesh.device);
   absl::Status st = shape.ok() ? flags->CheckAllUsed() : shape.status();
   if (st.ok() && (!rank.ok() || !device.ok())) st = !rank.ok() ? rank.status() : device.status();
+  if (st.ok() && (!metrics_port.ok() || *metrics_port < 0 || *metrics_port > 65535)) {
+    st = absl::InvalidArgumentError("--metrics-port wants a port in [0, 65535]");
+  }
   if (st.ok() && (scheduler.empty() || *rank < 0 || *rank >= shape->attention)) {
     st = absl::InvalidArgumentError(
         "need --scheduler and --rank (or STEPMESH_RANK) in [0, --attention)");
@@ -327,9 +352,10 @@ int Main(int argc, char** argv) {
   if (wrong_layer.step >= 0) instance.InjectWrongLayer(wrong_layer.step, wrong_layer.layer);
   if (!progress_path.empty()) st = instance.OpenProgress(progress_path);
   if (st.ok()) st = instance.Init(scheduler, static_cast<int>(*device));
+  if (st.ok() && *metrics_port > 0) st = instance.ServeMetrics(static_cast<int>(*metrics_port));
   if (st.ok()) st = instance.Run();
   if (st.ok() && !results_path.empty()) st = WriteResults(results_path, instance.results());
-  if (st.ok()) st = instance.Finish();
+  if (st.ok()) st = instance.Finish(metrics_file);
   if (!st.ok()) {
     std::fprintf(stderr, "afd_attention[%d]: error: %s\n", a, st.ToString().c_str());
     return 1;

@@ -5,6 +5,7 @@
 // by afd_launch.
 //
 //   afd_ffn --scheduler HOST:PORT --rank P [run flags, as afd_attention]
+//           [--metrics-port P] [--metrics-file FILE]  (docs/metrics.md)
 //
 // Every micro-batch has its own recv regions (codes, scales, topk ids, topk
 // weights; one slot per attention instance) and reply region. A batch holds
@@ -26,6 +27,7 @@
 #include "examples/afd_model/config.h"
 #include "examples/afd_model/example_model.h"
 #include "examples/afd_model/wire.h"
+#include "src/tools/metrics/metrics_http.h"
 #include "stepmesh/stepmesh.h"
 
 namespace afd::example {
@@ -40,6 +42,11 @@ class FfnInstance {
       : shape_(shape), config_(config), rank_(rank) {}
 
   absl::Status Init(const std::string& scheduler, int device);
+  // --metrics-port / --metrics-file (either may be unset: 0, empty).
+  void SetMetrics(int port, std::string file) {
+    metrics_port_ = port;
+    metrics_file_ = std::move(file);
+  }
   absl::Status Run();
 
  private:
@@ -57,6 +64,9 @@ class FfnInstance {
   std::unique_ptr<FfnEngine> engine_;
   // Destroyed first: it reads the engine's regions.
   std::unique_ptr<stepmesh::AFTensorServer> server_;
+  int metrics_port_ = 0;
+  std::string metrics_file_;
+  std::unique_ptr<stepmesh::tools::MetricsHttpServer> metrics_;  // reads server_
 };
 
 absl::Status FfnInstance::Init(const std::string& scheduler, int device) {
@@ -85,6 +95,14 @@ absl::Status FfnInstance::Init(const std::string& scheduler, int device) {
                             MeshOptionsFor(shape_, stepmesh::Role::kServer, rank_, scheduler));
   options.device = device;
   STEPMESH_ASSIGN_OR_RETURN(server_, stepmesh::AFTensorServer::Create(options, backend_));
+  if (metrics_port_ > 0) {
+    STEPMESH_ASSIGN_OR_RETURN(metrics_,
+                              stepmesh::tools::MetricsHttpServer::Start(
+                                  static_cast<uint16_t>(metrics_port_),
+                                  [this] { return stepmesh::PrometheusText(server_->Stats()); }));
+    std::printf("afd_ffn[%d]: metrics at http://127.0.0.1:%u/metrics\n", rank_, metrics_->port());
+    std::fflush(stdout);
+  }
   for (int m = 0; m < shape_.micro_batches; ++m) {
     FfnWire& r = engine_->wire(m);
     STEPMESH_RETURN_IF_ERROR(server_->RegisterRecvTensor(
@@ -177,6 +195,11 @@ absl::Status FfnInstance::Run() {
   STEPMESH_RETURN_IF_ERROR(engine_->stream().Synchronize(shape_.timeout));
   STEPMESH_RETURN_IF_ERROR(engine_->Finish());
   STEPMESH_RETURN_IF_ERROR(server_->Barrier());
+  if (!metrics_file_.empty()) {
+    STEPMESH_RETURN_IF_ERROR(stepmesh::tools::WriteMetricsFile(
+        metrics_file_, stepmesh::PrometheusText(server_->Stats())));
+  }
+  metrics_.reset();
   STEPMESH_RETURN_IF_ERROR(server_->Shutdown());
   std::printf("afd_ffn[%d]: partition %d of %d served %lld batches, %lld tokens (%s engine)\n",
               rank_, rank_, shape_.ffn, static_cast<long long>(expected),
@@ -201,8 +224,13 @@ int Main(int argc, char** argv) {
   const std::string scheduler = flags->Str("scheduler", mesh.scheduler);
   absl::StatusOr<int64_t> rank = flags->Int("rank", mesh.rank);
   absl::StatusOr<int64_t> device = flags->Int("device", mesh.device);
+  const std::string metrics_file = flags->Str("metrics-file", "");
+  absl::StatusOr<int64_t> metrics_port = flags->Int("metrics-port", 0);
   absl::Status st = shape.ok() ? flags->CheckAllUsed() : shape.status();
   if (st.ok() && (!rank.ok() || !device.ok())) st = !rank.ok() ? rank.status() : device.status();
+  if (st.ok() && (!metrics_port.ok() || *metrics_port < 0 || *metrics_port > 65535)) {
+    st = absl::InvalidArgumentError("--metrics-port wants a port in [0, 65535]");
+  }
   if (st.ok() && (scheduler.empty() || *rank < 0 || *rank >= shape->ffn)) {
     st = absl::InvalidArgumentError("need --scheduler and --rank (or STEPMESH_RANK) in [0, --ffn)");
   }
@@ -224,6 +252,7 @@ int Main(int argc, char** argv) {
   }
   const int p = static_cast<int>(*rank);
   FfnInstance instance(*shape, model->config, p);
+  instance.SetMetrics(static_cast<int>(*metrics_port), metrics_file);
   st = instance.Init(scheduler, static_cast<int>(*device));
   if (st.ok()) st = instance.Run();
   if (!st.ok()) {

@@ -9,6 +9,7 @@
 //              [--scheduler-binary PATH] [--no-reference] [--no-layer-check]
 //              [--kill-ffn-after-ms N [--kill-ffn P] --expect-failure]
 //              [--emulate-compute PLAN.json]
+//              [--metrics-port P] [--metrics-file PREFIX]
 //
 // Starts the stepmesh scheduler (in this process on a free 127.0.0.1 port,
 // or the stepmesh_scheduler program), X afd_attention and Y afd_ffn
@@ -233,6 +234,8 @@ struct LaunchFlags {
   int kill_ffn = -1;
   bool expect_failure = false;
   std::string inject_wrong_layer;  // "STEP:LAYER" for attention 0's header
+  int64_t metrics_port = 0;        // attention a serves on it + a, FFN p on it + X + p
+  std::string metrics_file;        // each process writes PREFIX.worker<a> / PREFIX.server<p>
 };
 
 int Fail(absl::string_view line) {
@@ -253,6 +256,9 @@ class Launcher {
  private:
   absl::Status StartScheduler();
   absl::Status StartChildren();
+  // --metrics-port / --metrics-file for the child of `role` and `rank`.
+  void AppendMetricsFlags(stepmesh::Role role, int rank, int port_offset,
+                          std::vector<std::string>* argv) const;
   // Waits for every child: true when all exited 0. Applies the kill test.
   bool WaitChildren(absl::Time deadline, std::string* why);
   int CheckExpectedFailure();
@@ -343,6 +349,18 @@ absl::Status Launcher::StartScheduler() {
   return absl::OkStatus();
 }
 
+void Launcher::AppendMetricsFlags(stepmesh::Role role, int rank, int port_offset,
+                                  std::vector<std::string>* argv) const {
+  if (f_.metrics_port > 0) {
+    argv->push_back("--metrics-port");
+    argv->push_back(absl::StrCat(f_.metrics_port + port_offset));
+  }
+  if (!f_.metrics_file.empty()) {
+    argv->push_back("--metrics-file");
+    argv->push_back(absl::StrCat(f_.metrics_file, ".", stepmesh::RoleName(role), rank));
+  }
+}
+
 absl::Status Launcher::StartChildren() {
   const std::string dir = SelfDir();
   const std::vector<std::string> env = ChildEnvironment();
@@ -350,6 +368,7 @@ absl::Status Launcher::StartChildren() {
     std::vector<std::string> argv = {dir + "/afd_ffn", "--scheduler", scheduler_address_, "--rank",
                                      absl::StrCat(p)};
     AppendRunFlags(f_.shape, &argv);
+    AppendMetricsFlags(stepmesh::Role::kServer, p, f_.shape.attention + p, &argv);
     const std::string base = absl::StrCat(f_.work_dir, "/ffn-", p);
     STEPMESH_ASSIGN_OR_RETURN(
         auto child, Child::Start(absl::StrCat("ffn ", p), argv, env, base + ".out", base + ".err"));
@@ -372,6 +391,7 @@ absl::Status Launcher::StartChildren() {
     argv.push_back("--progress");
     argv.push_back(ProgressPath(a));
     AppendRunFlags(f_.shape, &argv);
+    AppendMetricsFlags(stepmesh::Role::kWorker, a, a, &argv);
     const std::string base = absl::StrCat(f_.work_dir, "/attention-", a);
     STEPMESH_ASSIGN_OR_RETURN(auto child, Child::Start(absl::StrCat("attention ", a), argv, env,
                                                        base + ".out", base + ".err"));
@@ -682,6 +702,11 @@ launcher:
   --deadline-s N         kill everything after N s, default 300
   --progress-s N         a progress line every N s while running (0: none), default 10
   --chrome-trace FILE    write a Chrome trace of the run
+  --metrics-port P       each process serves its stepmesh Stats() at
+                         http://127.0.0.1:PORT/metrics: attention a on P + a,
+                         FFN p on P + X + p (docs/metrics.md)
+  --metrics-file PREFIX  each process writes its final Stats() to
+                         PREFIX.worker<a> / PREFIX.server<p>
   --work-dir DIR         logs and results there (kept); default a fresh
                          /tmp/afd_launch.* removed on success
   --keep-work-dir        keep the default work directory
@@ -839,7 +864,8 @@ int Main(int argc, char** argv) {
   absl::StatusOr<int64_t> progress = flags->Int("progress-s", f.progress_s);
   absl::StatusOr<int64_t> kill_after = flags->Int("kill-ffn-after-ms", -1);
   absl::StatusOr<int64_t> kill_ffn = flags->Int("kill-ffn", -1);
-  for (const auto* s : {&deadline, &progress, &kill_after, &kill_ffn}) {
+  absl::StatusOr<int64_t> metrics_port = flags->Int("metrics-port", 0);
+  for (const auto* s : {&deadline, &progress, &kill_after, &kill_ffn, &metrics_port}) {
     if (!s->ok()) return UsageError(s->status().message());
   }
   f.deadline_s = *deadline;
@@ -853,6 +879,11 @@ int Main(int argc, char** argv) {
   f.layer_check = !flags->Bool("no-layer-check");
   f.expect_failure = flags->Bool("expect-failure");
   f.inject_wrong_layer = flags->Str("inject-wrong-layer", "");
+  f.metrics_port = *metrics_port;
+  f.metrics_file = flags->Str("metrics-file", "");
+  if (f.metrics_port < 0 || f.metrics_port + f.shape.attention + f.shape.ffn > 65536) {
+    return UsageError("--metrics-port: the ports P .. P + X + Y - 1 must be in [1, 65535]");
+  }
   const bool keep = flags->Bool("keep-work-dir") || !f.work_dir.empty();
   if (absl::Status s = flags->CheckAllUsed(); !s.ok()) return UsageError(s.message());
   // The emulated engine runs no model: there is nothing to check against.

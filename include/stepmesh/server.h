@@ -13,7 +13,9 @@
 #include "stepmesh/export.h"
 #include "stepmesh/handle.h"
 #include "stepmesh/options.h"
+#include "stepmesh/stats.h"
 #include "stepmesh/tensor.h"
+#include "stepmesh/trace.h"
 #include "stepmesh/types.h"
 
 namespace stepmesh {
@@ -84,6 +86,15 @@ class STEPMESH_EXPORT AFTensorServer {
   // must have a Reply; nothing is sent when the call fails.
   virtual absl::Status Respond(const Batch& batch, absl::Span<const Reply> replies,
                                const SendOptions& options = {}) = 0;
+
+  // A copy of this server's counters and stage histograms (always kept; the
+  // stage histograms need options.trace.enabled). Any thread; allocates.
+  virtual MeshStats Stats() = 0;
+
+  // This host's clock against the scheduler's (stepmesh/trace.h): 8 exchanges
+  // over the control connection, the shortest kept; each bounded by
+  // options.timeout. For lining up stamps (FetchTrace) of several hosts.
+  virtual absl::StatusOr<ClockSync> SchedulerClock() = 0;
 
   virtual absl::Status Barrier() = 0;
   virtual absl::Status Shutdown() = 0;

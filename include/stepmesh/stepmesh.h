@@ -7,6 +7,7 @@
 #include "stepmesh/options.h"
 #include "stepmesh/scheduler.h"
 #include "stepmesh/server.h"
+#include "stepmesh/stats.h"
 #include "stepmesh/status.h"
 #include "stepmesh/tensor.h"
 #include "stepmesh/trace.h"

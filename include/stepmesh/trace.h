@@ -30,4 +30,13 @@ struct TraceRecord {
 
 STEPMESH_EXPORT uint64_t MonotonicNowNs();
 
+// This host's clock against the scheduler's, for lining up stamps of several
+// hosts: scheduler time = local MonotonicNowNs() + offset_ns, within
+// round_trip_ns / 2 (the best of a few exchanges over the control connection,
+// NTP-style: offset = scheduler stamp - midpoint of the local send and receive).
+struct ClockSync {
+  int64_t offset_ns = 0;
+  uint64_t round_trip_ns = 0;
+};
+
 }  // namespace stepmesh

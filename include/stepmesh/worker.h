@@ -13,6 +13,7 @@
 #include "stepmesh/export.h"
 #include "stepmesh/handle.h"
 #include "stepmesh/options.h"
+#include "stepmesh/stats.h"
 #include "stepmesh/tensor.h"
 #include "stepmesh/trace.h"
 #include "stepmesh/types.h"
@@ -78,6 +79,15 @@ class STEPMESH_EXPORT AFTensorWorker {
   virtual absl::Status StreamWaitNextPull(Key key, int server, Stream& stream) = 0;
   // The stamps of a completed request; valid after Wait until its slot is reused.
   virtual absl::StatusOr<TraceRecord> FetchTrace(RequestHandle handle) = 0;
+
+  // A copy of this worker's counters and stage histograms (always kept; the
+  // stage histograms need options.trace.enabled). Any thread; allocates.
+  virtual MeshStats Stats() = 0;
+
+  // This host's clock against the scheduler's (stepmesh/trace.h): 8 exchanges
+  // over the control connection, the shortest kept; each bounded by
+  // options.timeout. For lining up stamps (FetchTrace) of several hosts.
+  virtual absl::StatusOr<ClockSync> SchedulerClock() = 0;
 
   // Waits for every worker and server to reach the same barrier.
   virtual absl::Status Barrier() = 0;

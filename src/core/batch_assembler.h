@@ -116,6 +116,7 @@ class BatchAssembler {
 
   // ---- any thread ----
   bool HasReady() const { return ready_count_.load(std::memory_order_acquire) > 0; }
+  int ready_count() const { return ready_count_.load(std::memory_order_relaxed); }
   // The oldest ready batch, handed out.
   std::optional<Batch> TakeReady();
   // kReadyByDeadline: the oldest batch still collecting, handed out as it is.

@@ -95,6 +95,10 @@ std::string EncodeControl(const ControlMessage& m) {
     case ControlType::kProof:
       payload.Text(m.text);
       break;
+    case ControlType::kClock:
+      payload.Int<uint64_t>(m.sequence);
+      payload.Int<uint64_t>(m.clock_ns);
+      break;
   }
   Writer header;
   header.Int<uint32_t>(kControlMagic);
@@ -114,7 +118,7 @@ absl::StatusOr<std::pair<ControlType, uint32_t>> DecodeControlHeader(
     return absl::FailedPreconditionError(absl::StrCat("control protocol version ", version));
   }
   STEPMESH_ASSIGN_OR_RETURN(uint16_t type, r.Int<uint16_t>());
-  if (type < 1 || type > static_cast<uint16_t>(ControlType::kProof)) {
+  if (type < 1 || type > static_cast<uint16_t>(ControlType::kClock)) {
     return absl::DataLossError(absl::StrCat("unknown control message type ", type));
   }
   STEPMESH_ASSIGN_OR_RETURN(uint32_t length, r.Int<uint32_t>());
@@ -179,6 +183,11 @@ absl::StatusOr<ControlMessage> DecodeControlPayload(ControlType type,
     case ControlType::kChallenge:
     case ControlType::kProof: {
       STEPMESH_ASSIGN_OR_RETURN(m.text, r.Text());
+      break;
+    }
+    case ControlType::kClock: {
+      STEPMESH_ASSIGN_OR_RETURN(m.sequence, r.Int<uint64_t>());
+      STEPMESH_ASSIGN_OR_RETURN(m.clock_ns, r.Int<uint64_t>());
       break;
     }
   }

@@ -33,6 +33,8 @@ enum class ControlType : uint16_t {
   kPeerJoined = 10,  // scheduler -> participant: `node` (re)joined at `endpoint`
   kChallenge = 11,   // either way: auth nonce
   kProof = 12,       // either way: auth proof
+  kClock = 13,       // participant -> scheduler: `sequence` = its send time; the scheduler
+                     // echoes it with `clock_ns` = its own clock (ClockOffset)
 };
 
 struct RosterEntry {
@@ -59,6 +61,7 @@ struct ControlMessage {
   std::string mesh_id;
   uint8_t join_flags = 0;
   uint64_t barrier_released = 0;  // kJoin with kJoinResume: the last barrier released to it
+  uint64_t clock_ns = 0;          // kClock from the scheduler: its CLOCK_MONOTONIC
 };
 
 std::string EncodeControl(const ControlMessage& message);  // header + payload

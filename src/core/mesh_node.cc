@@ -19,7 +19,16 @@ MeshNode::MeshNode(const MeshOptions& options, std::shared_ptr<Backend> backend)
     : options_(options),
       backend_(std::move(backend)),
       io_(*backend_, options.payload_checksum),
-      lost_(PeerCount()) {}
+      lost_(PeerCount()),
+      stats_(options.role, options.role == Role::kWorker ? Role::kServer : Role::kWorker,
+             PeerCount()) {}
+
+MeshStats MeshNode::BaseStats() const {
+  MeshStats s = stats_.Snapshot();
+  s.rank = rank_;
+  s.sends_queued = queued_.load(std::memory_order_relaxed);
+  return s;
+}
 
 MeshNode::~MeshNode() { STEPMESH_CHECK(!started_ || stopped()); }
 

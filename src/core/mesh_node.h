@@ -19,6 +19,7 @@
 #include "src/core/payload_io.h"
 #include "src/core/region_table.h"
 #include "src/core/rendezvous.h"
+#include "src/core/stats_recorder.h"
 #include "src/core/transport.h"
 #include "stepmesh/backend.h"
 #include "stepmesh/options.h"
@@ -117,6 +118,10 @@ class MeshNode : public TransportSink {
   std::unique_ptr<RendezvousClient> rendezvous_;
   NodeId self_ = kNoNode;
   int rank_ = -1;
+  StatsRecorder stats_;  // always on: relaxed atomic adds (src/core/stats_recorder.h)
+
+  // The recorder's counters plus this node's rank and send queue depth.
+  MeshStats BaseStats() const;
 
  private:
   // The transport registration behind RegisterTensor: in place where the

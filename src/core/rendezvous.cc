@@ -1,5 +1,8 @@
 #include "src/core/rendezvous.h"
 
+#include <algorithm>
+#include <optional>
+
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "src/base/logging.h"
@@ -208,6 +211,15 @@ void RendezvousClient::MonitorLoop() {
         barrier_released_ = std::max(barrier_released_, m->sequence);
         break;
       }
+      case ControlType::kClock: {
+        const uint64_t now = MonotonicNowNs();
+        base::MutexLock lock(&mu_);
+        if (m->sequence == clock_sent_ns_ && clock_received_ns_ == 0) {  // else a late answer
+          clock_scheduler_ns_ = m->clock_ns;
+          clock_received_ns_ = now;
+        }
+        break;
+      }
       case ControlType::kPeerLost:
         if (events_.on_peer_lost) {
           Post([this, node = m->node, why = absl::UnavailableError(m->text)] {
@@ -289,6 +301,44 @@ bool RendezvousClient::Reconnect() {
   }
   return false;
 }
+ClockSync ClockFromExchange(uint64_t sent_ns, uint64_t scheduler_ns, uint64_t received_ns) {
+  const uint64_t rtt = received_ns - sent_ns;
+  return ClockSync{static_cast<int64_t>(scheduler_ns - (sent_ns + rtt / 2)), rtt};
+}
+
+absl::StatusOr<ClockSync> RendezvousClient::EstimateClock(int samples, absl::Duration timeout) {
+  base::MutexLock one_at_a_time(&clock_mu_);
+  std::optional<ClockSync> best;
+  absl::Status last = absl::InvalidArgumentError("no samples asked for");
+  for (int i = 0; i < samples; ++i) {
+    ControlMessage m;
+    m.type = ControlType::kClock;
+    {
+      base::MutexLock lock(&mu_);
+      // Distinct per exchange even within one clock tick: the answer is matched by it.
+      m.sequence = std::max(MonotonicNowNs(), clock_sent_ns_ + 1);
+      clock_sent_ns_ = m.sequence;
+      clock_received_ns_ = 0;
+    }
+    if (absl::Status sent = Send(m); !sent.ok()) {
+      last = sent;
+      continue;
+    }
+    base::MutexLock lock(&mu_);
+    auto answered = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return clock_received_ns_ != 0; };
+    if (!mu_.AwaitWithTimeout(answered, timeout)) {
+      last = absl::DeadlineExceededError(absl::StrCat(
+          "the scheduler did not answer a clock query within ", absl::FormatDuration(timeout)));
+      continue;
+    }
+    const ClockSync sample =
+        ClockFromExchange(clock_sent_ns_, clock_scheduler_ns_, clock_received_ns_);
+    if (!best || sample.round_trip_ns < best->round_trip_ns) best = sample;
+  }
+  if (!best) return last;
+  return *best;
+}
+
 
 absl::Status RendezvousClient::Barrier(absl::Duration timeout) {
   uint64_t sequence;

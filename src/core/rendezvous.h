@@ -26,6 +26,7 @@
 #include "src/base/sync.h"
 #include "src/core/control_message.h"
 #include "stepmesh/options.h"
+#include "stepmesh/trace.h"
 
 namespace stepmesh::core {
 
@@ -33,6 +34,11 @@ struct RendezvousEvents {
   std::function<void(NodeId, absl::Status)> on_peer_lost;
   std::function<void(NodeId, const std::string& endpoint)> on_peer_joined;
 };
+
+// One clock exchange: sent and received on this host's clock, `scheduler`
+// stamped by the scheduler in between. Assumes the two one-way delays equal:
+// the error is at most half the round trip.
+ClockSync ClockFromExchange(uint64_t sent_ns, uint64_t scheduler_ns, uint64_t received_ns);
 
 class RendezvousClient {
  public:
@@ -50,6 +56,9 @@ class RendezvousClient {
   absl::Status Barrier(absl::Duration timeout);
   // Orderly leave: the scheduler will not report this node as lost.
   void Leave();
+  // The scheduler's clock against this host's: `samples` exchanges (one at a
+  // time, each bounded by `timeout`), the one with the shortest round trip kept.
+  absl::StatusOr<ClockSync> EstimateClock(int samples, absl::Duration timeout);
 
  private:
   RendezvousClient(const MeshOptions& options, std::string endpoint)
@@ -89,6 +98,11 @@ class RendezvousClient {
   absl::Time disconnected_at_ ABSL_GUARDED_BY(mu_);
   uint64_t barrier_sent_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t barrier_released_ ABSL_GUARDED_BY(mu_) = 0;
+  // EstimateClock: the send time of the exchange in flight, and its answer.
+  uint64_t clock_sent_ns_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t clock_scheduler_ns_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t clock_received_ns_ ABSL_GUARDED_BY(mu_) = 0;
+  base::Mutex clock_mu_;  // one EstimateClock at a time
 
   base::Mutex events_mu_;
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(events_mu_);

@@ -14,8 +14,9 @@ constexpr size_t kErrorRing = 256;
 
 }  // namespace
 
-ReplyPath::ReplyPath(const MeshOptions& options, const PayloadIo& io, const LostPeers& lost)
-    : options_(options), io_(io), lost_(lost), errors_(kErrorRing) {}
+ReplyPath::ReplyPath(const MeshOptions& options, const PayloadIo& io, const LostPeers& lost,
+                     StatsRecorder& stats)
+    : options_(options), io_(io), lost_(lost), stats_(stats), errors_(kErrorRing) {}
 
 absl::Status ReplyPath::Prepare(BatchSlot& slot, absl::Span<const Reply> replies,
                                 const ReplyTensors& reply_tensors) const {
@@ -114,7 +115,12 @@ void ReplyPath::SendReplies(Transport& transport, NodeId self, int rank, BatchSl
     if (!sent.ok()) {
       STEPMESH_LOG(kWarning, "server ", rank, ": reply to worker ", w,
                    " failed: ", sent.ToString());
+      continue;
     }
+    stats_.Sent(w, h.payload_bytes);
+    if (h.type == FrameType::kError) stats_.Outcome(w, ready.code());
+    stats_.stage(Stage::kDispatch).RecordSpan(e.stamps.server_arrival_ns, slot.handler_ns);
+    stats_.stage(Stage::kRespond).RecordSpan(slot.handler_ns, reply_ns);
   }
 }
 
@@ -139,7 +145,12 @@ void ReplyPath::SendError(Transport& transport, NodeId self, uint32_t index) {
   h.status_code = static_cast<uint32_t>(record.code);
   h.payload_bytes = std::min<size_t>(record.message.size(), kMaxErrorTextBytes);
   absl::Status sent = transport.Send(h.dst, h, record.message.data(), 0, h.payload_bytes);
-  if (!sent.ok()) STEPMESH_LOG(kWarning, "error frame not delivered: ", sent.ToString());
+  if (!sent.ok()) {
+    STEPMESH_LOG(kWarning, "error frame not delivered: ", sent.ToString());
+    return;
+  }
+  stats_.Sent(static_cast<int>(NodeRank(h.dst)), h.payload_bytes);
+  stats_.Outcome(static_cast<int>(NodeRank(h.dst)), record.code);
 }
 
 }  // namespace stepmesh::core

@@ -16,6 +16,7 @@
 #include "src/core/lost_peers.h"
 #include "src/core/payload_io.h"
 #include "src/core/server_tensors.h"
+#include "src/core/stats_recorder.h"
 #include "src/core/transport.h"
 #include "stepmesh/options.h"
 #include "stepmesh/server.h"
@@ -25,7 +26,9 @@ namespace stepmesh::core {
 class ReplyPath {
  public:
   // Every reference must outlive the reply path.
-  ReplyPath(const MeshOptions& options, const PayloadIo& io, const LostPeers& lost);
+  // `stats` counts the frames sent and the server's stages.
+  ReplyPath(const MeshOptions& options, const PayloadIo& io, const LostPeers& lost,
+            StatsRecorder& stats);
 
   // Application thread, `slot` handed out: checks `replies` (each pulling
   // worker of the batch exactly one, within its slot of the reply tensor its
@@ -56,6 +59,7 @@ class ReplyPath {
   const MeshOptions& options_;
   const PayloadIo& io_;
   const LostPeers& lost_;
+  StatsRecorder& stats_;
   base::Mutex error_mu_;
   std::vector<ErrorRecord> errors_ ABSL_GUARDED_BY(error_mu_);
   uint64_t next_error_ ABSL_GUARDED_BY(error_mu_) = 0;

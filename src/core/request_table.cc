@@ -125,8 +125,10 @@ bool RequestTable::IsCurrent(const Request& r, uint64_t request_id) const {
          r.generation.load(std::memory_order_acquire) == static_cast<uint32_t>(request_id);
 }
 
-bool RequestTable::Settle(Request& r, int server, const absl::Status& status) {
-  if (r.settled[server].exchange(true, std::memory_order_acq_rel)) return false;
+bool RequestTable::Settle(Request& r, int server, const absl::Status& status, bool* first) {
+  const bool settled_before = r.settled[server].exchange(true, std::memory_order_acq_rel);
+  if (first != nullptr) *first = !settled_before;
+  if (settled_before) return false;
   if (!status.ok()) FailIfOk(r, status);
   // The reply is in the pull tensor (staged in, or flushed), or never will
   // be: a stream waiting for the next reply under this key may go

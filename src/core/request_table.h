@@ -100,6 +100,8 @@ class RequestTable {
   // The slot the next Commit() takes, for the caller to fill; null when every
   // slot is in flight. Its pushes, targets, pulls and `addressed` are the caller's.
   Request* NextFree();
+  // Slots taken (pending, done or not yet collected).
+  size_t in_use() const { return requests_.size() - free_.size(); }
   // Takes NextFree() as a pending request for `addressed` servers (its
   // `addressed` vector filled in): a new generation, every addressed server
   // unsettled, the send thread's reference counted.
@@ -129,7 +131,9 @@ class RequestTable {
   // counts it as an arrival of the pull registration it lands in, if any; a
   // second settle of the same server does nothing. True when that dropped the
   // last reference: the caller completes the request.
-  [[nodiscard]] bool Settle(Request& r, int server, const absl::Status& status);
+  // `first`, when given, says whether this call settled the server.
+  [[nodiscard]] bool Settle(Request& r, int server, const absl::Status& status,
+                            bool* first = nullptr);
   // Drops a reference (the send thread's); true when it was the last.
   [[nodiscard]] bool Release(Request& r);
   // Sets the result unless an error is already recorded.

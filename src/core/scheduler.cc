@@ -37,6 +37,7 @@
 #include "src/base/thread_util.h"
 #include "src/core/auth.h"
 #include "src/core/control_message.h"
+#include "stepmesh/trace.h"
 #include "stepmesh/status.h"
 
 namespace stepmesh::core {
@@ -549,6 +550,15 @@ class SchedulerImpl final : public Scheduler {
         break;
       case ControlType::kPong:
         break;
+      case ControlType::kClock: {
+        // Answered at once, so the participant's round trip bounds the error.
+        ControlMessage reply;
+        reply.type = ControlType::kClock;
+        reply.sequence = m.sequence;
+        reply.clock_ns = MonotonicNowNs();
+        Send(node, reply);
+        break;
+      }
       default:
         if (member.conn != nullptr) {
           Violation(*member.conn,

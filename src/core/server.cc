@@ -41,7 +41,7 @@ class Server final : public AFTensorServer, public MeshNode {
   Server(const MeshOptions& options, std::shared_ptr<Backend> backend)
       : MeshNode(options, std::move(backend)),
         assembler_(options.num_workers, lost_, options.trace.enabled),
-        replies_(options_, io_, lost_),
+        replies_(options_, io_, lost_, stats_),
         notes_(options.num_workers),
         worker_epochs_(new std::atomic<uint32_t>[options.num_workers]),
         rejoining_(new std::atomic<bool>[options.num_workers]),
@@ -154,10 +154,22 @@ class Server final : public AFTensorServer, public MeshNode {
     if (stopped()) return absl::FailedPreconditionError("server is shut down");
     base::ReaderMutexLock reg_lock(&reg_mu_);
     const ReplyTensors& reply_tensors = reply_regs_;
-    return assembler_.Respond(batch.handle, [&](BatchSlot& slot, uint32_t index) {
+    absl::Status responded = assembler_.Respond(batch.handle, [&](BatchSlot& slot, uint32_t index) {
       STEPMESH_RETURN_IF_ERROR(replies_.Prepare(slot, replies, reply_tensors));
       return EnqueueSend({kSendReplies, index, batch.handle.generation(), send_options.ready});
     });
+    if (responded.ok()) stats_.Request(absl::StatusCode::kOk);
+    return responded;
+  }
+
+  MeshStats Stats() override {
+    MeshStats s = BaseStats();
+    s.in_flight = static_cast<uint64_t>(std::max(assembler_.ready_count(), 0));
+    return s;
+  }
+
+  absl::StatusOr<ClockSync> SchedulerClock() override {
+    return rendezvous_->EstimateClock(8, options_.timeout);
   }
 
   absl::Status Barrier() override { return rendezvous_->Barrier(options_.timeout); }
@@ -241,6 +253,7 @@ class Server final : public AFTensorServer, public MeshNode {
   void OnFrame(NodeId peer, const FrameHeader& h, FrameContext context,
                absl::Status status) override {
     MarkActivity();
+    if (IsWorker(peer)) stats_.Received(static_cast<int>(NodeRank(peer)), h.payload_bytes);
     if (context == nullptr) {
       // Refused by Resolve before it claimed anything (a frame of another
       // type, a sender outside the mesh), or an error frame from a worker.
@@ -313,6 +326,7 @@ class Server final : public AFTensorServer, public MeshNode {
     if (!IsWorker(peer)) return;
     const int w = static_cast<int>(NodeRank(peer));
     if (w >= options_.num_workers || !lost_.MarkLost(w)) return;
+    stats_.Lost(w);
     STEPMESH_LOG(kInfo, "server ", rank_, ": ", PeerLossMessage(peer, why.message()));
     assembler_.DropWorker(w);
     NotifyWaiters();
@@ -361,6 +375,7 @@ class Server final : public AFTensorServer, public MeshNode {
                    " never connected: ", connected.ToString());
       return;
     }
+    stats_.Rejoined(w);
     STEPMESH_LOG(kInfo, "server ", rank_, ": worker ", w, " rejoined at ", endpoint);
   }
 

@@ -149,8 +149,12 @@ class Worker final : public AFTensorWorker, public MeshNode {
       return absl::DeadlineExceededError(absl::StrCat(
           "request not complete after ", absl::FormatDuration(timeout), " (still pending)"));
     }
+    if (kStatsOn && options_.trace.enabled) {
+      stats_.stage(Stage::kWake).RecordSpan(r->complete_ns, MonotonicNowNs());
+    }
     absl::Status result;
     STEPMESH_RETURN_IF_ERROR(requests_.Collect(*r, &result));
+    stats_.Request(result.code());
     base::MutexLock lock(&reg_mu_);
     requests_.Free(handle.index());
     return result;
@@ -190,6 +194,17 @@ class Worker final : public AFTensorWorker, public MeshNode {
     }
     record.complete_ns = r.complete_ns;
     return record;
+  }
+
+  MeshStats Stats() override {
+    MeshStats s = BaseStats();
+    base::MutexLock lock(&reg_mu_);
+    s.in_flight = requests_.in_use();
+    return s;
+  }
+
+  absl::StatusOr<ClockSync> SchedulerClock() override {
+    return rendezvous_->EstimateClock(8, options_.timeout);
   }
 
   absl::Status Barrier() override { return rendezvous_->Barrier(options_.timeout); }
@@ -345,6 +360,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
             absl::Status(sent.code(), absl::StrCat("sending to server ", s, ": ", sent.message())));
         return;
       }
+      stats_.Sent(s, p.bytes);
     }
   }
 
@@ -391,6 +407,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
     MarkActivity();
     Request* r = static_cast<Request*>(context);
     const int s = static_cast<int>(NodeRank(peer));
+    if (IsServer(peer)) stats_.Received(s, h.payload_bytes);
     if (h.type == FrameType::kError) {
       // Error frames carry no payload and are not resolved: validated here, once.
       absl::StatusOr<Request*> pending = AwaitingReply(peer, h);
@@ -427,6 +444,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
       t.server_handler_ns = h.stamps.server_handler_ns;
       t.server_reply_ns = h.stamps.server_reply_ns;
       t.reply_arrival_ns = options_.trace.enabled ? MonotonicNowNs() : 0;
+      RecordStages(t);
     }
     if (!status.ok()) {
       status = absl::Status(status.code(), absl::StrCat("server ", s, ": ", status.message()));
@@ -448,6 +466,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
     if (!IsServer(peer)) return;
     const int s = static_cast<int>(NodeRank(peer));
     if (s >= options_.num_servers || !lost_.MarkLost(s)) return;
+    stats_.Lost(s);
     const absl::Status failure = absl::UnavailableError(PeerLossMessage(peer, why.message()));
     std::vector<RequestHandle> pending;
     {
@@ -489,6 +508,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
       return;
     }
     lost_.MarkBack(s);
+    stats_.Rejoined(s);
     STEPMESH_LOG(kInfo, "worker ", rank_, ": server ", s, " rejoined at ", endpoint);
   }
 
@@ -508,7 +528,21 @@ class Worker final : public AFTensorWorker, public MeshNode {
 
   // --- request life ---
   void Settle(Request& r, int server, const absl::Status& status) {
-    if (requests_.Settle(r, server, status)) Complete(r);
+    bool first = false;
+    const bool last = requests_.Settle(r, server, status, &first);
+    if (first) stats_.Outcome(server, status.code());
+    if (last) Complete(r);
+  }
+
+  // The worker-side stages of one server's reply (each a difference of two
+  // stamps of one host; see Stage).
+  void RecordStages(const TraceStamps& t) {
+    stats_.stage(Stage::kSubmit).RecordSpan(t.enqueue_ns, t.post_ns);
+    const uint64_t server_ns = t.server_reply_ns - t.server_arrival_ns;
+    if (t.post_ns != 0 && t.server_arrival_ns != 0 && t.server_reply_ns >= t.server_arrival_ns &&
+        t.reply_arrival_ns >= t.post_ns + server_ns) {
+      stats_.stage(Stage::kNetwork).Record(t.reply_arrival_ns - t.post_ns - server_ns);
+    }
   }
   void Release(Request& r) {
     if (requests_.Release(r)) Complete(r);
@@ -523,7 +557,9 @@ class Worker final : public AFTensorWorker, public MeshNode {
         if (r.pull_key[s] != kNoPull) r.pull_reg[s]->in_flight = false;
       }
     }
-    requests_.MarkDone(r, options_.trace.enabled ? MonotonicNowNs() : 0);
+    const uint64_t complete_ns = options_.trace.enabled ? MonotonicNowNs() : 0;
+    stats_.stage(Stage::kTotal).RecordSpan(r.enqueue_ns, complete_ns);
+    requests_.MarkDone(r, complete_ns);
     NotifyWaiters();
   }
 
