@@ -145,6 +145,6 @@ struct STEPMESH_EXPORT MeshOptions {
 
 // The role STEPMESH_ROLE (or else DMLC_ROLE) names; nullopt when neither is
 // set. Programs that run a whole mesh themselves unless told one role use it.
-absl::StatusOr<std::optional<Role>> RoleFromEnv();
+STEPMESH_EXPORT absl::StatusOr<std::optional<Role>> RoleFromEnv();
 
 }  // namespace stepmesh

@@ -32,7 +32,7 @@ enum class Stage : uint8_t {
   kTotal,     // worker: PushPull called -> request complete
 };
 inline constexpr int kNumStages = 6;
-absl::string_view StageName(Stage stage);
+STEPMESH_EXPORT absl::string_view StageName(Stage stage);
 
 // Fixed log2 buckets: bucket i < 38 counts samples of at most 2^i ns (bucket
 // 0: 0 and 1 ns); the last, 38, everything above 2^37 ns (about 137 s).
@@ -76,6 +76,6 @@ struct MeshStats {
 // The Prometheus text exposition (format 0.0.4) of `stats`: HELP and TYPE
 // lines, counters labelled by role, rank and peer, one histogram per stage in
 // seconds (_bucket{le=...}, _sum, _count).
-std::string PrometheusText(const MeshStats& stats);
+STEPMESH_EXPORT std::string PrometheusText(const MeshStats& stats);
 
 }  // namespace stepmesh

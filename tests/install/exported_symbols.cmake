@@ -65,6 +65,7 @@ endif()
 # The public API must be there too (the check above passes on an empty table).
 foreach(required "stepmesh::AFTensorWorker::Create" "stepmesh::AFTensorServer::Create"
                  "stepmesh::Scheduler::Start" "stepmesh::MeshOptions::FromEnv"
+                 "stepmesh::PrometheusText" "stepmesh::RoleFromEnv"
                  "typeinfo for stepmesh::Backend")
   string(FIND "${symbols}" "${required}" at)
   if(at LESS 0)
