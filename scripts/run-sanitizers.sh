@@ -10,7 +10,11 @@
 # invisible to it. Abseil code we call holds no shared state.
 #
 # Keeps CI time modest: the multi-process 200-iteration case of core_tests is
-# left to the normal suite; everything else runs.
+# left to the normal suite (the 20-iteration 2A2F process run, "short
+# separate-process run", stands in for it); everything else runs. Then the
+# example's Gate A, 1A1F, on the CPU engines (afd_launch checks every child's
+# exit status, so a sanitizer report in the scheduler, attention or FFN
+# process fails it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 presets=("$@")
@@ -23,7 +27,8 @@ export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:strict_string_checks=1:dete
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/reliability/tsan.supp"
 
-targets=(core_tests stepmesh_test_node reliability_tests stepmesh_reliability_node planner_tests)
+targets=(core_tests stepmesh_test_node reliability_tests stepmesh_reliability_node planner_tests
+         afd_launch afd_attention afd_ffn)
 exclude='separate processes: 2A2F*'
 
 for preset in "${presets[@]}"; do
@@ -57,5 +62,20 @@ for preset in "${presets[@]}"; do
     }
     grep -E "^(All tests passed|test cases:)" "$build/$exe.log" | tail -1
   done
+  echo "-- afd_launch Gate A 1A1F"
+  launch=$(find "$build/examples" -name afd_launch -type f -perm -u+x | head -1)
+  rm -rf "$build/afd_gate_a"
+  if ! "$launch" --attention 1 --ffn 1 --requests 6 --prompt-len 32 --decode-steps 16 \
+      --micro-batches 3 --transport tcp --timeout-ms 120000 --deadline-s 600 \
+      --work-dir "$build/afd_gate_a" > "$build/afd_gate_a.log" 2>&1 ||
+     ! grep -q "^reference check: PASS" "$build/afd_gate_a.log"; then
+    echo "$preset: afd_launch Gate A 1A1F failed; tail of $build/afd_gate_a.log:" >&2
+    tail -40 "$build/afd_gate_a.log" >&2
+    for err in "$build"/afd_gate_a/*.err; do
+      [[ -s $err ]] && { echo "== $err" >&2; tail -30 "$err" >&2; }
+    done
+    exit 1
+  fi
+  grep "^reference check" "$build/afd_gate_a.log"
 done
 echo "sanitizers: clean"
