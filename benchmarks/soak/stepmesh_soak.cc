@@ -81,7 +81,13 @@ int main(int argc, char** argv) {
     }
   }
 
-  MeshOptions base;
+  // STEPMESH_* variables apply (log level, auth token); the settings below win.
+  absl::StatusOr<MeshOptions> from_env = MeshOptions::FromEnv();
+  if (!from_env.ok()) {
+    std::fprintf(stderr, "stepmesh_soak: %s\n", from_env.status().ToString().c_str());
+    return 2;
+  }
+  MeshOptions base = *from_env;
   base.transport = "tcp";
   base.num_workers = c.workers;
   base.num_servers = c.servers;

@@ -332,7 +332,11 @@ void AppendRunFlags(const RunShape& s, std::vector<std::string>* argv) {
 
 absl::StatusOr<stepmesh::MeshOptions> MeshOptionsFor(const RunShape& shape, stepmesh::Role role,
                                                      int rank, const std::string& scheduler) {
-  stepmesh::MeshOptions o;
+  // STEPMESH_* variables apply (the auth token the launcher passes down, the
+  // log level, ...); the run shape's flags below win over them.
+  absl::StatusOr<stepmesh::MeshOptions> from_env = stepmesh::MeshOptions::FromEnv();
+  if (!from_env.ok()) return from_env.status();
+  stepmesh::MeshOptions o = *from_env;
   o.role = role;
   o.rank = rank;
   o.num_workers = shape.attention;

@@ -70,6 +70,8 @@
 #include "examples/afd_model/example_model.h"
 #include "stepmesh/stepmesh.h"
 
+extern char** environ;
+
 namespace afd::example {
 namespace {
 
@@ -80,13 +82,18 @@ void OnSignal(int) { g_interrupted = 1; }
 // dropped while still running.
 class Child {
  public:
+  // `env`: the child's whole environment ("NAME=value" entries).
   static absl::StatusOr<std::unique_ptr<Child>> Start(std::string name,
                                                       const std::vector<std::string>& argv,
+                                                      const std::vector<std::string>& env,
                                                       const std::string& out_path,
                                                       const std::string& err_path) {
     std::vector<char*> args;
     for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
+    std::vector<char*> envp;
+    for (const std::string& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+    envp.push_back(nullptr);
     const int out = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     const int err = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (out < 0 || err < 0) {
@@ -109,7 +116,7 @@ class Child {
       if (::getppid() != parent) ::_exit(127);
       ::dup2(out, STDOUT_FILENO);
       ::dup2(err, STDERR_FILENO);
-      ::execv(args[0], args.data());
+      ::execve(args[0], args.data(), envp.data());
       ::_exit(127);
     }
     ::close(out);
@@ -259,7 +266,11 @@ class Launcher {
   // --progress-s seconds, so a long run is visibly alive.
   void PrintProgress(absl::Time now);
 
+  // This process's environment with the mesh's secret set, for every child.
+  std::vector<std::string> ChildEnvironment() const;
+
   LaunchFlags f_;
+  std::string auth_token_;
   const ExampleModel model_;   // the model the run uses (--model / --config)
   const ModelConfig& config_;  // model_.config
   // --emulate-compute: the plan, for the emulated throughput line.
@@ -275,9 +286,29 @@ class Launcher {
   std::optional<absl::Time> decode_started_;  // every attention instance past the barrier
 };
 
+std::vector<std::string> Launcher::ChildEnvironment() const {
+  // The secret travels in the environment (readable only by this user), not
+  // on a command line every user can list.
+  std::vector<std::string> env;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    if (!absl::StartsWith(*e, "STEPMESH_AUTH_TOKEN=")) env.push_back(*e);
+  }
+  env.push_back(absl::StrCat("STEPMESH_AUTH_TOKEN=", auth_token_));
+  return env;
+}
+
 absl::Status Launcher::StartScheduler() {
+  // Every process of the run shares one secret: the one given in the
+  // environment, or a fresh random one, so no other local process can join
+  // (or feed data into) the mesh.
+  STEPMESH_ASSIGN_OR_RETURN(stepmesh::MeshOptions from_env, stepmesh::MeshOptions::FromEnv());
+  auth_token_ = from_env.auth_token;
+  if (auth_token_.empty()) {
+    STEPMESH_ASSIGN_OR_RETURN(auth_token_, stepmesh::GenerateAuthToken());
+  }
   if (f_.scheduler_binary.empty()) {
-    stepmesh::MeshOptions o;
+    stepmesh::MeshOptions o = from_env;
+    o.auth_token = auth_token_;
     o.role = stepmesh::Role::kScheduler;
     o.num_workers = f_.shape.attention;
     o.num_servers = f_.shape.ffn;
@@ -306,20 +337,22 @@ absl::Status Launcher::StartScheduler() {
       Child::Start("scheduler",
                    {f_.scheduler_binary, "--address", scheduler_address_, "--workers",
                     absl::StrCat(f_.shape.attention), "--servers", absl::StrCat(f_.shape.ffn)},
-                   f_.work_dir + "/scheduler.out", f_.work_dir + "/scheduler.err"));
+                   ChildEnvironment(), f_.work_dir + "/scheduler.out",
+                   f_.work_dir + "/scheduler.err"));
   absl::SleepFor(absl::Milliseconds(200));  // let it bind before clients dial
   return absl::OkStatus();
 }
 
 absl::Status Launcher::StartChildren() {
   const std::string dir = SelfDir();
+  const std::vector<std::string> env = ChildEnvironment();
   for (int p = 0; p < f_.shape.ffn; ++p) {
     std::vector<std::string> argv = {dir + "/afd_ffn", "--scheduler", scheduler_address_, "--rank",
                                      absl::StrCat(p)};
     AppendRunFlags(f_.shape, &argv);
     const std::string base = absl::StrCat(f_.work_dir, "/ffn-", p);
     STEPMESH_ASSIGN_OR_RETURN(
-        auto child, Child::Start(absl::StrCat("ffn ", p), argv, base + ".out", base + ".err"));
+        auto child, Child::Start(absl::StrCat("ffn ", p), argv, env, base + ".out", base + ".err"));
     ffn_.push_back(std::move(child));
   }
   for (int a = 0; a < f_.shape.attention; ++a) {
@@ -340,7 +373,7 @@ absl::Status Launcher::StartChildren() {
     argv.push_back(ProgressPath(a));
     AppendRunFlags(f_.shape, &argv);
     const std::string base = absl::StrCat(f_.work_dir, "/attention-", a);
-    STEPMESH_ASSIGN_OR_RETURN(auto child, Child::Start(absl::StrCat("attention ", a), argv,
+    STEPMESH_ASSIGN_OR_RETURN(auto child, Child::Start(absl::StrCat("attention ", a), argv, env,
                                                        base + ".out", base + ".err"));
     attention_.push_back(std::move(child));
   }

@@ -114,7 +114,22 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: quickstart [--steps N]\n");
     return 2;
   }
-  stepmesh::MeshOptions options;
+  // STEPMESH_* variables apply (log level, ...); this program runs the whole
+  // mesh itself, so unless a secret is given it makes one up for its members.
+  absl::StatusOr<stepmesh::MeshOptions> from_env = stepmesh::MeshOptions::FromEnv();
+  if (!from_env.ok()) {
+    std::fprintf(stderr, "quickstart: %s\n", from_env.status().ToString().c_str());
+    return 2;
+  }
+  stepmesh::MeshOptions options = *from_env;
+  if (options.auth_token.empty()) {
+    absl::StatusOr<std::string> token = stepmesh::GenerateAuthToken();
+    if (!token.ok()) {
+      std::fprintf(stderr, "quickstart: %s\n", token.status().ToString().c_str());
+      return 1;
+    }
+    options.auth_token = *token;
+  }
   options.transport = "tcp";
   options.num_workers = kWorkers;
   options.num_servers = 1;

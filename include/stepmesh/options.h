@@ -37,6 +37,20 @@ enum class GpuDirect : uint8_t {
 absl::StatusOr<GpuDirect> ParseGpuDirect(absl::string_view name);
 absl::string_view GpuDirectName(GpuDirect mode);
 
+// Whether a mesh insists on the shared secret (MeshOptions::auth_token).
+enum class AuthMode : uint8_t {
+  kAuto,  // required when a listener binds a non-loopback address (refused to
+          // start without a token); on loopback only the scheduler warns
+  kOn,    // required everywhere
+  kOff,   // never required (a token that is set is still used); no warning
+};
+absl::StatusOr<AuthMode> ParseAuthMode(absl::string_view name);
+absl::string_view AuthModeName(AuthMode mode);
+
+// A fresh random secret for auth_token (64 hex digits from getrandom), for
+// launchers that start every process of a mesh themselves.
+absl::StatusOr<std::string> GenerateAuthToken();
+
 struct ThreadingOptions {
   PollMode poll_mode = PollMode::kAdaptive;
   absl::Duration spin_budget = absl::Milliseconds(1);
@@ -80,7 +94,11 @@ struct MeshOptions {
   absl::Duration heartbeat_interval = absl::Seconds(1);  // scheduler liveness probes
   int max_inflight_requests = 64;  // worker request slots (bounded pool)
   int max_registrations = 1024;    // per participant
-  std::string auth_token;          // optional shared secret (challenge-response, never sent)
+  std::string auth_token;          // shared secret (challenge-response, never sent)
+  AuthMode auth = AuthMode::kAuto;  // when a missing auth_token is refused
+  // Names the mesh: every participant's join carries it and the scheduler
+  // refuses one that differs from its own (as it refuses another mesh shape).
+  std::string mesh_id;
   // End-to-end CRC32C of every payload both ends can read (host memory): the
   // sender seals it in the frame, the receiver fails the request with
   // DATA_LOSS on a mismatch. Costs one pass over the bytes on each side

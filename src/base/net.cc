@@ -11,6 +11,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -221,6 +222,110 @@ absl::Status ReadFully(int fd, void* data, size_t bytes, absl::Time deadline) {
     return absl::UnavailableError(ErrnoMessage("recv", errno));
   }
   return absl::OkStatus();
+}
+
+void SkipWritten(size_t n, iovec** iov, int* iovcnt) {
+  while (*iovcnt > 0 && n >= (*iov)->iov_len) {
+    n -= (*iov)->iov_len;
+    ++*iov;
+    --*iovcnt;
+  }
+  if (*iovcnt > 0) {
+    (*iov)->iov_base = static_cast<char*>((*iov)->iov_base) + n;
+    (*iov)->iov_len -= n;
+  }
+}
+
+std::string PeerAddress(int fd) {
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) return "?";
+  char host[INET6_ADDRSTRLEN] = "?";
+  if (addr.ss_family == AF_INET) {
+    const auto* in = reinterpret_cast<const sockaddr_in*>(&addr);
+    ::inet_ntop(AF_INET, &in->sin_addr, host, sizeof(host));
+    return absl::StrCat(host, ":", ntohs(in->sin_port));
+  }
+  if (addr.ss_family == AF_INET6) {
+    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&addr);
+    ::inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof(host));
+    return absl::StrCat("[", host, "]:", ntohs(in6->sin6_port));
+  }
+  return "?";
+}
+
+absl::string_view AddressHost(absl::string_view address) {
+  const size_t colon = address.rfind(':');
+  return colon == absl::string_view::npos ? address : address.substr(0, colon);
+}
+
+absl::StatusOr<bool> IsLoopbackHost(const std::string& host) {
+  absl::string_view name = host;
+  if (name.size() >= 2 && name.front() == '[' && name.back() == ']') {
+    name = name.substr(1, name.size() - 2);
+  }
+  if (name.empty()) return false;  // bind() to "" is the wildcard
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* result = nullptr;
+  const std::string lookup(name);
+  const int rc = ::getaddrinfo(lookup.c_str(), nullptr, &hints, &result);
+  if (rc != 0 || result == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot resolve '", host, "': ", ::gai_strerror(rc)));
+  }
+  bool loopback = true;
+  for (const addrinfo* a = result; a != nullptr; a = a->ai_next) {
+    if (a->ai_family == AF_INET) {
+      const uint32_t ip = ntohl(reinterpret_cast<const sockaddr_in*>(a->ai_addr)->sin_addr.s_addr);
+      loopback = loopback && (ip >> 24) == 127;
+    } else if (a->ai_family == AF_INET6) {
+      const in6_addr& ip = reinterpret_cast<const sockaddr_in6*>(a->ai_addr)->sin6_addr;
+      const bool mapped_loopback = IN6_IS_ADDR_V4MAPPED(&ip) && ip.s6_addr[12] == 127;
+      loopback = loopback && (IN6_IS_ADDR_LOOPBACK(&ip) || mapped_loopback);
+    } else {
+      loopback = false;
+    }
+  }
+  ::freeaddrinfo(result);
+  return loopback;
+}
+
+absl::StatusOr<Acceptor> Acceptor::Create(UniqueFd listener) {
+  STEPMESH_RETURN_IF_ERROR(SetNonBlocking(listener.get(), true));
+  Acceptor a;
+  a.listener_ = std::move(listener);
+  a.spare_.Reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  return a;
+}
+
+Acceptor::Outcome Acceptor::Accept(Accepted* out) {
+  for (;;) {
+    const int fd = ::accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd >= 0) {
+      out->fd.Reset(fd);
+      out->peer = PeerAddress(fd);
+      return Outcome::kAccepted;
+    }
+    const int err = errno;
+    if (err == EINTR || err == ECONNABORTED) continue;
+    if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+      // Give the spare up to take the waiting connection off the queue, close
+      // it, and take the spare back; with no spare (another thread took the
+      // last descriptor) the back-off alone keeps the loop from spinning.
+      if (spare_.valid()) {
+        spare_.Reset();
+        const int dropped = ::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+        if (dropped >= 0) ::close(dropped);
+        spare_.Reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+      }
+      exhausted_errno_ = err;
+      paused_until_ = absl::Now() + absl::Milliseconds(100);
+      return Outcome::kExhausted;
+    }
+    return Outcome::kNone;  // EAGAIN, or an error of the waiting connection itself
+  }
 }
 
 absl::StatusOr<bool> WaitReadable(int fd, absl::Time deadline) {

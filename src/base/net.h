@@ -3,6 +3,8 @@
 // descriptors, listen/connect with deadlines, and whole-buffer I/O that never
 // blocks past a deadline.
 
+#include <sys/uio.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -59,8 +61,60 @@ absl::Status SetBufferSizes(int fd, int bytes);
 // DEADLINE_EXCEEDED at the deadline.
 absl::Status WriteFully(int fd, const void* data, size_t bytes, absl::Time deadline);
 absl::Status ReadFully(int fd, void* data, size_t bytes, absl::Time deadline);
+// After a writev/sendmsg wrote `n` bytes of `*iov`: advances `*iov` and
+// `*iovcnt` past them (the first iovec left may be cut at its start).
+void SkipWritten(size_t n, iovec** iov, int* iovcnt);
+
 // Waits until `fd` is readable (true) or the deadline passes (false).
 absl::StatusOr<bool> WaitReadable(int fd, absl::Time deadline);
+
+// "host:port" of the remote end of a connected socket ("?" when unknown), for logs.
+std::string PeerAddress(int fd);
+// The host part of a PeerAddress ("127.0.0.1" of "127.0.0.1:4242"; "[::1]" stays bracketed).
+absl::string_view AddressHost(absl::string_view address);
+
+// Whether every address `host` resolves to is a loopback address (127.0.0.0/8,
+// ::1, ::ffff:127.0.0.0/104). The wildcard (0.0.0.0, ::) and any interface
+// address are not: a listener there is reachable from other machines.
+absl::StatusOr<bool> IsLoopbackHost(const std::string& host);
+
+// The accepting side of a listener in an event loop. Non-blocking, and safe
+// when the process runs out of descriptors: accept() then fails with EMFILE
+// while the connection stays queued, so the listener stays readable and a
+// loop that only retries spins at full speed. The acceptor keeps one spare
+// descriptor (/dev/null) to give up in that case: it accepts and closes the
+// waiting connection (the client sees a clean close, not a hang), takes the
+// spare back, and asks the loop to leave the listener alone for a back-off.
+class Acceptor {
+ public:
+  Acceptor() = default;
+  // Takes a listening socket and makes it non-blocking.
+  static absl::StatusOr<Acceptor> Create(UniqueFd listener);
+
+  int fd() const { return listener_.get(); }
+  bool valid() const { return listener_.valid(); }
+
+  enum class Outcome {
+    kAccepted,   // *out holds the connection (non-blocking, close-on-exec) and its address
+    kNone,       // nothing waiting
+    kExhausted,  // out of descriptors (or kernel memory): one waiting connection was
+                 // closed unserved; leave the listener unwatched until paused_until()
+  };
+  struct Accepted {
+    UniqueFd fd;
+    std::string peer;  // PeerAddress
+  };
+  Outcome Accept(Accepted* out);
+  absl::Time paused_until() const { return paused_until_; }
+  // The errno of the last kExhausted (EMFILE, ENFILE, ENOBUFS, ENOMEM).
+  int exhausted_errno() const { return exhausted_errno_; }
+
+ private:
+  UniqueFd listener_;
+  UniqueFd spare_;
+  absl::Time paused_until_ = absl::InfinitePast();
+  int exhausted_errno_ = 0;
+};
 
 std::string ErrnoMessage(absl::string_view what, int err);
 

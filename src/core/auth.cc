@@ -6,7 +6,10 @@
 #include <cerrno>
 #include <cstring>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "src/base/net.h"
+#include "stepmesh/status.h"
 
 namespace stepmesh::core {
 namespace {
@@ -180,6 +183,25 @@ bool CheckAuthProof(absl::string_view secret, AuthSide side, absl::string_view c
   return ConstantTimeEqual(want.data(), proof.data(), kSha256Bytes);
 }
 
+absl::Status CheckAuthPolicy(const MeshOptions& options, absl::string_view what,
+                             const std::string& host, bool* open_on_loopback) {
+  *open_on_loopback = false;
+  if (!options.auth_token.empty() || options.auth == AuthMode::kOff) return absl::OkStatus();
+  if (options.auth == AuthMode::kOn) {
+    return absl::FailedPreconditionError(
+        "STEPMESH_AUTH=on but no auth token is set (STEPMESH_AUTH_TOKEN)");
+  }
+  STEPMESH_ASSIGN_OR_RETURN(bool loopback, base::IsLoopbackHost(host));
+  if (loopback) {
+    *open_on_loopback = true;
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "refusing to start ", what, " on '", host,
+      "', which other machines can reach, without an auth token: set STEPMESH_AUTH_TOKEN to the "
+      "same secret on every process of the mesh, or STEPMESH_AUTH=off to run unauthenticated"));
+}
+
 bool NonceFromText(absl::string_view text, AuthNonce* out) {
   if (text.size() != kAuthNonceBytes) return false;
   std::memcpy(out->data(), text.data(), kAuthNonceBytes);
@@ -187,3 +209,12 @@ bool NonceFromText(absl::string_view text, AuthNonce* out) {
 }
 
 }  // namespace stepmesh::core
+
+namespace stepmesh {
+
+absl::StatusOr<std::string> GenerateAuthToken() {
+  STEPMESH_ASSIGN_OR_RETURN(core::AuthNonce bytes, core::RandomNonce());
+  return absl::BytesToHexString(core::AsText(bytes));
+}
+
+}  // namespace stepmesh

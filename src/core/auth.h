@@ -17,6 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "stepmesh/options.h"
 
 namespace stepmesh::core {
 
@@ -67,5 +68,13 @@ inline absl::string_view AsText(const Sha256Digest& d) {
 }
 // Parses a received nonce; false when it has the wrong length.
 bool NonceFromText(absl::string_view text, AuthNonce* out);
+
+// MeshOptions::auth applied to a listener about to bind `host` (`what` names
+// it in the error: "the scheduler", "the data listener"). FAILED_PRECONDITION
+// when the options forbid running there without a token, naming the address
+// and both variables. Sets `*open_on_loopback` when no token is set and the
+// address is loopback under AuthMode::kAuto (the caller may warn).
+absl::Status CheckAuthPolicy(const MeshOptions& options, absl::string_view what,
+                             const std::string& host, bool* open_on_loopback);
 
 }  // namespace stepmesh::core

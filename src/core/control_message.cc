@@ -62,6 +62,12 @@ std::string EncodeControl(const ControlMessage& m) {
       payload.Int<uint8_t>(m.role);
       payload.Int<int32_t>(m.rank);
       payload.Text(m.text);
+      payload.Int<uint32_t>(m.num_workers);
+      payload.Int<uint32_t>(m.num_servers);
+      payload.Text(m.mesh_id);
+      payload.Int<uint8_t>(m.join_flags);
+      payload.Int<uint64_t>(m.sequence);
+      payload.Int<uint64_t>(m.barrier_released);
       break;
     case ControlType::kRoster:
       payload.Int<int32_t>(m.rank);
@@ -128,10 +134,17 @@ absl::StatusOr<ControlMessage> DecodeControlPayload(ControlType type,
       STEPMESH_ASSIGN_OR_RETURN(m.role, r.Int<uint8_t>());
       STEPMESH_ASSIGN_OR_RETURN(m.rank, r.Int<int32_t>());
       STEPMESH_ASSIGN_OR_RETURN(m.text, r.Text());
+      STEPMESH_ASSIGN_OR_RETURN(m.num_workers, r.Int<uint32_t>());
+      STEPMESH_ASSIGN_OR_RETURN(m.num_servers, r.Int<uint32_t>());
+      STEPMESH_ASSIGN_OR_RETURN(m.mesh_id, r.Text());
+      STEPMESH_ASSIGN_OR_RETURN(m.join_flags, r.Int<uint8_t>());
+      STEPMESH_ASSIGN_OR_RETURN(m.sequence, r.Int<uint64_t>());
+      STEPMESH_ASSIGN_OR_RETURN(m.barrier_released, r.Int<uint64_t>());
       if (m.role != static_cast<uint8_t>(Role::kWorker) &&
           m.role != static_cast<uint8_t>(Role::kServer)) {
         return absl::DataLossError("join with invalid role");
       }
+      if ((m.join_flags & ~kJoinResume) != 0) return absl::DataLossError("join with unknown flags");
       break;
     }
     case ControlType::kRoster: {
@@ -171,6 +184,35 @@ absl::StatusOr<ControlMessage> DecodeControlPayload(ControlType type,
   }
   STEPMESH_RETURN_IF_ERROR(r.Finish());
   return m;
+}
+
+void ControlAssembler::Feed(absl::Span<const std::byte> bytes) {
+  if (consumed_ > 0 && consumed_ == buffer_.size()) {
+    buffer_.clear();
+    consumed_ = 0;
+  }
+  buffer_.insert(buffer_.end(), bytes.begin(), bytes.end());
+}
+
+absl::StatusOr<std::optional<ControlMessage>> ControlAssembler::Next() {
+  const absl::Span<const std::byte> rest = absl::MakeConstSpan(buffer_).subspan(consumed_);
+  if (rest.size() < kControlHeaderBytes) return std::nullopt;
+  STEPMESH_ASSIGN_OR_RETURN(auto type_and_length, DecodeControlHeader(rest));
+  if (type_and_length.second > max_payload_) {
+    return absl::OutOfRangeError(absl::StrCat("control payload of ", type_and_length.second,
+                                              " bytes (at most ", max_payload_, " here)"));
+  }
+  if (rest.size() < kControlHeaderBytes + type_and_length.second) return std::nullopt;
+  STEPMESH_ASSIGN_OR_RETURN(
+      ControlMessage m,
+      DecodeControlPayload(type_and_length.first,
+                           rest.subspan(kControlHeaderBytes, type_and_length.second)));
+  consumed_ += kControlHeaderBytes + type_and_length.second;
+  if (consumed_ == buffer_.size()) {
+    buffer_.clear();
+    consumed_ = 0;
+  }
+  return std::optional<ControlMessage>(std::move(m));
 }
 
 absl::Status SendControl(int fd, const ControlMessage& message, absl::Time deadline) {

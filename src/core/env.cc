@@ -137,6 +137,17 @@ const std::vector<EnvEntry>& EnvTable() {
       {"STEPMESH_MAX_INFLIGHT", STEPMESH_ENV_INT(max_inflight_requests)},
       {"STEPMESH_MAX_REGISTRATIONS", STEPMESH_ENV_INT(max_registrations)},
       {"STEPMESH_AUTH_TOKEN", STEPMESH_ENV_STR(auth_token)},
+      {"STEPMESH_AUTH",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         absl::StatusOr<AuthMode> mode = ParseAuthMode(v);
+         if (!mode.ok()) {
+           return absl::InvalidArgumentError(
+               absl::StrCat("STEPMESH_AUTH: ", mode.status().message()));
+         }
+         o.auth = *mode;
+         return absl::OkStatus();
+       }},
+      {"STEPMESH_MESH_ID", STEPMESH_ENV_STR(mesh_id)},
       {"STEPMESH_PAYLOAD_CHECKSUM",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
          STEPMESH_ASSIGN_OR_RETURN(o.payload_checksum, ParseBool("STEPMESH_PAYLOAD_CHECKSUM", v));
@@ -216,6 +227,25 @@ absl::string_view PollModeName(PollMode mode) {
   return "invalid";
 }
 
+absl::StatusOr<AuthMode> ParseAuthMode(absl::string_view name) {
+  if (name == "auto") return AuthMode::kAuto;
+  if (name == "on") return AuthMode::kOn;
+  if (name == "off") return AuthMode::kOff;
+  return absl::InvalidArgumentError(absl::StrCat("auth mode '", name, "' (want auto, on or off)"));
+}
+
+absl::string_view AuthModeName(AuthMode mode) {
+  switch (mode) {
+    case AuthMode::kAuto:
+      return "auto";
+    case AuthMode::kOn:
+      return "on";
+    case AuthMode::kOff:
+      return "off";
+  }
+  return "invalid";
+}
+
 absl::StatusOr<GpuDirect> ParseGpuDirect(absl::string_view name) {
   if (name == "auto") return GpuDirect::kAuto;
   if (name == "off") return GpuDirect::kOff;
@@ -285,6 +315,14 @@ absl::Status MeshOptions::Validate() const {
     return absl::InvalidArgumentError("max_inflight_requests out of range");
   }
   if (max_registrations < 1) return absl::InvalidArgumentError("max_registrations must be >= 1");
+  if (auth == AuthMode::kOn && auth_token.empty()) {
+    return absl::InvalidArgumentError(
+        "auth=on (STEPMESH_AUTH) needs an auth_token (STEPMESH_AUTH_TOKEN)");
+  }
+  if (mesh_id.size() > 256) {
+    return absl::InvalidArgumentError(absl::StrCat("mesh_id (STEPMESH_MESH_ID) of ", mesh_id.size(),
+                                                   " characters (at most 256)"));
+  }
   if (rdma_qps_per_peer < 1 || rdma_qps_per_peer > 2) {  // rdma::kMaxQpsPerPeer
     return absl::InvalidArgumentError(
         absl::StrCat("rdma_qps_per_peer=", rdma_qps_per_peer, " (1 or 2)"));

@@ -91,50 +91,133 @@ absl::Status DialHandshake(int fd, NodeId self, NodeId peer, absl::string_view s
   return absl::OkStatus();
 }
 
+HandshakeAcceptor::HandshakeAcceptor(std::string secret) : secret_(std::move(secret)) {}
+
+size_t HandshakeAcceptor::wanted() const {
+  if (step_ != Step::kRead) return 0;
+  return (awaiting_proof_ ? kSha256Bytes : kHelloBytes) - got_;
+}
+
+void HandshakeAcceptor::Received(absl::Span<const std::byte> bytes) {
+  if (step_ != Step::kRead) return;
+  const size_t n = std::min(bytes.size(), wanted());
+  std::memcpy(in_ + got_, bytes.data(), n);
+  got_ += n;
+  if (bytes.size() > n) {
+    // The dialler waits for a verdict before it sends anything more.
+    return Refuse(absl::InvalidArgumentError("sent more than the handshake before the verdict"));
+  }
+  if (wanted() > 0) return;
+  if (awaiting_proof_) return OnProof();
+  OnHello();
+}
+
+void HandshakeAcceptor::OnHello() {
+  claimed_ = GetU32(in_ + 8);
+  if (GetU32(in_) != kHelloMagic) return Refuse(absl::InvalidArgumentError("bad hello magic"));
+  if (GetU32(in_ + 4) != kFrameVersion) {
+    return Refuse(absl::FailedPreconditionError(absl::StrCat(
+        "hello of protocol version ", GetU32(in_ + 4), ", this node speaks ", int{kFrameVersion})));
+  }
+  if ((GetU32(in_ + 12) & ~kHelloAuth) != 0) {
+    return Refuse(absl::InvalidArgumentError("hello with unknown flags"));
+  }
+  std::memcpy(dialler_nonce_.data(), in_ + 16, kAuthNonceBytes);
+  step_ = Step::kDecide;
+}
+
+void HandshakeAcceptor::Decide(NodeId self, const absl::Status& verdict) {
+  if (step_ != Step::kDecide) return;
+  self_ = self;
+  if (!verdict.ok()) return Refuse(verdict);
+  const bool auth = !secret_.empty();
+  if (auth != HelloAsksAuth(in_)) {
+    return Refuse(absl::PermissionDeniedError(
+        auth ? "peer did not authenticate (no auth token)"
+             : "peer wants authentication but this node has no auth token"));
+  }
+  std::byte verdict_bytes[4];
+  PutU32(verdict_bytes, kVerdictAccept);
+  output_.append(reinterpret_cast<const char*>(verdict_bytes), sizeof(verdict_bytes));
+  if (!auth) {
+    step_ = Step::kDone;
+    return;
+  }
+  absl::StatusOr<AuthNonce> ours = RandomNonce();
+  if (!ours.ok()) return Refuse(ours.status());
+  acceptor_nonce_ = *ours;
+  const Sha256Digest proof = AuthProof(secret_, AuthSide::kAcceptor, AuthContext(claimed_, self_),
+                                       dialler_nonce_, acceptor_nonce_);
+  output_.append(reinterpret_cast<const char*>(acceptor_nonce_.data()), kAuthNonceBytes);
+  output_.append(reinterpret_cast<const char*>(proof.data()), kSha256Bytes);
+  awaiting_proof_ = true;
+  got_ = 0;
+  step_ = Step::kRead;
+}
+
+void HandshakeAcceptor::OnProof() {
+  if (!CheckAuthProof(secret_, AuthSide::kDialer, AuthContext(claimed_, self_), dialler_nonce_,
+                      acceptor_nonce_,
+                      absl::string_view(reinterpret_cast<const char*>(in_), kSha256Bytes))) {
+    return Refuse(absl::PermissionDeniedError(
+        absl::StrCat(PeerName(claimed_), " failed authentication (wrong auth token?)")));
+  }
+  std::byte verdict_bytes[4];
+  PutU32(verdict_bytes, kVerdictAccept);
+  output_.append(reinterpret_cast<const char*>(verdict_bytes), sizeof(verdict_bytes));
+  step_ = Step::kDone;
+}
+
+void HandshakeAcceptor::Withdraw(const absl::Status& why) {
+  if (step_ == Step::kRefused) return;
+  output_.clear();
+  Refuse(why);
+}
+
+void HandshakeAcceptor::Refuse(absl::Status why) {
+  std::byte verdict_bytes[4];
+  PutU32(verdict_bytes, kVerdictRefuse);
+  output_.append(reinterpret_cast<const char*>(verdict_bytes), sizeof(verdict_bytes));
+  refusal_ = std::move(why);
+  step_ = Step::kRefused;
+}
+
 absl::StatusOr<NodeId> AcceptHandshake(int fd, NodeId self, absl::Span<const NodeId> expected,
                                        absl::string_view secret, absl::Time deadline) {
-  auto refuse = [&](absl::string_view why) {
-    std::byte verdict[4];
-    PutU32(verdict, kVerdictRefuse);
-    (void)base::WriteFully(fd, verdict, sizeof(verdict), deadline);
-    return absl::PermissionDeniedError(why);
-  };
-  std::byte hello[kHelloBytes];
-  STEPMESH_RETURN_IF_ERROR(base::ReadFully(fd, hello, sizeof(hello), deadline));
-  const NodeId from = GetU32(hello + 8);
-  if (GetU32(hello) != kHelloMagic || GetU32(hello + 4) != kFrameVersion) {
-    return refuse("bad hello");
+  HandshakeAcceptor handshake{std::string(secret)};
+  for (;;) {
+    switch (handshake.step()) {
+      case HandshakeAcceptor::Step::kRead: {
+        std::byte in[kHelloBytes];
+        const size_t want = handshake.wanted();
+        STEPMESH_RETURN_IF_ERROR(base::ReadFully(fd, in, want, deadline));
+        handshake.Received(absl::MakeConstSpan(in, want));
+        break;
+      }
+      case HandshakeAcceptor::Step::kDecide: {
+        const NodeId from = handshake.claimed();
+        handshake.Decide(self, std::find(expected.begin(), expected.end(), from) == expected.end()
+                                   ? absl::PermissionDeniedError(absl::StrCat(
+                                         "hello from unexpected node 0x", absl::Hex(from)))
+                                   : absl::OkStatus());
+        break;
+      }
+      case HandshakeAcceptor::Step::kDone: {
+        const std::string out = handshake.TakeOutput();
+        STEPMESH_RETURN_IF_ERROR(base::WriteFully(fd, out.data(), out.size(), deadline));
+        return handshake.claimed();
+      }
+      case HandshakeAcceptor::Step::kRefused: {
+        const std::string out = handshake.TakeOutput();
+        (void)base::WriteFully(fd, out.data(), out.size(), deadline);
+        return handshake.refusal();
+      }
+    }
+    if (handshake.step() == HandshakeAcceptor::Step::kRead) {
+      const std::string out = handshake.TakeOutput();
+      STEPMESH_RETURN_IF_ERROR(base::WriteFully(fd, out.data(), out.size(), deadline));
+    }
   }
-  if (std::find(expected.begin(), expected.end(), from) == expected.end()) {
-    return refuse(absl::StrCat("hello from unexpected node 0x", absl::Hex(from)));
-  }
-  const bool auth = !secret.empty();
-  const bool dialler_auth = HelloAsksAuth(hello);
-  if (auth != dialler_auth) {
-    return refuse(auth ? "peer did not authenticate (no auth token)"
-                       : "peer wants authentication but this node has no auth token");
-  }
-  std::byte verdict[4];
-  PutU32(verdict, kVerdictAccept);
-  STEPMESH_RETURN_IF_ERROR(base::WriteFully(fd, verdict, sizeof(verdict), deadline));
-  if (!auth) return from;
-  AuthNonce theirs;
-  std::memcpy(theirs.data(), hello + 16, kAuthNonceBytes);
-  STEPMESH_ASSIGN_OR_RETURN(AuthNonce ours, RandomNonce());
-  const std::string context = AuthContext(from, self);
-  const Sha256Digest proof = AuthProof(secret, AuthSide::kAcceptor, context, theirs, ours);
-  std::byte reply[kAuthNonceBytes + kSha256Bytes];
-  std::memcpy(reply, ours.data(), kAuthNonceBytes);
-  std::memcpy(reply + kAuthNonceBytes, proof.data(), kSha256Bytes);
-  STEPMESH_RETURN_IF_ERROR(base::WriteFully(fd, reply, sizeof(reply), deadline));
-  std::byte answer[kSha256Bytes];
-  STEPMESH_RETURN_IF_ERROR(base::ReadFully(fd, answer, sizeof(answer), deadline));
-  if (!CheckAuthProof(secret, AuthSide::kDialer, context, theirs, ours,
-                      absl::string_view(reinterpret_cast<const char*>(answer), sizeof(answer)))) {
-    return refuse(absl::StrCat("node 0x", absl::Hex(from), " failed authentication"));
-  }
-  STEPMESH_RETURN_IF_ERROR(base::WriteFully(fd, verdict, sizeof(verdict), deadline));
-  return from;
 }
 
 }  // namespace stepmesh::core

@@ -4,6 +4,10 @@
 // check the protocol version, and with a shared secret both prove knowledge of
 // it by challenge-response (src/core/auth.h) without sending it.
 
+#include <array>
+#include <string>
+#include <utility>
+
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -25,7 +29,54 @@ absl::Status DialHandshake(int fd, NodeId self, NodeId peer, absl::string_view s
                            absl::Time deadline);
 
 // Acceptor side: returns the dialler, one of `expected`, or refuses it.
+// Blocking (up to `deadline`); event loops use HandshakeAcceptor instead.
 absl::StatusOr<NodeId> AcceptHandshake(int fd, NodeId self, absl::Span<const NodeId> expected,
                                        absl::string_view secret, absl::Time deadline);
+
+// The acceptor's side as a state machine fed with whatever bytes arrived, for
+// event loops: it never blocks and never reads past the handshake (wanted()
+// says how much to read), so a silent or trickling client costs nothing but
+// its descriptor until the loop's own deadline for it.
+//   kRead    read at most wanted() bytes and pass them to Received()
+//   kDecide  the hello is in: claimed() names the dialler; call Decide()
+//   kDone    the connection belongs to claimed(); TakeOutput() still to send
+//   kRefused refusal() says why; TakeOutput() holds the refusing verdict
+// Withdraw() refuses at any step before the accepting verdict went out (a
+// deadline, another connection that proved the same identity first).
+class HandshakeAcceptor {
+ public:
+  enum class Step { kRead, kDecide, kDone, kRefused };
+
+  explicit HandshakeAcceptor(std::string secret);
+  Step step() const { return step_; }
+  size_t wanted() const;
+  void Received(absl::Span<const std::byte> bytes);
+  NodeId claimed() const { return claimed_; }
+  // kDecide: OK admits the dialler to node `self` (then the proofs, with a
+  // secret); an error refuses it with that reason.
+  void Decide(NodeId self, const absl::Status& verdict);
+  // Refuses now: the output becomes the refusing verdict alone.
+  void Withdraw(const absl::Status& why);
+  // Bytes to send to the dialler now (verdicts, nonce and proof).
+  std::string TakeOutput() { return std::exchange(output_, std::string()); }
+  const absl::Status& refusal() const { return refusal_; }
+
+ private:
+  void Refuse(absl::Status why);
+  void OnHello();
+  void OnProof();
+
+  NodeId self_ = kNoNode;
+  const std::string secret_;
+  Step step_ = Step::kRead;
+  bool awaiting_proof_ = false;
+  std::byte in_[kHelloBytes];
+  size_t got_ = 0;
+  NodeId claimed_ = kNoNode;
+  std::array<uint8_t, 32> dialler_nonce_{};
+  std::array<uint8_t, 32> acceptor_nonce_{};
+  std::string output_;
+  absl::Status refusal_;
+};
 
 }  // namespace stepmesh::core

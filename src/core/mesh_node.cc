@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "src/base/logging.h"
 #include "src/base/net.h"
+#include "src/core/auth.h"
 #include "src/core/mesh.h"
 #include "stepmesh/status.h"
 
@@ -17,6 +18,9 @@ MeshNode::MeshNode(const MeshOptions& options, std::shared_ptr<Backend> backend)
 MeshNode::~MeshNode() { STEPMESH_CHECK(!started_ || stopped()); }
 
 absl::Status MeshNode::Start(const TransportFactory& factory) {
+  bool open_on_loopback = false;  // the scheduler warns about that, once for the mesh
+  STEPMESH_RETURN_IF_ERROR(
+      CheckAuthPolicy(options_, "the data listener", options_.bind_host, &open_on_loopback));
   STEPMESH_ASSIGN_OR_RETURN(transport_, factory(options_));
   STEPMESH_ASSIGN_OR_RETURN(std::string endpoint, transport_->LocalEndpoint());
   STEPMESH_ASSIGN_OR_RETURN(rendezvous_, RendezvousClient::Join(options_, endpoint));

@@ -1,6 +1,7 @@
 #include "src/core/protocol.h"
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 
 namespace stepmesh::core {
 
@@ -14,6 +15,17 @@ std::string PeerName(NodeId id) {
       break;
   }
   return absl::StrCat("node 0x", absl::Hex(id));
+}
+
+std::string PeerLossMessage(NodeId id, absl::string_view reason) {
+  const std::string name = PeerName(id);
+  const std::string lost = absl::StrCat(name, " lost: ");
+  while (absl::ConsumePrefix(&reason, lost)) {
+  }
+  if (!absl::ConsumePrefix(&reason, absl::StrCat(name, ": "))) {
+    absl::ConsumePrefix(&reason, absl::StrCat(name, " "));
+  }
+  return absl::StrCat(lost, reason);
 }
 
 }  // namespace stepmesh::core

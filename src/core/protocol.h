@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "absl/strings/string_view.h"
 #include "stepmesh/options.h"
 #include "stepmesh/server.h"
 #include "stepmesh/types.h"
@@ -31,6 +32,10 @@ inline constexpr Role PeerRole(Role self) {
 }
 // "worker 3", "server 0"; "node 0x..." for an id that names no participant.
 std::string PeerName(NodeId id);
+// "server 1 lost: <reason>", one prefix however the reason was phrased: a
+// reason that already names the peer ("server 1 closed its connection", or a
+// whole "server 1 lost: ..." passed on) does not name it twice.
+std::string PeerLossMessage(NodeId id, absl::string_view reason);
 
 // The most pushes one request carries (a part count per server fits easily).
 inline constexpr int kMaxPushesPerRequest = 16;

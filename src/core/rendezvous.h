@@ -1,9 +1,19 @@
 #pragma once
 // A participant's side of the rendezvous: join, receive the roster, barriers,
-// and a monitor thread that answers liveness pings and reports peers that the
-// scheduler saw leave or come back.
+// and two threads once the mesh formed: a monitor that answers liveness pings
+// (and nothing slower, so a peer event can never make this node look silent)
+// and an event thread that runs the handlers of peers the scheduler saw leave
+// or come back (they may connect, which takes a round trip or a timeout).
+//
+// Losing the scheduler after rendezvous is not fatal: the data plane never
+// needs it. The monitor logs one warning and redials the same address; a
+// scheduler restarted there rebuilds its roster from the participants that
+// reconnect (kJoin with kJoinResume, carrying rank, endpoint and barriers).
+// Meanwhile a barrier already entered keeps waiting (it is re-sent with the
+// resume), and a new one fails UNAVAILABLE at once.
 
 #include <atomic>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -35,35 +45,53 @@ class RendezvousClient {
   NodeId self() const { return self_; }
   const std::vector<RosterEntry>& roster() const { return roster_; }
 
-  // Starts the monitor thread; events run on it.
+  // Starts the monitor and event threads; events run on the latter, in order.
   void StartMonitor(RendezvousEvents events);
   absl::Status Barrier(absl::Duration timeout);
   // Orderly leave: the scheduler will not report this node as lost.
   void Leave();
 
  private:
-  RendezvousClient(base::UniqueFd fd, absl::Duration timeout)
-      : fd_(std::move(fd)), timeout_(timeout) {}
-  void MonitorLoop();
+  RendezvousClient(const MeshOptions& options, std::string endpoint)
+      : options_(options), endpoint_(std::move(endpoint)) {}
+  // Connects, authenticates and sends a join (a resume when `resume`).
+  absl::Status Dial(absl::Time deadline, bool resume);
   // Challenge-response with the scheduler (options.auth_token set).
-  absl::Status Authenticate(const std::string& secret, absl::Time deadline);
+  absl::Status Authenticate(absl::Time deadline);
   absl::Status Send(const ControlMessage& message);
+  void MonitorLoop();
+  void EventLoop();
+  void Post(std::function<void()> event);
+  void Disconnected(const absl::Status& why);
+  // One attempt to get the scheduler back; true when reconnected.
+  bool Reconnect();
 
-  base::UniqueFd fd_;
-  absl::Duration timeout_;
+  const MeshOptions options_;
+  const std::string endpoint_;
   int rank_ = -1;
   NodeId self_ = kNoNode;
   std::vector<RosterEntry> roster_;
   RendezvousEvents events_;
   std::thread monitor_;
+  std::thread event_thread_;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> left_{false};
 
-  base::Mutex write_mu_;  // the monitor (pongs) and callers (barriers) both write
+  // The control connection: replaced by the monitor (under write_mu_) when it
+  // reconnects; written by the monitor (pongs) and callers (barriers, leave).
+  base::Mutex write_mu_;
+  base::UniqueFd fd_;
+
   base::Mutex mu_;
+  bool connected_ ABSL_GUARDED_BY(mu_) = false;
+  bool gave_up_ ABSL_GUARDED_BY(mu_) = false;           // a restarted scheduler refused us
+  absl::Status scheduler_status_ ABSL_GUARDED_BY(mu_);  // why not connected
+  absl::Time disconnected_at_ ABSL_GUARDED_BY(mu_);
   uint64_t barrier_sent_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t barrier_released_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::Status scheduler_status_ ABSL_GUARDED_BY(mu_);
-  std::atomic<bool> left_{false};
+
+  base::Mutex events_mu_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(events_mu_);
 };
 
 }  // namespace stepmesh::core

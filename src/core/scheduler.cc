@@ -1,18 +1,38 @@
-// The rendezvous service (stepmesh/scheduler.h): one thread, poll() over a
-// handful of control connections. Ranks, roster, barriers, liveness.
+// The rendezvous service (stepmesh/scheduler.h): one thread running an event
+// loop over the listener and every control connection. Ranks, roster,
+// barriers, liveness.
+//
+// Nothing a connection does can hold the loop: sockets are non-blocking,
+// messages are reassembled from whatever arrived (ControlAssembler) and sent
+// from a per-connection output buffer continued on writability, so a client
+// that trickles a byte a second, never reads, or never finishes its handshake
+// costs a descriptor and a few bytes until its own deadline, never the
+// heartbeats of everyone else. Connections that have not joined are capped
+// per source address and in total (the oldest goes first), and running out
+// of descriptors backs off instead of spinning (base::Acceptor).
+//
+// A scheduler restarted on the same address rebuilds its roster from the
+// participants that reconnect (kJoin with kJoinResume): after rendezvous the
+// data plane never needs the scheduler, so losing it only pauses barriers and
+// liveness reports until it is back.
 
 #include "stepmesh/scheduler.h"
 
 #include <poll.h>
+#include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
+#include <list>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "src/base/admission.h"
 #include "src/base/logging.h"
 #include "src/base/net.h"
+#include "src/base/rate_limit.h"
 #include "src/base/sync.h"
 #include "src/base/thread_util.h"
 #include "src/core/auth.h"
@@ -22,8 +42,41 @@
 namespace stepmesh::core {
 namespace {
 
-struct Member {
+// The context string both ends put into control-connection proofs.
+constexpr char kControlAuthContext[] = "control";
+// A connection gets this long (or the mesh timeout, if shorter) from accept to
+// its join; participants need a round trip or two.
+constexpr absl::Duration kJoinTimeout = absl::Seconds(10);
+// Connections that have not joined yet, per source address and in total.
+constexpr size_t kMaxPendingPerAddress = 16;
+constexpr size_t kMaxPending = 64;
+// What a not-yet-joined connection may send in one message (a join is an
+// endpoint and a mesh id: well under this), and what a member may leave
+// unread on its connection before it counts as lost.
+constexpr uint32_t kMaxPendingPayload = 4096;
+constexpr size_t kMaxUnsentBytes = 8 << 20;
+// A refused connection gets this long to read why before it is closed.
+constexpr absl::Duration kLinger = absl::Seconds(1);
+
+struct Conn {
+  enum class Stage { kHello, kProof, kJoin, kMember, kClosing };
+
   base::UniqueFd fd;
+  std::string peer;  // remote address, for logs
+  Stage stage = Stage::kHello;
+  ControlAssembler in{kMaxPendingPayload};
+  std::string out;      // encoded messages not yet written
+  size_t out_sent = 0;  // bytes of `out` written
+  absl::Time accepted;
+  absl::Time deadline;  // not joined by then (or, closing, not drained): closed
+  AuthNonce dialer_nonce{};
+  AuthNonce acceptor_nonce{};
+  NodeId node = kNoNode;  // kMember
+  bool pending() const { return stage != Stage::kMember && stage != Stage::kClosing; }
+};
+
+struct Member {
+  Conn* conn = nullptr;  // null while a resumed mesh waits for it to reconnect
   std::string endpoint;
   bool joined = false;
   bool left = false;
@@ -33,26 +86,13 @@ struct Member {
   bool live() const { return joined && !left && !lost; }
 };
 
-// A connection accepted but not yet joined. With an auth token it must first
-// complete the challenge-response (kChallenge, then kProof) before kJoin.
-struct Pending {
-  enum class Stage { kHello, kProof, kJoin };
-  base::UniqueFd fd;
-  Stage stage = Stage::kHello;
-  AuthNonce dialer_nonce{};
-  AuthNonce acceptor_nonce{};
-  absl::Time deadline;  // dropped when it has not joined by then (no fd hoarding)
-};
-
-// The context string both ends put into control-connection proofs.
-constexpr char kControlAuthContext[] = "control";
-
 class SchedulerImpl final : public Scheduler {
  public:
-  SchedulerImpl(const MeshOptions& options, base::UniqueFd listener, std::string address)
+  SchedulerImpl(const MeshOptions& options, base::Acceptor acceptor, std::string address)
       : options_(options),
-        listener_(std::move(listener)),
+        acceptor_(std::move(acceptor)),
         address_(std::move(address)),
+        join_timeout_(std::min(options.timeout, kJoinTimeout)),
         workers_(options.num_workers),
         servers_(options.num_servers) {
     thread_ = base::StartNamedThread("sm-scheduler", {}, [this] { Run(); });
@@ -85,35 +125,235 @@ class SchedulerImpl final : public Scheduler {
     }
   }
 
-  void Send(NodeId node, const ControlMessage& m) {
-    Member& member = At(node);
-    if (!member.fd.valid()) return;
-    absl::Status s = SendControl(member.fd.get(), m, absl::Now() + absl::Seconds(1));
-    if (!s.ok()) MarkLost(node, absl::StrCat("control write failed: ", s.message()));
+  // --- connections ---
+
+  // Queues `m` on `c` and writes what the socket takes now.
+  void Queue(Conn& c, const ControlMessage& m) {
+    if (c.out_sent == c.out.size()) {
+      c.out.clear();
+      c.out_sent = 0;
+    }
+    c.out += EncodeControl(m);
+    Flush(c);
   }
 
-  void MarkLost(NodeId node, const std::string& reason) {
-    Member& member = At(node);
-    if (!member.live()) return;
-    member.lost = true;
-    member.fd.Reset();
-    STEPMESH_LOG(kWarning, "scheduler: ", PeerName(node), " lost: ", reason);
+  // Writes queued bytes without blocking; false when the connection broke.
+  bool Flush(Conn& c) {
+    while (c.out_sent < c.out.size()) {
+      const ssize_t n = ::send(c.fd.get(), c.out.data() + c.out_sent, c.out.size() - c.out_sent,
+                               MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n > 0) {
+        c.out_sent += static_cast<size_t>(n);
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+      return false;
+    }
+    if (c.out_sent == c.out.size()) {
+      c.out.clear();
+      c.out_sent = 0;
+    }
+    return true;
+  }
+
+  // Tells a connection that has not joined why it is refused, then closes it
+  // once that went out (or after kLinger).
+  void Refuse(Conn& c, absl::string_view reason) {
+    STEPMESH_LOG_LIMITED(refusals_, kWarning, "scheduler: refused ", c.peer, ": ", reason);
     ControlMessage m;
-    m.type = ControlType::kPeerLost;
-    m.node = node;
-    m.text = absl::StrCat(PeerName(node), " lost: ", reason);
-    ForEachMember([&](NodeId other, Member& o) {
-      if (o.live()) Send(other, m);
-    });
-    MaybeReleaseBarrier();
+    m.type = ControlType::kReject;
+    m.text = std::string(reason);
+    Queue(c, m);
+    c.stage = Conn::Stage::kClosing;
+    c.deadline = absl::Now() + kLinger;
   }
 
-  void HandleJoin(base::UniqueFd fd, const ControlMessage& join) {
+  // A protocol violation by a connection that has not joined: logged (rate
+  // limited, with the address and the reason) and closed.
+  void Drop(Conn& c, absl::string_view reason) {
+    STEPMESH_LOG_LIMITED(violations_, kWarning, "scheduler: dropped the connection from ", c.peer,
+                         ": ", reason);
+    Close(c);
+  }
+
+  void Close(Conn& c) {
+    c.fd.Reset();
+    if (c.node != kNoNode && At(c.node).conn == &c) At(c.node).conn = nullptr;
+    c.node = kNoNode;
+  }
+
+  void Accept(absl::Time now) {
+    for (int i = 0; i < 64; ++i) {
+      base::Acceptor::Accepted a;
+      switch (acceptor_.Accept(&a)) {
+        case base::Acceptor::Outcome::kNone:
+          return;
+        case base::Acceptor::Outcome::kExhausted:
+          STEPMESH_LOG_LIMITED(exhausted_, kWarning, "scheduler: out of file descriptors (",
+                               base::ErrnoMessage("accept", acceptor_.exhausted_errno()),
+                               "): closed a new connection unserved; accepting again in 100 ms");
+          return;
+        case base::Acceptor::Outcome::kAccepted:
+          break;
+      }
+      MakeRoomFor(a.peer);
+      conns_.emplace_back();
+      Conn& c = conns_.back();
+      c.fd = std::move(a.fd);
+      c.peer = std::move(a.peer);
+      c.accepted = now;
+      c.deadline = now + join_timeout_;
+    }
+  }
+
+  // Makes room for one more connection from `peer` (base/admission.h).
+  void MakeRoomFor(const std::string& peer) {
+    std::string why;
+    Conn* evict = base::OldestOverCap(
+        conns_, [](const Conn& c) { return c.fd.valid() && c.pending(); },
+        [](const Conn& c) -> const std::string& { return c.peer; }, peer,
+        {kMaxPendingPerAddress, kMaxPending}, &why);
+    if (evict != nullptr) Drop(*evict, why);
+  }
+
+  // Reads what arrived and handles complete messages; bounded per call, so
+  // one busy connection cannot starve the others.
+  void Read(Conn& c) {
+    std::byte chunk[16 << 10];
+    for (int round = 0; round < 4 && c.fd.valid(); ++round) {
+      const ssize_t n = ::recv(c.fd.get(), chunk, sizeof(chunk), MSG_DONTWAIT);
+      if (n == 0) return Broken(c, "closed the connection");
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+        return Broken(c, base::ErrnoMessage("recv", errno));
+      }
+      if (c.stage == Conn::Stage::kClosing) continue;  // draining before the close
+      c.in.Feed(absl::MakeConstSpan(chunk, static_cast<size_t>(n)));
+      for (int messages = 0; messages < 64 && c.fd.valid() && c.stage != Conn::Stage::kClosing;
+           ++messages) {
+        absl::StatusOr<std::optional<ControlMessage>> m = c.in.Next();
+        if (!m.ok()) return Violation(c, m.status().ToString());
+        if (!m->has_value()) break;
+        if (c.stage == Conn::Stage::kMember) {
+          HandleMessage(c.node, **m);
+        } else {
+          Advance(c, **m);
+        }
+      }
+    }
+  }
+
+  void Broken(Conn& c, absl::string_view why) {
+    if (c.stage == Conn::Stage::kMember) {
+      const NodeId node = c.node;
+      Close(c);
+      MarkLost(node, std::string(why));
+      return;
+    }
+    if (c.stage != Conn::Stage::kClosing) {
+      STEPMESH_LOG(kInfo, "scheduler: ", c.peer, " ", why, " before joining");
+    }
+    Close(c);
+  }
+
+  void Violation(Conn& c, absl::string_view why) {
+    if (c.stage == Conn::Stage::kMember) {
+      const NodeId node = c.node;
+      STEPMESH_LOG_LIMITED(violations_, kWarning, "scheduler: ", PeerName(node), " (", c.peer,
+                           ") broke the control protocol: ", why);
+      Close(c);
+      MarkLost(node, absl::StrCat("broke the control protocol: ", why));
+      return;
+    }
+    Drop(c, why);
+  }
+
+  // --- the handshake of a connection that has not joined ---
+
+  void Advance(Conn& c, const ControlMessage& m) {
+    const bool need_auth = !options_.auth_token.empty();
+    switch (c.stage) {
+      case Conn::Stage::kHello:
+        if (m.type == ControlType::kChallenge) {
+          if (!need_auth) {
+            return Refuse(c, "this scheduler has no auth token; the participant has one");
+          }
+          absl::StatusOr<AuthNonce> nonce = RandomNonce();
+          if (!NonceFromText(m.text, &c.dialer_nonce)) {
+            return Violation(c, "malformed authentication challenge");
+          }
+          if (!nonce.ok()) return Refuse(c, nonce.status().ToString());
+          c.acceptor_nonce = *nonce;
+          ControlMessage challenge;
+          challenge.type = ControlType::kChallenge;
+          challenge.text = std::string(AsText(c.acceptor_nonce));
+          ControlMessage proof;
+          proof.type = ControlType::kProof;
+          proof.text =
+              std::string(AsText(AuthProof(options_.auth_token, AuthSide::kAcceptor,
+                                           kControlAuthContext, c.dialer_nonce, c.acceptor_nonce)));
+          Queue(c, challenge);
+          Queue(c, proof);
+          c.stage = Conn::Stage::kProof;
+          return;
+        }
+        if (m.type == ControlType::kJoin && !need_auth) return HandleJoin(c, m);
+        if (m.type == ControlType::kJoin) {
+          return Refuse(c, "authentication required (set STEPMESH_AUTH_TOKEN)");
+        }
+        return Violation(
+            c, absl::StrCat("sent control message ", static_cast<int>(m.type), " before joining"));
+      case Conn::Stage::kProof:
+        if (m.type != ControlType::kProof ||
+            !CheckAuthProof(options_.auth_token, AuthSide::kDialer, kControlAuthContext,
+                            c.dialer_nonce, c.acceptor_nonce, m.text)) {
+          return Refuse(c, "authentication failed (wrong auth token?)");
+        }
+        c.stage = Conn::Stage::kJoin;
+        return;
+      case Conn::Stage::kJoin:
+        if (m.type != ControlType::kJoin) {
+          return Violation(c, "expected a join after authenticating");
+        }
+        return HandleJoin(c, m);
+      case Conn::Stage::kMember:
+      case Conn::Stage::kClosing:
+        return;
+    }
+  }
+
+  // Why a join's mesh differs from this scheduler's, or empty.
+  std::string ShapeMismatch(const ControlMessage& join) const {
+    const std::string who =
+        absl::StrCat(RoleName(static_cast<Role>(join.role)), " ",
+                     join.rank < 0 ? std::string("(any rank)") : absl::StrCat("rank ", join.rank));
+    if (join.num_workers != static_cast<uint32_t>(options_.num_workers) ||
+        join.num_servers != static_cast<uint32_t>(options_.num_servers)) {
+      return absl::StrCat(who, " was configured for ", join.num_workers, " workers and ",
+                          join.num_servers, " servers, but this mesh has ", options_.num_workers,
+                          " workers and ", options_.num_servers,
+                          " servers (num_workers/num_servers: STEPMESH_NUM_WORKERS/"
+                          "STEPMESH_NUM_SERVERS or the program's flags)");
+    }
+    if (join.mesh_id != options_.mesh_id) {
+      return absl::StrCat(who, " names mesh '", join.mesh_id, "' but this scheduler runs mesh '",
+                          options_.mesh_id, "' (mesh_id: STEPMESH_MESH_ID)");
+    }
+    return "";
+  }
+
+  void HandleJoin(Conn& c, const ControlMessage& join) {
+    if (std::string mismatch = ShapeMismatch(join); !mismatch.empty()) {
+      return Refuse(c, mismatch);
+    }
+    if (join.join_flags & kJoinResume) return HandleResume(c, join);
     const Role role = static_cast<Role>(join.role);  // the decoder admits workers and servers
     auto& group = Group(role);
     // Once the mesh formed, a rank whose process was lost or left may be taken
     // by a new process (a restart); before that, every rank is joined once.
-    auto replaceable = [&](const Member& m) { return roster_sent_ && m.joined && (m.lost || m.left); };
+    auto replaceable = [&](const Member& m) { return formed_ && m.joined && (m.lost || m.left); };
     int rank = join.rank;
     if (rank < 0) {
       for (size_t r = 0; r < group.size() && rank < 0; ++r) {
@@ -123,29 +363,23 @@ class SchedulerImpl final : public Scheduler {
         if (replaceable(group[r])) rank = static_cast<int>(r);
       }
     }
-    auto reject = [&](const std::string& reason) {
-      ControlMessage m;
-      m.type = ControlType::kReject;
-      m.text = reason;
-      (void)SendControl(fd.get(), m, absl::Now() + absl::Seconds(1));
-      STEPMESH_LOG(kWarning, "scheduler: refused a join: ", reason);
-    };
     if (rank < 0 || rank >= static_cast<int>(group.size())) {
-      return reject(absl::StrCat("no free ", RoleName(role), " rank (wanted ", join.rank,
-                                 ", mesh has ", group.size(), ")"));
+      return Refuse(c, absl::StrCat("no free ", RoleName(role), " rank (wanted ", join.rank,
+                                    ", mesh has ", group.size(), ")"));
     }
     Member& member = group[rank];
+    const NodeId node = MakeNodeId(role, rank);
     const bool rejoin = replaceable(member);
     if (member.joined && !rejoin) {
-      return reject(absl::StrCat(RoleName(role), " rank ", rank, " already joined"));
+      return Refuse(
+          c, absl::StrCat(PeerName(node), " already joined",
+                          member.conn != nullptr ? absl::StrCat(" from ", member.conn->peer)
+                                                 : std::string(" (waiting for it to reconnect)")));
     }
-    member.fd = std::move(fd);
-    member.endpoint = join.text;
-    member.joined = true;
-    member.left = member.lost = false;
-    member.last_heard = absl::Now();
-    const NodeId node = MakeNodeId(role, rank);
+    Admit(c, node, join.text);
+    member.barrier = 0;
     if (rejoin) {
+      STEPMESH_LOG(kInfo, "scheduler: ", PeerName(node), " rejoined from ", c.peer);
       SendRoster(node);
       ControlMessage m;
       m.type = ControlType::kPeerJoined;
@@ -159,11 +393,110 @@ class SchedulerImpl final : public Scheduler {
     bool all = true;
     ForEachMember([&](NodeId, Member& o) { all = all && o.joined; });
     if (all) {
-      roster_sent_ = true;
+      formed_ = true;
       ForEachMember([&](NodeId n, Member& o) {
         if (o.live()) SendRoster(n);
       });
     }
+  }
+
+  // A participant of a formed mesh reconnecting after this scheduler
+  // (re)started: it keeps its rank, endpoint and barrier count. The first one
+  // tells this scheduler that the mesh formed before it; every rank then
+  // counts as joined and gets `timeout` to reconnect before it is lost.
+  void HandleResume(Conn& c, const ControlMessage& join) {
+    const Role role = static_cast<Role>(join.role);
+    auto& group = Group(role);
+    if (join.rank < 0 || join.rank >= static_cast<int>(group.size())) {
+      return Refuse(c, absl::StrCat(RoleName(role), " rank ", join.rank, " out of range [0, ",
+                                    group.size(), ")"));
+    }
+    const NodeId node = MakeNodeId(role, join.rank);
+    Member& member = group[join.rank];
+    if (!formed_) {
+      bool fresh = true;
+      ForEachMember([&](NodeId, Member& o) { fresh = fresh && !o.joined; });
+      if (!fresh) {
+        return Refuse(c, absl::StrCat(PeerName(node),
+                                      " resumes a mesh, but this scheduler is forming a new one"));
+      }
+      STEPMESH_LOG(kWarning, "scheduler: ", PeerName(node),
+                   " resumes a running mesh: rebuilding the roster from the participants that "
+                   "reconnect (each gets ",
+                   absl::FormatDuration(options_.timeout), ")");
+      formed_ = true;
+      const absl::Time now = absl::Now();
+      ForEachMember([&](NodeId, Member& o) {
+        o.joined = true;
+        o.last_heard = now;
+      });
+    }
+    if (!member.live()) {
+      return Refuse(c, absl::StrCat(PeerName(node),
+                                    " was declared lost while it was away; restart it to rejoin"));
+    }
+    if (member.conn != nullptr) {
+      return Refuse(c,
+                    absl::StrCat(PeerName(node), " is already connected from ", member.conn->peer));
+    }
+    Admit(c, node, join.text);
+    STEPMESH_LOG(kInfo, "scheduler: ", PeerName(node), " reconnected from ", c.peer);
+    member.barrier = join.sequence;
+    released_ = std::max(released_, join.barrier_released);
+    SendRoster(node);
+    if (member.barrier <= released_ && member.barrier > join.barrier_released) {
+      // Released while it was away (another participant saw the release).
+      ControlMessage release;
+      release.type = ControlType::kRelease;
+      release.sequence = member.barrier;
+      Send(node, release);
+    }
+    MaybeReleaseBarrier();
+  }
+
+  void Admit(Conn& c, NodeId node, const std::string& endpoint) {
+    Member& member = At(node);
+    c.stage = Conn::Stage::kMember;
+    c.node = node;
+    c.deadline = absl::InfiniteFuture();
+    c.in.set_max_payload(kMaxControlPayload);  // members may send the largest messages
+    member.conn = &c;
+    member.endpoint = endpoint;
+    member.joined = true;
+    member.left = member.lost = false;
+    member.last_heard = absl::Now();
+  }
+
+  // --- members ---
+
+  void Send(NodeId node, const ControlMessage& m) {
+    Member& member = At(node);
+    if (member.conn == nullptr) return;
+    Conn& c = *member.conn;
+    Queue(c, m);
+    if (!c.fd.valid()) return;
+    if (c.out.size() - c.out_sent > kMaxUnsentBytes) {
+      const size_t unsent = c.out.size() - c.out_sent;
+      Close(c);
+      MarkLost(node,
+               absl::StrCat("does not read its control connection (", unsent, " bytes unsent)"));
+    }
+  }
+
+  void MarkLost(NodeId node, const std::string& reason) {
+    Member& member = At(node);
+    if (!member.live()) return;
+    member.lost = true;
+    if (member.conn != nullptr) Close(*member.conn);
+    STEPMESH_LOG(kWarning, "scheduler: ", PeerName(node), " lost: ", reason);
+    ControlMessage m;
+    m.type = ControlType::kPeerLost;
+    m.node = node;
+    m.text = reason;  // the reason only: receivers name the peer themselves
+    ForEachMember([&](NodeId other, Member& o) {
+      if (o.live()) Send(other, m);
+    });
+    MaybeReleaseBarrier();
   }
 
   void SendRoster(NodeId node) {
@@ -211,18 +544,20 @@ class SchedulerImpl final : public Scheduler {
         break;
       case ControlType::kLeave:
         member.left = true;
-        member.fd.Reset();
+        if (member.conn != nullptr) Close(*member.conn);
         MaybeReleaseBarrier();
         break;
       case ControlType::kPong:
         break;
       default:
-        MarkLost(node, absl::StrCat("sent unexpected control message ", static_cast<int>(m.type)));
+        if (member.conn != nullptr) {
+          Violation(*member.conn,
+                    absl::StrCat("sent unexpected control message ", static_cast<int>(m.type)));
+        }
     }
   }
 
-  void Heartbeat() {
-    const absl::Time now = absl::Now();
+  void Heartbeat(absl::Time now) {
     if (now - last_ping_ < options_.heartbeat_interval) return;
     last_ping_ = now;
     ControlMessage ping;
@@ -231,148 +566,74 @@ class SchedulerImpl final : public Scheduler {
     ForEachMember([&](NodeId n, Member& o) {
       if (!o.live()) return;
       if (now - o.last_heard > options_.timeout) {
-        MarkLost(n, absl::StrCat("silent for ", absl::FormatDuration(now - o.last_heard)));
+        MarkLost(n, o.conn == nullptr
+                        ? absl::StrCat("did not reconnect to the restarted scheduler within ",
+                                       absl::FormatDuration(options_.timeout))
+                        : absl::StrCat("silent for ", absl::FormatDuration(now - o.last_heard)));
         return;
       }
       Send(n, ping);
     });
   }
 
-  // Refuses a connection before it joined: tells it why, logs, closes.
-  void Refuse(base::UniqueFd fd, const std::string& reason) {
-    ControlMessage m;
-    m.type = ControlType::kReject;
-    m.text = reason;
-    (void)SendControl(fd.get(), m, absl::Now() + absl::Seconds(1));
-    STEPMESH_LOG(kWarning, "scheduler: refused a connection: ", reason);
-  }
-
-  // One step of a not-yet-joined connection; false when it is finished (joined,
-  // refused or dropped), true when it stays pending.
-  bool Advance(Pending& p, absl::Time deadline) {
-    absl::StatusOr<ControlMessage> m = ReceiveControl(p.fd.get(), deadline);
-    if (!m.ok()) {
-      STEPMESH_LOG(kInfo, "scheduler: dropped a connection before join: ", m.status().ToString());
-      return false;
+  void Expire(absl::Time now) {
+    for (Conn& c : conns_) {
+      if (!c.fd.valid() || now < c.deadline) continue;
+      if (c.stage == Conn::Stage::kClosing) {
+        Close(c);
+      } else if (c.pending()) {
+        Drop(c, absl::StrCat("did not join within ", absl::FormatDuration(join_timeout_)));
+      }
     }
-    const bool need_auth = !options_.auth_token.empty();
-    switch (p.stage) {
-      case Pending::Stage::kHello:
-        if (m->type == ControlType::kChallenge) {
-          if (!need_auth) {
-            Refuse(std::move(p.fd), "this scheduler has no auth token; the participant has one");
-            return false;
-          }
-          absl::StatusOr<AuthNonce> nonce = RandomNonce();
-          if (!NonceFromText(m->text, &p.dialer_nonce) || !nonce.ok()) {
-            Refuse(std::move(p.fd), "malformed authentication challenge");
-            return false;
-          }
-          p.acceptor_nonce = *nonce;
-          ControlMessage challenge;
-          challenge.type = ControlType::kChallenge;
-          challenge.text = std::string(AsText(p.acceptor_nonce));
-          ControlMessage proof;
-          proof.type = ControlType::kProof;
-          proof.text =
-              std::string(AsText(AuthProof(options_.auth_token, AuthSide::kAcceptor,
-                                           kControlAuthContext, p.dialer_nonce, p.acceptor_nonce)));
-          if (!SendControl(p.fd.get(), challenge, deadline).ok() ||
-              !SendControl(p.fd.get(), proof, deadline).ok()) {
-            return false;
-          }
-          p.stage = Pending::Stage::kProof;
-          return true;
-        }
-        if (m->type == ControlType::kJoin && !need_auth) {
-          HandleJoin(std::move(p.fd), *m);
-          return false;
-        }
-        Refuse(std::move(p.fd), m->type == ControlType::kJoin
-                                    ? "authentication required (set STEPMESH_AUTH_TOKEN)"
-                                    : "expected a join");
-        return false;
-      case Pending::Stage::kProof:
-        if (m->type != ControlType::kProof ||
-            !CheckAuthProof(options_.auth_token, AuthSide::kDialer, kControlAuthContext,
-                            p.dialer_nonce, p.acceptor_nonce, m->text)) {
-          Refuse(std::move(p.fd), "authentication failed (wrong auth token?)");
-          return false;
-        }
-        p.stage = Pending::Stage::kJoin;
-        return true;
-      case Pending::Stage::kJoin:
-        if (m->type != ControlType::kJoin) {
-          Refuse(std::move(p.fd), "expected a join after authenticating");
-          return false;
-        }
-        HandleJoin(std::move(p.fd), *m);
-        return false;
-    }
-    return false;
+    conns_.remove_if([](const Conn& c) { return !c.fd.valid(); });
   }
 
   void Run() {
-    std::vector<Pending> pending;  // accepted, not yet joined
     std::vector<pollfd> fds;
-    std::vector<NodeId> owners;  // parallel to fds: kNoNode for listener/pending
+    std::vector<Conn*> owners;  // parallel to fds; null for the listener
     while (!stop_.load()) {
+      absl::Time now = absl::Now();
       fds.clear();
       owners.clear();
-      fds.push_back({listener_.get(), POLLIN, 0});
-      owners.push_back(kNoNode);
-      for (const Pending& p : pending) {
-        fds.push_back({p.fd.get(), POLLIN, 0});
-        owners.push_back(kNoNode);
+      if (now >= acceptor_.paused_until()) {
+        fds.push_back({acceptor_.fd(), POLLIN, 0});
+        owners.push_back(nullptr);
       }
-      ForEachMember([&](NodeId n, Member& o) {
-        if (o.live()) {
-          fds.push_back({o.fd.get(), POLLIN, 0});
-          owners.push_back(n);
-        }
-      });
-      const int ready = ::poll(fds.data(), fds.size(), 50);
+      absl::Time wake = now + absl::Milliseconds(50);
+      for (Conn& c : conns_) {
+        if (!c.fd.valid()) continue;
+        const short events = static_cast<short>(POLLIN | (c.out_sent < c.out.size() ? POLLOUT : 0));
+        fds.push_back({c.fd.get(), events, 0});
+        owners.push_back(&c);
+        wake = std::min(wake, c.deadline);
+      }
+      const int timeout_ms =
+          static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(wake - now) + 1, 0, 50));
+      const int ready = ::poll(fds.data(), fds.size(), timeout_ms);
+      now = absl::Now();
       if (ready > 0) {
-        const size_t num_pending = pending.size();
-        std::vector<Pending> still_pending;
-        if (fds[0].revents & POLLIN) {
-          absl::StatusOr<base::UniqueFd> fd = base::AcceptTcp(listener_.get(), absl::Now());
-          if (fd.ok()) {
-            Pending p;
-            p.fd = *std::move(fd);
-            p.deadline = absl::Now() + options_.timeout;
-            still_pending.push_back(std::move(p));
-          }
-        }
-        for (size_t i = 1; i < fds.size(); ++i) {
-          if (fds[i].revents == 0) {
-            if (i <= num_pending && absl::Now() < pending[i - 1].deadline) {
-              still_pending.push_back(std::move(pending[i - 1]));
-            } else if (i <= num_pending) {
-              STEPMESH_LOG(kWarning, "scheduler: dropped a connection that did not join in ",
-                           absl::FormatDuration(options_.timeout));
-            }
+        for (size_t i = 0; i < fds.size(); ++i) {
+          if (fds[i].revents == 0) continue;
+          if (owners[i] == nullptr) {
+            Accept(now);
             continue;
           }
-          const absl::Time deadline = absl::Now() + absl::Seconds(1);
-          if (i <= num_pending) {
-            Pending p = std::move(pending[i - 1]);
-            if (Advance(p, deadline)) still_pending.push_back(std::move(p));
+          Conn& c = *owners[i];
+          if (!c.fd.valid()) continue;  // closed while handling an earlier one
+          if ((fds[i].revents & POLLOUT) && !Flush(c)) {
+            Broken(c, "connection reset while writing");
             continue;
           }
-          const NodeId node = owners[i];
-          if (!At(node).live()) continue;
-          absl::StatusOr<ControlMessage> m = ReceiveControl(At(node).fd.get(), deadline);
-          if (!m.ok()) {
-            MarkLost(node, std::string(m.status().message()));
-          } else {
-            HandleMessage(node, *m);
+          if (c.stage == Conn::Stage::kClosing && c.out_sent == c.out.size()) {
+            Close(c);
+            continue;
           }
+          if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) Read(c);
         }
-        pending = std::move(still_pending);
       }
-      if (roster_sent_) {
-        Heartbeat();
+      Expire(now);
+      if (formed_) {
+        Heartbeat(now);
         bool anyone = false;
         ForEachMember([&](NodeId, Member& o) { anyone = anyone || o.live(); });
         if (!anyone && !done_.HasBeenNotified()) done_.Notify();
@@ -381,14 +642,19 @@ class SchedulerImpl final : public Scheduler {
   }
 
   const MeshOptions options_;
-  base::UniqueFd listener_;
+  base::Acceptor acceptor_;
   const std::string address_;
+  const absl::Duration join_timeout_;
+  std::list<Conn> conns_;  // stable addresses: members point at theirs
   std::vector<Member> workers_;
   std::vector<Member> servers_;
-  bool roster_sent_ = false;
+  bool formed_ = false;  // every rank joined once (or the mesh resumed here)
   uint64_t released_ = 0;
   uint64_t ping_sequence_ = 0;
   absl::Time last_ping_ = absl::InfinitePast();
+  base::RateLimiter refusals_{10, absl::Seconds(10)};
+  base::RateLimiter violations_{10, absl::Seconds(10)};
+  base::RateLimiter exhausted_{1, absl::Seconds(10)};
   std::atomic<bool> stop_{false};
   base::Notification done_;
   std::thread thread_;
@@ -402,10 +668,19 @@ namespace stepmesh {
 absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Start(const MeshOptions& options) {
   STEPMESH_RETURN_IF_ERROR(options.Validate());
   STEPMESH_ASSIGN_OR_RETURN(base::HostPort where, base::ParseHostPort(options.scheduler));
+  bool open_on_loopback = false;
+  STEPMESH_RETURN_IF_ERROR(
+      core::CheckAuthPolicy(options, "the scheduler", where.host, &open_on_loopback));
   STEPMESH_ASSIGN_OR_RETURN(base::UniqueFd listener, base::ListenTcp(where.host, where.port));
   STEPMESH_ASSIGN_OR_RETURN(uint16_t port, base::LocalPort(listener.get()));
-  return std::unique_ptr<Scheduler>(
-      new core::SchedulerImpl(options, std::move(listener), absl::StrCat(where.host, ":", port)));
+  STEPMESH_ASSIGN_OR_RETURN(base::Acceptor acceptor, base::Acceptor::Create(std::move(listener)));
+  const std::string address = absl::StrCat(where.host, ":", port);
+  if (open_on_loopback) {
+    STEPMESH_LOG(kWarning, "scheduler at ", address,
+                 ": no auth token, so any local process can join this mesh (set "
+                 "STEPMESH_AUTH_TOKEN on every process, or STEPMESH_AUTH=off to silence this)");
+  }
+  return std::unique_ptr<Scheduler>(new core::SchedulerImpl(options, std::move(acceptor), address));
 }
 
 }  // namespace stepmesh

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "src/base/logging.h"
+#include "src/base/rate_limit.h"
 #include "src/core/batch_assembler.h"
 #include "src/core/mesh.h"
 #include "src/core/mesh_node.h"
@@ -183,9 +184,12 @@ class Server final : public AFTensorServer, public MeshNode {
                        FrameContext* context) override {
     const uint32_t w = NodeRank(peer);
     if (!IsWorker(peer) || w >= static_cast<uint32_t>(options_.num_workers)) {
-      return absl::PermissionDeniedError("push from a node that is not a worker");
+      return absl::PermissionDeniedError(
+          absl::StrCat("a frame from node 0x", absl::Hex(peer), ", which is not one of the ",
+                       options_.num_workers, " workers of this mesh"));
     }
     if (h.type != FrameType::kPush) {
+      // Refused before anything is reserved; OnFrame answers it.
       return absl::InvalidArgumentError(
           absl::StrCat("a server receives pushes, not frame type ", static_cast<int>(h.type)));
     }
@@ -222,7 +226,19 @@ class Server final : public AFTensorServer, public MeshNode {
   void OnFrame(NodeId peer, const FrameHeader& h, FrameContext context,
                absl::Status status) override {
     MarkActivity();
-    if (context == nullptr) return;  // not a worker's push
+    if (context == nullptr) {
+      // Refused by Resolve before it claimed anything (a frame of another
+      // type, a sender outside the mesh), or an error frame from a worker.
+      if (h.type == FrameType::kError) {
+        STEPMESH_LOG_LIMITED(violations_, kWarning, "server ", rank_, ": ", PeerName(peer),
+                             " sent an error frame: ", status.ToString());
+        return;
+      }
+      STEPMESH_LOG_LIMITED(violations_, kWarning, "server ", rank_, ": refused a frame from ",
+                           PeerName(peer), ": ", status.message());
+      QueueError(peer, h.request_id, status);
+      return;
+    }
     PushNote& note = *static_cast<PushNote*>(context);
     RecvRegistration* reg = std::exchange(note.reg, nullptr);
     const int w = note.worker;
@@ -282,7 +298,7 @@ class Server final : public AFTensorServer, public MeshNode {
     if (!IsWorker(peer)) return;
     const int w = static_cast<int>(NodeRank(peer));
     if (w >= options_.num_workers || !lost_.MarkLost(w)) return;
-    STEPMESH_LOG(kInfo, "server ", rank_, ": worker ", w, " gone: ", why.ToString());
+    STEPMESH_LOG(kInfo, "server ", rank_, ": ", PeerLossMessage(peer, why.message()));
     assembler_.DropWorker(w);
     NotifyWaiters();
   }
@@ -349,6 +365,7 @@ class Server final : public AFTensorServer, public MeshNode {
   // Bumped when a worker's new process rejoins; the receive thread compares.
   std::unique_ptr<std::atomic<uint32_t>[]> worker_epochs_;
   std::vector<uint32_t> seen_epochs_;  // receive thread only
+  base::RateLimiter violations_{10, absl::Seconds(10)};
 };
 
 }  // namespace

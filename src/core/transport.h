@@ -110,10 +110,15 @@ class Transport {
   // Sends header + `bytes` from `src` (inside registered region `src_region`)
   // to `peer`. `src_region == 0` marks a small unregistered payload (an error
   // frame's text, at most 4 KiB) that the transport must copy (RDMA: into its
-  // own registered bounce buffer). Send-thread only. Returns once the source
-  // may be reused by the transport's rules (TCP: written; RDMA: posted — the
-  // core keeps sources untouched until the request completes). The remote
-  // destination is the peer's region for (header.key, this node's slot).
+  // own registered bounce buffer). Send-thread only. Never waits for a slow
+  // peer: returns once the frame is written or queued for that peer alone
+  // (TCP: the rest goes out when its socket drains; RDMA: posted), so the
+  // source may still be read afterwards — the core keeps sources untouched
+  // until the request completes (worker) or the peer's next request arrives
+  // (server). A peer whose queue is full: RESOURCE_EXHAUSTED naming it; one
+  // whose queue has not moved for the timeout is reported lost by Poll.
+  // UnregisterRegion fails (FAILED_PRECONDITION) while queued frames read it.
+  // The remote destination is the peer's region for (header.key, this node's slot).
   virtual absl::Status Send(NodeId peer, const FrameHeader& header, const void* src,
                             RegionId src_region, size_t bytes) = 0;
 

@@ -11,6 +11,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "src/base/logging.h"
+#include "src/base/rate_limit.h"
 #include "src/core/mesh.h"
 #include "src/core/mesh_node.h"
 #include "src/core/request_table.h"
@@ -352,6 +353,10 @@ class Worker final : public AFTensorWorker, public MeshNode {
   // request travels to OnFrame as the frame's context.
   absl::Status Resolve(NodeId peer, const FrameHeader& h, Destination& out,
                        FrameContext* context) override {
+    if (h.type != FrameType::kReply) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a worker receives replies, not frame type ", static_cast<int>(h.type)));
+    }
     STEPMESH_ASSIGN_OR_RETURN(Request * r, AwaitingReply(peer, h));
     *context = r;
     const int s = static_cast<int>(NodeRank(peer));
@@ -396,6 +401,10 @@ class Worker final : public AFTensorWorker, public MeshNode {
       }
       r = *pending;
     } else if (h.type != FrameType::kReply) {
+      // Nothing was claimed for it; a server has no request to fail, so the
+      // log is the answer.
+      STEPMESH_LOG_LIMITED(violations_, kWarning, "worker ", rank_, ": dropped a frame from ",
+                           PeerName(peer), ": ", status.message());
       return;
     } else if (r == nullptr) {  // Resolve found no request awaiting it: `status` says why
       STEPMESH_LOG(kWarning, "dropped a frame from server ", s, ": ", status.ToString());
@@ -439,16 +448,15 @@ class Worker final : public AFTensorWorker, public MeshNode {
     if (!IsServer(peer)) return;
     const int s = static_cast<int>(NodeRank(peer));
     if (s >= options_.num_servers || !lost_.MarkLost(s)) return;
-    const absl::Status failure =
-        absl::UnavailableError(absl::StrCat("server ", s, " lost: ", why.message()));
+    const absl::Status failure = absl::UnavailableError(PeerLossMessage(peer, why.message()));
     std::vector<RequestHandle> pending;
     {
       base::MutexLock lock(&reg_mu_);
       pending = requests_.PendingAddressing(s);
     }
     if (!pending.empty() || !stopped()) {
-      STEPMESH_LOG(kWarning, "worker ", rank_, ": server ", s, " lost with ", pending.size(),
-                   " request(s) pending: ", why.ToString());
+      STEPMESH_LOG(kWarning, "worker ", rank_, ": ", failure.message(), " (", pending.size(),
+                   " request(s) pending)");
     }
     for (RequestHandle handle : pending) {
       Request& r = requests_.at(handle.index());
@@ -530,6 +538,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
   absl::flat_hash_map<std::pair<Key, int>, std::unique_ptr<TensorRegistration>> pull_regs_
       ABSL_GUARDED_BY(reg_mu_);
   RequestTable requests_;
+  base::RateLimiter violations_{10, absl::Seconds(10)};
 };
 
 }  // namespace

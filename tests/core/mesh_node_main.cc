@@ -16,7 +16,13 @@
 #include "tests/support/mesh_scenarios.h"
 
 int main(int argc, char** argv) {
-  stepmesh::MeshOptions options;
+  // STEPMESH_* variables apply (auth token, log level); the flags below win.
+  absl::StatusOr<stepmesh::MeshOptions> from_env = stepmesh::MeshOptions::FromEnv();
+  if (!from_env.ok()) {
+    std::fprintf(stderr, "%s\n", from_env.status().ToString().c_str());
+    return 2;
+  }
+  stepmesh::MeshOptions options = *from_env;
   options.transport = "tcp";
   stepmesh::testing::Scenario scenario;
   bool expect_unavailable = false;

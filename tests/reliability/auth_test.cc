@@ -3,16 +3,26 @@
 
 #include "src/core/auth.h"
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <atomic>
 #include <catch2/catch.hpp>
 #include <future>
 #include <string>
 #include <thread>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "src/base/net.h"
 #include "src/compose/transports.h"
 #include "src/core/control_message.h"
+#include "src/core/handshake.h"
 #include "src/core/mesh.h"
 #include "src/transport/tcp_fallback/tcp_transport.h"
 #include "stepmesh/scheduler.h"
@@ -236,6 +246,173 @@ TEST_CASE("auth: a junk client on the data port is refused, the real peer still 
   const core::PeerInfo peer{s, endpoint};
   CHECK(worker->Connect(w, {&peer, 1}, absl::Now() + absl::Seconds(3)).ok());
   CHECK(accepted.get().ok());
+}
+
+// A non-loopback address of this host, or "" when it has none.
+std::string NonLoopbackAddress() {
+  ifaddrs* all = nullptr;
+  if (::getifaddrs(&all) != 0) return "";
+  std::string found;
+  for (ifaddrs* a = all; a != nullptr && found.empty(); a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    char host[INET_ADDRSTRLEN];
+    ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ifa_addr)->sin_addr, host,
+                sizeof(host));
+    if (std::string(host).rfind("127.", 0) != 0) found = host;
+  }
+  ::freeifaddrs(all);
+  return found;
+}
+
+// The refusal happens before anything binds (CheckAuthPolicy looks at the
+// address only), so these tests listen on nothing but loopback: the wildcard
+// and this host's own interface address are refused before bind().
+TEST_CASE("auth: without a token, a mesh refuses to listen where other machines reach it",
+          "[auth]") {
+  std::vector<std::string> hosts = {"0.0.0.0"};
+  if (const std::string own = NonLoopbackAddress(); !own.empty()) hosts.push_back(own);
+  for (const std::string& host : hosts) {
+    INFO("host " << host);
+    MeshOptions o = AuthOptions("");
+    o.scheduler = host + ":0";
+    auto scheduler = Scheduler::Start(o);
+    INFO(scheduler.status().ToString());
+    CHECK_STATUS(scheduler.status(), kFailedPrecondition);
+    CHECK(absl::StrContains(scheduler.status().message(), "STEPMESH_AUTH_TOKEN"));
+    CHECK(absl::StrContains(scheduler.status().message(), "STEPMESH_AUTH=off"));
+    CHECK(absl::StrContains(scheduler.status().message(), host));
+
+    MeshOptions w = AuthOptions("");
+    w.bind_host = host;
+    auto worker = AFTensorWorker::Create(w);
+    INFO(worker.status().ToString());
+    CHECK_STATUS(worker.status(), kFailedPrecondition);
+    CHECK(absl::StrContains(worker.status().message(), "the data listener"));
+  }
+  // Loopback is allowed (the scheduler warns); a token or STEPMESH_AUTH=off allow any address.
+  bool open = false;
+  MeshOptions o = AuthOptions("");
+  CHECK_OK(core::CheckAuthPolicy(o, "x", "127.0.0.1", &open));
+  CHECK(open);
+  CHECK_OK(core::CheckAuthPolicy(o, "x", "localhost", &open));
+  CHECK(open);
+  o.auth = AuthMode::kOff;
+  CHECK_OK(core::CheckAuthPolicy(o, "x", "0.0.0.0", &open));
+  CHECK_FALSE(open);
+  o = AuthOptions("s3cret");
+  CHECK_OK(core::CheckAuthPolicy(o, "x", "0.0.0.0", &open));
+  CHECK_FALSE(open);
+  // STEPMESH_AUTH=on insists on a token even on loopback.
+  o = AuthOptions("");
+  o.auth = AuthMode::kOn;
+  CHECK_STATUS(o.Validate(), kInvalidArgument);
+  CHECK_STATUS(core::CheckAuthPolicy(o, "x", "127.0.0.1", &open), kFailedPrecondition);
+}
+
+TEST_CASE("auth: STEPMESH_AUTH and STEPMESH_MESH_ID come from the environment", "[auth]") {
+  ::setenv("STEPMESH_AUTH", "off", 1);
+  ::setenv("STEPMESH_MESH_ID", "blue", 1);
+  auto o = MeshOptions::FromEnv();
+  ::setenv("STEPMESH_AUTH", "sometimes", 1);
+  auto bad = MeshOptions::FromEnv();
+  ::unsetenv("STEPMESH_AUTH");
+  ::unsetenv("STEPMESH_MESH_ID");
+  REQUIRE_OK(o);
+  CHECK(o->auth == AuthMode::kOff);
+  CHECK(o->mesh_id == "blue");
+  CHECK_STATUS(bad.status(), kInvalidArgument);
+  CHECK(absl::StrContains(bad.status().message(), "STEPMESH_AUTH"));
+  auto token = GenerateAuthToken();
+  REQUIRE_OK(token);
+  CHECK(token->size() == 64);
+  CHECK(*token != *GenerateAuthToken());
+}
+
+// Forwards one connection both ways and keeps what the dialler sent.
+class RecordingProxy {
+ public:
+  explicit RecordingProxy(const std::string& target) {
+    listener_ = *base::ListenTcp("127.0.0.1", 0);
+    address_ = absl::StrCat("127.0.0.1:", *base::LocalPort(listener_.get()));
+    thread_ = std::thread([this, target] {
+      auto in = base::AcceptTcp(listener_.get(), absl::Now() + absl::Seconds(5));
+      if (!in.ok()) return;
+      auto out = base::ConnectTcp(*base::ParseHostPort(target), absl::Now() + absl::Seconds(5));
+      if (!out.ok()) return;
+      const absl::Time until = absl::Now() + absl::Seconds(3);
+      pollfd fds[2] = {{in->get(), POLLIN, 0}, {out->get(), POLLIN, 0}};
+      char buf[4096];
+      while (absl::Now() < until && !done_.load()) {
+        if (::poll(fds, 2, 20) <= 0) continue;
+        for (int i = 0; i < 2; ++i) {
+          if (!(fds[i].revents & (POLLIN | POLLHUP))) continue;
+          const ssize_t n = ::recv(fds[i].fd, buf, sizeof(buf), MSG_DONTWAIT);
+          if (n <= 0) return;
+          if (i == 0) {
+            base::MutexLock lock(&mu_);
+            sent_.append(buf, n);
+          }
+          (void)base::WriteFully(fds[1 - i].fd, buf, n, until);
+        }
+      }
+    });
+  }
+  ~RecordingProxy() {
+    done_ = true;
+    thread_.join();
+  }
+  const std::string& address() const { return address_; }
+  std::string sent() {
+    base::MutexLock lock(&mu_);
+    return sent_;
+  }
+
+ private:
+  base::UniqueFd listener_;
+  std::string address_;
+  std::thread thread_;
+  std::atomic<bool> done_{false};
+  base::Mutex mu_;
+  std::string sent_;
+};
+
+TEST_CASE("auth: a replayed data handshake is refused (the acceptor's nonce is fresh)", "[auth]") {
+  MeshOptions o = AuthOptions("k");
+  const core::NodeId w = core::WorkerId(0), s = core::ServerId(0);
+  // A real handshake through a recording proxy.
+  auto server = *tcp::CreateTcpTransport(o);
+  const std::string endpoint = *server->LocalEndpoint();
+  RecordingProxy proxy(endpoint);
+  auto accepted = std::async(std::launch::async, [&] {
+    const core::PeerInfo peer{w, ""};
+    return server->Connect(s, {&peer, 1}, absl::Now() + absl::Seconds(3));
+  });
+  auto worker = *tcp::CreateTcpTransport(o);
+  (void)*worker->LocalEndpoint();
+  const core::PeerInfo via_proxy{s, proxy.address()};
+  REQUIRE_OK(worker->Connect(w, {&via_proxy, 1}, absl::Now() + absl::Seconds(3)));
+  REQUIRE_OK(accepted.get());
+  const std::string capture = proxy.sent();
+  REQUIRE(capture.size() == core::kHelloBytes + core::kSha256Bytes);
+
+  // Replayed to a server (same secret, same identity) waiting for worker 0.
+  auto fresh = *tcp::CreateTcpTransport(o);
+  const std::string fresh_endpoint = *fresh->LocalEndpoint();
+  auto waiting = std::async(std::launch::async, [&] {
+    const core::PeerInfo peer{w, ""};
+    return fresh->Connect(s, {&peer, 1}, absl::Now() + absl::Seconds(2));
+  });
+  auto replay =
+      base::ConnectTcp(*base::ParseHostPort(fresh_endpoint), absl::Now() + absl::Seconds(2));
+  REQUIRE_OK(replay);
+  REQUIRE_OK(base::WriteFully(replay->get(), capture.data(), capture.size(),
+                              absl::Now() + absl::Seconds(1)));
+  // Accept + the acceptor's nonce and proof, then the refusal of the stale proof.
+  char answer[4 + core::kAuthNonceBytes + core::kSha256Bytes + 4];
+  REQUIRE_OK(
+      base::ReadFully(replay->get(), answer, sizeof(answer), absl::Now() + absl::Seconds(2)));
+  CHECK(std::string(answer + sizeof(answer) - 4, 4) == "SMNO");
+  CHECK_STATUS(waiting.get(), kDeadlineExceeded);  // the replay never became worker 0
 }
 
 }  // namespace

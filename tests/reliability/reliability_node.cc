@@ -2,20 +2,30 @@
 // of the harness (tests/reliability/harness.h layout).
 //   stepmesh_reliability_node --scheduler H:P --rank R --workers W --servers S
 //       [--role server|worker] [--keys K] [--bytes B] [--timeout-ms T]
-//       [--heartbeat-ms H] [--rounds N]
+//       [--heartbeat-ms H] [--rounds N] [--stop-file F] [--barrier-every N]
+//       [--barrier-loop 1]
 // server (default): answers every batch with push XOR (0x10 + rank) until
-//   every worker is gone (exit 0), or it is killed.
+//   every worker is gone (exit 0), or it is killed. With --barrier-loop, a
+//   thread enters barrier after barrier meanwhile (the workers' pace).
 // worker: round trips on key 0 to every server, checking each reply byte; N
-//   rounds then an orderly exit 0 (N = 0: until killed). Exit 3 when it cannot
-//   join (e.g. the scheduler has not yet seen its previous process die), 1 on a
-//   failed round.
+//   rounds then an orderly exit 0 (N = 0: until killed, or until file F
+//   exists). Prints "progress R" every 20 rounds and, with --barrier-every,
+//   "barrier B round R at T" (T: seconds since the epoch) after each barrier;
+//   a barrier refused while the scheduler is away is retried for the timeout.
+//   Exit 3 when it cannot join (e.g. the scheduler has not yet seen its
+//   previous process die), 1 on a failed round or barrier.
 
+#include <unistd.h>
+
+#include <atomic>
 #include <cstdio>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/time/clock.h"
+#include "stepmesh/status.h"
 #include "stepmesh/server.h"
 #include "stepmesh/worker.h"
 
@@ -23,12 +33,38 @@ namespace {
 
 uint8_t Mask(int server) { return static_cast<uint8_t>(0x10 + server); }
 
-int RunServer(const stepmesh::MeshOptions& options, int64_t keys, int64_t bytes) {
+struct NodeFlags {
+  int64_t keys = 2;
+  int64_t bytes = 4096;
+  int64_t rounds = 0;
+  std::string stop_file;
+  int64_t barrier_every = 0;
+  bool barrier_loop = false;
+};
+
+// A barrier, retried while the scheduler is away (UNAVAILABLE) for up to the
+// timeout: an application's way through a scheduler restart.
+template <typename Participant>
+absl::Status BarrierThroughRestarts(Participant& p, const stepmesh::MeshOptions& options,
+                                    const std::atomic<bool>* stop = nullptr) {
+  const absl::Time give_up = absl::Now() + options.timeout;
+  for (;;) {
+    absl::Status s = p.Barrier();
+    if (!absl::IsUnavailable(s) || absl::Now() > give_up || (stop != nullptr && stop->load())) {
+      return s;
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+}
+
+int RunServer(const stepmesh::MeshOptions& options, const NodeFlags& flags) {
+  const int64_t keys = flags.keys, bytes = flags.bytes;
   auto server = stepmesh::AFTensorServer::Create(options);
   if (!server.ok()) {
     std::fprintf(stderr, "server %d: %s\n", options.rank, server.status().ToString().c_str());
     return 1;
   }
+
   const int64_t workers = options.num_workers;
   std::vector<std::vector<uint8_t>> recv(keys, std::vector<uint8_t>(bytes * workers));
   std::vector<std::vector<uint8_t>> reply(keys, std::vector<uint8_t>(bytes * workers));
@@ -39,6 +75,30 @@ int RunServer(const stepmesh::MeshOptions& options, int64_t keys, int64_t bytes)
       return 1;
     }
   }
+  // Registered before the first barrier: with barriers, no push can find a
+  // key missing (a refused first round would leave the workers a batch
+  // apart, and a barrier between them would then wait for ever).
+  std::atomic<bool> serving{true};
+  std::thread barriers;
+  if (flags.barrier_loop) {
+    barriers = std::thread([&] {
+      while (serving.load()) {
+        absl::Status s = BarrierThroughRestarts(**server, options, &serving);
+        if (!s.ok() && serving.load() && !absl::IsDeadlineExceeded(s)) {
+          std::fprintf(stderr, "server %d barrier: %s\n", options.rank, s.ToString().c_str());
+          return;
+        }
+      }
+    });
+  }
+  struct JoinBarriers {
+    std::atomic<bool>& serving;
+    std::thread& barriers;
+    ~JoinBarriers() {
+      serving.store(false);
+      if (barriers.joinable()) barriers.join();
+    }
+  } join_barriers{serving, barriers};
   const uint8_t mask = Mask((*server)->rank());
   for (;;) {
     absl::StatusOr<stepmesh::Batch> batch = (*server)->GetBatch(absl::Milliseconds(200));
@@ -61,7 +121,8 @@ int RunServer(const stepmesh::MeshOptions& options, int64_t keys, int64_t bytes)
   }
 }
 
-int RunWorker(const stepmesh::MeshOptions& options, int64_t bytes, int64_t rounds) {
+int RunWorker(const stepmesh::MeshOptions& options, const NodeFlags& flags) {
+  const int64_t bytes = flags.bytes, rounds = flags.rounds;
   auto worker = stepmesh::AFTensorWorker::Create(options);
   if (!worker.ok()) {
     std::fprintf(stderr, "worker %d: %s\n", options.rank, worker.status().ToString().c_str());
@@ -94,6 +155,13 @@ int RunWorker(const stepmesh::MeshOptions& options, int64_t bytes, int64_t round
     }
     return absl::OkStatus();
   };
+  if (flags.barrier_every > 0) {
+    // Everyone registered before the first round (see RunServer).
+    if (absl::Status s = BarrierThroughRestarts(**worker, options); !s.ok()) {
+      std::fprintf(stderr, "worker %d start barrier: %s\n", options.rank, s.ToString().c_str());
+      return 1;
+    }
+  }
   // The servers take the connection right after the join; the first round may
   // need a retry while they do.
   absl::Status first = round_trip(0);
@@ -101,11 +169,32 @@ int RunWorker(const stepmesh::MeshOptions& options, int64_t bytes, int64_t round
     absl::SleepFor(absl::Milliseconds(100));
     first = round_trip(0);
   }
+  int64_t barrier = 0;
   for (int64_t round = 1; first.ok() && (rounds == 0 || round < rounds); ++round) {
     if (absl::Status s = round_trip(round); !s.ok()) {
       std::fprintf(stderr, "worker %d round %lld: %s\n", options.rank,
                    static_cast<long long>(round), s.ToString().c_str());
       return 1;
+    }
+    if (round % 20 == 0) {
+      std::printf("progress %lld\n", static_cast<long long>(round));
+      std::fflush(stdout);
+    }
+    if (flags.barrier_every > 0 && round % flags.barrier_every == 0) {
+      if (absl::Status s = BarrierThroughRestarts(**worker, options); !s.ok()) {
+        std::fprintf(stderr, "worker %d barrier %lld: %s\n", options.rank,
+                     static_cast<long long>(barrier + 1), s.ToString().c_str());
+        return 1;
+      }
+      std::printf("barrier %lld round %lld at %.3f\n", static_cast<long long>(++barrier),
+                  static_cast<long long>(round), absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
+      std::fflush(stdout);
+    }
+    if (!flags.stop_file.empty() && ::access(flags.stop_file.c_str(), F_OK) == 0) {
+      std::printf("worker %d: %lld rounds checked, %lld barriers\n", options.rank,
+                  static_cast<long long>(round + 1), static_cast<long long>(barrier));
+      std::fflush(stdout);
+      break;
     }
   }
   if (!first.ok()) {
@@ -118,10 +207,16 @@ int RunWorker(const stepmesh::MeshOptions& options, int64_t bytes, int64_t round
 }  // namespace
 
 int main(int argc, char** argv) {
-  stepmesh::MeshOptions options;
+  // STEPMESH_* variables apply (auth token, log level); the flags below win.
+  absl::StatusOr<stepmesh::MeshOptions> from_env = stepmesh::MeshOptions::FromEnv();
+  if (!from_env.ok()) {
+    std::fprintf(stderr, "%s\n", from_env.status().ToString().c_str());
+    return 2;
+  }
+  stepmesh::MeshOptions options = *from_env;
   options.transport = "tcp";
   options.role = stepmesh::Role::kServer;
-  int64_t keys = 2, bytes = 4096, rounds = 0;
+  NodeFlags f;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
     int64_t n = 0;
@@ -132,9 +227,12 @@ int main(int argc, char** argv) {
     } else if (flag == "--rank" && numeric) options.rank = static_cast<int>(n);
     else if (flag == "--workers" && numeric) options.num_workers = static_cast<int>(n);
     else if (flag == "--servers" && numeric) options.num_servers = static_cast<int>(n);
-    else if (flag == "--keys" && numeric) keys = n;
-    else if (flag == "--bytes" && numeric) bytes = n;
-    else if (flag == "--rounds" && numeric) rounds = n;
+    else if (flag == "--keys" && numeric) f.keys = n;
+    else if (flag == "--bytes" && numeric) f.bytes = n;
+    else if (flag == "--rounds" && numeric) f.rounds = n;
+    else if (flag == "--stop-file") f.stop_file = value;
+    else if (flag == "--barrier-every" && numeric) f.barrier_every = n;
+    else if (flag == "--barrier-loop" && numeric) f.barrier_loop = n != 0;
     else if (flag == "--timeout-ms" && numeric) options.timeout = absl::Milliseconds(n);
     else if (flag == "--heartbeat-ms" && numeric) options.heartbeat_interval = absl::Milliseconds(n);
     else {
@@ -142,6 +240,5 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  return options.role == stepmesh::Role::kServer ? RunServer(options, keys, bytes)
-                                                 : RunWorker(options, bytes, rounds);
+  return options.role == stepmesh::Role::kServer ? RunServer(options, f) : RunWorker(options, f);
 }

@@ -30,7 +30,8 @@ absl::Status StatusOf(const absl::StatusOr<T>& s) {
 #define REQUIRE_OK(expr) STEPMESH_ASSERT_STATUS_(REQUIRE, expr, status.ok())
 #define CHECK_OK(expr) STEPMESH_ASSERT_STATUS_(CHECK, expr, status.ok())
 // The status (of a Status or StatusOr) has the code absl::StatusCode::`code`.
-#define CHECK_STATUS(expr, code) \
-  STEPMESH_ASSERT_STATUS_(CHECK, expr, status.code() == ::absl::StatusCode::code)
-#define REQUIRE_STATUS(expr, code) \
-  STEPMESH_ASSERT_STATUS_(REQUIRE, expr, status.code() == ::absl::StatusCode::code)
+// (The parameter is not called `code`: it would replace status.code() too.)
+#define CHECK_STATUS(expr, want) \
+  STEPMESH_ASSERT_STATUS_(CHECK, expr, status.code() == ::absl::StatusCode::want)
+#define REQUIRE_STATUS(expr, want) \
+  STEPMESH_ASSERT_STATUS_(REQUIRE, expr, status.code() == ::absl::StatusCode::want)
