@@ -51,14 +51,14 @@ for t in "${targets[@]}"; do
       "$work" "tests/fuzz/corpus/$t" > "build-fuzz/fuzz-$t.log" 2>&1
   status=$?
   set -e
-  grep -E "^#[0-9]+ +(INITED|DONE)|ERROR|SUMMARY|fuzz_" "build-fuzz/fuzz-$t.log" | tail -4
+  grep -E "^#[0-9]+[[:space:]]+(INITED|DONE)|ERROR|SUMMARY|fuzz_" "build-fuzz/fuzz-$t.log" | tail -4 || true
   if (( status != 0 )); then
     echo "fuzzer $t failed (exit $status); see build-fuzz/fuzz-$t.log" >&2
     tail -30 "build-fuzz/fuzz-$t.log" >&2
     exit "$status"
   fi
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "build-fuzz/fuzz-$t.log" | tail -1)
-  last=$(grep -E "^#[0-9]+ " "build-fuzz/fuzz-$t.log" | tail -1)
+  last=$(grep -E "^#[0-9]+[[:space:]]" "build-fuzz/fuzz-$t.log" | tail -1)
   cov=$(sed -n 's/.* cov: \([0-9]*\).*/\1/p' <<<"$last")
   ft=$(sed -n 's/.* ft: \([0-9]*\).*/\1/p' <<<"$last")
   corp=$(sed -n 's/.* corp: \([0-9]*\/[0-9a-zA-Z]*\).*/\1/p' <<<"$last")
