@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
@@ -36,6 +37,33 @@ enum class GpuDirect : uint8_t {
 };
 absl::StatusOr<GpuDirect> ParseGpuDirect(absl::string_view name);
 absl::string_view GpuDirectName(GpuDirect mode);
+
+// The RDMA transport's knobs (docs/rdma.md explains each; every one has a
+// STEPMESH_RDMA_* variable, docs/configuration.md). The defaults suit RoCE v2
+// and InfiniBand fabrics; empty / zero / negative means "choose automatically".
+struct RdmaOptions {
+  // Which NIC, port and address.
+  std::string device;     // verbs device name ("mlx5_0"); empty: the best active port
+  int port = 0;           // 0: any active port
+  int gid_index = -1;     // -1: automatic (RoCE v2 IPv4-mapped first, never link-local v2)
+  std::string interface;  // RoCE: only GIDs inside this netdev's subnets ("eth2") or a
+                          // CIDR ("10.0.0.0/24"); empty: any
+  // Traffic class and reliability.
+  int traffic_class = 0;  // GRH traffic class, DSCP << 2 (0..255)
+  int service_level = 0;  // SL / priority (0..15)
+  int path_mtu = 0;       // bytes (256, 512, 1024, 2048, 4096); 0: the smaller active MTU
+  int ack_timeout = 18;   // local ACK timeout, 4.096 us * 2^n per try (1..31): 18 = 1.07 s
+  int retry_count = 7;    // transport retries after the first try (0..7)
+  int rnr_retry = 3;      // 0..6; credits make an RNR a bug, 7 (= forever) is refused
+  int min_rnr_timer = 12; // responder's RNR NAK delay code (1..31)
+  // Queues.
+  int recv_depth = 256;   // receives = credits = header-ring slots per QP (4..8192)
+  int qps_per_peer = 1;   // 2 stripes large payloads over two QPs (LAG ports)
+  int64_t stripe_min_bytes = 64 << 10;  // with 2 QPs, payloads this large are striped (>= 8192)
+  GpuDirect gpudirect = GpuDirect::kAuto;
+
+  absl::Status Validate() const;
+};
 
 // Whether a mesh insists on the shared secret (MeshOptions::auth_token).
 enum class AuthMode : uint8_t {
@@ -80,14 +108,7 @@ struct MeshOptions {
   // backend never waits with stream memory operations (docs/cuda.md, rule 7).
   int cuda_device_max_connections = 0;
 
-  // RDMA knobs; empty / negative means "choose automatically".
-  std::string rdma_device;
-  int rdma_port = 0;
-  int rdma_gid_index = -1;
-  int rdma_traffic_class = 0;
-  int rdma_service_level = 0;
-  int rdma_qps_per_peer = 1;
-  GpuDirect rdma_gpudirect = GpuDirect::kAuto;
+  RdmaOptions rdma;
 
   ThreadingOptions threads;
   absl::Duration timeout = absl::Seconds(30);            // connect, barrier, peer silence

@@ -87,6 +87,17 @@ Role ParseRoleName(const std::string& name) {
                                                             py::handle                               \
                                                                 v) { o.field = CastStr(v, #field); } \
   }
+// Python attributes are flat (rdma_port); the C++ field may be nested (rdma.port).
+#define SM_INT_AS(name, member)                                                \
+  Field {                                                                      \
+    name, [](const MeshOptions& o) { return py::object(py::int_(o.member)); }, \
+        [](MeshOptions& o, py::handle v) { o.member = CastInt(v, name); }      \
+  }
+#define SM_STR_AS(name, member)                                               \
+  Field {                                                                     \
+    name, [](const MeshOptions& o) { return py::object(py::str(o.member)); }, \
+        [](MeshOptions& o, py::handle v) { o.member = CastStr(v, name); }     \
+  }
 #define SM_SECONDS(name, member)                                              \
   Field {                                                                     \
     name,                                                                     \
@@ -109,18 +120,26 @@ const std::vector<Field>& Fields() {
       SM_STR(transport),
       SM_STR(backend),
       SM_INT(device),
-      SM_STR(rdma_device),
-      SM_INT(rdma_port),
-      SM_INT(rdma_gid_index),
-      SM_INT(rdma_traffic_class),
-      SM_INT(rdma_service_level),
-      SM_INT(rdma_qps_per_peer),
+      SM_STR_AS("rdma_device", rdma.device),
+      SM_INT_AS("rdma_port", rdma.port),
+      SM_INT_AS("rdma_gid_index", rdma.gid_index),
+      SM_STR_AS("rdma_interface", rdma.interface),
+      SM_INT_AS("rdma_traffic_class", rdma.traffic_class),
+      SM_INT_AS("rdma_service_level", rdma.service_level),
+      SM_INT_AS("rdma_path_mtu", rdma.path_mtu),
+      SM_INT_AS("rdma_ack_timeout", rdma.ack_timeout),
+      SM_INT_AS("rdma_retry_count", rdma.retry_count),
+      SM_INT_AS("rdma_rnr_retry", rdma.rnr_retry),
+      SM_INT_AS("rdma_min_rnr_timer", rdma.min_rnr_timer),
+      SM_INT_AS("rdma_recv_depth", rdma.recv_depth),
+      SM_INT_AS("rdma_qps_per_peer", rdma.qps_per_peer),
+      SM_INT_AS("rdma_stripe_min_bytes", rdma.stripe_min_bytes),
       {"rdma_gpudirect",
        [](const MeshOptions& o) {
-         return py::object(py::str(std::string(GpuDirectName(o.rdma_gpudirect))));
+         return py::object(py::str(std::string(GpuDirectName(o.rdma.gpudirect))));
        },
        [](MeshOptions& o, py::handle v) {
-         o.rdma_gpudirect = ValueOrThrow(ParseGpuDirect(CastStr(v, "rdma_gpudirect")));
+         o.rdma.gpudirect = ValueOrThrow(ParseGpuDirect(CastStr(v, "rdma_gpudirect")));
        }},
       {"poll_mode",
        [](const MeshOptions& o) {

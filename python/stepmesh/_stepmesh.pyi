@@ -38,9 +38,17 @@ class MeshOptions:
     rdma_device: str
     rdma_port: int
     rdma_gid_index: int
+    rdma_interface: str
     rdma_traffic_class: int
     rdma_service_level: int
+    rdma_path_mtu: int
+    rdma_ack_timeout: int
+    rdma_retry_count: int
+    rdma_rnr_retry: int
+    rdma_min_rnr_timer: int
+    rdma_recv_depth: int
     rdma_qps_per_peer: int
+    rdma_stripe_min_bytes: int
     rdma_gpudirect: str
     poll_mode: str
     spin_budget: float

@@ -70,6 +70,20 @@ struct EnvEntry {
   std::function<absl::Status(absl::string_view, MeshOptions&)> apply;
 };
 
+// RDMA entries name their variable in every error (ranges: RdmaOptions::Validate).
+EnvEntry RdmaInt(const char* name, int RdmaOptions::*field) {
+  return {name, [name, field](absl::string_view v, MeshOptions& o) -> absl::Status {
+            STEPMESH_ASSIGN_OR_RETURN(o.rdma.*field, ParseInt(name, v));
+            return absl::OkStatus();
+          }};
+}
+EnvEntry RdmaString(const char* name, std::string RdmaOptions::*field) {
+  return {name, [field](absl::string_view v, MeshOptions& o) -> absl::Status {
+            o.rdma.*field = std::string(v);
+            return absl::OkStatus();
+          }};
+}
+
 #define STEPMESH_ENV_INT(field) \
   [](absl::string_view v, MeshOptions& o) -> absl::Status { \
     STEPMESH_ASSIGN_OR_RETURN(o.field, ParseInt(#field, v)); return absl::OkStatus(); }
@@ -97,15 +111,33 @@ const std::vector<EnvEntry>& EnvTable() {
       {"STEPMESH_DEVICE", STEPMESH_ENV_INT(device)},
       // Read by CUDA itself; the cuda backend must know it too (one hardware queue).
       {"CUDA_DEVICE_MAX_CONNECTIONS", STEPMESH_ENV_INT(cuda_device_max_connections)},
-      {"STEPMESH_RDMA_DEVICE", STEPMESH_ENV_STR(rdma_device)},
-      {"STEPMESH_RDMA_PORT", STEPMESH_ENV_INT(rdma_port)},
-      {"STEPMESH_RDMA_GID_INDEX", STEPMESH_ENV_INT(rdma_gid_index)},
-      {"STEPMESH_RDMA_TRAFFIC_CLASS", STEPMESH_ENV_INT(rdma_traffic_class)},
-      {"STEPMESH_RDMA_SERVICE_LEVEL", STEPMESH_ENV_INT(rdma_service_level)},
-      {"STEPMESH_RDMA_QPS_PER_PEER", STEPMESH_ENV_INT(rdma_qps_per_peer)},
-      {"STEPMESH_RDMA_GPUDIRECT",
-       [](absl::string_view v, MeshOptions& o) -> absl::Status {
-         STEPMESH_ASSIGN_OR_RETURN(o.rdma_gpudirect, ParseGpuDirect(v));
+      RdmaString("STEPMESH_RDMA_DEVICE", &RdmaOptions::device),
+      RdmaInt("STEPMESH_RDMA_PORT", &RdmaOptions::port),
+      RdmaInt("STEPMESH_RDMA_GID_INDEX", &RdmaOptions::gid_index),
+      RdmaString("STEPMESH_RDMA_INTERFACE", &RdmaOptions::interface),
+      RdmaInt("STEPMESH_RDMA_TRAFFIC_CLASS", &RdmaOptions::traffic_class),
+      RdmaInt("STEPMESH_RDMA_SERVICE_LEVEL", &RdmaOptions::service_level),
+      RdmaInt("STEPMESH_RDMA_PATH_MTU", &RdmaOptions::path_mtu),
+      RdmaInt("STEPMESH_RDMA_ACK_TIMEOUT", &RdmaOptions::ack_timeout),
+      RdmaInt("STEPMESH_RDMA_RETRY_COUNT", &RdmaOptions::retry_count),
+      RdmaInt("STEPMESH_RDMA_RNR_RETRY", &RdmaOptions::rnr_retry),
+      RdmaInt("STEPMESH_RDMA_MIN_RNR_TIMER", &RdmaOptions::min_rnr_timer),
+      RdmaInt("STEPMESH_RDMA_RECV_DEPTH", &RdmaOptions::recv_depth),
+      RdmaInt("STEPMESH_RDMA_QPS_PER_PEER", &RdmaOptions::qps_per_peer),
+      {"STEPMESH_RDMA_STRIPE_MIN_BYTES", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         if (!absl::SimpleAtoi(v, &o.rdma.stripe_min_bytes)) {
+           return absl::InvalidArgumentError(
+               absl::StrCat("STEPMESH_RDMA_STRIPE_MIN_BYTES='", v, "' is not an integer"));
+         }
+         return absl::OkStatus();
+       }},
+      {"STEPMESH_RDMA_GPUDIRECT", [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         absl::StatusOr<GpuDirect> mode = ParseGpuDirect(v);
+         if (!mode.ok()) {
+           return absl::InvalidArgumentError(
+               absl::StrCat("STEPMESH_RDMA_GPUDIRECT: ", mode.status().message()));
+         }
+         o.rdma.gpudirect = *mode;
          return absl::OkStatus();
        }},
       {"STEPMESH_POLL_MODE",
@@ -323,10 +355,38 @@ absl::Status MeshOptions::Validate() const {
     return absl::InvalidArgumentError(absl::StrCat("mesh_id (STEPMESH_MESH_ID) of ", mesh_id.size(),
                                                    " characters (at most 256)"));
   }
-  if (rdma_qps_per_peer < 1 || rdma_qps_per_peer > 2) {  // rdma::kMaxQpsPerPeer
-    return absl::InvalidArgumentError(
-        absl::StrCat("rdma_qps_per_peer=", rdma_qps_per_peer, " (1 or 2)"));
+  return rdma.Validate();
+}
+
+absl::Status RdmaOptions::Validate() const {
+  // Each message names the field and the variable that sets it.
+  auto range = [](const char* field, const char* variable, int64_t value, int64_t lo,
+                  int64_t hi) -> absl::Status {
+    if (value >= lo && value <= hi) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat("rdma.", field, "=", value, " (", variable,
+                                                   "): want ", lo, "..", hi));
+  };
+  STEPMESH_RETURN_IF_ERROR(range("port", "STEPMESH_RDMA_PORT", port, 0, 255));
+  STEPMESH_RETURN_IF_ERROR(range("gid_index", "STEPMESH_RDMA_GID_INDEX", gid_index, -1, 65535));
+  STEPMESH_RETURN_IF_ERROR(
+      range("traffic_class", "STEPMESH_RDMA_TRAFFIC_CLASS", traffic_class, 0, 255));
+  STEPMESH_RETURN_IF_ERROR(
+      range("service_level", "STEPMESH_RDMA_SERVICE_LEVEL", service_level, 0, 15));
+  if (path_mtu != 0 && path_mtu != 256 && path_mtu != 512 && path_mtu != 1024 &&
+      path_mtu != 2048 && path_mtu != 4096) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rdma.path_mtu=", path_mtu, " (STEPMESH_RDMA_PATH_MTU): want 0, 256, 512, 1024, 2048 or 4096"));
   }
+  STEPMESH_RETURN_IF_ERROR(range("ack_timeout", "STEPMESH_RDMA_ACK_TIMEOUT", ack_timeout, 1, 31));
+  STEPMESH_RETURN_IF_ERROR(range("retry_count", "STEPMESH_RDMA_RETRY_COUNT", retry_count, 0, 7));
+  STEPMESH_RETURN_IF_ERROR(range("rnr_retry", "STEPMESH_RDMA_RNR_RETRY", rnr_retry, 0, 6));
+  STEPMESH_RETURN_IF_ERROR(
+      range("min_rnr_timer", "STEPMESH_RDMA_MIN_RNR_TIMER", min_rnr_timer, 1, 31));
+  STEPMESH_RETURN_IF_ERROR(range("recv_depth", "STEPMESH_RDMA_RECV_DEPTH", recv_depth, 4, 8192));
+  STEPMESH_RETURN_IF_ERROR(
+      range("qps_per_peer", "STEPMESH_RDMA_QPS_PER_PEER", qps_per_peer, 1, 2));
+  STEPMESH_RETURN_IF_ERROR(range("stripe_min_bytes", "STEPMESH_RDMA_STRIPE_MIN_BYTES",
+                                 stripe_min_bytes, 8192, int64_t{1} << 40));
   return absl::OkStatus();
 }
 

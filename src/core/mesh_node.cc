@@ -115,8 +115,8 @@ absl::StatusOr<WireTensor> MeshNode::RegisterTensor(uint64_t key, const TensorVi
 
 absl::StatusOr<WireTensor> MeshNode::RegisterWire(RegionInfo info, const TensorView& view) {
   const bool on_device = view.device.kind != DeviceKind::kCpu;
-  const bool require_direct = on_device && options_.rdma_gpudirect == GpuDirect::kRequire;
-  if (!on_device || (options_.rdma_gpudirect != GpuDirect::kOff &&
+  const bool require_direct = on_device && options_.rdma.gpudirect == GpuDirect::kRequire;
+  if (!on_device || (options_.rdma.gpudirect != GpuDirect::kOff &&
                      transport_->CanAccess(view.device))) {
     info.id = next_region_++;
     info.base = view.data;

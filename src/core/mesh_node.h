@@ -80,7 +80,14 @@ class MeshNode : public TransportSink {
   // Fails everything still pending (Stop() calls it after the threads ended).
   virtual void CancelAll(const absl::Status& why) = 0;
 
-  void OnPeerLost(NodeId peer, absl::Status why) final { HandlePeerLost(peer, why); }
+  // The transport lost its connection to `peer` (receive thread). Usually the
+  // peer is gone; a server tells a rejoined worker's superseded connection
+  // from the worker itself.
+  virtual void HandleConnectionLost(NodeId peer, const absl::Status& why) {
+    HandlePeerLost(peer, why);
+  }
+
+  void OnPeerLost(NodeId peer, absl::Status why) final { HandleConnectionLost(peer, why); }
 
   // Blocks until done() or the deadline, per the poll mode. Returns done().
   template <typename Done>

@@ -44,10 +44,12 @@ class Server final : public AFTensorServer, public MeshNode {
         replies_(options_, io_, lost_),
         notes_(options.num_workers),
         worker_epochs_(new std::atomic<uint32_t>[options.num_workers]),
+        rejoining_(new std::atomic<bool>[options.num_workers]),
         seen_epochs_(options.num_workers, 0) {
     for (int w = 0; w < options.num_workers; ++w) {
       notes_[w].worker = w;
       worker_epochs_[w] = 0;
+      rejoining_[w] = false;
     }
   }
   ~Server() override { Stop(); }
@@ -303,6 +305,27 @@ class Server final : public AFTensorServer, public MeshNode {
     NotifyWaiters();
   }
 
+  // While a rejoined worker's new connection is being made (HandlePeerJoined,
+  // from counting it back in until Connect returns) the transport has no
+  // connection of the new process to lose: it publishes that one as Connect
+  // ends. A loss it reports meanwhile is the previous process's connection,
+  // read late by a receive thread lagging the rendezvous thread (a loaded
+  // machine). Counting the worker out for it would leave its new requests
+  // waiting for batches that never form, so it is ignored. (A new connection
+  // lost in the instant before Connect returns still reaches the server: the
+  // scheduler reports the process itself on the rendezvous thread.)
+  void HandleConnectionLost(NodeId peer, const absl::Status& why) override {
+    if (IsWorker(peer)) {
+      const uint32_t w = NodeRank(peer);
+      if (w < static_cast<uint32_t>(options_.num_workers) && rejoining_[w].load()) {
+        STEPMESH_LOG(kInfo, "server ", rank_, ": worker ", w,
+                     "'s previous connection ended: ", why.ToString());
+        return;
+      }
+    }
+    HandlePeerLost(peer, why);
+  }
+
   // A restarted attention process rejoined under the same rank: accept its
   // connection and count it in batches again. Requests of its previous process
   // were dropped when that was lost; its registrations are the new process's own.
@@ -313,10 +336,12 @@ class Server final : public AFTensorServer, public MeshNode {
     // A worker that never looked lost (its old connection still open) is superseded.
     HandlePeerLost(peer, absl::UnavailableError("worker restarted"));
     worker_epochs_[w].fetch_add(1, std::memory_order_acq_rel);
+    rejoining_[w].store(true);
     // Counted before its connection exists, so no batch forms without it meanwhile.
     lost_.MarkBack(w);
     absl::Status connected =
         transport_->Connect(self_, {PeerInfo{peer, endpoint}}, absl::Now() + options_.timeout);
+    rejoining_[w].store(false);
     if (!connected.ok()) {
       HandlePeerLost(peer, connected);
       STEPMESH_LOG(kWarning, "server ", rank_, ": rejoined worker ", w,
@@ -364,6 +389,8 @@ class Server final : public AFTensorServer, public MeshNode {
   std::vector<PushNote> notes_;  // receive thread only
   // Bumped when a worker's new process rejoins; the receive thread compares.
   std::unique_ptr<std::atomic<uint32_t>[]> worker_epochs_;
+  // Set while HandlePeerJoined connects a worker's new process (HandleConnectionLost).
+  std::unique_ptr<std::atomic<bool>[]> rejoining_;
   std::vector<uint32_t> seen_epochs_;  // receive thread only
   base::RateLimiter violations_{10, absl::Seconds(10)};
 };

@@ -53,7 +53,7 @@ TEST_CASE("FromEnv overlays STEPMESH_* on the base", "[options]") {
   CHECK(o->num_servers == 2);
   CHECK(o->transport == "tcp");
   CHECK(o->threads.poll_mode == PollMode::kBlocking);
-  CHECK(o->rdma_gpudirect == GpuDirect::kRequire);
+  CHECK(o->rdma.gpudirect == GpuDirect::kRequire);
   CHECK(o->timeout == absl::Milliseconds(250));
   CHECK(o->threads.send_cores == std::vector<int>{2, 3});
 }
@@ -91,6 +91,69 @@ TEST_CASE("FromEnv rejects bad values with the variable's name", "[options]") {
     ScopedEnv env({{"STEPMESH_RANK", "7"}, {"STEPMESH_NUM_WORKERS", "2"}});
     CHECK(absl::IsInvalidArgument(MeshOptions::FromEnv().status()));
   }
+}
+
+TEST_CASE("every RDMA knob has a STEPMESH_RDMA_* variable", "[options][rdma]") {
+  const MeshOptions defaults;
+  CHECK(defaults.rdma.ack_timeout >= 18);  // NCCL's IB_TIMEOUT range: survives PFC pauses
+  CHECK(defaults.rdma.ack_timeout <= 20);
+  ScopedEnv env({{"STEPMESH_RDMA_DEVICE", "mlx5_3"},
+                 {"STEPMESH_RDMA_PORT", "2"},
+                 {"STEPMESH_RDMA_GID_INDEX", "3"},
+                 {"STEPMESH_RDMA_INTERFACE", "10.0.0.0/24"},
+                 {"STEPMESH_RDMA_TRAFFIC_CLASS", "104"},
+                 {"STEPMESH_RDMA_SERVICE_LEVEL", "3"},
+                 {"STEPMESH_RDMA_PATH_MTU", "2048"},
+                 {"STEPMESH_RDMA_ACK_TIMEOUT", "20"},
+                 {"STEPMESH_RDMA_RETRY_COUNT", "5"},
+                 {"STEPMESH_RDMA_RNR_RETRY", "2"},
+                 {"STEPMESH_RDMA_MIN_RNR_TIMER", "10"},
+                 {"STEPMESH_RDMA_RECV_DEPTH", "512"},
+                 {"STEPMESH_RDMA_QPS_PER_PEER", "2"},
+                 {"STEPMESH_RDMA_STRIPE_MIN_BYTES", "131072"},
+                 {"STEPMESH_RDMA_GPUDIRECT", "off"}});
+  auto o = MeshOptions::FromEnv();
+  REQUIRE(o.ok());
+  const RdmaOptions& r = o->rdma;
+  CHECK(r.device == "mlx5_3");
+  CHECK(r.port == 2);
+  CHECK(r.gid_index == 3);
+  CHECK(r.interface == "10.0.0.0/24");
+  CHECK(r.traffic_class == 104);
+  CHECK(r.service_level == 3);
+  CHECK(r.path_mtu == 2048);
+  CHECK(r.ack_timeout == 20);
+  CHECK(r.retry_count == 5);
+  CHECK(r.rnr_retry == 2);
+  CHECK(r.min_rnr_timer == 10);
+  CHECK(r.recv_depth == 512);
+  CHECK(r.qps_per_peer == 2);
+  CHECK(r.stripe_min_bytes == 131072);
+  CHECK(r.gpudirect == GpuDirect::kOff);
+}
+
+TEST_CASE("bad RDMA settings are refused naming the variable", "[options][rdma]") {
+  const std::pair<const char*, const char*> cases[] = {
+      {"STEPMESH_RDMA_ACK_TIMEOUT", "40"},     {"STEPMESH_RDMA_ACK_TIMEOUT", "soon"},
+      {"STEPMESH_RDMA_RETRY_COUNT", "8"},      {"STEPMESH_RDMA_RNR_RETRY", "7"},
+      {"STEPMESH_RDMA_RECV_DEPTH", "2"},       {"STEPMESH_RDMA_RECV_DEPTH", "9000"},
+      {"STEPMESH_RDMA_PATH_MTU", "1500"},      {"STEPMESH_RDMA_QPS_PER_PEER", "3"},
+      {"STEPMESH_RDMA_TRAFFIC_CLASS", "256"},  {"STEPMESH_RDMA_SERVICE_LEVEL", "16"},
+      {"STEPMESH_RDMA_STRIPE_MIN_BYTES", "4096"}, {"STEPMESH_RDMA_GID_INDEX", "x"},
+      {"STEPMESH_RDMA_MIN_RNR_TIMER", "0"},    {"STEPMESH_RDMA_GPUDIRECT", "maybe"},
+  };
+  for (const auto& [name, value] : cases) {
+    ScopedEnv env({{name, value}});
+    const absl::Status status = MeshOptions::FromEnv().status();
+    INFO(name << "=" << value << ": " << status.ToString());
+    CHECK(absl::IsInvalidArgument(status));
+    CHECK(std::string(status.message()).find(name) != std::string::npos);
+  }
+  MeshOptions direct;
+  direct.rdma.ack_timeout = 0;
+  const absl::Status status = direct.Validate();
+  CHECK(absl::IsInvalidArgument(status));
+  CHECK(std::string(status.message()).find("rdma.ack_timeout") != std::string::npos);
 }
 
 TEST_CASE("FromEnv reads CUDA_DEVICE_MAX_CONNECTIONS for the cuda backend", "[options]") {

@@ -5,13 +5,18 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
+#include <random>
+#include <thread>
 #include <vector>
 
+#include "absl/time/clock.h"
 #include "src/base/sync.h"
 
 namespace stepmesh::testing {
@@ -59,35 +64,67 @@ struct FakePd {
   int users = 0;  // MRs and QPs
 };
 
+// A posted send work request, as the NIC holds it until it executes.
+struct PendingWr {
+  uint64_t wr_id = 0;
+  ibv_wr_opcode opcode = IBV_WR_RDMA_WRITE;
+  bool signalled = false;
+  uint32_t imm = 0;
+  uint64_t remote_addr = 0;
+  uint32_t rkey = 0;
+  std::vector<ibv_sge> sges;           // gathered at execution
+  std::vector<std::byte> inline_data;  // copied at post time
+  bool is_inline = false;
+  uint64_t total = 0;
+  absl::Time due = absl::InfinitePast();
+  absl::Time first_try = absl::InfinitePast();  // when the NIC first sent it
+};
+
 struct FakeQp {
   ibv_qp qp{};
   FakeContext* ctx = nullptr;
   FakeCq* send_cq = nullptr;
   FakeCq* recv_cq = nullptr;
   FakePd* pd = nullptr;
-  ibv_qp_cap cap{};
+  ibv_qp_cap cap{};  // as granted
   bool sq_sig_all = false;
   int access = 0;
+  uint8_t port = 0;  // bound at INIT
   ibv_mtu path_mtu = IBV_MTU_256;
   uint32_t dest_qpn = 0;
+  bool is_global = false;
   ibv_gid dest_gid{};
+  uint16_t dest_lid = 0;
+  uint8_t timeout = 0;  // local ACK timeout exponent; 0 = wait forever
+  uint8_t retry_cnt = 0;
   uint32_t next_send_psn = 0;      // PSN of the next request we send
   uint32_t expected_recv_psn = 0;  // PSN we expect from the peer
   uint32_t sq_used = 0;            // slots held until a signalled CQE is polled
   uint32_t unsignalled_run = 0;    // executed WRs waiting for a signalled one
   std::deque<uint64_t> recv_queue;
+  std::deque<PendingWr> pending;  // asynchronous mode: posted, not executed
+  absl::Time last_due = absl::InfinitePast();
+  bool held = false;
+  bool drop = false;
   uint8_t lag_port = 0;  // mlx5dv_modify_qp_lag_port; 0: never set
+};
+
+struct FakePort {
+  ibv_port_state state = IBV_PORT_ACTIVE;
+  uint16_t lid = 0;
+  std::vector<FakeGid> gids;
 };
 
 struct FakeNic {
   ibv_device device{};
   FakeNicSpec spec;
-  ibv_gid gid_v2{};
-  ibv_gid gid_v1{};
+  std::vector<FakePort> ports;      // port p at index p - 1
   std::map<uint32_t, FakeQp*> qps;  // by qp_num
   std::map<uint32_t, FakeMr*> mrs_by_lkey;
   std::map<uint32_t, FakeMr*> mrs_by_rkey;
   std::vector<FakeContext*> contexts;
+  absl::Time paused_until = absl::InfinitePast();
+  bool ib() const { return spec.link_layer == IBV_LINK_LAYER_INFINIBAND; }
 };
 
 struct FakeContext {
@@ -97,21 +134,30 @@ struct FakeContext {
   std::vector<FakeQp*> qps;
 };
 
-ibv_gid MakeGid(uint32_t ipv4, bool v2) {
+ibv_gid Ipv4Gid(uint32_t ipv4) {
   ibv_gid gid{};
-  if (v2) {
-    gid.raw[10] = 0xFF;
-    gid.raw[11] = 0xFF;
-    for (int i = 0; i < 4; ++i) gid.raw[12 + i] = static_cast<uint8_t>(ipv4 >> (24 - 8 * i));
-  } else {
-    gid.raw[0] = 0xFE;
-    gid.raw[1] = 0x80;
-    for (int i = 0; i < 4; ++i) gid.raw[12 + i] = static_cast<uint8_t>(ipv4 >> (24 - 8 * i));
-  }
+  gid.raw[10] = 0xFF;
+  gid.raw[11] = 0xFF;
+  for (int i = 0; i < 4; ++i) gid.raw[12 + i] = static_cast<uint8_t>(ipv4 >> (24 - 8 * i));
+  return gid;
+}
+// fe80::<interface id>, the interface id derived from the address (like a MAC).
+ibv_gid LinkLocalGid(uint32_t ipv4, uint8_t tag) {
+  ibv_gid gid{};
+  gid.raw[0] = 0xFE;
+  gid.raw[1] = 0x80;
+  gid.raw[8] = 0x02;
+  gid.raw[11] = tag;
+  for (int i = 0; i < 4; ++i) gid.raw[12 + i] = static_cast<uint8_t>(ipv4 >> (24 - 8 * i));
   return gid;
 }
 
 uint64_t MrBegin(const FakeMr* mr) { return reinterpret_cast<uintptr_t>(mr->mr.addr); }
+uint32_t NextPow2(uint64_t n) {
+  uint64_t p = 1;
+  while (p < n) p <<= 1;
+  return static_cast<uint32_t>(std::min<uint64_t>(p, uint64_t{1} << 31));
+}
 
 void Signal(int fd) {
   const uint64_t one = 1;
@@ -122,17 +168,50 @@ void Unsignal(int fd) {
   (void)!::read(fd, &value, sizeof(value));
 }
 
+[[noreturn]] void Misuse(const char* what) {
+  std::fprintf(stderr, "fake verbs misuse: %s\n", what);
+  std::abort();
+}
+
+// What stops a request from being acknowledged right now.
+enum class Blocked { kNo, kPaused, kNoAck };
+
 }  // namespace
 
 struct FakeFabric::State {
-  mutable base::Mutex mu;
+  explicit State(const FakeFabricOptions& o)
+      : options(o), rng(o.seed != 0 ? o.seed : std::random_device{}()) {
+    if (options.asynchronous) thread = std::thread([this] { Run(); });
+  }
+  ~State() {
+    {
+      ::stepmesh::base::MutexLock lock(&mu);
+      stopping = true;
+    }
+    wake.Bump();
+    if (thread.joinable()) thread.join();
+  }
+
+  const FakeFabricOptions options;
+  mutable ::stepmesh::base::Mutex mu;
   std::vector<std::unique_ptr<FakeNic>> nics ABSL_GUARDED_BY(mu);
   uint32_t next_qpn ABSL_GUARDED_BY(mu) = 0x100;
   uint32_t next_key ABSL_GUARDED_BY(mu) = 1;
+  uint16_t next_lid ABSL_GUARDED_BY(mu) = 1;
   FakeFabricStats stats ABSL_GUARDED_BY(mu);
   std::vector<std::pair<uintptr_t, size_t>> device_memory ABSL_GUARDED_BY(mu);
   bool dmabuf ABSL_GUARDED_BY(mu) = true;
   bool peer_memory ABSL_GUARDED_BY(mu) = false;
+  bool fork_initialized ABSL_GUARDED_BY(mu) = false;
+  bool registered_any ABSL_GUARDED_BY(mu) = false;
+  std::mt19937_64 rng ABSL_GUARDED_BY(mu);
+  std::vector<FakeQp*> active ABSL_GUARDED_BY(mu);  // QPs with pending requests
+  bool stopping ABSL_GUARDED_BY(mu) = false;
+  std::atomic<bool> sleeping{false};
+  ::stepmesh::base::WakeWord wake;
+  std::thread thread;
+
+  // ---- Addressing ----
 
   // The device range wholly containing [address, address + bytes), if any.
   const std::pair<uintptr_t, size_t>* DeviceRange(uintptr_t address, size_t bytes) const
@@ -149,15 +228,49 @@ struct FakeFabric::State {
     return false;
   }
 
-  FakeNic* FindNic(const ibv_gid& gid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  FakeNic* NicNamed(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (auto& nic : nics) {
-      if (std::memcmp(&nic->gid_v2, &gid, sizeof(gid)) == 0 ||
-          std::memcmp(&nic->gid_v1, &gid, sizeof(gid)) == 0) {
-        return nic.get();
-      }
+      if (nic->spec.name == name) return nic.get();
     }
     return nullptr;
   }
+  FakeQp* QpNumbered(uint32_t qpn) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (const auto& nic : nics) {
+      if (auto it = nic->qps.find(qpn); it != nic->qps.end()) return it->second;
+    }
+    return nullptr;
+  }
+
+  // The port `qp` addresses (by GID with a GRH, else by LID) and the
+  // responder QP there, if it exists and is bound to that port.
+  struct Target {
+    FakeNic* nic = nullptr;
+    FakePort* port = nullptr;
+    FakeQp* qp = nullptr;
+  };
+  Target Responder(const FakeQp* qp) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (auto& nic : nics) {
+      for (size_t p = 0; p < nic->ports.size(); ++p) {
+        FakePort& port = nic->ports[p];
+        bool match = false;
+        if (qp->is_global) {
+          for (const FakeGid& g : port.gids) {
+            match = match || std::memcmp(&g.gid, &qp->dest_gid, sizeof(ibv_gid)) == 0;
+          }
+        } else {
+          match = nic->ib() && port.lid == qp->dest_lid;
+        }
+        if (!match) continue;
+        Target target{nic.get(), &port, nullptr};
+        auto it = nic->qps.find(qp->dest_qpn);
+        if (it != nic->qps.end() && it->second->port == p + 1) target.qp = it->second;
+        return target;
+      }
+    }
+    return {};
+  }
+
+  // ---- Completions ----
 
   void PushCqe(FakeCq* cq, const ibv_wc& wc, uint32_t frees) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (cq->overflowed) return;
@@ -187,7 +300,7 @@ struct FakeFabric::State {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     ++qp->unsignalled_run;
     if (status == IBV_WC_WR_FLUSH_ERR) ++stats.flushed;
-    // Errors always complete; successes only when asked to.
+    // Errors (flushes included) always complete; successes only when asked to.
     if (!signalled && status == IBV_WC_SUCCESS) return;
     ibv_wc wc{};
     wc.wr_id = wr_id;
@@ -198,8 +311,20 @@ struct FakeFabric::State {
     PushCqe(qp->send_cq, wc, frees);
   }
 
+  void Deactivate(FakeQp* qp) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    active.erase(std::remove(active.begin(), active.end(), qp), active.end());
+  }
+
+  // ERR: every request not yet executed, signalled or not, completes as
+  // flushed (in order), then every posted receive.
   void MoveToError(FakeQp* qp) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     qp->qp.state = IBV_QPS_ERR;
+    while (!qp->pending.empty()) {
+      const uint64_t id = qp->pending.front().wr_id;
+      qp->pending.pop_front();
+      SendCqe(qp, id, IBV_WC_WR_FLUSH_ERR, true);
+    }
+    Deactivate(qp);
     while (!qp->recv_queue.empty()) {
       ibv_wc wc{};
       wc.wr_id = qp->recv_queue.front();
@@ -212,43 +337,72 @@ struct FakeFabric::State {
     }
   }
 
-  // Executes one send WR from `qp` (in RTS); returns the completion status.
-  ibv_wc_status Execute(FakeQp* qp, const ibv_send_wr& wr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    // Gather: inline data was copied at post time by hardware; otherwise every
-    // SGE must sit inside a local MR of the QP's PD.
-    size_t total = 0;
-    for (int i = 0; i < wr.num_sge; ++i) {
-      const ibv_sge& sge = wr.sg_list[i];
-      total += sge.length;
-      if ((wr.send_flags & IBV_SEND_INLINE) || sge.length == 0) continue;
-      auto it = qp->ctx->nic->mrs_by_lkey.find(sge.lkey);
-      if (it == qp->ctx->nic->mrs_by_lkey.end() || it->second->pd != qp->pd ||
-          sge.addr < MrBegin(it->second) ||
-          sge.addr + sge.length > MrBegin(it->second) + it->second->mr.length) {
-        ++stats.access_errors;
-        return IBV_WC_LOC_PROT_ERR;
-      }
+  void RaisePortEvent(FakeNic* nic, uint8_t port, ibv_event_type type)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    for (FakeContext* ctx : nic->contexts) {
+      ibv_async_event event{};
+      event.event_type = type;
+      event.element.port_num = port;
+      ctx->async_events.push_back(event);
+      Signal(ctx->context.async_fd);
     }
-    // The responder: must exist, be connected back to us, and be receiving.
-    FakeNic* nic = FindNic(qp->dest_gid);
-    FakeQp* peer = nullptr;
-    if (nic != nullptr) {
-      auto it = nic->qps.find(qp->dest_qpn);
-      if (it != nic->qps.end()) peer = it->second;
-    }
+  }
+
+  // ---- Execution ----
+
+  // 4.096 us * 2^timeout per try, retry_cnt retries after the first.
+  absl::Duration RetryBudget(const FakeQp* qp) const {
+    if (qp->timeout == 0) return absl::InfiniteDuration();
+    return absl::Nanoseconds(4096) * (int64_t{1} << qp->timeout) * (qp->retry_cnt + 1);
+  }
+
+  // Whether `qp`'s next request could be acknowledged now.
+  Blocked Check(const FakeQp* qp, absl::Time now, absl::Time* until)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    const FakeNic* own = qp->ctx->nic;
+    if (qp->drop || own->ports[qp->port - 1].state != IBV_PORT_ACTIVE) return Blocked::kNoAck;
+    const Target target = Responder(qp);
+    const FakeQp* peer = target.qp;
+    if (target.port == nullptr || target.port->state != IBV_PORT_ACTIVE) return Blocked::kNoAck;
     if (peer == nullptr || (peer->qp.state != IBV_QPS_RTR && peer->qp.state != IBV_QPS_RTS) ||
         peer->dest_qpn != qp->qp.qp_num || peer->expected_recv_psn != qp->next_send_psn) {
-      return IBV_WC_RETRY_EXC_ERR;
+      return Blocked::kNoAck;
     }
+    *until = std::max(own->paused_until, target.nic->paused_until);
+    return *until > now ? Blocked::kPaused : Blocked::kNo;
+  }
+
+  // Executes one send request that can be acknowledged; returns its status.
+  ibv_wc_status Execute(FakeQp* qp, const PendingWr& wr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    // Gather: inline data was copied at post time; otherwise every SGE must
+    // sit inside a local MR of the QP's PD -- now, not when it was posted.
+    if (!wr.is_inline) {
+      for (const ibv_sge& sge : wr.sges) {
+        if (sge.length == 0) continue;
+        auto it = qp->ctx->nic->mrs_by_lkey.find(sge.lkey);
+        if (it == qp->ctx->nic->mrs_by_lkey.end() || it->second->pd != qp->pd ||
+            sge.addr < MrBegin(it->second) ||
+            sge.addr + sge.length > MrBegin(it->second) + it->second->mr.length) {
+          ++stats.access_errors;
+          return IBV_WC_LOC_PROT_ERR;
+        }
+      }
+    }
+    if (wr.total > qp->ctx->nic->spec.max_msg_sz) {
+      ++stats.length_errors;
+      return IBV_WC_LOC_LEN_ERR;
+    }
+    const Target target = Responder(qp);
+    FakeNic* nic = target.nic;
+    FakeQp* peer = target.qp;
     // Remote access: rkey, PD, MR and QP access flags, bounds.
-    if (total > 0) {
-      auto it = nic->mrs_by_rkey.find(wr.wr.rdma.rkey);
+    if (wr.total > 0) {
+      auto it = nic->mrs_by_rkey.find(wr.rkey);
       const bool ok = it != nic->mrs_by_rkey.end() && it->second->pd == peer->pd &&
                       (it->second->access & IBV_ACCESS_REMOTE_WRITE) &&
                       (peer->access & IBV_ACCESS_REMOTE_WRITE) &&
-                      wr.wr.rdma.remote_addr >= MrBegin(it->second) &&
-                      wr.wr.rdma.remote_addr + total <=
-                          MrBegin(it->second) + it->second->mr.length;
+                      wr.remote_addr >= MrBegin(it->second) &&
+                      wr.remote_addr + wr.total <= MrBegin(it->second) + it->second->mr.length;
       if (!ok) {
         ++stats.access_errors;
         MoveToError(peer);
@@ -260,16 +414,20 @@ struct FakeFabric::State {
       return IBV_WC_RNR_RETRY_EXC_ERR;
     }
     // Place the data.
-    auto* dst = reinterpret_cast<std::byte*>(wr.wr.rdma.remote_addr);
-    for (int i = 0; i < wr.num_sge; ++i) {
-      const ibv_sge& sge = wr.sg_list[i];
-      if (sge.length > 0) std::memmove(dst, reinterpret_cast<const void*>(sge.addr), sge.length);
-      dst += sge.length;
+    auto* dst = reinterpret_cast<std::byte*>(wr.remote_addr);
+    if (wr.is_inline) {
+      if (!wr.inline_data.empty()) std::memmove(dst, wr.inline_data.data(), wr.inline_data.size());
+    } else {
+      for (const ibv_sge& sge : wr.sges) {
+        if (sge.length > 0) std::memmove(dst, reinterpret_cast<const void*>(sge.addr), sge.length);
+        dst += sge.length;
+      }
     }
     ++stats.writes;
-    stats.bytes_written += total;
+    stats.bytes_written += wr.total;
+    const uint64_t mtu = 128u << qp->path_mtu;
     const uint32_t packets =
-        std::max<uint32_t>(1, (total + (128u << qp->path_mtu) - 1) / (128u << qp->path_mtu));
+        static_cast<uint32_t>(std::max<uint64_t>(1, (wr.total + mtu - 1) / mtu));
     qp->next_send_psn = (qp->next_send_psn + packets) & 0xFFFFFF;
     peer->expected_recv_psn = (peer->expected_recv_psn + packets) & 0xFFFFFF;
     if (wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM) {
@@ -279,16 +437,102 @@ struct FakeFabric::State {
       wc.status = IBV_WC_SUCCESS;
       wc.opcode = IBV_WC_RECV_RDMA_WITH_IMM;
       wc.wc_flags = IBV_WC_WITH_IMM;
-      wc.imm_data = wr.imm_data;
-      wc.byte_len = static_cast<uint32_t>(total);
+      wc.imm_data = wr.imm;
+      wc.byte_len = static_cast<uint32_t>(wr.total);
       wc.qp_num = peer->qp.qp_num;
       wc.src_qp = qp->qp.qp_num;
       PushCqe(peer->recv_cq, wc, 0);
     }
     return IBV_WC_SUCCESS;
   }
-};
 
+  void Complete(FakeQp* qp, const PendingWr& wr, ibv_wc_status status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    SendCqe(qp, wr.wr_id, status, wr.signalled);
+    if (status != IBV_WC_SUCCESS) MoveToError(qp);
+  }
+
+  // Synchronous mode: the request executes inside PostSend.
+  void RunNow(FakeQp* qp, const PendingWr& wr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    absl::Time until;
+    if (Check(qp, absl::Now(), &until) == Blocked::kNoAck) {
+      ++stats.retry_errors;
+      return Complete(qp, wr, IBV_WC_RETRY_EXC_ERR);
+    }
+    Complete(qp, wr, Execute(qp, wr));
+  }
+
+  // Asynchronous mode: one step of the head request of `qp`.
+  void Step(FakeQp* qp, absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    PendingWr& wr = qp->pending.front();
+    if (wr.first_try == absl::InfinitePast()) wr.first_try = now;
+    const absl::Time give_up = wr.first_try + RetryBudget(qp);
+    absl::Time until = absl::InfinitePast();
+    const Blocked blocked = Check(qp, now, &until);
+    if (blocked != Blocked::kNo) {
+      if (now >= give_up) {
+        ++stats.retry_errors;
+        const PendingWr failed = std::move(wr);
+        qp->pending.pop_front();
+        return Complete(qp, failed, IBV_WC_RETRY_EXC_ERR);
+      }
+      // Retransmissions go on until the pause ends or the budget is spent;
+      // a silent peer is looked at again every millisecond.
+      wr.due = blocked == Blocked::kPaused ? std::min(until, give_up)
+                                           : std::min(give_up, now + absl::Milliseconds(1));
+      return;
+    }
+    const PendingWr current = std::move(wr);
+    qp->pending.pop_front();
+    if (qp->pending.empty()) Deactivate(qp);
+    Complete(qp, current, Execute(qp, current));
+  }
+
+  void Enqueue(FakeQp* qp, PendingWr wr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    const int64_t span = absl::ToInt64Nanoseconds(options.max_delay);
+    const absl::Time now = absl::Now();
+    absl::Time due = now + absl::Nanoseconds(span > 0 ? static_cast<int64_t>(rng() % span) : 0);
+    due = std::max(due, qp->last_due);  // FIFO within the QP
+    qp->last_due = due;
+    wr.due = due;
+    if (qp->pending.empty()) active.push_back(qp);
+    qp->pending.push_back(std::move(wr));
+    if (sleeping.load(std::memory_order_seq_cst)) wake.Bump();
+  }
+
+  // The fabric thread.
+  void Run() {
+    std::vector<FakeQp*> ready;
+    for (;;) {
+      absl::Time next = absl::InfiniteFuture();
+      absl::Time now;
+      uint32_t seen;
+      {
+        ::stepmesh::base::MutexLock lock(&mu);
+        if (stopping) return;
+        now = absl::Now();
+        ready.clear();
+        for (FakeQp* qp : active) {
+          if (qp->held) continue;
+          const absl::Time due = qp->pending.front().due;
+          if (due <= now) {
+            ready.push_back(qp);
+          } else {
+            next = std::min(next, due);
+          }
+        }
+        if (!ready.empty()) {
+          Step(ready[rng() % ready.size()], now);
+          continue;
+        }
+        sleeping.store(true, std::memory_order_seq_cst);
+        seen = wake.Load();
+      }
+      wake.WaitWhile(seen, std::min(next - now, absl::Milliseconds(20)));
+      sleeping.store(false, std::memory_order_relaxed);
+    }
+  }
+};
 
 namespace {
 
@@ -298,6 +542,16 @@ class FakeVerbs final : public VerbsApi {
   using State = FakeFabric::State;
   FakeVerbs(std::shared_ptr<State> state, std::vector<FakeNic*> nics)
       : state_(std::move(state)), nics_(std::move(nics)) {}
+
+  int ForkInit() override {
+    ::stepmesh::base::MutexLock lock(&state_->mu);
+    ++state_->stats.fork_init_calls;
+    if (state_->fork_initialized) return 0;
+    // rdma-core: too late once memory was registered without it.
+    if (state_->registered_any) return EINVAL;
+    state_->fork_initialized = true;
+    return 0;
+  }
 
   ibv_device** GetDeviceList(int* num_devices) override {
     auto** list = new ibv_device*[nics_.size() + 1];
@@ -310,7 +564,7 @@ class FakeVerbs final : public VerbsApi {
   const char* GetDeviceName(ibv_device* device) override { return device->name; }
 
   ibv_context* OpenDevice(ibv_device* device) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     auto* ctx = new FakeContext;
     ctx->nic = Nic(device);
     ctx->context.device = device;
@@ -320,7 +574,7 @@ class FakeVerbs final : public VerbsApi {
     return &ctx->context;
   }
   int CloseDevice(ibv_context* context) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     FakeContext* ctx = Ctx(context);
     if (!ctx->qps.empty()) return EBUSY;
     auto& list = ctx->nic->contexts;
@@ -330,7 +584,7 @@ class FakeVerbs final : public VerbsApi {
     return 0;
   }
   int QueryDevice(ibv_context* context, ibv_device_attr* attr) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     const FakeNicSpec& spec = Ctx(context)->nic->spec;
     *attr = {};
     attr->max_qp = 1 << 16;
@@ -341,57 +595,60 @@ class FakeVerbs final : public VerbsApi {
     attr->max_mr = 1 << 20;
     attr->max_pd = 1 << 16;
     attr->max_mr_size = uint64_t{1} << 40;
-    attr->phys_port_cnt = 1;
+    attr->phys_port_cnt = spec.ports;
     return 0;
   }
   int QueryPort(ibv_context* context, uint8_t port, ibv_port_attr* attr) override {
-    base::MutexLock lock(&state_->mu);
-    if (port != 1) return EINVAL;
-    const FakeNicSpec& spec = Ctx(context)->nic->spec;
+    ::stepmesh::base::MutexLock lock(&state_->mu);
+    FakeNic* nic = Ctx(context)->nic;
+    if (port < 1 || port > nic->ports.size()) return EINVAL;
+    const FakePort& p = nic->ports[port - 1];
     *attr = {};
-    attr->state = spec.port_state;
+    attr->state = p.state;
     attr->max_mtu = IBV_MTU_4096;
-    attr->active_mtu = spec.active_mtu;
-    attr->gid_tbl_len = 2;
-    attr->link_layer = IBV_LINK_LAYER_ETHERNET;
-    attr->max_msg_sz = 1u << 31;
+    attr->active_mtu = nic->spec.active_mtu;
+    attr->gid_tbl_len = static_cast<int>(p.gids.size());
+    attr->link_layer = nic->spec.link_layer;
+    attr->max_msg_sz = static_cast<uint32_t>(std::min<uint64_t>(nic->spec.max_msg_sz, UINT32_MAX));
+    attr->lid = p.lid;
     return 0;
   }
   int QueryGidEx(ibv_context* context, uint8_t port, uint32_t index,
                  ibv_gid_entry* entry) override {
-    base::MutexLock lock(&state_->mu);
-    if (port != 1 || index > 1) return ENODATA;
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     FakeNic* nic = Ctx(context)->nic;
+    if (port < 1 || port > nic->ports.size()) return EINVAL;
+    const FakePort& p = nic->ports[port - 1];
+    if (index >= p.gids.size()) return ENODATA;
     *entry = {};
-    entry->gid = index == 0 ? nic->gid_v1 : nic->gid_v2;
+    entry->gid = p.gids[index].gid;
     entry->gid_index = index;
     entry->port_num = port;
-    entry->gid_type = index == 0 ? IBV_GID_TYPE_ROCE_V1 : IBV_GID_TYPE_ROCE_V2;
+    entry->gid_type = p.gids[index].type;
     return 0;
   }
 
   ibv_pd* AllocPd(ibv_context* context) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     auto* pd = new FakePd;
     pd->ctx = Ctx(context);
     pd->pd.context = context;
     return &pd->pd;
   }
   int DeallocPd(ibv_pd* pd) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     FakePd* fake = Pd(pd);
     if (fake->users != 0) return EBUSY;
     delete fake;
     return 0;
   }
   ibv_mr* RegMr(ibv_pd* pd, void* addr, size_t length, int access) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     if (addr == nullptr || length == 0) {
       errno = EINVAL;
       return nullptr;
     }
-    if (!state_->peer_memory &&
-        state_->TouchesDevice(reinterpret_cast<uintptr_t>(addr), length)) {
+    if (!state_->peer_memory && state_->TouchesDevice(reinterpret_cast<uintptr_t>(addr), length)) {
       errno = EFAULT;  // get_user_pages cannot pin GPU memory without peer memory
       return nullptr;
     }
@@ -399,7 +656,7 @@ class FakeVerbs final : public VerbsApi {
   }
   ibv_mr* RegDmabufMr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd,
                       int access) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     if (!state_->dmabuf) {
       errno = EOPNOTSUPP;
       return nullptr;
@@ -422,7 +679,7 @@ class FakeVerbs final : public VerbsApi {
     return mr;
   }
   int DeregMr(ibv_mr* mr) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     auto* fake = reinterpret_cast<FakeMr*>(mr);
     FakeNic* nic = fake->pd->ctx->nic;
     nic->mrs_by_lkey.erase(mr->lkey);
@@ -439,7 +696,7 @@ class FakeVerbs final : public VerbsApi {
     return &channel->channel;
   }
   int DestroyCompChannel(ibv_comp_channel* channel) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     if (channel->refcnt != 0) return EBUSY;
     ::close(channel->fd);
     delete reinterpret_cast<FakeChannel*>(channel);
@@ -447,7 +704,7 @@ class FakeVerbs final : public VerbsApi {
   }
   ibv_cq* CreateCq(ibv_context* context, int cqe, void* cq_context, ibv_comp_channel* channel,
                    int comp_vector) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     FakeContext* ctx = Ctx(context);
     if (cqe <= 0 || cqe > ctx->nic->spec.max_cqe || comp_vector != 0) {
       errno = EINVAL;
@@ -465,7 +722,7 @@ class FakeVerbs final : public VerbsApi {
     return &cq->cq;
   }
   int DestroyCq(ibv_cq* cq) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     FakeCq* fake = Cq(cq);
     if (fake->users != 0 || fake->events_acked != fake->events_delivered) return EBUSY;
     if (fake->channel != nullptr) {
@@ -477,14 +734,14 @@ class FakeVerbs final : public VerbsApi {
     return 0;
   }
   int ReqNotifyCq(ibv_cq* cq, int solicited_only) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     FakeCq* fake = Cq(cq);
     if (fake->channel == nullptr) return EINVAL;
     fake->armed = true;
     return 0;
   }
   int GetCqEvent(ibv_comp_channel* channel, ibv_cq** cq, void** cq_context) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     auto* fake = reinterpret_cast<FakeChannel*>(channel);
     if (fake->events.empty()) {
       errno = EAGAIN;  // the transport reads only after the fd polled readable
@@ -497,11 +754,11 @@ class FakeVerbs final : public VerbsApi {
     return 0;
   }
   void AckCqEvents(ibv_cq* cq, unsigned int nevents) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     Cq(cq)->events_acked += nevents;
   }
   int PollCq(ibv_cq* cq, int num_entries, ibv_wc* wc) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     FakeCq* fake = Cq(cq);
     if (fake->overflowed) return -EOVERFLOW;
     int n = 0;
@@ -518,7 +775,7 @@ class FakeVerbs final : public VerbsApi {
   }
 
   ibv_qp* CreateQp(ibv_pd* pd, ibv_qp_init_attr* attr) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     FakePd* fake_pd = Pd(pd);
     const FakeNicSpec& spec = fake_pd->ctx->nic->spec;
     ibv_qp_cap& cap = attr->cap;
@@ -530,12 +787,26 @@ class FakeVerbs final : public VerbsApi {
       errno = EINVAL;
       return nullptr;
     }
+    if (!spec.exact_grants) {
+      // mlx5: a WQE holds control and remote-address segments plus the inline
+      // data or the gather list, in 64-byte blocks; the queue is a power of
+      // two of bytes, and every WQE that fits counts as granted.
+      const uint32_t data = std::max(cap.max_inline_data > 0 ? cap.max_inline_data + 4 : 0,
+                                     16 * std::max<uint32_t>(1, cap.max_send_sge));
+      const uint32_t wqe = (32 + data + 63) / 64 * 64;
+      cap.max_inline_data = std::min<uint32_t>(spec.max_inline_data, wqe - 36);
+      const uint32_t queue = NextPow2(uint64_t{cap.max_send_wr} * wqe);
+      cap.max_send_wr = std::min<uint32_t>(queue / wqe, spec.max_qp_wr);
+      if (cap.max_recv_wr > 0) {
+        cap.max_recv_wr = std::min<uint32_t>(NextPow2(cap.max_recv_wr), spec.max_qp_wr);
+      }
+    }
     auto* qp = new FakeQp;
     qp->ctx = fake_pd->ctx;
     qp->pd = fake_pd;
     qp->send_cq = Cq(attr->send_cq);
     qp->recv_cq = Cq(attr->recv_cq);
-    qp->cap = cap;  // granted exactly what was asked (hardware may grant more)
+    qp->cap = cap;
     qp->sq_sig_all = attr->sq_sig_all != 0;
     qp->qp.context = pd->context;
     qp->qp.qp_context = attr->qp_context;
@@ -554,14 +825,14 @@ class FakeVerbs final : public VerbsApi {
   }
 
   int QueryLagPorts(ibv_context* context, uint8_t* num_lag_ports) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     const uint8_t lag = Ctx(context)->nic->spec.lag_ports;
     if (lag == 0) return EOPNOTSUPP;
     *num_lag_ports = lag;
     return 0;
   }
   int ModifyQpLagPort(ibv_qp* qp, uint8_t port) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     FakeQp* fake = Qp(qp);
     const uint8_t lag = fake->ctx->nic->spec.lag_ports;
     if (lag < 2) return EOPNOTSUPP;  // "not in LAG mode"
@@ -571,7 +842,7 @@ class FakeVerbs final : public VerbsApi {
     return 0;
   }
   int QueryQpLagPort(ibv_qp* qp, uint8_t* port, uint8_t* active_port) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     FakeQp* fake = Qp(qp);
     if (fake->ctx->nic->spec.lag_ports < 2) return EOPNOTSUPP;
     *port = fake->lag_port;
@@ -580,8 +851,9 @@ class FakeVerbs final : public VerbsApi {
   }
 
   int ModifyQp(ibv_qp* qp, ibv_qp_attr* attr, int mask) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     FakeQp* fake = Qp(qp);
+    FakeNic* nic = fake->ctx->nic;
     if (!(mask & IBV_QP_STATE)) return EINVAL;
     const ibv_qp_state from = fake->qp.state;
     const ibv_qp_state to = attr->qp_state;
@@ -593,16 +865,20 @@ class FakeVerbs final : public VerbsApi {
     if (to == IBV_QPS_RESET) {
       fake->qp.state = IBV_QPS_RESET;
       fake->recv_queue.clear();
+      fake->pending.clear();
+      state_->Deactivate(fake);
       fake->sq_used = 0;
       fake->unsignalled_run = 0;
       return 0;
     }
     if (to == IBV_QPS_INIT && (from == IBV_QPS_RESET || from == IBV_QPS_INIT)) {
-      if (from == IBV_QPS_RESET &&
-          !has(IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS)) {
+      if (from == IBV_QPS_RESET && !has(IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS)) {
         return EINVAL;
       }
-      if ((mask & IBV_QP_PORT) && attr->port_num != 1) return EINVAL;
+      if (mask & IBV_QP_PORT) {
+        if (attr->port_num < 1 || attr->port_num > nic->ports.size()) return EINVAL;
+        fake->port = attr->port_num;
+      }
       if (mask & IBV_QP_ACCESS_FLAGS) fake->access = attr->qp_access_flags;
       fake->qp.state = IBV_QPS_INIT;
       return 0;
@@ -612,17 +888,23 @@ class FakeVerbs final : public VerbsApi {
                IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER)) {
         return EINVAL;
       }
-      // RoCE: the address vector must be global with a valid source GID index.
-      if (!attr->ah_attr.is_global || attr->ah_attr.grh.sgid_index > 1 ||
-          attr->ah_attr.port_num != 1) {
-        return EINVAL;
+      const ibv_ah_attr& ah = attr->ah_attr;
+      if (ah.port_num != fake->port) return EINVAL;
+      const FakePort& port = nic->ports[fake->port - 1];
+      if (ah.is_global && ah.grh.sgid_index >= port.gids.size()) return EINVAL;
+      if (nic->ib()) {
+        if (ah.dlid == 0) return EINVAL;  // InfiniBand routes by LID
+      } else if (!ah.is_global) {
+        return EINVAL;  // RoCE: the address vector must carry a GRH
       }
-      if (attr->path_mtu > fake->ctx->nic->spec.active_mtu || attr->path_mtu < IBV_MTU_256) {
+      if (attr->path_mtu > nic->spec.active_mtu || attr->path_mtu < IBV_MTU_256) {
         return EINVAL;
       }
       fake->path_mtu = attr->path_mtu;
       fake->dest_qpn = attr->dest_qp_num;
-      fake->dest_gid = attr->ah_attr.grh.dgid;
+      fake->is_global = ah.is_global != 0;
+      fake->dest_gid = ah.grh.dgid;
+      fake->dest_lid = ah.dlid;
       fake->expected_recv_psn = attr->rq_psn & 0xFFFFFF;
       fake->qp.state = IBV_QPS_RTR;
       return 0;
@@ -633,6 +915,8 @@ class FakeVerbs final : public VerbsApi {
         return EINVAL;
       }
       if (attr->retry_cnt > 7 || attr->rnr_retry > 7 || attr->timeout > 31) return EINVAL;
+      fake->timeout = attr->timeout;
+      fake->retry_cnt = attr->retry_cnt;
       fake->next_send_psn = attr->sq_psn & 0xFFFFFF;
       fake->qp.state = IBV_QPS_RTS;
       return 0;
@@ -641,8 +925,9 @@ class FakeVerbs final : public VerbsApi {
   }
 
   int DestroyQp(ibv_qp* qp) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     FakeQp* fake = Qp(qp);
+    state_->Deactivate(fake);
     fake->ctx->nic->qps.erase(fake->qp.qp_num);
     auto& list = fake->ctx->qps;
     list.erase(std::find(list.begin(), list.end(), fake));
@@ -654,7 +939,7 @@ class FakeVerbs final : public VerbsApi {
   }
 
   int PostSend(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad_wr) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     FakeQp* fake = Qp(qp);
     for (; wr != nullptr; wr = wr->next) {
       const ibv_qp_state state = fake->qp.state;
@@ -662,30 +947,50 @@ class FakeVerbs final : public VerbsApi {
       if (wr->opcode != IBV_WR_RDMA_WRITE && wr->opcode != IBV_WR_RDMA_WRITE_WITH_IMM) {
         return Bad(bad_wr, wr, EINVAL);  // the only opcodes the transport may use
       }
+      if (wr->opcode == IBV_WR_RDMA_WRITE_WITH_IMM && fake->ctx->nic->spec.iwarp) {
+        return Bad(bad_wr, wr, EINVAL);  // iWARP carries no immediate data
+      }
       if (wr->num_sge < 0 || static_cast<uint32_t>(wr->num_sge) > fake->cap.max_send_sge) {
         return Bad(bad_wr, wr, EINVAL);
       }
-      if (wr->send_flags & IBV_SEND_INLINE) {
-        size_t total = 0;
-        for (int i = 0; i < wr->num_sge; ++i) total += wr->sg_list[i].length;
-        if (total > fake->cap.max_inline_data) return Bad(bad_wr, wr, EINVAL);
+      PendingWr pending;
+      pending.wr_id = wr->wr_id;
+      pending.opcode = wr->opcode;
+      pending.imm = wr->imm_data;
+      pending.remote_addr = wr->wr.rdma.remote_addr;
+      pending.rkey = wr->wr.rdma.rkey;
+      pending.is_inline = (wr->send_flags & IBV_SEND_INLINE) != 0;
+      for (int i = 0; i < wr->num_sge; ++i) pending.total += wr->sg_list[i].length;
+      if (pending.is_inline && pending.total > fake->cap.max_inline_data) {
+        return Bad(bad_wr, wr, EINVAL);
       }
       if (fake->sq_used >= fake->cap.max_send_wr) return Bad(bad_wr, wr, ENOMEM);
       ++fake->sq_used;
-      const bool signalled = fake->sq_sig_all || (wr->send_flags & IBV_SEND_SIGNALED);
+      pending.signalled = fake->sq_sig_all || (wr->send_flags & IBV_SEND_SIGNALED);
       if (state == IBV_QPS_ERR) {
         state_->SendCqe(fake, wr->wr_id, IBV_WC_WR_FLUSH_ERR, true);
         continue;
       }
-      const ibv_wc_status status = state_->Execute(fake, *wr);
-      state_->SendCqe(fake, wr->wr_id, status, signalled);
-      if (status != IBV_WC_SUCCESS) state_->MoveToError(fake);
+      if (pending.is_inline) {
+        // The NIC copies inline data when the request is posted.
+        for (int i = 0; i < wr->num_sge; ++i) {
+          const auto* from = reinterpret_cast<const std::byte*>(wr->sg_list[i].addr);
+          pending.inline_data.insert(pending.inline_data.end(), from, from + wr->sg_list[i].length);
+        }
+      } else {
+        pending.sges.assign(wr->sg_list, wr->sg_list + wr->num_sge);
+      }
+      if (state_->options.asynchronous) {
+        state_->Enqueue(fake, std::move(pending));
+      } else {
+        state_->RunNow(fake, pending);
+      }
     }
     return 0;
   }
 
   int PostRecv(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad_wr) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     FakeQp* fake = Qp(qp);
     for (; wr != nullptr; wr = wr->next) {
       if (fake->qp.state == IBV_QPS_RESET) return Bad(bad_wr, wr, EINVAL);
@@ -700,7 +1005,7 @@ class FakeVerbs final : public VerbsApi {
   }
 
   int GetAsyncEvent(ibv_context* context, ibv_async_event* event) override {
-    base::MutexLock lock(&state_->mu);
+    ::stepmesh::base::MutexLock lock(&state_->mu);
     FakeContext* ctx = Ctx(context);
     if (ctx->async_events.empty()) {
       errno = EAGAIN;
@@ -734,6 +1039,8 @@ class FakeVerbs final : public VerbsApi {
       errno = EINVAL;
       return nullptr;
     }
+    if (!state_->fork_initialized) ++state_->stats.registrations_before_fork_init;
+    state_->registered_any = true;
     FakePd* fake_pd = Pd(pd);
     auto* mr = new FakeMr;
     mr->pd = fake_pd;
@@ -763,24 +1070,42 @@ class FakeVerbs final : public VerbsApi {
 
 }  // namespace
 
-FakeFabric::FakeFabric() : state_(std::make_shared<State>()) {}
+FakeFabric::FakeFabric(FakeFabricOptions options) : state_(std::make_shared<State>(options)) {}
 FakeFabric::~FakeFabric() = default;
+
+bool FakeFabric::asynchronous() const { return state_->options.asynchronous; }
 
 std::shared_ptr<VerbsApi> FakeFabric::AddHost(const FakeNicSpec& spec) {
   return AddHost(std::vector<FakeNicSpec>{spec});
 }
 
 std::shared_ptr<VerbsApi> FakeFabric::AddHost(const std::vector<FakeNicSpec>& specs) {
-  base::MutexLock lock(&state_->mu);
+  ::stepmesh::base::MutexLock lock(&state_->mu);
   std::vector<FakeNic*> nics;
   for (const FakeNicSpec& spec : specs) {
     auto nic = std::make_unique<FakeNic>();
     nic->spec = spec;
     std::snprintf(nic->device.name, sizeof(nic->device.name), "%s", spec.name.c_str());
-    nic->device.node_type = IBV_NODE_CA;
-    nic->device.transport_type = IBV_TRANSPORT_IB;
-    nic->gid_v1 = MakeGid(spec.ipv4, false);
-    nic->gid_v2 = MakeGid(spec.ipv4, true);
+    nic->device.node_type = spec.iwarp ? IBV_NODE_RNIC : IBV_NODE_CA;
+    nic->device.transport_type = spec.iwarp ? IBV_TRANSPORT_IWARP : IBV_TRANSPORT_IB;
+    for (uint8_t p = 1; p <= std::max<uint8_t>(1, spec.ports); ++p) {
+      FakePort port;
+      port.state = spec.port_state;
+      const uint32_t ip = spec.ipv4 + ((p - 1u) << 8);
+      if (nic->ib()) {
+        port.lid = spec.lid != 0 ? static_cast<uint16_t>(spec.lid + p - 1) : state_->next_lid++;
+        port.gids.push_back({LinkLocalGid(ip, p), IBV_GID_TYPE_IB});
+      } else if (!spec.gids.empty()) {
+        port.gids = spec.gids;
+      } else {
+        port.gids = {{LinkLocalGid(ip, p), IBV_GID_TYPE_ROCE_V1},
+                     {LinkLocalGid(ip, p), IBV_GID_TYPE_ROCE_V2},
+                     {Ipv4Gid(ip), IBV_GID_TYPE_ROCE_V1},
+                     {Ipv4Gid(ip), IBV_GID_TYPE_ROCE_V2}};
+      }
+      nic->ports.push_back(port);
+    }
+    nic->spec.ports = static_cast<uint8_t>(nic->ports.size());
     nics.push_back(nic.get());
     state_->nics.push_back(std::move(nic));
   }
@@ -788,26 +1113,101 @@ std::shared_ptr<VerbsApi> FakeFabric::AddHost(const std::vector<FakeNicSpec>& sp
 }
 
 void FakeFabric::FailNic(const std::string& name) {
-  base::MutexLock lock(&state_->mu);
+  ::stepmesh::base::MutexLock lock(&state_->mu);
   for (auto& nic : state_->nics) {
     if (nic->spec.name != name) continue;
     for (auto& [qpn, qp] : nic->qps) state_->MoveToError(qp);
   }
 }
 
+void FakeFabric::InjectPortEvent(const std::string& name, uint8_t port, ibv_event_type type) {
+  ::stepmesh::base::MutexLock lock(&state_->mu);
+  FakeNic* nic = state_->NicNamed(name);
+  if (nic == nullptr || port < 1 || port > nic->ports.size())
+    Misuse("InjectPortEvent: no such port");
+  if (type == IBV_EVENT_PORT_ERR) nic->ports[port - 1].state = IBV_PORT_DOWN;
+  if (type == IBV_EVENT_PORT_ACTIVE) nic->ports[port - 1].state = IBV_PORT_ACTIVE;
+  state_->RaisePortEvent(nic, port, type);
+}
+
+void FakeFabric::ChangeGid(const std::string& name, uint8_t port, uint32_t index,
+                           const ibv_gid& gid) {
+  ::stepmesh::base::MutexLock lock(&state_->mu);
+  FakeNic* nic = state_->NicNamed(name);
+  if (nic == nullptr || port < 1 || port > nic->ports.size() ||
+      index >= nic->ports[port - 1].gids.size()) {
+    Misuse("ChangeGid: no such GID");
+  }
+  nic->ports[port - 1].gids[index].gid = gid;
+  state_->RaisePortEvent(nic, port, IBV_EVENT_GID_CHANGE);
+}
+
+void FakeFabric::PauseNic(const std::string& name, absl::Duration duration) {
+  if (!state_->options.asynchronous) Misuse("PauseNic needs the asynchronous fabric");
+  ::stepmesh::base::MutexLock lock(&state_->mu);
+  FakeNic* nic = state_->NicNamed(name);
+  if (nic == nullptr) Misuse("PauseNic: no such NIC");
+  nic->paused_until = absl::Now() + duration;
+}
+
+void FakeFabric::DropTraffic(uint32_t qpn, bool drop) {
+  ::stepmesh::base::MutexLock lock(&state_->mu);
+  FakeQp* qp = state_->QpNumbered(qpn);
+  if (qp == nullptr) Misuse("DropTraffic: no such QP");
+  qp->drop = drop;
+  state_->wake.Bump();
+}
+
+void FakeFabric::HoldQp(uint32_t qpn, bool hold) {
+  if (!state_->options.asynchronous) Misuse("HoldQp needs the asynchronous fabric");
+  ::stepmesh::base::MutexLock lock(&state_->mu);
+  FakeQp* qp = state_->QpNumbered(qpn);
+  if (qp == nullptr) Misuse("HoldQp: no such QP");
+  qp->held = hold;
+  state_->wake.Bump();
+}
+
+std::vector<uint32_t> FakeFabric::QpNumbers(const std::string& name) const {
+  ::stepmesh::base::MutexLock lock(&state_->mu);
+  std::vector<uint32_t> out;
+  for (const auto& nic : state_->nics) {
+    if (nic->spec.name != name) continue;
+    for (const auto& [qpn, qp] : nic->qps) out.push_back(qpn);
+  }
+  return out;
+}
+
+int FakeFabric::SendCqCapacity(uint32_t qpn) const {
+  ::stepmesh::base::MutexLock lock(&state_->mu);
+  const FakeQp* qp = state_->QpNumbered(qpn);
+  return qp == nullptr ? 0 : qp->send_cq->capacity;
+}
+
+uint32_t FakeFabric::GrantedSendWr(uint32_t qpn) const {
+  ::stepmesh::base::MutexLock lock(&state_->mu);
+  const FakeQp* qp = state_->QpNumbered(qpn);
+  return qp == nullptr ? 0 : qp->cap.max_send_wr;
+}
+
+size_t FakeFabric::Outstanding(uint32_t qpn) const {
+  ::stepmesh::base::MutexLock lock(&state_->mu);
+  const FakeQp* qp = state_->QpNumbered(qpn);
+  return qp == nullptr ? 0 : qp->pending.size();
+}
+
 void FakeFabric::AddDeviceMemory(const void* base, size_t bytes) {
-  base::MutexLock lock(&state_->mu);
+  ::stepmesh::base::MutexLock lock(&state_->mu);
   state_->device_memory.emplace_back(reinterpret_cast<uintptr_t>(base), bytes);
 }
 
 void FakeFabric::SetGpuDirect(bool dmabuf, bool peer_memory) {
-  base::MutexLock lock(&state_->mu);
+  ::stepmesh::base::MutexLock lock(&state_->mu);
   state_->dmabuf = dmabuf;
   state_->peer_memory = peer_memory;
 }
 
 std::vector<uint8_t> FakeFabric::LagPorts(const std::string& nic) const {
-  base::MutexLock lock(&state_->mu);
+  ::stepmesh::base::MutexLock lock(&state_->mu);
   std::vector<uint8_t> ports;
   for (const auto& n : state_->nics) {
     if (n->spec.name != nic) continue;
@@ -817,7 +1217,7 @@ std::vector<uint8_t> FakeFabric::LagPorts(const std::string& nic) const {
 }
 
 FakeFabricStats FakeFabric::stats() const {
-  base::MutexLock lock(&state_->mu);
+  ::stepmesh::base::MutexLock lock(&state_->mu);
   return state_->stats;
 }
 

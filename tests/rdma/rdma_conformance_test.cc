@@ -31,19 +31,19 @@ MeshOptions RdmaOptions(int qps = 1) {
   MeshOptions o;
   o.transport = "rdma";
   o.timeout = absl::Seconds(10);
-  o.rdma_qps_per_peer = qps;
+  o.rdma.qps_per_peer = qps;
   return o;
 }
 
 TEST_CASE("conformance over rdma (fake verbs): two QPs per peer, small credit window",
           "[rdma][conformance]") {
   auto fabric = std::make_shared<FakeFabric>();
-  rdma::RdmaTuning tuning;
-  tuning.recv_depth = 8;  // forces credit returns every other frame
-  tuning.stripe_min_bytes = 4096;
+  MeshOptions o = RdmaOptions(2);
+  o.rdma.recv_depth = 8;  // forces credit returns every other frame
+  o.rdma.stripe_min_bytes = 8192;
   Scenario sc;
   sc.iterations = 30;
-  CHECK_OK(testing::RunInProcess(sc, RdmaOptions(2), FakeRdmaFactory(fabric, tuning)));
+  CHECK_OK(testing::RunInProcess(sc, o, FakeRdmaFactory(fabric)));
   CHECK(fabric->stats().rnr_errors == 0);
 }
 

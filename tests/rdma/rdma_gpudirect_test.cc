@@ -165,7 +165,7 @@ Outcome RunExchange(const Setup& setup) {
   MeshOptions base;
   base.transport = "rdma";
   base.timeout = absl::Seconds(10);
-  base.rdma_gpudirect = setup.mode;
+  base.rdma.gpudirect = setup.mode;
   base.scheduler = "127.0.0.1:0";
   auto scheduler = Scheduler::Start(base);
   REQUIRE(scheduler.ok());

@@ -23,7 +23,7 @@ MeshOptions HwOptions(int qps) {
   MeshOptions o = env.ok() ? *env : MeshOptions();
   o.transport = "rdma";
   o.timeout = absl::Seconds(20);
-  o.rdma_qps_per_peer = qps;
+  o.rdma.qps_per_peer = qps;
   return o;
 }
 
@@ -57,10 +57,11 @@ int main(int argc, char** argv) {
     return 77;
   }
   absl::StatusOr<stepmesh::MeshOptions> env = stepmesh::MeshOptions::FromEnv();
-  if (env.ok() && !env->rdma_device.empty()) {
+  if (env.ok() && !env->rdma.device.empty()) {
     auto verbs = stepmesh::rdma::MakeRealVerbsApi();
     if (!stepmesh::rdma::OpenPort(*verbs, *env).ok()) {
-      std::fprintf(stderr, "rdma_hw_tests: device %s unusable; skipping\n", env->rdma_device.c_str());
+      std::fprintf(stderr, "rdma_hw_tests: device %s unusable; skipping\n",
+                   env->rdma.device.c_str());
       return 77;
     }
   }

@@ -3,256 +3,43 @@
 
 #include "src/transport/rdma/rdma_transport.h"
 
-#include <atomic>
 #include <catch2/catch.hpp>
 #include <cstring>
-#include <functional>
 #include <future>
-#include <thread>
+#include <string>
 #include <vector>
 
 #include "absl/time/clock.h"
-#include "src/base/sync.h"
 #include "src/transport/rdma/verbs_resources.h"
-#include "tests/rdma/fake_verbs.h"
+#include "tests/rdma/rdma_pair.h"
 
 namespace stepmesh::core {
 namespace {
 
-using rdma::CreateRdmaTransport;
-using rdma::RdmaTuning;
-using testing::FakeFabric;
-using testing::FakeNicSpec;
-
-constexpr NodeId kWorker = WorkerId(0);
-constexpr NodeId kServer = ServerId(0);
-constexpr NodeId kOtherWorker = WorkerId(1);
-
-struct Event {
-  bool lost = false;
-  NodeId peer = kNoNode;
-  FrameHeader header;
-  absl::Status status;
-};
-
-class RecordingSink final : public TransportSink {
- public:
-  std::function<absl::StatusOr<Destination>(NodeId, const FrameHeader&)> resolve;
-
-  absl::Status Resolve(NodeId peer, const FrameHeader& header, Destination& out,
-                       FrameContext*) override {
-    if (!resolve) return absl::NotFoundError("no destination in this test");
-    absl::StatusOr<Destination> dest = resolve(peer, header);
-    if (dest.ok()) out = *dest;
-    return dest.status();
-  }
-  void OnFrame(NodeId peer, const FrameHeader& header, FrameContext, absl::Status status) override {
-    base::MutexLock lock(&mu_);
-    events_.push_back({false, peer, header, std::move(status)});
-  }
-  void OnPeerLost(NodeId peer, absl::Status why) override {
-    base::MutexLock lock(&mu_);
-    events_.push_back({true, peer, {}, std::move(why)});
-  }
-  // Waits until `n` events were recorded; returns a copy of them.
-  std::vector<Event> WaitFor(size_t n, absl::Duration timeout = absl::Seconds(5)) {
-    base::MutexLock lock(&mu_);
-    auto enough = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return events_.size() >= n; };
-    mu_.AwaitWithTimeout(enough, timeout);
-    return events_;
-  }
-
- private:
-  base::Mutex mu_;
-  std::vector<Event> events_ ABSL_GUARDED_BY(mu_);
-};
-
-struct Node {
-  std::unique_ptr<Transport> transport;
-  RecordingSink sink;
-  std::thread poller;
-  std::atomic<bool> stop{false};
-
-  void StartPolling() {
-    poller = std::thread([this] {
-      while (!stop) {
-        absl::Status st = transport->Poll(sink, absl::Milliseconds(5));
-        if (!st.ok()) break;
-      }
-    });
-  }
-  void StopPolling() {
-    stop = true;
-    if (transport) transport->Wake();
-    if (poller.joinable()) poller.join();
-  }
-  ~Node() { StopPolling(); }
-};
-
-FrameHeader Header(FrameType type, NodeId src, NodeId dst, uint64_t key, size_t bytes,
-                   uint64_t request = 1) {
-  FrameHeader h;
-  h.type = type;
-  h.src = src;
-  h.dst = dst;
-  h.key = key;
-  h.request_id = request;
-  h.payload_bytes = bytes;
-  h.part_count = 1;
-  return h;
-}
-
-// A worker and a server connected over a fresh fabric.
-struct Pair {
-  FakeFabric fabric;
-  Node worker;
-  Node server;
-
-  explicit Pair(RdmaTuning tuning = {}, int qps = 1,
-                absl::Duration timeout = absl::Seconds(3), uint8_t lag_ports = 0) {
-    MeshOptions o;
-    o.timeout = timeout;
-    o.rdma_qps_per_peer = qps;
-    FakeNicSpec a;
-    a.name = "fake_w";
-    a.ipv4 = 0x0A000001;
-    a.lag_ports = lag_ports;
-    FakeNicSpec b;
-    b.name = "fake_s";
-    b.ipv4 = 0x0A000002;
-    b.lag_ports = lag_ports;
-    auto w = CreateRdmaTransport(o, fabric.AddHost(a), tuning);
-    auto s = CreateRdmaTransport(o, fabric.AddHost(b), tuning);
-    REQUIRE(w.ok());
-    REQUIRE(s.ok());
-    worker.transport = *std::move(w);
-    server.transport = *std::move(s);
-    auto wep = worker.transport->LocalEndpoint();
-    auto sep = server.transport->LocalEndpoint();
-    REQUIRE(wep.ok());
-    REQUIRE(sep.ok());
-    const absl::Time deadline = absl::Now() + absl::Seconds(5);
-    std::vector<PeerInfo> worker_peers = {{kWorker, *wep}};
-    std::vector<PeerInfo> server_peers = {{kServer, *sep}};
-    auto accepted = std::async(std::launch::async, [&] {
-      return server.transport->Connect(kServer, worker_peers, deadline);
-    });
-    REQUIRE(worker.transport->Connect(kWorker, server_peers, deadline).ok());
-    REQUIRE(accepted.get().ok());
-  }
-  ~Pair() {
-    worker.StopPolling();
-    server.StopPolling();
-  }
-};
-
-// A server receive region with one slot per worker and a worker pull region.
-struct Buffers {
-  static constexpr size_t kSlot = 1 << 20;
-  std::vector<std::byte> recv = std::vector<std::byte>(2 * kSlot);  // slots: other, worker
-  std::vector<std::byte> src = std::vector<std::byte>(kSlot);
-  std::vector<std::byte> pull = std::vector<std::byte>(kSlot);
-  std::vector<std::byte> reply = std::vector<std::byte>(kSlot);
-
-  RegionInfo Recv() {
-    RegionInfo r;
-    r.id = 1;
-    r.key = 7;
-    r.base = recv.data();
-    r.slot_bytes = kSlot;
-    r.num_slots = 2;
-    r.remote_writable = true;
-    r.slot_peers = {kOtherWorker, kWorker};
-    return r;
-  }
-  RegionInfo Src() {
-    RegionInfo r;
-    r.id = 2;
-    r.key = 7;
-    r.base = src.data();
-    r.slot_bytes = kSlot;
-    return r;
-  }
-  RegionInfo Pull() {
-    RegionInfo r;
-    r.id = 3;
-    r.key = 9;
-    r.base = pull.data();
-    r.slot_bytes = kSlot;
-    r.remote_writable = true;
-    r.slot_peers = {kServer};
-    return r;
-  }
-  RegionInfo Reply() {
-    RegionInfo r;
-    r.id = 4;
-    r.key = 9;
-    r.base = reply.data();
-    r.slot_bytes = kSlot;
-    return r;
-  }
-  std::byte* WorkerSlot() { return recv.data() + kSlot; }
-};
-
-void Fill(std::byte* p, size_t n, uint8_t seed) {
-  for (size_t i = 0; i < n; ++i) p[i] = static_cast<std::byte>(seed + i * 7 + (i >> 9));
-}
-bool Same(const std::byte* p, size_t n, uint8_t seed) {
-  for (size_t i = 0; i < n; ++i) {
-    if (p[i] != static_cast<std::byte>(seed + i * 7 + (i >> 9))) return false;
-  }
-  return true;
-}
-
-// Resolves pushes into the worker's slot and replies into the pull region.
-void ResolveToBuffers(Pair& pair, Buffers& buf) {
-  pair.server.sink.resolve = [&buf](NodeId, const FrameHeader& h) -> absl::StatusOr<Destination> {
-    return Destination{buf.WorkerSlot(), Buffers::kSlot, 1};
-  };
-  pair.worker.sink.resolve = [&buf](NodeId, const FrameHeader& h) -> absl::StatusOr<Destination> {
-    return Destination{buf.pull.data(), Buffers::kSlot, 3};
-  };
-}
-
-void RegisterAll(Pair& pair, Buffers& buf) {
-  REQUIRE(pair.server.transport->RegisterRegion(buf.Recv()).ok());
-  REQUIRE(pair.server.transport->RegisterRegion(buf.Reply()).ok());
-  REQUIRE(pair.worker.transport->RegisterRegion(buf.Src()).ok());
-  REQUIRE(pair.worker.transport->RegisterRegion(buf.Pull()).ok());
+PairConfig Config(int qps = 1, absl::Duration timeout = absl::Seconds(3), int recv_depth = 256,
+                  int64_t stripe_min_bytes = 64 << 10, uint8_t lag_ports = 0) {
+  PairConfig c;
+  c.options.timeout = timeout;
+  c.options.rdma.qps_per_peer = qps;
+  c.options.rdma.recv_depth = recv_depth;
+  c.options.rdma.stripe_min_bytes = stripe_min_bytes;
+  c.worker_nic.lag_ports = lag_ports;
+  c.server_nic.lag_ports = lag_ports;
+  return c;
 }
 
 TEST_CASE("rdma: push and reply land byte-exact in the registered slots", "[rdma][transport]") {
-  Pair pair;
   Buffers buf;
-  RegisterAll(pair, buf);
-  ResolveToBuffers(pair, buf);
-  pair.worker.StartPolling();
-  pair.server.StartPolling();
+  Pair pair;
+  Serve(pair, buf);
 
-  const size_t push = 300000;
-  Fill(buf.src.data(), push, 3);
-  REQUIRE(pair.worker.transport
-              ->Send(kServer, Header(FrameType::kPush, kWorker, kServer, 7, push), buf.src.data(),
-                     2, push)
-              .ok());
+  PushChecked(pair, buf, 300000, 3);
   auto events = pair.server.sink.WaitFor(1);
   REQUIRE(events.size() == 1);
-  CHECK(events[0].status.ok());
   CHECK(events[0].header.key == 7);
-  CHECK(events[0].header.payload_bytes == push);
-  CHECK(Same(buf.WorkerSlot(), push, 3));
   CHECK(buf.recv[0] == std::byte{0});  // the other worker's slot is untouched
 
-  const size_t reply = 4096;
-  Fill(buf.reply.data(), reply, 11);
-  REQUIRE(pair.server.transport
-              ->Send(kWorker, Header(FrameType::kReply, kServer, kWorker, 9, reply),
-                     buf.reply.data(), 4, reply)
-              .ok());
-  events = pair.worker.sink.WaitFor(1);
-  REQUIRE(events.size() == 1);
-  CHECK(events[0].status.ok());
-  CHECK(Same(buf.pull.data(), reply, 11));
+  ReplyChecked(pair, buf, 4096, 11);
 
   // An empty reply (an acknowledgement) needs no advert and no payload write.
   REQUIRE(pair.server.transport
@@ -280,8 +67,8 @@ TEST_CASE("rdma: error frames carry their message", "[rdma][transport]") {
 
 TEST_CASE("rdma: a rejected arrival is reported and the next frame still lands",
           "[rdma][transport]") {
-  Pair pair;
   Buffers buf;
+  Pair pair;
   RegisterAll(pair, buf);
   pair.server.sink.resolve = [&buf](NodeId, const FrameHeader& h) -> absl::StatusOr<Destination> {
     if (h.request_id == 1) return absl::FailedPreconditionError("dtype mismatch");
@@ -308,13 +95,13 @@ TEST_CASE("rdma: a rejected arrival is reported and the next frame still lands",
 }
 
 TEST_CASE("rdma: sends check the advertised slot and the source region", "[rdma][transport]") {
-  Pair pair;
   Buffers buf;
+  Pair pair;
   RegisterAll(pair, buf);
   pair.worker.StartPolling();
   auto too_big = pair.worker.transport->Send(
-      kServer, Header(FrameType::kPush, kWorker, kServer, 7, Buffers::kSlot + 1), buf.src.data(),
-      2, Buffers::kSlot + 1);
+      kServer, Header(FrameType::kPush, kWorker, kServer, 7, Buffers::kSlot + 1), buf.src.data(), 2,
+      Buffers::kSlot + 1);
   CHECK(too_big.code() == absl::StatusCode::kOutOfRange);
   std::vector<std::byte> unregistered(64);
   auto stray = pair.worker.transport->Send(
@@ -331,8 +118,8 @@ TEST_CASE("rdma: sends check the advertised slot and the source region", "[rdma]
 
 TEST_CASE("rdma: a region registered after Connect is advertised, sends wait for it",
           "[rdma][transport]") {
-  Pair pair({}, 1, absl::Milliseconds(400));
   Buffers buf;
+  Pair pair(Config(1, absl::Milliseconds(400)));
   REQUIRE(pair.worker.transport->RegisterRegion(buf.Src()).ok());
   ResolveToBuffers(pair, buf);
   pair.worker.StartPolling();
@@ -362,18 +149,15 @@ TEST_CASE("rdma: a region registered after Connect is advertised, sends wait for
 }
 
 TEST_CASE("rdma: credits bound what is in flight, no RNR ever", "[rdma][transport]") {
-  RdmaTuning tuning;
-  tuning.recv_depth = 8;
-  Pair pair(tuning, 1, absl::Milliseconds(300));
   Buffers buf;
+  Pair pair(Config(1, absl::Milliseconds(300), /*recv_depth=*/8));
   RegisterAll(pair, buf);
   ResolveToBuffers(pair, buf);
   pair.worker.StartPolling();  // reads the adverts; the server does not poll yet
   absl::SleepFor(absl::Milliseconds(50));
   auto send = [&](uint64_t request) {
     return pair.worker.transport->Send(
-        kServer, Header(FrameType::kPush, kWorker, kServer, 7, 64, request), buf.src.data(), 2,
-        64);
+        kServer, Header(FrameType::kPush, kWorker, kServer, 7, 64, request), buf.src.data(), 2, 64);
   };
   for (uint64_t r = 1; r <= 8; ++r) REQUIRE(send(r).ok());
   CHECK(send(9).code() == absl::StatusCode::kDeadlineExceeded);  // window full
@@ -389,15 +173,9 @@ TEST_CASE("rdma: credits bound what is in flight, no RNR ever", "[rdma][transpor
 }
 
 TEST_CASE("rdma: two QPs per peer stripe large payloads", "[rdma][transport]") {
-  RdmaTuning tuning;
-  tuning.recv_depth = 16;
-  tuning.stripe_min_bytes = 8192;
-  Pair pair(tuning, 2);
   Buffers buf;
-  RegisterAll(pair, buf);
-  ResolveToBuffers(pair, buf);
-  pair.worker.StartPolling();
-  pair.server.StartPolling();
+  Pair pair(Config(2, absl::Seconds(3), /*recv_depth=*/16, /*stripe_min_bytes=*/8192));
+  Serve(pair, buf);
   for (uint8_t round = 0; round < 40; ++round) {
     const size_t bytes = round % 2 ? 100000 : 100;  // striped and not, interleaved
     Fill(buf.src.data(), bytes, round);
@@ -415,13 +193,11 @@ TEST_CASE("rdma: two QPs per peer stripe large payloads", "[rdma][transport]") {
 
 TEST_CASE("rdma: on a bonded device each QP of a peer is pinned to its own LAG port",
           "[rdma][transport]") {
-  RdmaTuning tuning;
-  tuning.stripe_min_bytes = 8192;
   SECTION("two QPs, two bonded ports: one QP per port, striped traffic still exact") {
-    Pair pair(tuning, 2, absl::Seconds(3), /*lag_ports=*/2);
+    Buffers buf;
+    Pair pair(Config(2, absl::Seconds(3), 256, 8192, /*lag_ports=*/2));
     CHECK(pair.fabric.LagPorts("fake_w") == std::vector<uint8_t>{1, 2});
     CHECK(pair.fabric.LagPorts("fake_s") == std::vector<uint8_t>{1, 2});
-    Buffers buf;
     RegisterAll(pair, buf);
     ResolveToBuffers(pair, buf);
     pair.worker.StartPolling();
@@ -437,18 +213,18 @@ TEST_CASE("rdma: on a bonded device each QP of a peer is pinned to its own LAG p
     CHECK(Same(buf.WorkerSlot(), 100000, 3));
   }
   SECTION("one QP per peer: left to the bond's hash") {
-    Pair pair(tuning, 1, absl::Seconds(3), /*lag_ports=*/2);
+    Pair pair(Config(1, absl::Seconds(3), 256, 8192, /*lag_ports=*/2));
     CHECK(pair.fabric.LagPorts("fake_w") == std::vector<uint8_t>{0});
   }
   SECTION("not an mlx5 bond: nothing pinned, nothing fails") {
-    Pair pair(tuning, 2, absl::Seconds(3), /*lag_ports=*/0);
+    Pair pair(Config(2, absl::Seconds(3), 256, 8192, /*lag_ports=*/0));
     CHECK(pair.fabric.LagPorts("fake_w") == std::vector<uint8_t>{0, 0});
   }
 }
 
 TEST_CASE("rdma: a peer that goes away is reported, never fatal", "[rdma][transport]") {
-  Pair pair;
   Buffers buf;
+  Pair pair;
   RegisterAll(pair, buf);
   pair.worker.StartPolling();
   pair.server.StartPolling();
@@ -493,24 +269,24 @@ TEST_CASE("rdma: mismatched QP counts are refused at connect", "[rdma][transport
   FakeFabric fabric;
   MeshOptions one;
   MeshOptions two;
-  two.rdma_qps_per_peer = 2;
+  two.rdma.qps_per_peer = 2;
   FakeNicSpec a, b;
   a.ipv4 = 0x0A000001;
   b.ipv4 = 0x0A000002;
-  auto w = *CreateRdmaTransport(one, fabric.AddHost(a));
-  auto s = *CreateRdmaTransport(two, fabric.AddHost(b));
+  auto w = *rdma::CreateRdmaTransport(one, fabric.AddHost(a));
+  auto s = *rdma::CreateRdmaTransport(two, fabric.AddHost(b));
   const std::string sep = *s->LocalEndpoint();
   const std::string wep = *w->LocalEndpoint();
   const absl::Time deadline = absl::Now() + absl::Seconds(2);
   std::vector<PeerInfo> to_worker = {{kWorker, wep}};
   std::vector<PeerInfo> to_server = {{kServer, sep}};
-  auto accepted = std::async(std::launch::async, [&] { return s->Connect(kServer, to_worker, deadline); });
+  auto accepted =
+      std::async(std::launch::async, [&] { return s->Connect(kServer, to_worker, deadline); });
   CHECK(w->Connect(kWorker, to_server, deadline).code() == absl::StatusCode::kFailedPrecondition);
   CHECK_FALSE(accepted.get().ok());
 }
 
-TEST_CASE("rdma: device selection prefers the named device and RoCE v2 GIDs",
-          "[rdma][transport]") {
+TEST_CASE("rdma: device selection prefers the named device and RoCE v2 GIDs", "[rdma][transport]") {
   FakeFabric fabric;
   FakeNicSpec down;
   down.name = "fake_down";
@@ -521,22 +297,22 @@ TEST_CASE("rdma: device selection prefers the named device and RoCE v2 GIDs",
   other.name = "fake_other";
   auto verbs = fabric.AddHost({down, up, other});
   MeshOptions o;
-  auto port = OpenPort(*verbs, o);
+  auto port = rdma::OpenPort(*verbs, o);
   REQUIRE(port.ok());
   CHECK(port->device_name == "fake_up");  // first active port
-  CHECK(port->gid_index == 1);            // the RoCE v2 IPv4-mapped GID, not v1 at 0
-  o.rdma_device = "fake_other";
-  port = OpenPort(*verbs, o);
+  CHECK(port->gid_index == 3);            // the RoCE v2 IPv4-mapped GID, not v1 or link-local
+  o.rdma.device = "fake_other";
+  port = rdma::OpenPort(*verbs, o);
   REQUIRE(port.ok());
   CHECK(port->device_name == "fake_other");
-  o.rdma_gid_index = 0;
-  port = OpenPort(*verbs, o);
+  o.rdma.gid_index = 0;
+  port = rdma::OpenPort(*verbs, o);
   REQUIRE(port.ok());
   CHECK(port->gid_index == 0);
-  o.rdma_device = "fake_down";
-  CHECK_FALSE(OpenPort(*verbs, o).ok());
-  o.rdma_device = "mlx5_9";
-  CHECK(CreateRdmaTransport(o, verbs).status().code() == absl::StatusCode::kUnavailable);
+  o.rdma.device = "fake_down";
+  CHECK_FALSE(rdma::OpenPort(*verbs, o).ok());
+  o.rdma.device = "mlx5_9";
+  CHECK(rdma::CreateRdmaTransport(o, verbs).status().code() == absl::StatusCode::kUnavailable);
 }
 
 }  // namespace

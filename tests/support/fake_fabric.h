@@ -11,7 +11,6 @@
 
 namespace stepmesh::testing {
 
-core::TransportFactory FakeRdmaFactory(std::shared_ptr<FakeFabric> fabric,
-                                       rdma::RdmaTuning tuning = {});
+core::TransportFactory FakeRdmaFactory(std::shared_ptr<FakeFabric> fabric);
 
 }  // namespace stepmesh::testing

@@ -3,10 +3,11 @@
 // a suite covers every transport by iterating the table (one Catch
 // DYNAMIC_SECTION per row) and a new transport is one new row here.
 //
-// Rows today: "tcp", and "rdma-fake" (the RDMA transport over the in-process
-// fake verbs) where RDMA is built. Planned: "rdma-fake-async" (the fake fabric
-// completing work asynchronously) and "rdma-hw" (real verbs, present only when
-// a device with an active port exists).
+// Rows: "tcp"; where RDMA is built, "rdma-fake-sync" and "rdma-fake-async"
+// (the RDMA transport over the in-process fake fabric, tests/rdma/fake_verbs.h,
+// executing work requests inside post_send or asynchronously on a fabric
+// thread), and "rdma-hw" (real verbs; a hardware row, run only by
+// rdma_hw_tests, which exits 77 without a NIC).
 
 #include <functional>
 #include <memory>
@@ -40,8 +41,17 @@ struct TransportCase {
   // A payload lands in the receiver's slot before the receiver reads its
   // header (RDMA WRITE): a forged header cannot keep the bytes out of the slot.
   bool payload_lands_first = false;
+  // Needs a device (a NIC): only the hardware test binary runs it.
+  bool hardware = false;
 };
 
+// Every row, hardware ones included.
+std::vector<TransportCase> AllTransportRows();
+
+// The rows this test binary runs: the software rows
+// (transport_table_software.cc), or in rdma_hw_tests the hardware rows
+// (tests/rdma/rdma_hw_table.cc). A link-time choice: each binary links exactly
+// one definition, so the suites iterate TransportTable() unchanged.
 std::vector<TransportCase> TransportTable();
 
 // `base` with the row's transport name set.

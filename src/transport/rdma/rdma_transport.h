@@ -16,21 +16,9 @@
 
 namespace stepmesh::rdma {
 
-// Knobs MeshOptions does not (yet) carry; the defaults suit RoCE v2 fabrics.
-struct RdmaTuning {
-  uint32_t recv_depth = 256;   // receives (= credits = header-ring slots) per QP
-  int path_mtu = 0;            // enum ibv_mtu; 0: the smaller active MTU of both ends
-  uint8_t timeout = 14;        // local ACK timeout, 4.096 us * 2^timeout
-  uint8_t retry_cnt = 7;
-  uint8_t rnr_retry = 3;       // credits make RNR a bug; never 7 (= retry forever)
-  uint8_t min_rnr_timer = 12;
-  size_t stripe_min_bytes = 64 << 10;  // with 2 QPs per peer, stripe payloads this large
-};
-
+// The knobs are MeshOptions::rdma (stepmesh/options.h); `verbs` null: libibverbs.
 absl::StatusOr<std::unique_ptr<core::Transport>> CreateRdmaTransport(
-    const MeshOptions& options, std::shared_ptr<VerbsApi> verbs = nullptr /*real*/);
-absl::StatusOr<std::unique_ptr<core::Transport>> CreateRdmaTransport(
-    const MeshOptions& options, std::shared_ptr<VerbsApi> verbs, const RdmaTuning& tuning);
+    const MeshOptions& options, std::shared_ptr<VerbsApi> verbs = nullptr);
 
 // True when libibverbs lists a device with an active port.
 bool RdmaDeviceAvailable();

@@ -31,6 +31,7 @@ size_t EncodeHello(const Hello& hello, std::byte* out) {
   w.Put<uint32_t>(hello.num_qps);
   w.Put<uint32_t>(hello.recv_depth);
   w.Put<uint8_t>(hello.mtu);
+  w.Put<uint8_t>(hello.link_layer);
   w.Put<uint64_t>(hello.ring_addr);
   w.Put<uint32_t>(hello.ring_rkey);
   for (uint32_t q = 0; q < hello.num_qps && q < kMaxQpsPerPeer; ++q) {
@@ -57,6 +58,12 @@ size_t EncodeWithdraw(uint64_t key, std::byte* out) {
   return Finish(out, BootType::kWithdraw, w.size());
 }
 
+size_t EncodeWithdrawAck(uint64_t key, std::byte* out) {
+  Writer w(out + kBootHeaderBytes);
+  w.Put<uint64_t>(key);
+  return Finish(out, BootType::kWithdrawAck, w.size());
+}
+
 size_t EncodeEmpty(BootType type, std::byte* out) { return Finish(out, type, 0); }
 
 absl::StatusOr<BootHeader> DecodeBootHeader(const std::byte* in) {
@@ -68,20 +75,22 @@ absl::StatusOr<BootHeader> DecodeBootHeader(const std::byte* in) {
   r.Get(type);
   r.Get(body);
   if (magic != kBootMagic) return Malformed("header (bad magic)");
-  if (type < 1 || type > 5 || body > kMaxBootBody) return Malformed("header");
+  if (type < 1 || type > kMaxBootType || body > kMaxBootBody) return Malformed("header");
   return BootHeader{static_cast<BootType>(type), body};
 }
 
 absl::StatusOr<Hello> DecodeHello(const std::byte* body, size_t bytes) {
   Reader r(body, bytes);
   Hello h;
-  if (!r.Get(h.version) || !r.Get(h.node) || !r.Get(h.num_qps) || !r.Get(h.recv_depth) ||
-      !r.Get(h.mtu) || !r.Get(h.ring_addr) || !r.Get(h.ring_rkey)) {
-    return Malformed("hello");
-  }
+  // The version comes first so that any other version is named, not misparsed.
+  if (!r.Get(h.version)) return Malformed("hello");
   if (h.version != kBootVersion) {
     return absl::FailedPreconditionError(
         absl::StrCat("rdma bootstrap: peer speaks version ", h.version, ", not ", kBootVersion));
+  }
+  if (!r.Get(h.node) || !r.Get(h.num_qps) || !r.Get(h.recv_depth) || !r.Get(h.mtu) ||
+      !r.Get(h.link_layer) || !r.Get(h.ring_addr) || !r.Get(h.ring_rkey)) {
+    return Malformed("hello");
   }
   if (h.num_qps < 1 || h.num_qps > kMaxQpsPerPeer) return Malformed("hello (QP count)");
   for (uint32_t q = 0; q < h.num_qps; ++q) {

@@ -51,7 +51,10 @@ inline constexpr size_t kMailboxStride = 64;  // one credit counter per cache li
 
 // ---- Bootstrap messages ----
 inline constexpr uint32_t kBootMagic = 0x52534D53;  // "SMSR"
-inline constexpr uint16_t kBootVersion = 1;
+// 2: the hello carries the link layer (and a real LID); withdrawals are
+// acknowledged (kWithdrawAck) before the slot is deregistered. Version 1
+// peers are refused at connect.
+inline constexpr uint16_t kBootVersion = 2;
 inline constexpr int kMaxQpsPerPeer = 2;
 
 enum class BootType : uint16_t {
@@ -60,7 +63,9 @@ enum class BootType : uint16_t {
   kAdvert = 3,
   kWithdraw = 4,
   kGoodbye = 5,
+  kWithdrawAck = 6,  // the writer will not touch the withdrawn slot again
 };
+inline constexpr uint16_t kMaxBootType = 6;
 
 inline constexpr size_t kBootHeaderBytes = 8;  // magic u32, type u16, body length u16
 inline constexpr size_t kMaxBootBody = 128;
@@ -77,7 +82,8 @@ struct Hello {
   core::NodeId node = core::kNoNode;
   uint32_t num_qps = 1;
   uint32_t recv_depth = 0;
-  uint8_t mtu = 0;  // enum ibv_mtu
+  uint8_t mtu = 0;         // enum ibv_mtu
+  uint8_t link_layer = 0;  // IBV_LINK_LAYER_*: both ends must match
   uint64_t ring_addr = 0;  // remote-writable part of the control block
   uint32_t ring_rkey = 0;
   std::array<QpAddress, kMaxQpsPerPeer> qps{};
@@ -95,6 +101,7 @@ struct Advert {
 size_t EncodeHello(const Hello& hello, std::byte* out);
 size_t EncodeAdvert(const Advert& advert, std::byte* out);
 size_t EncodeWithdraw(uint64_t key, std::byte* out);
+size_t EncodeWithdrawAck(uint64_t key, std::byte* out);
 size_t EncodeEmpty(BootType type, std::byte* out);
 
 // Parses a message header; the body length is bounded by kMaxBootBody.
@@ -105,6 +112,7 @@ struct BootHeader {
 absl::StatusOr<BootHeader> DecodeBootHeader(const std::byte* in);
 absl::StatusOr<Hello> DecodeHello(const std::byte* body, size_t bytes);
 absl::StatusOr<Advert> DecodeAdvert(const std::byte* body, size_t bytes);
+// A withdrawal or its acknowledgement: the key.
 absl::StatusOr<uint64_t> DecodeWithdraw(const std::byte* body, size_t bytes);
 
 }  // namespace stepmesh::rdma

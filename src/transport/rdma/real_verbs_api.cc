@@ -58,6 +58,7 @@ class Mlx5Calls {
 
 class RealVerbsApi final : public VerbsApi {
  public:
+  int ForkInit() override { return ibv_fork_init(); }
   ibv_device** GetDeviceList(int* num_devices) override { return ibv_get_device_list(num_devices); }
   void FreeDeviceList(ibv_device** list) override { ibv_free_device_list(list); }
   const char* GetDeviceName(ibv_device* device) override { return ibv_get_device_name(device); }

@@ -18,6 +18,10 @@ class VerbsApi {
  public:
   virtual ~VerbsApi() = default;
 
+  // ibv_fork_init: makes registered memory safe across fork() (PyTorch's
+  // DataLoader forks). Must come before the first registration; 0 or an errno.
+  virtual int ForkInit() = 0;
+
   // Devices.
   virtual ibv_device** GetDeviceList(int* num_devices) = 0;
   virtual void FreeDeviceList(ibv_device** list) = 0;
@@ -34,8 +38,8 @@ class VerbsApi {
   virtual ibv_pd* AllocPd(ibv_context* context) = 0;
   virtual int DeallocPd(ibv_pd* pd) = 0;
   virtual ibv_mr* RegMr(ibv_pd* pd, void* addr, size_t length, int access) = 0;
-  virtual ibv_mr* RegDmabufMr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova,
-                              int fd, int access) = 0;
+  virtual ibv_mr* RegDmabufMr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd,
+                              int access) = 0;
   virtual int DeregMr(ibv_mr* mr) = 0;
 
   // Completion queues and their event channel.

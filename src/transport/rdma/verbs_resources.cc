@@ -1,13 +1,20 @@
 #include "src/transport/rdma/verbs_resources.h"
 
+#include <arpa/inet.h>
 #include <hwloc.h>
+#include <ifaddrs.h>
+#include <netinet/in.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "src/base/net.h"
 #include "stepmesh/status.h"
 
 namespace stepmesh::rdma {
@@ -23,6 +30,9 @@ bool IsIpv4Mapped(const ibv_gid& gid) {
   }
   return gid.raw[10] == 0xFF && gid.raw[11] == 0xFF;
 }
+// fe80::/10: an IPv6 link-local address, which RoCE v2 (routed UDP/IP)
+// cannot reach beyond the local link and NICs may not even answer on.
+bool IsLinkLocal(const ibv_gid& gid) { return gid.raw[0] == 0xFE && (gid.raw[1] & 0xC0) == 0x80; }
 
 // Higher is better: RoCE v2 IPv4-mapped 3, RoCE v2 2, IB 1, RoCE v1 0.
 int GidScore(const ibv_gid_entry& entry) {
@@ -43,24 +53,37 @@ struct Candidate {
   int gid_index = 0;
   ibv_gid gid{};
   ibv_mtu mtu = IBV_MTU_1024;
-  bool roce = true;
+  uint8_t link_layer = IBV_LINK_LAYER_ETHERNET;
+  uint16_t lid = 0;
+  uint64_t max_msg_sz = 0;
   int score = -1;
   int distance = -1;
 };
 
 // Fills the best GID of `port` into `out`; false when the port is unusable.
-bool ChoosePortGid(VerbsApi& verbs, ibv_context* ctx, uint8_t port, int forced_gid,
-                   Candidate& out) {
+bool ChoosePortGid(VerbsApi& verbs, ibv_context* ctx, uint8_t port, const RdmaOptions& options,
+                   const std::vector<GidSubnet>& subnets, Candidate& out) {
   ibv_port_attr attr{};
   if (verbs.QueryPort(ctx, port, &attr) != 0 || attr.state != IBV_PORT_ACTIVE) return false;
   out.port = port;
   out.mtu = attr.active_mtu;
-  out.roce = attr.link_layer == IBV_LINK_LAYER_ETHERNET;
+  out.link_layer = attr.link_layer == IBV_LINK_LAYER_INFINIBAND ? IBV_LINK_LAYER_INFINIBAND
+                                                                : IBV_LINK_LAYER_ETHERNET;
+  out.lid = attr.lid;
+  out.max_msg_sz = attr.max_msg_sz;
+  const bool roce = out.link_layer == IBV_LINK_LAYER_ETHERNET;
   for (int index = 0; index < attr.gid_tbl_len; ++index) {
-    if (forced_gid >= 0 && index != forced_gid) continue;
+    const bool forced = options.gid_index >= 0;
+    if (forced && index != options.gid_index) continue;
     ibv_gid_entry entry{};
     if (verbs.QueryGidEx(ctx, port, static_cast<uint32_t>(index), &entry) != 0) continue;
     if (IsZeroGid(entry.gid)) continue;
+    if (!forced && entry.gid_type == IBV_GID_TYPE_ROCE_V2 && IsLinkLocal(entry.gid)) continue;
+    if (roce && !subnets.empty() &&
+        std::none_of(subnets.begin(), subnets.end(),
+                     [&](const GidSubnet& net) { return net.Contains(entry.gid); })) {
+      continue;
+    }
     const int score = GidScore(entry);
     if (score > out.score) {  // the first of equals: lowest index
       out.score = score;
@@ -71,56 +94,155 @@ bool ChoosePortGid(VerbsApi& verbs, ibv_context* ctx, uint8_t port, int forced_g
   return out.score >= 0;
 }
 
+// Parses an IPv4 or IPv6 address into GID form.
+bool ParseAddress(const std::string& text, ibv_gid& gid) {
+  gid = {};
+  in_addr v4;
+  if (::inet_pton(AF_INET, text.c_str(), &v4) == 1) {
+    gid.raw[10] = 0xFF;
+    gid.raw[11] = 0xFF;
+    std::memcpy(&gid.raw[12], &v4, 4);
+    return true;
+  }
+  return ::inet_pton(AF_INET6, text.c_str(), gid.raw) == 1;
+}
+
+int PrefixBits(const uint8_t* mask, size_t bytes) {
+  int bits = 0;
+  for (size_t i = 0; i < bytes; ++i) bits += __builtin_popcount(mask[i]);
+  return bits;
+}
+
 }  // namespace
 
-absl::StatusOr<PortChoice> OpenPort(VerbsApi& verbs, const MeshOptions& options) {
+bool GidSubnet::Contains(const ibv_gid& gid) const {
+  for (int bit = 0; bit < bits; ++bit) {
+    const uint8_t m = static_cast<uint8_t>(0x80 >> (bit % 8));
+    if ((gid.raw[bit / 8] & m) != (prefix.raw[bit / 8] & m)) return false;
+  }
+  return true;
+}
+
+absl::StatusOr<std::vector<GidSubnet>> ResolveInterface(const std::string& interface) {
+  std::vector<GidSubnet> out;
+  if (const size_t slash = interface.find('/'); slash != std::string::npos) {
+    GidSubnet net;
+    int bits = 0;
+    if (!ParseAddress(interface.substr(0, slash), net.prefix) ||
+        !absl::SimpleAtoi(interface.substr(slash + 1), &bits)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rdma.interface (STEPMESH_RDMA_INTERFACE) '", interface,
+                       "' is neither an interface name nor an address/prefix-length subnet"));
+    }
+    const int family_bits = IsIpv4Mapped(net.prefix) ? 32 : 128;
+    if (bits < 0 || bits > family_bits) {
+      return absl::InvalidArgumentError(absl::StrCat("rdma.interface (STEPMESH_RDMA_INTERFACE) '",
+                                                     interface, "': prefix length out of range"));
+    }
+    net.bits = bits + (128 - family_bits);
+    out.push_back(net);
+    return out;
+  }
+  ifaddrs* list = nullptr;
+  if (::getifaddrs(&list) != 0) return absl::InternalError(base::ErrnoMessage("getifaddrs", errno));
+  std::unique_ptr<ifaddrs, void (*)(ifaddrs*)> guard(list, ::freeifaddrs);
+  for (ifaddrs* a = list; a != nullptr; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_netmask == nullptr || interface != a->ifa_name) continue;
+    GidSubnet net;
+    if (a->ifa_addr->sa_family == AF_INET) {
+      const auto* addr = reinterpret_cast<const sockaddr_in*>(a->ifa_addr);
+      const auto* mask = reinterpret_cast<const sockaddr_in*>(a->ifa_netmask);
+      net.prefix.raw[10] = 0xFF;
+      net.prefix.raw[11] = 0xFF;
+      std::memcpy(&net.prefix.raw[12], &addr->sin_addr, 4);
+      net.bits = 96 + PrefixBits(reinterpret_cast<const uint8_t*>(&mask->sin_addr), 4);
+    } else if (a->ifa_addr->sa_family == AF_INET6) {
+      const auto* addr = reinterpret_cast<const sockaddr_in6*>(a->ifa_addr);
+      const auto* mask = reinterpret_cast<const sockaddr_in6*>(a->ifa_netmask);
+      std::memcpy(net.prefix.raw, &addr->sin6_addr, 16);
+      net.bits = PrefixBits(reinterpret_cast<const uint8_t*>(&mask->sin6_addr), 16);
+    } else {
+      continue;
+    }
+    out.push_back(net);
+  }
+  if (out.empty()) {
+    return absl::NotFoundError(absl::StrCat("rdma.interface (STEPMESH_RDMA_INTERFACE) '", interface,
+                                            "': no such interface with an IP address"));
+  }
+  return out;
+}
+
+absl::StatusOr<PortChoice> OpenPort(VerbsApi& verbs, const MeshOptions& mesh) {
+  const RdmaOptions& options = mesh.rdma;
+  std::vector<GidSubnet> subnets;
+  if (!options.interface.empty()) {
+    STEPMESH_ASSIGN_OR_RETURN(subnets, ResolveInterface(options.interface));
+  }
   int count = 0;
-  std::unique_ptr<ibv_device*, std::function<void(ibv_device**)>> list(
-      verbs.GetDeviceList(&count), [&verbs](ibv_device** l) {
-        if (l != nullptr) verbs.FreeDeviceList(l);
-      });
+  std::unique_ptr<ibv_device*, std::function<void(ibv_device**)>> list(verbs.GetDeviceList(&count),
+                                                                       [&verbs](ibv_device** l) {
+                                                                         if (l != nullptr)
+                                                                           verbs.FreeDeviceList(l);
+                                                                       });
   if (list == nullptr || count == 0) return absl::UnavailableError("rdma: no RDMA device found");
-  const int gpu = options.backend == "cuda" ? options.device : -1;
+  const int gpu = mesh.backend == "cuda" ? mesh.device : -1;
   std::vector<Candidate> candidates;
+  std::vector<std::string> refused;  // devices this transport cannot use, and why
   for (int i = 0; i < count; ++i) {
     ibv_device* device = list.get()[i];
     const std::string name = verbs.GetDeviceName(device);
-    if (!options.rdma_device.empty() && name != options.rdma_device) continue;
+    if (!options.device.empty() && name != options.device) continue;
+    // Frames travel as RDMA_WRITE_WITH_IMM: iWARP (siw, cxgb, ...) has no
+    // immediate data, so only InfiniBand-transport devices (IB, RoCE) qualify.
+    if (device->transport_type != IBV_TRANSPORT_IB) {
+      refused.push_back(absl::StrCat(name,
+                                     " is an iWARP or other non-InfiniBand device "
+                                     "(no immediate data)"));
+      continue;
+    }
     ContextHandle ctx(&verbs, verbs.OpenDevice(device));
     if (!ctx) continue;
     ibv_device_attr attr{};
     if (verbs.QueryDevice(ctx.get(), &attr) != 0) continue;
     for (uint8_t port = 1; port <= attr.phys_port_cnt; ++port) {
-      if (options.rdma_port > 0 && port != options.rdma_port) continue;
+      if (options.port > 0 && port != options.port) continue;
       Candidate c;
       c.device = device;
       c.name = name;
-      if (!ChoosePortGid(verbs, ctx.get(), port, options.rdma_gid_index, c)) continue;
+      if (!ChoosePortGid(verbs, ctx.get(), port, options, subnets, c)) continue;
       if (gpu >= 0) c.distance = PciDistanceToGpu(name, gpu);
       candidates.push_back(c);
     }
   }
   if (candidates.empty()) {
-    return absl::UnavailableError(absl::StrCat(
-        "rdma: no active port", options.rdma_device.empty() ? "" : " on ", options.rdma_device,
-        options.rdma_gid_index >= 0 ? absl::StrCat(" with GID index ", options.rdma_gid_index)
-                                    : ""));
+    std::string why = absl::StrCat(
+        "rdma: no active port", options.device.empty() ? "" : " on ", options.device,
+        options.port > 0 ? absl::StrCat(" port ", options.port) : "",
+        options.gid_index >= 0 ? absl::StrCat(" with GID index ", options.gid_index) : "",
+        options.interface.empty()
+            ? ""
+            : absl::StrCat(" with a GID in ", options.interface, "'s subnet"));
+    for (const std::string& r : refused) absl::StrAppend(&why, "; ", r);
+    return absl::UnavailableError(why);
   }
   const Candidate* best = &candidates.front();
   for (const Candidate& c : candidates) {
-    const bool nearer =
-        c.distance >= 0 && (best->distance < 0 || c.distance < best->distance);
+    const bool nearer = c.distance >= 0 && (best->distance < 0 || c.distance < best->distance);
     if (c.score > best->score || (c.score == best->score && nearer)) best = &c;
   }
   PortChoice choice;
   choice.context = ContextHandle(&verbs, verbs.OpenDevice(best->device));
-  if (!choice.context) return absl::UnavailableError(absl::StrCat("rdma: cannot open ", best->name));
+  if (!choice.context)
+    return absl::UnavailableError(absl::StrCat("rdma: cannot open ", best->name));
   choice.device_name = best->name;
   choice.port = best->port;
   choice.gid_index = best->gid_index;
   choice.gid = best->gid;
   choice.active_mtu = best->mtu;
-  choice.roce = best->roce;
+  choice.link_layer = best->link_layer;
+  choice.lid = best->lid;
+  choice.max_msg_sz = best->max_msg_sz;
   return choice;
 }
 
@@ -181,19 +303,32 @@ absl::StatusOr<ibv_gid> GidFromString(std::string_view text) {
 
 const char* WcStatusName(ibv_wc_status status) {
   switch (status) {
-    case IBV_WC_SUCCESS: return "success";
-    case IBV_WC_LOC_LEN_ERR: return "local length error";
-    case IBV_WC_LOC_QP_OP_ERR: return "local QP operation error";
-    case IBV_WC_LOC_PROT_ERR: return "local protection error";
-    case IBV_WC_WR_FLUSH_ERR: return "work request flushed";
-    case IBV_WC_REM_INV_REQ_ERR: return "remote invalid request";
-    case IBV_WC_REM_ACCESS_ERR: return "remote access error";
-    case IBV_WC_REM_OP_ERR: return "remote operation error";
-    case IBV_WC_RETRY_EXC_ERR: return "transport retry counter exceeded";
-    case IBV_WC_RNR_RETRY_EXC_ERR: return "RNR retry counter exceeded";
-    case IBV_WC_FATAL_ERR: return "fatal error";
-    case IBV_WC_GENERAL_ERR: return "general error";
-    default: return "completion error";
+    case IBV_WC_SUCCESS:
+      return "success";
+    case IBV_WC_LOC_LEN_ERR:
+      return "local length error";
+    case IBV_WC_LOC_QP_OP_ERR:
+      return "local QP operation error";
+    case IBV_WC_LOC_PROT_ERR:
+      return "local protection error";
+    case IBV_WC_WR_FLUSH_ERR:
+      return "work request flushed";
+    case IBV_WC_REM_INV_REQ_ERR:
+      return "remote invalid request";
+    case IBV_WC_REM_ACCESS_ERR:
+      return "remote access error";
+    case IBV_WC_REM_OP_ERR:
+      return "remote operation error";
+    case IBV_WC_RETRY_EXC_ERR:
+      return "transport retry counter exceeded";
+    case IBV_WC_RNR_RETRY_EXC_ERR:
+      return "RNR retry counter exceeded";
+    case IBV_WC_FATAL_ERR:
+      return "fatal error";
+    case IBV_WC_GENERAL_ERR:
+      return "general error";
+    default:
+      return "completion error";
   }
 }
 

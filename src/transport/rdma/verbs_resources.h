@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -65,14 +66,30 @@ struct PortChoice {
   int gid_index = 0;
   ibv_gid gid{};
   ibv_mtu active_mtu = IBV_MTU_1024;
-  bool roce = true;  // Ethernet link layer (RoCE): address vectors carry a GRH
+  uint8_t link_layer = IBV_LINK_LAYER_ETHERNET;
+  uint16_t lid = 0;                         // InfiniBand: the port's LID, which peers address it by
+  uint64_t max_msg_sz = uint64_t{1} << 30;  // the longest message one WR may carry
+  bool roce() const { return link_layer != IBV_LINK_LAYER_INFINIBAND; }
 };
 
-// Opens the NIC named by options.rdma_device (or every NIC, choosing the best:
+// Opens the NIC named by options.rdma.device (or every NIC, choosing the best:
 // an active port with a RoCE v2 IPv4-mapped GID first, then RoCE v2, then IB;
 // among equals the one nearest the GPU options.device when the backend is CUDA
-// and hwloc knows the topology). options.rdma_port / rdma_gid_index override.
+// and hwloc knows the topology). options.rdma.port / gid_index override.
+// Never chosen: devices whose transport is not InfiniBand/RoCE (iWARP: no
+// immediate data), link-local (fe80::/10) RoCE v2 GIDs (not routable), and
+// with options.rdma.interface, RoCE GIDs outside that interface's subnets.
 absl::StatusOr<PortChoice> OpenPort(VerbsApi& verbs, const MeshOptions& options);
+
+// An IP subnet a RoCE GID must fall into (IPv4 as ::ffff:a.b.c.d).
+struct GidSubnet {
+  ibv_gid prefix{};
+  int bits = 0;  // of the 128
+  bool Contains(const ibv_gid& gid) const;
+};
+// "10.0.0.0/24", "2001:db8::/64", or a network interface's name (its
+// addresses and netmasks, from getifaddrs).
+absl::StatusOr<std::vector<GidSubnet>> ResolveInterface(const std::string& interface);
 
 // hwloc hop count between the NIC named `ib_device` and CUDA device
 // `gpu_index` (smaller is nearer); -1 when either is unknown.
