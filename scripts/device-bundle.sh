@@ -5,8 +5,8 @@
 # here (nvcc, sm_90) and carried with the shared libraries they need.
 #
 #   scripts/device-bundle.sh            # builds into build/, writes .device-bundle/
-#   then, with the device tool:  run  command="bash benchmarks/gpu/run_device_checks.sh"
-#                                     carry=[".device-bundle"]
+#   then, with the device tool:  run  command="bash benchmarks/gpu/run_device_checks.sh backend" (then model, gate-c;
+#                                     carry=[".device-bundle"]  see docs/cuda.md)
 #
 # .device-bundle/ is git-ignored; it is rebuilt from scratch each time.
 set -euo pipefail

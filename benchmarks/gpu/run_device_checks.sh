@@ -25,7 +25,25 @@
 #                    (384 requests, 3 micro-batches): tokens/s, no reference
 # Logs go to $OUT (the device tool brings them back) or .device-bundle/out.
 # Each step has its own time limit; one failing does not stop the others.
+#
+# The limits add up to ~1520 s, more than one device call (600 s) and one
+# session's device time (900 s with the start), so the checks come in parts,
+# each under 600 s of limits; run the most important first:
+#   run_device_checks.sh backend   cuda_gpu_issue16, cuda_gpu_tests, cuda_latency,
+#                                  step5_gpu_tests          (limits 500 s)
+#   run_device_checks.sh model     model_gpu_tests, afd_paper_mb (600 s)
+#   run_device_checks.sh gate-c    afd_gate_c                (420 s)
+#   run_device_checks.sh all       everything (default; only with a long lease)
 set -uo pipefail
+part=${1:-all}
+case $part in
+  all | backend | model | gate-c) ;;
+  *)
+    echo "run_device_checks: unknown part '$part' (all|backend|model|gate-c)" >&2
+    exit 2
+    ;;
+esac
+want() { [[ $part == all || $part == "$1" ]]; }
 cd "$(dirname "$0")/../.."
 bundle=.device-bundle
 out=${OUT:-$bundle/out}
@@ -53,21 +71,23 @@ step() {  # name, seconds, command...
   summary+=("$name: exit $rc")
 }
 # CUDA backend (issue 16 first, so its results come back even if a later step hangs).
-step cuda_gpu_issue16 100 "$bundle/bin/cuda_gpu_tests" "[issue16]" --durations yes
-step cuda_gpu_tests 100 "$bundle/bin/cuda_gpu_tests" "~[issue16]" --durations yes
-step cuda_latency 60 "$bundle/bin/cuda_latency" 2000 0
-step model_gpu_tests 300 "$bundle/bin/model_gpu_tests"
-if [[ -x $bundle/bin/step5_gpu_tests ]]; then
-  step step5_gpu_tests 240 "$bundle/bin/step5_gpu_tests"
-else
-  summary+=("step5_gpu_tests: not in the bundle (rebuild it with scripts/device-bundle.sh)")
+if want backend; then
+  step cuda_gpu_issue16 100 "$bundle/bin/cuda_gpu_tests" "[issue16]" --durations yes
+  step cuda_gpu_tests 100 "$bundle/bin/cuda_gpu_tests" "~[issue16]" --durations yes
+  step cuda_latency 60 "$bundle/bin/cuda_latency" 2000 0
+  if [[ -x $bundle/bin/step5_gpu_tests ]]; then
+    step step5_gpu_tests 240 "$bundle/bin/step5_gpu_tests"
+  else
+    summary+=("step5_gpu_tests: not in the bundle (rebuild it with scripts/device-bundle.sh)")
+  fi
 fi
+want model && step model_gpu_tests 300 "$bundle/bin/model_gpu_tests"
 # The CPU reference of full width needs ~56 GB of host memory and a few
 # minutes; the run itself seconds. Configs are found from the repository root.
-step afd_gate_c 420 "$bundle/bin/afd_launch" --config full --attention 1 --ffn 1 \
+want gate-c && step afd_gate_c 420 "$bundle/bin/afd_launch" --config full --attention 1 --ffn 1 \
   --requests 3 --prompt-len 16 --decode-steps 4 --micro-batches 3 --backend cuda \
   --transport tcp --timeout-ms 120000 --deadline-s 400 --progress-s 30
-step afd_paper_mb 300 "$bundle/bin/afd_launch" --config full --attention 1 --ffn 1 \
+want model && step afd_paper_mb 300 "$bundle/bin/afd_launch" --config full --attention 1 --ffn 1 \
   --requests 384 --prompt-len 2 --decode-steps 8 --micro-batches 3 --backend cuda \
   --transport tcp --timeout-ms 120000 --deadline-s 280 --no-reference --progress-s 30
 printf '%s\n' "${summary[@]}" | tee "$out/summary.txt"
