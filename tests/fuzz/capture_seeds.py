@@ -11,6 +11,8 @@ decodes:
              ("SMHI") and whatever followed it in the same stream, up to 256 B
   tcp_stream a data connection's byte stream after the handshake (frames and
              payloads), first 4 KiB, with the split points the sender used
+  control_stream  a control connection's byte stream, first 4 KiB, with the
+             split points the sender used
 
   tests/fuzz/capture_seeds.py <build dir> [corpus dir, default tests/fuzz/corpus]
 
@@ -41,7 +43,7 @@ RUNS = [
     ([os.path.join(build, "tests/reliability/reliability_tests"), "[auth]"], {}),
 ]
 
-CALL = re.compile(r'^(\d+)\s+(write|writev|send|sendto|sendmsg)\((\d+), (.*)\) = (\d+)')
+CALL = re.compile(r'^(\d+)\s+(write|writev|send|sendto|sendmsg)\((\d+), (.*)\)\s+=\s+(\d+)')
 HEX = re.compile(r'"((?:\\x[0-9a-f]{2})*)"')
 
 
@@ -54,6 +56,27 @@ def written(line):
     return (int(pid), int(fd)), data[: int(ret)]
 
 
+UNFINISHED = re.compile(r'^(\d+)\s+(.*) <unfinished \.\.\.>$')
+RESUMED = re.compile(r'^(\d+)\s+<\.\.\. \w+ resumed>(.*)$')
+
+
+def joined(lines):
+    """strace -f splits a call that another thread interrupts into
+    "<unfinished ...>" and "<... call resumed>" lines: put them back together."""
+    pending = {}
+    for line in lines:
+        line = line.rstrip("\n")
+        m = UNFINISHED.match(line)
+        if m:
+            pending[m.group(1)] = m.group(2)
+            continue
+        m = RESUMED.match(line)
+        if m and m.group(1) in pending:
+            yield f"{m.group(1)} {pending.pop(m.group(1))}{m.group(2)}"
+            continue
+        yield line
+
+
 def trace(argv, env):
     if not os.path.exists(argv[0]):
         print(f"capture: {argv[0]} not built, skipped")
@@ -63,7 +86,7 @@ def trace(argv, env):
                         "-e", "trace=write,writev,send,sendto,sendmsg"] + argv,
                        env={**os.environ, **env}, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL, timeout=300)
-        return [w for w in map(written, open(out.name, errors="replace")) if w]
+        return [w for w in map(written, joined(open(out.name, errors="replace"))) if w]
 
 
 def messages(stream, magic, header, length_at, length_fmt, fixed=None):
@@ -98,6 +121,18 @@ for argv, env in RUNS:
             seeds["control"].add(m)
         for m in messages(stream, b"SMSR", 8, 6, "<H"):
             seeds["rdma_boot"].add(m)
+        if stream.startswith(b"SMCT"):
+            # A control connection's stream with the sender's split points
+            # (fuzz_control_stream's format, as for tcp_stream).
+            body = stream[:4096]
+            cuts, done = [], 0
+            for n in splits[key]:
+                done += n
+                if 0 < done < len(body):
+                    cuts.append(done)
+            cuts = cuts[:32]
+            seeds["control_stream"].add(bytes([len(cuts)]) + b"".join(
+                struct.pack("<H", c) for c in cuts) + body)
         at = stream.find(b"SMHI")
         if at == 0:
             seeds["handshake"].add(stream[:256])
