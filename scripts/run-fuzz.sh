@@ -26,7 +26,7 @@ if [[ ${1:-} == --long ]]; then
 elif [[ -n ${1:-} ]]; then
   total=$1
 fi
-read -r -a targets <<<"${FUZZ_TARGETS:-frame control rdma_boot tcp_stream}"
+read -r -a targets <<<"${FUZZ_TARGETS:-frame control rdma_boot tcp_stream handshake control_stream}"
 per=$(( total / ${#targets[@]} ))
 (( per >= 1 )) || per=1
 

@@ -6,7 +6,11 @@
 #               rdma_wire.cc is compiled in, so no libibverbs is needed
 #   tcp_stream  the TCP transport's receive path fed a stream cut at arbitrary
 #               split points (same result as the stream in one piece)
-set(STEPMESH_FUZZ_TARGETS frame control rdma_boot tcp_stream CACHE INTERNAL "")
+#   handshake   the acceptor's side of the data-connection handshake
+#   control_stream  the scheduler's control-message reassembly, split points
+#               as for tcp_stream
+set(STEPMESH_FUZZ_TARGETS frame control rdma_boot tcp_stream handshake control_stream
+    CACHE INTERNAL "")
 function(stepmesh_define_fuzzers dir)
   if(TARGET stepmesh_fuzz_frame)
     return()
