@@ -19,7 +19,7 @@
 #          example's Gate A, 1A1F, on the CPU engines (afd_launch checks every
 #          child's exit status, so a report in the scheduler, attention or FFN
 #          process fails it). The model engines and the example (about
-#          30 translation units, the heaviest we have) are built once: their
+#          25 translation units, the heaviest we have) are built once: their
 #          kernels run as host functions on the CPU backend's stream threads,
 #          and every hand-off between those threads and the transport is the
 #          library's (stream order, stream-ordered push/pull, Synchronize),
