@@ -44,7 +44,8 @@ void Check(bool ok) {
 
 void Drain(ControlAssembler& in, Result& r) {
   // Bounded: each message consumes at least its 12-byte header.
-  for (size_t guard = 0; guard < 1 + in.buffered() / 12 + 1; ++guard) {
+  const size_t most = in.buffered() / 12 + 1;
+  for (size_t guard = 0; guard < most; ++guard) {
     absl::StatusOr<std::optional<ControlMessage>> next = in.Next();
     if (!next.ok()) {
       r.error = next.status().code();

@@ -101,8 +101,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const Outcome whole = Run(input, secret, 0);
     const Outcome bytewise = Run(input, secret, 1);
     Check(whole.step == bytewise.step && whole.claimed == bytewise.claimed &&
-          whole.refusal == bytewise.refusal && whole.last_output == bytewise.last_output &&
-          whole.used == bytewise.used);
+          whole.refusal == bytewise.refusal && whole.used == bytewise.used);
+    // A verdict is the same; mid-authentication the last bytes out are the
+    // acceptor's proof, which covers its random nonce and so differs.
+    if (whole.step != HandshakeAcceptor::Step::kRead) {
+      Check(whole.last_output == bytewise.last_output);
+    }
     if (!secret.empty()) {
       Check(whole.step != HandshakeAcceptor::Step::kDone);
     } else if (whole.step == HandshakeAcceptor::Step::kDone) {
