@@ -34,7 +34,7 @@ cmake --preset fuzz >/dev/null
 cmake --build build-fuzz --target "${targets[@]/#/stepmesh_fuzz_}" -j"$(nproc)"
 
 summary=build-fuzz/fuzz-summary.txt
-printf '%-11s %12s %8s %8s %7s %s\n' target executions cov ft corpus mode > "$summary"
+printf '%-14s %12s %8s %8s %7s %s\n' target executions cov ft corpus mode > "$summary"
 for t in "${targets[@]}"; do
   work=build-fuzz/corpus/$t
   mkdir -p "$work" build-fuzz/artifacts
@@ -62,7 +62,7 @@ for t in "${targets[@]}"; do
   cov=$(sed -n 's/.* cov: \([0-9]*\).*/\1/p' <<<"$last")
   ft=$(sed -n 's/.* ft: \([0-9]*\).*/\1/p' <<<"$last")
   corp=$(sed -n 's/.* corp: \([0-9]*\/[0-9a-zA-Z]*\).*/\1/p' <<<"$last")
-  printf '%-11s %12s %8s %8s %7s %s\n' "$t" "${execs:-?}" "${cov:-?}" "${ft:-?}" "${corp:-?}" \
+  printf '%-14s %12s %8s %8s %7s %s\n' "$t" "${execs:-?}" "${cov:-?}" "${ft:-?}" "${corp:-?}" \
     "$( (( long )) && echo "--long $runs" || echo "${per}s")" >> "$summary"
 done
 cat "$summary"
