@@ -2,6 +2,7 @@
 
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/uio.h>
@@ -10,8 +11,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <cstring>
 #include <condition_variable>
+#include <cstring>
 #include <mutex>
 #include <thread>
 
@@ -27,43 +28,60 @@
 namespace stepmesh::bench {
 namespace {
 
-// Size header of both baselines: push bytes, then pull bytes (host order:
-// both ends are this program on the same architecture).
+// Size header of both baselines (host order: both ends are this program on the
+// same architecture).
 struct SizeHeader {
   uint64_t push_bytes = 0;
   uint64_t pull_bytes = 0;
   uint64_t batch = 1;  // clients the server hears from before it answers any (an AF batch)
+  uint64_t mode = 0;   // RawMode: how the echo side receives
 };
 
-// The AF batch barrier for the raw floor: an FFN server computes on every
-// worker's push together, so it answers none before all of them arrived.
+// How long a spinning echo connection busy-polls for the next header before it
+// falls back to a blocking receive (the library's adaptive mode does the same):
+// the gap between two iterations is far shorter, the gap while other methods
+// run far longer, and a spinner left running then would steal their CPU.
+constexpr absl::Duration kHeaderSpin = absl::Milliseconds(20);
+
+// The AF batch barrier: an FFN server computes on every worker's push
+// together, so it answers none before all of them arrived. `spin` waits by
+// busy-polling (the spin discipline), otherwise on a condition variable.
 class CyclicBarrier {
  public:
   // False on timeout (a client vanished): the caller drops its connection.
-  bool Arrive(uint64_t parties, absl::Duration timeout) {
+  bool Arrive(uint64_t parties, absl::Duration timeout, bool spin) {
     if (parties <= 1) return true;
     std::unique_lock<std::mutex> lock(mu_);
-    const uint64_t generation = generation_;
+    const uint64_t generation = generation_.load(std::memory_order_relaxed);
     if (++arrived_ >= parties) {
       arrived_ = 0;
-      ++generation_;
+      generation_.store(generation + 1, std::memory_order_release);
       cv_.notify_all();
       return true;
     }
+    if (spin) {
+      lock.unlock();
+      const absl::Time deadline = absl::Now() + timeout;
+      for (uint32_t i = 1; generation_.load(std::memory_order_acquire) == generation; ++i) {
+        if (i % 1024 == 0 && absl::Now() > deadline) return false;
+        std::this_thread::yield();  // as the library's empty spin rounds do
+      }
+      return true;
+    }
     return cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout),
-                        [&] { return generation_ != generation; });
+                        [&] { return generation_.load(std::memory_order_relaxed) != generation; });
   }
 
  private:
   std::mutex mu_;
   std::condition_variable cv_;
   uint64_t arrived_ = 0;
-  uint64_t generation_ = 0;
+  std::atomic<uint64_t> generation_{0};
 };
 constexpr size_t kMaxBaselineBytes = size_t{1} << 30;  // refuse absurd sizes from a stray peer
 
 // Blocking sockets with kernel timeouts: a stuck peer fails the call instead
-// of hanging the benchmark.
+// of hanging the benchmark. The spinning paths use MSG_DONTWAIT per call.
 absl::Status SetTimeouts(int fd, absl::Duration timeout) {
   timeval tv = absl::ToTimeval(timeout);
   if (::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) != 0 ||
@@ -94,10 +112,12 @@ absl::Status WriteAll(int fd, iovec* iov, int iovcnt) {
   return absl::OkStatus();
 }
 
+// Blocking receive of exactly `bytes` (MSG_WAITALL: one wake-up per message
+// unless a signal or the timeout interrupts it).
 absl::Status ReadAll(int fd, void* data, size_t bytes) {
   auto* p = static_cast<char*>(data);
   while (bytes > 0) {
-    const ssize_t n = ::recv(fd, p, bytes, 0);
+    const ssize_t n = ::recv(fd, p, bytes, MSG_WAITALL);
     if (n == 0) return absl::UnavailableError("raw-tcp peer closed");
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -105,6 +125,38 @@ absl::Status ReadAll(int fd, void* data, size_t bytes) {
     }
     p += n;
     bytes -= static_cast<size_t>(n);
+  }
+  return absl::OkStatus();
+}
+
+// Busy-polled receive of exactly `bytes`: non-blocking recv in a loop. After
+// `spin_for` without any byte it finishes with a blocking ReadAll (infinite:
+// spin until `deadline`).
+absl::Status SpinReadAll(int fd, void* data, size_t bytes, absl::Duration spin_for,
+                         absl::Time deadline) {
+  auto* p = static_cast<char*>(data);
+  absl::Time idle_since = absl::InfinitePast();
+  for (uint32_t idle = 0; bytes > 0;) {
+    const ssize_t n = ::recv(fd, p, bytes, MSG_DONTWAIT);
+    if (n > 0) {
+      p += n;
+      bytes -= static_cast<size_t>(n);
+      idle = 0;
+      continue;
+    }
+    if (n == 0) return absl::UnavailableError("raw-tcp peer closed");
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      return absl::UnavailableError(base::ErrnoMessage("raw-tcp recv", errno));
+    }
+    if (++idle % 1024 == 0) {
+      const absl::Time now = absl::Now();
+      if (idle == 1024) idle_since = now;
+      if (now - idle_since > spin_for) return ReadAll(fd, p, bytes);
+      if (now > deadline) return absl::DeadlineExceededError("raw-tcp receive timed out");
+    }
+    // An empty round: let the thread we wait for run (the library's receive
+    // loop does the same, src/core/mesh_node.cc).
+    std::this_thread::yield();
   }
   return absl::OkStatus();
 }
@@ -140,18 +192,18 @@ class BaselineServersImpl final : public BaselineServers {
     if (zmq_port != 0) {
 #ifdef STEPMESH_HAVE_ZMQ
       zmq_ctx_ = zmq_ctx_new();
-      void* rep = zmq_socket(zmq_ctx_, ZMQ_REP);
-      const int linger = 0, rcvtimeo = 100;
-      zmq_setsockopt(rep, ZMQ_LINGER, &linger, sizeof(linger));
-      // Short receive timeout so the loop notices stop_ promptly.
-      zmq_setsockopt(rep, ZMQ_RCVTIMEO, &rcvtimeo, sizeof(rcvtimeo));
+      void* router = zmq_socket(zmq_ctx_, ZMQ_ROUTER);
+      const int linger = 0, buffer = kZmqSocketBuffer;
+      zmq_setsockopt(router, ZMQ_LINGER, &linger, sizeof(linger));
+      zmq_setsockopt(router, ZMQ_SNDBUF, &buffer, sizeof(buffer));
+      zmq_setsockopt(router, ZMQ_RCVBUF, &buffer, sizeof(buffer));
       const std::string endpoint = absl::StrCat("tcp://", host, ":", zmq_port);
-      if (zmq_bind(rep, endpoint.c_str()) != 0) {
+      if (zmq_bind(router, endpoint.c_str()) != 0) {
         const std::string why = zmq_strerror(zmq_errno());
-        zmq_close(rep);
+        zmq_close(router);
         return absl::UnavailableError(absl::StrCat("zmq bind ", endpoint, ": ", why));
       }
-      zmq_thread_ = std::thread([this, rep] { ZmqLoop(rep); });
+      zmq_thread_ = std::thread([this, router] { ZmqLoop(router); });
 #endif
     }
     return absl::OkStatus();
@@ -162,8 +214,8 @@ class BaselineServersImpl final : public BaselineServers {
     while (!stop_) {
       sockaddr_storage addr{};
       socklen_t len = sizeof(addr);
-      const int fd = ::accept4(listener_.get(), reinterpret_cast<sockaddr*>(&addr), &len,
-                               SOCK_CLOEXEC);
+      const int fd =
+          ::accept4(listener_.get(), reinterpret_cast<sockaddr*>(&addr), &len, SOCK_CLOEXEC);
       if (fd < 0) {
         if (errno == EINTR) continue;
         return;  // shut down (or the listener failed): no more clients
@@ -174,19 +226,30 @@ class BaselineServersImpl final : public BaselineServers {
     }
   }
 
-  // One client, blocking: read a header and the push, write the pull back.
+  // One client connection, its own thread (so the connections of different
+  // workers are served at once): read a header and the push in the client's
+  // discipline, wait for the batch, write the pull back.
   void Serve(base::UniqueFd fd) {
     // A long timeout: a client idles here while the other methods run.
     if (!ConfigureRaw(fd.get(), sockbuf_, absl::Seconds(600)).ok()) return;
     std::vector<char> in, out;
+    bool spinning = false;  // the previous request asked for the spin discipline
     for (;;) {
       SizeHeader h;
-      if (!ReadAll(fd.get(), &h, sizeof(h)).ok()) break;
+      const absl::Status got =
+          spinning ? SpinReadAll(fd.get(), &h, sizeof(h), kHeaderSpin, absl::InfiniteFuture())
+                   : ReadAll(fd.get(), &h, sizeof(h));
+      if (!got.ok()) break;
       if (h.push_bytes > kMaxBaselineBytes || h.pull_bytes > kMaxBaselineBytes) break;
+      spinning = h.mode == static_cast<uint64_t>(RawMode::kSpin);
       if (in.size() < h.push_bytes) in.resize(h.push_bytes);
       if (out.size() < h.pull_bytes) out.resize(h.pull_bytes, 1);
-      if (!ReadAll(fd.get(), in.data(), h.push_bytes).ok()) break;
-      if (!batch_.Arrive(h.batch, absl::Seconds(60))) break;
+      const absl::Status push =
+          spinning ? SpinReadAll(fd.get(), in.data(), h.push_bytes, absl::InfiniteDuration(),
+                                 absl::Now() + absl::Seconds(60))
+                   : ReadAll(fd.get(), in.data(), h.push_bytes);
+      if (!push.ok()) break;
+      if (!batch_.Arrive(h.batch, absl::Seconds(60), spinning)) break;
       iovec iov{out.data(), h.pull_bytes};
       if (h.pull_bytes > 0 && !WriteAll(fd.get(), &iov, 1).ok()) break;
     }
@@ -195,32 +258,53 @@ class BaselineServersImpl final : public BaselineServers {
   }
 
 #ifdef STEPMESH_HAVE_ZMQ
-  void ZmqLoop(void* rep) {
+  // ROUTER: requests of every worker arrive here as [identity, header, push];
+  // once `batch` of them are in, each gets [identity, reply] (the batch barrier).
+  void ZmqLoop(void* router) {
     std::vector<char> out;
+    std::vector<std::string> waiting;  // identities of this round's requests
+    uint64_t batch = 1, pull_bytes = 0;
     while (!stop_) {
-      zmq_msg_t header, payload;
-      zmq_msg_init(&header);
-      if (zmq_msg_recv(&header, rep, 0) < 0) {
-        zmq_msg_close(&header);
-        continue;  // timeout (check stop_) or interrupted
+      zmq_pollitem_t item{router, 0, ZMQ_POLLIN, 0};
+      // A short poll timeout so the loop notices stop_ promptly.
+      if (zmq_poll(&item, 1, 100) <= 0) continue;
+      for (;;) {
+        zmq_msg_t part;
+        zmq_msg_init(&part);
+        if (zmq_msg_recv(&part, router, ZMQ_DONTWAIT) < 0) {
+          zmq_msg_close(&part);
+          break;  // drained
+        }
+        std::string id(static_cast<const char*>(zmq_msg_data(&part)), zmq_msg_size(&part));
+        // The rest of a multipart message is delivered atomically with its first part.
+        SizeHeader h;
+        bool more = zmq_msg_more(&part);
+        if (more) {
+          zmq_msg_recv(&part, router, 0);
+          if (zmq_msg_size(&part) == sizeof(h)) std::memcpy(&h, zmq_msg_data(&part), sizeof(h));
+          more = zmq_msg_more(&part);
+        }
+        // The push is consumed where it landed in ZeroMQ's message (no copy out).
+        while (more && zmq_msg_recv(&part, router, 0) >= 0) more = zmq_msg_more(&part);
+        zmq_msg_close(&part);
+        batch = std::max<uint64_t>(1, h.batch);
+        pull_bytes = std::min<uint64_t>(h.pull_bytes, kMaxBaselineBytes);
+        waiting.push_back(std::move(id));
+        if (waiting.size() < batch) continue;
+        // Only grows, and only between rounds: every reply of the previous
+        // round was received (its worker pushed again), so no zero-copy reply
+        // still points into the old buffer.
+        if (out.size() < pull_bytes) out.resize(pull_bytes, 1);
+        for (const std::string& to : waiting) {
+          zmq_send(router, to.data(), to.size(), ZMQ_SNDMORE);
+          zmq_msg_t reply;
+          zmq_msg_init_data(&reply, out.data(), pull_bytes, nullptr, nullptr);
+          if (zmq_msg_send(&reply, router, 0) < 0) zmq_msg_close(&reply);
+        }
+        waiting.clear();
       }
-      SizeHeader h;
-      if (zmq_msg_size(&header) == sizeof(h)) std::memcpy(&h, zmq_msg_data(&header), sizeof(h));
-      zmq_msg_close(&header);
-      // The push is consumed where it landed in ZeroMQ's message (no copy out).
-      zmq_msg_init(&payload);
-      while (zmq_msg_recv(&payload, rep, 0) < 0 && zmq_errno() == EAGAIN && !stop_) {
-      }
-      zmq_msg_close(&payload);
-      if (h.pull_bytes > kMaxBaselineBytes) h.pull_bytes = 0;
-      if (out.size() < h.pull_bytes) out.resize(h.pull_bytes, 1);
-      // Zero-copy reply: the buffer outlives the send since it is only resized
-      // to grow before the next request, after this reply left.
-      zmq_msg_t reply;
-      zmq_msg_init_data(&reply, out.data(), h.pull_bytes, nullptr, nullptr);
-      zmq_msg_send(&reply, rep, 0);
     }
-    zmq_close(rep);
+    zmq_close(router);
   }
   void* zmq_ctx_ = nullptr;
 #endif
@@ -238,26 +322,133 @@ class BaselineServersImpl final : public BaselineServers {
 
 class RawTcpClient final : public BaselineClient {
  public:
-  RawTcpClient(std::vector<base::UniqueFd> fds, int batch) : fds_(std::move(fds)), batch_(batch) {}
+  RawTcpClient(std::vector<base::UniqueFd> fds, int batch, RawMode mode, absl::Duration timeout)
+      : fds_(std::move(fds)), batch_(batch), mode_(mode), timeout_(timeout), state_(fds_.size()) {
+    for (const base::UniqueFd& fd : fds_) polls_.push_back({fd.get(), 0, 0});
+  }
 
   absl::Status Exchange(const void* push, size_t push_bytes, absl::Span<void* const> pull,
                         size_t pull_bytes) override {
-    const SizeHeader h{push_bytes, pull_bytes, static_cast<uint64_t>(batch_)};
-    // Header and payload in one writev, as the TCP transport sends frame + payload.
+    const SizeHeader h{push_bytes, pull_bytes, static_cast<uint64_t>(batch_),
+                       static_cast<uint64_t>(mode_)};
+    if (mode_ == RawMode::kNaive) return ExchangeNaive(h, push, pull);
+    return ExchangeOverlapped(h, push, pull);
+  }
+
+ private:
+  struct Conn {
+    size_t sent = 0;      // of header + push
+    size_t received = 0;  // of the reply
+  };
+
+  // The old row: each server in turn, blocking. Not a floor.
+  absl::Status ExchangeNaive(const SizeHeader& h, const void* push, absl::Span<void* const> pull) {
     for (const base::UniqueFd& fd : fds_) {
       iovec iov[2] = {{const_cast<SizeHeader*>(&h), sizeof(h)},
-                      {const_cast<void*>(push), push_bytes}};
-      STEPMESH_RETURN_IF_ERROR(WriteAll(fd.get(), iov, push_bytes > 0 ? 2 : 1));
+                      {const_cast<void*>(push), h.push_bytes}};
+      STEPMESH_RETURN_IF_ERROR(WriteAll(fd.get(), iov, h.push_bytes > 0 ? 2 : 1));
     }
     for (size_t s = 0; s < fds_.size(); ++s) {
-      STEPMESH_RETURN_IF_ERROR(ReadAll(fds_[s].get(), pull[s], pull_bytes));
+      STEPMESH_RETURN_IF_ERROR(ReadAll(fds_[s].get(), pull[s], h.pull_bytes));
     }
     return absl::OkStatus();
   }
 
- private:
+  // One loop over every connection: non-blocking sends and receives wherever
+  // they can progress, so server 1's push goes out while server 0's reply
+  // comes in. When nothing progresses: kSpin tries again at once; kBlock
+  // sleeps in poll() until some connection is ready, and with a single reply
+  // left, sleeps in one MSG_WAITALL receive.
+  absl::Status ExchangeOverlapped(const SizeHeader& h, const void* push,
+                                  absl::Span<void* const> pull) {
+    const size_t out_bytes = sizeof(h) + h.push_bytes;
+    for (Conn& c : state_) c = Conn{};
+    size_t sending = fds_.size(), receiving = h.pull_bytes > 0 ? fds_.size() : 0;
+    const absl::Time deadline = absl::Now() + timeout_;
+    for (uint32_t idle = 0; sending + receiving > 0;) {
+      bool progress = false;
+      for (size_t s = 0; s < fds_.size(); ++s) {
+        Conn& c = state_[s];
+        const int fd = fds_[s].get();
+        if (c.sent < out_bytes) {
+          iovec iov[2];
+          int n_iov = 0;
+          if (c.sent < sizeof(h)) {
+            iov[n_iov++] = {reinterpret_cast<char*>(const_cast<SizeHeader*>(&h)) + c.sent,
+                            sizeof(h) - c.sent};
+            if (h.push_bytes > 0) iov[n_iov++] = {const_cast<void*>(push), h.push_bytes};
+          } else {
+            iov[n_iov++] = {static_cast<char*>(const_cast<void*>(push)) + (c.sent - sizeof(h)),
+                            out_bytes - c.sent};
+          }
+          msghdr msg{};
+          msg.msg_iov = iov;
+          msg.msg_iovlen = n_iov;
+          const ssize_t n = ::sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+          if (n > 0) {
+            c.sent += static_cast<size_t>(n);
+            progress = true;
+            if (c.sent == out_bytes) --sending;
+          } else if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+            return absl::UnavailableError(base::ErrnoMessage("raw-tcp sendmsg", errno));
+          }
+        }
+        if (c.received < h.pull_bytes) {
+          const ssize_t n = ::recv(fd, static_cast<char*>(pull[s]) + c.received,
+                                   h.pull_bytes - c.received, MSG_DONTWAIT);
+          if (n > 0) {
+            c.received += static_cast<size_t>(n);
+            progress = true;
+            if (c.received == h.pull_bytes) --receiving;
+          } else if (n == 0) {
+            return absl::UnavailableError("raw-tcp peer closed");
+          } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+            return absl::UnavailableError(base::ErrnoMessage("raw-tcp recv", errno));
+          }
+        }
+      }
+      if (progress) {
+        idle = 0;
+        continue;
+      }
+      if (mode_ == RawMode::kSpin) {
+        if (++idle % 1024 == 0 && absl::Now() > deadline) {
+          return absl::DeadlineExceededError("raw-tcp exchange timed out");
+        }
+        std::this_thread::yield();
+        continue;
+      }
+      if (sending == 0 && receiving == 1) {
+        for (size_t s = 0; s < fds_.size(); ++s) {
+          Conn& c = state_[s];
+          if (c.received == h.pull_bytes) continue;
+          STEPMESH_RETURN_IF_ERROR(ReadAll(fds_[s].get(), static_cast<char*>(pull[s]) + c.received,
+                                           h.pull_bytes - c.received));
+          c.received = h.pull_bytes;
+          receiving = 0;
+        }
+        continue;
+      }
+      for (size_t s = 0; s < fds_.size(); ++s) {
+        polls_[s].events = static_cast<int16_t>((state_[s].sent < out_bytes ? POLLOUT : 0) |
+                                                (state_[s].received < h.pull_bytes ? POLLIN : 0));
+        polls_[s].revents = 0;
+      }
+      const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+      if (left_ms <= 0) return absl::DeadlineExceededError("raw-tcp exchange timed out");
+      if (::poll(polls_.data(), polls_.size(), static_cast<int>(left_ms)) < 0 && errno != EINTR) {
+        return absl::UnavailableError(base::ErrnoMessage("raw-tcp poll", errno));
+      }
+    }
+    return absl::OkStatus();
+  }
+
   std::vector<base::UniqueFd> fds_;
   int batch_;
+  RawMode mode_;
+  absl::Duration timeout_;
+  std::vector<Conn> state_;    // per connection, reset each exchange
+  std::vector<pollfd> polls_;  // per connection, prepared once
 };
 
 #ifdef STEPMESH_HAVE_ZMQ
@@ -268,28 +459,33 @@ class ZmqClient final : public BaselineClient {
     if (ctx_ != nullptr) zmq_ctx_term(ctx_);
   }
 
-  absl::Status Init(const std::vector<base::HostPort>& servers, absl::Duration timeout) {
+  absl::Status Init(const std::vector<base::HostPort>& servers, absl::Duration timeout, int batch) {
+    batch_ = batch;
+    timeout_ = timeout;
     ctx_ = zmq_ctx_new();
-    const int linger = 0;
+    const int linger = 0, buffer = kZmqSocketBuffer;
     const int ms = static_cast<int>(absl::ToInt64Milliseconds(timeout));
     for (const base::HostPort& hp : servers) {
-      void* req = zmq_socket(ctx_, ZMQ_REQ);
-      zmq_setsockopt(req, ZMQ_LINGER, &linger, sizeof(linger));
-      zmq_setsockopt(req, ZMQ_RCVTIMEO, &ms, sizeof(ms));
-      zmq_setsockopt(req, ZMQ_SNDTIMEO, &ms, sizeof(ms));
-      sockets_.push_back(req);
+      void* dealer = zmq_socket(ctx_, ZMQ_DEALER);
+      zmq_setsockopt(dealer, ZMQ_LINGER, &linger, sizeof(linger));
+      zmq_setsockopt(dealer, ZMQ_SNDTIMEO, &ms, sizeof(ms));
+      zmq_setsockopt(dealer, ZMQ_SNDBUF, &buffer, sizeof(buffer));
+      zmq_setsockopt(dealer, ZMQ_RCVBUF, &buffer, sizeof(buffer));
+      sockets_.push_back(dealer);
+      items_.push_back({dealer, 0, ZMQ_POLLIN, 0});
       const std::string endpoint = absl::StrCat("tcp://", hp.host, ":", hp.port);
-      if (zmq_connect(req, endpoint.c_str()) != 0) {
+      if (zmq_connect(dealer, endpoint.c_str()) != 0) {
         return absl::UnavailableError(
             absl::StrCat("zmq connect ", endpoint, ": ", zmq_strerror(zmq_errno())));
       }
     }
+    done_.resize(sockets_.size());
     return absl::OkStatus();
   }
 
   absl::Status Exchange(const void* push, size_t push_bytes, absl::Span<void* const> pull,
                         size_t pull_bytes) override {
-    const SizeHeader h{push_bytes, pull_bytes};
+    const SizeHeader h{push_bytes, pull_bytes, static_cast<uint64_t>(batch_), 0};
     for (void* s : sockets_) {
       if (zmq_send(s, &h, sizeof(h), ZMQ_SNDMORE) < 0) return Error("zmq_send header");
       // Zero-copy, as StepMesh's ZMQ van sends tensors (zmq_msg_init_data).
@@ -300,11 +496,40 @@ class ZmqClient final : public BaselineClient {
         return Error("zmq_msg_send");
       }
     }
-    for (size_t i = 0; i < sockets_.size(); ++i) {
-      const int n = zmq_recv(sockets_[i], pull[i], pull_bytes, 0);
-      if (n < 0) return Error("zmq_recv");
-      if (static_cast<size_t>(n) != pull_bytes) {
-        return absl::DataLossError(absl::StrCat("zmq reply of ", n, " bytes, expected ", pull_bytes));
+    // Every server's reply, whichever lands first; each stays in ZeroMQ's
+    // message (zero-copy receive), checked and released.
+    std::fill(done_.begin(), done_.end(), false);
+    size_t left = sockets_.size();
+    const absl::Time deadline = absl::Now() + timeout_;
+    while (left > 0) {
+      const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+      if (ms <= 0) return absl::DeadlineExceededError("zmq exchange timed out");
+      for (size_t i = 0; i < items_.size(); ++i) {
+        items_[i].events = done_[i] ? 0 : ZMQ_POLLIN;
+        items_[i].revents = 0;
+      }
+      if (zmq_poll(items_.data(), static_cast<int>(items_.size()), ms) < 0) {
+        if (zmq_errno() == EINTR) continue;
+        return Error("zmq_poll");
+      }
+      for (size_t i = 0; i < items_.size(); ++i) {
+        if (done_[i] || !(items_[i].revents & ZMQ_POLLIN)) continue;
+        zmq_msg_t reply;
+        zmq_msg_init(&reply);
+        if (zmq_msg_recv(&reply, sockets_[i], ZMQ_DONTWAIT) < 0) {
+          zmq_msg_close(&reply);
+          if (zmq_errno() == EAGAIN) continue;
+          return Error("zmq_msg_recv");
+        }
+        const size_t n = zmq_msg_size(&reply);
+        const bool marked = n == 0 || *static_cast<const uint8_t*>(zmq_msg_data(&reply)) == 1;
+        zmq_msg_close(&reply);
+        if (n != pull_bytes || !marked) {
+          return absl::DataLossError(absl::StrCat("zmq reply of ", n, " bytes from server ", i,
+                                                  ", expected ", pull_bytes));
+        }
+        done_[i] = true;
+        --left;
       }
     }
     return absl::OkStatus();
@@ -315,7 +540,11 @@ class ZmqClient final : public BaselineClient {
     return absl::UnavailableError(absl::StrCat(what, ": ", zmq_strerror(zmq_errno())));
   }
   void* ctx_ = nullptr;
+  int batch_ = 1;
+  absl::Duration timeout_;
   std::vector<void*> sockets_;
+  std::vector<zmq_pollitem_t> items_;
+  std::vector<bool> done_;
 };
 #endif
 
@@ -339,23 +568,25 @@ absl::StatusOr<std::unique_ptr<BaselineServers>> BaselineServers::Start(const st
 }
 
 absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectRawTcp(
-    const std::vector<base::HostPort>& servers, int sockbuf, absl::Duration timeout, int batch) {
+    const std::vector<base::HostPort>& servers, int sockbuf, absl::Duration timeout, int batch,
+    RawMode mode) {
   std::vector<base::UniqueFd> fds;
   for (const base::HostPort& hp : servers) {
     STEPMESH_ASSIGN_OR_RETURN(base::UniqueFd fd, base::ConnectTcp(hp, absl::Now() + timeout));
-    // ConnectTcp may hand back a non-blocking socket; the floor is blocking I/O.
+    // Blocking sockets (ConnectTcp may hand back a non-blocking one): the
+    // spinning paths pass MSG_DONTWAIT, the blocking ones rely on SO_RCVTIMEO.
     STEPMESH_RETURN_IF_ERROR(base::SetNonBlocking(fd.get(), false));
     STEPMESH_RETURN_IF_ERROR(ConfigureRaw(fd.get(), sockbuf, timeout));
     fds.push_back(std::move(fd));
   }
-  return std::make_unique<RawTcpClient>(std::move(fds), batch);
+  return std::make_unique<RawTcpClient>(std::move(fds), batch, mode, timeout);
 }
 
 absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectZmq(
-    const std::vector<base::HostPort>& servers, absl::Duration timeout) {
+    const std::vector<base::HostPort>& servers, absl::Duration timeout, int batch) {
 #ifdef STEPMESH_HAVE_ZMQ
   auto client = std::make_unique<ZmqClient>();
-  STEPMESH_RETURN_IF_ERROR(client->Init(servers, timeout));
+  STEPMESH_RETURN_IF_ERROR(client->Init(servers, timeout, batch));
   return client;
 #else
   return absl::UnimplementedError("built without libzmq");

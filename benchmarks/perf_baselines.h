@@ -1,11 +1,24 @@
 #pragma once
 // The baselines stepmesh_perf interleaves with its own measurements, moving
 // the same bytes between the same processes:
-//   raw-tcp: blocking TCP sockets written for the benchmark, TCP_NODELAY, one
-//            connection per (worker, server): a 16-byte size header + push
-//            bytes out, pull bytes back. The floor for a TCP transport.
-//   zmq:     ZeroMQ REQ/REP (StepMesh's own TCP fallback is a ZMQ van), the
-//            push sent zero-copy as a second message part.
+//   raw-tcp: TCP sockets written for the benchmark, TCP_NODELAY, the transport's
+//            socket buffers, one connection per (worker, server): a small size
+//            header + push bytes out, pull bytes back. Three receive disciplines:
+//              kSpin     non-blocking receive, busy-polled (the library's spin /
+//                        adaptive poll modes);
+//              kBlock    blocking: poll() over every connection, MSG_WAITALL
+//                        once one reply is left (the library's blocking mode);
+//              kNaive    the old row: one blocking thread that writes to each
+//                        server in turn, then reads each reply in turn. Not a
+//                        floor (nothing overlaps); kept labelled as such.
+//            kSpin and kBlock drive every server connection from one loop, so
+//            sends and receives to different servers overlap, and the echo
+//            side receives in the same discipline. The floor is the best of them.
+//   zmq:     ZeroMQ as StepMesh's ZMQ van uses it: one DEALER socket per server
+//            polled together (zmq_poll), the push sent zero-copy, the reply
+//            received zero-copy (zmq_msg_recv), 8 MiB socket buffers; the echo
+//            side is a ROUTER that answers a round only once every worker's
+//            push arrived (the AF batch barrier).
 // Each server process runs BaselineServers next to its AFTensorServer; each
 // worker process owns one client per baseline.
 
@@ -25,6 +38,9 @@ namespace stepmesh::bench {
 
 bool ZmqAvailable();
 
+// The ZeroMQ socket buffers (ZMQ_SNDBUF / ZMQ_RCVBUF) on both ends.
+inline constexpr int kZmqSocketBuffer = 8 << 20;
+
 // The echo side of both baselines. Serves any number of clients until destroyed.
 class BaselineServers {
  public:
@@ -37,19 +53,24 @@ class BaselineServers {
 };
 
 // One iteration of a baseline: push `push_bytes` from `push` to every server,
-// then receive `pull_bytes` from each into `pull[s]`.
+// then receive `pull_bytes` from each. raw-tcp lands the replies in `pull[s]`;
+// zmq leaves each in ZeroMQ's message (zero-copy) and checks its size and
+// first byte.
 class BaselineClient {
  public:
   virtual ~BaselineClient() = default;
-  virtual absl::Status Exchange(const void* push, size_t push_bytes,
-                                absl::Span<void* const> pull, size_t pull_bytes) = 0;
+  virtual absl::Status Exchange(const void* push, size_t push_bytes, absl::Span<void* const> pull,
+                                size_t pull_bytes) = 0;
 };
 
-// `batch`: the number of workers; each raw server answers a round only once all
-// of them pushed, as an FFN server must (the AF batch barrier).
+enum class RawMode : uint64_t { kBlock = 0, kSpin = 1, kNaive = 2 };
+
+// `batch`: the number of workers; each server answers a round only once all of
+// them pushed, as an FFN server must (the AF batch barrier).
 absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectRawTcp(
-    const std::vector<base::HostPort>& servers, int sockbuf, absl::Duration timeout, int batch);
+    const std::vector<base::HostPort>& servers, int sockbuf, absl::Duration timeout, int batch,
+    RawMode mode);
 absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectZmq(
-    const std::vector<base::HostPort>& servers, absl::Duration timeout);
+    const std::vector<base::HostPort>& servers, absl::Duration timeout, int batch);
 
 }  // namespace stepmesh::bench

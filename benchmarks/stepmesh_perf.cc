@@ -27,6 +27,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -97,7 +98,7 @@ int Usage(const char* why) {
       "  [--push-bytes B] [--pull-bytes B] | [--sizes P:Q,P:Q,...]   (default sweep 8 B..3.5 MiB)\n"
       "  [--micro-batches M] [--warmup N] [--iters N] [--reps R]\n"
       "  [--poll-mode spin|adaptive|blocking] [--send-cores C,..] [--recv-cores C,..]\n"
-      "  [--baseline raw-tcp,zmq,memcpy] [--json FILE]\n"
+      "  [--baseline raw-tcp,raw-naive,zmq,memcpy] [--json FILE]\n"
       "  [--host IP] [--server-hosts IP,..] [--baseline-port P] [--threads]\n"
       "  [--deadline-s S] [--timeout-ms T] [--sockbuf BYTES]\n"
       "  [--metrics-port P] [--metrics-file PATH]   (docs/metrics.md)\n"
@@ -246,7 +247,7 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
     if (p == 0 || q == 0) return absl::InvalidArgumentError("sizes must be at least 1 byte");
   }
   for (const std::string& b : f.baselines) {
-    if (b != "raw-tcp" && b != "zmq" && b != "memcpy") {
+    if (b != "raw-tcp" && b != "raw-naive" && b != "zmq" && b != "memcpy") {
       return absl::InvalidArgumentError(absl::StrCat("unknown baseline ", b));
     }
   }
@@ -262,13 +263,28 @@ bool Wants(const Flags& f, absl::string_view baseline) {
   return std::find(f.baselines.begin(), f.baselines.end(), baseline) != f.baselines.end();
 }
 
-// The lock-stepped plan every participant derives from the same flags.
+// The lock-stepped plan every participant derives from the same flags. The
+// raw-tcp baseline is measured in two disciplines (perf_baselines.h); the
+// report's "raw-tcp" floor row is the better of them (DeriveRatios).
 std::vector<std::string> Methods(const Flags& f) {
   std::vector<std::string> m = {"stepmesh"};
-  for (const char* b : {"raw-tcp", "zmq", "memcpy"}) {
+  if (Wants(f, "raw-tcp")) {
+    m.push_back("raw-spin");
+    m.push_back("raw-block");
+  }
+  for (const char* b : {"raw-naive", "zmq", "memcpy"}) {
     if (Wants(f, b)) m.push_back(b);
   }
   return m;
+}
+// Indices into Methods(f) in the order repetition `rep` runs them: rotated by
+// one each repetition, so no method always runs first (on a warm cache, after
+// the same neighbour) and drift in the machine's load spreads over all of them.
+std::vector<size_t> MethodOrder(const Flags& f, int rep) {
+  const size_t n = Methods(f).size();
+  std::vector<size_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = (i + static_cast<size_t>(rep)) % n;
+  return order;
 }
 // Measured iterations of repetition `rep`: the total split as evenly as possible.
 int ItersInRep(const Flags& f, int rep) {
@@ -356,7 +372,7 @@ absl::Status RunServerRole(const Flags& f) {
   STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<tools::MetricsHttpServer> metrics,
                             ServeMetrics(f, f.workers + s, [&] { return server->Stats(); }));
   std::unique_ptr<BaselineServers> baselines;
-  if (Wants(f, "raw-tcp") || Wants(f, "zmq")) {
+  if (Wants(f, "raw-tcp") || Wants(f, "raw-naive") || Wants(f, "zmq")) {
     if (f.baseline_port <= 0) return absl::InvalidArgumentError("baselines need --baseline-port");
     STEPMESH_ASSIGN_OR_RETURN(
         baselines, BaselineServers::Start(f.host, static_cast<uint16_t>(f.baseline_port + 2 * s),
@@ -384,7 +400,8 @@ absl::Status RunServerRole(const Flags& f) {
   std::vector<Reply> replies;
   for (size_t z = 0; z < f.sizes.size(); ++z) {
     for (int rep = 0; rep < f.reps; ++rep) {
-      for (const std::string& method : Methods(f)) {
+      for (size_t k : MethodOrder(f, rep)) {
+        const std::string method = Methods(f)[k];
         STEPMESH_RETURN_IF_ERROR(server->Barrier());
         if (method != "stepmesh") continue;  // baselines are served by their own threads
         const int batches = f.warmup + ItersInRep(f, rep);
@@ -501,18 +518,26 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
     raw_addrs.push_back({host, static_cast<uint16_t>(f.baseline_port + 2 * s)});
     zmq_addrs.push_back({host, static_cast<uint16_t>(f.baseline_port + 2 * s + 1)});
   }
-  std::unique_ptr<BaselineClient> raw, zmq;
-  std::string raw_error, zmq_error;
+  // One client per baseline method, its own connections (a method's state
+  // never leaks into another's).
+  struct Client {
+    std::unique_ptr<BaselineClient> client;
+    std::string error;
+  };
+  std::map<std::string, Client> clients;
+  auto connect = [&](const std::string& method,
+                     absl::StatusOr<std::unique_ptr<BaselineClient>> c) {
+    if (c.ok()) clients[method].client = *std::move(c);
+    else clients[method].error = c.status().ToString();
+  };
   if (Wants(f, "raw-tcp")) {
-    absl::StatusOr<std::unique_ptr<BaselineClient>> c = ConnectRawTcp(raw_addrs, f.sockbuf, timeout, f.workers);
-    if (c.ok()) raw = *std::move(c);
-    else raw_error = c.status().ToString();
+    connect("raw-spin", ConnectRawTcp(raw_addrs, f.sockbuf, timeout, f.workers, RawMode::kSpin));
+    connect("raw-block", ConnectRawTcp(raw_addrs, f.sockbuf, timeout, f.workers, RawMode::kBlock));
   }
-  if (Wants(f, "zmq")) {
-    absl::StatusOr<std::unique_ptr<BaselineClient>> c = ConnectZmq(zmq_addrs, timeout);
-    if (c.ok()) zmq = *std::move(c);
-    else zmq_error = c.status().ToString();
+  if (Wants(f, "raw-naive")) {
+    connect("raw-naive", ConnectRawTcp(raw_addrs, f.sockbuf, timeout, f.workers, RawMode::kNaive));
   }
+  if (Wants(f, "zmq")) connect("zmq", ConnectZmq(zmq_addrs, timeout, f.workers));
 
   const std::vector<std::string> methods = Methods(f);
   // Every node on this host (the launcher, or all addresses loopback): stamps compare.
@@ -525,7 +550,7 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
     for (int rep = 0; rep < f.reps; ++rep) {
       const int measured = ItersInRep(f, rep);
       const int total = f.warmup + measured;
-      for (size_t k = 0; k < methods.size(); ++k) {
+      for (size_t k : MethodOrder(f, rep)) {
         STEPMESH_RETURN_IF_ERROR(worker->Barrier());
         const std::string& method = methods[k];
         Accumulated& a = acc[k];
@@ -574,9 +599,9 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
             record(i, MonotonicNowNs() - t0);
           }
         } else {
-          BaselineClient* client = method == "raw-tcp" ? raw.get() : zmq.get();
+          BaselineClient* client = clients[method].client.get();
           if (client == nullptr) {
-            a.error = method == "raw-tcp" ? raw_error : zmq_error;
+            a.error = clients[method].error;
             continue;
           }
           for (int i = 0; i < total; ++i) {
@@ -616,6 +641,9 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
         mr.cpu_us_per_iter = acc[k].process_cpu_ns / 1e3 / static_cast<double>(acc[k].measured);
         mr.thread_cpu_us_per_iter = acc[k].thread_cpu_ns / 1e3 / static_cast<double>(acc[k].measured);
         if (mr.method != "stepmesh" && M > 1) mr.note = "baselines run one request at a time";
+        if (mr.method == "raw-naive") {
+          mr.note = "old row: servers in turn, blocking; not a floor";
+        }
         for (size_t st = 0; st < acc[k].stages.size(); ++st) {
           const LatencyStats ss = ComputeStats(std::move(acc[k].stages[st]));
           r.stages.push_back({kStageNames[st], ss.p50_us, ss.p99_us, ss.mean_us});
@@ -631,8 +659,7 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
     }
     results.push_back(std::move(r));
   }
-  raw.reset();  // close the baseline connections before the servers stop serving
-  zmq.reset();
+  clients.clear();  // close the baseline connections before the servers stop serving
   STEPMESH_RETURN_IF_ERROR(worker->Barrier());
   STEPMESH_RETURN_IF_ERROR(WriteMetrics(f, worker->Stats()));
   metrics.reset();
@@ -733,7 +760,7 @@ int RunLaunch(Flags f) {
     return 1;
   }
   f.scheduler = (*scheduler)->address();
-  if (f.baseline_port == 0 && (Wants(f, "raw-tcp") || Wants(f, "zmq"))) {
+  if (f.baseline_port == 0 && (Wants(f, "raw-tcp") || Wants(f, "raw-naive") || Wants(f, "zmq"))) {
     absl::StatusOr<int> port = PickBaselinePort(f.servers);
     if (!port.ok()) {
       std::fprintf(stderr, "stepmesh_perf: %s\n", port.status().ToString().c_str());

@@ -9,8 +9,27 @@
 # std::mutex (src/base/sync.h), which TSan intercepts; absl::Mutex would be
 # invisible to it. Abseil code we call holds no shared state.
 #
-# Keeps CI time modest: the multi-process 200-iteration case of core_tests is
-# left to the normal suite; everything else runs.
+# What runs where (CI time is paid for; every program below is built only for
+# the sanitizer that runs it, with -g1 line tables, see CMakePresets.json):
+#   both   core_tests, reliability_tests, rdma_tests, cuda_backend_tests and
+#          their child programs: the threaded code (transports, receive and
+#          send threads, reliability, the fake verbs fabric and fake CUDA
+#          streams) and all the byte handling.
+#   ASan   planner_tests (single-threaded: nothing for TSan to see) and the
+#          example's Gate A, 1A1F, on the CPU engines (afd_launch checks every
+#          child's exit status, so a report in the scheduler, attention or FFN
+#          process fails it). The model engines and the example (about
+#          25 translation units, the heaviest we have) are built once: their
+#          kernels run as host functions on the CPU backend's stream threads,
+#          and every hand-off between those threads and the transport is the
+#          library's (stream order, stream-ordered push/pull, Synchronize),
+#          which core_tests' backend and stream-ordered mesh cases run under
+#          TSan; the engines add arithmetic, not synchronisation, and their
+#          one lock (the first error a host function hit) is an absl::Mutex,
+#          which TSan cannot see with Debian's Abseil anyway.
+# The multi-process 200-iteration case of core_tests is left to the normal
+# suite (the 20-iteration 2A2F process run, "short separate-process run",
+# stands in for it); everything else runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 presets=("$@")
@@ -23,13 +42,21 @@ export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:strict_string_checks=1:dete
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/tests/reliability/tsan.supp"
 
-targets=(core_tests stepmesh_test_node reliability_tests stepmesh_reliability_node planner_tests)
+common=(core_tests stepmesh_test_node reliability_tests stepmesh_reliability_node)
 exclude='separate processes: 2A2F*'
 
 for preset in "${presets[@]}"; do
   echo "== $preset: configure + build"
   cmake --preset "$preset" >/dev/null
   build=build-$preset
+  targets=("${common[@]}")
+  tests=(core_tests reliability_tests)
+  gate_a=0
+  if [[ $preset == asan ]]; then
+    targets+=(planner_tests afd_launch afd_attention afd_ffn)
+    tests+=(planner_tests)
+    gate_a=1
+  fi
   extra=()
   # The RDMA tests (fake verbs; their GPUDirect cases use the fake CUDA API)
   # and the CUDA backend's tests over the fake CUDA API: built wherever the
@@ -47,7 +74,7 @@ for preset in "${presets[@]}"; do
   echo "== $preset: test"
   # The binaries run directly (one process per executable, random order):
   # much faster than ctest's process per case under sanitizers.
-  for exe in core_tests reliability_tests planner_tests "${extra[@]}"; do
+  for exe in "${tests[@]}" "${extra[@]}"; do
     path=$(find "$build/tests" -name "$exe" -type f -perm -u+x | head -1)
     echo "-- $exe"
     "$path" --order rand --rng-seed time "~$exclude" > "$build/$exe.log" 2>&1 || {
@@ -57,5 +84,21 @@ for preset in "${presets[@]}"; do
     }
     grep -E "^(All tests passed|test cases:)" "$build/$exe.log" | tail -1
   done
+  (( gate_a )) || continue
+  echo "-- afd_launch Gate A 1A1F"
+  launch=$(find "$build/examples" -name afd_launch -type f -perm -u+x | head -1)
+  rm -rf "$build/afd_gate_a"
+  if ! "$launch" --attention 1 --ffn 1 --requests 6 --prompt-len 32 --decode-steps 16 \
+      --micro-batches 3 --transport tcp --timeout-ms 120000 --deadline-s 600 \
+      --work-dir "$build/afd_gate_a" > "$build/afd_gate_a.log" 2>&1 ||
+     ! grep -q "^reference check: PASS" "$build/afd_gate_a.log"; then
+    echo "$preset: afd_launch Gate A 1A1F failed; tail of $build/afd_gate_a.log:" >&2
+    tail -40 "$build/afd_gate_a.log" >&2
+    for err in "$build"/afd_gate_a/*.err; do
+      [[ -s $err ]] && { echo "== $err" >&2; tail -30 "$err" >&2; }
+    done
+    exit 1
+  fi
+  grep "^reference check" "$build/afd_gate_a.log"
 done
 echo "sanitizers: clean"

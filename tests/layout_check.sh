@@ -21,7 +21,7 @@ rules=(
   "src/tools/planner/|stepmesh/status.h"
   "src/tools/|src/compose/ src/core/ src/base/ stepmesh/"
   "tests/support/|src/ stepmesh/ tests/support/ tests/rdma/fake_verbs.h tests/cuda/fake_cuda_api.h"
-  "tests/fuzz/|src/core/ stepmesh/"
+  "tests/fuzz/|src/base/ src/core/ src/transport/ stepmesh/"
   "tests/model/|examples/afd_model/ stepmesh/ tests/support/"
   "tests/model_gpu/|examples/afd_model/ stepmesh/ tests/support/"
   "tests/afd/|examples/afd_model/ stepmesh/ tests/support/"

@@ -4,12 +4,14 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <catch2/catch.hpp>
 #include <cstdio>
 #include <fstream>
 #include <future>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "absl/time/clock.h"
 #include "src/compose/transports.h"
@@ -78,9 +80,17 @@ TEST_CASE("shutdown: a server blocked in GetBatch returns UNAVAILABLE once every
   auto mesh = LoopbackMesh::Start(o, compose::CreateTransport);
   REQUIRE_OK(mesh);
   AFTensorServer& server = (*mesh)->server(0);
-  auto blocked =
-      std::async(std::launch::async, [&] { return server.GetBatch(absl::Seconds(60)).status(); });
-  absl::SleepFor(absl::Milliseconds(200));
+  std::atomic<bool> calling{false};
+  auto blocked = std::async(std::launch::async, [&] {
+    calling = true;
+    return server.GetBatch(absl::Seconds(60)).status();
+  });
+  // The premise: the server is inside GetBatch and stays there (no batch, no
+  // early return) before the worker leaves. Waited for, not assumed.
+  const absl::Time entered_by = absl::Now() + absl::Seconds(10);
+  while (!calling && absl::Now() < entered_by) std::this_thread::yield();
+  REQUIRE(calling);
+  REQUIRE(blocked.wait_for(std::chrono::milliseconds(200)) == std::future_status::timeout);
   const absl::Time left = absl::Now();
   REQUIRE_OK((*mesh)->worker(0).Shutdown());
   REQUIRE(blocked.wait_for(std::chrono::seconds(10)) == std::future_status::ready);
