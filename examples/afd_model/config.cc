@@ -1,12 +1,12 @@
 #include "examples/afd_model/config.h"
 
-#include <cerrno>
 #include <cmath>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <map>
 #include <sstream>
+#include <utility>
+
+#include "examples/afd_model/key_values.h"
 
 namespace afd {
 namespace {
@@ -15,74 +15,9 @@ namespace {
 #define AFD_MODEL_CONFIG_DIR "examples/afd_model/configs"
 #endif
 
-std::string_view Trim(std::string_view s) {
-  const auto first = s.find_first_not_of(" \t\r");
-  if (first == std::string_view::npos) return {};
-  const auto last = s.find_last_not_of(" \t\r");
-  return s.substr(first, last - first + 1);
-}
-
 bool Fail(std::string* error, const std::string& message) {
   if (error != nullptr) *error = message;
   return false;
-}
-
-bool ParseInt(std::string_view text, int64_t* value) {
-  const std::string owned(text);
-  if (owned.empty()) return false;
-  char* end = nullptr;
-  errno = 0;
-  const long long parsed = std::strtoll(owned.c_str(), &end, 0);
-  if (errno != 0 || *end != '\0') return false;
-  *value = parsed;
-  return true;
-}
-
-bool ParseUnsigned(std::string_view text, uint64_t* value) {
-  const std::string owned(text);
-  if (owned.empty()) return false;
-  char* end = nullptr;
-  errno = 0;
-  const unsigned long long parsed = std::strtoull(owned.c_str(), &end, 0);
-  if (errno != 0 || *end != '\0') return false;
-  *value = parsed;
-  return true;
-}
-
-bool ParseFloat(std::string_view text, float* value) {
-  const std::string owned(text);
-  if (owned.empty()) return false;
-  char* end = nullptr;
-  const float parsed = std::strtof(owned.c_str(), &end);
-  if (*end != '\0' || !std::isfinite(parsed)) return false;
-  *value = parsed;
-  return true;
-}
-
-bool ParseLayerList(std::string_view text, int num_layers, std::vector<bool>* is_moe,
-                    std::string* error) {
-  is_moe->assign(num_layers, false);
-  std::stringstream stream{std::string(text)};
-  std::string item;
-  while (std::getline(stream, item, ',')) {
-    const std::string_view entry = Trim(item);
-    if (entry.empty()) continue;
-    int64_t first = 0;
-    int64_t last = 0;
-    const auto dash = entry.find('-');
-    if (dash == std::string_view::npos) {
-      if (!ParseInt(entry, &first)) return Fail(error, "bad layer id: " + item);
-      last = first;
-    } else if (!ParseInt(Trim(entry.substr(0, dash)), &first) ||
-               !ParseInt(Trim(entry.substr(dash + 1)), &last)) {
-      return Fail(error, "bad layer range: " + item);
-    }
-    if (first < 0 || last >= num_layers || first > last) {
-      return Fail(error, "layer out of range: " + item);
-    }
-    for (int64_t l = first; l <= last; ++l) (*is_moe)[l] = true;
-  }
-  return true;
 }
 
 bool Validate(const ModelConfig& c, std::string* error) {
@@ -125,81 +60,34 @@ int64_t ModelConfig::ParameterCount() const {
 }
 
 std::optional<ModelConfig> ParseModelConfig(std::string_view text, std::string* error) {
-  std::map<std::string, std::string, std::less<>> values;
-  std::stringstream stream{std::string(text)};
-  std::string line;
-  int line_number = 0;
-  while (std::getline(stream, line)) {
-    ++line_number;
-    std::string_view content = line;
-    if (const auto hash = content.find('#'); hash != std::string_view::npos) {
-      content = content.substr(0, hash);
-    }
-    content = Trim(content);
-    if (content.empty()) continue;
-    const auto equals = content.find('=');
-    if (equals == std::string_view::npos) {
-      Fail(error, "line " + std::to_string(line_number) + ": expected key = value");
-      return std::nullopt;
-    }
-    values[std::string(Trim(content.substr(0, equals)))] =
-        std::string(Trim(content.substr(equals + 1)));
-  }
+  std::string scratch;
+  if (error == nullptr) error = &scratch;
+  KeyValues kv;
+  if (!kv.Parse(text, error)) return std::nullopt;
 
   ModelConfig config;
-  std::string missing;
-  auto find = [&](const char* key) -> const std::string* {
-    const auto it = values.find(key);
-    if (it == values.end()) {
-      missing += std::string(missing.empty() ? "" : ", ") + key;
-      return nullptr;
-    }
-    return &it->second;
-  };
-  bool ok = true;
-  auto read_int = [&](const char* key, auto* field) {
-    const std::string* text_value = find(key);
-    int64_t parsed = 0;
-    if (text_value == nullptr) return;
-    if (!ParseInt(*text_value, &parsed)) {
-      ok = Fail(error, std::string("bad integer for ") + key);
-      return;
-    }
-    *field = static_cast<std::remove_pointer_t<decltype(field)>>(parsed);
-  };
-  auto read_float = [&](const char* key, float* field) {
-    const std::string* text_value = find(key);
-    if (text_value != nullptr && !ParseFloat(*text_value, field)) {
-      ok = Fail(error, std::string("bad number for ") + key);
-    }
-  };
-
-  if (const std::string* name = find("name")) config.name = *name;
-  read_int("hidden_size", &config.hidden_size);
-  read_int("num_hidden_layers", &config.num_layers);
-  read_int("share_q_dim", &config.q_rank);
-  read_int("num_attention_heads", &config.num_heads);
-  read_int("head_dim", &config.head_dim);
-  read_int("intermediate_size", &config.dense_intermediate);
-  read_int("moe_num_experts", &config.num_experts);
-  read_int("moe_top_k", &config.top_k);
-  read_int("moe_intermediate_size", &config.expert_intermediate);
-  read_int("share_expert_dim", &config.shared_intermediate);
-  read_int("vocab_size", &config.vocab_size);
-  read_float("rms_norm_eps", &config.rms_norm_eps);
-  read_float("rope_theta", &config.rope_theta);
-  read_int("max_position_embedding", &config.max_positions);
-  read_int("fp8_group_size", &config.fp8_group);
-  if (const std::string* seed = find("weight_seed");
-      seed != nullptr && !ParseUnsigned(*seed, &config.weight_seed)) {
-    ok = Fail(error, "bad weight_seed");
-  }
-  const std::string* moe_layers = find("moe_layers_enum");
-  if (!missing.empty()) {
-    Fail(error, "missing keys: " + missing);
+  if (const std::string* name = kv.Find("name")) config.name = *name;
+  kv.Int("hidden_size", &config.hidden_size);
+  kv.Int("num_hidden_layers", &config.num_layers);
+  kv.Int("share_q_dim", &config.q_rank);
+  kv.Int("num_attention_heads", &config.num_heads);
+  kv.Int("head_dim", &config.head_dim);
+  kv.Int("intermediate_size", &config.dense_intermediate);
+  kv.Int("moe_num_experts", &config.num_experts);
+  kv.Int("moe_top_k", &config.top_k);
+  kv.Int("moe_intermediate_size", &config.expert_intermediate);
+  kv.Int("share_expert_dim", &config.shared_intermediate);
+  kv.Int("vocab_size", &config.vocab_size);
+  kv.Float("rms_norm_eps", &config.rms_norm_eps);
+  kv.Float("rope_theta", &config.rope_theta);
+  kv.Int("max_position_embedding", &config.max_positions);
+  kv.Int("fp8_group_size", &config.fp8_group);
+  kv.Unsigned("weight_seed", &config.weight_seed);
+  const std::string* moe_layers = kv.Find("moe_layers_enum");
+  if (std::string problem = kv.Problem(); !problem.empty()) {
+    *error = std::move(problem);
     return std::nullopt;
   }
-  if (!ok) return std::nullopt;
   if (!Validate(config, error)) return std::nullopt;
   if (!ParseLayerList(*moe_layers, config.num_layers, &config.is_moe_layer, error)) {
     return std::nullopt;

@@ -1,19 +1,9 @@
 #include "examples/afd_model/model_weights.h"
 
+#include <utility>
+
 namespace afd {
 namespace {
-
-TensorSpec Linear(std::string name, int64_t fan_in) {
-  return {std::move(name), WeightKind::kLinear, fan_in};
-}
-
-TensorSpec Gamma(std::string name) { return {std::move(name), WeightKind::kNormGamma, 1}; }
-
-std::vector<float> Generate(const TensorSpec& spec, uint64_t seed, int64_t count) {
-  std::vector<float> values(count);
-  FillTensor(spec, seed, 0, count, values.data());
-  return values;
-}
 
 // Rows [row_begin, row_end) of a [rows, fan_in] tensor.
 void FillRows(const TensorSpec& spec, uint64_t seed, int64_t row_begin, int64_t row_end,
@@ -33,9 +23,9 @@ SwiGluWeights GenerateSwiGluSlice(const ModelConfig& config, const std::string& 
   weights.gate.resize(weights.inter * h);
   weights.up.resize(weights.inter * h);
   weights.down.resize(h * weights.inter);
-  const TensorSpec gate = Linear(prefix + "gate_proj.weight", h);
-  const TensorSpec up = Linear(prefix + "up_proj.weight", h);
-  const TensorSpec down = Linear(prefix + "down_proj.weight", inter);
+  const TensorSpec gate = LinearSpec(prefix + "gate_proj.weight", h);
+  const TensorSpec up = LinearSpec(prefix + "up_proj.weight", h);
+  const TensorSpec down = LinearSpec(prefix + "down_proj.weight", inter);
   FillTensor(gate, seed, base_gate_up + c0 * h, weights.inter * h, weights.gate.data());
   FillTensor(up, seed, base_gate_up + c0 * h, weights.inter * h, weights.up.data());
   FillTensorColumns(down, seed, base_down, h, inter, c0, c1, weights.down.data());
@@ -43,6 +33,18 @@ SwiGluWeights GenerateSwiGluSlice(const ModelConfig& config, const std::string& 
 }
 
 }  // namespace
+
+TensorSpec LinearSpec(std::string name, int64_t fan_in) {
+  return {std::move(name), WeightKind::kLinear, fan_in};
+}
+
+TensorSpec GammaSpec(std::string name) { return {std::move(name), WeightKind::kNormGamma, 1}; }
+
+std::vector<float> GenerateTensor(const TensorSpec& spec, uint64_t seed, int64_t count) {
+  std::vector<float> values(count);
+  FillTensor(spec, seed, 0, count, values.data());
+  return values;
+}
 
 std::string LayerTensorName(int layer, std::string_view suffix) {
   return "model.layers." + std::to_string(layer) + "." + std::string(suffix);
@@ -71,27 +73,28 @@ AttentionWeights GenerateAttentionWeights(const ModelConfig& config) {
   const int64_t width = config.attention_width();
   const uint64_t seed = config.weight_seed;
   AttentionWeights weights;
-  weights.embedding = Generate({"model.embed_tokens.weight", WeightKind::kEmbedding, h}, seed,
-                               config.vocab_size * h);
-  weights.final_norm = Generate(Gamma("model.norm.weight"), seed, h);
-  weights.lm_head = Generate(Linear("lm_head.weight", h), seed, config.vocab_size * h);
+  weights.embedding = GenerateTensor({"model.embed_tokens.weight", WeightKind::kEmbedding, h}, seed,
+                                     config.vocab_size * h);
+  weights.final_norm = GenerateTensor(GammaSpec("model.norm.weight"), seed, h);
+  weights.lm_head = GenerateTensor(LinearSpec("lm_head.weight", h), seed, config.vocab_size * h);
   weights.layers.resize(config.num_layers);
   for (int l = 0; l < config.num_layers; ++l) {
     AttentionLayerWeights& layer = weights.layers[l];
     auto name = [l](std::string_view suffix) { return LayerTensorName(l, suffix); };
-    layer.input_norm = Generate(Gamma(name("input_layernorm.weight")), seed, h);
+    layer.input_norm = GenerateTensor(GammaSpec(name("input_layernorm.weight")), seed, h);
     layer.qkv.resize((q + 2 * d) * h);
-    FillRows(Linear(name("self_attn.q_proj.weight"), h), seed, 0, q, layer.qkv.data());
-    FillRows(Linear(name("self_attn.k_proj.weight"), h), seed, 0, d, layer.qkv.data() + q * h);
-    FillRows(Linear(name("self_attn.v_proj.weight"), h), seed, 0, d,
+    FillRows(LinearSpec(name("self_attn.q_proj.weight"), h), seed, 0, q, layer.qkv.data());
+    FillRows(LinearSpec(name("self_attn.k_proj.weight"), h), seed, 0, d, layer.qkv.data() + q * h);
+    FillRows(LinearSpec(name("self_attn.v_proj.weight"), h), seed, 0, d,
              layer.qkv.data() + (q + d) * h);
-    layer.inter_norm = Generate(Gamma(name("self_attn.inter_norm.weight")), seed, q);
-    layer.wq = Generate(Linear(name("self_attn.wq.weight"), q), seed, width * q);
-    layer.o_proj = Generate(Linear(name("self_attn.o_proj.weight"), width), seed, h * width);
-    layer.post_norm = Generate(Gamma(name("post_attention_layernorm.weight")), seed, h);
+    layer.inter_norm = GenerateTensor(GammaSpec(name("self_attn.inter_norm.weight")), seed, q);
+    layer.wq = GenerateTensor(LinearSpec(name("self_attn.wq.weight"), q), seed, width * q);
+    layer.o_proj =
+        GenerateTensor(LinearSpec(name("self_attn.o_proj.weight"), width), seed, h * width);
+    layer.post_norm = GenerateTensor(GammaSpec(name("post_attention_layernorm.weight")), seed, h);
     if (config.is_moe_layer[l]) {
-      layer.router = Generate({name("moe.gate.weight"), WeightKind::kRouter, h}, seed,
-                              int64_t{config.num_experts} * h);
+      layer.router = GenerateTensor({name("moe.gate.weight"), WeightKind::kRouter, h}, seed,
+                                    int64_t{config.num_experts} * h);
     }
   }
   return weights;
@@ -123,9 +126,9 @@ FfnLayerWeights GenerateFfnLayerWeights(const ModelConfig& config, int layer,
   weights.expert_gate.resize(weights.num_slots * matrix);
   weights.expert_up.resize(weights.num_slots * matrix);
   weights.expert_down.resize(weights.num_slots * matrix);
-  const TensorSpec gate = Linear(LayerTensorName(layer, "moe.gate_proj.weight"), h);
-  const TensorSpec up = Linear(LayerTensorName(layer, "moe.up_proj.weight"), h);
-  const TensorSpec down = Linear(LayerTensorName(layer, "moe.down_proj.weight"), inter);
+  const TensorSpec gate = LinearSpec(LayerTensorName(layer, "moe.gate_proj.weight"), h);
+  const TensorSpec up = LinearSpec(LayerTensorName(layer, "moe.up_proj.weight"), h);
+  const TensorSpec down = LinearSpec(LayerTensorName(layer, "moe.down_proj.weight"), inter);
   for (int e = 0; e < config.num_experts; ++e) {
     const int32_t slot = weights.expert_to_slot[e];
     if (slot < 0) continue;

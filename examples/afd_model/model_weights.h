@@ -33,6 +33,11 @@ void FillTensor(const TensorSpec& spec, uint64_t seed, int64_t first, int64_t co
 void FillTensorColumns(const TensorSpec& spec, uint64_t seed, int64_t base, int64_t rows,
                        int64_t row_length, int64_t col_begin, int64_t col_end, float* out);
 
+// Specs of the two kinds of generated tensor, and a whole tensor's values.
+TensorSpec LinearSpec(std::string name, int64_t fan_in);
+TensorSpec GammaSpec(std::string name);
+std::vector<float> GenerateTensor(const TensorSpec& spec, uint64_t seed, int64_t count);
+
 struct AttentionLayerWeights {
   std::vector<float> input_norm;  // [H]
   std::vector<float> qkv;         // [Q + 2d, H]: q_proj, k_proj, v_proj rows

@@ -7,6 +7,7 @@
 #include <functional>
 #include <string>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -106,7 +107,15 @@ const std::vector<EnvEntry>& EnvTable() {
       {"STEPMESH_NUM_SERVERS", STEPMESH_ENV_INT(num_servers)},
       {"STEPMESH_SCHEDULER", STEPMESH_ENV_STR(scheduler)},
       {"STEPMESH_BIND_HOST", STEPMESH_ENV_STR(bind_host)},
-      {"STEPMESH_TRANSPORT", STEPMESH_ENV_STR(transport)},
+      {"STEPMESH_TRANSPORT",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         // An unknown value is refused here, naming the variable, not later.
+         if (v != "tcp" && v != "rdma" && v != "auto") {
+           return absl::InvalidArgumentError("unknown transport (want tcp, rdma or auto)");
+         }
+         o.transport = std::string(v);
+         return absl::OkStatus();
+       }},
       {"STEPMESH_BACKEND", STEPMESH_ENV_STR(backend)},
       {"STEPMESH_DEVICE", STEPMESH_ENV_INT(device)},
       // Read by CUDA itself; the cuda backend must know it too (one hardware queue).
@@ -171,12 +180,7 @@ const std::vector<EnvEntry>& EnvTable() {
       {"STEPMESH_AUTH_TOKEN", STEPMESH_ENV_STR(auth_token)},
       {"STEPMESH_AUTH",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
-         absl::StatusOr<AuthMode> mode = ParseAuthMode(v);
-         if (!mode.ok()) {
-           return absl::InvalidArgumentError(
-               absl::StrCat("STEPMESH_AUTH: ", mode.status().message()));
-         }
-         o.auth = *mode;
+         STEPMESH_ASSIGN_OR_RETURN(o.auth, ParseAuthMode(v));
          return absl::OkStatus();
        }},
       {"STEPMESH_MESH_ID", STEPMESH_ENV_STR(mesh_id)},
@@ -202,13 +206,19 @@ const std::vector<EnvEntry>& EnvTable() {
          else if (v == "error")
            base::SetLogThreshold(LogLevel::kError);
          else
-           return absl::InvalidArgumentError(absl::StrCat("STEPMESH_LOG_LEVEL='", v, "'"));
+           return absl::InvalidArgumentError("want debug, info, warning or error");
          return absl::OkStatus();
        }},
       // StepMesh / ps-lite names, so existing launch scripts keep working.
       {"DMLC_ROLE",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
          STEPMESH_ASSIGN_OR_RETURN(o.role, ParseRole("DMLC_ROLE", v));
+         return absl::OkStatus();
+       }},
+      {"DMLC_ENABLE_RDMA",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         // ps-lite's switch: empty, 0 or false is TCP, anything else RDMA.
+         o.transport = (v.empty() || v == "0" || v == "false") ? "tcp" : "rdma";
          return absl::OkStatus();
        }},
       {"DMLC_NUM_WORKER", STEPMESH_ENV_INT(num_workers)},
@@ -303,14 +313,22 @@ absl::StatusOr<MeshOptions> MeshOptions::FromEnv(const MeshOptions& base) {
       if (absl::StartsWith(entry.name, "DMLC_") != dmlc_pass) continue;
       const char* value = std::getenv(entry.name);
       if (value == nullptr) continue;
-      STEPMESH_RETURN_IF_ERROR(entry.apply(value, options));
+      // Every error names the variable and its value, whatever the parser said.
+      if (absl::Status s = entry.apply(value, options); !s.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(entry.name, "='", value, "': ", s.message()));
+      }
     }
   }
   for (char** env = environ; env != nullptr && *env != nullptr; ++env) {
     absl::string_view var(*env);
-    if (!absl::StartsWith(var, "STEPMESH_")) continue;
+    // ps-lite launch scripts set DMLC_* names this library does not read: say so.
+    if (!absl::StartsWith(var, "STEPMESH_") && !absl::StartsWith(var, "DMLC_")) continue;
     absl::string_view name = var.substr(0, var.find('='));
-    bool known = false;
+    // Read by the Python fserver layer (python/stepmesh/fserver.py), not here.
+    constexpr absl::string_view kReadByPython[] = {"DMLC_GROUP_SIZE", "DMLC_NODE_RANK",
+                                                   "DMLC_RANK_OFFSET", "STEPMESH_GPU"};
+    bool known = absl::c_linear_search(kReadByPython, name);
     for (const EnvEntry& entry : EnvTable()) known = known || name == entry.name;
     if (!known) STEPMESH_LOG(kWarning, "unknown environment variable ", name, " ignored");
   }

@@ -202,11 +202,24 @@ class Server final : public AFTensorServer, public MeshNode {
     note.reg = nullptr;
     note.duplicate = false;
     *context = &note;
-    base::ReaderMutexLock lock(&reg_mu_);
+    base::MutexLock lock(&reg_mu_);
     auto it = recv_regs_.find(h.key);
     if (it == recv_regs_.end()) {
+      // Why wait: a worker may push as soon as the mesh is up, before this
+      // server's application registered the key (no barrier is required of
+      // integrators). The push waits for the registration, bounded by the
+      // options' timeout (the request's deadline on the worker's side), and the
+      // shutdown. This holds the receive thread: keys are registered at start-up.
+      const absl::Time deadline = absl::Now() + options_.timeout;
+      reg_mu_.AwaitWithDeadline(
+          [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return stopped() || recv_regs_.contains(h.key); },
+          deadline);
+      it = recv_regs_.find(h.key);
+    }
+    if (it == recv_regs_.end()) {
       return absl::NotFoundError(
-          absl::StrCat("push key ", h.key, " is not registered on server ", rank_));
+          absl::StrCat("push key ", h.key, " is not registered on server ", rank_, " (waited ",
+                       absl::FormatDuration(options_.timeout), " for its registration)"));
     }
     RecvRegistration& reg = *it->second;
     if (h.dtype != reg.view.dtype) {

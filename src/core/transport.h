@@ -81,6 +81,10 @@ class TransportSink {
   virtual void OnFrame(NodeId peer, const FrameHeader& header, FrameContext context,
                        absl::Status status) = 0;
   // The peer is gone (closed, reset, timed out, failed auth, bad completion).
+  // Every transport reports an orderly departure -- the peer's goodbye arrived,
+  // after everything it had queued for us, before its connection closed -- as
+  // CANCELLED, and any other loss with another code (UNAVAILABLE): the core
+  // logs a departure at info and a loss at warning.
   virtual void OnPeerLost(NodeId peer, absl::Status why) = 0;
 };
 
@@ -140,7 +144,10 @@ class Transport {
   // Wakes a Poll blocked in the kernel (from any thread).
   virtual void Wake() = 0;
 
-  // Closes every connection (peers see a goodbye where possible).
+  // Closes every connection. Orderly: first sends what is queued (bounded by
+  // the options' timeout per peer), then a goodbye, so peers see a departure
+  // (OnPeerLost with CANCELLED), not a loss; a peer that does not read within
+  // the bound gets no goodbye and sees a loss.
   virtual void Shutdown() = 0;
 };
 

@@ -454,7 +454,12 @@ class Worker final : public AFTensorWorker, public MeshNode {
       base::MutexLock lock(&reg_mu_);
       pending = requests_.PendingAddressing(s);
     }
-    if (!pending.empty() || !stopped()) {
+    // A server that said goodbye with nothing of ours pending left in order:
+    // info. Anything else is a loss the operator should see.
+    const bool orderly = absl::IsCancelled(why) && pending.empty();
+    if (orderly) {
+      STEPMESH_LOG(kInfo, "worker ", rank_, ": ", PeerName(peer), " left (orderly shutdown)");
+    } else if (!pending.empty() || !stopped()) {
       STEPMESH_LOG(kWarning, "worker ", rank_, ": ", failure.message(), " (", pending.size(),
                    " request(s) pending)");
     }

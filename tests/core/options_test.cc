@@ -6,6 +6,7 @@
 #include <catch2/catch.hpp>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 
 #include "stepmesh/options.h"
 #include "stepmesh/tensor.h"
@@ -73,19 +74,41 @@ TEST_CASE("FromEnv understands StepMesh's DMLC_* names, STEPMESH_* wins", "[opti
   CHECK(o->scheduler == "10.1.2.3:8123");
 }
 
-TEST_CASE("FromEnv rejects bad values with the variable's name", "[options]") {
-  SECTION("integer") {
-    ScopedEnv env({{"STEPMESH_NUM_WORKERS", "many"}});
+TEST_CASE("DMLC_ENABLE_RDMA picks the transport as ps-lite does", "[options]") {
+  {
+    ScopedEnv env({{"DMLC_ENABLE_RDMA", "0"}});
     auto o = MeshOptions::FromEnv();
-    CHECK(absl::IsInvalidArgument(o.status()));
+    REQUIRE(o.ok());
+    CHECK(o->transport == "tcp");
   }
-  SECTION("poll mode") {
-    ScopedEnv env({{"STEPMESH_POLL_MODE", "sometimes"}});
-    CHECK(absl::IsInvalidArgument(MeshOptions::FromEnv().status()));
+  {
+    ScopedEnv env({{"DMLC_ENABLE_RDMA", "1"}, {"STEPMESH_TRANSPORT", "tcp"}});
+    auto o = MeshOptions::FromEnv();
+    REQUIRE(o.ok());
+    CHECK(o->transport == "tcp");  // STEPMESH_* wins
   }
-  SECTION("GPUDirect mode") {
-    ScopedEnv env({{"STEPMESH_RDMA_GPUDIRECT", "maybe"}});
-    CHECK(absl::IsInvalidArgument(MeshOptions::FromEnv().status()));
+  {
+    ScopedEnv env({{"DMLC_ENABLE_RDMA", "1"}});
+    auto o = MeshOptions::FromEnv();
+    REQUIRE(o.ok());
+    CHECK(o->transport == "rdma");
+  }
+}
+
+TEST_CASE("FromEnv rejects bad values with the variable's name", "[options]") {
+  // Each error names the variable and the value it had.
+  const std::pair<const char*, const char*> bad[] = {
+      {"STEPMESH_NUM_WORKERS", "many"},  {"STEPMESH_POLL_MODE", "sometimes"},
+      {"STEPMESH_RDMA_GPUDIRECT", "maybe"}, {"STEPMESH_TRANSPORT", "carrier-pigeon"},
+      {"STEPMESH_AUTH", "perhaps"},       {"STEPMESH_TIMEOUT", "soon"},
+      {"DMLC_NUM_WORKER", "two"},         {"STEPMESH_LOG_LEVEL", "loud"},
+  };
+  for (auto [name, value] : bad) {
+    ScopedEnv env({{name, value}});
+    const absl::Status s = MeshOptions::FromEnv().status();
+    INFO(s.ToString());
+    CHECK(absl::IsInvalidArgument(s));
+    CHECK(absl::StrContains(s.message(), absl::StrCat(name, "='", value, "'")));
   }
   SECTION("rank out of range") {
     ScopedEnv env({{"STEPMESH_RANK", "7"}, {"STEPMESH_NUM_WORKERS", "2"}});

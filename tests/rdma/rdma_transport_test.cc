@@ -255,7 +255,7 @@ TEST_CASE("rdma: a peer that goes away is reported, never fatal", "[rdma][transp
     REQUIRE(events.size() == 1);
     CHECK(events[0].lost);
     CHECK(events[0].peer == kServer);
-    CHECK(events[0].status.code() == absl::StatusCode::kUnavailable);
+    CHECK(events[0].status.code() == absl::StatusCode::kCancelled);
     CHECK(std::string(events[0].status.message()).find("left") != std::string::npos);
   }
   SECTION("process gone") {

@@ -8,22 +8,10 @@
 namespace afd::step5 {
 namespace {
 
-TensorSpec Linear(std::string name, int64_t fan_in) {
-  return {std::move(name), WeightKind::kLinear, fan_in};
-}
-
-TensorSpec Gamma(std::string name) { return {std::move(name), WeightKind::kNormGamma, 1}; }
-
-std::vector<float> Generate(const TensorSpec& spec, uint64_t seed, int64_t count) {
-  std::vector<float> values(count);
-  FillTensor(spec, seed, 0, count, values.data());
-  return values;
-}
-
 // A bias centred on zero: (k >> 3) * 2^-7, i.e. the norm generator minus 1
 // (exact), in [-0.125, 0.117].
 std::vector<float> CentredBias(const std::string& name, uint64_t seed, int64_t count) {
-  std::vector<float> values = Generate(Gamma(name), seed, count);
+  std::vector<float> values = GenerateTensor(GammaSpec(name), seed, count);
   for (float& v : values) v -= 1.0f;
   return values;
 }
@@ -44,41 +32,46 @@ Step5AttentionWeights GenerateStep5AttentionWeights(const Step5Config& config) {
   const int64_t p = config.index_dim;
   const uint64_t seed = m.weight_seed;
   Step5AttentionWeights weights;
-  weights.embedding =
-      Generate({"model.embed_tokens.weight", WeightKind::kEmbedding, h}, seed, m.vocab_size * h);
-  weights.final_norm = Generate(Gamma("model.norm.weight"), seed, h);
-  weights.lm_head = Generate(Linear("lm_head.weight", h), seed, m.vocab_size * h);
+  weights.embedding = GenerateTensor({"model.embed_tokens.weight", WeightKind::kEmbedding, h}, seed,
+                                     m.vocab_size * h);
+  weights.final_norm = GenerateTensor(GammaSpec("model.norm.weight"), seed, h);
+  weights.lm_head = GenerateTensor(LinearSpec("lm_head.weight", h), seed, m.vocab_size * h);
   weights.layers.resize(m.num_layers);
   for (int l = 0; l < m.num_layers; ++l) {
     Step5LayerWeights& layer = weights.layers[l];
     auto name = [l](const char* suffix) { return LayerTensorName(l, suffix); };
-    layer.input_norm = Generate(Gamma(name("input_layernorm.weight")), seed, h);
+    layer.input_norm = GenerateTensor(GammaSpec(name("input_layernorm.weight")), seed, h);
     layer.qkvg.reserve(FusedQkvgRows(config) * h);
-    AppendRows(Linear(name("self_attn.q_proj.weight"), h), seed, config.q_width(), &layer.qkvg);
-    AppendRows(Linear(name("self_attn.k_proj.weight"), h), seed, config.kv_width(), &layer.qkvg);
-    AppendRows(Linear(name("self_attn.v_proj.weight"), h), seed, config.kv_width(), &layer.qkvg);
-    AppendRows(Linear(name("self_attn.g_proj.weight"), h), seed, m.num_heads, &layer.qkvg);
-    layer.q_norm = Generate(Gamma(name("self_attn.q_norm.weight")), seed, d);
-    layer.k_norm = Generate(Gamma(name("self_attn.k_norm.weight")), seed, d);
-    layer.o_proj = Generate(Linear(name("self_attn.o_proj.weight"), config.q_width()), seed,
-                            h * config.q_width());
-    layer.post_norm = Generate(Gamma(name("post_attention_layernorm.weight")), seed, h);
+    AppendRows(LinearSpec(name("self_attn.q_proj.weight"), h), seed, config.q_width(), &layer.qkvg);
+    AppendRows(LinearSpec(name("self_attn.k_proj.weight"), h), seed, config.kv_width(),
+               &layer.qkvg);
+    AppendRows(LinearSpec(name("self_attn.v_proj.weight"), h), seed, config.kv_width(),
+               &layer.qkvg);
+    AppendRows(LinearSpec(name("self_attn.g_proj.weight"), h), seed, m.num_heads, &layer.qkvg);
+    layer.q_norm = GenerateTensor(GammaSpec(name("self_attn.q_norm.weight")), seed, d);
+    layer.k_norm = GenerateTensor(GammaSpec(name("self_attn.k_norm.weight")), seed, d);
+    layer.o_proj = GenerateTensor(LinearSpec(name("self_attn.o_proj.weight"), config.q_width()),
+                                  seed, h * config.q_width());
+    layer.post_norm = GenerateTensor(GammaSpec(name("post_attention_layernorm.weight")), seed, h);
     if (config.is_global_layer[l]) {
       layer.index_proj.reserve(FusedIndexRows(config) * h);
-      AppendRows(Linear(name("self_attn.indexer.q_proj.weight"), h), seed, config.index_heads * p,
+      AppendRows(LinearSpec(name("self_attn.indexer.q_proj.weight"), h), seed,
+                 config.index_heads * p, &layer.index_proj);
+      AppendRows(LinearSpec(name("self_attn.indexer.k_proj.weight"), h), seed, p,
                  &layer.index_proj);
-      AppendRows(Linear(name("self_attn.indexer.k_proj.weight"), h), seed, p, &layer.index_proj);
-      AppendRows(Linear(name("self_attn.indexer.compress_proj.weight"), h), seed, p,
+      AppendRows(LinearSpec(name("self_attn.indexer.compress_proj.weight"), h), seed, p,
                  &layer.index_proj);
-      AppendRows(Linear(name("self_attn.indexer.weights_proj.weight"), h), seed, config.index_heads,
-                 &layer.index_proj);
-      layer.index_q_norm = Generate(Gamma(name("self_attn.indexer.q_norm.weight")), seed, p);
-      layer.index_k_gamma = Generate(Gamma(name("self_attn.indexer.k_norm.weight")), seed, p);
+      AppendRows(LinearSpec(name("self_attn.indexer.weights_proj.weight"), h), seed,
+                 config.index_heads, &layer.index_proj);
+      layer.index_q_norm =
+          GenerateTensor(GammaSpec(name("self_attn.indexer.q_norm.weight")), seed, p);
+      layer.index_k_gamma =
+          GenerateTensor(GammaSpec(name("self_attn.indexer.k_norm.weight")), seed, p);
       layer.index_k_beta = CentredBias(name("self_attn.indexer.k_norm.bias"), seed, p);
     }
     if (m.is_moe_layer[l]) {
-      layer.router = Generate({name("moe.gate.weight"), WeightKind::kRouter, h}, seed,
-                              int64_t{m.num_experts} * h);
+      layer.router = GenerateTensor({name("moe.gate.weight"), WeightKind::kRouter, h}, seed,
+                                    int64_t{m.num_experts} * h);
       layer.router_bias = CentredBias(name("moe.e_score_correction_bias"), seed, m.num_experts);
     }
   }

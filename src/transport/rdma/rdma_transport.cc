@@ -1306,11 +1306,13 @@ class RdmaTransport final : public Transport {
         // before its goodbye): deliver it before reporting the loss.
         while (!peer.failure.failed() && DrainPeer(peer, sink) > 0) {
         }
+        // CANCELLED: an orderly departure (see TransportSink::OnPeerLost).
         Lose(peer, sink,
-             peer.failure.failed()
-                 ? peer.failure.status()
-                 : absl::UnavailableError(absl::StrCat(
-                       PeerName(peer.id), peer.said_goodbye ? " left" : " closed its connection")));
+             peer.failure.failed() ? peer.failure.status()
+             : peer.said_goodbye
+                 ? absl::CancelledError(absl::StrCat(PeerName(peer.id), " left"))
+                 : absl::UnavailableError(
+                       absl::StrCat(PeerName(peer.id), " closed its connection")));
         return;
       }
       if (n < 0) {

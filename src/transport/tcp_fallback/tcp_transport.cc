@@ -813,8 +813,8 @@ class TcpTransport final : public Transport {
       return absl::UnavailableError(absl::StrCat("connecting to ", PeerName(peer.id), " at ",
                                                  peer.endpoint, ": ", fd.status().message()));
     }
-    STEPMESH_RETURN_IF_ERROR(DialHandshake(fd->get(), self, peer.id, options_.auth_token,
-                                           deadline));
+    STEPMESH_RETURN_IF_ERROR(
+        DialHandshake(fd->get(), self, peer.id, options_.auth_token, deadline));
     const std::string address = base::PeerAddress(fd->get());
     return Adopt(peer.id, *std::move(fd), address);
   }
@@ -883,8 +883,10 @@ class TcpTransport final : public Transport {
       }
       const ssize_t n = ::recv(conn.fd.get(), into, want, MSG_DONTWAIT);
       if (n == 0) {
+        // CANCELLED: an orderly departure (see TransportSink::OnPeerLost).
         Lose(conn, sink,
-             absl::UnavailableError(conn.said_goodbye ? "left" : "closed its connection"));
+             conn.said_goodbye ? absl::CancelledError("left")
+                               : absl::UnavailableError("closed its connection"));
         return;
       }
       if (n < 0) {
@@ -900,8 +902,7 @@ class TcpTransport final : public Transport {
         conn.header_got += static_cast<size_t>(n);
         if (conn.header_got == kFrameBytes) OnHeader(conn, sink);
       } else {
-        if (conn.stage == Connection::Stage::kDiscard &&
-            conn.header.type == FrameType::kError) {
+        if (conn.stage == Connection::Stage::kDiscard && conn.header.type == FrameType::kError) {
           conn.error_text.append(reinterpret_cast<const char*>(scratch), static_cast<size_t>(n));
         }
         conn.payload_got += static_cast<size_t>(n);
