@@ -34,6 +34,7 @@ constexpr uint32_t kSendError = 2;
 struct PushNote {
   int worker = 0;
   RecvRegistration* reg = nullptr;
+  bool duplicate = false;  // a copy of a push already accepted: dropped, nobody answered
 };
 
 class Server final : public AFTensorServer, public MeshNode {
@@ -79,6 +80,7 @@ class Server final : public AFTensorServer, public MeshNode {
     reg->wire = wire;
     reg->slot_bytes = slot_bytes;
     reg->busy.reset(new std::atomic<bool>[options_.num_workers]);
+    reg->last_request.reset(new uint64_t[options_.num_workers]());
     for (int w = 0; w < options_.num_workers; ++w) reg->busy[w] = false;
     recv_regs_[key] = std::move(reg);
     return absl::OkStatus();
@@ -210,6 +212,7 @@ class Server final : public AFTensorServer, public MeshNode {
     ForgetPreviousProcess(static_cast<int>(w));
     PushNote& note = notes_[w];
     note.reg = nullptr;
+    note.duplicate = false;
     *context = &note;
     base::MutexLock lock(&reg_mu_);
     auto it = recv_regs_.find(h.key);
@@ -241,10 +244,23 @@ class Server final : public AFTensorServer, public MeshNode {
                                                 h.key, " exceeds server ", rank_, "'s ",
                                                 reg.slot_bytes, "-byte slot"));
     }
+    if (h.request_id == reg.last_request[w]) {
+      // The same request's push again. Refusing it with an error would fail
+      // that request while this server still serves its original -- the
+      // worker would reuse the key's tensors, and its next push would meet a
+      // busy slot (and, over RDMA, the original's late reply would land in
+      // the next request's pull tensor). Answering it again would hold the
+      // slot for a batch nobody waits for. The original's reply answers it.
+      note.duplicate = true;
+      return absl::AlreadyExistsError(absl::StrCat("push under key ", h.key, " of request 0x",
+                                                   absl::Hex(h.request_id),
+                                                   " arrived twice; the copy is dropped"));
+    }
     if (reg.busy[w].exchange(true)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "push under key ", h.key, " while the previous one is still being processed"));
     }
+    reg.last_request[w] = h.request_id;
     note.reg = &reg;  // its slot stays reserved (and the key registered) until the push is done
     out = Destination{reg.wire.wire + w * reg.slot_bytes, reg.slot_bytes, reg.wire.region};
     return absl::OkStatus();
@@ -268,6 +284,11 @@ class Server final : public AFTensorServer, public MeshNode {
       return;
     }
     PushNote& note = *static_cast<PushNote*>(context);
+    if (std::exchange(note.duplicate, false)) {
+      STEPMESH_LOG_LIMITED(violations_, kWarning, "server ", rank_, ": ", PeerName(peer), ": ",
+                           status.message());
+      return;
+    }
     RecvRegistration* reg = std::exchange(note.reg, nullptr);
     const int w = note.worker;
     if (status.ok()) {
@@ -307,6 +328,8 @@ class Server final : public AFTensorServer, public MeshNode {
     // Only this thread sets busy flags, so none can become held meanwhile.
     base::ReaderMutexLock lock(&reg_mu_);
     for (auto& [key, reg] : recv_regs_) {
+      // The new process numbers its requests afresh.
+      reg->last_request[w] = 0;
       if (std::find(held.begin(), held.end(), reg.get()) == held.end()) reg->busy[w].store(false);
     }
   }

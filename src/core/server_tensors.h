@@ -22,6 +22,12 @@ struct RecvRegistration {
   // receive thread when it accepts a push; cleared when the reply goes out,
   // when the request fails, or when the worker is gone.
   std::unique_ptr<std::atomic<bool>[]> busy;
+  // Per worker: the request id of the last push accepted into the slot (0:
+  // none; ids are never 0). Receive thread only. A push carrying it again is a
+  // copy of one this server already took (a sender or a link that duplicated
+  // a frame), not a new request: it is dropped, and neither the original
+  // request nor the next one under this key is failed for it.
+  std::unique_ptr<uint64_t[]> last_request;
 };
 
 struct ReplyRegistration {

@@ -114,14 +114,26 @@ class Transport {
   // Sends header + `bytes` from `src` (inside registered region `src_region`)
   // to `peer`. `src_region == 0` marks a small unregistered payload (an error
   // frame's text, at most 4 KiB) that the transport must copy (RDMA: into its
-  // own registered bounce buffer). Send-thread only. Never waits for a slow
-  // peer: returns once the frame is written or queued for that peer alone
-  // (TCP: the rest goes out when its socket drains; RDMA: posted), so the
-  // source may still be read afterwards — the core keeps sources untouched
-  // until the request completes (worker) or the peer's next request arrives
-  // (server). A peer whose queue is full: RESOURCE_EXHAUSTED naming it; one
-  // whose queue has not moved for the timeout is reported lost by Poll.
-  // UnregisterRegion fails (FAILED_PRECONDITION) while queued frames read it.
+  // own registered bounce buffer). Send-thread only. Returns once the frame
+  // is written or queued for that peer alone (TCP: the rest goes out when its
+  // socket drains; RDMA: posted), so the source may still be read afterwards
+  // — the core keeps sources untouched until the request completes (worker)
+  // or the peer's next request arrives (server). How long it may wait:
+  //   TCP: never. A peer whose queue is full: RESOURCE_EXHAUSTED naming it;
+  //     one whose queue has not moved for the timeout is reported lost by
+  //     Poll. UnregisterRegion fails (FAILED_PRECONDITION) while queued frames
+  //     read it.
+  //   RDMA: a bounded wait, at most options.timeout, for what the peer must
+  //     provide before anything can be posted -- its advert for the key, a
+  //     receive credit (it has `recv_depth` frames undelivered), room in the
+  //     QP's send queue -- then DEADLINE_EXCEEDED naming the peer (and the
+  //     key, for an advert); nothing was posted, so the send may be retried.
+  //     The wait holds the calling send thread: frames to other peers queue
+  //     behind it. A peer that stops polling fills its credit window within
+  //     `recv_depth` frames, so this is the RDMA form of TCP's full queue; it
+  //     is not a software queue because a post needs the peer's receive
+  //     first. UnregisterRegion waits (fences) until posted frames that read
+  //     the region completed (docs/rdma.md).
   // The remote destination is the peer's region for (header.key, this node's slot).
   virtual absl::Status Send(NodeId peer, const FrameHeader& header, const void* src,
                             RegionId src_region, size_t bytes) = 0;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/time/clock.h"
+#include "src/base/net.h"
 #include "src/transport/rdma/verbs_resources.h"
 #include "tests/rdma/rdma_pair.h"
 
@@ -160,7 +161,16 @@ TEST_CASE("rdma: credits bound what is in flight, no RNR ever", "[rdma][transpor
         kServer, Header(FrameType::kPush, kWorker, kServer, 7, 64, request), buf.src.data(), 2, 64);
   };
   for (uint64_t r = 1; r <= 8; ++r) REQUIRE(send(r).ok());
-  CHECK(send(9).code() == absl::StatusCode::kDeadlineExceeded);  // window full
+  // Window full: the Send contract's bounded wait (src/core/transport.h),
+  // the timeout and no longer, then an error naming the peer.
+  const absl::Time before = absl::Now();
+  const absl::Status full = send(9);
+  const absl::Duration waited = absl::Now() - before;
+  INFO(full.ToString());
+  CHECK(full.code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(std::string(full.message()).find("server 0") != std::string::npos);
+  CHECK(waited >= absl::Milliseconds(300));
+  CHECK(waited < absl::Seconds(5));
   CHECK(pair.fabric.stats().rnr_errors == 0);
   pair.server.StartPolling();
   // From here the window drains as the server polls; a send may still wait
@@ -323,6 +333,67 @@ TEST_CASE("rdma: device selection prefers the named device and RoCE v2 GIDs", "[
   CHECK_FALSE(rdma::OpenPort(*verbs, o).ok());
   o.rdma.device = "mlx5_9";
   CHECK(rdma::CreateRdmaTransport(o, verbs).status().code() == absl::StatusCode::kUnavailable);
+}
+
+// hostile (#13) for the RDMA bootstrap port: clients that connect and never
+// say a word (a port scan, a stuck or hostile process) must not keep the real
+// worker out. The old accept loop served one connection at a time, each for
+// up to 5 s, so the worker behind 40 of them timed out.
+TEST_CASE("rdma: silent connections to the bootstrap port do not keep a real peer out",
+          "[rdma][transport]") {
+  Buffers buf;  // before the fabric and the transports: they may read it while draining
+  PairConfig config;
+  FakeFabric fabric(config.fabric);
+  auto w = CreateRdmaTransport(config.options, fabric.AddHost(config.worker_nic));
+  auto s = CreateRdmaTransport(config.options, fabric.AddHost(config.server_nic));
+  REQUIRE(w.ok());
+  REQUIRE(s.ok());
+  auto wep = (*w)->LocalEndpoint();
+  auto sep = (*s)->LocalEndpoint();
+  REQUIRE(wep.ok());
+  REQUIRE(sep.ok());
+  auto where = base::ParseHostPort(sep->substr(0, sep->find('|')));
+  REQUIRE(where.ok());
+  std::vector<base::UniqueFd> silent;
+  for (int i = 0; i < 40; ++i) {  // more than the per-address cap (32)
+    auto fd = base::ConnectTcp(*where, absl::Now() + absl::Seconds(2));
+    REQUIRE(fd.ok());
+    silent.push_back(*std::move(fd));
+  }
+  const std::vector<PeerInfo> worker_peers = {{kWorker, *wep}};
+  const std::vector<PeerInfo> server_peers = {{kServer, *sep}};
+  auto accepted = std::async(std::launch::async, [&] {
+    return (*s)->Connect(kServer, worker_peers, absl::Now() + absl::Seconds(10));
+  });
+  const absl::Time start = absl::Now();
+  const absl::Status dialled = (*w)->Connect(kWorker, server_peers, start + absl::Seconds(4));
+  const absl::Status accept = accepted.get();
+  INFO(dialled.ToString() << " / " << accept.ToString());
+  CHECK(dialled.ok());
+  CHECK(accept.ok());
+  CHECK(absl::Now() - start < absl::Seconds(4));
+  // And the connection carries frames.
+  Node worker, server;
+  worker.transport = *std::move(w);
+  server.transport = *std::move(s);
+  REQUIRE(server.transport->RegisterRegion(buf.Recv()).ok());
+  REQUIRE(worker.transport->RegisterRegion(buf.Src()).ok());
+  server.sink.resolve = [&](NodeId, const FrameHeader&) -> absl::StatusOr<Destination> {
+    return Destination{buf.WorkerSlot(), Buffers::kSlot, 1};
+  };
+  worker.StartPolling();
+  server.StartPolling();
+  Fill(buf.src.data(), 256, 3);
+  REQUIRE(worker.transport
+              ->Send(kServer, Header(FrameType::kPush, kWorker, kServer, 7, 256), buf.src.data(), 2,
+                     256)
+              .ok());
+  auto events = server.sink.WaitFor(1);
+  REQUIRE(events.size() == 1);
+  CHECK(events[0].status.ok());
+  CHECK(Same(buf.WorkerSlot(), 256, 3));
+  worker.StopPolling();
+  server.StopPolling();
 }
 
 }  // namespace

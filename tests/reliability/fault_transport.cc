@@ -31,6 +31,17 @@ int FaultPlan::fired(FaultAction action) const {
   return it == fired_.end() ? 0 : it->second;
 }
 
+int FaultPlan::delivered(core::NodeId node) const {
+  base::MutexLock lock(&mu_);
+  auto it = delivered_.find(node);
+  return it == delivered_.end() ? 0 : it->second;
+}
+
+void FaultPlan::CountDelivered(core::NodeId node) {
+  base::MutexLock lock(&mu_);
+  ++delivered_[node];
+}
+
 bool IsWireFault(FaultAction action) {
   return action == FaultAction::kCorruptHeader || action == FaultAction::kCorruptPayload ||
          action == FaultAction::kTruncate;
@@ -68,6 +79,31 @@ absl::Time FaultPlan::stalled_until(core::NodeId node) const {
 }
 
 namespace {
+
+// Counts what a node's transport hands to its core (tests wait for a frame to
+// have been dealt with instead of sleeping).
+class CountingSink final : public core::TransportSink {
+ public:
+  CountingSink(core::TransportSink& inner, FaultPlan& plan, core::NodeId self)
+      : inner_(inner), plan_(plan), self_(self) {}
+  absl::Status Resolve(core::NodeId peer, const core::FrameHeader& header, core::Destination& out,
+                       core::FrameContext* context) override {
+    return inner_.Resolve(peer, header, out, context);
+  }
+  void OnFrame(core::NodeId peer, const core::FrameHeader& header, core::FrameContext context,
+               absl::Status status) override {
+    inner_.OnFrame(peer, header, context, std::move(status));
+    plan_.CountDelivered(self_);
+  }
+  void OnPeerLost(core::NodeId peer, absl::Status why) override {
+    inner_.OnPeerLost(peer, std::move(why));
+  }
+
+ private:
+  core::TransportSink& inner_;
+  FaultPlan& plan_;
+  const core::NodeId self_;
+};
 
 class FaultTransport final : public core::Transport {
  public:
@@ -133,7 +169,8 @@ class FaultTransport final : public core::Transport {
       if (nap > absl::ZeroDuration()) absl::SleepFor(std::min(nap, absl::Milliseconds(5)));
       return absl::OkStatus();
     }
-    return inner_->Poll(sink, max_wait);
+    CountingSink counting(sink, *plan_, self_.load());
+    return inner_->Poll(counting, max_wait);
   }
 
   void Wake() override { inner_->Wake(); }

@@ -29,15 +29,15 @@
 namespace stepmesh::testing {
 
 enum class FaultAction : uint8_t {
-  kDrop,           // the frame is not sent; Send reports success
-  kDelay,          // Send sleeps `delay` first (a slow link; delays what follows too)
-  kDuplicate,      // the frame is sent twice
-  kCorruptHeader,  // wire: one encoded header byte flipped after the CRC was computed
-  kCorruptPayload, // wire: one payload byte flipped (in a copy)
-  kTruncate,       // wire: half the payload, then the connection is shut
-  kRewriteKey,     // header.key := new_key before encoding (a forged but well-formed frame)
-  kForgeSource,    // header.src := new_src before encoding (claims another sender)
-  kKill,           // the sender's transport shuts down for good before this frame
+  kDrop,            // the frame is not sent; Send reports success
+  kDelay,           // Send sleeps `delay` first (a slow link; delays what follows too)
+  kDuplicate,       // the frame is sent twice
+  kCorruptHeader,   // wire: one encoded header byte flipped after the CRC was computed
+  kCorruptPayload,  // wire: one payload byte flipped (in a copy)
+  kTruncate,        // wire: half the payload, then the connection is shut
+  kRewriteKey,      // header.key := new_key before encoding (a forged but well-formed frame)
+  kForgeSource,     // header.src := new_src before encoding (claims another sender)
+  kKill,            // the sender's transport shuts down for good before this frame
 };
 
 struct FaultRule {
@@ -62,6 +62,9 @@ class FaultPlan {
   void Stall(core::NodeId node, absl::Duration duration);
   // How often `action` fired so far.
   int fired(FaultAction action) const;
+  // Frames (accepted or refused) `node`'s transport handed to its core so far.
+  int delivered(core::NodeId node) const;
+  void CountDelivered(core::NodeId node);
 
   // The rule this frame hits, if any (consumes it): among the byte-level
   // rules for the wire proxy (`wire`), among the others for the decorator.
@@ -80,6 +83,7 @@ class FaultPlan {
   std::vector<core::NodeId> refused_ ABSL_GUARDED_BY(mu_);
   std::map<core::NodeId, absl::Time> stalls_ ABSL_GUARDED_BY(mu_);
   std::map<FaultAction, int> fired_ ABSL_GUARDED_BY(mu_);
+  std::map<core::NodeId, int> delivered_ ABSL_GUARDED_BY(mu_);
 };
 
 // Byte-level faults: corrupt a header or payload byte, cut a frame short.

@@ -49,8 +49,9 @@ int ThreadCount() {
 Harness::Harness(const HarnessConfig& config, const core::TransportFactory& transport)
     : config_(config) {
   const int W = config.workers, S = config.servers, M = config.keys;
-  pulls_.assign(W, std::vector<std::vector<std::vector<uint8_t>>>(
-                       M, std::vector<std::vector<uint8_t>>(S, std::vector<uint8_t>(config.bytes))));
+  pulls_.assign(W,
+                std::vector<std::vector<std::vector<uint8_t>>>(
+                    M, std::vector<std::vector<uint8_t>>(S, std::vector<uint8_t>(config.bytes))));
   pushes_flat_.assign(W * M, std::vector<uint8_t>(config.bytes));
   recvs_.assign(S, std::vector<std::vector<uint8_t>>(M, std::vector<uint8_t>(config.bytes * W)));
   replies_.assign(S, std::vector<std::vector<uint8_t>>(M, std::vector<uint8_t>(config.bytes * W)));
@@ -122,6 +123,13 @@ void Harness::ServeLoop(int s) {
       for (size_t j = 0; j < config_.bytes; ++j) out[j] = in[j] ^ ReplyMask(s);
       if (batch->pull_keys[k] != Batch::kNoPull) replies.push_back({w});
     }
+    if (hold_.load()) {
+      held_batches_.fetch_add(1);
+      const absl::Time until = absl::Now() + absl::Seconds(10);
+      while (hold_.load() && !stop_.load() && absl::Now() < until) {
+        absl::SleepFor(absl::Milliseconds(1));
+      }
+    }
     absl::Status responded = server.Respond(*batch, replies);
     if (!responded.ok() && !stop_.load()) {
       base::MutexLock lock(&mu_);
@@ -156,9 +164,8 @@ absl::Status Harness::Finish(int w, int m, RequestHandle handle, uint8_t fill,
     for (size_t j = 0; j < got.size(); ++j) {
       const uint8_t want = static_cast<uint8_t>(fill + j * 7) ^ ReplyMask(s);
       if (got[j] != want) {
-        return absl::DataLossError(absl::StrCat("worker ", w, " key ", m, " server ", s,
-                                                ": byte ", j, " is ", int{got[j]}, ", expected ",
-                                                int{want}));
+        return absl::DataLossError(absl::StrCat("worker ", w, " key ", m, " server ", s, ": byte ",
+                                                j, " is ", int{got[j]}, ", expected ", int{want}));
       }
     }
   }

@@ -30,9 +30,9 @@ inline uint8_t ReplyMask(int server) { return static_cast<uint8_t>(0x10 + server
 struct HarnessConfig {
   int workers = 1;
   int servers = 2;
-  int keys = 2;          // micro-batch keys per worker
-  size_t bytes = 4096;   // push and pull size
-  MeshOptions options;   // base; sizes and addresses are filled in
+  int keys = 2;         // micro-batch keys per worker
+  size_t bytes = 4096;  // push and pull size
+  MeshOptions options;  // base; sizes and addresses are filled in
 };
 
 // `workers` x `servers` over `transport` ("tcp", "rdma"), every wait bounded by `timeout`.
@@ -58,13 +58,17 @@ class Harness {
   // Runs a PushPull of micro-batch key `m` from worker `w` to `servers` (all when empty).
   absl::StatusOr<RequestHandle> Start(int w, int m, uint8_t fill, std::vector<int> servers = {});
   // Waits for it and checks each server's reply bytes.
-  absl::Status Finish(int w, int m, RequestHandle handle, uint8_t fill,
-                      absl::Duration timeout, std::vector<int> servers = {});
+  absl::Status Finish(int w, int m, RequestHandle handle, uint8_t fill, absl::Duration timeout,
+                      std::vector<int> servers = {});
   absl::Status RoundTrip(int w, int m, uint8_t fill, absl::Duration timeout = absl::Seconds(5),
                          std::vector<int> servers = {});
 
   std::vector<uint8_t>& pull(int w, int m, int s) { return pulls_[w][m][s]; }
   std::vector<uint8_t>& recv(int s, int m) { return recvs_[s][m]; }
+  // While held, every server keeps the batches it took unanswered (at most
+  // 10 s each); held_batches() counts the batches taken while held.
+  void HoldReplies(bool hold) { hold_ = hold; }
+  int held_batches() const { return held_batches_.load(); }
   // Errors the server loops saw other than timeouts and shutdown.
   std::vector<std::string> server_errors();
 
@@ -93,6 +97,8 @@ class Harness {
   std::vector<std::thread> serve_threads_;
   std::unique_ptr<std::atomic<bool>[]> serving_;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> hold_{false};
+  std::atomic<int> held_batches_{0};
   base::Mutex mu_;
   std::vector<std::string> errors_ ABSL_GUARDED_BY(mu_);
   std::vector<absl::Status> exits_ ABSL_GUARDED_BY(mu_);

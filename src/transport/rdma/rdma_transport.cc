@@ -27,6 +27,7 @@
 #include "src/base/sync.h"
 #include "src/core/handshake.h"
 #include "src/core/protocol.h"
+#include "src/transport/rdma/bootstrap_listener.h"
 #include "src/transport/rdma/peer_setup.h"
 #include "src/transport/rdma/rdma_peer.h"
 #include "src/transport/rdma/rdma_wire.h"
@@ -37,12 +38,9 @@
 namespace stepmesh::rdma {
 namespace {
 
-using base::AcceptTcp;
 using base::ConnectTcp;
 using base::ErrnoMessage;
 using base::HostPort;
-using base::ListenTcp;
-using base::LocalPort;
 using base::Mutex;
 using base::MutexLock;
 using base::ParseHostPort;
@@ -51,7 +49,6 @@ using base::SetNoDelay;
 using base::SetNonBlocking;
 using base::UniqueFd;
 using base::WriteFully;
-using core::AcceptHandshake;
 using core::DecodeFrame;
 using core::Destination;
 using core::DialHandshake;
@@ -181,7 +178,7 @@ class RdmaTransport final : public Transport {
     STEPMESH_RETURN_IF_ERROR(Watch(wake_fd_.get(), kWakeToken));
     STEPMESH_RETURN_IF_ERROR(Watch(channel_->fd, kChannelToken));
     STEPMESH_RETURN_IF_ERROR(Watch(port_.context->async_fd, kAsyncToken));
-    STEPMESH_ASSIGN_OR_RETURN(listener_, ListenTcp(options_.bind_host, 0));
+    STEPMESH_ASSIGN_OR_RETURN(listener_, BootstrapListener::Listen(options_.bind_host));
     STEPMESH_LOG(kInfo, "rdma: using ", port_.device_name, " port ", int{port_.port},
                  port_.roce() ? " (RoCE)" : absl::StrCat(" (InfiniBand, LID ", port_.lid, ")"),
                  " GID index ", port_.gid_index, " (", GidToString(port_.gid), ")");
@@ -197,7 +194,7 @@ class RdmaTransport final : public Transport {
   }
 
   absl::StatusOr<std::string> LocalEndpoint() override {
-    STEPMESH_ASSIGN_OR_RETURN(uint16_t port, LocalPort(listener_.get()));
+    STEPMESH_ASSIGN_OR_RETURN(uint16_t port, listener_.port());
     return absl::StrCat(core::AdvertisedHost(options_), ":", port, "|", GidToString(port_.gid), "|",
                         port_.device_name, "/", int{port_.port});
   }
@@ -225,21 +222,18 @@ class RdmaTransport final : public Transport {
       STEPMESH_RETURN_IF_ERROR(Handshake(info.id, *std::move(fd), deadline));
     }
     while (!expected.empty()) {
-      absl::StatusOr<UniqueFd> fd = AcceptTcp(listener_.get(), deadline);
-      if (!fd.ok()) {
+      // Who dials, and (with a secret) proof of it, before any verbs resource
+      // is built; every accepted socket's handshake runs at once, capped, so
+      // silent or hostile clients cannot keep a real peer waiting.
+      absl::StatusOr<std::pair<NodeId, UniqueFd>> accepted =
+          listener_.AcceptOne(self_, expected, options_.auth_token, deadline);
+      if (!accepted.ok()) {
         return absl::DeadlineExceededError(absl::StrCat(
-            "rdma: ", expected.size(), " peer(s) never connected: ", fd.status().message()));
+            "rdma: ", expected.size(), " peer(s) never connected: ", accepted.status().message()));
       }
-      // Who dials, and (with a secret) proof of it, before any verbs resource is built.
-      absl::StatusOr<NodeId> from =
-          AcceptHandshake(fd->get(), self_, expected, options_.auth_token,
-                          std::min(deadline, absl::Now() + absl::Seconds(5)));
-      if (!from.ok()) {
-        STEPMESH_LOG(kWarning, "rdma: refused a bootstrap connection: ", from.status().ToString());
-        continue;
-      }
-      expected.erase(std::find(expected.begin(), expected.end(), *from));
-      STEPMESH_RETURN_IF_ERROR(Handshake(*from, *std::move(fd), deadline));
+      auto& [from, fd] = *accepted;
+      expected.erase(std::find(expected.begin(), expected.end(), from));
+      STEPMESH_RETURN_IF_ERROR(Handshake(from, std::move(fd), deadline));
     }
     return absl::OkStatus();
   }
@@ -694,6 +688,11 @@ class RdmaTransport final : public Transport {
     if (!st.ok() && peer.failure.failed()) {
       Wake();
       return Gone(peer);
+    }
+    if (absl::IsDeadlineExceeded(st)) {  // the Send contract: a wait's error names the peer
+      return absl::DeadlineExceededError(absl::StrCat(st.message(), " (to ", PeerName(peer.id),
+                                                      " within ",
+                                                      absl::FormatDuration(options_.timeout), ")"));
     }
     return st;
   }
@@ -1402,7 +1401,7 @@ class RdmaTransport final : public Transport {
   ChannelHandle channel_;
   SetupContext setup_;
   uint64_t max_wr_bytes_ = kMaxWrBytes;
-  UniqueFd listener_;
+  BootstrapListener listener_;
   UniqueFd epoll_fd_;
   UniqueFd wake_fd_;
   NodeId self_ = kNoNode;
