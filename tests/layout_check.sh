@@ -29,7 +29,7 @@ rules=(
   "tests/|src/ stepmesh/ tests/support/ tests/rdma/fake_verbs.h tests/cuda/fake_cuda_api.h"
   "benchmarks/model/|examples/afd_model/ stepmesh/ benchmarks/model/"
   "benchmarks/|src/ stepmesh/ benchmarks/ tests/support/"
-  "examples/|stepmesh/ examples/ src/backends/cuda/cuda_backend.h src/tools/planner/"
+  "examples/|stepmesh/ examples/ src/backends/cuda/cuda_backend.h src/tools/planner/ src/tools/metrics/"
 )
 
 # A folder under src/transport or src/backends that no rule names is a new
