@@ -2,14 +2,8 @@
 // servers then the scheduler shut down, and nobody logs a warning or an error
 // (peers log the departure at info).
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <catch2/catch.hpp>
-#include <cstdio>
-#include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -22,43 +16,12 @@
 #include "stepmesh/worker.h"
 #include "tests/support/loopback_mesh.h"
 #include "tests/support/status.h"
+#include "tests/support/stderr_capture.h"
 
 namespace stepmesh {
 namespace {
 
-// Sends this process's stderr (where the library logs) to a file while alive.
-class StderrCapture {
- public:
-  StderrCapture() : path_(absl::StrCat("/tmp/stepmesh_orderly_", getpid(), ".log")) {
-    std::fflush(stderr);
-    saved_ = dup(2);
-    const int fd = open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    dup2(fd, 2);
-    close(fd);
-  }
-  ~StderrCapture() {
-    Restore();
-    unlink(path_.c_str());
-  }
-  std::string Finish() {
-    Restore();
-    std::ifstream in(path_);
-    std::stringstream text;
-    text << in.rdbuf();
-    return text.str();
-  }
-
- private:
-  void Restore() {
-    if (saved_ < 0) return;
-    std::fflush(stderr);
-    dup2(saved_, 2);
-    close(saved_);
-    saved_ = -1;
-  }
-  std::string path_;
-  int saved_ = -1;
-};
+using testing::StderrCapture;
 
 // Returns the warning and error lines logged from start-up through shutdown.
 std::vector<std::string> RunAndShutDown(bool servers_first) {
@@ -72,7 +35,7 @@ std::vector<std::string> RunAndShutDown(bool servers_first) {
   o.num_workers = 2;
   o.num_servers = 2;
   o.auth_token = std::string(64, 'a');
-  StderrCapture capture;
+  StderrCapture capture("orderly");
   {
     absl::StatusOr<std::unique_ptr<testing::LoopbackMesh>> started =
         testing::LoopbackMesh::Start(o, compose::CreateTransport);

@@ -19,46 +19,10 @@
 #include "tests/reliability/harness.h"
 #include "tests/support/loopback_mesh.h"
 #include "tests/support/status.h"
+#include "tests/support/stderr_capture.h"
 
 namespace stepmesh::testing {
 namespace {
-
-// Sends this process's stderr to a file while alive; lines() reads it back.
-class StderrCapture {
- public:
-  StderrCapture() {
-    std::fflush(stderr);
-    saved_ = ::dup(2);
-    char path[] = "/tmp/stepmesh-stderr-XXXXXX";
-    fd_ = ::mkstemp(path);
-    path_ = path;
-    ::dup2(fd_, 2);
-  }
-  ~StderrCapture() {
-    Restore();
-    ::close(fd_);
-    ::unlink(path_.c_str());
-  }
-  void Restore() {
-    if (saved_ < 0) return;
-    std::fflush(stderr);
-    ::dup2(saved_, 2);
-    ::close(saved_);
-    saved_ = -1;
-  }
-  std::string text() {
-    Restore();
-    std::ifstream in(path_);
-    std::stringstream s;
-    s << in.rdbuf();
-    return s.str();
-  }
-
- private:
-  int saved_ = -1;
-  int fd_ = -1;
-  std::string path_;
-};
 
 int Lines(const std::string& s) {
   int n = 0;
@@ -105,7 +69,7 @@ TEST_CASE("shutdown: workers first", "[shutdown]") {
   const int fds = OpenFdCount();
   const int threads = ThreadCount();
   {
-    StderrCapture capture;
+    StderrCapture capture("shutdown");
     {
       Harness mesh(Config(2, 2), compose::CreateTransport);
       REQUIRE(mesh.status().ok());
@@ -121,7 +85,7 @@ TEST_CASE("shutdown: workers first", "[shutdown]") {
       CHECK(absl::Now() - start < absl::Seconds(3));
       CHECK(mesh.server_errors().empty());
     }
-    const std::string log = capture.text();
+    const std::string log = capture.Finish();
     INFO(log);
     CHECK(Lines(log) <= 12);  // a line or two per participant, not a storm
   }
@@ -133,7 +97,7 @@ TEST_CASE("shutdown: servers first", "[shutdown]") {
   const int fds = OpenFdCount();
   const int threads = ThreadCount();
   {
-    StderrCapture capture;
+    StderrCapture capture("shutdown");
     {
       Harness mesh(Config(1, 2), compose::CreateTransport);
       REQUIRE(mesh.status().ok());
@@ -154,7 +118,7 @@ TEST_CASE("shutdown: servers first", "[shutdown]") {
       mesh.StopServer(0);
       CHECK(absl::IsUnavailable(mesh.RoundTrip(0, 1, 4, absl::Seconds(5), {0})));
     }
-    const std::string log = capture.text();
+    const std::string log = capture.Finish();
     INFO(log);
     CHECK(Lines(log) <= 12);
   }
@@ -166,7 +130,7 @@ TEST_CASE("shutdown: scheduler first never hangs the participants", "[shutdown]"
   const int fds = OpenFdCount();
   const int threads = ThreadCount();
   {
-    StderrCapture capture;
+    StderrCapture capture("shutdown");
     absl::Time start;
     {
       Harness mesh(Config(1, 1), compose::CreateTransport);
@@ -184,7 +148,7 @@ TEST_CASE("shutdown: scheduler first never hangs the participants", "[shutdown]"
       start = absl::Now();
     }
     CHECK(absl::Now() - start < absl::Seconds(3));  // participants' teardown
-    const std::string log = capture.text();
+    const std::string log = capture.Finish();
     INFO(log);
     CHECK(Lines(log) <= 12);
   }
