@@ -551,7 +551,14 @@ def test_stream_arguments_order_sends_and_arrivals_on_cpu_mock_streams():
         def next_batch():
             s.stream_wait_next_batch(bs)
             bs.launch_host_func(lambda: snaps.append(recv.copy()))
-            return s.get_batch(timeout=20)
+            batch = s.get_batch(timeout=20)
+            # The snapshot runs on the stream's thread whenever it gets the
+            # GIL; it must have run before the reply lets the worker send the
+            # next batch into the same region (a late snapshot saw batch 2's
+            # bytes under CI load). A missing wait still shows: the snapshot
+            # would run at launch, before the batch landed.
+            bs.synchronize(20)
+            return batch
         # 1. push_pull(stream=): the worker's push carries what its stream wrote.
         b = next_batch()
         reply[...] = np.from_dlpack(b.part(1, 0))
@@ -571,7 +578,6 @@ def test_stream_arguments_order_sends_and_arrivals_on_cpu_mock_streams():
         s.respond(b)
         # 4. the batch stream: its host function ran only once the batch was in.
         b = next_batch()
-        bs.synchronize(20)
         s.respond(b)
         # 5. stream_wait_next_pull on the worker (keys 3/4: their first reply).
         b = next_batch()

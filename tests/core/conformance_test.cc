@@ -11,6 +11,7 @@
 #include "absl/time/time.h"
 #include "tests/support/conformance_suite.h"
 #include "tests/support/mesh_scenarios.h"
+#include "tests/support/sanitizer.h"
 #include "tests/support/status.h"
 #include "tests/support/transport_table.h"
 
@@ -41,7 +42,8 @@ TEST_CASE("conformance: in-process meshes exchange byte-exact data", "[conforman
         // More iterations repeat the same steady state: nothing here wraps
         // (the RDMA header ring holds 256; its wrap-around is rdma_tests'
         // small-credit-window case, the long soak the process test's).
-        sc.iterations = 20;
+        // Under TSan 4 (every slot reused 3 times): the 20 cost it 66 s of CI.
+        sc.iterations = SteadyStateRepetitions(20, 4);
         INFO(w << "A" << s << "F, " << sc.micro_batches << " micro-batches x " << sc.iterations);
         CHECK_OK(RunInProcess(sc, Base(row), transport.factory));
         Verify(transport);
@@ -55,7 +57,7 @@ TEST_CASE("conformance: 2A2F with payload checksums on", "[conformance]") {
     DYNAMIC_SECTION(row.name) {
       const TransportInstance transport = row.make();
       Scenario sc;
-      sc.iterations = 30;
+      sc.iterations = SteadyStateRepetitions(30, 6);
       MeshOptions o = Base(row);
       o.payload_checksum = true;  // every payload sealed and checked, none may fail
       CHECK_OK(RunInProcess(sc, o, transport.factory));

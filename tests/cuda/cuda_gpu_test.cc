@@ -9,7 +9,6 @@
 // that must start from a process without one (which devices get a context)
 // run in a child process: this program with --child <name>.
 
-#define CATCH_CONFIG_RUNNER
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <sys/wait.h>
@@ -37,6 +36,7 @@
 #include "stepmesh/status.h"
 #include "stepmesh/worker.h"
 #include "tests/cuda/gpu_test_kernels.h"
+#include "tests/support/catch_session.h"
 
 namespace stepmesh {
 namespace {
@@ -555,6 +555,5 @@ int main(int argc, char** argv) {
                  error != cudaSuccess ? cudaGetErrorName(error) : "0 devices");
     return 77;
   }
-  // Failed assertions -> 1: a count of 77 would read as "skipped".
-  return Catch::Session().run(argc, argv) == 0 ? 0 : 1;
+  return stepmesh::testing::RunCatchSession(argc, argv);
 }
