@@ -117,6 +117,8 @@ const std::vector<Field>& Fields() {
       SM_INT(num_servers),
       SM_STR(scheduler),
       SM_STR(bind_host),
+      SM_STR(node_host),
+      SM_STR(interface),
       SM_STR(transport),
       SM_STR(backend),
       SM_INT(device),

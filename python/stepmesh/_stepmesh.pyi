@@ -32,6 +32,8 @@ class MeshOptions:
     num_servers: int
     scheduler: str
     bind_host: str
+    node_host: str
+    interface: str
     transport: str
     backend: str
     device: int

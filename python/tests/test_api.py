@@ -401,6 +401,13 @@ def test_options_from_kwargs_and_environment(monkeypatch):
     with pytest.raises(stepmesh.InvalidArgument, match="STEPMESH_NUM_WORKERS='many': not an integer"):
         stepmesh.MeshOptions.from_env()
     assert "auth_token" not in repr(stepmesh.MeshOptions(auth_token="secret"))
+    monkeypatch.setenv("STEPMESH_NUM_WORKERS", "1")
+    monkeypatch.setenv("DMLC_INTERFACE", "lo")
+    monkeypatch.setenv("DMLC_NODE_HOST", "10.1.2.3")
+    e = stepmesh.MeshOptions.from_env()
+    assert (e.interface, e.node_host) == ("lo", "10.1.2.3")
+    k = stepmesh.MeshOptions(interface="eth2", node_host="h1")
+    assert (k.interface, k.node_host) == ("eth2", "h1")
 
 
 def test_exception_hierarchy_and_closed_handles():
