@@ -3,7 +3,11 @@
 // differences between stamps of one host need no clock synchronisation.
 
 #include <cstdint>
+#include <string>
 #include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
 
 #include "stepmesh/export.h"
 
@@ -38,5 +42,15 @@ struct ClockSync {
   int64_t offset_ns = 0;
   uint64_t round_trip_ns = 0;
 };
+
+// Chrome trace-event JSON (chrome://tracing, ui.perfetto.dev; docs/tracing.md):
+// AFTensorWorker::ChromeTraceJson() and AFTensorServer::ChromeTraceJson()
+// export one participant each, already on the scheduler's clock; this merges
+// several such exports (or merged files) into one, whose "traceEvents" hold
+// every input's events and "otherData.participants" every input's clock
+// offset, uncertainty and ring counts. INVALID_ARGUMENT names the input (by
+// index) that is not a trace object, or a participant found in two inputs.
+STEPMESH_EXPORT absl::StatusOr<std::string> MergeChromeTraces(
+    absl::Span<const std::string> traces);
 
 }  // namespace stepmesh
