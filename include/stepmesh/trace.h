@@ -10,6 +10,7 @@
 #include "absl/types/span.h"
 
 #include "stepmesh/export.h"
+#include "stepmesh/options.h"
 
 namespace stepmesh {
 
@@ -50,6 +51,12 @@ struct ClockSync {
 // every input's events and "otherData.participants" every input's clock
 // offset, uncertainty and ring counts. INVALID_ARGUMENT names the input (by
 // index) that is not a trace object, or a participant found in two inputs.
+// The Chrome process id ("pid") a participant's export uses: workers 1 + rank,
+// servers 1000001 + rank; the exports' own threads ("tid") are below 10000,
+// so an application may add events of its own to a participant's process
+// with tids from 10000 on and merge them in.
+STEPMESH_EXPORT int ChromeTraceProcessId(Role role, int rank);
+
 STEPMESH_EXPORT absl::StatusOr<std::string> MergeChromeTraces(
     absl::Span<const std::string> traces);
 

@@ -49,14 +49,15 @@ void AppendSpans(std::string& json, int pid, std::vector<Span>& spans,
     while (lane < ends.size() && ends[lane] > s.begin_ns) ++lane;
     if (lane == ends.size()) ends.push_back(0);
     ends[lane] = s.end_ns;
-    const int tid = 1 + s.stage * 1000 + static_cast<int>(lane);
+    // Lanes past 999 (that many requests overlapping) share the last one.
+    const int tid = 1 + s.stage * 1000 + static_cast<int>(std::min<size_t>(lane, 999));
     absl::StrAppend(&json, ",\n{\"name\":\"", s.name, "\",\"ph\":\"X\",\"pid\":", pid,
                     ",\"tid\":", tid, ",\"ts\":", Micros(static_cast<int64_t>(s.begin_ns) + offset_ns),
                     ",\"dur\":", Micros(static_cast<int64_t>(s.end_ns - s.begin_ns)),
                     ",\"args\":", s.args, "}");
   }
   for (size_t stage = 0; stage < lane_ends.size(); ++stage) {
-    for (size_t lane = 0; lane < lane_ends[stage].size(); ++lane) {
+    for (size_t lane = 0; lane < std::min<size_t>(lane_ends[stage].size(), 1000); ++lane) {
       const int tid = 1 + static_cast<int>(stage) * 1000 + static_cast<int>(lane);
       const std::string name = lane == 0 ? std::string(stage_names[stage])
                                          : absl::StrCat(stage_names[stage], " #", lane + 1);
@@ -120,13 +121,9 @@ void ServerSpans(const TraceRing::Snapshot& records, int rank, std::vector<Span>
 
 }  // namespace
 
-int TraceProcessId(Role role, int rank) {
-  return role == Role::kServer ? 1000001 + rank : 1 + rank;
-}
-
 std::string FormatChromeTrace(Role role, int rank, int num_peers,
                               const TraceRing::Snapshot& records, const ClockSync& clock) {
-  const int pid = TraceProcessId(role, rank);
+  const int pid = ChromeTraceProcessId(role, rank);
   const std::string participant = absl::StrCat(RoleName(role), " ", rank);
   std::string json = absl::StrCat(
       "{\"displayTimeUnit\":\"ns\",\n\"otherData\":{\"participant\":\"", participant,
@@ -165,3 +162,11 @@ absl::Status WriteTextFile(const std::string& path, absl::string_view text) {
 }
 
 }  // namespace stepmesh::core
+
+namespace stepmesh {
+
+int ChromeTraceProcessId(Role role, int rank) {
+  return role == Role::kServer ? 1000001 + rank : 1 + rank;
+}
+
+}  // namespace stepmesh

@@ -52,9 +52,6 @@ struct ServerTraceWords {
 std::string FormatChromeTrace(Role role, int rank, int num_peers,
                               const TraceRing::Snapshot& records, const ClockSync& clock);
 
-// The Chrome process id of a participant: workers 1.., servers 1000001...
-int TraceProcessId(Role role, int rank);
-
 // Writes `text` to `path` (replacing it); errors name the path.
 absl::Status WriteTextFile(const std::string& path, absl::string_view text);
 
