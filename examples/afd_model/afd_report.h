@@ -30,7 +30,8 @@ std::string FormatReport(const RunShape& shape, const ExampleModel& model,
 // stepmesh_plan --calibrate-trace fits (docs/planning.md). Stamps go onto the
 // scheduler's clock with each process's offset from its export
 // (`worker_offset_ns[a]`, `server_offset_ns[p]`).
-std::string ApplicationTraceJson(const RunShape& shape, const std::vector<AttentionResults>& results,
+std::string ApplicationTraceJson(const RunShape& shape,
+                                 const std::vector<AttentionResults>& results,
                                  const std::vector<int64_t>& worker_offset_ns,
                                  const std::vector<int64_t>& server_offset_ns);
 

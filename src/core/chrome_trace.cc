@@ -52,7 +52,8 @@ void AppendSpans(std::string& json, int pid, std::vector<Span>& spans,
     // Lanes past 999 (that many requests overlapping) share the last one.
     const int tid = 1 + s.stage * 1000 + static_cast<int>(std::min<size_t>(lane, 999));
     absl::StrAppend(&json, ",\n{\"name\":\"", s.name, "\",\"ph\":\"X\",\"pid\":", pid,
-                    ",\"tid\":", tid, ",\"ts\":", Micros(static_cast<int64_t>(s.begin_ns) + offset_ns),
+                    ",\"tid\":", tid,
+                    ",\"ts\":", Micros(static_cast<int64_t>(s.begin_ns) + offset_ns),
                     ",\"dur\":", Micros(static_cast<int64_t>(s.end_ns - s.begin_ns)),
                     ",\"args\":", s.args, "}");
   }

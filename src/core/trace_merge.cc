@@ -60,7 +60,8 @@ class Scanner {
     const size_t start = ++pos_;
     while (pos_ < text_.size() && text_[pos_] != '"') {
       if (text_[pos_] == '\\') ++pos_;
-      if (static_cast<unsigned char>(text_[pos_]) < 0x20) return Error("control character in a string");
+      if (static_cast<unsigned char>(text_[pos_]) < 0x20)
+        return Error("control character in a string");
       ++pos_;
     }
     if (pos_ >= text_.size()) return Error("unterminated string");
@@ -189,9 +190,9 @@ absl::StatusOr<std::string> MergeChromeTraces(absl::Span<const std::string> trac
       if (!data.ok()) return fail(data.status());
       const std::string name(Find(*data, "participant"));
       if (auto [it, added] = seen.emplace(name, i); !added) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "participant ", name, " is in trace ", it->second, " and trace ", i,
-            ": merge each process's trace once"));
+        return absl::InvalidArgumentError(absl::StrCat("participant ", name, " is in trace ",
+                                                       it->second, " and trace ", i,
+                                                       ": merge each process's trace once"));
       }
       absl::StrAppend(&participants, participants.empty() ? "" : ",\n", info);
     }

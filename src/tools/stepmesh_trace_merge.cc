@@ -50,8 +50,10 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::string> merged = stepmesh::MergeChromeTraces(traces);
   if (!merged.ok()) {
     // The merge names inputs by index: say which file that is.
-    std::fprintf(stderr, "stepmesh_trace_merge: %s (inputs in order:", merged.status().ToString().c_str());
-    for (size_t i = 0; i < inputs.size(); ++i) std::fprintf(stderr, " %zu=%s", i, inputs[i].c_str());
+    std::fprintf(stderr,
+                 "stepmesh_trace_merge: %s (inputs in order:", merged.status().ToString().c_str());
+    for (size_t i = 0; i < inputs.size(); ++i)
+      std::fprintf(stderr, " %zu=%s", i, inputs[i].c_str());
     std::fprintf(stderr, ")\n");
     return 1;
   }

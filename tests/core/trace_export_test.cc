@@ -7,8 +7,8 @@
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <cctype>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <set>
@@ -245,8 +245,8 @@ TEST_CASE("2A2F: each participant's trace export, merged, lines up on the schedu
     AFTensorWorker& worker = (*mesh)->worker(w);
     REQUIRE_OK(worker.RegisterPushTensor(kPush, BytesView(push[w].data(), kBytes)));
     for (int s = 0; s < kServers; ++s) {
-      REQUIRE_OK(worker.RegisterPullTensor(
-          kPull, s, BytesView(pull[w * kServers + s].data(), kBytes)));
+      REQUIRE_OK(
+          worker.RegisterPullTensor(kPull, s, BytesView(pull[w * kServers + s].data(), kBytes)));
     }
   }
 
@@ -419,7 +419,8 @@ TEST_CASE("the trace ring keeps the newest N requests and counts the dropped", "
   CHECK(wt["otherData"]["dropped"].num() == kRounds - kKeep);
   std::set<std::string> kept;
   for (const Json& e : wt["traceEvents"].array()) {
-    if (e["ph"].str() == "X" && e["name"].str() == "request") kept.insert(e["args"]["request"].str());
+    if (e["ph"].str() == "X" && e["name"].str() == "request")
+      kept.insert(e["args"]["request"].str());
   }
   CHECK(kept == newest);
 
