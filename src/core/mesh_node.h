@@ -37,7 +37,7 @@ struct SendItem {
   uint32_t index = 0;
   uint32_t generation = 0;
   Event* ready = nullptr;  // sent once this completes
-  int64_t queued_ns = 0;  // set by EnqueueSend: a ready event pending past options.timeout fails it
+  int64_t queued_ns = 0;   // set by EnqueueSend: a ready event pending past options.timeout fails it
 };
 
 // Whether one wait site should spin before it blocks (adaptive poll mode). A
@@ -144,7 +144,7 @@ class MeshNode : public TransportSink {
   void RecvLoop();
   void WaitForSendWork();
 
-  uint64_t activity_ = 0;     // receive thread only
+  uint64_t activity_ = 0;  // receive thread only
   SpinAdvisor await_advice_;  // AwaitUntil (Wait, GetBatch)
   SpinAdvisor send_advice_;   // the send thread waiting for work
   SpinAdvisor recv_advice_;   // the receive thread between frames
@@ -187,9 +187,8 @@ bool MeshNode::AwaitUntil(Done done, absl::Time deadline) {
     return result;
   };
   if (mode == PollMode::kSpin || (mode == PollMode::kAdaptive && await_advice_.ShouldSpin())) {
-    const absl::Time spin_until = mode == PollMode::kSpin
-                                      ? deadline
-                                      : std::min(deadline, start + options_.threads.spin_budget);
+    const absl::Time spin_until =
+        mode == PollMode::kSpin ? deadline : std::min(deadline, start + options_.threads.spin_budget);
     while (absl::Now() < spin_until) {
       for (int i = 0; i < 64; ++i) {
         if (done()) return finish(true);
