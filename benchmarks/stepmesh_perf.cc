@@ -85,6 +85,7 @@ struct Flags {
   bool threads = false;
   int metrics_port = 0;     // > 0: worker w serves GET /metrics on it + w, server s on it + X + s
   std::string metrics_file; // each participant writes <file>.<role><rank> before leaving
+  std::string chrome_trace;  // each participant writes <file>.<role><rank>.json (docs/tracing.md)
   int parent_pid = 0;                     // internal: set on children
   std::string command_line;
 };
@@ -102,6 +103,8 @@ int Usage(const char* why) {
       "  [--host IP] [--server-hosts IP,..] [--baseline-port P] [--threads]\n"
       "  [--deadline-s S] [--timeout-ms T] [--sockbuf BYTES]\n"
       "  [--metrics-port P] [--metrics-file PATH]   (docs/metrics.md)\n"
+      "  [--chrome-trace PATH]   each participant's trace as PATH.<role><rank>.json; merge\n"
+      "                          them with stepmesh_trace_merge (docs/tracing.md)\n"
       "Unset mesh flags (role, rank, pattern, scheduler, host, transport, backend, device,\n"
       "poll mode, cores, timeout) come from STEPMESH_* / DMLC_* (docs/configuration.md).\n");
   return 2;
@@ -219,6 +222,7 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
     else if (flag == "--sockbuf") ok = absl::SimpleAtoi(value, &f.sockbuf);
     else if (flag == "--metrics-port") ok = absl::SimpleAtoi(value, &f.metrics_port);
     else if (flag == "--metrics-file") f.metrics_file = value;
+    else if (flag == "--chrome-trace") f.chrome_trace = value;
     else if (flag == "--parent-pid") ok = absl::SimpleAtoi(value, &f.parent_pid);
     else return absl::InvalidArgumentError(absl::StrCat("unknown flag ", flag));
     if (!ok) return absl::InvalidArgumentError(absl::StrCat("bad value for ", flag, ": ", value));
@@ -317,6 +321,8 @@ MeshOptions MakeOptions(const Flags& f, Role role) {
   o.threads.recv_cores = f.recv_cores;
   o.timeout = absl::Milliseconds(f.timeout_ms);
   o.max_inflight_requests = std::max(64, 2 * f.micro_batches);
+  // --chrome-trace without STEPMESH_TRACE_EVENTS: the newest 64 Ki requests.
+  if (!f.chrome_trace.empty() && o.trace.events == 0) o.trace.events = 1 << 16;
   return o;
 }
 
@@ -355,6 +361,13 @@ absl::StatusOr<std::unique_ptr<tools::MetricsHttpServer>> ServeMetrics(
 }
 
 // --metrics-file: the final counters, as <file>.<role><rank>.
+// --chrome-trace: the participant's trace, as <file>.<role><rank>.json.
+template <typename Participant>
+absl::Status WriteTrace(const Flags& f, Role role, Participant& p) {
+  if (f.chrome_trace.empty()) return absl::OkStatus();
+  return p.WriteChromeTrace(absl::StrCat(f.chrome_trace, ".", RoleName(role), p.rank(), ".json"));
+}
+
 absl::Status WriteMetrics(const Flags& f, const MeshStats& stats) {
   if (f.metrics_file.empty()) return absl::OkStatus();
   return tools::WriteMetricsFile(
@@ -416,6 +429,7 @@ absl::Status RunServerRole(const Flags& f) {
   }
   STEPMESH_RETURN_IF_ERROR(server->Barrier());  // every worker is done with the baselines
   STEPMESH_RETURN_IF_ERROR(WriteMetrics(f, server->Stats()));
+  STEPMESH_RETURN_IF_ERROR(WriteTrace(f, Role::kServer, *server));
   metrics.reset();
   return server->Shutdown();
 }
@@ -662,6 +676,7 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
   clients.clear();  // close the baseline connections before the servers stop serving
   STEPMESH_RETURN_IF_ERROR(worker->Barrier());
   STEPMESH_RETURN_IF_ERROR(WriteMetrics(f, worker->Stats()));
+  STEPMESH_RETURN_IF_ERROR(WriteTrace(f, Role::kWorker, *worker));
   metrics.reset();
   STEPMESH_RETURN_IF_ERROR(worker->Shutdown());
   return results;
@@ -747,6 +762,10 @@ std::vector<std::string> PlanArgs(const Flags& f) {
   if (!f.metrics_file.empty()) {
     a.push_back("--metrics-file");
     a.push_back(f.metrics_file);
+  }
+  if (!f.chrome_trace.empty()) {
+    a.push_back("--chrome-trace");
+    a.push_back(f.chrome_trace);
   }
   return a;
 }
