@@ -8,6 +8,8 @@
 //   afd_attention --scheduler HOST:PORT --rank A --results FILE [--dump-layers]
 //                 [--progress FILE] [--inject-wrong-layer STEP:LAYER]
 //                 [--metrics-port P] [--metrics-file FILE]  (docs/metrics.md)
+//                 [--chrome-trace FILE]  (the worker's stepmesh trace, docs/tracing.md;
+//                                         needs STEPMESH_TRACE_EVENTS)
 //                 [run flags: --model (or --config) --attention --ffn --requests
 //                  --prompt-len --decode-steps --micro-batches --transport --backend
 //                  --poll-mode --engine --kv-cache --timeout-ms] [--device N]
@@ -86,13 +88,15 @@ class AttentionInstance {
     std::fflush(stdout);
     return absl::OkStatus();
   }
-  // `metrics_file` (may be empty): the final Stats() in Prometheus text.
-  absl::Status Finish(const std::string& metrics_file) {
+  // `metrics_file` (may be empty): the final Stats() in Prometheus text;
+  // `trace_file` (may be empty): the worker's Chrome trace.
+  absl::Status Finish(const std::string& metrics_file, const std::string& trace_file) {
     if (absl::Status s = worker_->Barrier(); !s.ok()) return s;
     if (!metrics_file.empty()) {
       STEPMESH_RETURN_IF_ERROR(stepmesh::tools::WriteMetricsFile(
           metrics_file, stepmesh::PrometheusText(worker_->Stats())));
     }
+    if (!trace_file.empty()) STEPMESH_RETURN_IF_ERROR(worker_->WriteChromeTrace(trace_file));
     metrics_.reset();
     return worker_->Shutdown();
   }
@@ -309,6 +313,7 @@ int Main(int argc, char** argv) {
   const std::string results_path = flags->Str("results", "");
   const std::string progress_path = flags->Str("progress", "");
   const std::string metrics_file = flags->Str("metrics-file", "");
+  const std::string trace_file = flags->Str("chrome-trace", "");
   absl::StatusOr<int64_t> metrics_port = flags->Int("metrics-port", 0);
   Progress wrong_layer;
   if (const std::string inject = flags->Str("inject-wrong-layer", ""); !inject.empty()) {
@@ -355,7 +360,7 @@ int Main(int argc, char** argv) {
   if (st.ok() && *metrics_port > 0) st = instance.ServeMetrics(static_cast<int>(*metrics_port));
   if (st.ok()) st = instance.Run();
   if (st.ok() && !results_path.empty()) st = WriteResults(results_path, instance.results());
-  if (st.ok()) st = instance.Finish(metrics_file);
+  if (st.ok()) st = instance.Finish(metrics_file, trace_file);
   if (!st.ok()) {
     std::fprintf(stderr, "afd_attention[%d]: error: %s\n", a, st.ToString().c_str());
     return 1;

@@ -6,6 +6,8 @@
 //
 //   afd_ffn --scheduler HOST:PORT --rank P [run flags, as afd_attention]
 //           [--metrics-port P] [--metrics-file FILE]  (docs/metrics.md)
+//           [--chrome-trace FILE]  (the server's stepmesh trace, docs/tracing.md;
+//                                   needs STEPMESH_TRACE_EVENTS)
 //
 // Every micro-batch has its own recv regions (codes, scales, topk ids, topk
 // weights; one slot per attention instance) and reply region. A batch holds
@@ -47,6 +49,8 @@ class FfnInstance {
     metrics_port_ = port;
     metrics_file_ = std::move(file);
   }
+  // --chrome-trace: the server's trace written there before it leaves.
+  void SetTraceFile(std::string file) { trace_file_ = std::move(file); }
   absl::Status Run();
 
  private:
@@ -66,6 +70,7 @@ class FfnInstance {
   std::unique_ptr<stepmesh::AFTensorServer> server_;
   int metrics_port_ = 0;
   std::string metrics_file_;
+  std::string trace_file_;
   std::unique_ptr<stepmesh::tools::MetricsHttpServer> metrics_;  // reads server_
 };
 
@@ -199,6 +204,7 @@ absl::Status FfnInstance::Run() {
     STEPMESH_RETURN_IF_ERROR(stepmesh::tools::WriteMetricsFile(
         metrics_file_, stepmesh::PrometheusText(server_->Stats())));
   }
+  if (!trace_file_.empty()) STEPMESH_RETURN_IF_ERROR(server_->WriteChromeTrace(trace_file_));
   metrics_.reset();
   STEPMESH_RETURN_IF_ERROR(server_->Shutdown());
   std::printf("afd_ffn[%d]: partition %d of %d served %lld batches, %lld tokens (%s engine)\n",
@@ -225,6 +231,7 @@ int Main(int argc, char** argv) {
   absl::StatusOr<int64_t> rank = flags->Int("rank", mesh.rank);
   absl::StatusOr<int64_t> device = flags->Int("device", mesh.device);
   const std::string metrics_file = flags->Str("metrics-file", "");
+  const std::string trace_file = flags->Str("chrome-trace", "");
   absl::StatusOr<int64_t> metrics_port = flags->Int("metrics-port", 0);
   absl::Status st = shape.ok() ? flags->CheckAllUsed() : shape.status();
   if (st.ok() && (!rank.ok() || !device.ok())) st = !rank.ok() ? rank.status() : device.status();
@@ -253,6 +260,7 @@ int Main(int argc, char** argv) {
   const int p = static_cast<int>(*rank);
   FfnInstance instance(*shape, model->config, p);
   instance.SetMetrics(static_cast<int>(*metrics_port), metrics_file);
+  instance.SetTraceFile(trace_file);
   st = instance.Init(scheduler, static_cast<int>(*device));
   if (st.ok()) st = instance.Run();
   if (!st.ok()) {

@@ -274,6 +274,10 @@ class Launcher {
 
   // This process's environment with the mesh's secret set, for every child.
   std::vector<std::string> ChildEnvironment() const;
+  // --chrome-trace: each child's own trace file, and the merged run.
+  std::string TracePath(stepmesh::Role role, int rank) const;
+  void AppendTraceFlag(stepmesh::Role role, int rank, std::vector<std::string>* argv) const;
+  absl::Status WriteMergedTrace(const std::vector<AttentionResults>& results) const;
 
   LaunchFlags f_;
   std::string auth_token_;
@@ -297,9 +301,19 @@ std::vector<std::string> Launcher::ChildEnvironment() const {
   // on a command line every user can list.
   std::vector<std::string> env;
   for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
-    if (!absl::StartsWith(*e, "STEPMESH_AUTH_TOKEN=")) env.push_back(*e);
+    if (absl::StartsWith(*e, "STEPMESH_AUTH_TOKEN=")) continue;
+    if (!f_.chrome_trace.empty() && absl::StartsWith(*e, "STEPMESH_TRACE_EVENTS=")) continue;
+    env.push_back(*e);
   }
   env.push_back(absl::StrCat("STEPMESH_AUTH_TOKEN=", auth_token_));
+  if (!f_.chrome_trace.empty()) {
+    // Every request of the run: a server answers each attention instance's
+    // request of every stage (48 bytes a record there).
+    const int64_t requests = int64_t{f_.shape.attention} * f_.shape.steps() *
+                             config_.num_layers * f_.shape.micro_batches;
+    env.push_back(
+        absl::StrCat("STEPMESH_TRACE_EVENTS=", std::min<int64_t>(requests, int64_t{1} << 20)));
+  }
   return env;
 }
 
@@ -349,6 +363,54 @@ absl::Status Launcher::StartScheduler() {
   return absl::OkStatus();
 }
 
+std::string Launcher::TracePath(stepmesh::Role role, int rank) const {
+  return absl::StrCat(f_.work_dir, "/", stepmesh::RoleName(role), rank, ".trace.json");
+}
+
+void Launcher::AppendTraceFlag(stepmesh::Role role, int rank,
+                               std::vector<std::string>* argv) const {
+  if (f_.chrome_trace.empty()) return;
+  argv->push_back("--chrome-trace");
+  argv->push_back(TracePath(role, rank));
+}
+
+absl::Status Launcher::WriteMergedTrace(const std::vector<AttentionResults>& results) const {
+  // Each process wrote its stepmesh trace, already on the scheduler's clock;
+  // the application's events (attention and FFN compute) go onto that clock
+  // with the offset each export states.
+  std::vector<std::string> traces;
+  std::vector<int64_t> worker_offset(f_.shape.attention), server_offset(f_.shape.ffn);
+  for (stepmesh::Role role : {stepmesh::Role::kWorker, stepmesh::Role::kServer}) {
+    const int n = role == stepmesh::Role::kWorker ? f_.shape.attention : f_.shape.ffn;
+    for (int rank = 0; rank < n; ++rank) {
+      const std::string path = TracePath(role, rank);
+      std::ifstream in(path, std::ios::binary);
+      if (!in) return absl::NotFoundError(absl::StrCat("no trace from ", path));
+      std::ostringstream text;
+      text << in.rdbuf();
+      traces.push_back(text.str());
+      int64_t& offset = (role == stepmesh::Role::kWorker ? worker_offset : server_offset)[rank];
+      constexpr absl::string_view kKey = "\"clock_offset_ns\":";
+      const absl::string_view text_view = traces.back();
+      const size_t at = text_view.find(kKey);
+      const size_t end = at == absl::string_view::npos ? at : text_view.find(',', at);
+      if (end == absl::string_view::npos ||
+          !absl::SimpleAtoi(text_view.substr(at + kKey.size(), end - at - kKey.size()),
+                            &offset)) {
+        return absl::InvalidArgumentError(absl::StrCat(path, ": no clock_offset_ns"));
+      }
+    }
+  }
+  traces.push_back(ApplicationTraceJson(f_.shape, results, worker_offset, server_offset));
+  STEPMESH_ASSIGN_OR_RETURN(const std::string merged, stepmesh::MergeChromeTraces(traces));
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(f_.chrome_trace.c_str(), "w"),
+                                                   &std::fclose);
+  if (!f || std::fwrite(merged.data(), 1, merged.size(), f.get()) != merged.size()) {
+    return absl::UnavailableError(absl::StrCat("cannot write ", f_.chrome_trace));
+  }
+  return absl::OkStatus();
+}
+
 void Launcher::AppendMetricsFlags(stepmesh::Role role, int rank, int port_offset,
                                   std::vector<std::string>* argv) const {
   if (f_.metrics_port > 0) {
@@ -369,6 +431,7 @@ absl::Status Launcher::StartChildren() {
                                      absl::StrCat(p)};
     AppendRunFlags(f_.shape, &argv);
     AppendMetricsFlags(stepmesh::Role::kServer, p, f_.shape.attention + p, &argv);
+    AppendTraceFlag(stepmesh::Role::kServer, p, &argv);
     const std::string base = absl::StrCat(f_.work_dir, "/ffn-", p);
     STEPMESH_ASSIGN_OR_RETURN(
         auto child, Child::Start(absl::StrCat("ffn ", p), argv, env, base + ".out", base + ".err"));
@@ -392,6 +455,7 @@ absl::Status Launcher::StartChildren() {
     argv.push_back(ProgressPath(a));
     AppendRunFlags(f_.shape, &argv);
     AppendMetricsFlags(stepmesh::Role::kWorker, a, a, &argv);
+    AppendTraceFlag(stepmesh::Role::kWorker, a, &argv);
     const std::string base = absl::StrCat(f_.work_dir, "/attention-", a);
     STEPMESH_ASSIGN_OR_RETURN(auto child, Child::Start(absl::StrCat("attention ", a), argv, env,
                                                        base + ".out", base + ".err"));
@@ -617,7 +681,7 @@ int Launcher::Run() {
   std::printf("\n%s", FormatReport(f_.shape, model_, results).c_str());
   std::printf("(all processes done in %.2f s wall, including weight generation)\n", wall);
   if (!f_.chrome_trace.empty()) {
-    if (absl::Status s = WriteChromeTrace(f_.chrome_trace, f_.shape, results); !s.ok()) {
+    if (absl::Status s = WriteMergedTrace(results); !s.ok()) {
       return Fail(s.ToString());
     }
     std::printf("chrome trace: %s\n", f_.chrome_trace.c_str());
@@ -701,7 +765,9 @@ run shape (passed to every process):
 launcher:
   --deadline-s N         kill everything after N s, default 300
   --progress-s N         a progress line every N s while running (0: none), default 10
-  --chrome-trace FILE    write a Chrome trace of the run
+  --chrome-trace FILE    write a Chrome trace of the run: every process's
+                         stepmesh trace (docs/tracing.md) merged, plus
+                         attention and FFN compute
   --metrics-port P       each process serves its stepmesh Stats() at
                          http://127.0.0.1:PORT/metrics: attention a on P + a,
                          FFN p on P + X + p (docs/metrics.md)

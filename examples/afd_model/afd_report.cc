@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "stepmesh/trace.h"
 #include "examples/afd_model/kernels/cpu_kernels.h"
 #include "examples/afd_model/model_weights.h"
 #include "examples/afd_model/reference.h"
@@ -274,69 +275,72 @@ std::string FormatReport(const RunShape& shape, const ExampleModel& model,
   return out;
 }
 
-absl::Status WriteChromeTrace(const std::string& path, const RunShape& shape,
-                              const std::vector<AttentionResults>& results) {
-  uint64_t origin = ~uint64_t{0};
-  for (const AttentionResults& r : results) origin = std::min(origin, r.start_ns);
+std::string ApplicationTraceJson(const RunShape& shape,
+                                 const std::vector<AttentionResults>& results,
+                                 const std::vector<int64_t>& worker_offset_ns,
+                                 const std::vector<int64_t>& server_offset_ns) {
+  // Threads from 10000 on: below are the library's (stepmesh/trace.h).
+  constexpr int kFirstTid = 10001;
   std::string json = "{\"traceEvents\":[\n";
   bool first = true;
-  auto event = [&](absl::string_view name, int pid, int tid, uint64_t a, uint64_t b,
-                   absl::string_view args = "") {
-    if (Span(a, b) < 0 || a < origin) return;
+  auto event = [&](absl::string_view name, int pid, int tid, int64_t offset_ns, uint64_t a,
+                   uint64_t b, absl::string_view args) {
+    if (a == 0 || Span(a, b) < 0) return;
     absl::StrAppendFormat(&json,
                           "%s{\"name\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,"
-                          "\"dur\":%.3f%s%s}",
-                          first ? "" : ",\n", name, pid, tid, (a - origin) * 1e-3, (b - a) * 1e-3,
-                          args.empty() ? "" : ",\"args\":", args);
+                          "\"dur\":%.3f,\"args\":%s}",
+                          first ? "" : ",\n", name, pid, tid,
+                          (static_cast<int64_t>(a) + offset_ns) * 1e-3, (b - a) * 1e-3, args);
     first = false;
   };
-  auto meta = [&](int pid, absl::string_view name) {
+  auto thread = [&](int pid, int tid, absl::string_view name) {
     absl::StrAppendFormat(&json,
-                          "%s{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,\"args\":{\"name\":"
-                          "\"%s\"}}",
-                          first ? "" : ",\n", pid, name);
+                          "%s{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":%d,"
+                          "\"args\":{\"name\":\"%s\"}}",
+                          first ? "" : ",\n", pid, tid, name);
     first = false;
   };
-  for (int a = 0; a < shape.attention; ++a) meta(1 + a, absl::StrCat("attention ", a));
-  for (int p = 0; p < shape.ffn; ++p) meta(100 + p, absl::StrCat("ffn ", p));
+  for (int m = 0; m < shape.micro_batches; ++m) {
+    for (int a = 0; a < shape.attention; ++a) {
+      thread(stepmesh::ChromeTraceProcessId(stepmesh::Role::kWorker, a), kFirstTid + m,
+             absl::StrCat("attention mb", m));
+    }
+    for (int p = 0; p < shape.ffn; ++p) {
+      thread(stepmesh::ChromeTraceProcessId(stepmesh::Role::kServer, p), kFirstTid + m,
+             absl::StrCat("FFN mb", m));
+    }
+  }
   for (const AttentionResults& r : results) {
-    const int pid = 1 + r.instance;
+    const int pid = stepmesh::ChromeTraceProcessId(stepmesh::Role::kWorker, r.instance);
     for (int s = 0; s < r.steps; ++s) {
       for (int l = 0; l < r.layers; ++l) {
         for (int m = 0; m < r.micro_batches; ++m) {
           const size_t stage = r.StageIndex(s, l, m);
           const std::string tag = absl::StrCat("s", s, " L", l, " mb", m);
           // args: what latency models are calibrated against (docs/planning.md).
-          event(absl::StrCat("attention ", tag), pid, 1 + m, r.attention[stage].begin_ns,
+          event(absl::StrCat("attention ", tag), pid, kFirstTid + m,
+                worker_offset_ns[r.instance], r.attention[stage].begin_ns,
                 r.attention[stage].end_ns,
                 absl::StrFormat("{\"step\":%d,\"layer\":%d,\"mb\":%d,\"rows\":%d,"
                                 "\"kv_tokens\":%d}",
                                 s, l, m, r.attention[stage].rows, r.attention[stage].kv_tokens));
+          // A batch spans every attention instance; drawn once, from instance 0's stamps.
+          if (r.instance != 0) continue;
+          int64_t rows = 0;  // the batch holds this stage of every attention instance
+          for (const AttentionResults& other : results) rows += other.attention[stage].rows;
           for (int p = 0; p < r.servers; ++p) {
             const stepmesh::TraceStamps& t = r.traces[stage * r.servers + p];
-            event(absl::StrCat("A2F->ffn", p, " ", tag), pid, 10 + 10 * p + m, t.post_ns,
-                  t.server_arrival_ns);
-            event(absl::StrCat("F2A<-ffn", p, " ", tag), pid, 10 + 10 * p + m, t.server_reply_ns,
-                  t.reply_arrival_ns);
-            // A batch spans every attention instance; draw it once.
-            if (r.instance == 0) {
-              int64_t rows = 0;  // the batch holds this stage of every attention instance
-              for (const AttentionResults& other : results) rows += other.attention[stage].rows;
-              event(absl::StrCat("FFN ", tag), 100 + p, 1 + m, t.server_handler_ns,
-                    t.server_reply_ns, absl::StrFormat("{\"rows\":%d}", rows));
-            }
+            event(absl::StrCat("FFN ", tag),
+                  stepmesh::ChromeTraceProcessId(stepmesh::Role::kServer, p), kFirstTid + m,
+                  server_offset_ns[p], t.server_handler_ns, t.server_reply_ns,
+                  absl::StrFormat("{\"rows\":%d}", rows));
           }
         }
       }
     }
   }
   json += "\n]}\n";
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(path.c_str(), "w"), &std::fclose);
-  if (!f) return absl::UnavailableError(absl::StrCat("cannot write ", path));
-  if (std::fwrite(json.data(), 1, json.size(), f.get()) != json.size()) {
-    return absl::DataLossError(absl::StrCat("short write to ", path));
-  }
-  return absl::OkStatus();
+  return json;
 }
 
 namespace {

@@ -4,6 +4,7 @@
 // it prints"), the optional Chrome trace, and Gate A (the disaggregated run
 // against the monolithic AFD-emulation reference).
 
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
@@ -22,10 +23,17 @@ namespace afd::example {
 std::string FormatReport(const RunShape& shape, const ExampleModel& model,
                          const std::vector<AttentionResults>& results);
 
-// Chrome trace-event JSON (chrome://tracing, Perfetto): attention compute per
-// micro-batch, FFN compute per server, A2F / F2A transfers.
-absl::Status WriteChromeTrace(const std::string& path, const RunShape& shape,
-                              const std::vector<AttentionResults>& results);
+// The application's part of --chrome-trace, as a Chrome trace to merge with
+// every process's stepmesh export (MergeChromeTraces; the transfers are
+// there): attention compute per micro-batch in its attention instance's
+// process, FFN compute per batch in its server's, each with the args
+// stepmesh_plan --calibrate-trace fits (docs/planning.md). Stamps go onto the
+// scheduler's clock with each process's offset from its export
+// (`worker_offset_ns[a]`, `server_offset_ns[p]`).
+std::string ApplicationTraceJson(const RunShape& shape,
+                                 const std::vector<AttentionResults>& results,
+                                 const std::vector<int64_t>& worker_offset_ns,
+                                 const std::vector<int64_t>& server_offset_ns);
 
 struct ReferenceCheck {
   bool pass = false;

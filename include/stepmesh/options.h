@@ -93,6 +93,11 @@ struct ThreadingOptions {
 
 struct TraceOptions {
   bool enabled = true;  // stamps are cheap (a clock read each); off removes even that
+  // Keep the stamps of the newest `events` requests (a worker: requests
+  // completed; a server: requests answered) in a ring sized at creation, for
+  // ChromeTraceJson(); 0: not recorded (the cost is then one branch per
+  // request). Needs `enabled`.
+  int events = 0;
 };
 
 struct STEPMESH_EXPORT MeshOptions {

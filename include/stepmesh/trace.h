@@ -3,9 +3,14 @@
 // differences between stamps of one host need no clock synchronisation.
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
 #include "stepmesh/export.h"
+#include "stepmesh/options.h"
 
 namespace stepmesh {
 
@@ -38,5 +43,21 @@ struct ClockSync {
   int64_t offset_ns = 0;
   uint64_t round_trip_ns = 0;
 };
+
+// Chrome trace-event JSON (chrome://tracing, ui.perfetto.dev; docs/tracing.md):
+// AFTensorWorker::ChromeTraceJson() and AFTensorServer::ChromeTraceJson()
+// export one participant each, already on the scheduler's clock; this merges
+// several such exports (or merged files) into one, whose "traceEvents" hold
+// every input's events and "otherData.participants" every input's clock
+// offset, uncertainty and ring counts. INVALID_ARGUMENT names the input (by
+// index) that is not a trace object, or a participant found in two inputs.
+// The Chrome process id ("pid") a participant's export uses: workers 1 + rank,
+// servers 1000001 + rank; the exports' own threads ("tid") are below 10000,
+// so an application may add events of its own to a participant's process
+// with tids from 10000 on and merge them in.
+STEPMESH_EXPORT int ChromeTraceProcessId(Role role, int rank);
+
+STEPMESH_EXPORT absl::StatusOr<std::string> MergeChromeTraces(
+    absl::Span<const std::string> traces);
 
 }  // namespace stepmesh

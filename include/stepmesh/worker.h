@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -88,6 +89,17 @@ class STEPMESH_EXPORT AFTensorWorker {
   // over the control connection, the shortest kept; each bounded by
   // options.timeout. For lining up stamps (FetchTrace) of several hosts.
   virtual absl::StatusOr<ClockSync> SchedulerClock() = 0;
+
+  // The recorded requests (options.trace.events, the newest that many) as
+  // Chrome trace-event JSON: this worker as one process, a thread per stage,
+  // timestamps on the scheduler's clock (SchedulerClock() is run for it), so
+  // MergeChromeTraces lines up the exports of several processes
+  // (docs/tracing.md). FAILED_PRECONDITION when recording is off. Any thread;
+  // allocates; requests completing meanwhile may be left out (counted as
+  // dropped in the export).
+  virtual absl::StatusOr<std::string> ChromeTraceJson() = 0;
+  // ChromeTraceJson() written to `path`.
+  virtual absl::Status WriteChromeTrace(const std::string& path) = 0;
 
   // Waits for every worker and server to reach the same barrier.
   virtual absl::Status Barrier() = 0;

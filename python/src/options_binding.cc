@@ -169,6 +169,8 @@ const std::vector<Field>& Fields() {
        [](MeshOptions& o, py::handle v) { o.payload_checksum = CastBool(v, "payload_checksum"); }},
       {"trace", [](const MeshOptions& o) { return py::object(py::bool_(o.trace.enabled)); },
        [](MeshOptions& o, py::handle v) { o.trace.enabled = CastBool(v, "trace"); }},
+      {"trace_events", [](const MeshOptions& o) { return py::object(py::int_(o.trace.events)); },
+       [](MeshOptions& o, py::handle v) { o.trace.events = CastInt(v, "trace_events"); }},
   };
   return *fields;
 }

@@ -295,6 +295,10 @@ const std::vector<EnvEntry>& EnvTable() {
        STEPMESH_ENV_STR(mesh_id)},
       {"STEPMESH_TRACE", "trace.enabled", "`true`", "per-request stamps",
        STEPMESH_ENV_BOOL(trace.enabled)},
+      {"STEPMESH_TRACE_EVENTS", "trace.events", "0",
+       "keep the stamps of the newest this many requests for `ChromeTraceJson()` / "
+       "`WriteChromeTrace()` (`tracing.md`); 0: not recorded; needs `STEPMESH_TRACE`",
+       STEPMESH_ENV_INT(trace.events)},
       {"STEPMESH_PAYLOAD_CHECKSUM", "payload_checksum", "`false`",
        "CRC32C of every host-memory payload, sealed by the sender and checked by the receiver "
        "(`DATA_LOSS` on mismatch); one pass over the bytes per side, about 0.2 ms per 1.75 MiB: "
@@ -547,6 +551,15 @@ absl::Status MeshOptions::Validate() const {
     return absl::InvalidArgumentError("max_inflight_requests out of range");
   }
   if (max_registrations < 1) return absl::InvalidArgumentError("max_registrations must be >= 1");
+  if (trace.events < 0 || trace.events > (1 << 24)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "trace.events (STEPMESH_TRACE_EVENTS) = ", trace.events, " (0..", 1 << 24, ")"));
+  }
+  if (trace.events > 0 && !trace.enabled) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "trace.events (STEPMESH_TRACE_EVENTS) = ", trace.events,
+        " records stamps, which trace.enabled = false (STEPMESH_TRACE) turns off"));
+  }
   if (auth == AuthMode::kOn && auth_token.empty()) {
     return absl::InvalidArgumentError(
         "auth=on (STEPMESH_AUTH) needs an auth_token (STEPMESH_AUTH_TOKEN)");

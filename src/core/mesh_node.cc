@@ -7,6 +7,7 @@
 #include "src/base/logging.h"
 #include "src/base/net.h"
 #include "src/core/auth.h"
+#include "src/core/chrome_trace.h"
 #include "src/core/mesh.h"
 #include "stepmesh/status.h"
 
@@ -21,13 +22,47 @@ MeshNode::MeshNode(const MeshOptions& options, std::shared_ptr<Backend> backend)
       io_(*backend_, options.payload_checksum),
       lost_(PeerCount()),
       stats_(options.role, options.role == Role::kWorker ? Role::kServer : Role::kWorker,
-             PeerCount()) {}
+             PeerCount()),
+      trace_ring_(static_cast<size_t>(std::max(options.trace.events, 0)),
+                  options.role == Role::kWorker ? WorkerTraceWords::Words(options.num_servers)
+                                                : ServerTraceWords::kWords) {}
 
 MeshStats MeshNode::BaseStats() const {
   MeshStats s = stats_.Snapshot();
   s.rank = rank_;
   s.sends_queued = queued_.load(std::memory_order_relaxed);
   return s;
+}
+
+absl::StatusOr<std::string> MeshNode::ExportChromeTrace() {
+  if (!trace_ring_.on()) {
+    return absl::FailedPreconditionError(
+        "trace recording is off: set STEPMESH_TRACE_EVENTS (MeshOptions::trace.events) to the "
+        "number of requests to keep");
+  }
+  // The records first: what was recorded until the call, not the clock
+  // exchange's own round trips later.
+  const TraceRing::Snapshot records = trace_ring_.Copy();
+  ClockSync clock;
+  {
+    base::MutexLock lock(&clock_mu_);
+    if (!stopped() && rendezvous_ != nullptr) {
+      absl::StatusOr<ClockSync> now = rendezvous_->EstimateClock(8, options_.timeout);
+      if (!now.ok()) {
+        return absl::Status(now.status().code(),
+                            absl::StrCat("the scheduler's clock for the trace: ",
+                                         now.status().message()));
+      }
+      last_clock_ = *now;
+    }
+    if (!last_clock_.has_value()) {
+      return absl::FailedPreconditionError(
+          "no scheduler clock estimate for the trace: the participant shut down before one "
+          "was taken");
+    }
+    clock = *last_clock_;
+  }
+  return FormatChromeTrace(options_.role, rank_, PeerCount(), records, clock);
 }
 
 MeshNode::~MeshNode() { STEPMESH_CHECK(!started_ || stopped()); }
@@ -93,6 +128,14 @@ void MeshNode::Stop() {
     send_wake_.Bump();
     absl::SleepFor(absl::Microseconds(200));
   }
+  if (trace_ring_.on() && rendezvous_ != nullptr && !stopping_.load()) {
+    // A trace exported after Shutdown still needs the scheduler's clock: take
+    // it while the scheduler is there (a failure leaves the export an error).
+    base::MutexLock lock(&clock_mu_);
+    absl::StatusOr<ClockSync> clock =
+        rendezvous_->EstimateClock(4, std::min(options_.timeout, absl::Milliseconds(250)));
+    if (clock.ok()) last_clock_ = *clock;
+  }
   if (stopping_.exchange(true)) return;
   if (rendezvous_ != nullptr) rendezvous_->Leave();
   send_wake_.Bump();
@@ -102,6 +145,7 @@ void MeshNode::Stop() {
   if (recv_thread_.joinable()) recv_thread_.join();
   CancelAll(absl::CancelledError("the mesh participant shut down"));
   NotifyWaiters();
+  base::MutexLock lock(&clock_mu_);  // not while an export uses it
   rendezvous_.reset();
 }
 

@@ -6,12 +6,15 @@
 #include <bit>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/clock.h"
 #include "src/base/sync.h"
 #include "src/base/thread_util.h"
@@ -20,9 +23,11 @@
 #include "src/core/region_table.h"
 #include "src/core/rendezvous.h"
 #include "src/core/stats_recorder.h"
+#include "src/core/trace_ring.h"
 #include "src/core/transport.h"
 #include "stepmesh/backend.h"
 #include "stepmesh/options.h"
+#include "stepmesh/trace.h"
 
 namespace stepmesh::core {
 
@@ -120,8 +125,15 @@ class MeshNode : public TransportSink {
   int rank_ = -1;
   StatsRecorder stats_;  // always on: relaxed atomic adds (src/core/stats_recorder.h)
 
+  // The newest options.trace.events requests, for ChromeTraceJson()
+  // (src/core/chrome_trace.h says what a record holds); off when 0.
+  TraceRing trace_ring_;
+
   // The recorder's counters plus this node's rank and send queue depth.
   MeshStats BaseStats() const;
+  // The trace ring as Chrome trace JSON on the scheduler's clock, estimated
+  // now (or, after Stop(), the estimate Stop() took before leaving).
+  absl::StatusOr<std::string> ExportChromeTrace();
 
  private:
   // The transport registration behind RegisterTensor: in place where the
@@ -155,6 +167,9 @@ class MeshNode : public TransportSink {
   std::atomic<size_t> unsent_{0};
   std::atomic<bool> send_sleeping_{false};
   base::WakeWord send_wake_;  // the send thread sleeps on it (WaitForSendWork)
+
+  base::Mutex clock_mu_;  // ExportChromeTrace against Stop()
+  std::optional<ClockSync> last_clock_ ABSL_GUARDED_BY(clock_mu_);
 
   base::WakeWord wait_wake_;  // AwaitUntil sleeps on it; NotifyWaiters bumps it
   std::atomic<int> sleepers_{0};

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "src/base/logging.h"
+#include "src/core/chrome_trace.h"
 
 namespace stepmesh::core {
 namespace {
@@ -15,8 +16,8 @@ constexpr size_t kErrorRing = 256;
 }  // namespace
 
 ReplyPath::ReplyPath(const MeshOptions& options, const PayloadIo& io, const LostPeers& lost,
-                     StatsRecorder& stats)
-    : options_(options), io_(io), lost_(lost), stats_(stats), errors_(kErrorRing) {}
+                     StatsRecorder& stats, TraceRing& trace)
+    : options_(options), io_(io), lost_(lost), stats_(stats), trace_(trace), errors_(kErrorRing) {}
 
 absl::Status ReplyPath::Prepare(BatchSlot& slot, absl::Span<const Reply> replies,
                                 const ReplyTensors& reply_tensors) const {
@@ -121,6 +122,17 @@ void ReplyPath::SendReplies(Transport& transport, NodeId self, int rank, BatchSl
     if (h.type == FrameType::kError) stats_.Outcome(w, ready.code());
     stats_.stage(Stage::kDispatch).RecordSpan(e.stamps.server_arrival_ns, slot.handler_ns);
     stats_.stage(Stage::kRespond).RecordSpan(slot.handler_ns, reply_ns);
+    if (trace_.on()) {
+      using S = ServerTraceWords;
+      trace_.Record([&](const TraceRing::Writer& out) {
+        out.Put(S::kRequestId, e.request_id);
+        out.Put(S::kWorker, static_cast<uint64_t>(w));
+        out.Put(S::kArrival, e.stamps.server_arrival_ns);
+        out.Put(S::kHandler, slot.handler_ns);
+        out.Put(S::kReply, reply_ns);
+        out.Put(S::kCode, h.type == FrameType::kError ? static_cast<uint64_t>(ready.code()) : 0);
+      });
+    }
   }
 }
 

@@ -17,6 +17,7 @@
 #include "src/core/payload_io.h"
 #include "src/core/server_tensors.h"
 #include "src/core/stats_recorder.h"
+#include "src/core/trace_ring.h"
 #include "src/core/transport.h"
 #include "stepmesh/options.h"
 #include "stepmesh/server.h"
@@ -26,9 +27,10 @@ namespace stepmesh::core {
 class ReplyPath {
  public:
   // Every reference must outlive the reply path.
-  // `stats` counts the frames sent and the server's stages.
+  // `stats` counts the frames sent and the server's stages; `trace` keeps
+  // each reply's stamps when on.
   ReplyPath(const MeshOptions& options, const PayloadIo& io, const LostPeers& lost,
-            StatsRecorder& stats);
+            StatsRecorder& stats, TraceRing& trace);
 
   // Application thread, `slot` handed out: checks `replies` (each pulling
   // worker of the batch exactly one, within its slot of the reply tensor its
@@ -60,6 +62,7 @@ class ReplyPath {
   const PayloadIo& io_;
   const LostPeers& lost_;
   StatsRecorder& stats_;
+  TraceRing& trace_;
   base::Mutex error_mu_;
   std::vector<ErrorRecord> errors_ ABSL_GUARDED_BY(error_mu_);
   uint64_t next_error_ ABSL_GUARDED_BY(error_mu_) = 0;

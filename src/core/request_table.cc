@@ -20,6 +20,7 @@ RequestTable::RequestTable(int slots, int num_servers, uint32_t first_generation
   for (int i = 0; i < slots; ++i) {
     requests_.push_back(std::make_unique<Request>(num_servers));
     requests_.back()->generation.store(first_generation, std::memory_order_relaxed);
+    requests_.back()->index = static_cast<uint32_t>(i);
     free_.push_back(slots - 1 - i);
   }
 }

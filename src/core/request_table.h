@@ -61,6 +61,7 @@ struct Request {
   // Read by the receive thread to reject stale frames while a new request fills the slot.
   std::atomic<uint32_t> generation{0};
   std::atomic<RequestState> state{RequestState::kFree};
+  uint32_t index = 0;  // the slot's, fixed
   int num_pushes = 0;
   std::array<PlannedPush, kMaxPushesPerRequest> pushes;
   std::vector<uint8_t> targets;  // [push][server]: push goes to server

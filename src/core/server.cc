@@ -15,6 +15,7 @@
 #include "src/base/logging.h"
 #include "src/base/rate_limit.h"
 #include "src/core/batch_assembler.h"
+#include "src/core/chrome_trace.h"
 #include "src/core/mesh.h"
 #include "src/core/mesh_node.h"
 #include "src/core/reply_path.h"
@@ -42,7 +43,7 @@ class Server final : public AFTensorServer, public MeshNode {
   Server(const MeshOptions& options, std::shared_ptr<Backend> backend)
       : MeshNode(options, std::move(backend)),
         assembler_(options.num_workers, lost_, options.trace.enabled),
-        replies_(options_, io_, lost_, stats_),
+        replies_(options_, io_, lost_, stats_, trace_ring_),
         notes_(options.num_workers),
         worker_epochs_(new std::atomic<uint32_t>[options.num_workers]),
         rejoining_(new std::atomic<bool>[options.num_workers]),
@@ -172,6 +173,12 @@ class Server final : public AFTensorServer, public MeshNode {
 
   absl::StatusOr<ClockSync> SchedulerClock() override {
     return rendezvous_->EstimateClock(8, options_.timeout);
+  }
+
+  absl::StatusOr<std::string> ChromeTraceJson() override { return ExportChromeTrace(); }
+  absl::Status WriteChromeTrace(const std::string& path) override {
+    STEPMESH_ASSIGN_OR_RETURN(const std::string json, ExportChromeTrace());
+    return WriteTextFile(path, json);
   }
 
   absl::Status Barrier() override { return rendezvous_->Barrier(options_.timeout); }

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "src/base/logging.h"
 #include "src/base/rate_limit.h"
+#include "src/core/chrome_trace.h"
 #include "src/core/mesh.h"
 #include "src/core/mesh_node.h"
 #include "src/core/request_table.h"
@@ -205,6 +206,12 @@ class Worker final : public AFTensorWorker, public MeshNode {
 
   absl::StatusOr<ClockSync> SchedulerClock() override {
     return rendezvous_->EstimateClock(8, options_.timeout);
+  }
+
+  absl::StatusOr<std::string> ChromeTraceJson() override { return ExportChromeTrace(); }
+  absl::Status WriteChromeTrace(const std::string& path) override {
+    STEPMESH_ASSIGN_OR_RETURN(const std::string json, ExportChromeTrace());
+    return WriteTextFile(path, json);
   }
 
   absl::Status Barrier() override { return rendezvous_->Barrier(options_.timeout); }
@@ -559,8 +566,25 @@ class Worker final : public AFTensorWorker, public MeshNode {
     }
     const uint64_t complete_ns = options_.trace.enabled ? MonotonicNowNs() : 0;
     stats_.stage(Stage::kTotal).RecordSpan(r.enqueue_ns, complete_ns);
+    if (trace_ring_.on()) RecordTrace(r, complete_ns);
     requests_.MarkDone(r, complete_ns);
     NotifyWaiters();
+  }
+
+  // Before MarkDone: the slot (and its stamps) is the application's to reuse after.
+  void RecordTrace(const Request& r, uint64_t complete_ns) {
+    using W = WorkerTraceWords;
+    trace_ring_.Record([&](const TraceRing::Writer& out) {
+      out.Put(W::kRequestId, RequestId(r.index, r.generation.load(std::memory_order_relaxed)));
+      out.Put(W::kEnqueue, r.enqueue_ns);
+      out.Put(W::kComplete, complete_ns);
+      for (int s = 0; s < options_.num_servers; ++s) {
+        const size_t at = W::kFirstServer + W::kPerServer * s;
+        out.Put(at + W::kPost, r.stamps[s].post_ns);
+        out.Put(at + W::kReplyArrival, r.stamps[s].reply_arrival_ns);
+        out.Put(at + W::kAddressed, r.addressed[s]);
+      }
+    });
   }
 
   // A request that could not even be queued: undone as if it never happened.
