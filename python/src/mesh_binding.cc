@@ -17,6 +17,7 @@
 #include "python/src/stream_binding.h"
 #include "stepmesh/scheduler.h"
 #include "stepmesh/server.h"
+#include "stepmesh/stats.h"
 #include "stepmesh/worker.h"
 
 namespace stepmesh::python {
@@ -346,6 +347,32 @@ class PyWorker {
     out["servers"] = std::move(servers);
     out["complete_ns"] = record.complete_ns;
     return out;
+  }
+
+  // PrometheusText(Stats()): the counters and stage histograms (docs/metrics.md).
+  std::string MetricsText() { return PrometheusText(live().Stats()); }
+
+  // The recorded requests as Chrome trace JSON on the scheduler's clock
+  // (docs/tracing.md; needs trace_events > 0). Asks the scheduler for the
+  // clock offset: the GIL is released meanwhile.
+  std::string ChromeTraceJson() {
+    auto& node = live();  // may raise: do it holding the GIL
+    absl::StatusOr<std::string> json;
+    {
+      py::gil_scoped_release release;
+      json = node.ChromeTraceJson();
+    }
+    return ValueOrThrow(std::move(json));
+  }
+
+  void WriteChromeTrace(const std::string& path) {
+    auto& node = live();
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = node.WriteChromeTrace(path);
+    }
+    ThrowIfError(s);
   }
 
   void Barrier() {
@@ -745,6 +772,32 @@ class PyServer {
     return SliceOf(it->second, key, worker, slot_bytes, slot_bytes);
   }
 
+  // PrometheusText(Stats()): the counters and stage histograms (docs/metrics.md).
+  std::string MetricsText() { return PrometheusText(live().Stats()); }
+
+  // The recorded requests as Chrome trace JSON on the scheduler's clock
+  // (docs/tracing.md; needs trace_events > 0). Asks the scheduler for the
+  // clock offset: the GIL is released meanwhile.
+  std::string ChromeTraceJson() {
+    auto& node = live();  // may raise: do it holding the GIL
+    absl::StatusOr<std::string> json;
+    {
+      py::gil_scoped_release release;
+      json = node.ChromeTraceJson();
+    }
+    return ValueOrThrow(std::move(json));
+  }
+
+  void WriteChromeTrace(const std::string& path) {
+    auto& node = live();
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = node.WriteChromeTrace(path);
+    }
+    ThrowIfError(s);
+  }
+
   void Barrier() {
     absl::Status s;
     auto& node = live();  // may raise: do it holding the GIL
@@ -1009,6 +1062,11 @@ connects to the scheduler and every server (blocking, GIL released).)doc");
            "A stream of this worker's backend (cpu_mock: a host thread).")
       .def("test", &PyWorker::Test, py::arg("request"))
       .def("fetch_trace", &PyWorker::FetchTrace, py::arg("request"))
+      .def("metrics_text", &PyWorker::MetricsText,
+           "Stats() in the Prometheus text format (docs/metrics.md).")
+      .def("chrome_trace_json", &PyWorker::ChromeTraceJson,
+           "Recorded requests as Chrome trace JSON on the scheduler's clock (trace_events > 0).")
+      .def("write_chrome_trace", &PyWorker::WriteChromeTrace, py::arg("path"))
       .def("barrier", &PyWorker::Barrier)
       .def("close", &PyWorker::Close);
   AddContextManager(worker);
@@ -1045,6 +1103,11 @@ The FFN side (C++ AFTensorServer). Server(options=None, **fields) joins the mesh
       .def(
           "reply_slot", [](PyServer& s, py::handle key, int w) { return s.Slot(key, w, true); },
           py::arg("key"), py::arg("worker"))
+      .def("metrics_text", &PyServer::MetricsText,
+           "Stats() in the Prometheus text format (docs/metrics.md).")
+      .def("chrome_trace_json", &PyServer::ChromeTraceJson,
+           "Recorded requests as Chrome trace JSON on the scheduler's clock (trace_events > 0).")
+      .def("write_chrome_trace", &PyServer::WriteChromeTrace, py::arg("path"))
       .def("barrier", &PyServer::Barrier)
       .def("close", &PyServer::Close);
   AddContextManager(server);

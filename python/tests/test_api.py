@@ -6,6 +6,7 @@ scheduler binds port 0, so no port is ever guessed."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import sys
@@ -31,11 +32,12 @@ class Mesh:
     """A scheduler plus servers running `server_fn(server)` in threads; the test
     body is the worker(s). Every thread is joined with a deadline."""
 
-    def __init__(self, server_fn, workers=1, servers=1):
+    def __init__(self, server_fn, workers=1, servers=1, **server_options):
         self.scheduler = stepmesh.Scheduler(num_workers=workers, num_servers=servers)
         self.addr = self.scheduler.address
         self.errors = []
         self.threads = []
+        self.server_options = server_options
         for s in range(servers):
             t = threading.Thread(target=self._run, args=(server_fn, workers, servers, s))
             t.start()
@@ -43,7 +45,8 @@ class Mesh:
 
     def _run(self, fn, workers, servers, rank):
         try:
-            with stepmesh.Server(opts(self.addr, workers, servers, rank=rank)) as s:
+            with stepmesh.Server(opts(self.addr, workers, servers, rank=rank,
+                                      **self.server_options)) as s:
                 fn(s)
         except BaseException as e:  # reported by close()
             self.errors.append(e)
@@ -651,3 +654,65 @@ def test_stream_arguments_order_sends_and_arrivals_on_cpu_mock_streams():
     assert len(snaps) == 5
     for got, want in zip(snaps, [7, 2, 2, 5, 5]):
         np.testing.assert_array_equal(got, want)
+
+
+def test_metrics_text_and_chrome_trace_export(tmp_path):
+    """Stats() and the trace recorder from Python: the Prometheus text counts
+    the bytes sent on both ends, both ends' Chrome trace JSON parses and names
+    the same five requests, and a node that records nothing says which
+    variable to set."""
+    n, rows = 5, 64
+    got = {}
+
+    def server(s):
+        recv = np.zeros(rows, np.float32)
+        reply = np.zeros(rows, np.float32)
+        s.register_recv(1, recv)
+        s.register_reply(2, reply)
+        s.barrier()
+        for _ in range(n):
+            s.respond(s.get_batch(timeout=20))
+        s.barrier()
+        got["metrics"] = s.metrics_text()
+        got["trace"] = json.loads(s.chrome_trace_json())
+
+    def total(text, name):
+        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith(name + "{")]
+        assert values, name
+        return sum(values)
+
+    def request_ids(trace, span):
+        return {e["args"]["request"] for e in trace["traceEvents"]
+                if e["ph"] == "X" and e["name"].startswith(span)}
+
+    mesh = Mesh(server, trace_events=64)
+    try:
+        with stepmesh.Worker(opts(mesh.addr, trace_events=64)) as w:
+            x = np.ones(rows, np.float32)
+            y = np.zeros(rows, np.float32)
+            w.register_push(1, x)
+            w.register_pull(2, 0, y)
+            w.barrier()
+            for _ in range(n):
+                w.wait(w.push_pull([1], [(2, 0)]), 20)
+            w.barrier()
+            text = w.metrics_text()
+            path = tmp_path / "worker0.json"
+            w.write_chrome_trace(str(path))
+            worker_trace = json.loads(path.read_text())
+    finally:
+        mesh.close()
+    assert total(text, "stepmesh_peer_sent_bytes_total") == n * rows * 4
+    assert total(got["metrics"], "stepmesh_peer_received_bytes_total") == n * rows * 4
+    ids = request_ids(worker_trace, "request")
+    assert len(ids) == n
+    assert request_ids(got["trace"], "respond") == ids
+    quiet = Mesh(lambda s: s.barrier())  # trace_events left at 0
+    try:
+        with quiet.worker() as w:
+            with pytest.raises(stepmesh.FailedPrecondition, match="STEPMESH_TRACE_EVENTS"):
+                w.chrome_trace_json()
+            w.barrier()
+    finally:
+        quiet.close()
