@@ -1,0 +1,141 @@
+#pragma once
+// ThreadSanitizer annotations for causality that travels through the kernel:
+// the bytes of a TCP connection. Empty (no members, no calls, no syscalls)
+// unless the build has -fsanitize=thread.
+//
+// What TSan sees without them: sendmsg() reads the payload (the interceptor
+// marks the iovecs read by the calling thread) and recv() writes the
+// destination (marked written by the receive thread), but the only ordering it
+// adds is between calls on the *same descriptor*. The two ends of a connection
+// are different descriptors (in different transports, often of one process in
+// the tests), so "the peer answered, therefore the kernel has finished reading
+// my tensor" is invisible, and the application's next write of a tensor it had
+// sent races, in TSan's eyes, with the kernel's copy. SocketCausality is that
+// connection as a pair of TSan sync objects, one per direction, which both
+// ends find on their own from the connection's addresses.
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__SANITIZE_THREAD__)
+#define STEPMESH_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define STEPMESH_TSAN 1
+#endif
+#endif
+
+#if defined(STEPMESH_TSAN)
+#include <netinet/in.h>
+#include <sanitizer/tsan_interface.h>
+#include <sys/socket.h>
+
+#include <cstring>
+#include <initializer_list>
+#endif
+
+namespace stepmesh::base {
+
+#if defined(STEPMESH_TSAN)
+
+namespace tsan_internal {
+
+// Why a fixed table of addresses, in a process-wide array, for a per-connection
+// object: the two ends live in different transports (often of different
+// meshes) that share nothing, and a registry both could look up would be a
+// singleton of its own. A connection direction is named by its endpoints
+// (sender address, receiver address), which each end computes from its socket
+// (getsockname/getpeername, once per connection), and hashed into this table:
+// TSan wants application memory to hang a sync object on, and a collision only
+// adds ordering between two connections (it can hide a race, never invent
+// one). Not one object for every socket: a receive would then acquire every
+// send of the process, and an application that waited for the answer of one
+// peer before rewriting a tensor still being sent to another would pass.
+inline constexpr size_t kDirections = 4096;
+inline uint64_t directions[kDirections];
+
+// An endpoint as 16 address bytes (IPv4 as v4-mapped IPv6, as one end of a
+// dual-stack connection may see it) and the port.
+inline bool Endpoint(const sockaddr_storage& s, unsigned char out[18]) {
+  std::memset(out, 0, 18);
+  if (s.ss_family == AF_INET) {
+    const auto& a = reinterpret_cast<const sockaddr_in&>(s);
+    out[10] = out[11] = 0xff;
+    std::memcpy(out + 12, &a.sin_addr, 4);
+    std::memcpy(out + 16, &a.sin_port, 2);
+    return true;
+  }
+  if (s.ss_family == AF_INET6) {
+    const auto& a = reinterpret_cast<const sockaddr_in6&>(s);
+    std::memcpy(out, &a.sin6_addr, 16);
+    std::memcpy(out + 16, &a.sin6_port, 2);
+    return true;
+  }
+  return false;
+}
+
+// The direction from endpoint `from` to `to` (FNV-1a over both).
+inline void* Direction(const unsigned char from[18], const unsigned char to[18]) {
+  uint64_t h = 1469598103934665603ull;
+  for (const unsigned char* p : {from, to}) {
+    for (int i = 0; i < 18; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  }
+  return &directions[h % kDirections];
+}
+
+}  // namespace tsan_internal
+
+// One connection's two directions as TSan sync objects.
+class SocketCausality {
+ public:
+  SocketCausality() = default;
+
+  // For a connected socket; a default (inert) object when its addresses are
+  // not IP (nothing to annotate: every call below is then a no-op).
+  static SocketCausality ForSocket(int fd) {
+    sockaddr_storage local{}, remote{};
+    socklen_t local_len = sizeof(local), remote_len = sizeof(remote);
+    unsigned char self[18], peer[18];
+    SocketCausality c;
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) != 0 ||
+        ::getpeername(fd, reinterpret_cast<sockaddr*>(&remote), &remote_len) != 0 ||
+        !tsan_internal::Endpoint(local, self) || !tsan_internal::Endpoint(remote, peer)) {
+      return c;
+    }
+    c.out_ = tsan_internal::Direction(self, peer);
+    c.in_ = tsan_internal::Direction(peer, self);
+    return c;
+  }
+
+  // Call around a send of application memory: before the call (what this thread
+  // did to the bytes before asking to send them reaches whoever reads them)
+  // and after it returned (the kernel's read of them, which the interceptor
+  // marks when the call returns, reaches whoever reacts to them: the peer's
+  // answer, and through it this process's next write of the same memory).
+  void ReleaseOutgoing() const {
+    if (out_ != nullptr) __tsan_release(out_);
+  }
+  // After a receive returned: what the peer did before it sent these bytes
+  // happened before this thread's use of them (and its next receive into the
+  // same memory).
+  void AcquireIncoming() const {
+    if (in_ != nullptr) __tsan_acquire(in_);
+  }
+
+ private:
+  void* out_ = nullptr;
+  void* in_ = nullptr;
+};
+
+#else  // !STEPMESH_TSAN: no state, no calls.
+
+class SocketCausality {
+ public:
+  static SocketCausality ForSocket(int) { return {}; }
+  void ReleaseOutgoing() const {}
+  void AcquireIncoming() const {}
+};
+
+#endif
+
+}  // namespace stepmesh::base
