@@ -11,8 +11,18 @@
 // the tests), so "the peer answered, therefore the kernel has finished reading
 // my tensor" is invisible, and the application's next write of a tensor it had
 // sent races, in TSan's eyes, with the kernel's copy. SocketCausality is that
-// connection as a pair of TSan sync objects, one per direction, which both
-// ends find on their own from the connection's addresses.
+// connection as one TSan sync object, which both ends find on their own from
+// the connection's addresses.
+//
+// Why one object for both directions, not one per direction: when the peer is
+// another process, its half of the chain (it read our bytes, then answered) is
+// invisible to this process's TSan; our receive of its answer acquiring what
+// our own send released stands for it. This hides no race with the kernel's
+// copy itself: the kernel reads the payload only inside sendmsg, and the
+// release comes after sendmsg returned, so anything it orders really is after
+// the copy. (What TSan cannot know: it marks the read when sendmsg returns, so
+// a thread preempted between the kernel's copy and the interceptor's mark
+// while the whole round trip completes would be reported; never seen.)
 
 #include <cstddef>
 #include <cstdint>
@@ -43,16 +53,16 @@ namespace tsan_internal {
 // Why a fixed table of addresses, in a process-wide array, for a per-connection
 // object: the two ends live in different transports (often of different
 // meshes) that share nothing, and a registry both could look up would be a
-// singleton of its own. A connection direction is named by its endpoints
-// (sender address, receiver address), which each end computes from its socket
+// singleton of its own. A connection is named by its two endpoints, in a
+// canonical order, which each end computes from its socket
 // (getsockname/getpeername, once per connection), and hashed into this table:
 // TSan wants application memory to hang a sync object on, and a collision only
 // adds ordering between two connections (it can hide a race, never invent
 // one). Not one object for every socket: a receive would then acquire every
 // send of the process, and an application that waited for the answer of one
 // peer before rewriting a tensor still being sent to another would pass.
-inline constexpr size_t kDirections = 4096;
-inline uint64_t directions[kDirections];
+inline constexpr size_t kConnections = 4096;
+inline uint64_t connections[kConnections];
 
 // An endpoint as 16 address bytes (IPv4 as v4-mapped IPv6, as one end of a
 // dual-stack connection may see it) and the port.
@@ -74,18 +84,20 @@ inline bool Endpoint(const sockaddr_storage& s, unsigned char out[18]) {
   return false;
 }
 
-// The direction from endpoint `from` to `to` (FNV-1a over both).
-inline void* Direction(const unsigned char from[18], const unsigned char to[18]) {
+// The connection between endpoints `a` and `b`, the same from either end
+// (FNV-1a over both, the lesser first).
+inline void* Connection(const unsigned char a[18], const unsigned char b[18]) {
+  const bool a_first = std::memcmp(a, b, 18) <= 0;
   uint64_t h = 1469598103934665603ull;
-  for (const unsigned char* p : {from, to}) {
+  for (const unsigned char* p : {a_first ? a : b, a_first ? b : a}) {
     for (int i = 0; i < 18; ++i) h = (h ^ p[i]) * 1099511628211ull;
   }
-  return &directions[h % kDirections];
+  return &connections[h % kConnections];
 }
 
 }  // namespace tsan_internal
 
-// One connection's two directions as TSan sync objects.
+// One TCP connection as a TSan sync object.
 class SocketCausality {
  public:
   SocketCausality() = default;
@@ -102,8 +114,7 @@ class SocketCausality {
         !tsan_internal::Endpoint(local, self) || !tsan_internal::Endpoint(remote, peer)) {
       return c;
     }
-    c.out_ = tsan_internal::Direction(self, peer);
-    c.in_ = tsan_internal::Direction(peer, self);
+    c.link_ = tsan_internal::Connection(self, peer);
     return c;
   }
 
@@ -112,19 +123,18 @@ class SocketCausality {
   // and after it returned (the kernel's read of them, which the interceptor
   // marks when the call returns, reaches whoever reacts to them: the peer's
   // answer, and through it this process's next write of the same memory).
-  void ReleaseOutgoing() const {
-    if (out_ != nullptr) __tsan_release(out_);
+  void Release() const {
+    if (link_ != nullptr) __tsan_release(link_);
   }
   // After a receive returned: what the peer did before it sent these bytes
   // happened before this thread's use of them (and its next receive into the
   // same memory).
-  void AcquireIncoming() const {
-    if (in_ != nullptr) __tsan_acquire(in_);
+  void Acquire() const {
+    if (link_ != nullptr) __tsan_acquire(link_);
   }
 
  private:
-  void* out_ = nullptr;
-  void* in_ = nullptr;
+  void* link_ = nullptr;
 };
 
 #else  // !STEPMESH_TSAN: no state, no calls.
@@ -132,8 +142,8 @@ class SocketCausality {
 class SocketCausality {
  public:
   static SocketCausality ForSocket(int) { return {}; }
-  void ReleaseOutgoing() const {}
-  void AcquireIncoming() const {}
+  void Release() const {}
+  void Acquire() const {}
 };
 
 #endif

@@ -148,7 +148,7 @@ class WireProxy {
   bool Pump(int fd, const base::SocketCausality& causality, Stream& stream, Stream& other) {
     std::byte chunk[kReadChunk];
     const ssize_t n = ::recv(fd, chunk, sizeof(chunk), MSG_DONTWAIT);
-    if (n >= 0) causality.AcquireIncoming();
+    if (n >= 0) causality.Acquire();
     if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
     if (n == 0) return false;
     Feed(stream, other, chunk, static_cast<size_t>(n));
@@ -158,7 +158,7 @@ class WireProxy {
   // Writes what is pending on `stream` to `fd`; false when the link is done.
   static bool Flush(int fd, const base::SocketCausality& causality, Stream& stream) {
     while (stream.pending() > 0) {
-      causality.ReleaseOutgoing();
+      causality.Release();
       const ssize_t n = ::send(fd, stream.out.data() + stream.out_pos, stream.pending(),
                                MSG_DONTWAIT | MSG_NOSIGNAL);
       if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;

@@ -418,13 +418,13 @@ class TcpTransport final : public Transport {
       msg.msg_iov = iov;
       msg.msg_iovlen = iovcnt;
       // The kernel reads registered memory here, and the application rewrites
-      // it once the peer has answered: in TSan builds this connection's
-      // outgoing direction carries both what happened before the call and the
-      // kernel's read, which TSan marks as this thread's when the call returns
-      // (src/base/tsan.h). Nothing is suppressed in these functions.
-      c.causality.ReleaseOutgoing();
+      // it once the peer has answered: in TSan builds the connection carries
+      // both what happened before the call and the kernel's read, which TSan
+      // marks as this thread's when the call returns, to whoever receives from
+      // it (src/base/tsan.h). Nothing is suppressed in these functions.
+      c.causality.Release();
       const ssize_t n = ::sendmsg(c.fd.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-      c.causality.ReleaseOutgoing();
+      c.causality.Release();
       if (n < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return absl::OkStatus();
@@ -894,10 +894,11 @@ class TcpTransport final : public Transport {
           break;
       }
       const ssize_t n = ::recv(conn.fd.get(), into, want, MSG_DONTWAIT);
-      // What the peer did before sending these bytes happened before their
-      // use here, and before the next receive into the same memory (that
-      // receive starts only after a header that followed the peer's answer).
-      if (n >= 0) conn.causality.AcquireIncoming();
+      // What the peer did before sending these bytes (and what this process
+      // sent before them) happened before their use here, and before the next
+      // receive into the same memory: that one starts only after a header the
+      // peer sent once it had this process's answer.
+      if (n >= 0) conn.causality.Acquire();
       if (n == 0) {
         // CANCELLED: an orderly departure (see TransportSink::OnPeerLost).
         Lose(conn, sink,
