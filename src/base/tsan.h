@@ -18,11 +18,11 @@
 // another process, its half of the chain (it read our bytes, then answered) is
 // invisible to this process's TSan; our receive of its answer acquiring what
 // our own send released stands for it. This hides no race with the kernel's
-// copy itself: the kernel reads the payload only inside sendmsg, and the
-// release comes after sendmsg returned, so anything it orders really is after
-// the copy. (What TSan cannot know: it marks the read when sendmsg returns, so
-// a thread preempted between the kernel's copy and the interceptor's mark
-// while the whole round trip completes would be reported; never seen.)
+// copy itself: the kernel reads the payload only inside sendmsg, before the
+// peer can see a byte of it.
+
+#include <sys/socket.h>
+#include <sys/types.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -38,10 +38,14 @@
 #if defined(STEPMESH_TSAN)
 #include <netinet/in.h>
 #include <sanitizer/tsan_interface.h>
-#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <initializer_list>
+
+// Exported by libtsan, not declared in GCC 12's <sanitizer/tsan_interface.h>.
+extern "C" void __tsan_read_range(void* addr, unsigned long size);  // NOLINT(runtime/int)
 #endif
 
 namespace stepmesh::base {
@@ -118,7 +122,26 @@ class SocketCausality {
     return c;
   }
 
-  // Call around a send of application memory: before the call (what this thread
+  // sendmsg(2) of application memory, annotated. Why not TSan's own sendmsg
+  // interceptor: it marks the payload read when the call *returns*, and the
+  // sending thread is often preempted right there (the call woke the
+  // receiver); the peer's answer, and this process's next write of the same
+  // tensor, can come first, which TSan then reports as a race with the copy.
+  // The kernel reads the payload inside the call, before the peer sees a
+  // byte, so the read is marked (and released) before the raw system call.
+  // What this loses: TSan's check of this descriptor against a concurrent
+  // close, for this call only.
+  ssize_t SendMsg(int fd, const msghdr* msg, int flags) const {
+    for (size_t i = 0; i < msg->msg_iovlen; ++i) {
+      __tsan_read_range(msg->msg_iov[i].iov_base, msg->msg_iov[i].iov_len);
+    }
+    Release();
+    const ssize_t n = ::syscall(SYS_sendmsg, fd, msg, flags);
+    Release();
+    return n;
+  }
+
+  // Call around any other send of application memory: before the call (what this thread
   // did to the bytes before asking to send them reaches whoever reads them)
   // and after it returned (the kernel's read of them, which the interceptor
   // marks when the call returns, reaches whoever reacts to them: the peer's
@@ -142,6 +165,7 @@ class SocketCausality {
 class SocketCausality {
  public:
   static SocketCausality ForSocket(int) { return {}; }
+  ssize_t SendMsg(int fd, const msghdr* msg, int flags) const { return ::sendmsg(fd, msg, flags); }
   void Release() const {}
   void Acquire() const {}
 };

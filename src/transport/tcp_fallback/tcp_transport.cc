@@ -419,12 +419,9 @@ class TcpTransport final : public Transport {
       msg.msg_iovlen = iovcnt;
       // The kernel reads registered memory here, and the application rewrites
       // it once the peer has answered: in TSan builds the connection carries
-      // both what happened before the call and the kernel's read, which TSan
-      // marks as this thread's when the call returns, to whoever receives from
-      // it (src/base/tsan.h). Nothing is suppressed in these functions.
-      c.causality.Release();
-      const ssize_t n = ::sendmsg(c.fd.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-      c.causality.Release();
+      // this thread's past and the kernel's read to whoever receives from it
+      // (src/base/tsan.h). Nothing is suppressed in these functions.
+      const ssize_t n = c.causality.SendMsg(c.fd.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (n < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return absl::OkStatus();
