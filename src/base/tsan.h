@@ -129,9 +129,12 @@ class SocketCausality {
   // tensor, can come first, which TSan then reports as a race with the copy.
   // The kernel reads the payload inside the call, before the peer sees a
   // byte, so the read is marked (and released) before the raw system call.
-  // What this loses: TSan's check of this descriptor against a concurrent
-  // close, for this call only.
+  // The interceptor's release on the descriptor (which orders this thread
+  // before later receives on the same descriptor) is subsumed by Release on
+  // the connection; what is lost is TSan's check of the descriptor against a
+  // concurrent close, for this call only.
   ssize_t SendMsg(int fd, const msghdr* msg, int flags) const {
+    if (link_ == nullptr) return ::sendmsg(fd, msg, flags);  // not IP: TSan's own
     for (size_t i = 0; i < msg->msg_iovlen; ++i) {
       __tsan_read_range(msg->msg_iov[i].iov_base, msg->msg_iov[i].iov_len);
     }
@@ -141,11 +144,10 @@ class SocketCausality {
     return n;
   }
 
-  // Call around any other send of application memory: before the call (what this thread
-  // did to the bytes before asking to send them reaches whoever reads them)
-  // and after it returned (the kernel's read of them, which the interceptor
-  // marks when the call returns, reaches whoever reacts to them: the peer's
-  // answer, and through it this process's next write of the same memory).
+  // Call around any other send (the wire proxy's of its own buffer): before
+  // the call (what this thread did before sending reaches whoever reads the
+  // bytes) and after it returned (the kernel's read of them, which the
+  // interceptor marks on return, reaches whoever reacts to them).
   void Release() const {
     if (link_ != nullptr) __tsan_release(link_);
   }
