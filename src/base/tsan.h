@@ -17,9 +17,10 @@
 // Why one object for both directions, not one per direction: when the peer is
 // another process, its half of the chain (it read our bytes, then answered) is
 // invisible to this process's TSan; our receive of its answer acquiring what
-// our own send released stands for it. This hides no race with the kernel's
-// copy itself: the kernel reads the payload only inside sendmsg, before the
-// peer can see a byte of it.
+// our own send released stands for it. What that can hide: an application
+// write racing with a sendmsg still in progress (one non-blocking call), if
+// another frame that arrived on the same connection during the call is what
+// released the application.
 
 #include <sys/socket.h>
 #include <sys/types.h>
