@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -63,6 +64,31 @@ struct FakePd {
   FakeContext* ctx = nullptr;
   int users = 0;  // MRs and QPs
 };
+
+// Places `n` bytes at `dst` as a NIC's DMA does: every aligned 8-byte word in
+// one piece (a CPU never sees half of one; the RDMA transport polls its credit
+// mailbox, one such word, with an atomic load and no completion), the
+// unaligned head and tail in any order. The words are relaxed atomic stores,
+// so ThreadSanitizer sees what the hardware guarantees and no more: a polling
+// atomic load of a whole word is not a race, a plain read of the data before
+// its completion (or other ordering) still is, and nothing is suppressed.
+void DmaWrite(std::byte* dst, const std::byte* src, size_t n) {
+  if (n == 0) return;
+  if (dst < src + n && src < dst + n) {  // overlapping: no real NIC does this
+    std::memmove(dst, src, n);
+    return;
+  }
+  const size_t head = std::min(n, (8 - reinterpret_cast<uintptr_t>(dst) % 8) % 8);
+  std::memcpy(dst, src, head);
+  size_t i = head;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t word;
+    std::memcpy(&word, src + i, 8);
+    std::atomic_ref<uint64_t>(*reinterpret_cast<uint64_t*>(dst + i))
+        .store(word, std::memory_order_relaxed);
+  }
+  std::memcpy(dst + i, src + i, n - i);
+}
 
 // A posted send work request, as the NIC holds it until it executes.
 struct PendingWr {
@@ -416,10 +442,10 @@ struct FakeFabric::State {
     // Place the data.
     auto* dst = reinterpret_cast<std::byte*>(wr.remote_addr);
     if (wr.is_inline) {
-      if (!wr.inline_data.empty()) std::memmove(dst, wr.inline_data.data(), wr.inline_data.size());
+      DmaWrite(dst, wr.inline_data.data(), wr.inline_data.size());
     } else {
       for (const ibv_sge& sge : wr.sges) {
-        if (sge.length > 0) std::memmove(dst, reinterpret_cast<const void*>(sge.addr), sge.length);
+        DmaWrite(dst, reinterpret_cast<const std::byte*>(sge.addr), sge.length);
         dst += sge.length;
       }
     }

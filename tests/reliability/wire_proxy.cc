@@ -12,12 +12,14 @@
 #include <limits>
 #include <optional>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "src/base/net.h"
+#include "src/base/tsan.h"
 #include "src/core/frame.h"
 #include "src/core/handshake.h"
 #include "stepmesh/status.h"
@@ -58,6 +60,11 @@ struct Link {
   base::UniqueFd up;    // the proxy's connection to the real listener
   Stream to_up{true};
   Stream to_down{false};
+  // The proxy stands for the network between two transports: in TSan builds
+  // it passes on what the sender released to the receiver (src/base/tsan.h),
+  // as the kernel does between the two ends of one connection.
+  base::SocketCausality down_causality;
+  base::SocketCausality up_causality;
 };
 
 class WireProxy {
@@ -88,12 +95,14 @@ class WireProxy {
         const short down = fds[1 + 2 * i].revents;
         const short up = fds[2 + 2 * i].revents;
         if (down & (POLLIN | POLLHUP | POLLERR))
-          open = Pump(link.down.get(), link.to_up, link.to_down);
+          open = Pump(link.down.get(), link.down_causality, link.to_up, link.to_down);
         if (open && (up & (POLLIN | POLLHUP | POLLERR))) {
-          open = Pump(link.up.get(), link.to_down, link.to_up);
+          open = Pump(link.up.get(), link.up_causality, link.to_down, link.to_up);
         }
-        if (open && (down & POLLOUT)) open = Flush(link.down.get(), link.to_down);
-        if (open && (up & POLLOUT)) open = Flush(link.up.get(), link.to_up);
+        if (open && (down & POLLOUT)) {
+          open = Flush(link.down.get(), link.down_causality, link.to_down);
+        }
+        if (open && (up & POLLOUT)) open = Flush(link.up.get(), link.up_causality, link.to_up);
         if (open && ((link.to_up.cut && link.to_up.pending() == 0) ||
                      (link.to_down.cut && link.to_down.pending() == 0))) {
           open = false;  // a truncated frame: the sender "died" mid-frame
@@ -130,13 +139,16 @@ class WireProxy {
         !base::SetNonBlocking(link->up.get(), true).ok()) {
       return;
     }
+    link->down_causality = base::SocketCausality::ForSocket(link->down.get());
+    link->up_causality = base::SocketCausality::ForSocket(link->up.get());
     links_.push_back(std::move(link));
   }
 
   // Reads what `fd` has into `stream`; false when the link is done.
-  bool Pump(int fd, Stream& stream, Stream& other) {
+  bool Pump(int fd, const base::SocketCausality& causality, Stream& stream, Stream& other) {
     std::byte chunk[kReadChunk];
     const ssize_t n = ::recv(fd, chunk, sizeof(chunk), MSG_DONTWAIT);
+    if (n >= 0) causality.Acquire();
     if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
     if (n == 0) return false;
     Feed(stream, other, chunk, static_cast<size_t>(n));
@@ -144,8 +156,9 @@ class WireProxy {
   }
 
   // Writes what is pending on `stream` to `fd`; false when the link is done.
-  static bool Flush(int fd, Stream& stream) {
+  static bool Flush(int fd, const base::SocketCausality& causality, Stream& stream) {
     while (stream.pending() > 0) {
+      causality.Release();
       const ssize_t n = ::send(fd, stream.out.data() + stream.out_pos, stream.pending(),
                                MSG_DONTWAIT | MSG_NOSIGNAL);
       if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
@@ -160,9 +173,10 @@ class WireProxy {
   // both ends see the connection close.
   static void Close(Link& link) {
     const absl::Time until = absl::Now() + absl::Milliseconds(200);
-    for (auto [fd, stream] :
-         {std::pair{link.down.get(), &link.to_down}, std::pair{link.up.get(), &link.to_up}}) {
-      while (stream->pending() > 0 && Flush(fd, *stream) && absl::Now() < until) {
+    for (auto [fd, causality, stream] :
+         {std::tuple{link.down.get(), &link.down_causality, &link.to_down},
+          std::tuple{link.up.get(), &link.up_causality, &link.to_up}}) {
+      while (stream->pending() > 0 && Flush(fd, *causality, *stream) && absl::Now() < until) {
         pollfd p{fd, POLLOUT, 0};
         ::poll(&p, 1, 10);
       }

@@ -27,6 +27,7 @@
 #include "src/base/net.h"
 #include "src/base/rate_limit.h"
 #include "src/base/sync.h"
+#include "src/base/tsan.h"
 #include "src/core/handshake.h"
 #include "src/core/protocol.h"
 #include "stepmesh/status.h"
@@ -105,6 +106,9 @@ struct Connection {
   NodeId peer = kNoNode;
   std::string address;  // the remote end, for logs
   base::UniqueFd fd;    // closed when the connection is destroyed (Reap), exactly once
+  // The peer's half of "it answered, so the kernel is done with my bytes", for
+  // ThreadSanitizer builds (empty otherwise): see WriteSome and ReadFrom.
+  [[no_unique_address]] base::SocketCausality causality;
   std::atomic<bool> alive{true};
   bool superseded = false;  // replaced by a newer connection to the same peer
   bool said_goodbye = false;
@@ -413,7 +417,11 @@ class TcpTransport final : public Transport {
       msghdr msg{};
       msg.msg_iov = iov;
       msg.msg_iovlen = iovcnt;
-      const ssize_t n = ::sendmsg(c.fd.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      // The kernel reads registered memory here, and the application rewrites
+      // it once the peer has answered: in TSan builds the connection carries
+      // this thread's past and the kernel's read to whoever receives from it
+      // (src/base/tsan.h). Nothing is suppressed in these functions.
+      const ssize_t n = c.causality.SendMsg(c.fd.get(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
       if (n < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return absl::OkStatus();
@@ -832,6 +840,7 @@ class TcpTransport final : public Transport {
     conn->peer = peer;
     conn->address = std::move(address);
     conn->fd = std::move(fd);
+    conn->causality = base::SocketCausality::ForSocket(conn->fd.get());
     conn->ring.resize(kInitialQueueFrames);
     Connection* added = conn.get();
     {
@@ -882,6 +891,11 @@ class TcpTransport final : public Transport {
           break;
       }
       const ssize_t n = ::recv(conn.fd.get(), into, want, MSG_DONTWAIT);
+      // What the peer did before sending these bytes (and what this process
+      // sent before them) happened before their use here, and before the next
+      // receive into the same memory: that one starts only after a header the
+      // peer sent once it had this process's answer.
+      if (n >= 0) conn.causality.Acquire();
       if (n == 0) {
         // CANCELLED: an orderly departure (see TransportSink::OnPeerLost).
         Lose(conn, sink,
