@@ -13,8 +13,8 @@
 //   host A: stepmesh_perf --role server --rank 0 --scheduler A:9000 --host A ...
 //   host B: stepmesh_perf --role worker --rank 0 --scheduler A:9000 --host B --server-hosts A ...
 // Or configured like a StepMesh process: unset mesh flags come from the environment
-//   DMLC_ROLE=server DMLC_PS_ROOT_URI=A DMLC_PS_ROOT_PORT=9000 DMLC_NUM_WORKER=1 \
-//       DMLC_NUM_SERVER=1 stepmesh_perf --sizes 4096 --iters 100
+//   DMLC_ROLE=server DMLC_PS_ROOT_URI=A DMLC_PS_ROOT_PORT=9000 DMLC_NUM_WORKER=1
+//       (cont.) DMLC_NUM_SERVER=1 stepmesh_perf --sizes 4096 --iters 100
 // Every participant must get the same plan flags (pattern, sizes, iters, warmup,
 // reps, micro-batches, baselines): the phases are lock-stepped by mesh barriers.
 
