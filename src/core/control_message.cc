@@ -87,6 +87,7 @@ std::string EncodeControl(const ControlMessage& m) {
       break;
     case ControlType::kPeerLost:
     case ControlType::kPeerJoined:
+    case ControlType::kPeerLeft:
       payload.Int<uint32_t>(m.node);
       payload.Text(m.text);
       break;
@@ -118,7 +119,7 @@ absl::StatusOr<std::pair<ControlType, uint32_t>> DecodeControlHeader(
     return absl::FailedPreconditionError(absl::StrCat("control protocol version ", version));
   }
   STEPMESH_ASSIGN_OR_RETURN(uint16_t type, r.Int<uint16_t>());
-  if (type < 1 || type > static_cast<uint16_t>(ControlType::kClock)) {
+  if (type < 1 || type > static_cast<uint16_t>(ControlType::kPeerLeft)) {
     return absl::DataLossError(absl::StrCat("unknown control message type ", type));
   }
   STEPMESH_ASSIGN_OR_RETURN(uint32_t length, r.Int<uint32_t>());
@@ -174,7 +175,8 @@ absl::StatusOr<ControlMessage> DecodeControlPayload(ControlType type,
     case ControlType::kLeave:
       break;
     case ControlType::kPeerLost:
-    case ControlType::kPeerJoined: {
+    case ControlType::kPeerJoined:
+    case ControlType::kPeerLeft: {
       STEPMESH_ASSIGN_OR_RETURN(m.node, r.Int<uint32_t>());
       STEPMESH_ASSIGN_OR_RETURN(m.text, r.Text());
       break;

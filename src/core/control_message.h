@@ -35,6 +35,7 @@ enum class ControlType : uint16_t {
   kProof = 12,       // either way: auth proof
   kClock = 13,       // participant -> scheduler: `sequence` = its send time; the scheduler
                      // echoes it with `clock_ns` = its own clock (ClockOffset)
+  kPeerLeft = 14,    // scheduler -> participant: `node` left in order (its kLeave)
 };
 
 struct RosterEntry {
@@ -52,7 +53,7 @@ struct ControlMessage {
   int32_t rank = -1;
   NodeId node = kNoNode;
   uint64_t sequence = 0;  // kJoin: the last barrier this participant entered
-  std::string text;  // endpoint, reason, nonce or proof
+  std::string text;       // endpoint, reason, nonce or proof
   std::vector<RosterEntry> roster;
   // kJoin only: the mesh as this participant was configured, so the scheduler
   // refuses a participant of another mesh instead of running a wrong one.

@@ -82,8 +82,7 @@ absl::Status MeshNode::Start(const TransportFactory& factory) {
   for (const RosterEntry& entry : rendezvous_->roster()) {
     if (NodeRole(entry.node) == other) peers.push_back({entry.node, entry.endpoint});
   }
-  STEPMESH_RETURN_IF_ERROR(
-      transport_->Connect(self_, peers, absl::Now() + options_.timeout));
+  STEPMESH_RETURN_IF_ERROR(transport_->Connect(self_, peers, absl::Now() + options_.timeout));
 
   {
     base::MutexLock lock(&queue_mu_);
@@ -112,6 +111,7 @@ absl::Status MeshNode::Start(const TransportFactory& factory) {
       .on_peer_lost = [this](NodeId peer, absl::Status why) { HandlePeerLost(peer, why); },
       .on_peer_joined = [this](NodeId peer,
                                const std::string& endpoint) { HandlePeerJoined(peer, endpoint); },
+      .on_peer_left = [this](NodeId peer) { HandlePeerLeft(peer); },
   });
   return absl::OkStatus();
 }
@@ -158,9 +158,9 @@ absl::StatusOr<MeshOptions> OptionsForRole(const MeshOptions& options, Role role
     // otherwise) advertised; for RoCE it also narrows the GIDs to its subnets.
     absl::StatusOr<std::string> address = base::InterfaceAddressOf(out.interface);
     if (!address.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "interface '", out.interface, "' (STEPMESH_INTERFACE / DMLC_INTERFACE): ",
-          address.status().message()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("interface '", out.interface,
+                       "' (STEPMESH_INTERFACE / DMLC_INTERFACE): ", address.status().message()));
     }
     out.bind_host = *address;
     if (out.rdma.interface.empty()) out.rdma.interface = out.interface;
@@ -180,7 +180,8 @@ absl::StatusOr<WireTensor> MeshNode::RegisterTensor(uint64_t key, const TensorVi
                                                     uint32_t num_slots,
                                                     std::vector<NodeId> writers) {
   if (view.data == nullptr || view.bytes() == 0) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot register an empty tensor (key ", key, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot register an empty tensor (key ", key, ")"));
   }
   RegionInfo info;
   info.key = key;
@@ -198,8 +199,8 @@ absl::StatusOr<WireTensor> MeshNode::RegisterTensor(uint64_t key, const TensorVi
 absl::StatusOr<WireTensor> MeshNode::RegisterWire(RegionInfo info, const TensorView& view) {
   const bool on_device = view.device.kind != DeviceKind::kCpu;
   const bool require_direct = on_device && options_.rdma.gpudirect == GpuDirect::kRequire;
-  if (!on_device || (options_.rdma.gpudirect != GpuDirect::kOff &&
-                     transport_->CanAccess(view.device))) {
+  if (!on_device ||
+      (options_.rdma.gpudirect != GpuDirect::kOff && transport_->CanAccess(view.device))) {
     info.id = next_region_++;
     info.base = view.data;
     info.device = view.device;
@@ -224,9 +225,9 @@ absl::StatusOr<WireTensor> MeshNode::RegisterWire(RegionInfo info, const TensorV
                  "); staging it through pinned host memory");
     info.dmabuf_fd = -1;
   } else if (require_direct) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "key ", info.key, ": GPUDirect is required but the ", transport_->name(),
-        " transport cannot reach ", DeviceName(view.device), " memory"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("key ", info.key, ": GPUDirect is required but the ", transport_->name(),
+                     " transport cannot reach ", DeviceName(view.device), " memory"));
   }
   STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<Memory> staging,
                             backend_->Allocate(view.bytes(), MemoryKind::kHostPinned));
@@ -292,7 +293,8 @@ void MeshNode::WaitForSendWork() {
     send_wake_.WaitWhile(seen, absl::Milliseconds(50));
   }
   send_sleeping_.store(false, std::memory_order_relaxed);
-  if (mode == PollMode::kAdaptive) send_advice_.Record(absl::Now() - start, options_.threads.spin_budget);
+  if (mode == PollMode::kAdaptive)
+    send_advice_.Record(absl::Now() - start, options_.threads.spin_budget);
 }
 
 void MeshNode::SendLoop() {
@@ -323,9 +325,8 @@ void MeshNode::SendLoop() {
             waiting[kept++] = item;  // order among the waiting is preserved
             continue;
           }
-          reached = absl::DeadlineExceededError(
-              absl::StrCat("the ready event did not complete within ",
-                           absl::FormatDuration(options_.timeout)));
+          reached = absl::DeadlineExceededError(absl::StrCat(
+              "the ready event did not complete within ", absl::FormatDuration(options_.timeout)));
         }
         ready = reached.status();
       }

@@ -37,7 +37,7 @@ struct SendItem {
   uint32_t index = 0;
   uint32_t generation = 0;
   Event* ready = nullptr;  // sent once this completes
-  int64_t queued_ns = 0;   // set by EnqueueSend: a ready event pending past options.timeout fails it
+  int64_t queued_ns = 0;  // set by EnqueueSend: a ready event pending past options.timeout fails it
 };
 
 // Whether one wait site should spin before it blocks (adaptive poll mode). A
@@ -83,6 +83,10 @@ class MeshNode : public TransportSink {
   virtual void HandlePeerLost(NodeId peer, const absl::Status& why) = 0;
   // A peer's new process took over its rank at `endpoint` (rendezvous thread).
   virtual void HandlePeerJoined(NodeId peer, const std::string& endpoint) = 0;
+  // The scheduler saw `peer` leave in order (rendezvous thread, after the
+  // events before it). Usually nothing to do: the transport reports the
+  // goodbye after the peer's last frames, which this notice may overtake.
+  virtual void HandlePeerLeft(NodeId /*peer*/) {}
   // Fails everything still pending (Stop() calls it after the threads ended).
   virtual void CancelAll(const absl::Status& why) = 0;
 
@@ -144,7 +148,7 @@ class MeshNode : public TransportSink {
   void RecvLoop();
   void WaitForSendWork();
 
-  uint64_t activity_ = 0;  // receive thread only
+  uint64_t activity_ = 0;     // receive thread only
   SpinAdvisor await_advice_;  // AwaitUntil (Wait, GetBatch)
   SpinAdvisor send_advice_;   // the send thread waiting for work
   SpinAdvisor recv_advice_;   // the receive thread between frames
@@ -187,8 +191,9 @@ bool MeshNode::AwaitUntil(Done done, absl::Time deadline) {
     return result;
   };
   if (mode == PollMode::kSpin || (mode == PollMode::kAdaptive && await_advice_.ShouldSpin())) {
-    const absl::Time spin_until =
-        mode == PollMode::kSpin ? deadline : std::min(deadline, start + options_.threads.spin_budget);
+    const absl::Time spin_until = mode == PollMode::kSpin
+                                      ? deadline
+                                      : std::min(deadline, start + options_.threads.spin_budget);
     while (absl::Now() < spin_until) {
       for (int i = 0; i < 64; ++i) {
         if (done()) return finish(true);

@@ -113,15 +113,14 @@ absl::Status RendezvousClient::Authenticate(absl::Time deadline) {
     return absl::PermissionDeniedError("scheduler sent a malformed challenge");
   }
   STEPMESH_ASSIGN_OR_RETURN(ControlMessage proof, expect(ControlType::kProof));
-  if (!CheckAuthProof(secret, AuthSide::kAcceptor, "control", ours, scheduler_nonce,
-                      proof.text)) {
+  if (!CheckAuthProof(secret, AuthSide::kAcceptor, "control", ours, scheduler_nonce, proof.text)) {
     STEPMESH_LOG(kWarning, "the scheduler failed authentication (wrong auth token?)");
     return absl::PermissionDeniedError("the scheduler failed authentication (wrong auth token?)");
   }
   ControlMessage answer;
   answer.type = ControlType::kProof;
-  answer.text = std::string(AsText(AuthProof(secret, AuthSide::kDialer, "control", ours,
-                                             scheduler_nonce)));
+  answer.text =
+      std::string(AsText(AuthProof(secret, AuthSide::kDialer, "control", ours, scheduler_nonce)));
   return SendControl(fd, answer, deadline);
 }
 
@@ -225,6 +224,11 @@ void RendezvousClient::MonitorLoop() {
           Post([this, node = m->node, why = absl::UnavailableError(m->text)] {
             events_.on_peer_lost(node, why);
           });
+        }
+        break;
+      case ControlType::kPeerLeft:
+        if (events_.on_peer_left) {
+          Post([this, node = m->node] { events_.on_peer_left(node); });
         }
         break;
       case ControlType::kPeerJoined:
@@ -339,7 +343,6 @@ absl::StatusOr<ClockSync> RendezvousClient::EstimateClock(int samples, absl::Dur
   return *best;
 }
 
-
 absl::Status RendezvousClient::Barrier(absl::Duration timeout) {
   uint64_t sequence;
   {
@@ -366,8 +369,8 @@ absl::Status RendezvousClient::Barrier(absl::Duration timeout) {
           absl::StrCat("barrier ", sequence, ": ", scheduler_status_.message(),
                        " and it did not come back within ", absl::FormatDuration(timeout)));
     }
-    return absl::DeadlineExceededError(absl::StrCat("barrier ", sequence, " not reached in ",
-                                                    absl::FormatDuration(timeout)));
+    return absl::DeadlineExceededError(
+        absl::StrCat("barrier ", sequence, " not reached in ", absl::FormatDuration(timeout)));
   }
   if (barrier_released_ >= sequence) return absl::OkStatus();
   return scheduler_status_;

@@ -33,6 +33,8 @@ namespace stepmesh::core {
 struct RendezvousEvents {
   std::function<void(NodeId, absl::Status)> on_peer_lost;
   std::function<void(NodeId, const std::string& endpoint)> on_peer_joined;
+  // `node` left in order (the scheduler saw its leave).
+  std::function<void(NodeId)> on_peer_left;
 };
 
 // One clock exchange: sent and received on this host's clock, `scheduler`

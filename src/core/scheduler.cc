@@ -37,8 +37,8 @@
 #include "src/base/thread_util.h"
 #include "src/core/auth.h"
 #include "src/core/control_message.h"
-#include "stepmesh/trace.h"
 #include "stepmesh/status.h"
+#include "stepmesh/trace.h"
 
 namespace stepmesh::core {
 namespace {
@@ -543,11 +543,22 @@ class SchedulerImpl final : public Scheduler {
         member.barrier = m.sequence;
         MaybeReleaseBarrier();
         break;
-      case ControlType::kLeave:
+      case ControlType::kLeave: {
         member.left = true;
         if (member.conn != nullptr) Close(*member.conn);
+        // The peers learn of a departure from its data connection's goodbye,
+        // which follows the departing node's last frames. This notice is for
+        // the one peer that cannot tell that goodbye from a previous process's
+        // (a server still connecting a rejoined worker, see server.cc).
+        ControlMessage left;
+        left.type = ControlType::kPeerLeft;
+        left.node = node;
+        ForEachMember([&](NodeId other, Member& o) {
+          if (other != node && o.live()) Send(other, left);
+        });
         MaybeReleaseBarrier();
         break;
+      }
       case ControlType::kPong:
         break;
       case ControlType::kClock: {

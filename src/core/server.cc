@@ -46,12 +46,13 @@ class Server final : public AFTensorServer, public MeshNode {
         replies_(options_, io_, lost_, stats_, trace_ring_),
         notes_(options.num_workers),
         worker_epochs_(new std::atomic<uint32_t>[options.num_workers]),
-        rejoining_(new std::atomic<bool>[options.num_workers]),
-        seen_epochs_(options.num_workers, 0) {
+        rejoining_(new std::atomic<Rejoin>[options.num_workers]),
+        seen_epochs_(options.num_workers, 0),
+        loss_ignored_(options.num_workers, false) {
     for (int w = 0; w < options.num_workers; ++w) {
       notes_[w].worker = w;
       worker_epochs_[w] = 0;
-      rejoining_[w] = false;
+      rejoining_[w] = Rejoin::kNo;
     }
   }
   ~Server() override { Stop(); }
@@ -363,24 +364,47 @@ class Server final : public AFTensorServer, public MeshNode {
   }
 
   // While a rejoined worker's new connection is being made (HandlePeerJoined,
-  // from counting it back in until Connect returns) the transport has no
-  // connection of the new process to lose: it publishes that one as Connect
-  // ends. A loss it reports meanwhile is the previous process's connection,
-  // read late by a receive thread lagging the rendezvous thread (a loaded
-  // machine). Counting the worker out for it would leave its new requests
-  // waiting for batches that never form, so it is ignored. (A new connection
-  // lost in the instant before Connect returns still reaches the server: the
-  // scheduler reports the process itself on the rendezvous thread.)
+  // from counting it back in until Connect returns), a connection loss the
+  // transport reports may be the previous process's, read late by a receive
+  // thread lagging the rendezvous thread (a loaded machine). Counting the
+  // worker out for it would leave the new process's requests waiting for
+  // batches that never form, so it is set aside. But the loss may as well be
+  // the new process's own: a transport may carry the new connection before
+  // Connect returns (TCP adopts it on whichever thread runs the handshake),
+  // so a short-lived process can be served and leave inside that window.
+  // The scheduler settles it on the rendezvous thread, after Connect: a new
+  // process that crashed or went silent is reported lost, and one that left
+  // in order is reported as having left (HandlePeerLeft).
   void HandleConnectionLost(NodeId peer, const absl::Status& why) override {
     if (IsWorker(peer)) {
       const uint32_t w = NodeRank(peer);
-      if (w < static_cast<uint32_t>(options_.num_workers) && rejoining_[w].load()) {
+      Rejoin connecting = Rejoin::kConnecting;
+      if (w < static_cast<uint32_t>(options_.num_workers) &&
+          rejoining_[w].compare_exchange_strong(connecting, Rejoin::kLossSetAside)) {
         STEPMESH_LOG(kInfo, "server ", rank_, ": worker ", w,
-                     "'s previous connection ended: ", why.ToString());
+                     "'s connection ended while it rejoined (its previous process's, or a new "
+                     "one that left: the scheduler tells): ",
+                     why.ToString());
+        return;
+      }
+      // kLossSetAside: a second report in the same window is set aside too.
+      if (w < static_cast<uint32_t>(options_.num_workers) &&
+          rejoining_[w].load() == Rejoin::kLossSetAside) {
         return;
       }
     }
     HandlePeerLost(peer, why);
+  }
+
+  // The scheduler saw worker `peer` leave in order. Its data connection's
+  // goodbye says the same after its last pushes, except when that goodbye
+  // was set aside while the worker rejoined: only then this counts it out.
+  void HandlePeerLeft(NodeId peer) override {
+    if (!IsWorker(peer)) return;
+    const int w = static_cast<int>(NodeRank(peer));
+    if (w >= options_.num_workers || !loss_ignored_[w]) return;
+    loss_ignored_[w] = false;
+    HandlePeerLost(peer, absl::CancelledError("left"));
   }
 
   // A restarted attention process rejoined under the same rank: accept its
@@ -393,12 +417,12 @@ class Server final : public AFTensorServer, public MeshNode {
     // A worker that never looked lost (its old connection still open) is superseded.
     HandlePeerLost(peer, absl::UnavailableError("worker restarted"));
     worker_epochs_[w].fetch_add(1, std::memory_order_acq_rel);
-    rejoining_[w].store(true);
+    rejoining_[w].store(Rejoin::kConnecting);
     // Counted before its connection exists, so no batch forms without it meanwhile.
     lost_.MarkBack(w);
     absl::Status connected =
         transport_->Connect(self_, {PeerInfo{peer, endpoint}}, absl::Now() + options_.timeout);
-    rejoining_[w].store(false);
+    loss_ignored_[w] = rejoining_[w].exchange(Rejoin::kNo) == Rejoin::kLossSetAside;
     if (!connected.ok()) {
       HandlePeerLost(peer, connected);
       STEPMESH_LOG(kWarning, "server ", rank_, ": rejoined worker ", w,
@@ -447,9 +471,14 @@ class Server final : public AFTensorServer, public MeshNode {
   std::vector<PushNote> notes_;  // receive thread only
   // Bumped when a worker's new process rejoins; the receive thread compares.
   std::unique_ptr<std::atomic<uint32_t>[]> worker_epochs_;
-  // Set while HandlePeerJoined connects a worker's new process (HandleConnectionLost).
-  std::unique_ptr<std::atomic<bool>[]> rejoining_;
+  // While HandlePeerJoined connects a worker's new process: kConnecting, then
+  // kLossSetAside once HandleConnectionLost set a loss report aside.
+  enum class Rejoin : uint8_t { kNo, kConnecting, kLossSetAside };
+  std::unique_ptr<std::atomic<Rejoin>[]> rejoining_;
   std::vector<uint32_t> seen_epochs_;  // receive thread only
+  // The last rejoin set a loss report aside; the scheduler's notice of an
+  // orderly leave then counts the worker out (rendezvous thread only).
+  std::vector<bool> loss_ignored_;
   base::RateLimiter violations_{10, absl::Seconds(10)};
 };
 

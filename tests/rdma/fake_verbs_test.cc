@@ -612,12 +612,24 @@ TEST_CASE("fake verbs: a PFC pause within the retry budget only delays, a longer
   Side a(fabric, 0x0A000001), b(fabric, 0x0A000002);
   Connect(a, b, /*a_timeout=*/12, /*a_retry=*/1);  // 16.8 ms per try, 2 tries
   const std::string name = b.verbs->GetDeviceName(b.ctx->device);
+  // The pause starts when PauseNic is called, the retry budget when the fabric
+  // thread first tries the request. A delay between them (a loaded machine)
+  // only shortens the rest of the pause the request meets: 10 ms fits the
+  // 33.6 ms budget whatever the delay. The long pause must outlast the budget
+  // however late the first try comes (200 ms did not when the test thread or
+  // the fabric thread was descheduled for ~170 ms: the request then succeeded),
+  // so it is far longer than that; the request still fails 33.6 ms after its
+  // first try (Drain gives up after 2 s), and the pause ends with the fabric.
   fabric.PauseNic(name, absl::Milliseconds(10));
   REQUIRE(a.Write(b, 0, 0, 8) == 0);
   CHECK(a.Drain(a.send_cq).at(0).status == IBV_WC_SUCCESS);
-  fabric.PauseNic(name, absl::Milliseconds(200));
+  fabric.PauseNic(name, absl::Seconds(60));
+  const absl::Time start = absl::Now();
   REQUIRE(a.Write(b, 0, 0, 8) == 0);
   CHECK(a.Drain(a.send_cq).at(0).status == IBV_WC_RETRY_EXC_ERR);
+  const absl::Duration took = absl::Now() - start;
+  INFO("failed after " << absl::FormatDuration(took));
+  CHECK(took >= absl::Microseconds(33500));  // the budget, not earlier
 }
 
 TEST_CASE("fake verbs: iWARP devices have no immediate data", "[rdma][fake]") {
