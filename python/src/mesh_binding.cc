@@ -27,6 +27,30 @@ namespace {
 
 using Registered = std::shared_ptr<ImportedTensor>;
 
+// The recorded requests of a worker or server as Chrome trace JSON on the
+// scheduler's clock (docs/tracing.md; needs trace_events > 0). The node asks
+// the scheduler for the clock offset: the GIL is released meanwhile. `node`
+// comes from live(), which may raise, so the caller gets it holding the GIL.
+template <class Node>
+std::string ChromeTraceJsonOf(Node& node) {
+  absl::StatusOr<std::string> json;
+  {
+    py::gil_scoped_release release;
+    json = node.ChromeTraceJson();
+  }
+  return ValueOrThrow(std::move(json));
+}
+
+template <class Node>
+void WriteChromeTraceOf(Node& node, const std::string& path) {
+  absl::Status s;
+  {
+    py::gil_scoped_release release;
+    s = node.WriteChromeTrace(path);
+  }
+  ThrowIfError(s);
+}
+
 absl::Duration TimeoutArg(py::handle timeout, absl::Duration fallback) {
   if (timeout.is_none()) return fallback;
   if (PyBool_Check(timeout.ptr()) ||
@@ -352,28 +376,9 @@ class PyWorker {
   // PrometheusText(Stats()): the counters and stage histograms (docs/metrics.md).
   std::string MetricsText() { return PrometheusText(live().Stats()); }
 
-  // The recorded requests as Chrome trace JSON on the scheduler's clock
-  // (docs/tracing.md; needs trace_events > 0). Asks the scheduler for the
-  // clock offset: the GIL is released meanwhile.
-  std::string ChromeTraceJson() {
-    auto& node = live();  // may raise: do it holding the GIL
-    absl::StatusOr<std::string> json;
-    {
-      py::gil_scoped_release release;
-      json = node.ChromeTraceJson();
-    }
-    return ValueOrThrow(std::move(json));
-  }
-
-  void WriteChromeTrace(const std::string& path) {
-    auto& node = live();
-    absl::Status s;
-    {
-      py::gil_scoped_release release;
-      s = node.WriteChromeTrace(path);
-    }
-    ThrowIfError(s);
-  }
+  // Chrome trace JSON of the recorded requests (docs/tracing.md).
+  std::string ChromeTraceJson() { return ChromeTraceJsonOf(live()); }
+  void WriteChromeTrace(const std::string& path) { WriteChromeTraceOf(live(), path); }
 
   void Barrier() {
     absl::Status s;
@@ -775,28 +780,9 @@ class PyServer {
   // PrometheusText(Stats()): the counters and stage histograms (docs/metrics.md).
   std::string MetricsText() { return PrometheusText(live().Stats()); }
 
-  // The recorded requests as Chrome trace JSON on the scheduler's clock
-  // (docs/tracing.md; needs trace_events > 0). Asks the scheduler for the
-  // clock offset: the GIL is released meanwhile.
-  std::string ChromeTraceJson() {
-    auto& node = live();  // may raise: do it holding the GIL
-    absl::StatusOr<std::string> json;
-    {
-      py::gil_scoped_release release;
-      json = node.ChromeTraceJson();
-    }
-    return ValueOrThrow(std::move(json));
-  }
-
-  void WriteChromeTrace(const std::string& path) {
-    auto& node = live();
-    absl::Status s;
-    {
-      py::gil_scoped_release release;
-      s = node.WriteChromeTrace(path);
-    }
-    ThrowIfError(s);
-  }
+  // Chrome trace JSON of the recorded requests (docs/tracing.md).
+  std::string ChromeTraceJson() { return ChromeTraceJsonOf(live()); }
+  void WriteChromeTrace(const std::string& path) { WriteChromeTraceOf(live(), path); }
 
   void Barrier() {
     absl::Status s;
