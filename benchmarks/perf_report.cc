@@ -15,8 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 
 namespace stepmesh::bench {
 namespace {
@@ -76,7 +76,8 @@ LatencyStats ComputeStats(std::vector<uint64_t> samples) {
   for (uint64_t v : samples) sum += static_cast<double>(v);
   const double mean = sum / static_cast<double>(samples.size());
   double sq = 0;
-  for (uint64_t v : samples) sq += (static_cast<double>(v) - mean) * (static_cast<double>(v) - mean);
+  for (uint64_t v : samples)
+    sq += (static_cast<double>(v) - mean) * (static_cast<double>(v) - mean);
   s.min_us = samples.front() / 1000.0;
   s.max_us = samples.back() / 1000.0;
   s.p50_us = NearestRank(samples, 0.50);
@@ -87,9 +88,7 @@ LatencyStats ComputeStats(std::vector<uint64_t> samples) {
   return s;
 }
 
-CpuClock CpuNow() {
-  return {ClockNs(CLOCK_PROCESS_CPUTIME_ID), ClockNs(CLOCK_THREAD_CPUTIME_ID)};
-}
+CpuClock CpuNow() { return {ClockNs(CLOCK_PROCESS_CPUTIME_ID), ClockNs(CLOCK_THREAD_CPUTIME_ID)}; }
 
 MachineInfo GetMachineInfo() {
   MachineInfo m;
@@ -129,7 +128,8 @@ void AddFloorRow(SizeResult& r) {
   }
   if (best == nullptr) {
     bool asked = false;
-    for (const MethodResult& m : r.methods) asked |= m.method == "raw-spin" || m.method == "raw-block";
+    for (const MethodResult& m : r.methods)
+      asked |= m.method == "raw-spin" || m.method == "raw-block";
     if (!asked) return;
     MethodResult floor;
     floor.method = "raw-tcp";
@@ -167,8 +167,7 @@ void DeriveRatios(SizeResult& r) {
     if (!per_rep.empty()) {
       std::sort(per_rep.begin(), per_rep.end());
       const size_t n = per_rep.size();
-      b.rep_ratio_p50_median =
-          n % 2 ? per_rep[n / 2] : (per_rep[n / 2 - 1] + per_rep[n / 2]) / 2;
+      b.rep_ratio_p50_median = n % 2 ? per_rep[n / 2] : (per_rep[n / 2 - 1] + per_rep[n / 2]) / 2;
       b.rep_ratio_p50_min = per_rep.front();
       b.rep_ratio_p50_max = per_rep.back();
     }
@@ -183,14 +182,18 @@ void DeriveRatios(SizeResult& r) {
 
 void PrintHeader(const RunInfo& run, const MachineInfo& m) {
   std::printf("%s\n", std::string(118, '-').c_str());
-  std::printf(" stepmesh_perf  pattern %s (%d worker(s) x %d server(s), %s)  transport %s  backend %s\n",
-              run.pattern.c_str(), run.workers, run.servers,
-              run.processes ? "processes" : "threads", run.transport.c_str(), run.backend.c_str());
-  std::printf(" poll %s  micro-batches in flight %d  warmup %d  iterations %d in %d interleaved rep(s)\n",
-              run.poll_mode.c_str(), run.micro_batches, run.warmup, run.iters, run.reps);
+  std::printf(
+      " stepmesh_perf  pattern %s (%d worker(s) x %d server(s), %s)  transport %s  backend %s\n",
+      run.pattern.c_str(), run.workers, run.servers, run.processes ? "processes" : "threads",
+      run.transport.c_str(), run.backend.c_str());
+  std::printf(
+      " poll %s  micro-batches in flight %d  warmup %d  iterations %d in %d interleaved rep(s)\n",
+      run.poll_mode.c_str(), run.micro_batches, run.warmup, run.iters, run.reps);
   std::printf(" CPU %s, %d online / %d allowed cores, %s, load %.2f\n", m.cpu_model.c_str(),
               m.online_cores, m.allowed_cores, m.kernel.c_str(), m.load_average_1m);
-  std::printf(" latency = one iteration on worker 0: push to every server + every reply back (a round trip)\n");
+  std::printf(
+      " latency = one iteration on worker 0: push to every server + every reply back (a round "
+      "trip)\n");
   std::printf("%s\n", std::string(118, '-').c_str());
 }
 
@@ -198,8 +201,8 @@ void PrintSizeTable(const SizeResult& r) {
   std::printf("\n push %zu B (%s) / pull %zu B (%s) per server\n", r.push_bytes,
               HumanBytes(r.push_bytes).c_str(), r.pull_bytes, HumanBytes(r.pull_bytes).c_str());
   std::printf(" %-9s %7s %9s %9s %9s %9s %9s %9s %8s %8s %8s %8s %8s %7s\n", "method", "iters",
-              "t_min", "t_p50", "t_p99", "t_p99.9", "t_max", "t_mean", "stdev", "Gb/s",
-              "cpu_us", "p99/p50", "x_p50", "x_p99");
+              "t_min", "t_p50", "t_p99", "t_p99.9", "t_max", "t_mean", "stdev", "Gb/s", "cpu_us",
+              "p99/p50", "x_p50", "x_p99");
   for (const MethodResult& m : r.methods) {
     if (!m.available) {
       std::printf(" %-9s unavailable: %s\n", m.method.c_str(), m.note.c_str());
@@ -226,14 +229,17 @@ void PrintSizeTable(const SizeResult& r) {
     if (m.available && !m.note.empty()) std::printf(" %s: %s\n", m.method.c_str(), m.note.c_str());
   }
   if (r.has_overhead) {
-    std::printf(" software overhead vs the raw-tcp floor (same bytes): p50 %+.2f us (%+.1f%% of raw p50), mean %+.2f us\n",
-                r.overhead_p50_us, r.overhead_p50_pct, r.overhead_mean_us);
+    std::printf(
+        " software overhead vs the raw-tcp floor (same bytes): p50 %+.2f us (%+.1f%% of raw p50), "
+        "mean %+.2f us\n",
+        r.overhead_p50_us, r.overhead_p50_pct, r.overhead_mean_us);
     for (const MethodResult& m : r.methods) {
       if (m.method != "raw-tcp" || m.ratio_p50 <= 0) continue;
       // The target of docs/benchmarks.md: ours within 15% of the floor at p50.
-      std::printf(" target ours <= 1.15x floor at p50: %s (%.3fx; cpu/iter ours %.1f us, floor %.1f us)\n",
-                  m.ratio_p50 <= 1.15 ? "met" : "MISSED", m.ratio_p50, r.methods[0].cpu_us_per_iter,
-                  m.cpu_us_per_iter);
+      std::printf(
+          " target ours <= 1.15x floor at p50: %s (%.3fx; cpu/iter ours %.1f us, floor %.1f us)\n",
+          m.ratio_p50 <= 1.15 ? "met" : "MISSED", m.ratio_p50, r.methods[0].cpu_us_per_iter,
+          m.cpu_us_per_iter);
     }
   }
   if (!r.stages.empty()) {
@@ -251,16 +257,17 @@ absl::Status WriteJson(const std::string& path, const RunInfo& run, const Machin
   absl::StrAppend(&out, "  \"tool\": \"stepmesh_perf\",\n");
   absl::StrAppend(&out, "  \"command\": \"", JsonEscape(run.command_line), "\",\n");
   absl::StrAppend(&out, "  \"machine\": {\"cpu_model\": \"", JsonEscape(m.cpu_model),
-                  "\", \"online_cores\": ", m.online_cores, ", \"allowed_cores\": ",
-                  m.allowed_cores, ", \"kernel\": \"", JsonEscape(m.kernel), "\", \"hostname\": \"",
-                  JsonEscape(m.hostname), "\", \"load_average_1m\": ", Num(m.load_average_1m),
-                  "},\n");
-  absl::StrAppend(&out, "  \"config\": {\"pattern\": \"", run.pattern, "\", \"workers\": ",
-                  run.workers, ", \"servers\": ", run.servers, ", \"transport\": \"",
-                  run.transport, "\", \"backend\": \"", run.backend, "\", \"poll_mode\": \"",
-                  run.poll_mode, "\", \"micro_batches\": ", run.micro_batches,
-                  ", \"warmup\": ", run.warmup, ", \"iters\": ", run.iters, ", \"reps\": ",
-                  run.reps, ", \"processes\": ", run.processes ? "true" : "false", "},\n");
+                  "\", \"online_cores\": ", m.online_cores,
+                  ", \"allowed_cores\": ", m.allowed_cores, ", \"kernel\": \"",
+                  JsonEscape(m.kernel), "\", \"hostname\": \"", JsonEscape(m.hostname),
+                  "\", \"load_average_1m\": ", Num(m.load_average_1m), "},\n");
+  absl::StrAppend(&out, "  \"config\": {\"pattern\": \"", run.pattern,
+                  "\", \"workers\": ", run.workers, ", \"servers\": ", run.servers,
+                  ", \"transport\": \"", run.transport, "\", \"backend\": \"", run.backend,
+                  "\", \"poll_mode\": \"", run.poll_mode,
+                  "\", \"micro_batches\": ", run.micro_batches, ", \"warmup\": ", run.warmup,
+                  ", \"iters\": ", run.iters, ", \"reps\": ", run.reps,
+                  ", \"processes\": ", run.processes ? "true" : "false", "},\n");
   absl::StrAppend(&out, "  \"results\": [\n");
   for (size_t i = 0; i < results.size(); ++i) {
     const SizeResult& r = results[i];
@@ -268,19 +275,20 @@ absl::Status WriteJson(const std::string& path, const RunInfo& run, const Machin
                     ", \"methods\": [\n");
     for (size_t j = 0; j < r.methods.size(); ++j) {
       const MethodResult& mr = r.methods[j];
-      absl::StrAppend(&out, "      {\"method\": \"", mr.method, "\", \"available\": ",
-                      mr.available ? "true" : "false", ", \"note\": \"", JsonEscape(mr.note),
-                      "\", \"latency\": ", StatsJson(mr.stats), ", \"goodput_gbps\": ",
-                      Num(mr.goodput_gbps), ", \"cpu_us_per_iter\": ", Num(mr.cpu_us_per_iter),
+      absl::StrAppend(&out, "      {\"method\": \"", mr.method,
+                      "\", \"available\": ", mr.available ? "true" : "false", ", \"note\": \"",
+                      JsonEscape(mr.note), "\", \"latency\": ", StatsJson(mr.stats),
+                      ", \"goodput_gbps\": ", Num(mr.goodput_gbps),
+                      ", \"cpu_us_per_iter\": ", Num(mr.cpu_us_per_iter),
                       ", \"thread_cpu_us_per_iter\": ", Num(mr.thread_cpu_us_per_iter));
       if (j > 0) {
-        absl::StrAppend(&out, ", \"ratio_p50\": ", mr.ratio_p50 > 0 ? Num(mr.ratio_p50) : "null",
-                        ", \"ratio_p99\": ", mr.ratio_p99 > 0 ? Num(mr.ratio_p99) : "null",
-                        ", \"rep_ratio_p50\": {\"median\": ",
-                        mr.rep_ratio_p50_median > 0 ? Num(mr.rep_ratio_p50_median) : "null",
-                        ", \"min\": ", mr.rep_ratio_p50_min > 0 ? Num(mr.rep_ratio_p50_min) : "null",
-                        ", \"max\": ", mr.rep_ratio_p50_max > 0 ? Num(mr.rep_ratio_p50_max) : "null",
-                        "}");
+        absl::StrAppend(
+            &out, ", \"ratio_p50\": ", mr.ratio_p50 > 0 ? Num(mr.ratio_p50) : "null",
+            ", \"ratio_p99\": ", mr.ratio_p99 > 0 ? Num(mr.ratio_p99) : "null",
+            ", \"rep_ratio_p50\": {\"median\": ",
+            mr.rep_ratio_p50_median > 0 ? Num(mr.rep_ratio_p50_median) : "null",
+            ", \"min\": ", mr.rep_ratio_p50_min > 0 ? Num(mr.rep_ratio_p50_min) : "null",
+            ", \"max\": ", mr.rep_ratio_p50_max > 0 ? Num(mr.rep_ratio_p50_max) : "null", "}");
       }
       absl::StrAppend(&out, ", \"rep_p50_us\": [");
       for (size_t k = 0; k < mr.rep_p50_us.size(); ++k) {
@@ -292,15 +300,16 @@ absl::Status WriteJson(const std::string& path, const RunInfo& run, const Machin
     absl::StrAppend(&out, "     ]");
     if (r.has_overhead) {
       absl::StrAppend(&out, ", \"overhead_vs_raw\": {\"p50_us\": ", Num(r.overhead_p50_us),
-                      ", \"mean_us\": ", Num(r.overhead_mean_us), ", \"p50_pct_of_raw\": ",
-                      Num(r.overhead_p50_pct), "}");
+                      ", \"mean_us\": ", Num(r.overhead_mean_us),
+                      ", \"p50_pct_of_raw\": ", Num(r.overhead_p50_pct), "}");
     }
     if (!r.stages.empty()) {
       absl::StrAppend(&out, ", \"stepmesh_stages\": [");
       for (size_t k = 0; k < r.stages.size(); ++k) {
         absl::StrAppend(&out, k ? ", " : "", "{\"stage\": \"", r.stages[k].name,
-                        "\", \"p50_us\": ", Num(r.stages[k].p50_us), ", \"p99_us\": ",
-                        Num(r.stages[k].p99_us), ", \"mean_us\": ", Num(r.stages[k].mean_us), "}");
+                        "\", \"p50_us\": ", Num(r.stages[k].p50_us),
+                        ", \"p99_us\": ", Num(r.stages[k].p99_us),
+                        ", \"mean_us\": ", Num(r.stages[k].mean_us), "}");
       }
       absl::StrAppend(&out, "]");
     }

@@ -42,10 +42,10 @@ MachineInfo GetMachineInfo();
 struct MethodResult {
   std::string method;  // "stepmesh", "raw-tcp", "zmq", "memcpy"
   bool available = true;
-  std::string note;    // why unavailable, or a caveat
+  std::string note;  // why unavailable, or a caveat
   LatencyStats stats;
-  double goodput_gbps = 0;       // bytes this worker moved per iteration / mean latency
-  double cpu_us_per_iter = 0;    // process CPU (all threads) per iteration
+  double goodput_gbps = 0;            // bytes this worker moved per iteration / mean latency
+  double cpu_us_per_iter = 0;         // process CPU (all threads) per iteration
   double thread_cpu_us_per_iter = 0;  // the calling thread's CPU per iteration
   // ours ÷ this method (filled for baselines only; 0 when not applicable).
   double ratio_p50 = 0;
@@ -58,8 +58,8 @@ struct MethodResult {
 };
 
 struct SizeResult {
-  size_t push_bytes = 0;  // per server
-  size_t pull_bytes = 0;  // per server
+  size_t push_bytes = 0;              // per server
+  size_t pull_bytes = 0;              // per server
   std::vector<MethodResult> methods;  // methods[0] is ours
   // Software overhead of ours over the raw-socket floor for the same bytes,
   // per iteration ("per layer" in the AFD patterns); NaN-free: 0 when no raw-tcp.

@@ -92,8 +92,8 @@ BENCHMARK(BM_DecodeFrame);
 // answers every batch from its own thread, all in this process.
 class InProcessMesh {
  public:
-  static std::unique_ptr<InProcessMesh> Create(const core::TransportFactory& factory,
-                                               size_t bytes, std::string* error) {
+  static std::unique_ptr<InProcessMesh> Create(const core::TransportFactory& factory, size_t bytes,
+                                               std::string* error) {
     auto mesh = std::unique_ptr<InProcessMesh>(new InProcessMesh(bytes));
     absl::Status s = mesh->Start(factory);
     if (!s.ok()) {
@@ -214,11 +214,16 @@ BENCHMARK(BM_SubmitPushPull)->UseManualTime();
 
 #ifdef STEPMESH_MICRO_FAKE_VERBS
 void BM_RoundTrip_FakeVerbs(benchmark::State& state) {
-  // Synchronous fabric: work requests execute inside post_send, no fabric thread in the measurement.
+  // Synchronous fabric: work requests execute inside post_send, no fabric thread in the
+  // measurement.
   RoundTrip(state, testing::FakeRdmaFactory(std::make_shared<testing::FakeFabric>(
                        testing::FakeFabricOptions{.asynchronous = false})));
 }
-BENCHMARK(BM_RoundTrip_FakeVerbs)->Name("BM_RoundTrip/fake_verbs")->Arg(8)->Arg(4096)->UseRealTime();
+BENCHMARK(BM_RoundTrip_FakeVerbs)
+    ->Name("BM_RoundTrip/fake_verbs")
+    ->Arg(8)
+    ->Arg(4096)
+    ->UseRealTime();
 #endif
 
 }  // namespace

@@ -23,10 +23,10 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <functional>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -84,16 +84,17 @@ struct Flags {
   int timeout_ms = 30000;                 // one wait, connect or barrier
   int sockbuf = 8 << 20;                  // raw-tcp SO_SNDBUF/SO_RCVBUF, as the TCP transport
   bool threads = false;
-  int metrics_port = 0;     // > 0: worker w serves GET /metrics on it + w, server s on it + X + s
-  std::string metrics_file; // each participant writes <file>.<role><rank> before leaving
+  int metrics_port = 0;      // > 0: worker w serves GET /metrics on it + w, server s on it + X + s
+  std::string metrics_file;  // each participant writes <file>.<role><rank> before leaving
   std::string chrome_trace;  // each participant writes <file>.<role><rank>.json (docs/tracing.md)
-  int parent_pid = 0;                     // internal: set on children
+  int parent_pid = 0;        // internal: set on children
   std::string command_line;
 };
 
 int Usage(const char* why) {
   if (why != nullptr) std::fprintf(stderr, "stepmesh_perf: %s\n\n", why);
-  std::fprintf(stderr,
+  std::fprintf(
+      stderr,
       "usage: stepmesh_perf [--role launch|worker|server|scheduler] [--scheduler H:P] [--rank R]\n"
       "  [--transport tcp|rdma] [--backend cpu_mock|cuda] [--device N]\n"
       "  [--pattern 1A1F|1A2F|2A1F|2A2F|xAyF] [--workers X --servers Y (with xAyF)]\n"
@@ -194,38 +195,70 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       return absl::InvalidArgumentError(absl::StrCat("missing value for ", flag));
     }
     bool ok = true;
-    if (flag == "--role") f.role = value;
-    else if (flag == "--scheduler") f.scheduler = value;
-    else if (flag == "--rank") ok = absl::SimpleAtoi(value, &f.rank);
-    else if (flag == "--transport") f.transport = value;
-    else if (flag == "--backend") f.backend = value;
-    else if (flag == "--device") ok = absl::SimpleAtoi(value, &f.device);
-    else if (flag == "--pattern") f.pattern = value;
-    else if (flag == "--workers") ok = absl::SimpleAtoi(value, &f.workers);
-    else if (flag == "--servers") ok = absl::SimpleAtoi(value, &f.servers);
-    else if (flag == "--push-bytes") ok = absl::SimpleAtoi(value, &push);
-    else if (flag == "--pull-bytes") ok = absl::SimpleAtoi(value, &pull);
-    else if (flag == "--sizes") sizes_text = value;
-    else if (flag == "--micro-batches") ok = absl::SimpleAtoi(value, &f.micro_batches);
-    else if (flag == "--warmup") ok = absl::SimpleAtoi(value, &f.warmup);
-    else if (flag == "--iters") ok = absl::SimpleAtoi(value, &f.iters);
-    else if (flag == "--reps") ok = absl::SimpleAtoi(value, &f.reps);
-    else if (flag == "--poll-mode") f.poll_mode = value;
-    else if (flag == "--send-cores") ok = ParseInts(value, &f.send_cores);
-    else if (flag == "--recv-cores") ok = ParseInts(value, &f.recv_cores);
-    else if (flag == "--baseline") f.baselines = absl::StrSplit(value, ',', absl::SkipEmpty());
-    else if (flag == "--json") f.json = value;
-    else if (flag == "--host") f.host = value;
-    else if (flag == "--server-hosts") f.server_hosts = absl::StrSplit(value, ',', absl::SkipEmpty());
-    else if (flag == "--baseline-port") ok = absl::SimpleAtoi(value, &f.baseline_port);
-    else if (flag == "--deadline-s") ok = absl::SimpleAtoi(value, &f.deadline_s);
-    else if (flag == "--timeout-ms") ok = absl::SimpleAtoi(value, &f.timeout_ms);
-    else if (flag == "--sockbuf") ok = absl::SimpleAtoi(value, &f.sockbuf);
-    else if (flag == "--metrics-port") ok = absl::SimpleAtoi(value, &f.metrics_port);
-    else if (flag == "--metrics-file") f.metrics_file = value;
-    else if (flag == "--chrome-trace") f.chrome_trace = value;
-    else if (flag == "--parent-pid") ok = absl::SimpleAtoi(value, &f.parent_pid);
-    else return absl::InvalidArgumentError(absl::StrCat("unknown flag ", flag));
+    if (flag == "--role")
+      f.role = value;
+    else if (flag == "--scheduler")
+      f.scheduler = value;
+    else if (flag == "--rank")
+      ok = absl::SimpleAtoi(value, &f.rank);
+    else if (flag == "--transport")
+      f.transport = value;
+    else if (flag == "--backend")
+      f.backend = value;
+    else if (flag == "--device")
+      ok = absl::SimpleAtoi(value, &f.device);
+    else if (flag == "--pattern")
+      f.pattern = value;
+    else if (flag == "--workers")
+      ok = absl::SimpleAtoi(value, &f.workers);
+    else if (flag == "--servers")
+      ok = absl::SimpleAtoi(value, &f.servers);
+    else if (flag == "--push-bytes")
+      ok = absl::SimpleAtoi(value, &push);
+    else if (flag == "--pull-bytes")
+      ok = absl::SimpleAtoi(value, &pull);
+    else if (flag == "--sizes")
+      sizes_text = value;
+    else if (flag == "--micro-batches")
+      ok = absl::SimpleAtoi(value, &f.micro_batches);
+    else if (flag == "--warmup")
+      ok = absl::SimpleAtoi(value, &f.warmup);
+    else if (flag == "--iters")
+      ok = absl::SimpleAtoi(value, &f.iters);
+    else if (flag == "--reps")
+      ok = absl::SimpleAtoi(value, &f.reps);
+    else if (flag == "--poll-mode")
+      f.poll_mode = value;
+    else if (flag == "--send-cores")
+      ok = ParseInts(value, &f.send_cores);
+    else if (flag == "--recv-cores")
+      ok = ParseInts(value, &f.recv_cores);
+    else if (flag == "--baseline")
+      f.baselines = absl::StrSplit(value, ',', absl::SkipEmpty());
+    else if (flag == "--json")
+      f.json = value;
+    else if (flag == "--host")
+      f.host = value;
+    else if (flag == "--server-hosts")
+      f.server_hosts = absl::StrSplit(value, ',', absl::SkipEmpty());
+    else if (flag == "--baseline-port")
+      ok = absl::SimpleAtoi(value, &f.baseline_port);
+    else if (flag == "--deadline-s")
+      ok = absl::SimpleAtoi(value, &f.deadline_s);
+    else if (flag == "--timeout-ms")
+      ok = absl::SimpleAtoi(value, &f.timeout_ms);
+    else if (flag == "--sockbuf")
+      ok = absl::SimpleAtoi(value, &f.sockbuf);
+    else if (flag == "--metrics-port")
+      ok = absl::SimpleAtoi(value, &f.metrics_port);
+    else if (flag == "--metrics-file")
+      f.metrics_file = value;
+    else if (flag == "--chrome-trace")
+      f.chrome_trace = value;
+    else if (flag == "--parent-pid")
+      ok = absl::SimpleAtoi(value, &f.parent_pid);
+    else
+      return absl::InvalidArgumentError(absl::StrCat("unknown flag ", flag));
     if (!ok) return absl::InvalidArgumentError(absl::StrCat("bad value for ", flag, ": ", value));
     given.insert(flag);
   }
@@ -239,8 +272,10 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
       std::pair<std::string, std::string> pq = absl::StrSplit(pair, absl::MaxSplits(':', 1));
       size_t p = 0, q = 0;
       if (!absl::SimpleAtoi(pq.first, &p)) return absl::InvalidArgumentError("bad --sizes");
-      if (pq.second.empty()) q = p;
-      else if (!absl::SimpleAtoi(pq.second, &q)) return absl::InvalidArgumentError("bad --sizes");
+      if (pq.second.empty())
+        q = p;
+      else if (!absl::SimpleAtoi(pq.second, &q))
+        return absl::InvalidArgumentError("bad --sizes");
       f.sizes.push_back({p, q});
     }
   } else if (push > 0 || pull > 0) {
@@ -352,10 +387,10 @@ absl::StatusOr<std::unique_ptr<tools::MetricsHttpServer>> ServeMetrics(
   if (f.metrics_port <= 0) return nullptr;
   const int port = f.metrics_port + offset;
   if (port > 65535) return absl::InvalidArgumentError(absl::StrCat("metrics port ", port));
-  STEPMESH_ASSIGN_OR_RETURN(
-      std::unique_ptr<tools::MetricsHttpServer> server,
-      tools::MetricsHttpServer::Start(static_cast<uint16_t>(port),
-                                      [stats] { return PrometheusText(stats()); }));
+  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<tools::MetricsHttpServer> server,
+                            tools::MetricsHttpServer::Start(static_cast<uint16_t>(port), [stats] {
+                              return PrometheusText(stats());
+                            }));
   std::printf("metrics: http://127.0.0.1:%u/metrics\n", server->port());
   std::fflush(stdout);
   return server;
@@ -389,9 +424,9 @@ absl::Status RunServerRole(const Flags& f) {
   if (Wants(f, "raw-tcp") || Wants(f, "raw-naive") || Wants(f, "zmq")) {
     if (f.baseline_port <= 0) return absl::InvalidArgumentError("baselines need --baseline-port");
     STEPMESH_ASSIGN_OR_RETURN(
-        baselines, BaselineServers::Start(f.host, static_cast<uint16_t>(f.baseline_port + 2 * s),
-                                          Wants(f, "zmq") ? f.baseline_port + 2 * s + 1 : 0,
-                                          f.sockbuf));
+        baselines,
+        BaselineServers::Start(f.host, static_cast<uint16_t>(f.baseline_port + 2 * s),
+                               Wants(f, "zmq") ? f.baseline_port + 2 * s + 1 : 0, f.sockbuf));
   }
   Buffers buffers;
   const int64_t workers = f.workers;
@@ -401,8 +436,9 @@ absl::Status RunServerRole(const Flags& f) {
       STEPMESH_ASSIGN_OR_RETURN(void* recv, buffers.Allocate(*backend, workers * push));
       STEPMESH_ASSIGN_OR_RETURN(void* reply, buffers.Allocate(*backend, workers * pull));
       // A recognisable reply: worker 0 checks one byte per phase.
-      STEPMESH_RETURN_IF_ERROR(backend->Copy(reply, std::vector<uint8_t>(workers * pull,
-                                   static_cast<uint8_t>(s + 1)).data(), workers * pull));
+      STEPMESH_RETURN_IF_ERROR(backend->Copy(
+          reply, std::vector<uint8_t>(workers * pull, static_cast<uint8_t>(s + 1)).data(),
+          workers * pull));
       STEPMESH_RETURN_IF_ERROR(server->RegisterRecvTensor(
           PushKey(z, m), View2d(recv, workers, push, backend->device())));
       STEPMESH_RETURN_IF_ERROR(server->RegisterReplyTensor(
@@ -462,7 +498,8 @@ constexpr const char* kStageNames[] = {
 };
 constexpr size_t kStages = sizeof(kStageNames) / sizeof(kStageNames[0]);
 
-void AddStages(const TraceRecord& t, uint64_t returned_ns, std::vector<std::vector<uint64_t>>& out) {
+void AddStages(const TraceRecord& t, uint64_t returned_ns,
+               std::vector<std::vector<uint64_t>>& out) {
   // The server whose reply landed last decides the request's latency.
   const TraceRecord::PerServer* last = nullptr;
   for (const TraceRecord::PerServer& s : t.servers) {
@@ -504,8 +541,7 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
     max_pull = std::max(max_pull, pull);
     for (int m = 0; m < M; ++m) {
       STEPMESH_ASSIGN_OR_RETURN(void* p, buffers.Allocate(*backend, push));
-      STEPMESH_RETURN_IF_ERROR(
-          backend->Copy(p, std::vector<uint8_t>(push, 0x5A).data(), push));
+      STEPMESH_RETURN_IF_ERROR(backend->Copy(p, std::vector<uint8_t>(push, 0x5A).data(), push));
       STEPMESH_RETURN_IF_ERROR(
           worker->RegisterPushTensor(PushKey(z, m), BytesView(p, push, backend->device())));
       push_mem[z].push_back(p);
@@ -528,8 +564,9 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
   const absl::Duration timeout = absl::Milliseconds(f.timeout_ms);
   std::vector<base::HostPort> raw_addrs, zmq_addrs;
   for (int s = 0; s < y; ++s) {
-    const std::string host =
-        f.server_hosts.empty() ? f.host : f.server_hosts[std::min<size_t>(s, f.server_hosts.size() - 1)];
+    const std::string host = f.server_hosts.empty()
+                                 ? f.host
+                                 : f.server_hosts[std::min<size_t>(s, f.server_hosts.size() - 1)];
     raw_addrs.push_back({host, static_cast<uint16_t>(f.baseline_port + 2 * s)});
     zmq_addrs.push_back({host, static_cast<uint16_t>(f.baseline_port + 2 * s + 1)});
   }
@@ -540,10 +577,11 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
     std::string error;
   };
   std::map<std::string, Client> clients;
-  auto connect = [&](const std::string& method,
-                     absl::StatusOr<std::unique_ptr<BaselineClient>> c) {
-    if (c.ok()) clients[method].client = *std::move(c);
-    else clients[method].error = c.status().ToString();
+  auto connect = [&](const std::string& method, absl::StatusOr<std::unique_ptr<BaselineClient>> c) {
+    if (c.ok())
+      clients[method].client = *std::move(c);
+    else
+      clients[method].error = c.status().ToString();
   };
   if (Wants(f, "raw-tcp")) {
     connect("raw-spin", ConnectRawTcp(raw_addrs, f.sockbuf, timeout, f.workers, RawMode::kSpin));
@@ -558,8 +596,8 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
   // Every node on this host (the launcher, or a worker role whose servers are
   // on its own loopback address, e.g. benchmarks/python_overhead.py's C++
   // row): stamps compare.
-  const bool same_host = f.server_hosts.empty() &&
-                         (f.role == "launch" || absl::StartsWith(f.host, "127."));
+  const bool same_host =
+      f.server_hosts.empty() && (f.role == "launch" || absl::StartsWith(f.host, "127."));
   std::vector<SizeResult> results;
   std::vector<Pull> pulls(y);
   for (size_t z = 0; z < f.sizes.size(); ++z) {
@@ -612,8 +650,10 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
           for (int i = 0; i < total; ++i) {
             if (i == f.warmup) cpu_start = CpuNow();
             const uint64_t t0 = MonotonicNowNs();
-            for (int s = 0; s < y; ++s) std::memcpy(host_scratch.data(), host_push.data(), push_bytes);
-            for (int s = 0; s < y; ++s) std::memcpy(host_pull[s].data(), host_scratch.data(), pull_bytes);
+            for (int s = 0; s < y; ++s)
+              std::memcpy(host_scratch.data(), host_push.data(), push_bytes);
+            for (int s = 0; s < y; ++s)
+              std::memcpy(host_pull[s].data(), host_scratch.data(), pull_bytes);
             record(i, MonotonicNowNs() - t0);
           }
         } else {
@@ -625,7 +665,8 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
           for (int i = 0; i < total; ++i) {
             if (i == f.warmup) cpu_start = CpuNow();
             const uint64_t t0 = MonotonicNowNs();
-            absl::Status st = client->Exchange(host_push.data(), push_bytes, host_pull_ptrs, pull_bytes);
+            absl::Status st =
+                client->Exchange(host_push.data(), push_bytes, host_pull_ptrs, pull_bytes);
             if (!st.ok()) return absl::Status(st.code(), absl::StrCat(method, ": ", st.message()));
             record(i, MonotonicNowNs() - t0);
           }
@@ -657,7 +698,8 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
         const double bytes = static_cast<double>(push_bytes + pull_bytes) * y;
         mr.goodput_gbps = mr.stats.mean_us > 0 ? bytes * 8 / (mr.stats.mean_us * 1e3) : 0;
         mr.cpu_us_per_iter = acc[k].process_cpu_ns / 1e3 / static_cast<double>(acc[k].measured);
-        mr.thread_cpu_us_per_iter = acc[k].thread_cpu_ns / 1e3 / static_cast<double>(acc[k].measured);
+        mr.thread_cpu_us_per_iter =
+            acc[k].thread_cpu_ns / 1e3 / static_cast<double>(acc[k].measured);
         if (mr.method != "stepmesh" && M > 1) mr.note = "baselines run one request at a time";
         if (mr.method == "raw-naive") {
           mr.note = "old row: servers in turn, blocking; not a floor";
@@ -738,15 +780,22 @@ std::string SelfPath() {
 std::vector<std::string> PlanArgs(const Flags& f) {
   std::vector<std::string> sizes;
   for (const auto& [p, q] : f.sizes) sizes.push_back(absl::StrCat(p, ":", q));
-  std::vector<std::string> a = {
-      "--scheduler", f.scheduler, "--transport", f.transport, "--backend", f.backend,
-      "--device", absl::StrCat(f.device), "--pattern", absl::StrCat(f.workers, "A", f.servers, "F"),
-      "--sizes", absl::StrJoin(sizes, ","), "--micro-batches", absl::StrCat(f.micro_batches),
-      "--warmup", absl::StrCat(f.warmup), "--iters", absl::StrCat(f.iters),
-      "--reps", absl::StrCat(f.reps), "--poll-mode", f.poll_mode,
-      "--host", f.host, "--baseline-port", absl::StrCat(f.baseline_port),
-      "--deadline-s", absl::StrCat(f.deadline_s), "--timeout-ms", absl::StrCat(f.timeout_ms),
-      "--sockbuf", absl::StrCat(f.sockbuf)};
+  std::vector<std::string> a = {"--scheduler",     f.scheduler,
+                                "--transport",     f.transport,
+                                "--backend",       f.backend,
+                                "--device",        absl::StrCat(f.device),
+                                "--pattern",       absl::StrCat(f.workers, "A", f.servers, "F"),
+                                "--sizes",         absl::StrJoin(sizes, ","),
+                                "--micro-batches", absl::StrCat(f.micro_batches),
+                                "--warmup",        absl::StrCat(f.warmup),
+                                "--iters",         absl::StrCat(f.iters),
+                                "--reps",          absl::StrCat(f.reps),
+                                "--poll-mode",     f.poll_mode,
+                                "--host",          f.host,
+                                "--baseline-port", absl::StrCat(f.baseline_port),
+                                "--deadline-s",    absl::StrCat(f.deadline_s),
+                                "--timeout-ms",    absl::StrCat(f.timeout_ms),
+                                "--sockbuf",       absl::StrCat(f.sockbuf)};
   if (!f.baselines.empty()) {
     a.push_back("--baseline");
     a.push_back(absl::StrJoin(f.baselines, ","));
@@ -791,8 +840,8 @@ int RunLaunch(Flags f) {
     }
     f.baseline_port = *port;
   }
-  PrintHeader({f.command_line, f.pattern, f.workers, f.servers, f.transport, f.backend,
-               f.poll_mode, f.micro_batches, f.warmup, f.iters, f.reps, !f.threads},
+  PrintHeader({f.command_line, f.pattern, f.workers, f.servers, f.transport, f.backend, f.poll_mode,
+               f.micro_batches, f.warmup, f.iters, f.reps, !f.threads},
               GetMachineInfo());
   std::fflush(stdout);
 
@@ -814,8 +863,13 @@ int RunLaunch(Flags f) {
       });
       return absl::OkStatus();
     }
-    std::vector<std::string> argv = {SelfPath(), "--role", role, "--rank", absl::StrCat(rank),
-                                     "--parent-pid", absl::StrCat(::getpid())};
+    std::vector<std::string> argv = {SelfPath(),
+                                     "--role",
+                                     role,
+                                     "--rank",
+                                     absl::StrCat(rank),
+                                     "--parent-pid",
+                                     absl::StrCat(::getpid())};
     for (std::string& a : PlanArgs(g)) argv.push_back(std::move(a));
     STEPMESH_ASSIGN_OR_RETURN(testing::ChildProcess child, testing::ChildProcess::Spawn(argv));
     g_children[children.size()].store(child.pid());
@@ -843,12 +897,13 @@ int RunLaunch(Flags f) {
   for (size_t i = 0; i < children.size(); ++i) {
     // After a failure here the children would only wait for their timeouts: end them now.
     if (rc != 0) children[i].Kill();
-    absl::StatusOr<int> code = children[i].Wait(absl::Milliseconds(f.timeout_ms) + absl::Seconds(5));
+    absl::StatusOr<int> code =
+        children[i].Wait(absl::Milliseconds(f.timeout_ms) + absl::Seconds(5));
     g_children[i].store(0);
     if (rc == 0 && (!code.ok() || *code != 0)) {
-      std::fprintf(stderr, "stepmesh_perf: child %zu ended with %s\n", i,
-                   code.ok() ? absl::StrCat("exit code ", *code).c_str()
-                             : code.status().ToString().c_str());
+      std::fprintf(
+          stderr, "stepmesh_perf: child %zu ended with %s\n", i,
+          code.ok() ? absl::StrCat("exit code ", *code).c_str() : code.status().ToString().c_str());
       rc = 1;
     }
   }
@@ -860,8 +915,9 @@ int RunLaunch(Flags f) {
   (*scheduler)->Stop();
   if (rc == 0 && !f.json.empty()) {
     absl::Status written =
-        WriteJson(f.json, {f.command_line, f.pattern, f.workers, f.servers, f.transport, f.backend,
-                           f.poll_mode, f.micro_batches, f.warmup, f.iters, f.reps, !f.threads},
+        WriteJson(f.json,
+                  {f.command_line, f.pattern, f.workers, f.servers, f.transport, f.backend,
+                   f.poll_mode, f.micro_batches, f.warmup, f.iters, f.reps, !f.threads},
                   GetMachineInfo(), *results);
     if (!written.ok()) {
       std::fprintf(stderr, "stepmesh_perf: %s\n", written.ToString().c_str());
@@ -900,7 +956,8 @@ int Main(int argc, char** argv) {
   }
   if (f.role == "server") {
     absl::Status s = RunServerRole(f);
-    if (!s.ok()) std::fprintf(stderr, "stepmesh_perf: server %d: %s\n", f.rank, s.ToString().c_str());
+    if (!s.ok())
+      std::fprintf(stderr, "stepmesh_perf: server %d: %s\n", f.rank, s.ToString().c_str());
     return s.ok() ? 0 : 1;
   }
   if (f.role == "worker") {
@@ -916,10 +973,11 @@ int Main(int argc, char** argv) {
       return 1;
     }
     if (reporter && !f.json.empty()) {
-      absl::Status w = WriteJson(f.json, {f.command_line, f.pattern, f.workers, f.servers,
-                                          f.transport, f.backend, f.poll_mode, f.micro_batches,
-                                          f.warmup, f.iters, f.reps, true},
-                                 GetMachineInfo(), *r);
+      absl::Status w =
+          WriteJson(f.json,
+                    {f.command_line, f.pattern, f.workers, f.servers, f.transport, f.backend,
+                     f.poll_mode, f.micro_batches, f.warmup, f.iters, f.reps, true},
+                    GetMachineInfo(), *r);
       if (!w.ok()) std::fprintf(stderr, "stepmesh_perf: %s\n", w.ToString().c_str());
       return w.ok() ? 0 : 1;
     }

@@ -3,12 +3,7 @@
 # .clang-format) over the files scripts/format-files.sh lists. Fails naming
 # every file that is not formatted; fix with
 #   scripts/format-files.sh | xargs clang-format -i
-#
-# NOT YET IN .ci/run: the tree has not been reformatted in one go (that would
-# conflict with every open branch). After the coordinator's one reformat commit
-# (`scripts/format-files.sh | xargs clang-format -i`), add
-#   scripts/check-format.sh
-# to .ci/run before the sanitizers (it takes seconds).
+# .ci/run runs it first (it takes seconds).
 #   scripts/check-format.sh [clang-format binary]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -69,12 +69,18 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "bad value for %s\n", flag.c_str());
       return 2;
     }
-    if (flag == "--iterations") c.iterations = v;
-    else if (flag == "--bytes") c.bytes = v;
-    else if (flag == "--workers") c.workers = static_cast<int>(v);
-    else if (flag == "--servers") c.servers = static_cast<int>(v);
-    else if (flag == "--report-every") c.report_every = v;
-    else if (flag == "--max-rss-growth-kb") c.max_rss_growth_kb = v;
+    if (flag == "--iterations")
+      c.iterations = v;
+    else if (flag == "--bytes")
+      c.bytes = v;
+    else if (flag == "--workers")
+      c.workers = static_cast<int>(v);
+    else if (flag == "--servers")
+      c.servers = static_cast<int>(v);
+    else if (flag == "--report-every")
+      c.report_every = v;
+    else if (flag == "--max-rss-growth-kb")
+      c.max_rss_growth_kb = v;
     else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -194,7 +200,8 @@ int main(int argc, char** argv) {
   }
 
   // Baseline once everything is connected and warmed up.
-  while (workers_ready.load() < c.workers && errors.load() == 0) absl::SleepFor(absl::Milliseconds(5));
+  while (workers_ready.load() < c.workers && errors.load() == 0)
+    absl::SleepFor(absl::Milliseconds(5));
   while (done.load() < std::min<int64_t>(1000, c.iterations) && errors.load() == 0 &&
          workers_ready.load() == c.workers) {
     absl::SleepFor(absl::Milliseconds(5));
@@ -224,11 +231,12 @@ int main(int argc, char** argv) {
   for (auto& t : threads) t.join();
   std::printf("end:   iteration %lld rss %ld KiB fds %d\n", static_cast<long long>(done1), rss1,
               fds1);
-  std::printf("%dA%dF, %lld-byte payloads: %.0f iterations/s per worker, rss %+ld KiB, fds %+d, "
-              "errors %lld\n",
-              c.workers, c.servers, static_cast<long long>(c.bytes),
-              (done1 - done0) / std::max(seconds, 1e-9), rss1 - rss0, fds1 - fds0,
-              static_cast<long long>(errors.load()));
+  std::printf(
+      "%dA%dF, %lld-byte payloads: %.0f iterations/s per worker, rss %+ld KiB, fds %+d, "
+      "errors %lld\n",
+      c.workers, c.servers, static_cast<long long>(c.bytes),
+      (done1 - done0) / std::max(seconds, 1e-9), rss1 - rss0, fds1 - fds0,
+      static_cast<long long>(errors.load()));
   if (errors.load() != 0) std::printf("first error: %s\n", first_error.c_str());
   const bool flat = rss1 - rss0 <= c.max_rss_growth_kb && fds1 == fds0;
   if (!flat) std::printf("NOT FLAT: resources grew\n");

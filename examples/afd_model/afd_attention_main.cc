@@ -79,10 +79,10 @@ class AttentionInstance {
   const AttentionResults& results() const { return results_; }
   // --metrics-port: the worker's Stats() over HTTP until Finish.
   absl::Status ServeMetrics(int port) {
-    STEPMESH_ASSIGN_OR_RETURN(metrics_,
-                              stepmesh::tools::MetricsHttpServer::Start(
-                                  static_cast<uint16_t>(port),
-                                  [this] { return stepmesh::PrometheusText(worker_->Stats()); }));
+    STEPMESH_ASSIGN_OR_RETURN(
+        metrics_, stepmesh::tools::MetricsHttpServer::Start(static_cast<uint16_t>(port), [this] {
+          return stepmesh::PrometheusText(worker_->Stats());
+        }));
     std::printf("afd_attention[%d]: metrics at http://127.0.0.1:%u/metrics\n", rank_,
                 metrics_->port());
     std::fflush(stdout);

@@ -101,10 +101,10 @@ absl::Status FfnInstance::Init(const std::string& scheduler, int device) {
   options.device = device;
   STEPMESH_ASSIGN_OR_RETURN(server_, stepmesh::AFTensorServer::Create(options, backend_));
   if (metrics_port_ > 0) {
-    STEPMESH_ASSIGN_OR_RETURN(metrics_,
-                              stepmesh::tools::MetricsHttpServer::Start(
-                                  static_cast<uint16_t>(metrics_port_),
-                                  [this] { return stepmesh::PrometheusText(server_->Stats()); }));
+    STEPMESH_ASSIGN_OR_RETURN(metrics_, stepmesh::tools::MetricsHttpServer::Start(
+                                            static_cast<uint16_t>(metrics_port_), [this] {
+                                              return stepmesh::PrometheusText(server_->Stats());
+                                            }));
     std::printf("afd_ffn[%d]: metrics at http://127.0.0.1:%u/metrics\n", rank_, metrics_->port());
     std::fflush(stdout);
   }

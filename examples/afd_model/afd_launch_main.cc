@@ -309,8 +309,8 @@ std::vector<std::string> Launcher::ChildEnvironment() const {
   if (!f_.chrome_trace.empty()) {
     // Every request of the run: a server answers each attention instance's
     // request of every stage (48 bytes a record there).
-    const int64_t requests = int64_t{f_.shape.attention} * f_.shape.steps() *
-                             config_.num_layers * f_.shape.micro_batches;
+    const int64_t requests = int64_t{f_.shape.attention} * f_.shape.steps() * config_.num_layers *
+                             f_.shape.micro_batches;
     env.push_back(
         absl::StrCat("STEPMESH_TRACE_EVENTS=", std::min<int64_t>(requests, int64_t{1} << 20)));
   }
@@ -395,8 +395,7 @@ absl::Status Launcher::WriteMergedTrace(const std::vector<AttentionResults>& res
       const size_t at = text_view.find(kKey);
       const size_t end = at == absl::string_view::npos ? at : text_view.find(',', at);
       if (end == absl::string_view::npos ||
-          !absl::SimpleAtoi(text_view.substr(at + kKey.size(), end - at - kKey.size()),
-                            &offset)) {
+          !absl::SimpleAtoi(text_view.substr(at + kKey.size(), end - at - kKey.size()), &offset)) {
         return absl::InvalidArgumentError(absl::StrCat(path, ": no clock_offset_ns"));
       }
     }
@@ -404,7 +403,7 @@ absl::Status Launcher::WriteMergedTrace(const std::vector<AttentionResults>& res
   traces.push_back(ApplicationTraceJson(f_.shape, results, worker_offset, server_offset));
   STEPMESH_ASSIGN_OR_RETURN(const std::string merged, stepmesh::MergeChromeTraces(traces));
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> f(std::fopen(f_.chrome_trace.c_str(), "w"),
-                                                   &std::fclose);
+                                                    &std::fclose);
   if (!f || std::fwrite(merged.data(), 1, merged.size(), f.get()) != merged.size()) {
     return absl::UnavailableError(absl::StrCat("cannot write ", f_.chrome_trace));
   }

@@ -11,11 +11,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "stepmesh/trace.h"
 #include "examples/afd_model/kernels/cpu_kernels.h"
 #include "examples/afd_model/model_weights.h"
 #include "examples/afd_model/reference.h"
 #include "examples/afd_model/step5/step5_attention_side.h"
+#include "stepmesh/trace.h"
 
 namespace afd::example {
 namespace {
@@ -318,9 +318,8 @@ std::string ApplicationTraceJson(const RunShape& shape,
           const size_t stage = r.StageIndex(s, l, m);
           const std::string tag = absl::StrCat("s", s, " L", l, " mb", m);
           // args: what latency models are calibrated against (docs/planning.md).
-          event(absl::StrCat("attention ", tag), pid, kFirstTid + m,
-                worker_offset_ns[r.instance], r.attention[stage].begin_ns,
-                r.attention[stage].end_ns,
+          event(absl::StrCat("attention ", tag), pid, kFirstTid + m, worker_offset_ns[r.instance],
+                r.attention[stage].begin_ns, r.attention[stage].end_ns,
                 absl::StrFormat("{\"step\":%d,\"layer\":%d,\"mb\":%d,\"rows\":%d,"
                                 "\"kv_tokens\":%d}",
                                 s, l, m, r.attention[stage].rows, r.attention[stage].kv_tokens));

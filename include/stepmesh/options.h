@@ -3,7 +3,6 @@
 // MeshOptions::FromEnv() which overlays STEPMESH_* (and StepMesh's DMLC_*)
 // variables on a base; docs/configuration.md lists every name.
 
-#include "absl/strings/string_view.h"
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -11,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "stepmesh/export.h"
 
@@ -51,16 +51,16 @@ struct STEPMESH_EXPORT RdmaOptions {
   std::string interface;  // RoCE: only GIDs inside this netdev's subnets ("eth2") or a
                           // CIDR ("10.0.0.0/24"); empty: any
   // Traffic class and reliability.
-  int traffic_class = 0;  // GRH traffic class, DSCP << 2 (0..255)
-  int service_level = 0;  // SL / priority (0..15)
-  int path_mtu = 0;       // bytes (256, 512, 1024, 2048, 4096); 0: the smaller active MTU
-  int ack_timeout = 18;   // local ACK timeout, 4.096 us * 2^n per try (1..31): 18 = 1.07 s
-  int retry_count = 7;    // transport retries after the first try (0..7)
-  int rnr_retry = 3;      // 0..6; credits make an RNR a bug, 7 (= forever) is refused
-  int min_rnr_timer = 12; // responder's RNR NAK delay code (1..31)
+  int traffic_class = 0;   // GRH traffic class, DSCP << 2 (0..255)
+  int service_level = 0;   // SL / priority (0..15)
+  int path_mtu = 0;        // bytes (256, 512, 1024, 2048, 4096); 0: the smaller active MTU
+  int ack_timeout = 18;    // local ACK timeout, 4.096 us * 2^n per try (1..31): 18 = 1.07 s
+  int retry_count = 7;     // transport retries after the first try (0..7)
+  int rnr_retry = 3;       // 0..6; credits make an RNR a bug, 7 (= forever) is refused
+  int min_rnr_timer = 12;  // responder's RNR NAK delay code (1..31)
   // Queues.
-  int recv_depth = 256;   // receives = credits = header-ring slots per QP (4..8192)
-  int qps_per_peer = 1;   // 2 stripes large payloads over two QPs (LAG ports)
+  int recv_depth = 256;                 // receives = credits = header-ring slots per QP (4..8192)
+  int qps_per_peer = 1;                 // 2 stripes large payloads over two QPs (LAG ports)
   int64_t stripe_min_bytes = 64 << 10;  // with 2 QPs, payloads this large are striped (>= 8192)
   GpuDirect gpudirect = GpuDirect::kAuto;
 
@@ -116,7 +116,7 @@ struct STEPMESH_EXPORT MeshOptions {
   // listing the interfaces found.
   std::string interface;
 
-  std::string transport = "auto";  // "tcp", "rdma" or "auto" (rdma when a device exists)
+  std::string transport = "auto";    // "tcp", "rdma" or "auto" (rdma when a device exists)
   std::string backend = "cpu_mock";  // "cpu_mock" or "cuda"
   int device = 0;
   // The process's CUDA_DEVICE_MAX_CONNECTIONS (0: not set). With 1 the cuda
@@ -128,9 +128,9 @@ struct STEPMESH_EXPORT MeshOptions {
   ThreadingOptions threads;
   absl::Duration timeout = absl::Seconds(30);            // connect, barrier, peer silence
   absl::Duration heartbeat_interval = absl::Seconds(1);  // scheduler liveness probes
-  int max_inflight_requests = 64;  // worker request slots (bounded pool)
-  int max_registrations = 1024;    // per participant
-  std::string auth_token;          // shared secret (challenge-response, never sent)
+  int max_inflight_requests = 64;                        // worker request slots (bounded pool)
+  int max_registrations = 1024;                          // per participant
+  std::string auth_token;           // shared secret (challenge-response, never sent)
   AuthMode auth = AuthMode::kAuto;  // when a missing auth_token is refused
   // Names the mesh: every participant's join carries it and the scheduler
   // refuses one that differs from its own (as it refuses another mesh shape).

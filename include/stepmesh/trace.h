@@ -8,7 +8,6 @@
 
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-
 #include "stepmesh/export.h"
 #include "stepmesh/options.h"
 
@@ -57,7 +56,6 @@ struct ClockSync {
 // with tids from 10000 on and merge them in.
 STEPMESH_EXPORT int ChromeTraceProcessId(Role role, int rank);
 
-STEPMESH_EXPORT absl::StatusOr<std::string> MergeChromeTraces(
-    absl::Span<const std::string> traces);
+STEPMESH_EXPORT absl::StatusOr<std::string> MergeChromeTraces(absl::Span<const std::string> traces);
 
 }  // namespace stepmesh

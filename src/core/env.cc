@@ -556,9 +556,9 @@ absl::Status MeshOptions::Validate() const {
         "trace.events (STEPMESH_TRACE_EVENTS) = ", trace.events, " (0..", 1 << 24, ")"));
   }
   if (trace.events > 0 && !trace.enabled) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "trace.events (STEPMESH_TRACE_EVENTS) = ", trace.events,
-        " records stamps, which trace.enabled = false (STEPMESH_TRACE) turns off"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("trace.events (STEPMESH_TRACE_EVENTS) = ", trace.events,
+                     " records stamps, which trace.enabled = false (STEPMESH_TRACE) turns off"));
   }
   if (auth == AuthMode::kOn && auth_token.empty()) {
     return absl::InvalidArgumentError(

@@ -49,9 +49,9 @@ absl::StatusOr<std::string> MeshNode::ExportChromeTrace() {
     if (!stopped() && rendezvous_ != nullptr) {
       absl::StatusOr<ClockSync> now = rendezvous_->EstimateClock(8, options_.timeout);
       if (!now.ok()) {
-        return absl::Status(now.status().code(),
-                            absl::StrCat("the scheduler's clock for the trace: ",
-                                         now.status().message()));
+        return absl::Status(
+            now.status().code(),
+            absl::StrCat("the scheduler's clock for the trace: ", now.status().message()));
       }
       last_clock_ = *now;
     }

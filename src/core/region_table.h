@@ -22,9 +22,9 @@ class RegionTable {
     for (const auto& [other_begin, range] : ranges_) {
       if (other_begin >= end || range.end <= begin) continue;
       if (remote_writable || range.writable) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "tensor for key ", key, " overlaps the tensor of key ", range.key,
-            " and one of them receives remote writes"));
+        return absl::InvalidArgumentError(absl::StrCat("tensor for key ", key,
+                                                       " overlaps the tensor of key ", range.key,
+                                                       " and one of them receives remote writes"));
       }
     }
     ranges_.emplace(begin, Range{end, remote_writable, key});

@@ -1,8 +1,8 @@
-#include "absl/strings/string_view.h"
 #include "stepmesh/tensor.h"
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 
 namespace stepmesh {
 
@@ -25,13 +25,20 @@ size_t DTypeSize(DType dtype) {
 
 absl::string_view DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kUInt8: return "uint8";
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
-    case DType::kFloat32: return "float32";
-    case DType::kFloat16: return "float16";
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kFloat8E4M3: return "float8_e4m3";
+    case DType::kUInt8:
+      return "uint8";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat8E4M3:
+      return "float8_e4m3";
   }
   return "invalid";
 }
@@ -49,8 +56,7 @@ absl::StatusOr<DType> ParseDType(absl::string_view name) {
 }
 
 std::string DeviceName(const Device& device) {
-  return device.kind == DeviceKind::kCpu ? std::string("cpu")
-                                         : absl::StrCat("cuda:", device.index);
+  return device.kind == DeviceKind::kCpu ? std::string("cpu") : absl::StrCat("cuda:", device.index);
 }
 
 Shape::Shape(std::initializer_list<int64_t> dims) {

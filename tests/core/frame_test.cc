@@ -149,8 +149,9 @@ TEST_CASE("control messages round trip and reject garbage", "[control]") {
   CHECK_FALSE(DecodeControlPayload(header->first, bad_span.subspan(kControlHeaderBytes)).ok());
   std::string wrong_magic = bytes;
   wrong_magic[0] = 'X';
-  CHECK_FALSE(DecodeControlHeader(absl::MakeConstSpan(
-                  reinterpret_cast<const std::byte*>(wrong_magic.data()), kControlHeaderBytes))
+  CHECK_FALSE(DecodeControlHeader(
+                  absl::MakeConstSpan(reinterpret_cast<const std::byte*>(wrong_magic.data()),
+                                      kControlHeaderBytes))
                   .ok());
 }
 

@@ -40,15 +40,24 @@ int main(int argc, char** argv) {
     const std::string value = argv[++i];
     int64_t n = 0;
     const bool numeric = absl::SimpleAtoi(value, &n);
-    if (flag == "--role") role = value;
-    else if (flag == "--scheduler") options.scheduler = value;
-    else if (flag == "--rank" && numeric) options.rank = static_cast<int>(n);
-    else if (flag == "--workers" && numeric) scenario.workers = options.num_workers = static_cast<int>(n);
-    else if (flag == "--servers" && numeric) scenario.servers = options.num_servers = static_cast<int>(n);
-    else if (flag == "--iterations" && numeric) scenario.iterations = static_cast<int>(n);
-    else if (flag == "--micro-batches" && numeric) scenario.micro_batches = static_cast<int>(n);
-    else if (flag == "--push-bytes" && numeric) scenario.push_bytes = static_cast<size_t>(n);
-    else if (flag == "--pull-bytes" && numeric) scenario.pull_bytes = static_cast<size_t>(n);
+    if (flag == "--role")
+      role = value;
+    else if (flag == "--scheduler")
+      options.scheduler = value;
+    else if (flag == "--rank" && numeric)
+      options.rank = static_cast<int>(n);
+    else if (flag == "--workers" && numeric)
+      scenario.workers = options.num_workers = static_cast<int>(n);
+    else if (flag == "--servers" && numeric)
+      scenario.servers = options.num_servers = static_cast<int>(n);
+    else if (flag == "--iterations" && numeric)
+      scenario.iterations = static_cast<int>(n);
+    else if (flag == "--micro-batches" && numeric)
+      scenario.micro_batches = static_cast<int>(n);
+    else if (flag == "--push-bytes" && numeric)
+      scenario.push_bytes = static_cast<size_t>(n);
+    else if (flag == "--pull-bytes" && numeric)
+      scenario.pull_bytes = static_cast<size_t>(n);
     else if (flag == "--timeout-ms" && numeric) {
       options.timeout = absl::Milliseconds(n);
       scenario.step_timeout = absl::Milliseconds(n);

@@ -1,14 +1,13 @@
+#include "stepmesh/options.h"
+
+#include <catch2/catch.hpp>
 #include <cstdlib>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include <catch2/catch.hpp>
-
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-
-#include "stepmesh/options.h"
 #include "stepmesh/tensor.h"
 #include "tests/support/scoped_env.h"
 
@@ -81,10 +80,10 @@ TEST_CASE("DMLC_ENABLE_RDMA picks the transport as ps-lite does", "[options]") {
 TEST_CASE("FromEnv rejects bad values with the variable's name", "[options]") {
   // Each error names the variable and the value it had.
   const std::pair<const char*, const char*> bad[] = {
-      {"STEPMESH_NUM_WORKERS", "many"},  {"STEPMESH_POLL_MODE", "sometimes"},
+      {"STEPMESH_NUM_WORKERS", "many"},     {"STEPMESH_POLL_MODE", "sometimes"},
       {"STEPMESH_RDMA_GPUDIRECT", "maybe"}, {"STEPMESH_TRANSPORT", "carrier-pigeon"},
-      {"STEPMESH_AUTH", "perhaps"},       {"STEPMESH_TIMEOUT", "soon"},
-      {"DMLC_NUM_WORKER", "two"},         {"STEPMESH_LOG_LEVEL", "loud"},
+      {"STEPMESH_AUTH", "perhaps"},         {"STEPMESH_TIMEOUT", "soon"},
+      {"DMLC_NUM_WORKER", "two"},           {"STEPMESH_LOG_LEVEL", "loud"},
   };
   for (auto [name, value] : bad) {
     ScopedEnv env({{name, value}});
@@ -140,13 +139,13 @@ TEST_CASE("every RDMA knob has a STEPMESH_RDMA_* variable", "[options][rdma]") {
 
 TEST_CASE("bad RDMA settings are refused naming the variable", "[options][rdma]") {
   const std::pair<const char*, const char*> cases[] = {
-      {"STEPMESH_RDMA_ACK_TIMEOUT", "40"},     {"STEPMESH_RDMA_ACK_TIMEOUT", "soon"},
-      {"STEPMESH_RDMA_RETRY_COUNT", "8"},      {"STEPMESH_RDMA_RNR_RETRY", "7"},
-      {"STEPMESH_RDMA_RECV_DEPTH", "2"},       {"STEPMESH_RDMA_RECV_DEPTH", "9000"},
-      {"STEPMESH_RDMA_PATH_MTU", "1500"},      {"STEPMESH_RDMA_QPS_PER_PEER", "3"},
-      {"STEPMESH_RDMA_TRAFFIC_CLASS", "256"},  {"STEPMESH_RDMA_SERVICE_LEVEL", "16"},
+      {"STEPMESH_RDMA_ACK_TIMEOUT", "40"},        {"STEPMESH_RDMA_ACK_TIMEOUT", "soon"},
+      {"STEPMESH_RDMA_RETRY_COUNT", "8"},         {"STEPMESH_RDMA_RNR_RETRY", "7"},
+      {"STEPMESH_RDMA_RECV_DEPTH", "2"},          {"STEPMESH_RDMA_RECV_DEPTH", "9000"},
+      {"STEPMESH_RDMA_PATH_MTU", "1500"},         {"STEPMESH_RDMA_QPS_PER_PEER", "3"},
+      {"STEPMESH_RDMA_TRAFFIC_CLASS", "256"},     {"STEPMESH_RDMA_SERVICE_LEVEL", "16"},
       {"STEPMESH_RDMA_STRIPE_MIN_BYTES", "4096"}, {"STEPMESH_RDMA_GID_INDEX", "x"},
-      {"STEPMESH_RDMA_MIN_RNR_TIMER", "0"},    {"STEPMESH_RDMA_GPUDIRECT", "maybe"},
+      {"STEPMESH_RDMA_MIN_RNR_TIMER", "0"},       {"STEPMESH_RDMA_GPUDIRECT", "maybe"},
   };
   for (const auto& [name, value] : cases) {
     ScopedEnv env({{name, value}});

@@ -26,7 +26,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto h2 = DecodeControlHeader(absl::MakeConstSpan(e, encoded.size()));
   if (!h2.ok() || h2->first != m->type) std::abort();
   auto m2 = DecodeControlPayload(
-      h2->first, absl::MakeConstSpan(e + kControlHeaderBytes, encoded.size() - kControlHeaderBytes));
+      h2->first,
+      absl::MakeConstSpan(e + kControlHeaderBytes, encoded.size() - kControlHeaderBytes));
   if (!m2.ok() || m2->text != m->text || m2->roster.size() != m->roster.size() ||
       m2->sequence != m->sequence || m2->node != m->node || m2->rank != m->rank) {
     std::abort();

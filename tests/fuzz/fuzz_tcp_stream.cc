@@ -103,7 +103,8 @@ std::vector<std::string> Run(const std::vector<uint8_t>& stream, const std::vect
   });
   auto hp = stepmesh::base::ParseHostPort(*endpoint);
   absl::StatusOr<stepmesh::base::UniqueFd> fd =
-      hp.ok() ? stepmesh::base::ConnectTcp(*hp, deadline) : absl::StatusOr<stepmesh::base::UniqueFd>(hp.status());
+      hp.ok() ? stepmesh::base::ConnectTcp(*hp, deadline)
+              : absl::StatusOr<stepmesh::base::UniqueFd>(hp.status());
   absl::Status dialled = fd.ok() ? stepmesh::base::SetNonBlocking(fd->get(), false) : fd.status();
   if (dialled.ok()) {
     dialled = stepmesh::core::DialHandshake(fd->get(), peer, self, "", deadline);

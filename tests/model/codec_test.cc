@@ -1,12 +1,12 @@
+#include "examples/afd_model/kernels/codec.h"
+
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <random>
 #include <vector>
 
-#include <catch2/catch.hpp>
-
-#include "examples/afd_model/kernels/codec.h"
 #include "examples/afd_model/kernels/cpu_kernels.h"
 
 namespace afd {
@@ -25,8 +25,7 @@ uint8_t BruteForceE4m3(float x) {
     const float value = DecodeFp8E4m3(static_cast<uint8_t>(code));
     if (std::signbit(value) != std::signbit(x)) continue;
     const double distance = std::fabs(static_cast<double>(value) - x);
-    if (distance < best_distance ||
-        (distance == best_distance && (code & 1) == 0)) {
+    if (distance < best_distance || (distance == best_distance && (code & 1) == 0)) {
       best = code;
       best_distance = distance;
     }
@@ -54,13 +53,13 @@ TEST_CASE("fp8 e4m3: every finite code round-trips", "[codec]") {
 }
 
 TEST_CASE("fp8 e4m3: ties round to even", "[codec]") {
-  CHECK(EncodeFp8E4m3(1.0625f) == 0x38);   // 1 | 1.125 -> 1
-  CHECK(EncodeFp8E4m3(1.1875f) == 0x3A);   // 1.125 | 1.25 -> 1.25
+  CHECK(EncodeFp8E4m3(1.0625f) == 0x38);  // 1 | 1.125 -> 1
+  CHECK(EncodeFp8E4m3(1.1875f) == 0x3A);  // 1.125 | 1.25 -> 1.25
   CHECK(EncodeFp8E4m3(-1.0625f) == 0xB8);
   CHECK(EncodeFp8E4m3(std::nextafter(1.0625f, 2.0f)) == 0x39);
-  CHECK(EncodeFp8E4m3(1.9375f) == 0x40);   // mantissa carry into exponent
-  CHECK(EncodeFp8E4m3(232.0f) == 0x76);    // 224 (even) | 240 -> 224
-  CHECK(EncodeFp8E4m3(248.0f) == 0x78);    // 240 (odd) | 256 -> 256
+  CHECK(EncodeFp8E4m3(1.9375f) == 0x40);  // mantissa carry into exponent
+  CHECK(EncodeFp8E4m3(232.0f) == 0x76);   // 224 (even) | 240 -> 224
+  CHECK(EncodeFp8E4m3(248.0f) == 0x78);   // 240 (odd) | 256 -> 256
   CHECK(DecodeFp8E4m3(0x78) == 256.0f);
 }
 
@@ -86,8 +85,7 @@ TEST_CASE("fp8 e4m3: saturation, never NaN", "[codec]") {
   CHECK(EncodeFp8E4m3(432.0f) == 0x7E);  // 416 | 448 tie -> even mantissa 6
 }
 
-TEST_CASE("fp8 e4m3: encoder equals exhaustive nearest-even search",
-          "[codec]") {
+TEST_CASE("fp8 e4m3: encoder equals exhaustive nearest-even search", "[codec]") {
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> exponent(-12.0f, 9.5f);
   std::bernoulli_distribution negative(0.5);
@@ -111,8 +109,7 @@ TEST_CASE("bf16: round to nearest even", "[codec]") {
   CHECK(EncodeBf16(1.0f) == 0x3F80);
   CHECK(EncodeBf16(1.0f + std::ldexp(1.0f, -8)) == 0x3F80);      // tie, even
   CHECK(EncodeBf16(1.0f + 3 * std::ldexp(1.0f, -8)) == 0x3F82);  // tie, up
-  CHECK(EncodeBf16(std::nextafter(1.0f + std::ldexp(1.0f, -8), 2.0f)) ==
-        0x3F81);
+  CHECK(EncodeBf16(std::nextafter(1.0f + std::ldexp(1.0f, -8), 2.0f)) == 0x3F81);
   CHECK(EncodeBf16(-2.0f) == 0xC000);
   CHECK(EncodeBf16(std::numeric_limits<float>::max()) == 0x7F80);  // to inf
   CHECK(std::isnan(DecodeBf16(EncodeBf16(std::nanf("")))));
@@ -140,10 +137,8 @@ TEST_CASE("fp8 per-group quantisation: scales and error", "[codec]") {
   std::vector<uint8_t> codes(x.size());
   std::vector<float> scales(tokens * 2);
   std::vector<float> decoded(x.size());
-  cpu::QuantizeFp8PerGroup(x.data(), tokens, hidden, 128, codes.data(),
-                           scales.data());
-  cpu::DequantizeFp8PerGroup(codes.data(), scales.data(), tokens, hidden, 128,
-                             decoded.data());
+  cpu::QuantizeFp8PerGroup(x.data(), tokens, hidden, 128, codes.data(), scales.data());
+  cpu::DequantizeFp8PerGroup(codes.data(), scales.data(), tokens, hidden, 128, decoded.data());
   CHECK(scales[3] == 1.0f);
   CHECK(scales[4] == 40.0f / 448.0f);
   CHECK(decoded[2 * hidden + 5] == 40.0f);  // the amax maps to 448 exactly

@@ -37,9 +37,7 @@ using core::AuthNonce;
 using core::AuthSide;
 using testing::StartLoopbackScheduler;
 
-std::string Hex(const core::Sha256Digest& d) {
-  return absl::BytesToHexString(core::AsText(d));
-}
+std::string Hex(const core::Sha256Digest& d) { return absl::BytesToHexString(core::AsText(d)); }
 
 TEST_CASE("auth: SHA-256 matches FIPS 180-2 vectors", "[auth]") {
   CHECK(Hex(core::Sha256Of("")) ==
@@ -84,7 +82,8 @@ TEST_CASE("auth: proofs depend on secret, side, context and both nonces", "[auth
   const auto proof = core::AuthProof("s3cret", AuthSide::kDialer, "ctx", a, b);
   CHECK(core::CheckAuthProof("s3cret", AuthSide::kDialer, "ctx", a, b, core::AsText(proof)));
   CHECK_FALSE(core::CheckAuthProof("s3creT", AuthSide::kDialer, "ctx", a, b, core::AsText(proof)));
-  CHECK_FALSE(core::CheckAuthProof("s3cret", AuthSide::kAcceptor, "ctx", a, b, core::AsText(proof)));
+  CHECK_FALSE(
+      core::CheckAuthProof("s3cret", AuthSide::kAcceptor, "ctx", a, b, core::AsText(proof)));
   CHECK_FALSE(core::CheckAuthProof("s3cret", AuthSide::kDialer, "ctx2", a, b, core::AsText(proof)));
   CHECK_FALSE(core::CheckAuthProof("s3cret", AuthSide::kDialer, "ctx", b, a, core::AsText(proof)));
   CHECK_FALSE(core::CheckAuthProof("s3cret", AuthSide::kDialer, "ctx", a, b, "short"));

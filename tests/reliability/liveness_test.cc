@@ -83,16 +83,26 @@ struct ProcessMesh {
   // `rounds`: a worker's round trips before it leaves (0: until killed).
   std::vector<std::string> NodeArgs(const char* role, int rank, int rounds = 0) const {
     return {STEPMESH_RELIABILITY_NODE_PATH,
-            "--role", role,
-            "--scheduler", options.scheduler,
-            "--rank", std::to_string(rank),
-            "--workers", std::to_string(options.num_workers),
-            "--servers", std::to_string(options.num_servers),
-            "--keys", "1",
-            "--bytes", std::to_string(kBytes),
-            "--timeout-ms", std::to_string(absl::ToInt64Milliseconds(options.timeout)),
-            "--heartbeat-ms", std::to_string(absl::ToInt64Milliseconds(options.heartbeat_interval)),
-            "--rounds", std::to_string(rounds)};
+            "--role",
+            role,
+            "--scheduler",
+            options.scheduler,
+            "--rank",
+            std::to_string(rank),
+            "--workers",
+            std::to_string(options.num_workers),
+            "--servers",
+            std::to_string(options.num_servers),
+            "--keys",
+            "1",
+            "--bytes",
+            std::to_string(kBytes),
+            "--timeout-ms",
+            std::to_string(absl::ToInt64Milliseconds(options.timeout)),
+            "--heartbeat-ms",
+            std::to_string(absl::ToInt64Milliseconds(options.heartbeat_interval)),
+            "--rounds",
+            std::to_string(rounds)};
   }
 
   MeshOptions options;

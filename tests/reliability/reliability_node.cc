@@ -25,8 +25,8 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/time/clock.h"
-#include "stepmesh/status.h"
 #include "stepmesh/server.h"
+#include "stepmesh/status.h"
 #include "stepmesh/worker.h"
 
 namespace {
@@ -70,8 +70,12 @@ int RunServer(const stepmesh::MeshOptions& options, const NodeFlags& flags) {
   std::vector<std::vector<uint8_t>> reply(keys, std::vector<uint8_t>(bytes * workers));
   for (int64_t m = 0; m < keys; ++m) {
     const stepmesh::Shape shape{workers, bytes};
-    if (!(*server)->RegisterRecvTensor(100 + m, {recv[m].data(), stepmesh::DType::kUInt8, shape}).ok() ||
-        !(*server)->RegisterReplyTensor(200 + m, {reply[m].data(), stepmesh::DType::kUInt8, shape}).ok()) {
+    if (!(*server)
+             ->RegisterRecvTensor(100 + m, {recv[m].data(), stepmesh::DType::kUInt8, shape})
+             .ok() ||
+        !(*server)
+             ->RegisterReplyTensor(200 + m, {reply[m].data(), stepmesh::DType::kUInt8, shape})
+             .ok()) {
       return 1;
     }
   }
@@ -187,7 +191,8 @@ int RunWorker(const stepmesh::MeshOptions& options, const NodeFlags& flags) {
         return 1;
       }
       std::printf("barrier %lld round %lld at %.3f\n", static_cast<long long>(++barrier),
-                  static_cast<long long>(round), absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
+                  static_cast<long long>(round),
+                  absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
       std::fflush(stdout);
     }
     if (!flags.stop_file.empty() && ::access(flags.stop_file.c_str(), F_OK) == 0) {
@@ -221,20 +226,32 @@ int main(int argc, char** argv) {
     const std::string flag = argv[i], value = argv[i + 1];
     int64_t n = 0;
     const bool numeric = absl::SimpleAtoi(value, &n);
-    if (flag == "--scheduler") options.scheduler = value;
+    if (flag == "--scheduler")
+      options.scheduler = value;
     else if (flag == "--role" && (value == "server" || value == "worker")) {
       options.role = value == "server" ? stepmesh::Role::kServer : stepmesh::Role::kWorker;
-    } else if (flag == "--rank" && numeric) options.rank = static_cast<int>(n);
-    else if (flag == "--workers" && numeric) options.num_workers = static_cast<int>(n);
-    else if (flag == "--servers" && numeric) options.num_servers = static_cast<int>(n);
-    else if (flag == "--keys" && numeric) f.keys = n;
-    else if (flag == "--bytes" && numeric) f.bytes = n;
-    else if (flag == "--rounds" && numeric) f.rounds = n;
-    else if (flag == "--stop-file") f.stop_file = value;
-    else if (flag == "--barrier-every" && numeric) f.barrier_every = n;
-    else if (flag == "--barrier-loop" && numeric) f.barrier_loop = n != 0;
-    else if (flag == "--timeout-ms" && numeric) options.timeout = absl::Milliseconds(n);
-    else if (flag == "--heartbeat-ms" && numeric) options.heartbeat_interval = absl::Milliseconds(n);
+    } else if (flag == "--rank" && numeric)
+      options.rank = static_cast<int>(n);
+    else if (flag == "--workers" && numeric)
+      options.num_workers = static_cast<int>(n);
+    else if (flag == "--servers" && numeric)
+      options.num_servers = static_cast<int>(n);
+    else if (flag == "--keys" && numeric)
+      f.keys = n;
+    else if (flag == "--bytes" && numeric)
+      f.bytes = n;
+    else if (flag == "--rounds" && numeric)
+      f.rounds = n;
+    else if (flag == "--stop-file")
+      f.stop_file = value;
+    else if (flag == "--barrier-every" && numeric)
+      f.barrier_every = n;
+    else if (flag == "--barrier-loop" && numeric)
+      f.barrier_loop = n != 0;
+    else if (flag == "--timeout-ms" && numeric)
+      options.timeout = absl::Milliseconds(n);
+    else if (flag == "--heartbeat-ms" && numeric)
+      options.heartbeat_interval = absl::Milliseconds(n);
     else {
       std::fprintf(stderr, "bad flag %s %s\n", flag.c_str(), value.c_str());
       return 2;

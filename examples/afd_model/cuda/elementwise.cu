@@ -24,9 +24,8 @@ constexpr int kRmsNormThreads = 512;
 // One block per row: the sum of squares is a block reduction, then every
 // thread scales its own strided elements (so y == x is safe: each element is
 // read before the barrier and written only by the thread that read it).
-__global__ void RmsNormKernel(const float* __restrict__ x,
-                              const float* __restrict__ gamma, int64_t dim,
-                              float eps, float* y) {
+__global__ void RmsNormKernel(const float* __restrict__ x, const float* __restrict__ gamma,
+                              int64_t dim, float eps, float* y) {
   __shared__ float warp_sums[kRmsNormThreads / 32];
   const float* row = x + blockIdx.x * dim;
   float sum = 0.0f;
@@ -50,8 +49,8 @@ __global__ void RmsNormKernel(const float* __restrict__ x,
 }
 
 __global__ void EmbeddingLookupKernel(const float* __restrict__ table,
-                                      const int32_t* __restrict__ ids,
-                                      int64_t hidden, float* __restrict__ out) {
+                                      const int32_t* __restrict__ ids, int64_t hidden,
+                                      float* __restrict__ out) {
   const float* src = table + static_cast<int64_t>(ids[blockIdx.x]) * hidden;
   float* dst = out + blockIdx.x * hidden;
   for (int64_t i = threadIdx.x; i < hidden; i += blockDim.x) dst[i] = src[i];
@@ -59,8 +58,8 @@ __global__ void EmbeddingLookupKernel(const float* __restrict__ table,
 
 __global__ void AddInPlaceKernel(const float* __restrict__ x, int64_t count,
                                  float* __restrict__ acc) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-       i < count; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     acc[i] += x[i];
   }
 }
@@ -68,13 +67,11 @@ __global__ void AddInPlaceKernel(const float* __restrict__ x, int64_t count,
 // ---------------------------------------------------------------- weights
 
 template <typename Out>
-__global__ void GenerateWeightsKernel(WeightKind kind, uint64_t key,
-                                      float step, int64_t first, int64_t count,
-                                      Out* __restrict__ out) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-       i < count; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float value =
-        WeightValue(kind, key, static_cast<uint64_t>(first + i), step);
+__global__ void GenerateWeightsKernel(WeightKind kind, uint64_t key, float step, int64_t first,
+                                      int64_t count, Out* __restrict__ out) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float value = WeightValue(kind, key, static_cast<uint64_t>(first + i), step);
     if constexpr (sizeof(Out) == 2) {
       out[i] = EncodeBf16(value);  // exact: generated values are bf16-exact
     } else {
@@ -88,17 +85,15 @@ __global__ void GenerateWeightsKernel(WeightKind kind, uint64_t key,
 // One block per token: the half-dimension cos/sin table is computed once in
 // double (as on the CPU) and shared by every head of the token.
 __global__ void RopeNeoxKernel(float* x, int64_t heads, int64_t head_dim,
-                               const int32_t* __restrict__ positions,
-                               float theta) {
+                               const int32_t* __restrict__ positions, float theta) {
   extern __shared__ float table[];  // cos[half], sin[half]
   const int64_t half = head_dim / 2;
   float* cosines = table;
   float* sines = table + half;
   const double position = static_cast<double>(positions[blockIdx.x]);
   for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
-    const double inv_freq =
-        pow(static_cast<double>(theta),
-            -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
+    const double inv_freq = pow(static_cast<double>(theta),
+                                -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
     const double angle = position * inv_freq;
     cosines[i] = static_cast<float>(cos(angle));
     sines[i] = static_cast<float>(sin(angle));
@@ -119,10 +114,9 @@ __global__ void RopeNeoxKernel(float* x, int64_t heads, int64_t head_dim,
 
 // ---------------------------------------------------------------- FFN
 
-__global__ void SiluMulKernel(const float* gate, const float* up,
-                              int64_t count, float* out) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-       i < count; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+__global__ void SiluMulKernel(const float* gate, const float* up, int64_t count, float* out) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float g = gate[i];
     out[i] = __fmul_rn(g / (1.0f + expf(-g)), up[i]);
   }
@@ -131,9 +125,8 @@ __global__ void SiluMulKernel(const float* gate, const float* up,
 // One thread per token, the CPU's loops verbatim: 48 experts x 3 picks is a
 // few hundred operations, and keeping the sequential sum keeps the
 // probabilities equal to the CPU's up to expf's last ulp.
-__global__ void RouterSoftmaxTopKKernel(const float* __restrict__ logits,
-                                        int64_t tokens, int64_t experts, int k,
-                                        int32_t* __restrict__ topk_ids,
+__global__ void RouterSoftmaxTopKKernel(const float* __restrict__ logits, int64_t tokens,
+                                        int64_t experts, int k, int32_t* __restrict__ topk_ids,
                                         float* __restrict__ topk_weights) {
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (t >= tokens) return;
@@ -169,13 +162,10 @@ __global__ void RouterSoftmaxTopKKernel(const float* __restrict__ logits,
 // NaN as a NaN code, which the wire must never carry, so the shared codec is
 // used; the kernel is bandwidth-bound and its integer work hides under the
 // loads. CompareCudaFp8Conversion reports how the two compare otherwise.
-__global__ void QuantizeFp8Kernel(const float* __restrict__ x,
-                                  int64_t num_groups, int64_t group,
-                                  uint8_t* __restrict__ codes,
-                                  float* __restrict__ scales) {
+__global__ void QuantizeFp8Kernel(const float* __restrict__ x, int64_t num_groups, int64_t group,
+                                  uint8_t* __restrict__ codes, float* __restrict__ scales) {
   const int lane = threadIdx.x % 32;
-  const int64_t warp =
-      (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
+  const int64_t warp = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
   if (warp >= num_groups) return;
   // Groups are consecutive in memory: group g of token t is flat group
   // t * groups_per_token + g, so the flat index addresses both buffers.
@@ -192,55 +182,52 @@ __global__ void QuantizeFp8Kernel(const float* __restrict__ x,
 }
 
 __global__ void DequantizeFp8Kernel(const uint8_t* __restrict__ codes,
-                                    const float* __restrict__ scales,
-                                    int64_t count, int64_t group,
+                                    const float* __restrict__ scales, int64_t count, int64_t group,
                                     float* __restrict__ x) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-       i < count; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     x[i] = __fmul_rn(DecodeFp8E4m3(codes[i]), scales[i / group]);
   }
 }
 
 __global__ void EncodeBf16Kernel(const float* __restrict__ x, int64_t count,
                                  uint16_t* __restrict__ out) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-       i < count; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     out[i] = EncodeBf16(x[i]);
   }
 }
 
 __global__ void DecodeBf16Kernel(const uint16_t* __restrict__ x, int64_t count,
                                  float* __restrict__ out) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-       i < count; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     out[i] = DecodeBf16(x[i]);
   }
 }
 
 // Partials added in index order 0..n-1, as the CPU reduction module.
-__global__ void SumBf16PartialsKernel(const uint16_t* const* partials,
-                                      int num_partials, int64_t count,
-                                      float* __restrict__ sum) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-       i < count; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+__global__ void SumBf16PartialsKernel(const uint16_t* const* partials, int num_partials,
+                                      int64_t count, float* __restrict__ sum) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float total = num_partials > 0 ? DecodeBf16(partials[0][i]) : 0.0f;
     for (int p = 1; p < num_partials; ++p) total += DecodeBf16(partials[p][i]);
     sum[i] = total;
   }
 }
 
-__global__ void CompareCudaFp8Kernel(uint64_t first, uint64_t count,
-                                     unsigned long long* mismatches,
+__global__ void CompareCudaFp8Kernel(uint64_t first, uint64_t count, unsigned long long* mismatches,
                                      unsigned int* first_mismatch) {
-  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x;
-       i < count; i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
     const unsigned int bits = static_cast<unsigned int>(first + i);
     const float value = __uint_as_float(bits);
     const uint8_t ours = EncodeFp8E4m3(value);
     const uint8_t theirs =
-        isnan(value) ? uint8_t{0}
-                     : static_cast<uint8_t>(
-                           __nv_cvt_float_to_fp8(value, __NV_SATFINITE, __NV_E4M3));
+        isnan(value)
+            ? uint8_t{0}
+            : static_cast<uint8_t>(__nv_cvt_float_to_fp8(value, __NV_SATFINITE, __NV_E4M3));
     if (ours != theirs) {
       atomicAdd(mismatches, 1ull);
       atomicMin(first_mismatch, bits);
@@ -250,160 +237,138 @@ __global__ void CompareCudaFp8Kernel(uint64_t first, uint64_t count,
 
 }  // namespace
 
-cudaError_t RmsNorm(const float* x, const float* gamma, int64_t rows,
-                    int64_t dim, float eps, float* y, cudaStream_t stream) {
+cudaError_t RmsNorm(const float* x, const float* gamma, int64_t rows, int64_t dim, float eps,
+                    float* y, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  RmsNormKernel<<<static_cast<unsigned int>(rows), kRmsNormThreads, 0, stream>>>(
-      x, gamma, dim, eps, y);
+  RmsNormKernel<<<static_cast<unsigned int>(rows), kRmsNormThreads, 0, stream>>>(x, gamma, dim, eps,
+                                                                                 y);
   return LaunchStatus();
 }
 
-cudaError_t EmbeddingLookup(const float* table, const int32_t* ids,
-                            int64_t tokens, int64_t hidden, float* out,
-                            cudaStream_t stream) {
+cudaError_t EmbeddingLookup(const float* table, const int32_t* ids, int64_t tokens, int64_t hidden,
+                            float* out, cudaStream_t stream) {
   if (tokens <= 0) return cudaSuccess;
-  EmbeddingLookupKernel<<<static_cast<unsigned int>(tokens), kElementwiseThreads,
-                          0, stream>>>(table, ids, hidden, out);
+  EmbeddingLookupKernel<<<static_cast<unsigned int>(tokens), kElementwiseThreads, 0, stream>>>(
+      table, ids, hidden, out);
   return LaunchStatus();
 }
 
-cudaError_t AddInPlace(const float* x, int64_t count, float* acc,
-                       cudaStream_t stream) {
+cudaError_t AddInPlace(const float* x, int64_t count, float* acc, cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
-  AddInPlaceKernel<<<ElementwiseBlocks(count), kElementwiseThreads, 0, stream>>>(
-      x, count, acc);
+  AddInPlaceKernel<<<ElementwiseBlocks(count), kElementwiseThreads, 0, stream>>>(x, count, acc);
   return LaunchStatus();
 }
 
-cudaError_t GenerateWeights(WeightKind kind, uint64_t key, int64_t fan_in,
-                            int64_t first, int64_t count, float* out,
-                            cudaStream_t stream) {
+cudaError_t GenerateWeights(WeightKind kind, uint64_t key, int64_t fan_in, int64_t first,
+                            int64_t count, float* out, cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
   const float step = PowerOfTwoInverse(WeightExponent(kind, fan_in));
-  GenerateWeightsKernel<float>
-      <<<ElementwiseBlocks(count), kElementwiseThreads, 0, stream>>>(
-          kind, key, step, first, count, out);
+  GenerateWeightsKernel<float><<<ElementwiseBlocks(count), kElementwiseThreads, 0, stream>>>(
+      kind, key, step, first, count, out);
   return LaunchStatus();
 }
 
-cudaError_t GenerateWeightsBf16(WeightKind kind, uint64_t key, int64_t fan_in,
-                                int64_t first, int64_t count, uint16_t* out,
-                                cudaStream_t stream) {
+cudaError_t GenerateWeightsBf16(WeightKind kind, uint64_t key, int64_t fan_in, int64_t first,
+                                int64_t count, uint16_t* out, cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
   const float step = PowerOfTwoInverse(WeightExponent(kind, fan_in));
-  GenerateWeightsKernel<uint16_t>
-      <<<ElementwiseBlocks(count), kElementwiseThreads, 0, stream>>>(
-          kind, key, step, first, count, out);
+  GenerateWeightsKernel<uint16_t><<<ElementwiseBlocks(count), kElementwiseThreads, 0, stream>>>(
+      kind, key, step, first, count, out);
   return LaunchStatus();
 }
 
-cudaError_t FillTensor(const TensorSpec& spec, uint64_t seed, int64_t first,
-                       int64_t count, float* out, cudaStream_t stream) {
-  return GenerateWeights(spec.kind, TensorKey(spec.name, seed), spec.fan_in,
-                         first, count, out, stream);
+cudaError_t FillTensor(const TensorSpec& spec, uint64_t seed, int64_t first, int64_t count,
+                       float* out, cudaStream_t stream) {
+  return GenerateWeights(spec.kind, TensorKey(spec.name, seed), spec.fan_in, first, count, out,
+                         stream);
 }
 
-cudaError_t FillTensorBf16(const TensorSpec& spec, uint64_t seed,
-                           int64_t first, int64_t count, uint16_t* out,
-                           cudaStream_t stream) {
-  return GenerateWeightsBf16(spec.kind, TensorKey(spec.name, seed),
-                             spec.fan_in, first, count, out, stream);
+cudaError_t FillTensorBf16(const TensorSpec& spec, uint64_t seed, int64_t first, int64_t count,
+                           uint16_t* out, cudaStream_t stream) {
+  return GenerateWeightsBf16(spec.kind, TensorKey(spec.name, seed), spec.fan_in, first, count, out,
+                             stream);
 }
 
-cudaError_t RopeNeoxInPlace(float* x, int64_t tokens, int64_t heads,
-                            int64_t head_dim, const int32_t* positions,
-                            float theta, cudaStream_t stream) {
+cudaError_t RopeNeoxInPlace(float* x, int64_t tokens, int64_t heads, int64_t head_dim,
+                            const int32_t* positions, float theta, cudaStream_t stream) {
   if (tokens <= 0) return cudaSuccess;
   if (head_dim % 2 != 0) return cudaErrorInvalidValue;
   const size_t table_bytes = sizeof(float) * static_cast<size_t>(head_dim);
-  RopeNeoxKernel<<<static_cast<unsigned int>(tokens), kElementwiseThreads,
-                   table_bytes, stream>>>(x, heads, head_dim, positions, theta);
+  RopeNeoxKernel<<<static_cast<unsigned int>(tokens), kElementwiseThreads, table_bytes, stream>>>(
+      x, heads, head_dim, positions, theta);
   return LaunchStatus();
 }
 
-cudaError_t SiluMul(const float* gate, const float* up, int64_t count,
-                    float* out, cudaStream_t stream) {
+cudaError_t SiluMul(const float* gate, const float* up, int64_t count, float* out,
+                    cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
-  SiluMulKernel<<<ElementwiseBlocks(count), kElementwiseThreads, 0, stream>>>(
-      gate, up, count, out);
+  SiluMulKernel<<<ElementwiseBlocks(count), kElementwiseThreads, 0, stream>>>(gate, up, count, out);
   return LaunchStatus();
 }
 
-cudaError_t RouterSoftmaxTopK(const float* logits, int64_t tokens,
-                              int64_t experts, int k, int32_t* topk_ids,
-                              float* topk_weights, cudaStream_t stream) {
+cudaError_t RouterSoftmaxTopK(const float* logits, int64_t tokens, int64_t experts, int k,
+                              int32_t* topk_ids, float* topk_weights, cudaStream_t stream) {
   if (tokens <= 0) return cudaSuccess;
   if (experts <= 0 || experts > 1024 || k <= 0 || k > experts) {
     return cudaErrorInvalidValue;
   }
   constexpr int kThreads = 128;
   const auto blocks = static_cast<unsigned int>((tokens + kThreads - 1) / kThreads);
-  RouterSoftmaxTopKKernel<<<blocks, kThreads, 0, stream>>>(
-      logits, tokens, experts, k, topk_ids, topk_weights);
+  RouterSoftmaxTopKKernel<<<blocks, kThreads, 0, stream>>>(logits, tokens, experts, k, topk_ids,
+                                                           topk_weights);
   return LaunchStatus();
 }
 
-cudaError_t QuantizeFp8PerGroup(const float* x, int64_t tokens,
-                                int64_t hidden, int64_t group, uint8_t* codes,
-                                float* scales, cudaStream_t stream) {
+cudaError_t QuantizeFp8PerGroup(const float* x, int64_t tokens, int64_t hidden, int64_t group,
+                                uint8_t* codes, float* scales, cudaStream_t stream) {
   if (tokens <= 0) return cudaSuccess;
   if (group <= 0 || hidden % group != 0) return cudaErrorInvalidValue;
   const int64_t num_groups = tokens * (hidden / group);
   constexpr int kThreads = 256;  // 8 groups per block
-  const auto blocks =
-      static_cast<unsigned int>((num_groups * 32 + kThreads - 1) / kThreads);
-  QuantizeFp8Kernel<<<blocks, kThreads, 0, stream>>>(x, num_groups, group,
-                                                     codes, scales);
+  const auto blocks = static_cast<unsigned int>((num_groups * 32 + kThreads - 1) / kThreads);
+  QuantizeFp8Kernel<<<blocks, kThreads, 0, stream>>>(x, num_groups, group, codes, scales);
   return LaunchStatus();
 }
 
-cudaError_t DequantizeFp8PerGroup(const uint8_t* codes, const float* scales,
-                                  int64_t tokens, int64_t hidden,
-                                  int64_t group, float* x,
-                                  cudaStream_t stream) {
+cudaError_t DequantizeFp8PerGroup(const uint8_t* codes, const float* scales, int64_t tokens,
+                                  int64_t hidden, int64_t group, float* x, cudaStream_t stream) {
   if (tokens <= 0) return cudaSuccess;
   if (group <= 0 || hidden % group != 0) return cudaErrorInvalidValue;
   const int64_t count = tokens * hidden;
-  DequantizeFp8Kernel<<<ElementwiseBlocks(count), kElementwiseThreads, 0,
-                        stream>>>(codes, scales, count, group, x);
+  DequantizeFp8Kernel<<<ElementwiseBlocks(count), kElementwiseThreads, 0, stream>>>(
+      codes, scales, count, group, x);
   return LaunchStatus();
 }
 
-cudaError_t EncodeBf16Array(const float* x, int64_t count, uint16_t* out,
-                            cudaStream_t stream) {
+cudaError_t EncodeBf16Array(const float* x, int64_t count, uint16_t* out, cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
-  EncodeBf16Kernel<<<ElementwiseBlocks(count), kElementwiseThreads, 0, stream>>>(
-      x, count, out);
+  EncodeBf16Kernel<<<ElementwiseBlocks(count), kElementwiseThreads, 0, stream>>>(x, count, out);
   return LaunchStatus();
 }
 
-cudaError_t DecodeBf16Array(const uint16_t* x, int64_t count, float* out,
-                            cudaStream_t stream) {
+cudaError_t DecodeBf16Array(const uint16_t* x, int64_t count, float* out, cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
-  DecodeBf16Kernel<<<ElementwiseBlocks(count), kElementwiseThreads, 0, stream>>>(
-      x, count, out);
+  DecodeBf16Kernel<<<ElementwiseBlocks(count), kElementwiseThreads, 0, stream>>>(x, count, out);
   return LaunchStatus();
 }
 
-cudaError_t SumBf16Partials(const uint16_t* const* partials, int num_partials,
-                            int64_t count, float* sum, cudaStream_t stream) {
+cudaError_t SumBf16Partials(const uint16_t* const* partials, int num_partials, int64_t count,
+                            float* sum, cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
-  SumBf16PartialsKernel<<<ElementwiseBlocks(count), kElementwiseThreads, 0,
-                          stream>>>(partials, num_partials, count, sum);
+  SumBf16PartialsKernel<<<ElementwiseBlocks(count), kElementwiseThreads, 0, stream>>>(
+      partials, num_partials, count, sum);
   return LaunchStatus();
 }
 
-cudaError_t CompareCudaFp8Conversion(uint64_t first, uint64_t count,
-                                     unsigned long long* mismatches,
-                                     unsigned int* first_mismatch,
-                                     cudaStream_t stream) {
+cudaError_t CompareCudaFp8Conversion(uint64_t first, uint64_t count, unsigned long long* mismatches,
+                                     unsigned int* first_mismatch, cudaStream_t stream) {
   cudaError_t status = cudaMemsetAsync(mismatches, 0, sizeof(*mismatches), stream);
   if (status != cudaSuccess) return status;
   status = cudaMemsetAsync(first_mismatch, 0xFF, sizeof(*first_mismatch), stream);
   if (status != cudaSuccess) return status;
   if (count == 0) return cudaSuccess;
-  CompareCudaFp8Kernel<<<132 * 16, kElementwiseThreads, 0, stream>>>(
-      first, count, mismatches, first_mismatch);
+  CompareCudaFp8Kernel<<<132 * 16, kElementwiseThreads, 0, stream>>>(first, count, mismatches,
+                                                                     first_mismatch);
   return LaunchStatus();
 }
 

@@ -50,9 +50,8 @@ constexpr int kGemmThreads = 256;
 constexpr int kSmemLd = kBk + 8;  // bf16; +16 bytes per row against bank conflicts
 constexpr int kCLd = kBn + 4;     // fp32 epilogue staging
 constexpr size_t kStageElements = static_cast<size_t>(kBm + kBn) * kSmemLd;
-constexpr size_t kGemmSmemBytes =
-    std::max(kStages * kStageElements * sizeof(__nv_bfloat16),
-             static_cast<size_t>(kBm) * kCLd * sizeof(float));
+constexpr size_t kGemmSmemBytes = std::max(kStages * kStageElements * sizeof(__nv_bfloat16),
+                                           static_cast<size_t>(kBm) * kCLd * sizeof(float));
 static_assert(kGemmSmemBytes <= 48 * 1024, "fits the default smem limit");
 
 struct GemmParams {
@@ -76,10 +75,8 @@ struct GemmParams {
   int64_t rows = 0;
 };
 
-
 // Grid (m-tiles, n-tiles). Requires k % 8 == 0 (16-byte rows chunks).
-__global__ void __launch_bounds__(kGemmThreads)
-    GroupedGemmBf16Kernel(GemmParams p) {
+__global__ void __launch_bounds__(kGemmThreads) GroupedGemmBf16Kernel(GemmParams p) {
   int64_t group = 0;
   int64_t row0 = static_cast<int64_t>(blockIdx.x) * kBm;
   int64_t row_end = p.rows;
@@ -114,8 +111,7 @@ __global__ void __launch_bounds__(kGemmThreads)
       base = p.b1;
       matrix_row = n - p.n_split;
     }
-    b_src[i] = b_valid[i] ? base + group * p.b_group_stride + matrix_row * p.k
-                          : p.b0;
+    b_src[i] = b_valid[i] ? base + group * p.b_group_stride + matrix_row * p.k : p.b0;
   }
   const int64_t k_tiles = (p.k + kBk - 1) / kBk;
   auto load_stage = [&](int64_t kt, int stage) {
@@ -123,12 +119,11 @@ __global__ void __launch_bounds__(kGemmThreads)
     __nv_bfloat16* b_s = a_s + kBm * kSmemLd;
     const int64_t k_col = kt * kBk + a_chunk * 8;
     const bool k_ok = k_col < p.k;
-    CpAsync16(a_s + a_row * kSmemLd + a_chunk * 8,
-              a_valid && k_ok ? a_src + k_col : p.a, a_valid && k_ok);
+    CpAsync16(a_s + a_row * kSmemLd + a_chunk * 8, a_valid && k_ok ? a_src + k_col : p.a,
+              a_valid && k_ok);
     for (int i = 0; i < 2; ++i) {
       const bool ok = b_valid[i] && k_ok;
-      CpAsync16(b_s + b_row[i] * kSmemLd + a_chunk * 8,
-                ok ? b_src[i] + k_col : p.b0, ok);
+      CpAsync16(b_s + b_row[i] * kSmemLd + a_chunk * 8, ok ? b_src[i] + k_col : p.b0, ok);
     }
   };
 
@@ -179,8 +174,8 @@ __global__ void __launch_bounds__(kGemmThreads)
   for (int i = 0; i < 2; ++i) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      wmma::store_matrix_sync(c_s + (warp_m * 32 + i * 16) * kCLd + warp_n * 32 + j * 16,
-                              acc[i][j], kCLd, wmma::mem_row_major);
+      wmma::store_matrix_sync(c_s + (warp_m * 32 + i * 16) * kCLd + warp_n * 32 + j * 16, acc[i][j],
+                              kCLd, wmma::mem_row_major);
     }
   }
   __syncthreads();
@@ -194,31 +189,27 @@ __global__ void __launch_bounds__(kGemmThreads)
   }
 }
 
-cudaError_t LaunchTiledGemm(const GemmParams& p, int64_t max_m_tiles,
-                            cudaStream_t stream) {
+cudaError_t LaunchTiledGemm(const GemmParams& p, int64_t max_m_tiles, cudaStream_t stream) {
   if (p.k % 8 != 0) return cudaErrorInvalidValue;
   const int64_t n_tiles = (p.n + kBn - 1) / kBn;
   if (max_m_tiles <= 0 || n_tiles <= 0) return cudaSuccess;
   if (max_m_tiles > 0x7FFFFFFF || n_tiles > 65535) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned int>(max_m_tiles),
-                  static_cast<unsigned int>(n_tiles));
+  const dim3 grid(static_cast<unsigned int>(max_m_tiles), static_cast<unsigned int>(n_tiles));
   GroupedGemmBf16Kernel<<<grid, kGemmThreads, kGemmSmemBytes, stream>>>(p);
   return LaunchStatus();
 }
 
 // C[rows, m] (row-major, ldc) = A[rows, k] W^T with W [m, k], bf16 in, fp32
 // out, through cuBLAS's column-major view: C^T = W^T' A^T'.
-cudaError_t CublasGemm(cublasHandle_t handle, const uint16_t* w, int64_t m,
-                       int64_t k, const uint16_t* a, int64_t rows, float* c,
-                       int64_t ldc) {
+cudaError_t CublasGemm(cublasHandle_t handle, const uint16_t* w, int64_t m, int64_t k,
+                       const uint16_t* a, int64_t rows, float* c, int64_t ldc) {
   const float alpha = 1.0f;
   const float beta = 0.0f;
-  const cublasStatus_t status = cublasGemmEx(
-      handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(m),
-      static_cast<int>(rows), static_cast<int>(k), &alpha, w, CUDA_R_16BF,
-      static_cast<int>(k), a, CUDA_R_16BF, static_cast<int>(k), &beta, c,
-      CUDA_R_32F, static_cast<int>(ldc), CUBLAS_COMPUTE_32F,
-      CUBLAS_GEMM_DEFAULT);
+  const cublasStatus_t status =
+      cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(m), static_cast<int>(rows),
+                   static_cast<int>(k), &alpha, w, CUDA_R_16BF, static_cast<int>(k), a, CUDA_R_16BF,
+                   static_cast<int>(k), &beta, c, CUDA_R_32F, static_cast<int>(ldc),
+                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   // The model lib has no status type of its own; any cuBLAS failure maps to
   // one CUDA code (the cuBLAS code is lost, the tests print the call site).
   return status == CUBLAS_STATUS_SUCCESS ? cudaSuccess : cudaErrorUnknown;
@@ -228,22 +219,21 @@ cudaError_t CublasGemm(cublasHandle_t handle, const uint16_t* w, int64_t m,
 
 __global__ void ToBf16RowsKernel(const float* __restrict__ x, int64_t count,
                                  uint16_t* __restrict__ out) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-       i < count; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     out[i] = EncodeBf16(x[i]);
   }
 }
 
 // act[r, i] = bf16(silu(gate_up[r, i]) * gate_up[r, inter + i]) for the
 // first *live_rows rows (all `rows` when live_rows is null).
-__global__ void SiluMulToBf16Kernel(const float* __restrict__ gate_up,
-                                    int64_t rows, int64_t inter,
+__global__ void SiluMulToBf16Kernel(const float* __restrict__ gate_up, int64_t rows, int64_t inter,
                                     const int32_t* __restrict__ live_rows,
                                     uint16_t* __restrict__ act) {
   const int64_t live = live_rows != nullptr ? *live_rows : rows;
   const int64_t count = live * inter;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-       i < count; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = i / inter;
     const int64_t c = i - r * inter;
     const float g = gate_up[r * 2 * inter + c];
@@ -255,8 +245,7 @@ __global__ void SiluMulToBf16Kernel(const float* __restrict__ gate_up,
 constexpr int kRouteThreads = 1024;
 constexpr int kMaxSlots = 1024;
 
-__device__ __forceinline__ int SlotOfPair(const int32_t* topk_ids,
-                                          const int32_t* expert_to_slot,
+__device__ __forceinline__ int SlotOfPair(const int32_t* topk_ids, const int32_t* expert_to_slot,
                                           int64_t num_experts, int64_t pair) {
   const int32_t expert = topk_ids[pair];
   if (expert < 0 || expert >= num_experts) return -1;
@@ -268,10 +257,9 @@ __device__ __forceinline__ int SlotOfPair(const int32_t* topk_ids,
 // the token order (the CPU's order) without any sort.
 __global__ void __launch_bounds__(kRouteThreads)
     RouteKernel(const int32_t* __restrict__ topk_ids, int64_t pairs,
-                const int32_t* __restrict__ expert_to_slot,
-                int64_t num_experts, int slots, int32_t* slot_offsets,
-                int32_t* num_tiles, int32_t* row_of_pair, int32_t* pair_of_row,
-                int32_t* tile_group, int32_t* tile_row0) {
+                const int32_t* __restrict__ expert_to_slot, int64_t num_experts, int slots,
+                int32_t* slot_offsets, int32_t* num_tiles, int32_t* row_of_pair,
+                int32_t* pair_of_row, int32_t* tile_group, int32_t* tile_row0) {
   __shared__ int32_t counts[kMaxSlots];
   __shared__ int32_t offsets[kMaxSlots + 1];
   __shared__ int32_t tile_offsets[kMaxSlots + 1];
@@ -283,8 +271,8 @@ __global__ void __launch_bounds__(kRouteThreads)
     int count = 0;
     for (int64_t base = 0; base < pairs; base += 32) {
       const int64_t pair = base + lane;
-      const bool match = pair < pairs &&
-                         SlotOfPair(topk_ids, expert_to_slot, num_experts, pair) == s;
+      const bool match =
+          pair < pairs && SlotOfPair(topk_ids, expert_to_slot, num_experts, pair) == s;
       count += __popc(__ballot_sync(0xFFFFFFFFu, match));
     }
     if (lane == 0) counts[s] = count;
@@ -306,8 +294,8 @@ __global__ void __launch_bounds__(kRouteThreads)
     int next_row = offsets[s];
     for (int64_t base = 0; base < pairs; base += 32) {
       const int64_t pair = base + lane;
-      const bool match = pair < pairs &&
-                         SlotOfPair(topk_ids, expert_to_slot, num_experts, pair) == s;
+      const bool match =
+          pair < pairs && SlotOfPair(topk_ids, expert_to_slot, num_experts, pair) == s;
       const unsigned int ballot = __ballot_sync(0xFFFFFFFFu, match);
       if (match) {
         const int row = next_row + __popc(ballot & lanes_below);
@@ -324,10 +312,9 @@ __global__ void __launch_bounds__(kRouteThreads)
 }
 
 // Packed row r = bf16(x[token of pair_of_row[r]]), for the live rows.
-__global__ void GatherBf16Kernel(const float* __restrict__ x, int64_t hidden,
-                                 int k, const int32_t* __restrict__ pair_of_row,
-                                 const int32_t* __restrict__ live_rows,
-                                 uint16_t* __restrict__ a) {
+__global__ void GatherBf16Kernel(const float* __restrict__ x, int64_t hidden, int k,
+                                 const int32_t* __restrict__ pair_of_row,
+                                 const int32_t* __restrict__ live_rows, uint16_t* __restrict__ a) {
   const int64_t row = blockIdx.x;
   if (row >= *live_rows) return;
   const float* src = x + static_cast<int64_t>(pair_of_row[row] / k) * hidden;
@@ -340,14 +327,11 @@ constexpr int kMaxTopK = 16;
 // y[t] += w_j * out[row_j] over the token's owned picks in increasing slot
 // order (a stable insertion sort of <= k entries; ties keep pick order, as
 // the CPU's per-slot token lists do).
-__global__ void CombineKernel(const float* __restrict__ expert_out,
-                              int64_t hidden, int k,
+__global__ void CombineKernel(const float* __restrict__ expert_out, int64_t hidden, int k,
                               const int32_t* __restrict__ topk_ids,
                               const float* __restrict__ topk_weights,
-                              const int32_t* __restrict__ expert_to_slot,
-                              int64_t num_experts,
-                              const int32_t* __restrict__ row_of_pair,
-                              float* __restrict__ y) {
+                              const int32_t* __restrict__ expert_to_slot, int64_t num_experts,
+                              const int32_t* __restrict__ row_of_pair, float* __restrict__ y) {
   const int64_t t = blockIdx.x;
   int slot[kMaxTopK];
   int row[kMaxTopK];
@@ -405,8 +389,7 @@ struct DenseScratch {
   uint16_t* act = nullptr;   // [rows, inter] bf16
 };
 
-DenseScratch CarveDense(Carver& carver, int64_t rows, int64_t hidden,
-                        int64_t inter) {
+DenseScratch CarveDense(Carver& carver, int64_t rows, int64_t hidden, int64_t inter) {
   DenseScratch s;
   s.a = carver.Take<uint16_t>(rows * hidden);
   s.gate_up = carver.Take<float>(rows * 2 * inter);
@@ -421,13 +404,13 @@ struct ExpertScratch {
   int32_t* pair_of_row = nullptr;
   int32_t* tile_group = nullptr;
   int32_t* tile_row0 = nullptr;
-  DenseScratch dense;        // rows = pairs
+  DenseScratch dense;           // rows = pairs
   float* expert_out = nullptr;  // [pairs, hidden]
   int64_t max_tiles = 0;
 };
 
-ExpertScratch CarveExperts(Carver& carver, int64_t tokens, int k,
-                           int64_t hidden, int64_t inter, int64_t slots) {
+ExpertScratch CarveExperts(Carver& carver, int64_t tokens, int k, int64_t hidden, int64_t inter,
+                           int64_t slots) {
   ExpertScratch s;
   const int64_t pairs = tokens * k;
   s.max_tiles = (pairs + kBm - 1) / kBm + slots;
@@ -442,9 +425,9 @@ ExpertScratch CarveExperts(Carver& carver, int64_t tokens, int k,
   return s;
 }
 
-#define AFD_RETURN_IF_ERROR(expr)            \
-  do {                                       \
-    const cudaError_t afd_status_ = (expr);  \
+#define AFD_RETURN_IF_ERROR(expr)                       \
+  do {                                                  \
+    const cudaError_t afd_status_ = (expr);             \
     if (afd_status_ != cudaSuccess) return afd_status_; \
   } while (0)
 
@@ -456,16 +439,15 @@ size_t LinearWorkspaceBytes(int64_t rows, int64_t in, int64_t /*out*/) {
   return carver.used();
 }
 
-cudaError_t Linear(const float* x, int64_t rows, int64_t in,
-                   const uint16_t* w, int64_t out, float* y, void* workspace,
-                   size_t workspace_bytes, cudaStream_t stream,
+cudaError_t Linear(const float* x, int64_t rows, int64_t in, const uint16_t* w, int64_t out,
+                   float* y, void* workspace, size_t workspace_bytes, cudaStream_t stream,
                    const GemmOptions& options) {
   if (rows <= 0) return cudaSuccess;
   if (workspace_bytes < LinearWorkspaceBytes(rows, in, out)) return cudaErrorInvalidValue;
   Carver carver(workspace);
   uint16_t* a = carver.Take<uint16_t>(rows * in);
-  ToBf16RowsKernel<<<ElementwiseBlocks(rows * in), kElementwiseThreads, 0, stream>>>(
-      x, rows * in, a);
+  ToBf16RowsKernel<<<ElementwiseBlocks(rows * in), kElementwiseThreads, 0, stream>>>(x, rows * in,
+                                                                                     a);
   AFD_RETURN_IF_ERROR(LaunchStatus());
   if (options.backend == GemmBackend::kCublas) {
     if (options.cublas == nullptr) return cudaErrorInvalidValue;
@@ -492,9 +474,8 @@ size_t SwiGluWorkspaceBytes(int64_t rows, int64_t hidden, int64_t inter) {
   return carver.used();
 }
 
-cudaError_t SwiGlu(const float* x, int64_t rows, int64_t hidden,
-                   const uint16_t* w_gate, const uint16_t* w_up,
-                   const uint16_t* w_down, int64_t inter, void* workspace,
+cudaError_t SwiGlu(const float* x, int64_t rows, int64_t hidden, const uint16_t* w_gate,
+                   const uint16_t* w_up, const uint16_t* w_down, int64_t inter, void* workspace,
                    size_t workspace_bytes, float* y, cudaStream_t stream,
                    const GemmOptions& options) {
   if (rows <= 0) return cudaSuccess;
@@ -503,8 +484,8 @@ cudaError_t SwiGlu(const float* x, int64_t rows, int64_t hidden,
   }
   Carver carver(workspace);
   const DenseScratch s = CarveDense(carver, rows, hidden, inter);
-  ToBf16RowsKernel<<<ElementwiseBlocks(rows * hidden), kElementwiseThreads, 0,
-                     stream>>>(x, rows * hidden, s.a);
+  ToBf16RowsKernel<<<ElementwiseBlocks(rows * hidden), kElementwiseThreads, 0, stream>>>(
+      x, rows * hidden, s.a);
   AFD_RETURN_IF_ERROR(LaunchStatus());
   const bool cublas = options.backend == GemmBackend::kCublas;
   if (cublas) {
@@ -512,10 +493,10 @@ cudaError_t SwiGlu(const float* x, int64_t rows, int64_t hidden,
     if (cublasSetStream(options.cublas, stream) != CUBLAS_STATUS_SUCCESS) {
       return cudaErrorUnknown;
     }
-    AFD_RETURN_IF_ERROR(CublasGemm(options.cublas, w_gate, inter, hidden, s.a,
-                                   rows, s.gate_up, 2 * inter));
-    AFD_RETURN_IF_ERROR(CublasGemm(options.cublas, w_up, inter, hidden, s.a,
-                                   rows, s.gate_up + inter, 2 * inter));
+    AFD_RETURN_IF_ERROR(
+        CublasGemm(options.cublas, w_gate, inter, hidden, s.a, rows, s.gate_up, 2 * inter));
+    AFD_RETURN_IF_ERROR(
+        CublasGemm(options.cublas, w_up, inter, hidden, s.a, rows, s.gate_up + inter, 2 * inter));
   } else {
     GemmParams p;
     p.a = s.a;
@@ -529,12 +510,11 @@ cudaError_t SwiGlu(const float* x, int64_t rows, int64_t hidden,
     p.rows = rows;
     AFD_RETURN_IF_ERROR(LaunchTiledGemm(p, (rows + kBm - 1) / kBm, stream));
   }
-  SiluMulToBf16Kernel<<<ElementwiseBlocks(rows * inter), kElementwiseThreads, 0,
-                        stream>>>(s.gate_up, rows, inter, nullptr, s.act);
+  SiluMulToBf16Kernel<<<ElementwiseBlocks(rows * inter), kElementwiseThreads, 0, stream>>>(
+      s.gate_up, rows, inter, nullptr, s.act);
   AFD_RETURN_IF_ERROR(LaunchStatus());
   if (cublas) {
-    return CublasGemm(options.cublas, w_down, hidden, inter, s.act, rows, y,
-                      hidden);
+    return CublasGemm(options.cublas, w_down, hidden, inter, s.act, rows, y, hidden);
   }
   GemmParams p;
   p.a = s.act;
@@ -548,28 +528,24 @@ cudaError_t SwiGlu(const float* x, int64_t rows, int64_t hidden,
   return LaunchTiledGemm(p, (rows + kBm - 1) / kBm, stream);
 }
 
-size_t GroupedExpertWorkspaceBytes(int64_t tokens, int k, int64_t hidden,
-                                   int64_t inter, int64_t slots) {
+size_t GroupedExpertWorkspaceBytes(int64_t tokens, int k, int64_t hidden, int64_t inter,
+                                   int64_t slots) {
   Carver carver(nullptr);
   CarveExperts(carver, tokens, k, hidden, inter, slots);
   return carver.used();
 }
 
 cudaError_t GroupedExpertSwiGlu(const float* x, int64_t tokens, int64_t hidden,
-                                const int32_t* topk_ids,
-                                const float* topk_weights, int k,
-                                const int32_t* expert_to_slot,
-                                int64_t num_experts, int64_t slots,
+                                const int32_t* topk_ids, const float* topk_weights, int k,
+                                const int32_t* expert_to_slot, int64_t num_experts, int64_t slots,
                                 const uint16_t* w_gate, const uint16_t* w_up,
-                                const uint16_t* w_down, int64_t inter,
-                                void* workspace, size_t workspace_bytes,
-                                float* y, cudaStream_t stream,
+                                const uint16_t* w_down, int64_t inter, void* workspace,
+                                size_t workspace_bytes, float* y, cudaStream_t stream,
                                 const GemmOptions& options) {
   if (tokens <= 0 || slots <= 0) return cudaSuccess;
-  if (k <= 0 || k > kMaxTopK || slots > kMaxSlots ||
-      tokens * k > 0x7FFFFFFF || workspace == nullptr ||
-      workspace_bytes <
-          GroupedExpertWorkspaceBytes(tokens, k, hidden, inter, slots)) {
+  if (k <= 0 || k > kMaxTopK || slots > kMaxSlots || tokens * k > 0x7FFFFFFF ||
+      workspace == nullptr ||
+      workspace_bytes < GroupedExpertWorkspaceBytes(tokens, k, hidden, inter, slots)) {
     return cudaErrorInvalidValue;
   }
   Carver carver(workspace);
@@ -578,14 +554,13 @@ cudaError_t GroupedExpertSwiGlu(const float* x, int64_t tokens, int64_t hidden,
   const int64_t expert_matrix = inter * hidden;
 
   RouteKernel<<<1, kRouteThreads, 0, stream>>>(
-      topk_ids, pairs, expert_to_slot, num_experts, static_cast<int>(slots),
-      s.slot_offsets, s.num_tiles, s.row_of_pair, s.pair_of_row, s.tile_group,
-      s.tile_row0);
+      topk_ids, pairs, expert_to_slot, num_experts, static_cast<int>(slots), s.slot_offsets,
+      s.num_tiles, s.row_of_pair, s.pair_of_row, s.tile_group, s.tile_row0);
   AFD_RETURN_IF_ERROR(LaunchStatus());
   // live rows = slot_offsets[slots], the number of owned pairs.
   const int32_t* live_rows = s.slot_offsets + slots;
-  GatherBf16Kernel<<<static_cast<unsigned int>(pairs), kElementwiseThreads, 0,
-                     stream>>>(x, hidden, k, s.pair_of_row, live_rows, s.dense.a);
+  GatherBf16Kernel<<<static_cast<unsigned int>(pairs), kElementwiseThreads, 0, stream>>>(
+      x, hidden, k, s.pair_of_row, live_rows, s.dense.a);
   AFD_RETURN_IF_ERROR(LaunchStatus());
 
   if (options.backend == GemmBackend::kCublas) {
@@ -596,31 +571,28 @@ cudaError_t GroupedExpertSwiGlu(const float* x, int64_t tokens, int64_t hidden,
     // cuBLAS takes the per-expert sizes on the host: one sync.
     std::vector<int32_t> offsets(slots + 1);
     AFD_RETURN_IF_ERROR(cudaMemcpyAsync(offsets.data(), s.slot_offsets,
-                                        sizeof(int32_t) * (slots + 1),
-                                        cudaMemcpyDeviceToHost, stream));
+                                        sizeof(int32_t) * (slots + 1), cudaMemcpyDeviceToHost,
+                                        stream));
     AFD_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     for (int64_t slot = 0; slot < slots; ++slot) {
       const int64_t rows = offsets[slot + 1] - offsets[slot];
       if (rows == 0) continue;
       const uint16_t* a = s.dense.a + offsets[slot] * hidden;
       float* gate_up = s.dense.gate_up + offsets[slot] * 2 * inter;
-      AFD_RETURN_IF_ERROR(CublasGemm(options.cublas, w_gate + slot * expert_matrix,
-                                     inter, hidden, a, rows, gate_up, 2 * inter));
-      AFD_RETURN_IF_ERROR(CublasGemm(options.cublas, w_up + slot * expert_matrix,
-                                     inter, hidden, a, rows, gate_up + inter,
-                                     2 * inter));
+      AFD_RETURN_IF_ERROR(CublasGemm(options.cublas, w_gate + slot * expert_matrix, inter, hidden,
+                                     a, rows, gate_up, 2 * inter));
+      AFD_RETURN_IF_ERROR(CublasGemm(options.cublas, w_up + slot * expert_matrix, inter, hidden, a,
+                                     rows, gate_up + inter, 2 * inter));
     }
-    SiluMulToBf16Kernel<<<ElementwiseBlocks(pairs * inter), kElementwiseThreads,
-                          0, stream>>>(s.dense.gate_up, pairs, inter, live_rows,
-                                       s.dense.act);
+    SiluMulToBf16Kernel<<<ElementwiseBlocks(pairs * inter), kElementwiseThreads, 0, stream>>>(
+        s.dense.gate_up, pairs, inter, live_rows, s.dense.act);
     AFD_RETURN_IF_ERROR(LaunchStatus());
     for (int64_t slot = 0; slot < slots; ++slot) {
       const int64_t rows = offsets[slot + 1] - offsets[slot];
       if (rows == 0) continue;
-      AFD_RETURN_IF_ERROR(CublasGemm(
-          options.cublas, w_down + slot * expert_matrix, hidden, inter,
-          s.dense.act + offsets[slot] * inter, rows,
-          s.expert_out + offsets[slot] * hidden, hidden));
+      AFD_RETURN_IF_ERROR(CublasGemm(options.cublas, w_down + slot * expert_matrix, hidden, inter,
+                                     s.dense.act + offsets[slot] * inter, rows,
+                                     s.expert_out + offsets[slot] * hidden, hidden));
     }
   } else {
     GemmParams p;
@@ -638,9 +610,8 @@ cudaError_t GroupedExpertSwiGlu(const float* x, int64_t tokens, int64_t hidden,
     p.group_offsets = s.slot_offsets;
     p.num_tiles = s.num_tiles;
     AFD_RETURN_IF_ERROR(LaunchTiledGemm(p, s.max_tiles, stream));
-    SiluMulToBf16Kernel<<<ElementwiseBlocks(pairs * inter), kElementwiseThreads,
-                          0, stream>>>(s.dense.gate_up, pairs, inter, live_rows,
-                                       s.dense.act);
+    SiluMulToBf16Kernel<<<ElementwiseBlocks(pairs * inter), kElementwiseThreads, 0, stream>>>(
+        s.dense.gate_up, pairs, inter, live_rows, s.dense.act);
     AFD_RETURN_IF_ERROR(LaunchStatus());
     p.a = s.dense.act;
     p.b0 = w_down;
@@ -652,9 +623,9 @@ cudaError_t GroupedExpertSwiGlu(const float* x, int64_t tokens, int64_t hidden,
     p.k = inter;
     AFD_RETURN_IF_ERROR(LaunchTiledGemm(p, s.max_tiles, stream));
   }
-  CombineKernel<<<static_cast<unsigned int>(tokens), kElementwiseThreads, 0,
-                  stream>>>(s.expert_out, hidden, k, topk_ids, topk_weights,
-                            expert_to_slot, num_experts, s.row_of_pair, y);
+  CombineKernel<<<static_cast<unsigned int>(tokens), kElementwiseThreads, 0, stream>>>(
+      s.expert_out, hidden, k, topk_ids, topk_weights, expert_to_slot, num_experts, s.row_of_pair,
+      y);
   return LaunchStatus();
 }
 

@@ -24,16 +24,12 @@ inline cudaError_t LaunchStatus() { return cudaGetLastError(); }
 // 16-byte asynchronous global -> shared copy (sm_80+), shared by the attention
 // and GEMM pipelines. src-size 0 zero-fills the 16 bytes: rows past a valid
 // range become 0, so 0-probability x garbage can never produce a NaN.
-__device__ __forceinline__ void CpAsync16(void* shared, const void* global,
-                                          bool valid) {
-  const unsigned int address =
-      static_cast<unsigned int>(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address),
-               "l"(global), "r"(valid ? 16 : 0));
+__device__ __forceinline__ void CpAsync16(void* shared, const void* global, bool valid) {
+  const unsigned int address = static_cast<unsigned int>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global),
+               "r"(valid ? 16 : 0));
 }
-__device__ __forceinline__ void CpAsyncCommit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
 __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));

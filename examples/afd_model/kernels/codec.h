@@ -99,8 +99,6 @@ AFD_HOST_DEVICE inline float DecodeBf16(uint16_t bf16) {
   return BitsToFloat(static_cast<uint32_t>(bf16) << 16);
 }
 
-AFD_HOST_DEVICE inline float RoundToBf16(float value) {
-  return DecodeBf16(EncodeBf16(value));
-}
+AFD_HOST_DEVICE inline float RoundToBf16(float value) { return DecodeBf16(EncodeBf16(value)); }
 
 }  // namespace afd

@@ -100,8 +100,7 @@ bool Step5AttentionSide::BeginStep(std::span<const SequenceChunk> chunks,
                                    std::span<const int32_t> tokens, StepState* base) {
   auto* state = static_cast<Step5StepState*>(base);
   const ModelConfig& m = config_.model;
-  if (!AssignStepPositions(chunks, tokens, m.vocab_size, max_seq_len_, &sequence_lengths_,
-                           state)) {
+  if (!AssignStepPositions(chunks, tokens, m.vocab_size, max_seq_len_, &sequence_lengths_, state)) {
     return false;
   }
   const int64_t total = state->num_tokens();
@@ -169,9 +168,9 @@ void Step5AttentionSide::IndexerProjections(int layer, Step5StepState* state) co
   step5::cpu::LayerNorm(state->index_k.data(), w.index_k_gamma.data(), w.index_k_beta.data(), n, p,
                         config_.index_norm_eps, state->index_k.data());
   afd::cpu::RopePartialNeoxInPlace(state->index_q.data(), n, heads, p, config_.index_rotary_dim,
-                                     state->positions.data(), config_.full_rope_theta);
+                                   state->positions.data(), config_.full_rope_theta);
   afd::cpu::RopePartialNeoxInPlace(state->index_k.data(), n, 1, p, config_.index_rotary_dim,
-                                     state->positions.data(), config_.full_rope_theta);
+                                   state->positions.data(), config_.full_rope_theta);
   step5::cpu::CastFp8E4m3(state->index_q.data(), n * heads * p, state->index_q_codes.data());
 }
 
@@ -282,9 +281,9 @@ void Step5AttentionSide::Attention(int layer, StepState* base) {
   const int64_t rotary = global ? config_.full_rotary_dim : config_.sliding_rotary_dim;
   const float theta = global ? config_.full_rope_theta : config_.sliding_rope_theta;
   afd::cpu::RopePartialNeoxInPlace(state->queries.data(), n, heads, d, rotary,
-                                     state->positions.data(), theta);
+                                   state->positions.data(), theta);
   afd::cpu::RopePartialNeoxInPlace(state->keys.data(), n, groups, d, rotary,
-                                     state->positions.data(), theta);
+                                   state->positions.data(), theta);
   if (global) IndexerProjections(layer, state);
 
   int64_t row = 0;
@@ -337,8 +336,7 @@ void Step5AttentionSide::AddFfnOutput(StepState* state) const {
                        state->hidden.data());
 }
 
-void Step5AttentionSide::LastTokenLogits(const StepState& state,
-                                         std::vector<float>* final_hidden,
+void Step5AttentionSide::LastTokenLogits(const StepState& state, std::vector<float>* final_hidden,
                                          std::vector<float>* logits) const {
   LastTokenLogitsOf(state, config_.model, weights_.final_norm.data(), weights_.lm_head.data(),
                     final_hidden, logits);

@@ -1,6 +1,5 @@
 #include "examples/afd_model/step5/step5_reference.h"
 
-
 namespace afd::step5 {
 
 Step5ReferenceModel::Step5ReferenceModel(const Step5Config& config, const ReferenceOptions& options)

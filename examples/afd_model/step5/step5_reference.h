@@ -37,7 +37,6 @@ class Step5ReferenceModel {
   bool RunStep(std::span<const SequenceChunk> chunks, std::span<const int32_t> tokens,
                Step5StepState* state, std::vector<float>* layer_hidden = nullptr);
 
-
  private:
   Step5Config config_;
   ReferenceOptions options_;

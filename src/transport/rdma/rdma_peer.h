@@ -133,9 +133,9 @@ struct Peer {
   base::Mutex route_mu;  // route creation and advert waits; never on the per-frame path
   absl::flat_hash_map<uint64_t, std::unique_ptr<Route>> routes ABSL_GUARDED_BY(route_mu);
 
-  std::atomic<bool> lost{false};  // reported (or shut down)
+  std::atomic<bool> lost{false};           // reported (or shut down)
   std::atomic<bool> loss_reported{false};  // the sink's OnPeerLost for it returned
-  FailureRecord failure;          // waits for the receive thread to report it
+  FailureRecord failure;                   // waits for the receive thread to report it
 
   uint64_t stripes_sent = 0;  // send thread
 

@@ -1309,10 +1309,9 @@ class RdmaTransport final : public Transport {
         // CANCELLED: an orderly departure (see TransportSink::OnPeerLost).
         Lose(peer, sink,
              peer.failure.failed() ? peer.failure.status()
-             : peer.said_goodbye
-                 ? absl::CancelledError(absl::StrCat(PeerName(peer.id), " left"))
-                 : absl::UnavailableError(
-                       absl::StrCat(PeerName(peer.id), " closed its connection")));
+             : peer.said_goodbye   ? absl::CancelledError(absl::StrCat(PeerName(peer.id), " left"))
+                                   : absl::UnavailableError(
+                                         absl::StrCat(PeerName(peer.id), " closed its connection")));
         return;
       }
       if (n < 0) {
