@@ -3,14 +3,20 @@
 // the same bytes between the same processes:
 //   raw-tcp: TCP sockets written for the benchmark, TCP_NODELAY, the transport's
 //            socket buffers, one connection per (worker, server): a small size
-//            header + push bytes out, pull bytes back. Three receive disciplines:
-//              kSpin     non-blocking receive, busy-polled (the library's spin /
-//                        adaptive poll modes);
+//            header + push bytes out, pull bytes back. Receives use the
+//            transport's low-water mark (SO_RCVLOWAT = the rest of the message,
+//            at most 256 KiB), so a receiver copies once per 256 KiB instead of
+//            chasing the sender segment by segment. Three disciplines:
+//              kSpin     readiness busy-polled (poll() with a zero timeout, as
+//                        the library's epoll_wait(0) in its spin / adaptive
+//                        modes), then a non-blocking recv of what is queued;
 //              kBlock    blocking: poll() over every connection, MSG_WAITALL
-//                        once one reply is left (the library's blocking mode);
+//                        per 256 KiB once one reply is left (the library's
+//                        blocking mode);
 //              kNaive    the old row: one blocking thread that writes to each
-//                        server in turn, then reads each reply in turn. Not a
-//                        floor (nothing overlaps); kept labelled as such.
+//                        server in turn, then reads each reply in turn, no
+//                        low-water mark. Not a floor (nothing overlaps); kept
+//                        labelled as such.
 //            kSpin and kBlock drive every server connection from one loop, so
 //            sends and receives to different servers overlap, and the echo
 //            side receives in the same discipline. The floor is the best of them.
