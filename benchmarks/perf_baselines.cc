@@ -33,8 +33,9 @@ namespace {
 struct SizeHeader {
   uint64_t push_bytes = 0;
   uint64_t pull_bytes = 0;
-  uint64_t batch = 1;  // clients the server hears from before it answers any (an AF batch)
-  uint64_t mode = 0;   // RawMode: how the echo side receives
+  uint64_t batch = 1;      // clients the server hears from before it answers any (an AF batch)
+  uint64_t mode = 0;       // RawMode: how the echo side receives
+  uint64_t low_water = 0;  // 1: with the receive low-water mark
 };
 
 // How long a spinning echo connection busy-polls for the next header before it
@@ -123,20 +124,26 @@ constexpr size_t kLowWaterCap = 256 << 10;
 
 class LowWater {
  public:
-  // `enabled` false: the kernel's default mark of one byte (the raw-naive row).
+  // `enabled` false: the kernel's default mark of one byte.
   explicit LowWater(int fd, bool enabled = true) : fd_(fd), enabled_(enabled) {}
   // The mark for `left` more bytes of the message being read. A mark above
   // what will still arrive would never report the socket readable.
   void Want(size_t left) {
-    if (!enabled_) return;
-    const int want = static_cast<int>(std::clamp<size_t>(left, 1, kLowWaterCap));
-    if (want == current_) return;
-    if (::setsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(want)) == 0) current_ = want;
+    if (enabled_) Set(static_cast<int>(std::clamp<size_t>(left, 1, kLowWaterCap)));
+  }
+  // Switched per request on the echo side; off restores the default mark.
+  void Enable(bool on) {
+    enabled_ = on;
+    if (!on) Set(1);
   }
   int fd() const { return fd_; }
   bool enabled() const { return enabled_; }
 
  private:
+  void Set(int want) {
+    if (want == current_) return;
+    if (::setsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(want)) == 0) current_ = want;
+  }
   int fd_;
   bool enabled_;
   int current_ = 1;  // the kernel's default
@@ -197,7 +204,7 @@ absl::Status SpinReadAll(LowWater& lw, void* data, size_t bytes, absl::Duration 
   absl::Time idle_since = absl::InfinitePast();
   for (uint32_t idle = 0; bytes > 0;) {
     lw.Want(bytes);
-    if (ReadableNow(lw.fd())) {
+    if (!lw.enabled() || ReadableNow(lw.fd())) {
       const ssize_t n = ::recv(lw.fd(), p, bytes, MSG_DONTWAIT);
       if (n > 0) {
         p += n;
@@ -305,6 +312,7 @@ class BaselineServersImpl final : public BaselineServers {
       if (!got.ok()) break;
       if (h.push_bytes > kMaxBaselineBytes || h.pull_bytes > kMaxBaselineBytes) break;
       spinning = h.mode == static_cast<uint64_t>(RawMode::kSpin);
+      lw.Enable(h.low_water != 0);
       if (in.size() < h.push_bytes) in.resize(h.push_bytes);
       if (out.size() < h.pull_bytes) out.resize(h.pull_bytes, 1);
       const absl::Status push =
@@ -385,18 +393,24 @@ class BaselineServersImpl final : public BaselineServers {
 
 class RawTcpClient final : public BaselineClient {
  public:
-  RawTcpClient(std::vector<base::UniqueFd> fds, int batch, RawMode mode, absl::Duration timeout)
-      : fds_(std::move(fds)), batch_(batch), mode_(mode), timeout_(timeout), state_(fds_.size()) {
+  RawTcpClient(std::vector<base::UniqueFd> fds, int batch, const RawDiscipline& discipline,
+               absl::Duration timeout)
+      : fds_(std::move(fds)),
+        batch_(batch),
+        mode_(discipline.mode),
+        low_water_(discipline.low_water),
+        timeout_(timeout),
+        state_(fds_.size()) {
     for (const base::UniqueFd& fd : fds_) {
       polls_.push_back({fd.get(), 0, 0});
-      marks_.emplace_back(fd.get(), mode_ != RawMode::kNaive);
+      marks_.emplace_back(fd.get(), low_water_);
     }
   }
 
   absl::Status Exchange(const void* push, size_t push_bytes, absl::Span<void* const> pull,
                         size_t pull_bytes) override {
     const SizeHeader h{push_bytes, pull_bytes, static_cast<uint64_t>(batch_),
-                       static_cast<uint64_t>(mode_)};
+                       static_cast<uint64_t>(mode_), low_water_ ? 1u : 0u};
     if (mode_ == RawMode::kNaive) return ExchangeNaive(h, push, pull);
     return ExchangeOverlapped(h, push, pull);
   }
@@ -468,10 +482,10 @@ class RawTcpClient final : public BaselineClient {
   // 0's reply comes in: sends wherever the socket takes bytes; receives where
   // poll() reports the connection readable, which with the low-water mark
   // means the rest of the reply or 256 KiB of it is queued (the library's
-  // receive thread reads on the same readiness). When nothing progresses:
-  // kSpin polls again at once (a zero-timeout poll per round, as the
-  // library's epoll_wait(0)); kBlock sleeps in poll() until some connection
-  // is ready, and with a single reply left, in MSG_WAITALL receives.
+  // receive thread reads on the same readiness), or, without it, wherever a
+  // non-blocking recv finds bytes. When nothing progresses: kSpin tries again
+  // at once; kBlock sleeps in poll() until some connection is ready, and with
+  // a single reply left, in ReadAll on that one.
   absl::Status ExchangeOverlapped(const SizeHeader& h, const void* push,
                                   absl::Span<void* const> pull) {
     const size_t out_bytes = sizeof(h) + h.push_bytes;
@@ -493,9 +507,11 @@ class RawTcpClient final : public BaselineClient {
             static_cast<int16_t>((c.sent < out_bytes ? POLLOUT : 0) | (want_in ? POLLIN : 0));
         polls_[s].revents = 0;
       }
-      if (receiving > 0 && ::poll(polls_.data(), polls_.size(), 0) > 0) {
+      // With the mark, read where poll() says the mark is reached; without
+      // it (the plain rows), try every connection still receiving.
+      if (receiving > 0 && (!low_water_ || ::poll(polls_.data(), polls_.size(), 0) > 0)) {
         for (size_t s = 0; s < fds_.size(); ++s) {
-          if (!(polls_[s].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+          if (low_water_ && !(polls_[s].revents & (POLLIN | POLLHUP | POLLERR))) continue;
           if (state_[s].received == h.pull_bytes) continue;
           STEPMESH_ASSIGN_OR_RETURN(const bool got, ReceiveSome(s, pull[s], h.pull_bytes));
           progress |= got;
@@ -536,6 +552,7 @@ class RawTcpClient final : public BaselineClient {
   std::vector<base::UniqueFd> fds_;
   int batch_;
   RawMode mode_;
+  bool low_water_;
   absl::Duration timeout_;
   std::vector<Conn> state_;      // per connection, reset each exchange
   std::vector<pollfd> polls_;    // per connection, prepared once
@@ -660,7 +677,7 @@ absl::StatusOr<std::unique_ptr<BaselineServers>> BaselineServers::Start(const st
 
 absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectRawTcp(
     const std::vector<base::HostPort>& servers, int sockbuf, absl::Duration timeout, int batch,
-    RawMode mode) {
+    const RawDiscipline& discipline) {
   std::vector<base::UniqueFd> fds;
   for (const base::HostPort& hp : servers) {
     STEPMESH_ASSIGN_OR_RETURN(base::UniqueFd fd, base::ConnectTcp(hp, absl::Now() + timeout));
@@ -670,7 +687,7 @@ absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectRawTcp(
     STEPMESH_RETURN_IF_ERROR(ConfigureRaw(fd.get(), sockbuf, timeout));
     fds.push_back(std::move(fd));
   }
-  return std::make_unique<RawTcpClient>(std::move(fds), batch, mode, timeout);
+  return std::make_unique<RawTcpClient>(std::move(fds), batch, discipline, timeout);
 }
 
 absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectZmq(

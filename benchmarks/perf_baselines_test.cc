@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <string>
@@ -81,9 +82,12 @@ TEST_CASE("raw-tcp baselines deliver every size in every discipline", "[baseline
   for (int servers : {1, 2}) {
     std::vector<base::HostPort> addrs;
     auto echo = StartServers(servers, addrs);
-    for (RawMode mode : {RawMode::kSpin, RawMode::kBlock, RawMode::kNaive}) {
-      INFO("servers " << servers << " mode " << static_cast<int>(mode));
-      auto client = ConnectRawTcp(addrs, kSockBuf, kTimeout, /*batch=*/1, mode);
+    std::vector<RawDiscipline> rows(std::begin(kRawFloorDisciplines),
+                                    std::end(kRawFloorDisciplines));
+    rows.push_back(kRawNaive);
+    for (const RawDiscipline& d : rows) {
+      INFO("servers " << servers << " " << d.method);
+      auto client = ConnectRawTcp(addrs, kSockBuf, kTimeout, /*batch=*/1, d);
       REQUIRE(client.ok());
       CheckExchanges(**client, servers, /*rounds=*/2);
     }
@@ -93,10 +97,10 @@ TEST_CASE("raw-tcp baselines deliver every size in every discipline", "[baseline
 TEST_CASE("raw-tcp echo answers a batch of two clients only together", "[baselines]") {
   std::vector<base::HostPort> addrs;
   auto echo = StartServers(1, addrs);
-  for (RawMode mode : {RawMode::kSpin, RawMode::kBlock}) {
-    INFO("mode " << static_cast<int>(mode));
-    auto first = ConnectRawTcp(addrs, kSockBuf, kTimeout, /*batch=*/2, mode);
-    auto second = ConnectRawTcp(addrs, kSockBuf, kTimeout, /*batch=*/2, mode);
+  for (const RawDiscipline& d : kRawFloorDisciplines) {
+    INFO(d.method);
+    auto first = ConnectRawTcp(addrs, kSockBuf, kTimeout, /*batch=*/2, d);
+    auto second = ConnectRawTcp(addrs, kSockBuf, kTimeout, /*batch=*/2, d);
     REQUIRE(first.ok());
     REQUIRE(second.ok());
     std::vector<char> push(4096, 'Z');
