@@ -703,7 +703,7 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
             acc[k].thread_cpu_ns / 1e3 / static_cast<double>(acc[k].measured);
         if (mr.method != "stepmesh" && M > 1) mr.note = "baselines run one request at a time";
         if (mr.method == "raw-naive") {
-          mr.note = "old row: servers in turn, blocking; not a floor";
+          mr.note = "old row: servers in turn, blocking (a floor candidate too)";
         }
         for (size_t st = 0; st < acc[k].stages.size(); ++st) {
           const LatencyStats ss = ComputeStats(std::move(acc[k].stages[st]));
