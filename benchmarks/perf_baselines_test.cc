@@ -94,6 +94,26 @@ TEST_CASE("raw-tcp baselines deliver every size in every discipline", "[baseline
   }
 }
 
+TEST_CASE("raw-tcp baselines: many round trips at the acceptance sizes", "[baselines]") {
+  // A receive stall at the end of a message depends on where the sender is
+  // when the receiver starts a chunk: rare per round trip, so many of them.
+  std::vector<base::HostPort> addrs;
+  auto echo = StartServers(1, addrs);
+  std::vector<char> push(917504, 'Z');
+  std::vector<char> pull(1835008 + 12345);
+  void* into = pull.data();
+  for (const RawDiscipline& d : kRawFloorDisciplines) {
+    INFO(d.method);
+    auto client = ConnectRawTcp(addrs, kSockBuf, kTimeout, /*batch=*/1, d);
+    REQUIRE(client.ok());
+    for (int i = 0; i < 300; ++i) {
+      INFO("round trip " << i);
+      const size_t pull_bytes = i % 2 == 0 ? 1835008 : pull.size();
+      REQUIRE((*client)->Exchange(push.data(), push.size(), {&into, 1}, pull_bytes).ok());
+    }
+  }
+}
+
 TEST_CASE("raw-tcp echo answers a batch of two clients only together", "[baselines]") {
   std::vector<base::HostPort> addrs;
   auto echo = StartServers(1, addrs);
