@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Interleaved stepmesh_perf acceptance runs of several builds (method order rotated per run).
-# usage: benchmarks/ab_builds.sh RUNS OUTDIR name=BIN [name=BIN ...]
+# usage: benchmarks/ab_builds.sh RUNS OUTDIR [--poll-mode MODE] name=BIN [name=BIN ...]
 set -euo pipefail
 runs="$1"; out="$2"; shift 2; mkdir -p "$out"
+poll=()
+if [[ "${1:-}" == --poll-mode ]]; then poll=(--poll-mode "$2"); shift 2; fi
 names=(); bins=()
 for a in "$@"; do names+=("${a%%=*}"); bins+=("${a#*=}"); done
 n=${#names[@]}
@@ -12,7 +14,7 @@ for r in $(seq 1 "$runs"); do
     for k in $(seq 0 $((n-1))); do
       i=$(( (k + r) % n ))
       timeout 300 "${bins[$i]}" --transport tcp --pattern $pat --push-bytes 917504 --pull-bytes 1835008 \
-        --iters $iters --baseline raw-tcp,raw-naive,zmq --json "$out/${names[$i]}-$pat-$r.json" > "$out/${names[$i]}-$pat-$r.txt" 2>&1 || echo "run failed: ${names[$i]} $pat $r"
+        --iters $iters --baseline raw-tcp,raw-naive,zmq "${poll[@]}" --json "$out/${names[$i]}-$pat-$r.json" > "$out/${names[$i]}-$pat-$r.txt" 2>&1 || echo "run failed: ${names[$i]} $pat $r"
     done
   done
 done

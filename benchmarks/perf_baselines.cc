@@ -33,8 +33,9 @@ namespace {
 struct SizeHeader {
   uint64_t push_bytes = 0;
   uint64_t pull_bytes = 0;
-  uint64_t batch = 1;  // clients the server hears from before it answers any (an AF batch)
-  uint64_t mode = 0;   // RawMode: how the echo side receives
+  uint64_t batch = 1;      // clients the server hears from before it answers any (an AF batch)
+  uint64_t mode = 0;       // RawMode: how the echo side receives
+  uint64_t low_water = 0;  // 1: with the receive low-water mark
 };
 
 // How long a spinning echo connection busy-polls for the next header before it
@@ -112,15 +113,72 @@ absl::Status WriteAll(int fd, iovec* iov, int iovcnt) {
   return absl::OkStatus();
 }
 
-// Blocking receive of exactly `bytes` (MSG_WAITALL: one wake-up per message
-// unless a signal or the timeout interrupts it).
-absl::Status ReadAll(int fd, void* data, size_t bytes) {
+// The receive low-water mark, as the TCP transport sets it (tcp_transport.cc,
+// SetLowWater): the kernel reports a socket readable, and wakes a sleeping
+// receiver, only once the rest of the current message or kLowWaterCap of it
+// is queued. Without it a receiver chases the sender 64 KiB segment by
+// segment, each wake-up or busy recv taking the socket lock the sender's
+// loopback delivery needs; with it, one copy per 256 KiB. Set only when the
+// wanted mark changes.
+constexpr size_t kLowWaterCap = 256 << 10;
+
+class LowWater {
+ public:
+  // `enabled` false: the kernel's default mark of one byte.
+  explicit LowWater(int fd, bool enabled = true) : fd_(fd), enabled_(enabled) {}
+  // The mark for `left` more bytes of the message being read. A mark above
+  // what will still arrive would never report the socket readable.
+  void Want(size_t left) {
+    if (enabled_) Set(static_cast<int>(std::clamp<size_t>(left, 1, kLowWaterCap)));
+  }
+  // Switched per request on the echo side; off restores the default mark.
+  void Enable(bool on) {
+    enabled_ = on;
+    if (!on) Set(1);
+  }
+  int fd() const { return fd_; }
+  bool enabled() const { return enabled_; }
+
+ private:
+  void Set(int want) {
+    if (want == current_) return;
+    if (::setsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(want)) == 0) current_ = want;
+  }
+  int fd_;
+  bool enabled_;
+  int current_ = 1;  // the kernel's default
+};
+
+// Blocking receive of exactly `bytes`. With the low-water mark: sleep in
+// poll() until the mark is reached, copy what is queued without blocking,
+// lower the mark to what is left, again (the library's blocking mode sleeps
+// in epoll_wait the same way). Not recv(MSG_WAITALL): a receive that already
+// copied part of a chunk waits for the kernel's wake-up, which comes only
+// once a whole mark's worth more is queued, so at the end of a message it
+// would sleep until the timeout. Without the mark (raw-naive): MSG_WAITALL,
+// one wake-up per segment.
+absl::Status ReadAll(LowWater& lw, void* data, size_t bytes, absl::Time deadline) {
   auto* p = static_cast<char*>(data);
   while (bytes > 0) {
-    const ssize_t n = ::recv(fd, p, bytes, MSG_WAITALL);
+    lw.Want(bytes);
+    if (lw.enabled()) {
+      const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+      if (left_ms <= 0) return absl::DeadlineExceededError("raw-tcp receive timed out");
+      pollfd pfd{lw.fd(), POLLIN, 0};
+      const int ready = ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left_ms, INT32_MAX)));
+      if (ready < 0 && errno != EINTR) {
+        return absl::UnavailableError(base::ErrnoMessage("raw-tcp poll", errno));
+      }
+      if (ready <= 0) continue;
+    }
+    const ssize_t n = ::recv(lw.fd(), p, bytes, lw.enabled() ? MSG_DONTWAIT : MSG_WAITALL);
     if (n == 0) return absl::UnavailableError("raw-tcp peer closed");
     if (n < 0) {
       if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) {
+        if (lw.enabled()) continue;  // woken without bytes: poll again
+        return absl::DeadlineExceededError("raw-tcp receive timed out");  // SO_RCVTIMEO
+      }
       return absl::UnavailableError(base::ErrnoMessage("raw-tcp recv", errno));
     }
     p += n;
@@ -129,29 +187,40 @@ absl::Status ReadAll(int fd, void* data, size_t bytes) {
   return absl::OkStatus();
 }
 
-// Busy-polled receive of exactly `bytes`: non-blocking recv in a loop. After
-// `spin_for` without any byte it finishes with a blocking ReadAll (infinite:
-// spin until `deadline`).
-absl::Status SpinReadAll(int fd, void* data, size_t bytes, absl::Duration spin_for,
+// Whether `fd` is readable now (honouring its low-water mark), without taking
+// the socket lock a recv() would: the library's spinning receive thread polls
+// readiness the same way (epoll_wait with a zero timeout).
+bool ReadableNow(int fd) {
+  pollfd pfd{fd, POLLIN, 0};
+  return ::poll(&pfd, 1, 0) > 0;  // POLLIN, or POLLHUP/POLLERR that recv() reports
+}
+
+// Busy-polled receive of exactly `bytes`: readiness polled in a loop, then a
+// non-blocking recv of whatever is queued. After `spin_for` without any byte
+// it finishes with a blocking ReadAll (infinite: spin until `deadline`).
+absl::Status SpinReadAll(LowWater& lw, void* data, size_t bytes, absl::Duration spin_for,
                          absl::Time deadline) {
   auto* p = static_cast<char*>(data);
   absl::Time idle_since = absl::InfinitePast();
   for (uint32_t idle = 0; bytes > 0;) {
-    const ssize_t n = ::recv(fd, p, bytes, MSG_DONTWAIT);
-    if (n > 0) {
-      p += n;
-      bytes -= static_cast<size_t>(n);
-      idle = 0;
-      continue;
-    }
-    if (n == 0) return absl::UnavailableError("raw-tcp peer closed");
-    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-      return absl::UnavailableError(base::ErrnoMessage("raw-tcp recv", errno));
+    lw.Want(bytes);
+    if (!lw.enabled() || ReadableNow(lw.fd())) {
+      const ssize_t n = ::recv(lw.fd(), p, bytes, MSG_DONTWAIT);
+      if (n > 0) {
+        p += n;
+        bytes -= static_cast<size_t>(n);
+        idle = 0;
+        continue;
+      }
+      if (n == 0) return absl::UnavailableError("raw-tcp peer closed");
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+        return absl::UnavailableError(base::ErrnoMessage("raw-tcp recv", errno));
+      }
     }
     if (++idle % 1024 == 0) {
       const absl::Time now = absl::Now();
       if (idle == 1024) idle_since = now;
-      if (now - idle_since > spin_for) return ReadAll(fd, p, bytes);
+      if (now - idle_since > spin_for) return ReadAll(lw, p, bytes, deadline);
       if (now > deadline) return absl::DeadlineExceededError("raw-tcp receive timed out");
     }
     // An empty round: let the thread we wait for run (the library's receive
@@ -233,21 +302,23 @@ class BaselineServersImpl final : public BaselineServers {
     // A long timeout: a client idles here while the other methods run.
     if (!ConfigureRaw(fd.get(), sockbuf_, absl::Seconds(600)).ok()) return;
     std::vector<char> in, out;
+    LowWater lw(fd.get());
     bool spinning = false;  // the previous request asked for the spin discipline
     for (;;) {
       SizeHeader h;
       const absl::Status got =
-          spinning ? SpinReadAll(fd.get(), &h, sizeof(h), kHeaderSpin, absl::InfiniteFuture())
-                   : ReadAll(fd.get(), &h, sizeof(h));
+          spinning ? SpinReadAll(lw, &h, sizeof(h), kHeaderSpin, absl::InfiniteFuture())
+                   : ReadAll(lw, &h, sizeof(h), absl::InfiniteFuture());
       if (!got.ok()) break;
       if (h.push_bytes > kMaxBaselineBytes || h.pull_bytes > kMaxBaselineBytes) break;
       spinning = h.mode == static_cast<uint64_t>(RawMode::kSpin);
+      lw.Enable(h.low_water != 0);
       if (in.size() < h.push_bytes) in.resize(h.push_bytes);
       if (out.size() < h.pull_bytes) out.resize(h.pull_bytes, 1);
       const absl::Status push =
-          spinning ? SpinReadAll(fd.get(), in.data(), h.push_bytes, absl::InfiniteDuration(),
+          spinning ? SpinReadAll(lw, in.data(), h.push_bytes, absl::InfiniteDuration(),
                                  absl::Now() + absl::Seconds(60))
-                   : ReadAll(fd.get(), in.data(), h.push_bytes);
+                   : ReadAll(lw, in.data(), h.push_bytes, absl::Now() + absl::Seconds(60));
       if (!push.ok()) break;
       if (!batch_.Arrive(h.batch, absl::Seconds(60), spinning)) break;
       iovec iov{out.data(), h.pull_bytes};
@@ -322,15 +393,24 @@ class BaselineServersImpl final : public BaselineServers {
 
 class RawTcpClient final : public BaselineClient {
  public:
-  RawTcpClient(std::vector<base::UniqueFd> fds, int batch, RawMode mode, absl::Duration timeout)
-      : fds_(std::move(fds)), batch_(batch), mode_(mode), timeout_(timeout), state_(fds_.size()) {
-    for (const base::UniqueFd& fd : fds_) polls_.push_back({fd.get(), 0, 0});
+  RawTcpClient(std::vector<base::UniqueFd> fds, int batch, const RawDiscipline& discipline,
+               absl::Duration timeout)
+      : fds_(std::move(fds)),
+        batch_(batch),
+        mode_(discipline.mode),
+        low_water_(discipline.low_water),
+        timeout_(timeout),
+        state_(fds_.size()) {
+    for (const base::UniqueFd& fd : fds_) {
+      polls_.push_back({fd.get(), 0, 0});
+      marks_.emplace_back(fd.get(), low_water_);
+    }
   }
 
   absl::Status Exchange(const void* push, size_t push_bytes, absl::Span<void* const> pull,
                         size_t pull_bytes) override {
     const SizeHeader h{push_bytes, pull_bytes, static_cast<uint64_t>(batch_),
-                       static_cast<uint64_t>(mode_)};
+                       static_cast<uint64_t>(mode_), low_water_ ? 1u : 0u};
     if (mode_ == RawMode::kNaive) return ExchangeNaive(h, push, pull);
     return ExchangeOverlapped(h, push, pull);
   }
@@ -341,7 +421,7 @@ class RawTcpClient final : public BaselineClient {
     size_t received = 0;  // of the reply
   };
 
-  // The old row: each server in turn, blocking. Not a floor.
+  // The old row: each server in turn, blocking, no low-water mark. Not a floor.
   absl::Status ExchangeNaive(const SizeHeader& h, const void* push, absl::Span<void* const> pull) {
     for (const base::UniqueFd& fd : fds_) {
       iovec iov[2] = {{const_cast<SizeHeader*>(&h), sizeof(h)},
@@ -349,16 +429,63 @@ class RawTcpClient final : public BaselineClient {
       STEPMESH_RETURN_IF_ERROR(WriteAll(fd.get(), iov, h.push_bytes > 0 ? 2 : 1));
     }
     for (size_t s = 0; s < fds_.size(); ++s) {
-      STEPMESH_RETURN_IF_ERROR(ReadAll(fds_[s].get(), pull[s], h.pull_bytes));
+      STEPMESH_RETURN_IF_ERROR(ReadAll(marks_[s], pull[s], h.pull_bytes, absl::InfiniteFuture()));
     }
     return absl::OkStatus();
   }
 
-  // One loop over every connection: non-blocking sends and receives wherever
-  // they can progress, so server 1's push goes out while server 0's reply
-  // comes in. When nothing progresses: kSpin tries again at once; kBlock
-  // sleeps in poll() until some connection is ready, and with a single reply
-  // left, sleeps in one MSG_WAITALL receive.
+  // Non-blocking sendmsg of what is left of header + push; true if bytes went.
+  absl::StatusOr<bool> SendSome(size_t s, const SizeHeader& h, const void* push) {
+    Conn& c = state_[s];
+    const size_t out_bytes = sizeof(h) + h.push_bytes;
+    iovec iov[2];
+    int n_iov = 0;
+    if (c.sent < sizeof(h)) {
+      iov[n_iov++] = {reinterpret_cast<char*>(const_cast<SizeHeader*>(&h)) + c.sent,
+                      sizeof(h) - c.sent};
+      if (h.push_bytes > 0) iov[n_iov++] = {const_cast<void*>(push), h.push_bytes};
+    } else {
+      iov[n_iov++] = {static_cast<char*>(const_cast<void*>(push)) + (c.sent - sizeof(h)),
+                      out_bytes - c.sent};
+    }
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = n_iov;
+    const ssize_t n = ::sendmsg(fds_[s].get(), &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n > 0) {
+      c.sent += static_cast<size_t>(n);
+      return true;
+    }
+    if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      return absl::UnavailableError(base::ErrnoMessage("raw-tcp sendmsg", errno));
+    }
+    return false;
+  }
+
+  // Non-blocking recv of what is queued of server s's reply; true if bytes came.
+  absl::StatusOr<bool> ReceiveSome(size_t s, void* into, size_t pull_bytes) {
+    Conn& c = state_[s];
+    const ssize_t n = ::recv(fds_[s].get(), static_cast<char*>(into) + c.received,
+                             pull_bytes - c.received, MSG_DONTWAIT);
+    if (n > 0) {
+      c.received += static_cast<size_t>(n);
+      return true;
+    }
+    if (n == 0) return absl::UnavailableError("raw-tcp peer closed");
+    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+      return absl::UnavailableError(base::ErrnoMessage("raw-tcp recv", errno));
+    }
+    return false;
+  }
+
+  // One loop over every connection, so server 1's push goes out while server
+  // 0's reply comes in: sends wherever the socket takes bytes; receives where
+  // poll() reports the connection readable, which with the low-water mark
+  // means the rest of the reply or 256 KiB of it is queued (the library's
+  // receive thread reads on the same readiness), or, without it, wherever a
+  // non-blocking recv finds bytes. When nothing progresses: kSpin tries again
+  // at once; kBlock sleeps in poll() until some connection is ready, and with
+  // a single reply left, in ReadAll on that one.
   absl::Status ExchangeOverlapped(const SizeHeader& h, const void* push,
                                   absl::Span<void* const> pull) {
     const size_t out_bytes = sizeof(h) + h.push_bytes;
@@ -369,42 +496,26 @@ class RawTcpClient final : public BaselineClient {
       bool progress = false;
       for (size_t s = 0; s < fds_.size(); ++s) {
         Conn& c = state_[s];
-        const int fd = fds_[s].get();
         if (c.sent < out_bytes) {
-          iovec iov[2];
-          int n_iov = 0;
-          if (c.sent < sizeof(h)) {
-            iov[n_iov++] = {reinterpret_cast<char*>(const_cast<SizeHeader*>(&h)) + c.sent,
-                            sizeof(h) - c.sent};
-            if (h.push_bytes > 0) iov[n_iov++] = {const_cast<void*>(push), h.push_bytes};
-          } else {
-            iov[n_iov++] = {static_cast<char*>(const_cast<void*>(push)) + (c.sent - sizeof(h)),
-                            out_bytes - c.sent};
-          }
-          msghdr msg{};
-          msg.msg_iov = iov;
-          msg.msg_iovlen = n_iov;
-          const ssize_t n = ::sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-          if (n > 0) {
-            c.sent += static_cast<size_t>(n);
-            progress = true;
-            if (c.sent == out_bytes) --sending;
-          } else if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-            return absl::UnavailableError(base::ErrnoMessage("raw-tcp sendmsg", errno));
-          }
+          STEPMESH_ASSIGN_OR_RETURN(const bool sent, SendSome(s, h, push));
+          progress |= sent;
+          if (c.sent == out_bytes) --sending;
         }
-        if (c.received < h.pull_bytes) {
-          const ssize_t n = ::recv(fd, static_cast<char*>(pull[s]) + c.received,
-                                   h.pull_bytes - c.received, MSG_DONTWAIT);
-          if (n > 0) {
-            c.received += static_cast<size_t>(n);
-            progress = true;
-            if (c.received == h.pull_bytes) --receiving;
-          } else if (n == 0) {
-            return absl::UnavailableError("raw-tcp peer closed");
-          } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-            return absl::UnavailableError(base::ErrnoMessage("raw-tcp recv", errno));
-          }
+        const bool want_in = c.received < h.pull_bytes;
+        if (want_in) marks_[s].Want(h.pull_bytes - c.received);
+        polls_[s].events =
+            static_cast<int16_t>((c.sent < out_bytes ? POLLOUT : 0) | (want_in ? POLLIN : 0));
+        polls_[s].revents = 0;
+      }
+      // With the mark, read where poll() says the mark is reached; without
+      // it (the plain rows), try every connection still receiving.
+      if (receiving > 0 && (!low_water_ || ::poll(polls_.data(), polls_.size(), 0) > 0)) {
+        for (size_t s = 0; s < fds_.size(); ++s) {
+          if (low_water_ && !(polls_[s].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+          if (state_[s].received == h.pull_bytes) continue;
+          STEPMESH_ASSIGN_OR_RETURN(const bool got, ReceiveSome(s, pull[s], h.pull_bytes));
+          progress |= got;
+          if (state_[s].received == h.pull_bytes) --receiving;
         }
       }
       if (progress) {
@@ -422,17 +533,12 @@ class RawTcpClient final : public BaselineClient {
         for (size_t s = 0; s < fds_.size(); ++s) {
           Conn& c = state_[s];
           if (c.received == h.pull_bytes) continue;
-          STEPMESH_RETURN_IF_ERROR(ReadAll(fds_[s].get(), static_cast<char*>(pull[s]) + c.received,
-                                           h.pull_bytes - c.received));
+          STEPMESH_RETURN_IF_ERROR(ReadAll(marks_[s], static_cast<char*>(pull[s]) + c.received,
+                                           h.pull_bytes - c.received, deadline));
           c.received = h.pull_bytes;
           receiving = 0;
         }
         continue;
-      }
-      for (size_t s = 0; s < fds_.size(); ++s) {
-        polls_[s].events = static_cast<int16_t>((state_[s].sent < out_bytes ? POLLOUT : 0) |
-                                                (state_[s].received < h.pull_bytes ? POLLIN : 0));
-        polls_[s].revents = 0;
       }
       const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
       if (left_ms <= 0) return absl::DeadlineExceededError("raw-tcp exchange timed out");
@@ -446,9 +552,11 @@ class RawTcpClient final : public BaselineClient {
   std::vector<base::UniqueFd> fds_;
   int batch_;
   RawMode mode_;
+  bool low_water_;
   absl::Duration timeout_;
-  std::vector<Conn> state_;    // per connection, reset each exchange
-  std::vector<pollfd> polls_;  // per connection, prepared once
+  std::vector<Conn> state_;      // per connection, reset each exchange
+  std::vector<pollfd> polls_;    // per connection, prepared once
+  std::vector<LowWater> marks_;  // per connection: its receive low-water mark
 };
 
 #ifdef STEPMESH_HAVE_ZMQ
@@ -569,7 +677,7 @@ absl::StatusOr<std::unique_ptr<BaselineServers>> BaselineServers::Start(const st
 
 absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectRawTcp(
     const std::vector<base::HostPort>& servers, int sockbuf, absl::Duration timeout, int batch,
-    RawMode mode) {
+    const RawDiscipline& discipline) {
   std::vector<base::UniqueFd> fds;
   for (const base::HostPort& hp : servers) {
     STEPMESH_ASSIGN_OR_RETURN(base::UniqueFd fd, base::ConnectTcp(hp, absl::Now() + timeout));
@@ -579,7 +687,7 @@ absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectRawTcp(
     STEPMESH_RETURN_IF_ERROR(ConfigureRaw(fd.get(), sockbuf, timeout));
     fds.push_back(std::move(fd));
   }
-  return std::make_unique<RawTcpClient>(std::move(fds), batch, mode, timeout);
+  return std::make_unique<RawTcpClient>(std::move(fds), batch, discipline, timeout);
 }
 
 absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectZmq(

@@ -3,17 +3,25 @@
 // the same bytes between the same processes:
 //   raw-tcp: TCP sockets written for the benchmark, TCP_NODELAY, the transport's
 //            socket buffers, one connection per (worker, server): a small size
-//            header + push bytes out, pull bytes back. Three receive disciplines:
-//              kSpin     non-blocking receive, busy-polled (the library's spin /
-//                        adaptive poll modes);
-//              kBlock    blocking: poll() over every connection, MSG_WAITALL
-//                        once one reply is left (the library's blocking mode);
+//            header + push bytes out, pull bytes back. Receive disciplines:
+//              kSpin     readiness busy-polled, then a non-blocking recv of what
+//                        is queued (the library's spin / adaptive modes);
+//              kBlock    blocking: poll() over every connection, and with one
+//                        reply left, sleep on that one (the library's blocking
+//                        mode);
 //              kNaive    the old row: one blocking thread that writes to each
-//                        server in turn, then reads each reply in turn. Not a
-//                        floor (nothing overlaps); kept labelled as such.
+//                        server in turn, then reads each reply in turn, no
+//                        low-water mark. Nothing overlaps, which costs nothing
+//                        with one server: it is a floor candidate when measured.
 //            kSpin and kBlock drive every server connection from one loop, so
 //            sends and receives to different servers overlap, and the echo
-//            side receives in the same discipline. The floor is the best of them.
+//            side receives in the same discipline. Each runs with and without
+//            the transport's receive low-water mark (SO_RCVLOWAT = the rest of
+//            the message, at most 256 KiB: a receiver copies once per 256 KiB
+//            instead of chasing the sender segment by segment); without it,
+//            kSpin recv()s blindly and kBlock sleeps in recv(MSG_WAITALL).
+//            The floor is the best of the four (kRawFloorDisciplines) and of
+//            kNaive when it was measured too.
 //   zmq:     ZeroMQ as StepMesh's ZMQ van uses it: one DEALER socket per server
 //            polled together (zmq_poll), the push sent zero-copy, the reply
 //            received zero-copy (zmq_msg_recv), 8 MiB socket buffers; the echo
@@ -65,11 +73,28 @@ class BaselineClient {
 
 enum class RawMode : uint64_t { kBlock = 0, kSpin = 1, kNaive = 2 };
 
+// A raw-tcp row: its method name in stepmesh_perf's report, its discipline,
+// and whether receives use the transport's low-water mark.
+struct RawDiscipline {
+  const char* method;
+  RawMode mode;
+  bool low_water;
+};
+// The rows the raw-tcp floor is the best of.
+inline constexpr RawDiscipline kRawFloorDisciplines[] = {
+    {"raw-spin", RawMode::kSpin, true},
+    {"raw-block", RawMode::kBlock, true},
+    {"raw-spin-plain", RawMode::kSpin, false},
+    {"raw-block-plain", RawMode::kBlock, false},
+};
+// The old row (--baseline raw-naive); a floor candidate when measured.
+inline constexpr RawDiscipline kRawNaive = {"raw-naive", RawMode::kNaive, false};
+
 // `batch`: the number of workers; each server answers a round only once all of
 // them pushed, as an FFN server must (the AF batch barrier).
 absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectRawTcp(
     const std::vector<base::HostPort>& servers, int sockbuf, absl::Duration timeout, int batch,
-    RawMode mode);
+    const RawDiscipline& discipline);
 absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectZmq(
     const std::vector<base::HostPort>& servers, absl::Duration timeout, int batch);
 

@@ -304,13 +304,13 @@ bool Wants(const Flags& f, absl::string_view baseline) {
 }
 
 // The lock-stepped plan every participant derives from the same flags. The
-// raw-tcp baseline is measured in two disciplines (perf_baselines.h); the
-// report's "raw-tcp" floor row is the better of them (DeriveRatios).
+// raw-tcp baseline is measured in four disciplines (kRawFloorDisciplines in
+// perf_baselines.h); the report's "raw-tcp" floor row is the best of them
+// (DeriveRatios).
 std::vector<std::string> Methods(const Flags& f) {
   std::vector<std::string> m = {"stepmesh"};
   if (Wants(f, "raw-tcp")) {
-    m.push_back("raw-spin");
-    m.push_back("raw-block");
+    for (const RawDiscipline& d : kRawFloorDisciplines) m.push_back(d.method);
   }
   for (const char* b : {"raw-naive", "zmq", "memcpy"}) {
     if (Wants(f, b)) m.push_back(b);
@@ -584,11 +584,12 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
       clients[method].error = c.status().ToString();
   };
   if (Wants(f, "raw-tcp")) {
-    connect("raw-spin", ConnectRawTcp(raw_addrs, f.sockbuf, timeout, f.workers, RawMode::kSpin));
-    connect("raw-block", ConnectRawTcp(raw_addrs, f.sockbuf, timeout, f.workers, RawMode::kBlock));
+    for (const RawDiscipline& d : kRawFloorDisciplines) {
+      connect(d.method, ConnectRawTcp(raw_addrs, f.sockbuf, timeout, f.workers, d));
+    }
   }
   if (Wants(f, "raw-naive")) {
-    connect("raw-naive", ConnectRawTcp(raw_addrs, f.sockbuf, timeout, f.workers, RawMode::kNaive));
+    connect(kRawNaive.method, ConnectRawTcp(raw_addrs, f.sockbuf, timeout, f.workers, kRawNaive));
   }
   if (Wants(f, "zmq")) connect("zmq", ConnectZmq(zmq_addrs, timeout, f.workers));
 
@@ -702,7 +703,7 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
             acc[k].thread_cpu_ns / 1e3 / static_cast<double>(acc[k].measured);
         if (mr.method != "stepmesh" && M > 1) mr.note = "baselines run one request at a time";
         if (mr.method == "raw-naive") {
-          mr.note = "old row: servers in turn, blocking; not a floor";
+          mr.note = "old row: servers in turn, blocking (a floor candidate too)";
         }
         for (size_t st = 0; st < acc[k].stages.size(); ++st) {
           const LatencyStats ss = ComputeStats(std::move(acc[k].stages[st]));

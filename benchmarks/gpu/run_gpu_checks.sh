@@ -27,7 +27,10 @@ cmake -S "$root" -B "$build" -G Ninja \
   -DSTEPMESH_BUILD_EXAMPLES=OFF -DSTEPMESH_BUILD_BENCHMARKS="$benchmarks"
 
 targets=(cuda_backend_tests cuda_gpu_tests)
-if cmake --build "$build" --target help | grep -q '^cuda_latency:'; then
+# The target list read whole first: `grep -q` on a pipe exits at the first
+# match, and under pipefail the writer's SIGPIPE would read as "not found".
+target_list="$(cmake --build "$build" --target help)"
+if grep -q '^cuda_latency:' <<<"$target_list"; then
   targets+=(cuda_latency)
 else
   echo "run_gpu_checks: cuda_latency is not part of the build" \

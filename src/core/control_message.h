@@ -15,7 +15,7 @@
 namespace stepmesh::core {
 
 inline constexpr uint32_t kControlMagic = 0x54434D53;  // "SMCT"
-inline constexpr uint16_t kControlVersion = 2;         // 2: the join carries the mesh shape
+inline constexpr uint16_t kControlVersion = 3;  // 2: the join carries the mesh shape; 3: kPeerLeft
 inline constexpr size_t kControlHeaderBytes = 12;
 inline constexpr uint32_t kMaxControlPayload = 1 << 20;
 

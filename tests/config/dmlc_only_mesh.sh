@@ -30,9 +30,13 @@ while IFS='=' read -r name _; do
 done < <(env)
 
 
+# Ports below the kernel's ephemeral range, which outgoing connections and
+# port-0 listeners of every other test draw from.
+read -r ephemeral_low _ < /proc/sys/net/ipv4/ip_local_port_range || ephemeral_low=32768
+span=$(( ephemeral_low - 10000 ))
 for attempt in 1 2 3; do
-  # A port of our own: 20000-59999, from the PID and the attempt.
-  port=$(( 20000 + ($$ * 7919 + attempt * 104729) % 40000 ))
+  # A port of our own: 10000 up to the ephemeral range, from the PID and the attempt.
+  port=$(( 10000 + ($$ * 7919 + attempt * 104729) % span ))
   export DMLC_PS_ROOT_URI=127.0.0.1 DMLC_PS_ROOT_PORT="$port"
   export DMLC_NUM_WORKER="$workers" DMLC_NUM_SERVER="$servers"
   pids=()
@@ -60,7 +64,7 @@ for attempt in 1 2 3; do
   for role in scheduler server worker; do
     pattern="${expect[$role]//\{port\}/$port}"
     if (( failed == 0 )) && [[ -n "$pattern" ]] &&
-       ! cat "$log_dir/$role"*.log | grep -Eq -- "$pattern"; then
+       ! grep -Eqh -- "$pattern" "$log_dir/$role"*.log; then
       echo "no $role printed a line matching '$pattern'" >&2
       failed=2
     fi

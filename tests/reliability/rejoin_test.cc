@@ -85,6 +85,15 @@ core::TransportFactory LateLoss(core::TransportFactory inner) {
   };
 }
 
+// One round in which workers 0 and 1 each push to server 0 (filled with
+// `fill` and `fill + 1`) and check their replies.
+absl::Status BothWorkersRound(Harness& mesh, uint8_t fill) {
+  STEPMESH_ASSIGN_OR_RETURN(RequestHandle h0, mesh.Start(0, 0, fill));
+  STEPMESH_ASSIGN_OR_RETURN(RequestHandle h1, mesh.Start(1, 0, fill + 1));
+  STEPMESH_RETURN_IF_ERROR(mesh.Finish(0, 0, h0, fill, absl::Seconds(5)));
+  return mesh.Finish(1, 0, h1, fill + 1, absl::Seconds(5));
+}
+
 void RejoinTwice(const TransportCase& row, bool late_loss) {
   INFO(row.name << (late_loss ? ", the old connection's loss reported late" : ""));
   const TransportInstance transport = row.make();
@@ -92,12 +101,7 @@ void RejoinTwice(const TransportCase& row, bool late_loss) {
                late_loss ? LateLoss(transport.factory) : transport.factory);
   REQUIRE(mesh.status().ok());
   // Batches hold both workers (kAllWorkers): each round needs both.
-  auto both = [&](uint8_t fill) -> absl::Status {
-    STEPMESH_ASSIGN_OR_RETURN(RequestHandle h0, mesh.Start(0, 0, fill));
-    STEPMESH_ASSIGN_OR_RETURN(RequestHandle h1, mesh.Start(1, 0, fill + 1));
-    STEPMESH_RETURN_IF_ERROR(mesh.Finish(0, 0, h0, fill, absl::Seconds(5)));
-    return mesh.Finish(1, 0, h1, fill + 1, absl::Seconds(5));
-  };
+  auto both = [&](uint8_t fill) { return BothWorkersRound(mesh, fill); };
   for (int i = 0; i < 5; ++i) REQUIRE(both(static_cast<uint8_t>(10 * i)).ok());
   for (int restart = 0; restart < 2; ++restart) {
     const absl::Status restarted = mesh.RestartWorker(1);
@@ -202,12 +206,7 @@ void LeaveWhileServerConnects(const TransportCase& row) {
   Harness mesh(MeshConfig(row.transport, /*workers=*/2, /*servers=*/1), held);
   REQUIRE(mesh.status().ok());
   // Batches hold every live worker (kAllWorkers).
-  auto both = [&](uint8_t fill) -> absl::Status {
-    STEPMESH_ASSIGN_OR_RETURN(RequestHandle h0, mesh.Start(0, 0, fill));
-    STEPMESH_ASSIGN_OR_RETURN(RequestHandle h1, mesh.Start(1, 0, fill + 1));
-    STEPMESH_RETURN_IF_ERROR(mesh.Finish(0, 0, h0, fill, absl::Seconds(5)));
-    return mesh.Finish(1, 0, h1, fill + 1, absl::Seconds(5));
-  };
+  auto both = [&](uint8_t fill) { return BothWorkersRound(mesh, fill); };
   REQUIRE_OK(both(1));
   int losses_before = 0;
   {
