@@ -322,6 +322,38 @@ class PyWorker {
     ThrowIfError(s);
   }
 
+  // PushPull + Wait `lat.size()` times in C++ under one GIL release (the
+  // benchmark hook behind Plan.run_many): lat[i] is iteration i's round trip,
+  // PushPull() entry to Wait() return on MonotonicNowNs's clock, as
+  // stepmesh_perf's worker measures it. Stops at the first failure, whose
+  // status names the iteration; `last` is the latest request (pending when its
+  // wait timed out).
+  void RunPlanMany(absl::Span<const Push> pushes, absl::Span<const Pull> pulls,
+                   absl::Duration timeout, std::vector<int64_t>& lat, RequestHandle& last) {
+    auto& node = live();  // may raise: do it holding the GIL
+    absl::Status s;
+    size_t i = 0;
+    {
+      py::gil_scoped_release release;
+      for (; i < lat.size(); ++i) {
+        const uint64_t t0 = MonotonicNowNs();
+        absl::StatusOr<RequestHandle> h = node.PushPull(pushes, pulls);
+        if (!h.ok()) {
+          s = h.status();
+          break;
+        }
+        last = *h;
+        s = node.Wait(*h, timeout);
+        if (!s.ok()) break;
+        lat[i] = static_cast<int64_t>(MonotonicNowNs() - t0);
+      }
+    }
+    if (!s.ok()) {
+      ThrowStatus(absl::Status(s.code(), absl::StrCat("run_many: iteration ", i, " of ",
+                                                      lat.size(), ": ", s.message())));
+    }
+  }
+
   // Submits a request; with a stream, its send waits for a ready event
   // recorded on that stream now (the producing kernels enqueued so far).
   RequestRef Submit(absl::Span<const Push> pushes, absl::Span<const Pull> pulls, py::handle stream,
@@ -525,6 +557,62 @@ class PyPlan {
     worker_.RunPlan(pushes_, pulls_, t, stream, last_);
   }
 
+  // Plan.run_many(n, timeout): see PyWorker::RunPlanMany.
+  std::vector<int64_t> RunMany(py::handle n_arg, py::handle timeout) {
+    if (PyBool_Check(n_arg.ptr()) || !PyLong_Check(n_arg.ptr())) {
+      ThrowInvalidArgument(absl::StrCat("run_many: n: expected an int, got ",
+                                        std::string(py::str(n_arg.get_type().attr("__name__")))));
+    }
+    const long long n = PyLong_AsLongLong(n_arg.ptr());
+    if (PyErr_Occurred()) PyErr_Clear();  // out of long long: rejected below as n
+    if (n < 1 || n > kMaxRunMany) {
+      ThrowInvalidArgument(absl::StrCat("run_many: n = ", std::string(py::str(n_arg)),
+                                        " is not in [1, ", kMaxRunMany, "]"));
+    }
+    const absl::Duration t = timeout.is_none() ? default_timeout_ : TimeoutArg(timeout, {});
+    std::vector<int64_t> lat(static_cast<size_t>(n));
+    worker_.RunPlanMany(pushes_, pulls_, t, lat, last_);
+    return lat;
+  }
+
+  // Plan.set_bytes / set_rows: push i's byte count changed in place (no
+  // re-parsing, no lookup by key), for requests whose keys stay and whose
+  // sizes follow the step's token count. Checked here against the registered
+  // tensor, so a bad count fails at the call that set it. A request already
+  // posted is unaffected (PushPull copies the counts).
+  void SetBytes(size_t i, py::handle bytes_arg) {
+    CheckPushIndex(i, "set_bytes");
+    if (PyBool_Check(bytes_arg.ptr()) || !PyLong_Check(bytes_arg.ptr())) {
+      ThrowInvalidArgument(absl::StrCat("set_bytes: push ", i, " (key ", pushes_[i].key,
+                                        "): bytes: expected an int"));
+    }
+    const long long b = PyLong_AsLongLong(bytes_arg.ptr());
+    if (PyErr_Occurred()) PyErr_Clear();
+    SetPushBytes(i, b, std::string(py::str(bytes_arg)), "set_bytes", "bytes");
+  }
+  void SetRows(size_t i, py::handle rows_arg) {
+    CheckPushIndex(i, "set_rows");
+    if (PyBool_Check(rows_arg.ptr()) || !PyLong_Check(rows_arg.ptr())) {
+      ThrowInvalidArgument(absl::StrCat("set_rows: push ", i, " (key ", pushes_[i].key,
+                                        "): rows: expected an int"));
+    }
+    const long long r = PyLong_AsLongLong(rows_arg.ptr());
+    if (PyErr_Occurred()) PyErr_Clear();
+    const size_t row_bytes = keep_[i]->row_bytes();
+    const long long max_rows =
+        row_bytes == 0 ? 0 : static_cast<long long>(keep_[i]->view().bytes() / row_bytes);
+    if (r < 0 || r > max_rows) {
+      ThrowInvalidArgument(absl::StrCat("set_rows: push ", i, " (key ", pushes_[i].key,
+                                        "): rows = ", std::string(py::str(rows_arg)),
+                                        " is not in [0, ", max_rows, "]"));
+    }
+    pushes_[i].bytes = static_cast<size_t>(r) * row_bytes;
+  }
+  size_t bytes(size_t i) const {
+    CheckPushIndex(i, "bytes");
+    return pushes_[i].bytes == kWholeTensor ? keep_[i]->view().bytes() : pushes_[i].bytes;
+  }
+
   std::optional<RequestRef> last() const {
     if (!last_.valid()) return std::nullopt;
     return RequestRef{last_};
@@ -533,6 +621,25 @@ class PyPlan {
   size_t num_pulls() const { return pulls_.size(); }
 
  private:
+  static constexpr long long kMaxRunMany = 10'000'000;
+
+  void CheckPushIndex(size_t i, const char* what) const {
+    if (i >= pushes_.size()) {
+      ThrowInvalidArgument(
+          absl::StrCat(what, ": push index ", i, " is not in [0, ", pushes_.size(), ")"));
+    }
+  }
+  void SetPushBytes(size_t i, long long b, const std::string& shown, const char* what,
+                    const char* name) {
+    const size_t registered = keep_[i]->view().bytes();
+    if (b < 0 || static_cast<unsigned long long>(b) > registered) {
+      ThrowInvalidArgument(absl::StrCat(what, ": push ", i, " (key ", pushes_[i].key, "): ", name,
+                                        " = ", shown, " is not in [0, ", registered,
+                                        "] (the registered tensor)"));
+    }
+    pushes_[i].bytes = static_cast<size_t>(b);
+  }
+
   PyWorker& worker_;  // kept alive by the Python plan object (keep_alive)
   std::vector<Push> pushes_;
   std::vector<std::vector<int>> servers_;  // what pushes_[i].servers points into
@@ -1004,6 +1111,16 @@ its contents are only meaningful until the batch is answered.)doc")
       .def("run", &PyPlan::Run, py::arg("timeout") = py::none(), py::arg("stream") = py::none(),
            "Submits and waits (GIL released once). On DeadlineExceeded the request stays\n"
            "pending: plan.last is its Request.")
+      .def("run_many", &PyPlan::RunMany, py::arg("n"), py::arg("timeout") = py::none(),
+           "Benchmark hook: run() n times in C++ under one GIL release, no Python per\n"
+           "iteration. Returns the n round trips in ns (PushPull entry to Wait return,\n"
+           "stepmesh.monotonic_ns's clock). timeout applies to each wait; a failure raises\n"
+           "naming the iteration (plan.last: its request).")
+      .def("set_bytes", &PyPlan::SetBytes, py::arg("index"), py::arg("bytes"),
+           "Push `index` sends `bytes` bytes from now on (<= its registered tensor).")
+      .def("set_rows", &PyPlan::SetRows, py::arg("index"), py::arg("rows"),
+           "Push `index` sends its first `rows` rows from now on (<= the registered rows).")
+      .def("bytes", &PyPlan::bytes, py::arg("index"), "The bytes push `index` sends.")
       .def_property_readonly("last", &PyPlan::last,
                              "The Request of the last run() (for fetch_trace), or None.")
       .def_property_readonly("num_pushes", &PyPlan::num_pushes)
