@@ -2,6 +2,7 @@
 
 #include <pybind11/stl.h>
 
+#include <climits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -213,17 +214,17 @@ class PyWorker {
     push_items.clear();
     pull_items.clear();
     size_t n = 0;
-    for (py::handle item : pushes) {
+    ForEachItem(pushes, [&](py::handle item) {
       if (push_servers.size() <= n) push_servers.emplace_back();
       push_servers[n].clear();
       push_items.push_back(ParsePush(item, push_servers[n]));
       ++n;
-    }
+    });
     // The server lists were filled first; point the spans at them now that
     // push_servers no longer grows.
     for (size_t i = 0; i < n; ++i) push_items[i].servers = push_servers[i];
     if (!pulls.is_none()) {
-      for (py::handle item : pulls) pull_items.push_back(ParsePull(item));
+      ForEachItem(pulls, [&](py::handle item) { pull_items.push_back(ParsePull(item)); });
     }
     return Submit(push_items, pull_items, stream, "push_pull");
   }
@@ -349,8 +350,8 @@ class PyWorker {
       }
     }
     if (!s.ok()) {
-      ThrowStatus(absl::Status(s.code(), absl::StrCat("run_many: iteration ", i, " of ",
-                                                      lat.size(), ": ", s.message())));
+      ThrowStatus(absl::Status(s.code(), absl::StrCat("run_many: iteration ", i, " of ", lat.size(),
+                                                      ": ", s.message())));
     }
   }
 
@@ -500,9 +501,38 @@ class PyWorker {
                                       " (want int key, tuple or stepmesh.Push)"));
   }
 
+  // The items of a list or tuple by index (the per-call path: no iterator
+  // object); any other iterable through the iterator protocol. Each item is
+  // referenced while `fn` parses it and the length re-read per item: a
+  // stepmesh.Push's attribute lookup may run Python code that edits the list.
+  template <typename Fn>
+  static void ForEachItem(py::handle seq, Fn&& fn) {
+    if (PyList_CheckExact(seq.ptr()) || PyTuple_CheckExact(seq.ptr())) {
+      for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq.ptr()); ++i) {
+        fn(py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(seq.ptr(), i)));
+      }
+      return;
+    }
+    for (py::handle item : seq) fn(item);
+  }
+
   // (key, server) | stepmesh.Pull
   Pull ParsePull(py::handle item) {
     Pull pull;
+    if (PyTuple_CheckExact(item.ptr()) && PyTuple_GET_SIZE(item.ptr()) == 2) {
+      // The common (key, server) tuple of ints without pybind11's casters;
+      // anything unusual in it takes the general path below.
+      PyObject* server = PyTuple_GET_ITEM(item.ptr(), 1);
+      if (PyLong_CheckExact(server)) {
+        int overflow = 0;
+        const long v = PyLong_AsLongAndOverflow(server, &overflow);
+        if (overflow == 0 && v >= INT_MIN && v <= INT_MAX) {
+          pull.key = KeyArg(PyTuple_GET_ITEM(item.ptr(), 0), "pull");
+          pull.server = static_cast<int>(v);
+          return pull;
+        }
+      }
+    }
     if (PyTuple_Check(item.ptr()) || PyList_Check(item.ptr())) {
       py::sequence seq = py::reinterpret_borrow<py::sequence>(item);
       if (seq.size() != 2) ThrowInvalidArgument("pull: expected (key, server)");
@@ -593,8 +623,8 @@ class PyPlan {
   void SetRows(size_t i, py::handle rows_arg) {
     CheckPushIndex(i, "set_rows");
     if (PyBool_Check(rows_arg.ptr()) || !PyLong_Check(rows_arg.ptr())) {
-      ThrowInvalidArgument(absl::StrCat("set_rows: push ", i, " (key ", pushes_[i].key,
-                                        "): rows: expected an int"));
+      ThrowInvalidArgument(
+          absl::StrCat("set_rows: push ", i, " (key ", pushes_[i].key, "): rows: expected an int"));
     }
     const long long r = PyLong_AsLongLong(rows_arg.ptr());
     if (PyErr_Occurred()) PyErr_Clear();
