@@ -516,6 +516,25 @@ class PyWorker {
     for (py::handle item : seq) fn(item);
   }
 
+  // A pull's server rank: an int (not a bool) that fits an int; the library
+  // checks the range against num_servers.
+  static int ServerArg(py::handle server, Key key) {
+    if (PyBool_Check(server.ptr()) || !PyIndex_Check(server.ptr())) {
+      ThrowInvalidArgument(absl::StrCat("pull of key ", key, ": server: expected an int rank, got ",
+                                        std::string(py::str(server.get_type().attr("__name__")))));
+    }
+    // numpy integers too (they have __index__), as pybind11's int caster took them.
+    py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(server.ptr()));
+    if (!index) throw py::error_already_set();
+    int overflow = 0;
+    const long v = PyLong_AsLongAndOverflow(index.ptr(), &overflow);
+    if (overflow != 0 || v < INT_MIN || v > INT_MAX) {
+      ThrowInvalidArgument(absl::StrCat("pull of key ", key, ": server ",
+                                        std::string(py::str(server)), " is out of range"));
+    }
+    return static_cast<int>(v);
+  }
+
   // (key, server) | stepmesh.Pull
   Pull ParsePull(py::handle item) {
     Pull pull;
@@ -537,12 +556,12 @@ class PyWorker {
       py::sequence seq = py::reinterpret_borrow<py::sequence>(item);
       if (seq.size() != 2) ThrowInvalidArgument("pull: expected (key, server)");
       pull.key = KeyArg(seq[0], "pull");
-      pull.server = seq[1].cast<int>();
+      pull.server = ServerArg(seq[1], pull.key);
       return pull;
     }
     if (py::hasattr(item, "key") && py::hasattr(item, "server")) {
       pull.key = KeyArg(item.attr("key"), "pull");
-      pull.server = item.attr("server").cast<int>();
+      pull.server = ServerArg(item.attr("server"), pull.key);
       return pull;
     }
     ThrowInvalidArgument(absl::StrCat("pull: cannot use a ",

@@ -604,6 +604,46 @@ def test_plan_run_many_measures_in_cpp_releases_the_gil_and_names_bad_arguments(
         mesh.close()
 
 
+def test_push_pull_item_forms_and_bad_pull_servers_named():
+    """push_pull's parsing: lists, tuples, lists-as-pairs, generators and
+    numpy-integer servers all work; a pull server that is not an int rank (a
+    str, a bool, one past int range) is a ValueError naming the key, before
+    anything is sent."""
+    def server(s):
+        s.register_recv(1, np.zeros(4, np.uint8))
+        reply = np.zeros(4, np.uint8)
+        s.register_reply(2, reply)
+        s.barrier()
+        for i in range(4):
+            b = s.get_batch(timeout=20)
+            reply[...] = i + 1
+            s.respond(b)
+        s.barrier()
+
+    mesh = Mesh(server)
+    try:
+        with mesh.worker() as w:
+            y = np.zeros(4, np.uint8)
+            w.register_push(1, np.zeros(4, np.uint8))
+            w.register_pull(2, 0, y)
+            for bad, what in (((2, "0"), "pull of key 2: server: expected an int rank, got str"),
+                              ((2, True), "got bool"),
+                              ((2, 2**40), "server 1099511627776 is out of range"),
+                              ((True, 0), "expected an int key, got bool"),
+                              ((2,), r"expected \(key, server\)")):
+                with pytest.raises(ValueError, match=what):
+                    w.push_pull([1], [bad])
+            w.barrier()
+            forms = [([1], [(2, 0)]), ((1,), [[2, 0]]), (iter([1]), (p for p in [(2, 0)])),
+                     ([1], [(2, np.int64(0))])]
+            for i, (pushes, pulls) in enumerate(forms):
+                w.wait(w.push_pull(pushes, pulls), 20)
+                np.testing.assert_array_equal(y, i + 1)
+            w.barrier()
+    finally:
+        mesh.close()
+
+
 def test_plan_set_rows_and_bytes_change_the_push_in_place():
     """Plan.set_rows / set_bytes: the next post sends that prefix (the server
     sees the row count from the frame), a request already posted keeps its
