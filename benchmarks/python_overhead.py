@@ -118,21 +118,27 @@ def stages_of(trace: dict, t0_ns: int, returned_ns: int) -> list:
     return [(b - a) / 1e3 for a, b in zip(points, points[1:])]
 
 
+def register_worker(w) -> tuple:
+    """stepmesh_perf's worker registrations (its keys, page-aligned buffers)
+    and barrier: (pull buffer, push items, pull items, prepared plan)."""
+    x = aligned(PUSH_BYTES)
+    x[:] = 0x5A
+    y = aligned(PULL_BYTES)
+    y[:] = 0
+    w.register_push(PUSH_KEY, x)
+    w.register_pull(PULL_KEY, 0, y)
+    w.barrier()  # registered
+    pushes, pulls = [PUSH_KEY], [(PULL_KEY, 0)]
+    return y, pushes, pulls, w.prepare(pushes, pulls)
+
+
 def python_worker(args) -> None:
     """stepmesh_perf's worker loop (same keys, barriers, counts), in Python;
     latencies and stage samples to args.out (.npy pair)."""
     import stepmesh
     die_with_parent()
     with stepmesh.Worker(mesh_options(args.scheduler)) as w:
-        x = aligned(PUSH_BYTES)
-        x[:] = 0x5A
-        y = aligned(PULL_BYTES)
-        y[:] = 0
-        w.register_push(PUSH_KEY, x)
-        w.register_pull(PULL_KEY, 0, y)
-        w.barrier()  # registered
-        pushes, pulls = [PUSH_KEY], [(PULL_KEY, 0)]
-        plan = w.prepare(pushes, pulls)
+        y, pushes, pulls, plan = register_worker(w)
         lat = np.empty(args.iters, np.float64)
         stages = np.empty((args.iters, len(STAGES) + 1), np.float64)
         clock = stepmesh.monotonic_ns  # the trace stamps' clock, as stepmesh_perf's
@@ -171,15 +177,7 @@ def paired_worker(args) -> None:
     die_with_parent()
     n = args.block_iters
     with stepmesh.Worker(mesh_options(args.scheduler)) as w:
-        x = aligned(PUSH_BYTES)
-        x[:] = 0x5A
-        y = aligned(PULL_BYTES)
-        y[:] = 0
-        w.register_push(PUSH_KEY, x)
-        w.register_pull(PULL_KEY, 0, y)
-        w.barrier()  # registered
-        pushes, pulls = [PUSH_KEY], [(PULL_KEY, 0)]
-        plan = w.prepare(pushes, pulls)
+        y, pushes, pulls, plan = register_worker(w)
         clock = stepmesh.monotonic_ns  # the clock run_many's C++ stamps read
         lat = np.empty(n, np.int64)
 
