@@ -599,10 +599,14 @@ class PyPlan {
     default_timeout_ = worker.options().timeout;
   }
 
-  RequestRef Post(py::handle stream) { return worker_.Submit(pushes_, pulls_, stream, "post"); }
+  RequestRef Post(py::handle stream) {
+    Posting posting(*this);
+    return worker_.Submit(pushes_, pulls_, stream, "post");
+  }
 
   void Run(py::handle timeout, py::handle stream) {
     const absl::Duration t = timeout.is_none() ? default_timeout_ : TimeoutArg(timeout, {});
+    Posting posting(*this);
     worker_.RunPlan(pushes_, pulls_, t, stream, last_);
   }
 
@@ -620,6 +624,7 @@ class PyPlan {
     }
     const absl::Duration t = timeout.is_none() ? default_timeout_ : TimeoutArg(timeout, {});
     std::vector<int64_t> lat(static_cast<size_t>(n));
+    Posting posting(*this);
     worker_.RunPlanMany(pushes_, pulls_, t, lat, last_);
     return lat;
   }
@@ -630,6 +635,7 @@ class PyPlan {
   // tensor, so a bad count fails at the call that set it. A request already
   // posted is unaffected (PushPull copies the counts).
   void SetBytes(size_t i, py::handle bytes_arg) {
+    CheckWritable("set_bytes");
     CheckPushIndex(i, "set_bytes");
     if (PyBool_Check(bytes_arg.ptr()) || !PyLong_Check(bytes_arg.ptr())) {
       ThrowInvalidArgument(absl::StrCat("set_bytes: push ", i, " (key ", pushes_[i].key,
@@ -640,6 +646,7 @@ class PyPlan {
     SetPushBytes(i, b, std::string(py::str(bytes_arg)), "set_bytes", "bytes");
   }
   void SetRows(size_t i, py::handle rows_arg) {
+    CheckWritable("set_rows");
     CheckPushIndex(i, "set_rows");
     if (PyBool_Check(rows_arg.ptr()) || !PyLong_Check(rows_arg.ptr())) {
       ThrowInvalidArgument(
@@ -672,6 +679,21 @@ class PyPlan {
  private:
   static constexpr long long kMaxRunMany = 10'000'000;
 
+  // Counts the calls that read pushes_ with the GIL released (post, run,
+  // run_many, from any thread); set_rows/set_bytes, which hold the GIL, refuse
+  // to write it meanwhile.
+  struct Posting {
+    explicit Posting(PyPlan& p) : plan(p) { ++plan.posting_; }
+    ~Posting() { --plan.posting_; }
+    PyPlan& plan;
+  };
+
+  void CheckWritable(const char* what) const {
+    if (posting_ > 0) {
+      ThrowStatus(absl::FailedPreconditionError(absl::StrCat(
+          what, ": the plan is being posted by another thread (change it between posts)")));
+    }
+  }
   void CheckPushIndex(size_t i, const char* what) const {
     if (i >= pushes_.size()) {
       ThrowInvalidArgument(
@@ -696,6 +718,7 @@ class PyPlan {
   std::vector<Registered> keep_;
   absl::Duration default_timeout_;
   RequestHandle last_;
+  int posting_ = 0;  // Posting scopes in progress (read and written holding the GIL)
 };
 
 // ---------------------------------------------------------------- server

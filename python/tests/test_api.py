@@ -657,9 +657,11 @@ def test_plan_set_rows_and_bytes_change_the_push_in_place():
         s.register_recv(1, recv)
         s.register_reply(2, np.zeros((rows, cols), np.float32))
         s.barrier()
-        for _ in range(4):
+        for i in range(5):
             b = s.get_batch(timeout=20)
             seen.append(b.tensor(1).rows(0))
+            if i == 4:
+                time.sleep(0.5)  # the worker's run() is in flight meanwhile
             s.respond(b)
         s.barrier()
 
@@ -691,10 +693,21 @@ def test_plan_set_rows_and_bytes_change_the_push_in_place():
             plan.run(20)
             plan.set_bytes(0, 0)
             plan.run(20)
+            # Another thread is inside run() (GIL released): the plan is not changed under it.
+            plan.set_rows(0, 2)
+            runner = threading.Thread(target=plan.run, args=(20,))
+            runner.start()
+            time.sleep(0.2)
+            with pytest.raises(stepmesh.FailedPrecondition, match="set_rows: the plan is being posted"):
+                plan.set_rows(0, 4)
+            runner.join(30)
+            assert not runner.is_alive()
+            plan.set_rows(0, 4)  # between posts: fine
+            assert plan.bytes(0) == 4 * cols * 4
             w.barrier()
     finally:
         mesh.close()
-    assert seen == [3, 5, 1, 0]
+    assert seen == [3, 5, 1, 0, 2]
 
 
 def test_stream_arguments_order_sends_and_arrivals_on_cpu_mock_streams():
