@@ -180,11 +180,27 @@ def paired_worker(args) -> None:
         y, pushes, pulls, plan = register_worker(w)
         clock = stepmesh.monotonic_ns  # the clock run_many's C++ stamps read
         lat = np.empty(n, np.int64)
+        delay_ns = int(args.inject_us * 1000)
 
         def block(kind: int) -> np.ndarray:
             if kind == 0:
                 return np.asarray(plan.run_many(n, TIMEOUT_S), np.int64)
-            if kind == 1:
+            if kind == 1 and delay_ns:  # --inject-us: the calibration check
+                gap = args.inject_at == "gap"
+                for i in range(n):
+                    t0 = clock()
+                    if not gap:  # on the critical path: adds delay_ns to every round trip
+                        until = clock() + delay_ns
+                        while clock() < until:
+                            pass
+                    req = w.push_pull(pushes, pulls)
+                    if gap:  # while the request travels: costs only what it takes from it
+                        until = clock() + delay_ns
+                        while clock() < until:
+                            pass
+                    w.wait(req, TIMEOUT_S)
+                    lat[i] = clock() - t0
+            elif kind == 1:
                 for i in range(n):
                     t0 = clock()
                     req = w.push_pull(pushes, pulls)
@@ -260,7 +276,8 @@ def run_row(args, row: str, work: str, rep: int = 0) -> dict:
             worker_cmd = self_args(args, "worker", a) + [
                 "--mode", "paired", "--out", out, "--rep", str(rep),
                 "--block-iters", str(args.block_iters), "--blocks-per-rep",
-                str(args.blocks_per_rep), "--warmup-blocks", str(args.warmup_blocks)]
+                str(args.blocks_per_rep), "--warmup-blocks", str(args.warmup_blocks),
+                "--inject-us", str(args.inject_us), "--inject-at", args.inject_at]
         elif row == "cpp":
             worker_cmd = perf_args(args, "worker", a) + ["--json", out + ".json"]
         else:
@@ -340,7 +357,9 @@ def report_paired(args, blocks: np.ndarray) -> dict:
     rounds = blocks.shape[0]
     med = np.median(blocks, axis=2)  # (rounds, 3): each block's median
     print(f"paired rows: one worker process per rep, {rounds} rounds ({args.blocks_per_rep} per "
-          f"rep) of 3 blocks x {args.block_iters} round trips, block order rotating")
+          f"rep) of 3 blocks x {args.block_iters} round trips, block order rotating"
+          + (f"; CALIBRATION: call busy-waits {args.inject_us:g} us per round trip "
+             f"({args.inject_at})" if args.inject_us else ""))
     print(f"{'':>16} {'p50 all':>8} {'p99 all':>8} {'added: paired median':>21} "
           f"{'95% CI':>17} {'pooled p50 diff':>16}")
     out = {"rounds": rounds, "block_iters": args.block_iters, "rows": {}}
@@ -383,6 +402,13 @@ def main() -> int:
     ap.add_argument("--block-iters", type=int, default=50)
     ap.add_argument("--warmup-blocks", type=int, default=2)
     ap.add_argument("--only", choices=["cross", "paired"])
+    ap.add_argument("--inject-us", type=float, default=0.0,
+                    help="calibration: the paired call loop busy-waits this long per round "
+                         "trip, where --inject-at says")
+    ap.add_argument("--inject-at", choices=["before", "gap"], default="before",
+                    help="before: inside the timed window before push_pull (call's added p50 "
+                         "must grow by about --inject-us); gap: between push_pull and wait, "
+                         "while the request travels (what a caller's delay there costs)")
     ap.add_argument("--json")
     ap.add_argument("--role", choices=["server", "worker"])
     ap.add_argument("--mode", choices=["call", "plan", "paired"])
