@@ -2,6 +2,7 @@
 
 #include <pybind11/stl.h>
 
+#include <climits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -213,17 +214,17 @@ class PyWorker {
     push_items.clear();
     pull_items.clear();
     size_t n = 0;
-    for (py::handle item : pushes) {
+    ForEachItem(pushes, [&](py::handle item) {
       if (push_servers.size() <= n) push_servers.emplace_back();
       push_servers[n].clear();
       push_items.push_back(ParsePush(item, push_servers[n]));
       ++n;
-    }
+    });
     // The server lists were filled first; point the spans at them now that
     // push_servers no longer grows.
     for (size_t i = 0; i < n; ++i) push_items[i].servers = push_servers[i];
     if (!pulls.is_none()) {
-      for (py::handle item : pulls) pull_items.push_back(ParsePull(item));
+      ForEachItem(pulls, [&](py::handle item) { pull_items.push_back(ParsePull(item)); });
     }
     return Submit(push_items, pull_items, stream, "push_pull");
   }
@@ -320,6 +321,38 @@ class PyWorker {
       }
     }
     ThrowIfError(s);
+  }
+
+  // PushPull + Wait `lat.size()` times in C++ under one GIL release (the
+  // benchmark hook behind Plan.run_many): lat[i] is iteration i's round trip,
+  // PushPull() entry to Wait() return on MonotonicNowNs's clock, as
+  // stepmesh_perf's worker measures it. Stops at the first failure, whose
+  // status names the iteration; `last` is the latest request (pending when its
+  // wait timed out).
+  void RunPlanMany(absl::Span<const Push> pushes, absl::Span<const Pull> pulls,
+                   absl::Duration timeout, std::vector<int64_t>& lat, RequestHandle& last) {
+    auto& node = live();  // may raise: do it holding the GIL
+    absl::Status s;
+    size_t i = 0;
+    {
+      py::gil_scoped_release release;
+      for (; i < lat.size(); ++i) {
+        const uint64_t t0 = MonotonicNowNs();
+        absl::StatusOr<RequestHandle> h = node.PushPull(pushes, pulls);
+        if (!h.ok()) {
+          s = h.status();
+          break;
+        }
+        last = *h;
+        s = node.Wait(*h, timeout);
+        if (!s.ok()) break;
+        lat[i] = static_cast<int64_t>(MonotonicNowNs() - t0);
+      }
+    }
+    if (!s.ok()) {
+      ThrowStatus(absl::Status(s.code(), absl::StrCat("run_many: iteration ", i, " of ", lat.size(),
+                                                      ": ", s.message())));
+    }
   }
 
   // Submits a request; with a stream, its send waits for a ready event
@@ -468,19 +501,67 @@ class PyWorker {
                                       " (want int key, tuple or stepmesh.Push)"));
   }
 
+  // The items of a list or tuple by index (the per-call path: no iterator
+  // object); any other iterable through the iterator protocol. Each item is
+  // referenced while `fn` parses it and the length re-read per item: a
+  // stepmesh.Push's attribute lookup may run Python code that edits the list.
+  template <typename Fn>
+  static void ForEachItem(py::handle seq, Fn&& fn) {
+    if (PyList_CheckExact(seq.ptr()) || PyTuple_CheckExact(seq.ptr())) {
+      for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq.ptr()); ++i) {
+        fn(py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(seq.ptr(), i)));
+      }
+      return;
+    }
+    for (py::handle item : seq) fn(item);
+  }
+
+  // A pull's server rank: an int (not a bool) that fits an int; the library
+  // checks the range against num_servers.
+  static int ServerArg(py::handle server, Key key) {
+    if (PyBool_Check(server.ptr()) || !PyIndex_Check(server.ptr())) {
+      ThrowInvalidArgument(absl::StrCat("pull of key ", key, ": server: expected an int rank, got ",
+                                        std::string(py::str(server.get_type().attr("__name__")))));
+    }
+    // numpy integers too (they have __index__), as pybind11's int caster took them.
+    py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(server.ptr()));
+    if (!index) throw py::error_already_set();
+    int overflow = 0;
+    const long v = PyLong_AsLongAndOverflow(index.ptr(), &overflow);
+    if (overflow != 0 || v < INT_MIN || v > INT_MAX) {
+      ThrowInvalidArgument(absl::StrCat("pull of key ", key, ": server ",
+                                        std::string(py::str(server)), " is out of range"));
+    }
+    return static_cast<int>(v);
+  }
+
   // (key, server) | stepmesh.Pull
   Pull ParsePull(py::handle item) {
     Pull pull;
+    if (PyTuple_CheckExact(item.ptr()) && PyTuple_GET_SIZE(item.ptr()) == 2) {
+      // The common (key, server) tuple of ints without pybind11's casters;
+      // anything unusual in it takes the general path below.
+      PyObject* server = PyTuple_GET_ITEM(item.ptr(), 1);
+      if (PyLong_CheckExact(server)) {
+        int overflow = 0;
+        const long v = PyLong_AsLongAndOverflow(server, &overflow);
+        if (overflow == 0 && v >= INT_MIN && v <= INT_MAX) {
+          pull.key = KeyArg(PyTuple_GET_ITEM(item.ptr(), 0), "pull");
+          pull.server = static_cast<int>(v);
+          return pull;
+        }
+      }
+    }
     if (PyTuple_Check(item.ptr()) || PyList_Check(item.ptr())) {
       py::sequence seq = py::reinterpret_borrow<py::sequence>(item);
       if (seq.size() != 2) ThrowInvalidArgument("pull: expected (key, server)");
       pull.key = KeyArg(seq[0], "pull");
-      pull.server = seq[1].cast<int>();
+      pull.server = ServerArg(seq[1], pull.key);
       return pull;
     }
     if (py::hasattr(item, "key") && py::hasattr(item, "server")) {
       pull.key = KeyArg(item.attr("key"), "pull");
-      pull.server = item.attr("server").cast<int>();
+      pull.server = ServerArg(item.attr("server"), pull.key);
       return pull;
     }
     ThrowInvalidArgument(absl::StrCat("pull: cannot use a ",
@@ -518,11 +599,74 @@ class PyPlan {
     default_timeout_ = worker.options().timeout;
   }
 
-  RequestRef Post(py::handle stream) { return worker_.Submit(pushes_, pulls_, stream, "post"); }
+  RequestRef Post(py::handle stream) {
+    Posting posting(*this);
+    return worker_.Submit(pushes_, pulls_, stream, "post");
+  }
 
   void Run(py::handle timeout, py::handle stream) {
     const absl::Duration t = timeout.is_none() ? default_timeout_ : TimeoutArg(timeout, {});
+    Posting posting(*this);
     worker_.RunPlan(pushes_, pulls_, t, stream, last_);
+  }
+
+  // Plan.run_many(n, timeout): see PyWorker::RunPlanMany.
+  std::vector<int64_t> RunMany(py::handle n_arg, py::handle timeout) {
+    if (PyBool_Check(n_arg.ptr()) || !PyLong_Check(n_arg.ptr())) {
+      ThrowInvalidArgument(absl::StrCat("run_many: n: expected an int, got ",
+                                        std::string(py::str(n_arg.get_type().attr("__name__")))));
+    }
+    const long long n = PyLong_AsLongLong(n_arg.ptr());
+    if (PyErr_Occurred()) PyErr_Clear();  // out of long long: rejected below as n
+    if (n < 1 || n > kMaxRunMany) {
+      ThrowInvalidArgument(absl::StrCat("run_many: n = ", std::string(py::str(n_arg)),
+                                        " is not in [1, ", kMaxRunMany, "]"));
+    }
+    const absl::Duration t = timeout.is_none() ? default_timeout_ : TimeoutArg(timeout, {});
+    std::vector<int64_t> lat(static_cast<size_t>(n));
+    Posting posting(*this);
+    worker_.RunPlanMany(pushes_, pulls_, t, lat, last_);
+    return lat;
+  }
+
+  // Plan.set_bytes / set_rows: push i's byte count changed in place (no
+  // re-parsing, no lookup by key), for requests whose keys stay and whose
+  // sizes follow the step's token count. Checked here against the registered
+  // tensor, so a bad count fails at the call that set it. A request already
+  // posted is unaffected (PushPull copies the counts).
+  void SetBytes(size_t i, py::handle bytes_arg) {
+    CheckWritable("set_bytes");
+    CheckPushIndex(i, "set_bytes");
+    if (PyBool_Check(bytes_arg.ptr()) || !PyLong_Check(bytes_arg.ptr())) {
+      ThrowInvalidArgument(absl::StrCat("set_bytes: push ", i, " (key ", pushes_[i].key,
+                                        "): bytes: expected an int"));
+    }
+    const long long b = PyLong_AsLongLong(bytes_arg.ptr());
+    if (PyErr_Occurred()) PyErr_Clear();
+    SetPushBytes(i, b, std::string(py::str(bytes_arg)), "set_bytes", "bytes");
+  }
+  void SetRows(size_t i, py::handle rows_arg) {
+    CheckWritable("set_rows");
+    CheckPushIndex(i, "set_rows");
+    if (PyBool_Check(rows_arg.ptr()) || !PyLong_Check(rows_arg.ptr())) {
+      ThrowInvalidArgument(
+          absl::StrCat("set_rows: push ", i, " (key ", pushes_[i].key, "): rows: expected an int"));
+    }
+    const long long r = PyLong_AsLongLong(rows_arg.ptr());
+    if (PyErr_Occurred()) PyErr_Clear();
+    const size_t row_bytes = keep_[i]->row_bytes();
+    const long long max_rows =
+        row_bytes == 0 ? 0 : static_cast<long long>(keep_[i]->view().bytes() / row_bytes);
+    if (r < 0 || r > max_rows) {
+      ThrowInvalidArgument(absl::StrCat("set_rows: push ", i, " (key ", pushes_[i].key,
+                                        "): rows = ", std::string(py::str(rows_arg)),
+                                        " is not in [0, ", max_rows, "]"));
+    }
+    pushes_[i].bytes = static_cast<size_t>(r) * row_bytes;
+  }
+  size_t bytes(size_t i) const {
+    CheckPushIndex(i, "bytes");
+    return pushes_[i].bytes == kWholeTensor ? keep_[i]->view().bytes() : pushes_[i].bytes;
   }
 
   std::optional<RequestRef> last() const {
@@ -533,6 +677,40 @@ class PyPlan {
   size_t num_pulls() const { return pulls_.size(); }
 
  private:
+  static constexpr long long kMaxRunMany = 10'000'000;
+
+  // Counts the calls that read pushes_ with the GIL released (post, run,
+  // run_many, from any thread); set_rows/set_bytes, which hold the GIL, refuse
+  // to write it meanwhile.
+  struct Posting {
+    explicit Posting(PyPlan& p) : plan(p) { ++plan.posting_; }
+    ~Posting() { --plan.posting_; }
+    PyPlan& plan;
+  };
+
+  void CheckWritable(const char* what) const {
+    if (posting_ > 0) {
+      ThrowStatus(absl::FailedPreconditionError(absl::StrCat(
+          what, ": the plan is being posted by another thread (change it between posts)")));
+    }
+  }
+  void CheckPushIndex(size_t i, const char* what) const {
+    if (i >= pushes_.size()) {
+      ThrowInvalidArgument(
+          absl::StrCat(what, ": push index ", i, " is not in [0, ", pushes_.size(), ")"));
+    }
+  }
+  void SetPushBytes(size_t i, long long b, const std::string& shown, const char* what,
+                    const char* name) {
+    const size_t registered = keep_[i]->view().bytes();
+    if (b < 0 || static_cast<unsigned long long>(b) > registered) {
+      ThrowInvalidArgument(absl::StrCat(what, ": push ", i, " (key ", pushes_[i].key, "): ", name,
+                                        " = ", shown, " is not in [0, ", registered,
+                                        "] (the registered tensor)"));
+    }
+    pushes_[i].bytes = static_cast<size_t>(b);
+  }
+
   PyWorker& worker_;  // kept alive by the Python plan object (keep_alive)
   std::vector<Push> pushes_;
   std::vector<std::vector<int>> servers_;  // what pushes_[i].servers points into
@@ -540,6 +718,7 @@ class PyPlan {
   std::vector<Registered> keep_;
   absl::Duration default_timeout_;
   RequestHandle last_;
+  int posting_ = 0;  // Posting scopes in progress (read and written holding the GIL)
 };
 
 // ---------------------------------------------------------------- server
@@ -1004,6 +1183,16 @@ its contents are only meaningful until the batch is answered.)doc")
       .def("run", &PyPlan::Run, py::arg("timeout") = py::none(), py::arg("stream") = py::none(),
            "Submits and waits (GIL released once). On DeadlineExceeded the request stays\n"
            "pending: plan.last is its Request.")
+      .def("run_many", &PyPlan::RunMany, py::arg("n"), py::arg("timeout") = py::none(),
+           "Benchmark hook: run() n times in C++ under one GIL release, no Python per\n"
+           "iteration. Returns the n round trips in ns (PushPull entry to Wait return,\n"
+           "stepmesh.monotonic_ns's clock). timeout applies to each wait; a failure raises\n"
+           "naming the iteration (plan.last: its request).")
+      .def("set_bytes", &PyPlan::SetBytes, py::arg("index"), py::arg("bytes"),
+           "Push `index` sends `bytes` bytes from now on (<= its registered tensor).")
+      .def("set_rows", &PyPlan::SetRows, py::arg("index"), py::arg("rows"),
+           "Push `index` sends its first `rows` rows from now on (<= the registered rows).")
+      .def("bytes", &PyPlan::bytes, py::arg("index"), "The bytes push `index` sends.")
       .def_property_readonly("last", &PyPlan::last,
                              "The Request of the last run() (for fetch_trace), or None.")
       .def_property_readonly("num_pushes", &PyPlan::num_pushes)

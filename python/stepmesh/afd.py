@@ -107,6 +107,7 @@ class Connector:
         self._requests: Dict[int, Any] = {}
         self._rows: Dict[int, int] = {}
         self._stash: Dict[int, Any] = {}
+        self._plans: List[Any] = []
 
     # ------------------------------------------------------------ configuration
     @staticmethod
@@ -197,6 +198,7 @@ class Connector:
             self._teardown()
 
     def _teardown(self) -> None:
+        self._plans = []  # they keep the worker object alive
         if self._node is not None:
             try:
                 self._node.close()
@@ -269,6 +271,15 @@ class Connector:
             self._meta.append(meta)
             self._logits.append(logits)
             self._recv.append(recv)
+        # One prepared request per stage: the keys never change, only the row
+        # counts (set in place per step), so a step parses nothing and looks
+        # nothing up by key (docs/python.md "The AFD connector").
+        self._plans = []
+        for s in range(c["num_stages"]):
+            pushes = [stepmesh.Push(_key(s, _HIDDEN), rows=c["max_tokens"]), _key(s, _META)]
+            if c["router_logits_dim"] > 0:
+                pushes.append(stepmesh.Push(_key(s, _LOGITS), rows=c["max_tokens"]))
+            self._plans.append(w.prepare(pushes, [(_key(s, _OUT), f) for f in range(n_ffn)]))
 
     def send_buffer(self, stage_idx: int):
         """The registered [max_tokens, hidden] send buffer of a stage: compute into
@@ -278,7 +289,7 @@ class Connector:
     def send_attn_output(self, hidden_states, layer_idx: int, stage_idx: int,
                          router_logits=None, *, is_warmup: bool = False,
                          is_graph_capturing: bool = False) -> None:
-        w = self._live("attention")
+        self._live("attention")
         s = self._stage(stage_idx)
         c = self.config
         info = stepmesh.describe(hidden_states)
@@ -295,7 +306,7 @@ class Connector:
         send = self._send[s]
         if info["data_ptr"] != send.data_ptr:  # not computed in place: copy in
             stepmesh.copy_(send, hidden_states)
-        pushes = [stepmesh.Push(_key(s, _HIDDEN), rows=n), _key(s, _META)]
+        plan = self._plans[s]
         if c["router_logits_dim"] > 0:
             if router_logits is None:
                 raise ValueError("router_logits required (router_logits_dim > 0)")
@@ -304,13 +315,13 @@ class Connector:
                 raise ValueError(f"router_logits {li['shape']} {li['dtype']}: want "
                                  f"({n}, {c['router_logits_dim']}) float32")
             stepmesh.copy_(self._logits[s], router_logits)
-            pushes.append(stepmesh.Push(_key(s, _LOGITS), rows=n))
+            plan.set_rows(2, n)
         elif router_logits is not None:
             raise ValueError("router_logits given but router_logits_dim is 0")
         flags = (FLAG_WARMUP if is_warmup else 0) | (FLAG_GRAPH_CAPTURE if is_graph_capturing else 0)
         self._meta[s].numpy()[:3] = (layer_idx, s, flags)
-        req = w.push_pull(pushes, [(_key(s, _OUT), f) for f in range(c["num_ffn"])])
-        self._requests[s] = req
+        plan.set_rows(0, n)
+        self._requests[s] = plan.post()
         self._rows[s] = n
 
     def recv_ffn_output(self, out, stage_idx: int, timeout: Optional[float] = None):

@@ -534,6 +534,182 @@ def test_prepared_plan_round_trips_pins_tensors_and_names_bad_keys():
         mesh.close()
 
 
+def test_plan_run_many_measures_in_cpp_releases_the_gil_and_names_bad_arguments():
+    """Plan.run_many(n, timeout): n round trips in C++ (each reply really
+    arrives: the server adds one per batch), latencies in ns on
+    monotonic_ns's clock, the GIL released for the whole loop (a Python server
+    thread of this process answers meanwhile), bad n named, and a timeout
+    raises DeadlineExceeded naming the iteration with the request left pending
+    in plan.last."""
+    n = 5
+    in_loop = threading.Event()
+    counter = [0]
+
+    def server(s):
+        recv = np.zeros((1, 4), np.float32)
+        reply = np.zeros((1, 4), np.float32)
+        s.register_recv(1, recv)
+        s.register_reply(2, reply)
+        s.barrier()
+        for i in range(n):
+            b = s.get_batch(timeout=20)
+            if i == 0:
+                assert in_loop.wait(20)
+                time.sleep(0.2)
+                for _ in range(100000):  # pure Python work while run_many loops
+                    counter[0] += 1
+            reply[...] = np.from_dlpack(b.part(1, 0)) + i
+            s.respond(b)
+        s.barrier()
+        b = s.get_batch(timeout=20)  # the timed-out request: answered after the timeout
+        s.barrier()
+        reply[...] = -1
+        s.respond(b)
+        s.barrier()
+
+    mesh = Mesh(server)
+    try:
+        with mesh.worker() as w:
+            x = np.full((1, 4), 10, np.float32)
+            y = np.zeros((1, 4), np.float32)
+            w.register_push(1, x)
+            w.register_pull(2, 0, y)
+            plan = w.prepare([1], [(2, 0)])
+            for bad, what in ((0, "n = 0 is not"), (-3, "n = -3"), (2**70, "n = 1180591620717411303424"),
+                              (1.5, "expected an int, got float"), (True, "got bool")):
+                with pytest.raises(ValueError, match=what):
+                    plan.run_many(bad)
+            with pytest.raises(ValueError, match="timeout"):
+                plan.run_many(1, -1.0)
+            w.barrier()
+            in_loop.set()
+            t0 = stepmesh.monotonic_ns()
+            lat = plan.run_many(n, 20)
+            elapsed = stepmesh.monotonic_ns() - t0
+            assert counter[0] == 100000  # the server thread ran Python during the loop
+            assert len(lat) == n and all(isinstance(v, int) and v > 0 for v in lat)
+            assert sum(lat) <= elapsed  # the same clock, inside the call
+            assert lat[0] >= 200_000_000  # the first reply waited for the server's sleep
+            np.testing.assert_array_equal(y, 10 + n - 1)  # the last batch's reply
+            w.barrier()
+            with pytest.raises(stepmesh.DeadlineExceeded, match="iteration 0 of 3"):
+                plan.run_many(3, 0.2)
+            pending = plan.last
+            assert pending is not None and not w.test(pending)
+            w.barrier()
+            w.wait(pending, 20)  # the late reply releases it
+            np.testing.assert_array_equal(y, -1)
+            w.barrier()
+    finally:
+        mesh.close()
+
+
+def test_push_pull_item_forms_and_bad_pull_servers_named():
+    """push_pull's parsing: lists, tuples, lists-as-pairs, generators and
+    numpy-integer servers all work; a pull server that is not an int rank (a
+    str, a bool, one past int range) is a ValueError naming the key, before
+    anything is sent."""
+    def server(s):
+        s.register_recv(1, np.zeros(4, np.uint8))
+        reply = np.zeros(4, np.uint8)
+        s.register_reply(2, reply)
+        s.barrier()
+        for i in range(4):
+            b = s.get_batch(timeout=20)
+            reply[...] = i + 1
+            s.respond(b)
+        s.barrier()
+
+    mesh = Mesh(server)
+    try:
+        with mesh.worker() as w:
+            y = np.zeros(4, np.uint8)
+            w.register_push(1, np.zeros(4, np.uint8))
+            w.register_pull(2, 0, y)
+            for bad, what in (((2, "0"), "pull of key 2: server: expected an int rank, got str"),
+                              ((2, True), "got bool"),
+                              ((2, 2**40), "server 1099511627776 is out of range"),
+                              ((True, 0), "expected an int key, got bool"),
+                              ((2,), r"expected \(key, server\)")):
+                with pytest.raises(ValueError, match=what):
+                    w.push_pull([1], [bad])
+            w.barrier()
+            forms = [([1], [(2, 0)]), ((1,), [[2, 0]]), (iter([1]), (p for p in [(2, 0)])),
+                     ([1], [(2, np.int64(0))])]
+            for i, (pushes, pulls) in enumerate(forms):
+                w.wait(w.push_pull(pushes, pulls), 20)
+                np.testing.assert_array_equal(y, i + 1)
+            w.barrier()
+    finally:
+        mesh.close()
+
+
+def test_plan_set_rows_and_bytes_change_the_push_in_place():
+    """Plan.set_rows / set_bytes: the next post sends that prefix (the server
+    sees the row count from the frame), a request already posted keeps its
+    count, and an out-of-range index or count is a ValueError naming it that
+    changes nothing."""
+    rows, cols = 6, 2
+    seen = []
+
+    def server(s):
+        recv = np.zeros((rows, cols), np.float32)
+        s.register_recv(1, recv)
+        s.register_reply(2, np.zeros((rows, cols), np.float32))
+        s.barrier()
+        for i in range(5):
+            b = s.get_batch(timeout=20)
+            seen.append(b.tensor(1).rows(0))
+            if i == 4:
+                time.sleep(0.5)  # the worker's run() is in flight meanwhile
+            s.respond(b)
+        s.barrier()
+
+    mesh = Mesh(server)
+    try:
+        with mesh.worker() as w:
+            x = np.ones((rows, cols), np.float32)
+            w.register_push(1, x)
+            w.register_pull(2, 0, np.zeros((rows, cols), np.float32))
+            plan = w.prepare([stepmesh.Push(1, rows=3)], [(2, 0)])
+            assert plan.bytes(0) == 3 * cols * 4
+            with pytest.raises(ValueError, match=r"set_rows: push 0 \(key 1\): rows = 7 is not in \[0, 6\]"):
+                plan.set_rows(0, 7)
+            with pytest.raises(ValueError, match="rows = -1"):
+                plan.set_rows(0, -1)
+            with pytest.raises(ValueError, match=r"push index 1 is not in \[0, 1\)"):
+                plan.set_rows(1, 2)
+            with pytest.raises(ValueError, match=r"bytes = 49 is not in \[0, 48\]"):
+                plan.set_bytes(0, 49)
+            with pytest.raises(ValueError, match="expected an int"):
+                plan.set_rows(0, 2.0)
+            assert plan.bytes(0) == 3 * cols * 4  # nothing changed
+            w.barrier()
+            plan.run(20)
+            plan.set_rows(0, 5)
+            req = plan.post()
+            plan.set_rows(0, 1)  # after the post: that request keeps 5
+            w.wait(req, 20)
+            plan.run(20)
+            plan.set_bytes(0, 0)
+            plan.run(20)
+            # Another thread is inside run() (GIL released): the plan is not changed under it.
+            plan.set_rows(0, 2)
+            runner = threading.Thread(target=plan.run, args=(20,))
+            runner.start()
+            time.sleep(0.2)
+            with pytest.raises(stepmesh.FailedPrecondition, match="set_rows: the plan is being posted"):
+                plan.set_rows(0, 4)
+            runner.join(30)
+            assert not runner.is_alive()
+            plan.set_rows(0, 4)  # between posts: fine
+            assert plan.bytes(0) == 4 * cols * 4
+            w.barrier()
+    finally:
+        mesh.close()
+    assert seen == [3, 5, 1, 0, 2]
+
+
 def test_stream_arguments_order_sends_and_arrivals_on_cpu_mock_streams():
     """stream= plumbing over cpu_mock streams (host threads standing in for
     CUDA streams): push_pull(stream=) sends only after the stream's earlier
