@@ -56,9 +56,11 @@ def server_id(rank):
 # --- control messages ------------------------------------------------------------
 
 CONTROL_MAGIC = 0x54434D53
-# HOSTILE_CONTROL_VERSION=1 speaks the join of protocol 1 (before the mesh
-# shape): only to run these tests against a build from before it.
-CONTROL_VERSION = int(os.environ.get("HOSTILE_CONTROL_VERSION", "2"))
+# The version src/core/control_message.h speaks (3: the scheduler also sends
+# PEER_LEFT; the join is protocol 2's). HOSTILE_CONTROL_VERSION=1 or 2 speaks
+# an older protocol (1: the join before the mesh shape): only to run these
+# tests against a build from before it.
+CONTROL_VERSION = int(os.environ.get("HOSTILE_CONTROL_VERSION", "3"))
 (JOIN, ROSTER, BARRIER, RELEASE, LEAVE, PEER_LOST, PING, PONG, REJECT, PEER_JOINED, CHALLENGE,
  PROOF) = range(1, 13)
 JOIN_RESUME = 1
