@@ -311,7 +311,8 @@ class BaselineServersImpl final : public BaselineServers {
                    : ReadAll(lw, &h, sizeof(h), absl::InfiniteFuture());
       if (!got.ok()) break;
       if (h.push_bytes > kMaxBaselineBytes || h.pull_bytes > kMaxBaselineBytes) break;
-      spinning = h.mode == static_cast<uint64_t>(RawMode::kSpin);
+      spinning = h.mode == static_cast<uint64_t>(RawMode::kSpin) ||
+                 h.mode == static_cast<uint64_t>(RawMode::kTwoThreads);
       lw.Enable(h.low_water != 0);
       if (in.size() < h.push_bytes) in.resize(h.push_bytes);
       if (out.size() < h.pull_bytes) out.resize(h.pull_bytes, 1);
@@ -559,6 +560,138 @@ class RawTcpClient final : public BaselineClient {
   std::vector<LowWater> marks_;  // per connection: its receive low-water mark
 };
 
+// kTwoThreads: the library's shape — a send thread writes the push to every
+// server while the calling thread receives the replies, so the two copies run
+// on two cores. The send thread spins for kSenderSpin after a push (as the
+// library's adaptive send thread), then sleeps until the next one.
+class RawTcpTwoThreadClient final : public BaselineClient {
+ public:
+  RawTcpTwoThreadClient(std::vector<base::UniqueFd> fds, int batch, absl::Duration timeout)
+      : fds_(std::move(fds)), batch_(batch), timeout_(timeout), received_(fds_.size()) {
+    for (const base::UniqueFd& fd : fds_) {
+      polls_.push_back({fd.get(), POLLIN, 0});
+      marks_.emplace_back(fd.get(), true);
+    }
+    sender_ = std::thread([this] { SendLoop(); });
+  }
+  ~RawTcpTwoThreadClient() override {
+    stop_.store(true, std::memory_order_seq_cst);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cv_.notify_one();
+    }
+    sender_.join();
+  }
+
+  absl::Status Exchange(const void* push, size_t push_bytes, absl::Span<void* const> pull,
+                        size_t pull_bytes) override {
+    header_ = SizeHeader{push_bytes, pull_bytes, static_cast<uint64_t>(batch_),
+                         static_cast<uint64_t>(RawMode::kTwoThreads), 1};
+    push_ = push;
+    const uint64_t seq = posted_.load(std::memory_order_relaxed) + 1;
+    posted_.store(seq, std::memory_order_seq_cst);  // publishes header_ and push_
+    if (sleeping_.load(std::memory_order_seq_cst)) {
+      std::lock_guard<std::mutex> lock(mu_);
+      cv_.notify_one();
+    }
+    const absl::Time deadline = absl::Now() + timeout_;
+    std::fill(received_.begin(), received_.end(), 0);
+    size_t receiving = pull_bytes > 0 ? fds_.size() : 0;
+    for (uint32_t idle = 0; receiving > 0 || done_.load(std::memory_order_acquire) != seq;) {
+      bool progress = false;
+      if (receiving > 0) {
+        for (size_t s = 0; s < fds_.size(); ++s) {
+          marks_[s].Want(pull_bytes - received_[s]);
+          polls_[s].events = received_[s] < pull_bytes ? POLLIN : 0;
+          polls_[s].revents = 0;
+        }
+        if (::poll(polls_.data(), polls_.size(), 0) > 0) {
+          for (size_t s = 0; s < fds_.size(); ++s) {
+            if (!(polls_[s].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+            const ssize_t n = ::recv(fds_[s].get(), static_cast<char*>(pull[s]) + received_[s],
+                                     pull_bytes - received_[s], MSG_DONTWAIT);
+            if (n > 0) {
+              received_[s] += static_cast<size_t>(n);
+              progress = true;
+              if (received_[s] == pull_bytes) --receiving;
+            } else if (n == 0) {
+              return absl::UnavailableError("raw-tcp peer closed");
+            } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+              return absl::UnavailableError(base::ErrnoMessage("raw-tcp recv", errno));
+            }
+          }
+        }
+      }
+      if (progress) {
+        idle = 0;
+        continue;
+      }
+      if (++idle % 1024 == 0 && absl::Now() > deadline) {
+        return absl::DeadlineExceededError("raw-tcp exchange timed out");
+      }
+      std::this_thread::yield();
+    }
+    return send_status_;  // written by the send thread before done_
+  }
+
+ private:
+  static constexpr absl::Duration kSenderSpin = absl::Milliseconds(1);
+
+  void SendLoop() {
+    uint64_t handled = 0;
+    absl::Time last = absl::Now();
+    while (!stop_.load(std::memory_order_acquire)) {
+      if (posted_.load(std::memory_order_acquire) == handled) {
+        if (absl::Now() - last < kSenderSpin) {
+          std::this_thread::yield();
+          continue;
+        }
+        // Announce, then re-check (Exchange stores posted_ before it reads
+        // sleeping_): a push posted meanwhile is seen here or notified.
+        sleeping_.store(true, std::memory_order_seq_cst);
+        {
+          std::unique_lock<std::mutex> lock(mu_);
+          cv_.wait_for(lock, std::chrono::milliseconds(50), [&] {
+            return stop_.load(std::memory_order_seq_cst) ||
+                   posted_.load(std::memory_order_seq_cst) != handled;
+          });
+        }
+        sleeping_.store(false, std::memory_order_relaxed);
+        continue;
+      }
+      handled = posted_.load(std::memory_order_acquire);
+      absl::Status status;
+      for (const base::UniqueFd& fd : fds_) {
+        iovec iov[2] = {{&header_, sizeof(header_)},
+                        {const_cast<void*>(push_), header_.push_bytes}};
+        status = WriteAll(fd.get(), iov, header_.push_bytes > 0 ? 2 : 1);
+        if (!status.ok()) break;
+      }
+      send_status_ = status;
+      last = absl::Now();
+      done_.store(handled, std::memory_order_release);
+    }
+  }
+
+  std::vector<base::UniqueFd> fds_;
+  int batch_;
+  absl::Duration timeout_;
+  std::vector<size_t> received_;  // per connection, this exchange
+  std::vector<pollfd> polls_;
+  std::vector<LowWater> marks_;
+  // The job: written by Exchange before posted_, read by the send thread after.
+  SizeHeader header_;
+  const void* push_ = nullptr;
+  absl::Status send_status_;  // written by the send thread before done_
+  std::atomic<uint64_t> posted_{0};
+  std::atomic<uint64_t> done_{0};
+  std::atomic<bool> sleeping_{false};
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::thread sender_;
+};
+
 #ifdef STEPMESH_HAVE_ZMQ
 class ZmqClient final : public BaselineClient {
  public:
@@ -686,6 +819,9 @@ absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectRawTcp(
     STEPMESH_RETURN_IF_ERROR(base::SetNonBlocking(fd.get(), false));
     STEPMESH_RETURN_IF_ERROR(ConfigureRaw(fd.get(), sockbuf, timeout));
     fds.push_back(std::move(fd));
+  }
+  if (discipline.mode == RawMode::kTwoThreads) {
+    return std::make_unique<RawTcpTwoThreadClient>(std::move(fds), batch, timeout);
   }
   return std::make_unique<RawTcpClient>(std::move(fds), batch, discipline, timeout);
 }

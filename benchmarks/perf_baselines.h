@@ -13,6 +13,9 @@
 //                        server in turn, then reads each reply in turn, no
 //                        low-water mark. Nothing overlaps, which costs nothing
 //                        with one server: it is a floor candidate when measured.
+//              kTwoThreads  the library's shape: a send thread writes the push
+//                        to every server while the caller receives every
+//                        reply (spinning, with the mark), two cores at work.
 //            kSpin and kBlock drive every server connection from one loop, so
 //            sends and receives to different servers overlap, and the echo
 //            side receives in the same discipline. Each runs with and without
@@ -20,7 +23,7 @@
 //            the message, at most 256 KiB: a receiver copies once per 256 KiB
 //            instead of chasing the sender segment by segment); without it,
 //            kSpin recv()s blindly and kBlock sleeps in recv(MSG_WAITALL).
-//            The floor is the best of the four (kRawFloorDisciplines) and of
+//            The floor is the best of these five (kRawFloorDisciplines) and of
 //            kNaive when it was measured too.
 //   zmq:     ZeroMQ as StepMesh's ZMQ van uses it: one DEALER socket per server
 //            polled together (zmq_poll), the push sent zero-copy, the reply
@@ -71,7 +74,7 @@ class BaselineClient {
                                 size_t pull_bytes) = 0;
 };
 
-enum class RawMode : uint64_t { kBlock = 0, kSpin = 1, kNaive = 2 };
+enum class RawMode : uint64_t { kBlock = 0, kSpin = 1, kNaive = 2, kTwoThreads = 3 };
 
 // A raw-tcp row: its method name in stepmesh_perf's report, its discipline,
 // and whether receives use the transport's low-water mark.
@@ -82,10 +85,9 @@ struct RawDiscipline {
 };
 // The rows the raw-tcp floor is the best of.
 inline constexpr RawDiscipline kRawFloorDisciplines[] = {
-    {"raw-spin", RawMode::kSpin, true},
-    {"raw-block", RawMode::kBlock, true},
-    {"raw-spin-plain", RawMode::kSpin, false},
-    {"raw-block-plain", RawMode::kBlock, false},
+    {"raw-spin", RawMode::kSpin, true},          {"raw-block", RawMode::kBlock, true},
+    {"raw-spin-plain", RawMode::kSpin, false},   {"raw-block-plain", RawMode::kBlock, false},
+    {"raw-2thread", RawMode::kTwoThreads, true},
 };
 // The old row (--baseline raw-naive); a floor candidate when measured.
 inline constexpr RawDiscipline kRawNaive = {"raw-naive", RawMode::kNaive, false};

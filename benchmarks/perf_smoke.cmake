@@ -20,9 +20,9 @@ if(NOT EXISTS ${OUT})
   message(FATAL_ERROR "stepmesh_perf exited 0 but wrote no ${OUT}:\n${out}")
 endif()
 file(READ ${OUT} json)
-# raw-tcp is the floor row (best of the four raw disciplines), the other raw
+# raw-tcp is the floor row (best of the five raw disciplines), the other raw
 # rows are measured beside it.
-set(wanted raw-tcp raw-spin raw-block raw-spin-plain raw-block-plain raw-naive zmq memcpy)
+set(wanted raw-tcp raw-spin raw-block raw-spin-plain raw-block-plain raw-2thread raw-naive zmq memcpy)
 string(JSON n_results LENGTH "${json}" results)
 if(n_results LESS 1)
   message(FATAL_ERROR "${OUT} has no results:\n${json}")

@@ -304,7 +304,7 @@ bool Wants(const Flags& f, absl::string_view baseline) {
 }
 
 // The lock-stepped plan every participant derives from the same flags. The
-// raw-tcp baseline is measured in four disciplines (kRawFloorDisciplines in
+// raw-tcp baseline is measured in five disciplines (kRawFloorDisciplines in
 // perf_baselines.h); the report's "raw-tcp" floor row is the best of them
 // (DeriveRatios).
 std::vector<std::string> Methods(const Flags& f) {
