@@ -28,6 +28,15 @@ def opts(addr, workers=1, servers=1, **kw):
                                 num_servers=servers, timeout=20.0, **kw)
 
 
+def register_row(w, value):
+    """One float32 row of 4: push key 1 (filled with `value`), pull key 2 from server 0."""
+    x = np.full((1, 4), value, np.float32)
+    y = np.zeros((1, 4), np.float32)
+    w.register_push(1, x)
+    w.register_pull(2, 0, y)
+    return x, y
+
+
 class Mesh:
     """A scheduler plus servers running `server_fn(server)` in threads; the test
     body is the worker(s). Every thread is joined with a deadline."""
@@ -300,10 +309,7 @@ def test_wait_releases_the_gil():
     mesh = Mesh(server)
     try:
         with mesh.worker() as w:
-            x = np.full((1, 4), 41, np.float32)
-            y = np.zeros((1, 4), np.float32)
-            w.register_push(1, x)
-            w.register_pull(2, 0, y)
+            x, y = register_row(w, 41)
             w.barrier()
             req = w.push_pull([1], [(2, 0)])
             in_wait.set()
@@ -570,10 +576,7 @@ def test_plan_run_many_measures_in_cpp_releases_the_gil_and_names_bad_arguments(
     mesh = Mesh(server)
     try:
         with mesh.worker() as w:
-            x = np.full((1, 4), 10, np.float32)
-            y = np.zeros((1, 4), np.float32)
-            w.register_push(1, x)
-            w.register_pull(2, 0, y)
+            x, y = register_row(w, 10)
             plan = w.prepare([1], [(2, 0)])
             for bad, what in ((0, "n = 0 is not"), (-3, "n = -3"), (2**70, "n = 1180591620717411303424"),
                               (1.5, "expected an int, got float"), (True, "got bool")):
