@@ -392,6 +392,21 @@ class BaselineServersImpl final : public BaselineServers {
   std::vector<int> conn_fds_ ABSL_GUARDED_BY(mu_);
 };
 
+// Non-blocking recv of what is queued, up to `want` bytes, into `into`; adds
+// the bytes to *received. False when nothing was queued.
+absl::StatusOr<bool> ReceiveQueued(int fd, char* into, size_t want, size_t* received) {
+  const ssize_t n = ::recv(fd, into, want, MSG_DONTWAIT);
+  if (n > 0) {
+    *received += static_cast<size_t>(n);
+    return true;
+  }
+  if (n == 0) return absl::UnavailableError("raw-tcp peer closed");
+  if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+    return absl::UnavailableError(base::ErrnoMessage("raw-tcp recv", errno));
+  }
+  return false;
+}
+
 class RawTcpClient final : public BaselineClient {
  public:
   RawTcpClient(std::vector<base::UniqueFd> fds, int batch, const RawDiscipline& discipline,
@@ -466,17 +481,8 @@ class RawTcpClient final : public BaselineClient {
   // Non-blocking recv of what is queued of server s's reply; true if bytes came.
   absl::StatusOr<bool> ReceiveSome(size_t s, void* into, size_t pull_bytes) {
     Conn& c = state_[s];
-    const ssize_t n = ::recv(fds_[s].get(), static_cast<char*>(into) + c.received,
-                             pull_bytes - c.received, MSG_DONTWAIT);
-    if (n > 0) {
-      c.received += static_cast<size_t>(n);
-      return true;
-    }
-    if (n == 0) return absl::UnavailableError("raw-tcp peer closed");
-    if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-      return absl::UnavailableError(base::ErrnoMessage("raw-tcp recv", errno));
-    }
-    return false;
+    return ReceiveQueued(fds_[s].get(), static_cast<char*>(into) + c.received,
+                         pull_bytes - c.received, &c.received);
   }
 
   // One loop over every connection, so server 1's push goes out while server
@@ -608,17 +614,13 @@ class RawTcpTwoThreadClient final : public BaselineClient {
         if (::poll(polls_.data(), polls_.size(), 0) > 0) {
           for (size_t s = 0; s < fds_.size(); ++s) {
             if (!(polls_[s].revents & (POLLIN | POLLHUP | POLLERR))) continue;
-            const ssize_t n = ::recv(fds_[s].get(), static_cast<char*>(pull[s]) + received_[s],
-                                     pull_bytes - received_[s], MSG_DONTWAIT);
-            if (n > 0) {
-              received_[s] += static_cast<size_t>(n);
-              progress = true;
-              if (received_[s] == pull_bytes) --receiving;
-            } else if (n == 0) {
-              return absl::UnavailableError("raw-tcp peer closed");
-            } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-              return absl::UnavailableError(base::ErrnoMessage("raw-tcp recv", errno));
-            }
+            if (received_[s] == pull_bytes) continue;
+            STEPMESH_ASSIGN_OR_RETURN(
+                const bool got,
+                ReceiveQueued(fds_[s].get(), static_cast<char*>(pull[s]) + received_[s],
+                              pull_bytes - received_[s], &received_[s]));
+            progress |= got;
+            if (received_[s] == pull_bytes) --receiving;
           }
         }
       }

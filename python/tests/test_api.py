@@ -28,6 +28,15 @@ def opts(addr, workers=1, servers=1, **kw):
                                 num_servers=servers, timeout=20.0, **kw)
 
 
+def register_row_server(s):
+    """The server side of register_row: recv key 1 and reply key 2, one row of 4."""
+    recv = np.zeros((1, 4), np.float32)
+    reply = np.zeros((1, 4), np.float32)
+    s.register_recv(1, recv)
+    s.register_reply(2, reply)
+    return recv, reply
+
+
 def register_row(w, value):
     """One float32 row of 4: push key 1 (filled with `value`), pull key 2 from server 0."""
     x = np.full((1, 4), value, np.float32)
@@ -290,10 +299,7 @@ def test_wait_releases_the_gil():
     counter = [0]
 
     def server(s):
-        recv = np.zeros((1, 4), np.float32)
-        reply = np.zeros((1, 4), np.float32)
-        s.register_recv(1, recv)
-        s.register_reply(2, reply)
+        recv, reply = register_row_server(s)
         s.barrier()
         b = s.get_batch(timeout=20)
         assert in_wait.wait(20)
@@ -552,10 +558,7 @@ def test_plan_run_many_measures_in_cpp_releases_the_gil_and_names_bad_arguments(
     counter = [0]
 
     def server(s):
-        recv = np.zeros((1, 4), np.float32)
-        reply = np.zeros((1, 4), np.float32)
-        s.register_recv(1, recv)
-        s.register_reply(2, reply)
+        recv, reply = register_row_server(s)
         s.barrier()
         for i in range(n):
             b = s.get_batch(timeout=20)

@@ -155,5 +155,26 @@ TEST_CASE("control messages round trip and reject garbage", "[control]") {
                   .ok());
 }
 
+TEST_CASE("kPeerLeft needs control protocol 3: a version-2 header is refused by version",
+          "[control]") {
+  ControlMessage left;
+  left.type = ControlType::kPeerLeft;
+  left.node = WorkerId(1);
+  std::string bytes = EncodeControl(left);
+  auto header = DecodeControlHeader(
+      absl::MakeConstSpan(reinterpret_cast<const std::byte*>(bytes.data()), kControlHeaderBytes));
+  REQUIRE(header.ok());
+  CHECK(header->first == ControlType::kPeerLeft);
+  CHECK(kControlVersion == 3);
+  // A participant built before kPeerLeft speaks version 2 (bytes 4-5, little endian).
+  bytes[4] = '\x02';
+  bytes[5] = '\x00';
+  auto old = DecodeControlHeader(
+      absl::MakeConstSpan(reinterpret_cast<const std::byte*>(bytes.data()), kControlHeaderBytes));
+  REQUIRE_FALSE(old.ok());
+  CHECK(old.status().code() == absl::StatusCode::kFailedPrecondition);
+  CHECK(old.status().message() == "control protocol version 2");
+}
+
 }  // namespace
 }  // namespace stepmesh::core

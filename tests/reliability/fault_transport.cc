@@ -7,6 +7,7 @@
 #include "src/transport/tcp_fallback/tcp_transport.h"
 #include "stepmesh/status.h"
 #include "tests/reliability/wire_proxy.h"
+#include "tests/support/forwarding_transport.h"
 
 namespace stepmesh::testing {
 
@@ -82,25 +83,17 @@ namespace {
 
 // Counts what a node's transport hands to its core (tests wait for a frame to
 // have been dealt with instead of sleeping).
-class CountingSink final : public core::TransportSink {
+class CountingSink final : public ForwardingSink {
  public:
   CountingSink(core::TransportSink& inner, FaultPlan& plan, core::NodeId self)
-      : inner_(inner), plan_(plan), self_(self) {}
-  absl::Status Resolve(core::NodeId peer, const core::FrameHeader& header, core::Destination& out,
-                       core::FrameContext* context) override {
-    return inner_.Resolve(peer, header, out, context);
-  }
+      : ForwardingSink(inner), plan_(plan), self_(self) {}
   void OnFrame(core::NodeId peer, const core::FrameHeader& header, core::FrameContext context,
                absl::Status status) override {
-    inner_.OnFrame(peer, header, context, std::move(status));
+    ForwardingSink::OnFrame(peer, header, context, std::move(status));
     plan_.CountDelivered(self_);
-  }
-  void OnPeerLost(core::NodeId peer, absl::Status why) override {
-    inner_.OnPeerLost(peer, std::move(why));
   }
 
  private:
-  core::TransportSink& inner_;
   FaultPlan& plan_;
   const core::NodeId self_;
 };

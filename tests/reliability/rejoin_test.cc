@@ -163,20 +163,11 @@ class HeldConnectTransport final : public ForwardingTransport {
   }
 
  private:
-  struct Counting final : core::TransportSink {
-    Counting(core::TransportSink& s, Gate& g) : inner(s), gate(g) {}
-    core::TransportSink& inner;
+  struct Counting final : ForwardingSink {
+    Counting(core::TransportSink& s, Gate& g) : ForwardingSink(s), gate(g) {}
     Gate& gate;
-    absl::Status Resolve(core::NodeId peer, const core::FrameHeader& header, core::Destination& out,
-                         core::FrameContext* context) override {
-      return inner.Resolve(peer, header, out, context);
-    }
-    void OnFrame(core::NodeId peer, const core::FrameHeader& header, core::FrameContext context,
-                 absl::Status status) override {
-      inner.OnFrame(peer, header, context, std::move(status));
-    }
     void OnPeerLost(core::NodeId peer, absl::Status why) override {
-      inner.OnPeerLost(peer, std::move(why));
+      ForwardingSink::OnPeerLost(peer, std::move(why));
       if (!core::IsWorker(peer)) return;
       base::MutexLock lock(&gate.mu);
       ++gate.worker_losses;

@@ -1,6 +1,6 @@
 #pragma once
-// A transport that forwards every call to another one: the base for test
-// decorators that change one behaviour.
+// A transport (and a transport sink) that forwards every call to another one:
+// the bases for test decorators that change one behaviour.
 
 #include <memory>
 #include <utility>
@@ -8,6 +8,27 @@
 #include "src/core/transport.h"
 
 namespace stepmesh::testing {
+
+// Forwards what a transport hands its core; a decorator overrides the calls it
+// watches and calls these.
+class ForwardingSink : public core::TransportSink {
+ public:
+  explicit ForwardingSink(core::TransportSink& inner) : inner_(inner) {}
+  absl::Status Resolve(core::NodeId peer, const core::FrameHeader& header, core::Destination& out,
+                       core::FrameContext* context) override {
+    return inner_.Resolve(peer, header, out, context);
+  }
+  void OnFrame(core::NodeId peer, const core::FrameHeader& header, core::FrameContext context,
+               absl::Status status) override {
+    inner_.OnFrame(peer, header, context, std::move(status));
+  }
+  void OnPeerLost(core::NodeId peer, absl::Status why) override {
+    inner_.OnPeerLost(peer, std::move(why));
+  }
+
+ private:
+  core::TransportSink& inner_;
+};
 
 class ForwardingTransport : public core::Transport {
  public:
