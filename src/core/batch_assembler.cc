@@ -24,7 +24,8 @@ BatchAssembler::BatchAssembler(int num_workers, const LostPeers& lost, bool trac
     : num_workers_(num_workers),
       lost_(lost),
       trace_(trace),
-      assemblies_(num_workers, std::vector<Assembly>(kAssembliesPerWorker)) {
+      assemblies_(num_workers, std::vector<Assembly>(kAssembliesPerWorker)),
+      excuses_(num_workers) {
   for (int i = 0; i < kBatchSlots; ++i) {
     slots_.push_back(std::make_unique<BatchSlot>(num_workers));
     free_slots_.push_back(kBatchSlots - 1 - i);
@@ -62,6 +63,9 @@ BatchAssembler::Arrival BatchAssembler::AddPart(int w, const FrameHeader& h, Rec
     if (!a->failed) out.report = why;
     a->failed = true;
   };
+  // The group (micro-batch name) is the request's first push key, also for a
+  // part that failed: a refused request excuses its worker from that batch.
+  if (h.part_index == 0) a->group = h.key;
   if (!status.ok()) {
     if (reg != nullptr) reg->busy[w].store(false);
     fail(status);
@@ -70,8 +74,6 @@ BatchAssembler::Arrival BatchAssembler::AddPart(int w, const FrameHeader& h, Rec
     fail(absl::InvalidArgumentError(
         absl::StrCat("more than ", kMaxPushesPerRequest, " pushes in one request")));
   } else {
-    // The group (micro-batch name) is the request's first push key.
-    if (h.part_index == 0) a->group = h.key;
     a->keys[a->num_keys] = h.key;
     a->bytes[a->num_keys] = h.payload_bytes;
     a->regs[a->num_keys] = reg;
@@ -82,16 +84,55 @@ BatchAssembler::Arrival BatchAssembler::AddPart(int w, const FrameHeader& h, Rec
   }
   if (++a->parts_done < a->part_count) return out;
   if (a->failed) {
-    Abandon(w, *a);
+    out.ready = Abandon(w, *a);
   } else {
     out.complete = a;
   }
   return out;
 }
 
-void BatchAssembler::Abandon(int w, Assembly& a) {
+bool BatchAssembler::Abandon(int w, Assembly& a) {
   for (int i = 0; i < a.num_keys; ++i) a.regs[i]->busy[w].store(false);
   a.used = false;
+  return Excuse(w, a.group);
+}
+
+bool BatchAssembler::Excuse(int w, Key group) {
+  base::MutexLock lock(&mu_);
+  BatchSlot* oldest = nullptr;
+  uint32_t index = 0;
+  for (uint32_t i = 0; i < slots_.size(); ++i) {
+    BatchSlot& s = *slots_[i];
+    if (s.state != BatchState::kCollecting || s.group != group) continue;
+    const WorkerEntry& e = s.entries[w];
+    if (e.present || e.excused) continue;
+    if (oldest == nullptr || s.opened_sequence < oldest->opened_sequence) {
+      oldest = &s;
+      index = i;
+    }
+  }
+  if (oldest != nullptr) {
+    oldest->entries[w].excused = true;
+    return MaybeReady(index);
+  }
+  PendingExcuses& p = excuses_[w];
+  if (p.count == kPendingExcuses) {
+    std::move(p.groups.begin() + 1, p.groups.end(), p.groups.begin());  // the oldest goes
+    --p.count;
+  }
+  p.groups[p.count++] = group;
+  return false;
+}
+
+bool BatchAssembler::TakePendingExcuse(int w, Key group) {
+  PendingExcuses& p = excuses_[w];
+  for (int i = 0; i < p.count; ++i) {
+    if (p.groups[i] != group) continue;
+    std::move(p.groups.begin() + i + 1, p.groups.begin() + p.count, p.groups.begin() + i);
+    --p.count;
+    return true;
+  }
+  return false;
 }
 
 absl::Status BatchAssembler::Commit(int w, Assembly& a, bool* ready) {
@@ -101,15 +142,19 @@ absl::Status BatchAssembler::Commit(int w, Assembly& a, bool* ready) {
   uint32_t index = 0;
   for (uint32_t i = 0; i < slots_.size(); ++i) {
     BatchSlot& s = *slots_[i];
-    if (s.state == BatchState::kCollecting && s.group == a.group && !s.entries[w].present) {
+    if (s.state == BatchState::kCollecting && s.group == a.group && !s.entries[w].present &&
+        !s.entries[w].excused) {
       slot = &s;
       index = i;
       break;
     }
   }
-  if (slot == nullptr) slot = OpenSlot(a.group, &index);
+  // `w` is back in this group: an excuse of its still pending is spent.
+  TakePendingExcuse(w, a.group);
+  if (slot == nullptr) slot = OpenSlot(a.group, w, &index);
   if (slot == nullptr) {
-    Abandon(w, a);
+    for (int i = 0; i < a.num_keys; ++i) a.regs[i]->busy[w].store(false);
+    a.used = false;
     return absl::ResourceExhaustedError("server has too many batches open");
   }
   WorkerEntry& e = slot->entries[w];
@@ -139,7 +184,7 @@ absl::Status BatchAssembler::Commit(int w, Assembly& a, bool* ready) {
   return absl::OkStatus();
 }
 
-BatchSlot* BatchAssembler::OpenSlot(Key group, uint32_t* index) {
+BatchSlot* BatchAssembler::OpenSlot(Key group, int opener, uint32_t* index) {
   if (free_slots_.empty()) return nullptr;
   *index = free_slots_.back();
   free_slots_.pop_back();
@@ -150,7 +195,12 @@ BatchSlot* BatchAssembler::OpenSlot(Key group, uint32_t* index) {
   slot->group = group;
   slot->tensors.clear();
   slot->regs.clear();
-  for (WorkerEntry& e : slot->entries) e = WorkerEntry{};
+  for (int w = 0; w < num_workers_; ++w) {
+    slot->entries[w] = WorkerEntry{};
+    // A worker whose request for this group was refused before any batch of
+    // it was open: this batch goes without it.
+    if (w != opener && excuses_[w].count > 0) slot->entries[w].excused = TakePendingExcuse(w, group);
+  }
   return slot;
 }
 
@@ -158,7 +208,8 @@ bool BatchAssembler::MaybeReady(uint32_t index) {
   BatchSlot& slot = *slots_[index];
   if (slot.state != BatchState::kCollecting) return false;
   for (int w = 0; w < num_workers_; ++w) {
-    if (!slot.entries[w].present && !lost_.lost(w)) return false;
+    const WorkerEntry& e = slot.entries[w];
+    if (!e.present && !e.excused && !lost_.lost(w)) return false;
   }
   slot.state = BatchState::kReady;
   ready_.push_back(index);
@@ -173,6 +224,7 @@ std::vector<const RecvRegistration*> BatchAssembler::ForgetWorker(int w) {
   for (Assembly& a : assemblies_[w]) a.used = false;
   std::vector<const RecvRegistration*> held;
   base::MutexLock lock(&mu_);
+  excuses_[w] = PendingExcuses{};  // the previous process's refusals
   for (const auto& slot : slots_) {
     if (slot->state == BatchState::kFree || !slot->entries[w].present) continue;
     for (size_t t = 0; t < slot->regs.size(); ++t) {
@@ -250,8 +302,20 @@ bool BatchAssembler::ReplySourceInUse(const ReplyRegistration* reg) {
   return false;
 }
 
+bool BatchAssembler::PullKeyAwaited(Key key) {
+  base::MutexLock lock(&mu_);
+  for (const auto& slot : slots_) {
+    if (slot->state == BatchState::kFree) continue;
+    for (const WorkerEntry& e : slot->entries) {
+      if (e.present && e.pull_key == key) return true;
+    }
+  }
+  return false;
+}
+
 void BatchAssembler::DropWorker(int w) {
   base::MutexLock lock(&mu_);
+  excuses_[w] = PendingExcuses{};
   for (uint32_t i = 0; i < slots_.size(); ++i) {
     BatchSlot& slot = *slots_[i];
     if (slot.state != BatchState::kCollecting) continue;

@@ -12,6 +12,11 @@
 //         -> kResponding   Respond queued the replies
 //         -> kFree         the replies went out
 //   kCollecting -> kFree   the last worker in it was lost
+//
+// A worker whose request the server refused (a key not registered in time, a
+// bad size, a failed part) is excused from the batch that request would have
+// joined: the batch forms without it, as if it were lost for that batch alone,
+// so one worker's mistake costs the others at most one batch.
 
 #include <array>
 #include <atomic>
@@ -62,7 +67,9 @@ struct WorkerEntry {
   TraceStamps stamps;
   size_t reply_bytes = 0;              // set by Respond
   ReplyRegistration* reply = nullptr;  // set by Respond; null: an empty acknowledgement
+  bool reply_missing = false;          // set by Respond: its pull key's tensor is gone
   uint32_t pushed_mask = 0;            // bit t: this worker filled tensors[t]
+  bool excused = false;                // its request for this batch was refused
 };
 
 struct BatchSlot {
@@ -100,6 +107,7 @@ class BatchAssembler {
   struct Arrival {
     absl::Status report;           // an error the worker must hear (once per request)
     Assembly* complete = nullptr;  // all parts in, none failed: Commit or Abandon it
+    bool ready = false;            // a batch became ready (its refused worker excused)
   };
   // Part `h` of worker `w`'s request landed in `reg` (its slot there now
   // busy), or failed with `status` (then `reg`, if any, is released).
@@ -108,8 +116,13 @@ class BatchAssembler {
   // needed; RESOURCE_EXHAUSTED (the request dropped, its slots freed) when
   // every batch slot is taken. True in `*ready` when a batch became ready.
   absl::Status Commit(int w, Assembly& a, bool* ready);
-  // Drops a complete request that could not be delivered, freeing its slots.
-  void Abandon(int w, Assembly& a);
+  // Drops a complete request that could not be delivered, freeing its slots,
+  // and excuses `w` from the batch of its group. True when a batch became ready.
+  bool Abandon(int w, Assembly& a);
+  // Worker `w`'s request for `group` was refused: the oldest batch of the
+  // group still waiting for `w` forms without it, or, when there is none yet,
+  // the next one opened (bounded per worker). True when a batch became ready.
+  bool Excuse(int w, Key group);
   // A restarted `w`: drops what its previous process left half-received and
   // returns the receive regions whose w-slot a batch still holds.
   std::vector<const RecvRegistration*> ForgetWorker(int w);
@@ -131,6 +144,8 @@ class BatchAssembler {
   void Release(uint32_t index);
   // Whether a reply being sent reads `reg`.
   bool ReplySourceInUse(const ReplyRegistration* reg);
+  // Whether a request in a batch not yet answered pulls `key`.
+  bool PullKeyAwaited(Key key);
   // `w` is gone: its requests in batches not yet handed out are dropped (they
   // can never be answered), and batches that waited only for it are ready.
   void DropWorker(int w);
@@ -140,7 +155,9 @@ class BatchAssembler {
 
  private:
   Assembly* FindAssembly(int w, const FrameHeader& h);
-  BatchSlot* OpenSlot(Key group, uint32_t* index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  BatchSlot* OpenSlot(Key group, int opener, uint32_t* index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Consumes one of `w`'s pending excuses for `group`; false when it has none.
+  bool TakePendingExcuse(int w, Key group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool MaybeReady(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Batch HandOut(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeSlot(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -158,6 +175,15 @@ class BatchAssembler {
   std::vector<uint32_t> ready_ ABSL_GUARDED_BY(mu_);  // oldest first
   std::atomic<int> ready_count_{0};
   uint64_t opened_sequence_ ABSL_GUARDED_BY(mu_) = 0;
+  // Per worker: groups of refused requests no batch was open for yet; the next
+  // batch of such a group opened by another worker excuses it (a ring).
+  static constexpr int kPendingExcuses = 8;
+  struct PendingExcuses {
+    std::array<Key, kPendingExcuses> groups{};
+    int count = 0;
+    int next = 0;
+  };
+  std::vector<PendingExcuses> excuses_ ABSL_GUARDED_BY(mu_);
   HostFlag* ready_counter_ = nullptr;
   uint32_t batches_counted_ ABSL_GUARDED_BY(mu_) = 0;
 };

@@ -364,6 +364,7 @@ void MeshNode::RecvLoop() {
       STEPMESH_LOG(kError, "receive loop: ", s.ToString());
       absl::SleepFor(absl::Milliseconds(1));
     }
+    AfterPoll();
     if (activity_ != activity_before) {
       const absl::Time now = absl::Now();
       if (mode == PollMode::kAdaptive) {

@@ -89,6 +89,9 @@ class MeshNode : public TransportSink {
   virtual void HandlePeerLeft(NodeId /*peer*/) {}
   // Fails everything still pending (Stop() calls it after the threads ended).
   virtual void CancelAll(const absl::Status& why) = 0;
+  // Receive thread, after every Poll (and so at least every 50 ms): work the
+  // receive path set aside (a server's parked pushes). Must be cheap when idle.
+  virtual void AfterPoll() {}
 
   // The transport lost its connection to `peer` (receive thread). Usually the
   // peer is gone; a server tells a rejoined worker's superseded connection

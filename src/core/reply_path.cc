@@ -40,10 +40,7 @@ absl::Status ReplyPath::Prepare(BatchSlot& slot, absl::Span<const Reply> replies
           absl::StrCat("worker ", reply.worker, " pulled nothing from this server"));
     }
     auto it = reply_tensors.find(e.pull_key);
-    if (it == reply_tensors.end()) {
-      return absl::NotFoundError(absl::StrCat("worker ", reply.worker, " pulls key ", e.pull_key,
-                                              ", which has no reply tensor here"));
-    }
+    if (it == reply_tensors.end()) continue;  // answered with an error frame (below)
     const size_t bytes = reply.bytes == kWholeTensor ? it->second->slot_bytes : reply.bytes;
     if (bytes > it->second->slot_bytes) {
       return absl::OutOfRangeError(absl::StrCat("reply of ", bytes, " bytes exceeds the ",
@@ -52,7 +49,11 @@ absl::Status ReplyPath::Prepare(BatchSlot& slot, absl::Span<const Reply> replies
     }
   }
   for (int w : slot.workers) {
-    if (slot.entries[w].pull_key == kNoPull) continue;
+    const Key pull = slot.entries[w].pull_key;
+    // A pull checked when the request arrived whose tensor is gone since
+    // (Unregister refuses that while the batch is known; a race remains): that
+    // worker hears NOT_FOUND, the others of the batch their replies.
+    if (pull == kNoPull || !reply_tensors.contains(pull)) continue;
     bool answered = false;
     for (const Reply& reply : replies) answered = answered || reply.worker == w;
     if (!answered) {
@@ -60,9 +61,14 @@ absl::Status ReplyPath::Prepare(BatchSlot& slot, absl::Span<const Reply> replies
           absl::StrCat("worker ", w, " pulls key ", slot.entries[w].pull_key, " but got no reply"));
     }
   }
-  for (int w : slot.workers) slot.entries[w].reply = nullptr;
+  for (int w : slot.workers) {
+    WorkerEntry& e = slot.entries[w];
+    e.reply = nullptr;
+    e.reply_missing = e.pull_key != kNoPull && !reply_tensors.contains(e.pull_key);
+  }
   for (const Reply& reply : replies) {
     WorkerEntry& e = slot.entries[reply.worker];
+    if (e.reply_missing) continue;
     e.reply = reply_tensors.find(e.pull_key)->second.get();
     e.reply_bytes = reply.bytes == kWholeTensor ? e.reply->slot_bytes : reply.bytes;
   }
@@ -91,12 +97,17 @@ void ReplyPath::SendReplies(Transport& transport, NodeId self, int rank, BatchSl
     h.stamps.server_handler_ns = slot.handler_ns;
     h.stamps.server_reply_ns = reply_ns;
     absl::Status sent;
-    if (!ready.ok()) {
+    if (!ready.ok() || e.reply_missing) {
+      const absl::Status why =
+          !ready.ok() ? absl::Status(ready.code(),
+                                     absl::StrCat("reply's ready event failed: ", ready.message()))
+                      : absl::NotFoundError(absl::StrCat("worker ", w, " pulls key ", e.pull_key,
+                                                         ", which has no reply tensor on server ",
+                                                         rank, " any more"));
       h.type = FrameType::kError;
-      h.status_code = static_cast<uint32_t>(ready.code());
-      const std::string text = absl::StrCat("reply's ready event failed: ", ready.message());
-      h.payload_bytes = std::min<size_t>(text.size(), kMaxErrorTextBytes);
-      sent = transport.Send(h.dst, h, text.data(), 0, h.payload_bytes);
+      h.status_code = static_cast<uint32_t>(why.code());
+      h.payload_bytes = std::min<size_t>(why.message().size(), kMaxErrorTextBytes);
+      sent = transport.Send(h.dst, h, why.message().data(), 0, h.payload_bytes);
     } else {
       h.type = FrameType::kReply;
       const std::byte* src = nullptr;
@@ -119,7 +130,7 @@ void ReplyPath::SendReplies(Transport& transport, NodeId self, int rank, BatchSl
       continue;
     }
     stats_.Sent(w, h.payload_bytes);
-    if (h.type == FrameType::kError) stats_.Outcome(w, ready.code());
+    if (h.type == FrameType::kError) stats_.Outcome(w, static_cast<absl::StatusCode>(h.status_code));
     stats_.stage(Stage::kDispatch).RecordSpan(e.stamps.server_arrival_ns, slot.handler_ns);
     stats_.stage(Stage::kRespond).RecordSpan(slot.handler_ns, reply_ns);
     if (trace_.on()) {
@@ -130,7 +141,7 @@ void ReplyPath::SendReplies(Transport& transport, NodeId self, int rank, BatchSl
         out.Put(S::kArrival, e.stamps.server_arrival_ns);
         out.Put(S::kHandler, slot.handler_ns);
         out.Put(S::kReply, reply_ns);
-        out.Put(S::kCode, h.type == FrameType::kError ? static_cast<uint64_t>(ready.code()) : 0);
+        out.Put(S::kCode, h.type == FrameType::kError ? uint64_t{h.status_code} : 0);
       });
     }
   }

@@ -487,6 +487,7 @@ class SchedulerImpl final : public Scheduler {
   void MarkLost(NodeId node, const std::string& reason) {
     Member& member = At(node);
     if (!member.live()) return;
+    if (!formed_) return Unjoin(node, reason);
     member.lost = true;
     if (member.conn != nullptr) Close(*member.conn);
     STEPMESH_LOG(kWarning, "scheduler: ", PeerName(node), " lost: ", reason);
@@ -498,6 +499,23 @@ class SchedulerImpl final : public Scheduler {
       if (o.live()) Send(other, m);
     });
     MaybeReleaseBarrier();
+  }
+
+  // Before the mesh formed nobody has a roster, so a member that is lost or
+  // leaves is simply taken off it: its rank is free again (a restarted
+  // process takes it), the others keep waiting within their own timeouts, and
+  // the roster they get lists only processes that are there.
+  void Unjoin(NodeId node, absl::string_view reason, bool orderly = false) {
+    Member& member = At(node);
+    if (member.conn != nullptr) Close(*member.conn);
+    if (orderly) {
+      STEPMESH_LOG(kInfo, "scheduler: ", PeerName(node),
+                   " left before the mesh formed; its rank is open again");
+    } else {
+      STEPMESH_LOG(kWarning, "scheduler: ", PeerName(node), " lost before the mesh formed (",
+                   reason, "); its rank is open again");
+    }
+    member = Member{};
   }
 
   void SendRoster(NodeId node) {
@@ -544,6 +562,10 @@ class SchedulerImpl final : public Scheduler {
         MaybeReleaseBarrier();
         break;
       case ControlType::kLeave: {
+        if (!formed_) {
+          Unjoin(node, "left", /*orderly=*/true);
+          break;
+        }
         member.left = true;
         if (member.conn != nullptr) Close(*member.conn);
         // The peers learn of a departure from its data connection's goodbye,

@@ -5,6 +5,8 @@
 #include "stepmesh/server.h"
 
 #include <algorithm>
+#include <cstring>
+#include <deque>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -28,14 +30,40 @@ namespace {
 constexpr uint32_t kSendReplies = 1;
 constexpr uint32_t kSendError = 2;
 
+// What a worker may keep parked on one server (pushes whose key, or pull key,
+// is not registered there yet): frames and payload bytes. Beyond either, its
+// next such push is refused at once.
+constexpr size_t kMaxParkedPerWorker = 16;
+constexpr size_t kMaxParkedBytesPerWorker = size_t{64} << 20;
+// How often the receive thread looks at parked pushes when nothing else
+// happened (their deadlines, their senders' losses).
+constexpr absl::Duration kParkedCheck = absl::Milliseconds(10);
+
 // The frame context of a worker's push: the worker, and the receive region
 // Resolve checked the push against and reserved its slot in (null when the
-// push was refused). One per worker: a transport resolves a peer's frames one
-// at a time (see TransportSink).
+// push was refused or parked). One per worker: a transport resolves a peer's
+// frames one at a time (see TransportSink).
 struct PushNote {
   int worker = 0;
   RecvRegistration* reg = nullptr;
   bool duplicate = false;  // a copy of a push already accepted: dropped, nobody answered
+  // Parked: the payload lands in `park` (the key is not registered yet).
+  std::unique_ptr<std::byte[]> park;
+  bool parking = false;
+};
+
+// A push that arrived before its key (or its pull key) was registered here,
+// set aside by the receive thread -- which moves on to other frames -- until
+// the registration comes (then it is delivered as if it arrived then) or its
+// deadline passes (then its request is refused, naming the key).
+struct ParkedPush {
+  FrameHeader header;
+  std::unique_ptr<std::byte[]> payload;  // its key was not registered
+  // Its key was, its pull key not: the payload is in the worker's slot of
+  // this receive region, reserved for it (busy) until the push is delivered.
+  RecvRegistration* reg = nullptr;
+  absl::Time deadline;
+  uint32_t epoch = 0;  // the sender's process (worker_epochs_) when it arrived
 };
 
 class Server final : public AFTensorServer, public MeshNode {
@@ -45,6 +73,8 @@ class Server final : public AFTensorServer, public MeshNode {
         assembler_(options.num_workers, lost_, options.trace.enabled),
         replies_(options_, io_, lost_, stats_, trace_ring_),
         notes_(options.num_workers),
+        parked_(options.num_workers),
+        parked_bytes_(options.num_workers, 0),
         worker_epochs_(new std::atomic<uint32_t>[options.num_workers]),
         rejoining_(new std::atomic<Rejoin>[options.num_workers]),
         seen_epochs_(options.num_workers, 0),
@@ -85,6 +115,7 @@ class Server final : public AFTensorServer, public MeshNode {
     reg->last_request.reset(new uint64_t[options_.num_workers]());
     for (int w = 0; w < options_.num_workers; ++w) reg->busy[w] = false;
     recv_regs_[key] = std::move(reg);
+    ReleaseParked();
     return absl::OkStatus();
   }
 
@@ -96,6 +127,7 @@ class Server final : public AFTensorServer, public MeshNode {
                               RegisterTensor(key, region, options_.num_workers, {}));
     reply_regs_[key] =
         std::make_unique<ReplyRegistration>(ReplyRegistration{region, wire, slot_bytes});
+    ReleaseParked();
     return absl::OkStatus();
   }
 
@@ -117,6 +149,11 @@ class Server final : public AFTensorServer, public MeshNode {
     if (reply != reply_regs_.end() && assembler_.ReplySourceInUse(reply->second.get())) {
       return absl::FailedPreconditionError(
           absl::StrCat("key ", key, " is the source of a reply being sent"));
+    }
+    if (reply != reply_regs_.end() && assembler_.PullKeyAwaited(key)) {
+      // Requests were admitted for pulling it (Resolve checked): they are owed a reply.
+      return absl::FailedPreconditionError(
+          absl::StrCat("key ", key, " is pulled by a request not yet answered"));
     }
     if (recv != recv_regs_.end()) {
       STEPMESH_RETURN_IF_ERROR(
@@ -221,27 +258,33 @@ class Server final : public AFTensorServer, public MeshNode {
     PushNote& note = notes_[w];
     note.reg = nullptr;
     note.duplicate = false;
+    note.parking = false;
     *context = &note;
-    base::MutexLock lock(&reg_mu_);
+    base::ReaderMutexLock lock(&reg_mu_);
     auto it = recv_regs_.find(h.key);
-    if (it == recv_regs_.end()) {
-      // Why wait: a worker may push as soon as the mesh is up, before this
-      // server's application registered the key (no barrier is required of
-      // integrators). The push waits for the registration, bounded by the
-      // options' timeout (the request's deadline on the worker's side), and the
-      // shutdown. This holds the receive thread: keys are registered at start-up.
-      const absl::Time deadline = absl::Now() + options_.timeout;
-      reg_mu_.AwaitWithDeadline(
-          [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return stopped() || recv_regs_.contains(h.key); },
-          deadline);
-      it = recv_regs_.find(h.key);
-    }
-    if (it == recv_regs_.end()) {
-      return absl::NotFoundError(
-          absl::StrCat("push key ", h.key, " is not registered on server ", rank_, " (waited ",
-                       absl::FormatDuration(options_.timeout), " for its registration)"));
-    }
-    RecvRegistration& reg = *it->second;
+    // Why not refuse a push whose key (or pull key) is not registered at
+    // once: a worker may push as soon as the mesh is up, before this server's
+    // application registered the key (no barrier is required of integrators).
+    // Why not wait here: this thread reads every worker's frames. So the push
+    // is parked, bounded per worker, and the receive thread moves on (see
+    // ParkedPush).
+    if (it == recv_regs_.end()) return Park(static_cast<int>(w), h, out, note);
+    STEPMESH_RETURN_IF_ERROR(Admit(static_cast<int>(w), h, *it->second, out, note));
+    // Only the reply tensor is missing: the payload lands in its slot, now
+    // reserved, and only its delivery is parked.
+    if (!PullRegistered(h)) note.parking = true;
+    return absl::OkStatus();
+  }
+
+  // Whether the reply tensor a push pulls (if it pulls) is registered.
+  bool PullRegistered(const FrameHeader& h) const ABSL_SHARED_LOCKS_REQUIRED(reg_mu_) {
+    return (h.flags & kFlagHasPull) == 0 || reply_regs_.contains(h.pull_key);
+  }
+
+  // The checks of a push whose key is registered here as `reg`: dtype, size,
+  // a copy of an accepted push, the worker's slot free (then reserved).
+  absl::Status Admit(int w, const FrameHeader& h, RecvRegistration& reg, Destination& out,
+                     PushNote& note) ABSL_SHARED_LOCKS_REQUIRED(reg_mu_) {
     if (h.dtype != reg.view.dtype) {
       return absl::InvalidArgumentError(absl::StrCat("push dtype ", DTypeName(h.dtype),
                                                      " under key ", h.key, " but server ", rank_,
@@ -274,6 +317,34 @@ class Server final : public AFTensorServer, public MeshNode {
     return absl::OkStatus();
   }
 
+  // A push of worker `w` whose key or pull key is not registered: its payload
+  // goes to a buffer of its own, kept (OnFrame) until the registration or the
+  // deadline; refused at once when `w` already has its share parked.
+  absl::Status Park(int w, const FrameHeader& h, Destination& out, PushNote& note)
+      ABSL_SHARED_LOCKS_REQUIRED(reg_mu_) {
+    if (parked_[w].size() >= kMaxParkedPerWorker ||
+        parked_bytes_[w] + h.payload_bytes > kMaxParkedBytesPerWorker) {
+      return absl::NotFoundError(absl::StrCat(MissingRegistration(w, h), " (", parked_[w].size(),
+                                              " of worker ", w, "'s pushes, ", parked_bytes_[w],
+                                              " bytes, already wait for registrations here)"));
+    }
+    note.park.reset(h.payload_bytes > 0 ? new std::byte[h.payload_bytes] : nullptr);
+    note.parking = true;
+    out = Destination{note.park.get(), h.payload_bytes, 0};
+    return absl::OkStatus();
+  }
+
+  // What is not registered for worker `w`'s push `h`, for its error.
+  std::string MissingRegistration(int w, const FrameHeader& h) const
+      ABSL_SHARED_LOCKS_REQUIRED(reg_mu_) {
+    if (!recv_regs_.contains(h.key)) {
+      return absl::StrCat("push key ", h.key, " of worker ", w, " is not registered on server ",
+                          rank_);
+    }
+    return absl::StrCat("worker ", w, " pulls key ", h.pull_key,
+                        ", which has no reply tensor on server ", rank_);
+  }
+
   void OnFrame(NodeId peer, const FrameHeader& h, FrameContext context,
                absl::Status status) override {
     MarkActivity();
@@ -299,12 +370,33 @@ class Server final : public AFTensorServer, public MeshNode {
     }
     RecvRegistration* reg = std::exchange(note.reg, nullptr);
     const int w = note.worker;
+    if (std::exchange(note.parking, false) && status.ok()) {
+      if (reg == nullptr) parked_bytes_[w] += h.payload_bytes;  // else it sits in its slot
+      parked_[w].push_back(ParkedPush{h, std::move(note.park), reg, absl::Now() + ParkWait(),
+                                      worker_epochs_[w].load(std::memory_order_acquire)});
+      ++parked_total_;
+      STEPMESH_LOG(kInfo, "server ", rank_, ": worker ", w, "'s push under key ", h.key,
+                   " waits for its registration here");
+      // A registration between Resolve and here found nothing parked yet.
+      registered_.store(true, std::memory_order_release);
+      return;
+    }
+    note.park.reset();
+    Deliver(peer, w, h, reg, std::move(status));
+  }
+
+  // A push of worker `w` resolved (`reg`, its slot reserved) or refused
+  // (`status`): checks its bytes, adds it to its request and the request to
+  // its batch; a refusal goes back to the worker.
+  void Deliver(NodeId peer, int w, const FrameHeader& h, RecvRegistration* reg,
+               absl::Status status) {
     if (status.ok()) {
       status = reg == nullptr ? absl::InternalError("push delivered without a resolved destination")
                               : io_.Check(h, reg->wire, reg->wire.wire + w * reg->slot_bytes);
     }
     BatchAssembler::Arrival arrival = assembler_.AddPart(w, h, reg, status);
     if (!arrival.report.ok()) QueueError(peer, h.request_id, arrival.report);
+    if (arrival.ready) NotifyWaiters();
     if (arrival.complete == nullptr) return;
     Assembly& a = *arrival.complete;
     for (int i = 0; i < a.num_keys; ++i) {
@@ -313,7 +405,7 @@ class Server final : public AFTensorServer, public MeshNode {
       if (absl::Status s = io_.StageIn(part.wire, part.view.data, w * part.slot_bytes, a.bytes[i]);
           !s.ok()) {
         QueueError(peer, h.request_id, s);
-        assembler_.Abandon(w, a);
+        if (assembler_.Abandon(w, a)) NotifyWaiters();
         return;
       }
     }
@@ -340,6 +432,96 @@ class Server final : public AFTensorServer, public MeshNode {
       reg->last_request[w] = 0;
       if (std::find(held.begin(), held.end(), reg.get()) == held.end()) reg->busy[w].store(false);
     }
+  }
+
+  // How long a push may stay parked: half the timeout, so that its worker,
+  // whose request has the whole timeout, hears this server's NOT_FOUND (naming
+  // the key) rather than its own deadline, and a batch it shares with other
+  // workers waits at most that long for it.
+  absl::Duration ParkWait() const { return options_.timeout / 2; }
+
+  // Any thread: a registration happened; the receive thread looks at what is parked.
+  void ReleaseParked() {
+    registered_.store(true, std::memory_order_release);
+    if (parked_any_.load(std::memory_order_acquire)) transport_->Wake();
+  }
+
+  // Receive thread, after every poll: delivers parked pushes whose
+  // registrations came, refuses those past their deadline, and drops those of
+  // workers that are gone (or restarted). Nothing to do costs a compare.
+  void AfterPoll() override {
+    parked_any_.store(parked_total_ > 0, std::memory_order_release);
+    if (parked_total_ == 0) return;
+    const absl::Time now = absl::Now();
+    if (!registered_.exchange(false, std::memory_order_acq_rel) && now < next_parked_check_) {
+      return;
+    }
+    next_parked_check_ = now + kParkedCheck;
+    for (int w = 0; w < options_.num_workers; ++w) {
+      std::deque<ParkedPush>& queue = parked_[w];
+      const uint32_t epoch = worker_epochs_[w].load(std::memory_order_acquire);
+      for (size_t i = 0; i < queue.size();) {
+        ParkedPush& p = queue[i];
+        if (lost_.lost(w) || p.epoch != epoch) {  // its sender is gone: nothing is owed
+          if (p.reg != nullptr) p.reg->busy[w].store(false);
+          Unpark(w, i);
+          continue;
+        }
+        RecvRegistration* reg = p.reg;
+        Destination out;
+        absl::Status status;
+        bool keep = false;
+        {
+          base::ReaderMutexLock lock(&reg_mu_);
+          auto it = recv_regs_.find(p.header.key);
+          if (reg != nullptr) {
+            if (PullRegistered(p.header)) {
+              // Delivered as it is: its payload is in its slot.
+            } else if (now >= p.deadline) {
+              status = absl::NotFoundError(absl::StrCat(MissingRegistration(w, p.header),
+                                                        " (waited ",
+                                                        absl::FormatDuration(ParkWait()),
+                                                        " for its registration)"));
+            } else {
+              keep = true;
+            }
+          } else if (it != recv_regs_.end() && PullRegistered(p.header)) {
+            PushNote note;  // not notes_[w]: a frame of `w` may be half-received
+            note.worker = w;
+            status = Admit(w, p.header, *it->second, out, note);
+            reg = std::exchange(note.reg, nullptr);
+            if (std::exchange(note.duplicate, false)) {
+              Unpark(w, i);
+              continue;
+            }
+          } else if (now >= p.deadline) {
+            status = absl::NotFoundError(absl::StrCat(MissingRegistration(w, p.header),
+                                                      " (waited ",
+                                                      absl::FormatDuration(ParkWait()),
+                                                      " for its registration)"));
+          } else {
+            keep = true;
+          }
+        }
+        if (keep) {
+          ++i;
+          continue;
+        }
+        if (status.ok() && p.reg == nullptr && p.header.payload_bytes > 0) {
+          std::memcpy(out.data, p.payload.get(), p.header.payload_bytes);
+        }
+        const FrameHeader h = p.header;
+        Unpark(w, i);
+        Deliver(PeerId(w), w, h, reg, std::move(status));
+      }
+    }
+    parked_any_.store(parked_total_ > 0, std::memory_order_release);
+  }
+
+  void Unpark(int w, size_t i) {
+    if (parked_[w][i].reg == nullptr) parked_bytes_[w] -= parked_[w][i].header.payload_bytes;
+    parked_[w].erase(parked_[w].begin() + static_cast<std::ptrdiff_t>(i));
+    --parked_total_;
   }
 
   void QueueError(NodeId worker, uint64_t request_id, const absl::Status& status) {
@@ -469,6 +651,13 @@ class Server final : public AFTensorServer, public MeshNode {
   BatchAssembler assembler_;
   ReplyPath replies_;
   std::vector<PushNote> notes_;  // receive thread only
+  // Parked pushes per worker, oldest first, and their payload bytes (receive thread only).
+  std::vector<std::deque<ParkedPush>> parked_;
+  std::vector<size_t> parked_bytes_;
+  size_t parked_total_ = 0;
+  absl::Time next_parked_check_ = absl::InfinitePast();
+  std::atomic<bool> parked_any_{false};  // whether a registration should wake the receive thread
+  std::atomic<bool> registered_{false};  // a registration since the receive thread last looked
   // Bumped when a worker's new process rejoins; the receive thread compares.
   std::unique_ptr<std::atomic<uint32_t>[]> worker_epochs_;
   // While HandlePeerJoined connects a worker's new process: kConnecting, then

@@ -511,6 +511,92 @@ def case_ffn_kill_prefix(args):
         mesh.close()
 
 
+def latency_line(log):
+    m = re.search(r"latency rounds (\d+) p50_us ([\d.]+) p99_us ([\d.]+) max_us ([\d.]+)", log)
+    check(m, "no latency line in:\n" + log[-2000:])
+    return int(m.group(1)), float(m.group(2)), float(m.group(3)), float(m.group(4))
+
+
+def run_rounds(args, rounds, worker1_extra=()):
+    """A 2A2F mesh of processes; both workers run `rounds` round trips (worker 1
+    with `worker1_extra`); worker 0's latency line and worker 1's log."""
+    mesh = start_mesh(args, real_workers=0, bytes_=4096)
+    try:
+        mesh.start_worker(0, ["--rounds", str(rounds), "--latency", "1"])
+        mesh.start_worker(1, ["--rounds", str(rounds)] + list(worker1_extra))
+        for w in range(2):
+            code = mesh.procs["worker%d" % w].wait(90)
+            check(code == 0, "worker %d exited %s:\n%s" % (w, code, mesh.log("worker%d" % w)[-3000:]))
+        losses = mesh.losses(list(mesh.procs))
+        check(not losses, "participants were declared lost:\n" + "\n".join(losses))
+        return latency_line(mesh.log("worker0")), mesh.log("worker1")
+    finally:
+        mesh.close()
+
+
+def case_alone_unregistered_push(args):
+    """Worker 1 pushes a key no server registered in each of its first 20 rounds
+    (besides its honest round trips); worker 0's 1,000 round trips, every byte
+    checked, keep their p99 within 2x of a run where worker 1 behaves."""
+    base = run_rounds(args, 1000)
+    print("baseline worker 0: rounds %d p50 %.1f us p99 %.1f us max %.1f us" % base[0])
+    got, log1 = run_rounds(args, 1000, ["--bad-push-key", "900", "--bad-rounds", "20"])
+    print("with worker 1 pushing an unregistered key: rounds %d p50 %.1f us p99 %.1f us "
+          "max %.1f us" % got)
+    m = re.search(r"bad pushes: (\d+) refused \((.*)\)", log1)
+    check(m and int(m.group(1)) == 20, "worker 1's bad pushes were not all refused:\n" + log1[-3000:])
+    check("push key" in m.group(2) and "worker 1" in m.group(2) and "server" in m.group(2),
+          "the refusal does not name key, worker and server: " + m.group(2))
+    print("worker 1:", m.group(0))
+    # 2x the baseline's p99; 200 us of slack for a 2-core machine's scheduling noise.
+    check(got[2] <= 2 * base[0][2] + 200,
+          "worker 0's p99 %.1f us is above 2x its baseline %.1f us" % (got[2], base[0][2]))
+
+
+def case_alone_bad_pull(args):
+    """Worker 1 pulls a key no server has a reply tensor for, in round 1: its
+    request alone fails, naming worker, key and server; worker 0's round is
+    answered (every byte checked) and both go on."""
+    got, log1 = run_rounds(args, 40, ["--bad-pull-key", "3", "--bad-rounds", "1"])
+    m = re.search(r"bad pull refused: (.*)", log1)
+    check(m, "worker 1's bad pull was not refused:\n" + log1[-3000:])
+    check("worker 1 pulls key 3" in m.group(1) and "server" in m.group(1),
+          "the refusal does not name worker, key and server: " + m.group(1))
+    print("worker 1:", m.group(0))
+    print("worker 0: rounds %d p50 %.1f us p99 %.1f us max %.1f us" % got)
+
+
+def case_alone_startup_death(args):
+    """An FFN process killed (-9) after it joined, before the mesh formed: the
+    workers keep waiting, its restart takes the rank, and the mesh forms and
+    runs with every byte checked."""
+    mesh = wire.Mesh(args.programs, 2, 2)
+    try:
+        mesh.start_scheduler()
+        for w in range(2):
+            mesh.start_worker(w, ["--rounds", "40"])
+        doomed = mesh.start_server(0)
+        deadline = time.time() + 10
+        while time.time() < deadline and not wire.connected_to(doomed.pid, mesh.port):
+            time.sleep(0.01)
+        check(wire.connected_to(doomed.pid, mesh.port), "server 0 never dialled the scheduler")
+        time.sleep(0.3)  # its join is read (the scheduler's loop ticks every 50 ms)
+        wire.kill9(doomed)
+        time.sleep(0.3)
+        for w in range(2):
+            p = mesh.procs["worker%d" % w]
+            check(p.poll() is None, "worker %d exited %s when server 0 died before the roster:\n%s"
+                  % (w, p.returncode, mesh.log("worker%d" % w)[-3000:]))
+        mesh.start_server(0)
+        mesh.start_server(1)
+        for w in range(2):
+            code = mesh.procs["worker%d" % w].wait(60)
+            check(code == 0, "worker %d exited %s:\n%s" % (w, code, mesh.log("worker%d" % w)[-3000:]))
+        print("scheduler:", [l for l in mesh.log("scheduler").splitlines() if "before the mesh" in l])
+    finally:
+        mesh.close()
+
+
 def run_example(args, env):
     launcher = args.programs["afd_launch"]
     p = subprocess.Popen([launcher, "--attention", "2", "--ffn", "2", "--requests", "9",

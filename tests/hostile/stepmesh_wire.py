@@ -239,6 +239,26 @@ def listening_ports(pid):
     return sorted(ports)
 
 
+def connected_to(pid, port):
+    """Whether `pid` has an established TCP connection to 127.0.0.1:`port` (from /proc)."""
+    inodes = set()
+    for fd in os.listdir("/proc/%d/fd" % pid):
+        try:
+            target = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+        except OSError:
+            continue
+        m = re.match(r"socket:\[(\d+)\]", target)
+        if m:
+            inodes.add(m.group(1))
+    with open("/proc/net/tcp") as f:
+        next(f)
+        for line in f:
+            parts = line.split()
+            if parts[3] == "01" and parts[9] in inodes and int(parts[2].split(":")[1], 16) == port:
+                return True
+    return False
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

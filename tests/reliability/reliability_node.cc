@@ -14,16 +14,27 @@
 //   a barrier refused while the scheduler is away is retried for the timeout.
 //   Exit 3 when it cannot join (e.g. the scheduler has not yet seen its
 //   previous process die), 1 on a failed round or barrier.
+//   Misconfigured on purpose, in rounds 1..N of --bad-rounds N:
+//     --bad-push-key K: before each round trip, a request pushing key K+round
+//       (never registered on the servers), not waited for until the end; each
+//       must fail NOT_FOUND ("bad pushes: N refused NOT_FOUND ...").
+//     --bad-pull-key K: the round trip pulls key K (no reply tensor on the
+//       servers) and must fail NOT_FOUND naming it ("bad pull refused: ...").
+//   --latency 1: prints "latency rounds R p50_us A p99_us B max_us C" of the
+//   round trips after the first.
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "stepmesh/server.h"
 #include "stepmesh/status.h"
@@ -40,6 +51,10 @@ struct NodeFlags {
   std::string stop_file;
   int64_t barrier_every = 0;
   bool barrier_loop = false;
+  int64_t bad_push_key = -1;
+  int64_t bad_pull_key = -1;
+  int64_t bad_rounds = 0;
+  bool latency = false;
 };
 
 // A barrier, retried while the scheduler is away (UNAVAILABLE) for up to the
@@ -143,13 +158,63 @@ int RunWorker(const stepmesh::MeshOptions& options, const NodeFlags& flags) {
     }
     pull_list.push_back({200, s});
   }
+  const bool bad_pushes = flags.bad_push_key >= 0 && flags.bad_rounds > 0;
+  const bool bad_pulls = flags.bad_pull_key >= 0 && flags.bad_rounds > 0;
+  std::vector<uint8_t> bad_tensor(bytes, 0x5a);
+  std::vector<std::vector<uint8_t>> bad_pull_tensors;
+  std::vector<stepmesh::Pull> bad_pull_list;
+  for (int64_t r = 1; bad_pushes && r <= flags.bad_rounds; ++r) {
+    if (!(*worker)
+             ->RegisterPushTensor(static_cast<stepmesh::Key>(flags.bad_push_key + r),
+                                  stepmesh::BytesView(bad_tensor.data(), bytes))
+             .ok()) {
+      return 1;
+    }
+  }
+  if (bad_pulls) {
+    bad_pull_tensors.assign(servers, std::vector<uint8_t>(bytes));
+    for (int s = 0; s < servers; ++s) {
+      const auto key = static_cast<stepmesh::Key>(flags.bad_pull_key);
+      if (!(*worker)
+               ->RegisterPullTensor(key, s, stepmesh::BytesView(bad_pull_tensors[s].data(), bytes))
+               .ok()) {
+        return 1;
+      }
+      bad_pull_list.push_back({key, s});
+    }
+  }
+  std::vector<stepmesh::RequestHandle> bad_handles;
+  int64_t bad_pulls_refused = 0;
+  std::vector<int64_t> latencies_ns;
   auto round_trip = [&](int64_t round) -> absl::Status {
+    const bool misbehave = round >= 1 && round <= flags.bad_rounds;
+    if (bad_pushes && misbehave) {
+      const stepmesh::Push bad{static_cast<stepmesh::Key>(flags.bad_push_key + round)};
+      absl::StatusOr<stepmesh::RequestHandle> h = (*worker)->PushPull({&bad, 1}, {});
+      if (!h.ok()) return h.status();
+      bad_handles.push_back(*h);
+    }
     const uint8_t fill = static_cast<uint8_t>(round * 7 + options.rank);
     for (int64_t j = 0; j < bytes; ++j) push[j] = static_cast<uint8_t>(fill + j);
     const stepmesh::Push p{100};
-    absl::StatusOr<stepmesh::RequestHandle> h = (*worker)->PushPull({&p, 1}, pull_list);
+    const absl::Time start = absl::Now();
+    absl::StatusOr<stepmesh::RequestHandle> h =
+        (*worker)->PushPull({&p, 1}, bad_pulls && misbehave ? bad_pull_list : pull_list);
     if (!h.ok()) return h.status();
-    if (absl::Status s = (*worker)->Wait(*h, options.timeout); !s.ok()) return s;
+    absl::Status waited = (*worker)->Wait(*h, options.timeout);
+    if (bad_pulls && misbehave) {
+      const std::string named = absl::StrCat("pulls key ", flags.bad_pull_key);
+      if (!absl::IsNotFound(waited) || !absl::StrContains(waited.message(), named)) {
+        return absl::InternalError(
+            absl::StrCat("the bad pull was not refused naming its key: ", waited.ToString()));
+      }
+      std::printf("bad pull refused: %s\n", waited.ToString().c_str());
+      std::fflush(stdout);
+      ++bad_pulls_refused;
+      return absl::OkStatus();
+    }
+    if (!waited.ok()) return waited;
+    if (round > 0) latencies_ns.push_back(absl::ToInt64Nanoseconds(absl::Now() - start));
     for (int s = 0; s < servers; ++s) {
       for (int64_t j = 0; j < bytes; ++j) {
         if (pulls[s][j] != (static_cast<uint8_t>(fill + j) ^ Mask(s))) {
@@ -206,6 +271,35 @@ int RunWorker(const stepmesh::MeshOptions& options, const NodeFlags& flags) {
     std::fprintf(stderr, "worker %d: %s\n", options.rank, first.ToString().c_str());
     return 1;
   }
+  if (bad_pushes) {
+    std::string first_refusal;
+    for (stepmesh::RequestHandle h : bad_handles) {
+      absl::Status s = (*worker)->Wait(h, options.timeout * 2);
+      if (!absl::IsNotFound(s)) {
+        std::fprintf(stderr, "worker %d: a push of an unregistered key ended %s\n", options.rank,
+                     s.ToString().c_str());
+        return 1;
+      }
+      if (first_refusal.empty()) first_refusal = s.ToString();
+    }
+    std::printf("bad pushes: %zu refused (%s)\n", bad_handles.size(), first_refusal.c_str());
+  }
+  if (bad_pulls && bad_pulls_refused == 0) {
+    std::fprintf(stderr, "worker %d: %lld bad pulls refused\n", options.rank,
+                 static_cast<long long>(bad_pulls_refused));
+    return 1;
+  }
+  if (flags.latency && !latencies_ns.empty()) {
+    std::sort(latencies_ns.begin(), latencies_ns.end());
+    const auto at = [&](double q) {
+      return latencies_ns[std::min(latencies_ns.size() - 1,
+                                   static_cast<size_t>(q * latencies_ns.size()))] /
+             1000.0;
+    };
+    std::printf("latency rounds %zu p50_us %.1f p99_us %.1f max_us %.1f\n", latencies_ns.size(),
+                at(0.5), at(0.99), latencies_ns.back() / 1000.0);
+  }
+  std::fflush(stdout);
   return (*worker)->Shutdown().ok() ? 0 : 1;
 }
 
@@ -250,6 +344,14 @@ int main(int argc, char** argv) {
       f.barrier_loop = n != 0;
     else if (flag == "--timeout-ms" && numeric)
       options.timeout = absl::Milliseconds(n);
+    else if (flag == "--bad-push-key" && numeric)
+      f.bad_push_key = n;
+    else if (flag == "--bad-pull-key" && numeric)
+      f.bad_pull_key = n;
+    else if (flag == "--bad-rounds" && numeric)
+      f.bad_rounds = n;
+    else if (flag == "--latency" && numeric)
+      f.latency = n != 0;
     else if (flag == "--heartbeat-ms" && numeric)
       options.heartbeat_interval = absl::Milliseconds(n);
     else {
