@@ -140,13 +140,15 @@ absl::Status BatchAssembler::Commit(int w, Assembly& a, bool* ready) {
   base::MutexLock lock(&mu_);
   BatchSlot* slot = nullptr;
   uint32_t index = 0;
+  // The oldest batch of the group still waiting for `w`: with two open (a
+  // worker ahead of the others opened the second), joining a younger one
+  // first would leave each waiting for a worker that waits on the other.
   for (uint32_t i = 0; i < slots_.size(); ++i) {
     BatchSlot& s = *slots_[i];
     if (s.state == BatchState::kCollecting && s.group == a.group && !s.entries[w].present &&
-        !s.entries[w].excused) {
+        !s.entries[w].excused && (slot == nullptr || s.opened_sequence < slot->opened_sequence)) {
       slot = &s;
       index = i;
-      break;
     }
   }
   // `w` is back in this group: an excuse of its still pending is spent.
@@ -199,7 +201,8 @@ BatchSlot* BatchAssembler::OpenSlot(Key group, int opener, uint32_t* index) {
     slot->entries[w] = WorkerEntry{};
     // A worker whose request for this group was refused before any batch of
     // it was open: this batch goes without it.
-    if (w != opener && excuses_[w].count > 0) slot->entries[w].excused = TakePendingExcuse(w, group);
+    if (w != opener && excuses_[w].count > 0)
+      slot->entries[w].excused = TakePendingExcuse(w, group);
   }
   return slot;
 }

@@ -130,7 +130,8 @@ void ReplyPath::SendReplies(Transport& transport, NodeId self, int rank, BatchSl
       continue;
     }
     stats_.Sent(w, h.payload_bytes);
-    if (h.type == FrameType::kError) stats_.Outcome(w, static_cast<absl::StatusCode>(h.status_code));
+    if (h.type == FrameType::kError)
+      stats_.Outcome(w, static_cast<absl::StatusCode>(h.status_code));
     stats_.stage(Stage::kDispatch).RecordSpan(e.stamps.server_arrival_ns, slot.handler_ns);
     stats_.stage(Stage::kRespond).RecordSpan(slot.handler_ns, reply_ns);
     if (trace_.on()) {

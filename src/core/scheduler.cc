@@ -663,15 +663,17 @@ class SchedulerImpl final : public Scheduler {
           }
           Conn& c = *owners[i];
           if (!c.fd.valid()) continue;  // closed while handling an earlier one
+          // Reads first: a participant that leaves sends its kLeave and closes
+          // with our messages unread, which resets the connection; its leave
+          // is still in the receive queue, and must be read before a write
+          // that fails on the reset declares it lost.
+          if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) Read(c);
+          if (!c.fd.valid()) continue;
           if ((fds[i].revents & POLLOUT) && !Flush(c)) {
             Broken(c, "connection reset while writing");
             continue;
           }
-          if (c.stage == Conn::Stage::kClosing && c.out_sent == c.out.size()) {
-            Close(c);
-            continue;
-          }
-          if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) Read(c);
+          if (c.stage == Conn::Stage::kClosing && c.out_sent == c.out.size()) Close(c);
         }
       }
       Expire(now);

@@ -478,10 +478,9 @@ class Server final : public AFTensorServer, public MeshNode {
             if (PullRegistered(p.header)) {
               // Delivered as it is: its payload is in its slot.
             } else if (now >= p.deadline) {
-              status = absl::NotFoundError(absl::StrCat(MissingRegistration(w, p.header),
-                                                        " (waited ",
-                                                        absl::FormatDuration(ParkWait()),
-                                                        " for its registration)"));
+              status = absl::NotFoundError(
+                  absl::StrCat(MissingRegistration(w, p.header), " (waited ",
+                               absl::FormatDuration(ParkWait()), " for its registration)"));
             } else {
               keep = true;
             }
@@ -495,8 +494,7 @@ class Server final : public AFTensorServer, public MeshNode {
               continue;
             }
           } else if (now >= p.deadline) {
-            status = absl::NotFoundError(absl::StrCat(MissingRegistration(w, p.header),
-                                                      " (waited ",
+            status = absl::NotFoundError(absl::StrCat(MissingRegistration(w, p.header), " (waited ",
                                                       absl::FormatDuration(ParkWait()),
                                                       " for its registration)"));
           } else {

@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -166,6 +167,99 @@ TEST_CASE("assembler: a failed part fails the request once and frees its slots",
 
   // The assembly is free again: the next request completes normally.
   CHECK(Deliver(assembler, 0, 6, {&a}));
+}
+
+// Worker `w`'s request `request` under `key`, refused on arrival (Resolve failed).
+BatchAssembler::Arrival Refused(BatchAssembler& assembler, int w, uint64_t request, Key key) {
+  return assembler.AddPart(w, Push(w, request, key, 0, 1), nullptr,
+                           absl::NotFoundError("not registered"));
+}
+
+TEST_CASE("assembler: a refused request excuses its worker from the batch it would join",
+          "[assembler][alone]") {
+  LostPeers lost(3);
+  BatchAssembler assembler(3, lost, false);
+  Region r(10, 3, 64);
+  CHECK_FALSE(Deliver(assembler, 0, 1, {&r}));
+  CHECK_FALSE(Deliver(assembler, 2, 1, {&r}));
+  // Worker 1's request for the group is refused: the batch goes without it.
+  BatchAssembler::Arrival refused = Refused(assembler, 1, 1, 10);
+  CHECK(refused.report.code() == absl::StatusCode::kNotFound);
+  CHECK(refused.ready);
+  std::optional<Batch> batch = assembler.TakeReady();
+  REQUIRE(batch.has_value());
+  CHECK(batch->workers == std::vector<int>{0, 2});
+  AnswerAndRelease(assembler, *batch);
+  // Its next request joins the next batch with everyone, as before.
+  CHECK_FALSE(Deliver(assembler, 1, 2, {&r}));
+  CHECK_FALSE(Deliver(assembler, 0, 2, {&r}));
+  CHECK(Deliver(assembler, 2, 2, {&r}));
+  batch = assembler.TakeReady();
+  REQUIRE(batch.has_value());
+  CHECK(batch->workers == std::vector<int>{0, 1, 2});
+}
+
+TEST_CASE("assembler: a refusal before its batch opened excuses the worker from the next one",
+          "[assembler][alone]") {
+  LostPeers lost(2);
+  BatchAssembler assembler(2, lost, false);
+  Region r(10, 2, 64), other(20, 2, 64);
+  // Refused before anyone opened a batch of group 10.
+  CHECK_FALSE(Refused(assembler, 1, 1, 10).ready);
+  // Another group is not affected.
+  CHECK_FALSE(Deliver(assembler, 0, 1, {&other}));
+  // The next batch of group 10 goes without worker 1 ...
+  CHECK(Deliver(assembler, 0, 2, {&r}));
+  std::optional<Batch> batch = assembler.TakeReady();
+  REQUIRE(batch.has_value());
+  CHECK(batch->group == 10);
+  CHECK(batch->workers == std::vector<int>{0});
+  AnswerAndRelease(assembler, *batch);
+  // ... and only that one.
+  CHECK_FALSE(Deliver(assembler, 0, 3, {&r}));
+  CHECK(Deliver(assembler, 1, 2, {&r}));
+}
+
+TEST_CASE("assembler: a worker back in its group spends its pending excuse", "[assembler][alone]") {
+  LostPeers lost(2);
+  BatchAssembler assembler(2, lost, false);
+  Region r(10, 2, 64);
+  CHECK_FALSE(Refused(assembler, 1, 1, 10).ready);
+  // Worker 1 sends its next request before worker 0 sent the refused round's.
+  CHECK_FALSE(Deliver(assembler, 1, 2, {&r}));
+  CHECK(Deliver(assembler, 0, 1, {&r}));  // they pair up again
+  std::optional<Batch> batch = assembler.TakeReady();
+  REQUIRE(batch.has_value());
+  CHECK(batch->workers == std::vector<int>{0, 1});
+  AnswerAndRelease(assembler, *batch);
+  CHECK_FALSE(Deliver(assembler, 0, 2, {&r}));  // no stale excuse makes worker 0 go alone
+  CHECK(Deliver(assembler, 1, 3, {&r}));
+}
+
+TEST_CASE("assembler: with two batches of a group open, a worker joins the older",
+          "[assembler][alone]") {
+  LostPeers lost(2);
+  BatchAssembler assembler(2, lost, false);
+  Region a(1, 2, 64), b(2, 2, 64), g(10, 2, 64), g_next(10, 2, 64);
+  // Recycle two batch slots so that the free one with the lower index is the
+  // one taken second.
+  CHECK_FALSE(Deliver(assembler, 0, 1, {&a}));
+  CHECK(Deliver(assembler, 1, 1, {&a}));
+  std::optional<Batch> first = assembler.TakeReady();
+  CHECK_FALSE(Deliver(assembler, 0, 2, {&b}));
+  CHECK(Deliver(assembler, 1, 2, {&b}));
+  std::optional<Batch> second = assembler.TakeReady();
+  REQUIRE((first.has_value() && second.has_value()));
+  AnswerAndRelease(assembler, *first);
+  AnswerAndRelease(assembler, *second);
+  // Worker 0 runs a round ahead: two batches of group 10 open.
+  CHECK_FALSE(Deliver(assembler, 0, 3, {&g}));
+  CHECK_FALSE(Deliver(assembler, 0, 4, {&g_next}));
+  // Worker 1's round 3 completes the older one (worker 0's round 3).
+  CHECK(Deliver(assembler, 1, 3, {&g}));
+  std::optional<Batch> batch = assembler.TakeReady();
+  REQUIRE(batch.has_value());
+  CHECK(batch->tensors[0].region.data == g.memory.data());
 }
 
 TEST_CASE("assembler: a request with more parts than a request may have is refused",

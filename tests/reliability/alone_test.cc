@@ -57,8 +57,8 @@ TEST_CASE("alone: a push to a key no server registered is parked, not waited for
       Harness mesh(MeshConfig(row.transport, 2, 2, kTimeout), row.make().factory);
       REQUIRE_OK(mesh.status());
       std::vector<uint8_t> bad(kBytes, 0x5a);
-      REQUIRE_OK(mesh.worker(1).RegisterPushTensor(kUnregisteredPush,
-                                                   BytesView(bad.data(), bad.size())));
+      REQUIRE_OK(
+          mesh.worker(1).RegisterPushTensor(kUnregisteredPush, BytesView(bad.data(), bad.size())));
       absl::Duration warm;
       REQUIRE_OK(BothRound(mesh, 0, &warm));
       // Worker 1's mistake: a request pushing a key the servers never register.
@@ -172,15 +172,16 @@ TEST_CASE("alone: a participant lost before the mesh formed is taken off the ros
       // Its restart and server 1 join; the mesh forms without the dead one.
       absl::Status created[2];
       std::thread servers[2];
-      for (int s = 0; s < 2; ++s) servers[s] = std::thread([&, s] { created[s] = mesh.AddServer(s); });
+      for (int s = 0; s < 2; ++s)
+        servers[s] = std::thread([&, s] { created[s] = mesh.AddServer(s); });
       for (std::thread& t : servers) t.join();
       worker.join();
       REQUIRE_OK(worker_created);
       REQUIRE_OK(created[0]);
       REQUIRE_OK(created[1]);
       // And it carries data, every byte checked.
-      std::vector<uint8_t> push(kBytes), pulls[2] = {std::vector<uint8_t>(kBytes),
-                                                     std::vector<uint8_t>(kBytes)};
+      std::vector<uint8_t> push(kBytes),
+          pulls[2] = {std::vector<uint8_t>(kBytes), std::vector<uint8_t>(kBytes)};
       std::vector<uint8_t> recv[2] = {std::vector<uint8_t>(kBytes), std::vector<uint8_t>(kBytes)};
       std::vector<uint8_t> reply[2] = {std::vector<uint8_t>(kBytes), std::vector<uint8_t>(kBytes)};
       for (int s = 0; s < 2; ++s) {
@@ -197,7 +198,8 @@ TEST_CASE("alone: a participant lost before the mesh formed is taken off the ros
       for (int s = 0; s < 2; ++s) {
         absl::StatusOr<Batch> batch = mesh.server(s).GetBatch(absl::Seconds(5));
         REQUIRE_OK(batch);
-        for (size_t i = 0; i < kBytes; ++i) reply[s][i] = static_cast<uint8_t>(recv[s][i] ^ (s + 1));
+        for (size_t i = 0; i < kBytes; ++i)
+          reply[s][i] = static_cast<uint8_t>(recv[s][i] ^ (s + 1));
         const Reply r{0};
         REQUIRE_OK(mesh.server(s).Respond(*batch, {&r, 1}));
       }
