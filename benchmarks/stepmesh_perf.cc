@@ -122,6 +122,12 @@ bool ParseInts(absl::string_view text, std::vector<int>* out) {
   return true;
 }
 
+// The launcher's child processes (--workers + --servers - 1) at most. The
+// watchdog's table of them was 64 long while nothing checked the count, so
+// 64A16F wrote past its end into the globals after it (seen as a SIGSEGV in
+// getenv in a later MeshOptions::FromEnv).
+constexpr int kMaxChildren = 1024;
+
 // "2A2F" -> (2, 2); "xAyF" keeps --workers/--servers.
 bool ParsePattern(const std::string& p, int* workers, int* servers) {
   if (p == "xAyF") return true;
@@ -267,6 +273,11 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   }
   if (!ParsePollMode(f.poll_mode).ok()) return absl::InvalidArgumentError("bad --poll-mode");
   STEPMESH_RETURN_IF_ERROR(TakeMeshFromEnvironment(f, given));
+  if (f.workers + f.servers - 1 > kMaxChildren) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--workers ", f.workers, " + --servers ", f.servers, " - 1 = ",
+                     f.workers + f.servers - 1, " child processes, more than ", kMaxChildren));
+  }
   if (!sizes_text.empty()) {
     for (absl::string_view pair : absl::StrSplit(sizes_text, ',', absl::SkipEmpty())) {
       std::pair<std::string, std::string> pq = absl::StrSplit(pair, absl::MaxSplits(':', 1));
@@ -731,8 +742,9 @@ absl::StatusOr<std::vector<SizeResult>> RunWorkerRole(const Flags& f) {
 
 // ---------------------------------------------------------------- launcher
 
-// PIDs the watchdog kills when the deadline passes (async-signal-safe reads).
-std::atomic<pid_t> g_children[64];
+// PIDs the watchdog kills when the deadline passes (async-signal-safe reads):
+// one per child process, which ParseFlags bounds (kMaxChildren).
+std::atomic<pid_t> g_children[kMaxChildren];
 
 void StartWatchdog(int deadline_s) {
   std::thread([deadline_s] {
