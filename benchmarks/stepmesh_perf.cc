@@ -274,9 +274,9 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   if (!ParsePollMode(f.poll_mode).ok()) return absl::InvalidArgumentError("bad --poll-mode");
   STEPMESH_RETURN_IF_ERROR(TakeMeshFromEnvironment(f, given));
   if (f.workers + f.servers - 1 > kMaxChildren) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--workers ", f.workers, " + --servers ", f.servers, " - 1 = ",
-                     f.workers + f.servers - 1, " child processes, more than ", kMaxChildren));
+    return absl::InvalidArgumentError(absl::StrCat("--workers ", f.workers, " + --servers ",
+                                                   f.servers, " - 1 = ", f.workers + f.servers - 1,
+                                                   " child processes, more than ", kMaxChildren));
   }
   if (!sizes_text.empty()) {
     for (absl::string_view pair : absl::StrSplit(sizes_text, ',', absl::SkipEmpty())) {
