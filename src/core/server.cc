@@ -113,6 +113,8 @@ class Server final : public AFTensorServer, public MeshNode {
     reg->slot_bytes = slot_bytes;
     reg->busy.reset(new std::atomic<bool>[options_.num_workers]);
     reg->last_request.reset(new uint64_t[options_.num_workers]());
+    reg->pull_checked.reset(new Key[options_.num_workers]);
+    std::fill_n(reg->pull_checked.get(), options_.num_workers, kNoPull);
     for (int w = 0; w < options_.num_workers; ++w) reg->busy[w] = false;
     recv_regs_[key] = std::move(reg);
     ReleaseParked();
@@ -164,6 +166,9 @@ class Server final : public AFTensorServer, public MeshNode {
       STEPMESH_RETURN_IF_ERROR(
           UnregisterTensor(reply->second->wire.region, reply->second->view.data, key));
       reply_regs_.erase(reply);
+      // Pushes pulling it must be checked again (PullRegistered).
+      for (auto& [k, r] : recv_regs_)
+        std::fill_n(r->pull_checked.get(), options_.num_workers, kNoPull);
     }
     return absl::OkStatus();
   }
@@ -272,13 +277,24 @@ class Server final : public AFTensorServer, public MeshNode {
     STEPMESH_RETURN_IF_ERROR(Admit(static_cast<int>(w), h, *it->second, out, note));
     // Only the reply tensor is missing: the payload lands in its slot, now
     // reserved, and only its delivery is parked.
-    if (!PullRegistered(h)) note.parking = true;
+    if (!PullRegistered(h, *it->second, static_cast<int>(w))) note.parking = true;
     return absl::OkStatus();
   }
 
   // Whether the reply tensor a push pulls (if it pulls) is registered.
   bool PullRegistered(const FrameHeader& h) const ABSL_SHARED_LOCKS_REQUIRED(reg_mu_) {
     return (h.flags & kFlagHasPull) == 0 || reply_regs_.contains(h.pull_key);
+  }
+  // The same for a push of worker `w` into `reg`, remembering the answer: a
+  // worker pulls the same key request after request, so the lookup is paid
+  // once (receive thread; a reply key's Unregister forgets every answer).
+  bool PullRegistered(const FrameHeader& h, RecvRegistration& reg, int w) const
+      ABSL_SHARED_LOCKS_REQUIRED(reg_mu_) {
+    if ((h.flags & kFlagHasPull) == 0) return true;
+    if (h.pull_key != kNoPull && reg.pull_checked[w] == h.pull_key) return true;
+    if (!reply_regs_.contains(h.pull_key)) return false;
+    reg.pull_checked[w] = h.pull_key;
+    return true;
   }
 
   // The checks of a push whose key is registered here as `reg`: dtype, size,
@@ -375,6 +391,7 @@ class Server final : public AFTensorServer, public MeshNode {
       parked_[w].push_back(ParkedPush{h, std::move(note.park), reg, absl::Now() + ParkWait(),
                                       worker_epochs_[w].load(std::memory_order_acquire)});
       ++parked_total_;
+      parked_any_.store(true, std::memory_order_release);
       STEPMESH_LOG(kInfo, "server ", rank_, ": worker ", w, "'s push under key ", h.key,
                    " waits for its registration here");
       // A registration between Resolve and here found nothing parked yet.
@@ -450,7 +467,6 @@ class Server final : public AFTensorServer, public MeshNode {
   // registrations came, refuses those past their deadline, and drops those of
   // workers that are gone (or restarted). Nothing to do costs a compare.
   void AfterPoll() override {
-    parked_any_.store(parked_total_ > 0, std::memory_order_release);
     if (parked_total_ == 0) return;
     const absl::Time now = absl::Now();
     if (!registered_.exchange(false, std::memory_order_acq_rel) && now < next_parked_check_) {
@@ -475,7 +491,7 @@ class Server final : public AFTensorServer, public MeshNode {
           base::ReaderMutexLock lock(&reg_mu_);
           auto it = recv_regs_.find(p.header.key);
           if (reg != nullptr) {
-            if (PullRegistered(p.header)) {
+            if (PullRegistered(p.header, *reg, w)) {
               // Delivered as it is: its payload is in its slot.
             } else if (now >= p.deadline) {
               status = absl::NotFoundError(
@@ -513,13 +529,12 @@ class Server final : public AFTensorServer, public MeshNode {
         Deliver(PeerId(w), w, h, reg, std::move(status));
       }
     }
-    parked_any_.store(parked_total_ > 0, std::memory_order_release);
   }
 
   void Unpark(int w, size_t i) {
     if (parked_[w][i].reg == nullptr) parked_bytes_[w] -= parked_[w][i].header.payload_bytes;
     parked_[w].erase(parked_[w].begin() + static_cast<std::ptrdiff_t>(i));
-    --parked_total_;
+    if (--parked_total_ == 0) parked_any_.store(false, std::memory_order_release);
   }
 
   void QueueError(NodeId worker, uint64_t request_id, const absl::Status& status) {

@@ -28,6 +28,10 @@ struct RecvRegistration {
   // a frame), not a new request: it is dropped, and neither the original
   // request nor the next one under this key is failed for it.
   std::unique_ptr<uint64_t[]> last_request;
+  // Per worker: the pull key its last push here named that had a reply tensor
+  // (kNoPull: none yet). Receive thread, under the registrations' shared lock;
+  // cleared under the exclusive lock when a reply tensor is unregistered.
+  std::unique_ptr<Key[]> pull_checked;
 };
 
 struct ReplyRegistration {
