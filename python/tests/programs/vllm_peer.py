@@ -72,7 +72,9 @@ def vllm_config():
         model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(hidden_size=H),
                                            dtype=BF16, enforce_eager=True),
         scheduler_config=types.SimpleNamespace(max_num_batched_tokens=4096),
-        parallel_config=types.SimpleNamespace(data_parallel_rank=RANK, data_parallel_size=A),
+        parallel_config=types.SimpleNamespace(  # role_rank = DP rank (TP 1, PCP 1)
+            data_parallel_rank=RANK, data_parallel_size=A if ROLE == "attention" else F,
+            tensor_parallel_size=1, prefill_context_parallel_size=1),
         compilation_config=None,
         additional_config={"afd": {"connector": sv.NAME, "connector_extra_config": extra}})
 
@@ -84,12 +86,7 @@ def make_connector():
         assert sv.register() and sv.register()  # idempotent
         cfg = AFDConfig(connector=sv.NAME, role=ROLE, host="127.0.0.1", port=SPEC["port"],
                         num_attention_ranks=A, num_ffn_ranks=F)
-        try:
-            conn = AFDConnectorFactory.create_connector(RANK, 0, vllm_config(), cfg)
-        except TypeError:  # the real factory resolves the config from vllm_config itself
-            conn = AFDConnectorFactory.create_connector(rank=RANK, local_rank=0,
-                                                        vllm_config=vllm_config(),
-                                                        afd_config=cfg)
+        conn = AFDConnectorFactory.create_connector(RANK, 0, vllm_config(), cfg)
         from afd_plugin.connectors.base import AFDConnectorBase
         assert isinstance(conn, AFDConnectorBase)
     else:

@@ -22,7 +22,6 @@ class AFDConnectorFactory:
 
     @classmethod
     def create_connector(cls, rank, local_rank, vllm_config, afd_config):
-        afd_config.validate()
         if afd_config.connector not in cls._registry:
             raise ValueError(f"unsupported AFD connector type: {afd_config.connector}")
         connector_cls = cls._registry[afd_config.connector]()
