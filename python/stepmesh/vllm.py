@@ -689,6 +689,12 @@ class StepMeshAFDConnector(AFDConnectorBase):
         states computed into its first rows are sent without a copy."""
         return self._send_bufs[self._stage(stage_idx, "stage_idx")]
 
+    def recv_buffer(self, stage_idx: int = 0) -> torch.Tensor:
+        """The registered ``[max_tokens, hidden]`` buffer FFN rank 0's output of a
+        stage lands in: ``recv_ffn_output(recv_buffer(s)[:n], s)`` receives (and
+        sums) in place, without a copy. Valid until the stage's next send."""
+        return self._recv_bufs[self._stage(stage_idx, "stage_idx")][0]
+
     def send_attn_output(self, hidden_states: torch.Tensor, context: Any, **kwargs: Any) -> None:
         self._live("attention")
         metadata = context.metadata
@@ -779,7 +785,9 @@ class StepMeshAFDConnector(AFDConnectorBase):
         except stepmesh.Error as e:
             raise self._peer_error(f"stage {s}: recv_ffn_output", e) from e
         parts = self._recv_bufs[s]
-        out.copy_(parts[0][:n])
+        first = parts[0][:n]
+        if out.data_ptr() != first.data_ptr():  # not received in place (recv_buffer): copy
+            out.copy_(first)
         for p in parts[1:]:
             out.add_(p[:n])
 
