@@ -212,7 +212,10 @@ class StepMeshExtraInfo(ConnectorExtraInfo):
     first line). ``max_tokens`` 0: ``scheduler_config.max_num_batched_tokens``.
     ``router_logits_width`` 0: ``hf_config.n_routed_experts`` (or
     ``num_experts``) when ``afd_config.compute_gate_on_attention``, else no
-    router logits."""
+    router logits. ``custom_ops``: ``"auto"`` calls the data path through the
+    torch custom ops only while torch.compile traces or a CUDA graph captures
+    (in eager mode the same implementation is called directly, without the
+    dispatcher's ~1 us per call), ``"always"`` through them every call."""
 
     topology: str = "subgroup"
     transport: Optional[str] = None
@@ -226,6 +229,7 @@ class StepMeshExtraInfo(ConnectorExtraInfo):
     max_tokens: int = 0
     router_logits_width: int = 0
     timeout: float = 30.0
+    custom_ops: str = "auto"
 
     @classmethod
     def from_mapping(cls, raw: Optional[Mapping[str, Any]]) -> "StepMeshExtraInfo":
@@ -256,6 +260,7 @@ class StepMeshExtraInfo(ConnectorExtraInfo):
         one_of("transport", _TRANSPORTS, allow_none=True)
         one_of("poll_mode", _POLL_MODES, allow_none=True)
         one_of("backend", _BACKENDS)
+        one_of("custom_ops", ("auto", "always"))
         if not (self.auth_token in ("env", "none") or self.auth_token.startswith("file:")):
             raise ValueError(f"connector_extra_config.auth_token={self.auth_token!r}: want "
                              "'env', 'none' or 'file:PATH'")
@@ -315,13 +320,20 @@ def _key(stage: int, kind: int) -> int:
     return stage * _KEYS_PER_STAGE + kind
 
 
-def _is_compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    fn = getattr(compiler, "is_compiling", None)
+def _find_is_compiling():
+    """torch.compiler.is_compiling (2.3+), torch._dynamo.is_compiling (2.0-2.2),
+    or None (1.13: nothing compiles)."""
+    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     if fn is None:
-        dynamo = getattr(torch, "_dynamo", None)
-        fn = getattr(dynamo, "is_compiling", None)
-    return bool(fn()) if fn is not None else False
+        fn = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
+    return fn
+
+
+_IS_COMPILING = _find_is_compiling()
+
+
+def _is_compiling() -> bool:
+    return _IS_COMPILING is not None and bool(_IS_COMPILING())
 
 
 def _torch_dtype(value: Any, field: str) -> torch.dtype:
@@ -367,12 +379,18 @@ def _connector(connector_id: int) -> "StepMeshAFDConnector":
     return conn
 
 
+#: calls that came through the custom ops' real (CPU/CUDA) kernels (tests read it)
+OP_CALLS = collections.Counter()
+
+
 def _send_attn_impl(hidden_states, router_logits, connector_id: int, layer_idx: int,
                     stage_idx: int) -> None:
+    OP_CALLS["afd_send_attn"] += 1
     _connector(connector_id)._send(hidden_states, router_logits, layer_idx, stage_idx)
 
 
 def _recv_ffn_impl(out, connector_id: int, stage_idx: int) -> None:
+    OP_CALLS["afd_recv_ffn"] += 1
     _connector(connector_id)._recv(out, stage_idx)
 
 
@@ -528,6 +546,7 @@ class StepMeshAFDConnector(AFDConnectorBase):
         self._peer_lost = False
         self._device = torch.device("cpu")
         self._stream = False
+        self._always_ops = x.custom_ops == "always"
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -700,7 +719,8 @@ class StepMeshAFDConnector(AFDConnectorBase):
         metadata = context.metadata
         s = self._stage(metadata.stage_idx, "context.metadata.stage_idx")
         shape = tuple(hidden_states.shape)
-        if not _is_compiling():
+        compiling = _is_compiling()
+        if not compiling:
             if len(shape) != 2 or shape[1] != self.hidden_size:
                 raise ValueError(f"hidden_states shape {shape}: want [tokens, "
                                  f"{self.hidden_size}] (hf_config.hidden_size)")
@@ -715,7 +735,7 @@ class StepMeshAFDConnector(AFDConnectorBase):
                                  f"connector carries {_dtype_name(self.dtype)} "
                                  "(model_config.dtype)")
         router_logits = kwargs.get("router_logits")
-        if router_logits is not None and not _is_compiling():
+        if router_logits is not None and not compiling:
             if router_logits.dim() != 2 or router_logits.shape[0] != shape[0]:
                 raise ValueError(f"router_logits shape {tuple(router_logits.shape)}: want "
                                  f"[{shape[0]}, width] (the token count of hidden_states)")
@@ -727,8 +747,11 @@ class StepMeshAFDConnector(AFDConnectorBase):
                     f"{self.router_logits_width} x 4 bytes)")
         if s in self._requests:
             raise RuntimeError(f"stage {s}: recv_ffn_output() of the previous send is pending")
-        torch.ops.stepmesh.afd_send_attn(hidden_states, router_logits, self._id,
-                                         int(metadata.layer_idx), s)
+        if compiling or self._via_ops():
+            torch.ops.stepmesh.afd_send_attn(hidden_states, router_logits, self._id,
+                                             int(metadata.layer_idx), s)
+        else:
+            self._send(hidden_states, router_logits, int(metadata.layer_idx), s)
 
     def _send(self, hidden_states, router_logits, layer_idx: int, s: int) -> None:
         n = int(hidden_states.shape[0])
@@ -767,15 +790,24 @@ class StepMeshAFDConnector(AFDConnectorBase):
         if s not in self._requests:
             raise RuntimeError(f"stage {s}: no send_attn_output() to receive for")
         n = self._rows[s]
-        if ref_tensor is None:
-            ref_tensor = self._empty((n, self.hidden_size), self.dtype)
-        elif not _is_compiling():
+        compiling = _is_compiling()
+        if ref_tensor is not None and not compiling:
             if tuple(ref_tensor.shape) != (n, self.hidden_size) or ref_tensor.dtype != self.dtype:
                 raise ValueError(f"ref_tensor {tuple(ref_tensor.shape)} "
                                  f"{_dtype_name(ref_tensor.dtype)}: want ({n}, "
                                  f"{self.hidden_size}) {_dtype_name(self.dtype)}")
-        torch.ops.stepmesh.afd_recv_ffn(ref_tensor, self._id, s)
+        if ref_tensor is None:
+            ref_tensor = self._empty((n, self.hidden_size), self.dtype)
+        if compiling or self._via_ops():
+            torch.ops.stepmesh.afd_recv_ffn(ref_tensor, self._id, s)
+        else:
+            self._recv(ref_tensor, s)
         return ref_tensor
+
+    def _via_ops(self) -> bool:
+        """Whether this eager call goes through the custom ops: always with
+        custom_ops="always", else only while a CUDA graph captures."""
+        return self._always_ops or (self._stream and torch.cuda.is_current_stream_capturing())
 
     def _recv(self, out: torch.Tensor, s: int) -> None:
         req = self._requests.pop(s)
@@ -785,9 +817,8 @@ class StepMeshAFDConnector(AFDConnectorBase):
         except stepmesh.Error as e:
             raise self._peer_error(f"stage {s}: recv_ffn_output", e) from e
         parts = self._recv_bufs[s]
-        first = parts[0][:n]
-        if out.data_ptr() != first.data_ptr():  # not received in place (recv_buffer): copy
-            out.copy_(first)
+        if out.data_ptr() != parts[0].data_ptr():  # not received in place (recv_buffer): copy
+            out.copy_(parts[0][:n])
         for p in parts[1:]:
             out.add_(p[:n])
 

@@ -198,13 +198,13 @@ def free_ports(n):
 
 
 def run_mesh(runner, A, F, topology, mode="normal", plugin="standin", steps=4, layers=2,
-             timeout=5.0):
+             timeout=5.0, custom_ops="auto"):
     port = free_ports(F)
     children = []
     for role, n in (("ffn", F), ("attention", A)):
         for r in range(n):
             spec = dict(role=role, rank=r, A=A, F=F, topology=topology, port=port, steps=steps,
-                        layers=layers, mode=mode, timeout=timeout,
+                        layers=layers, mode=mode, timeout=timeout, custom_ops=custom_ops,
                         standin=STANDIN if plugin == "standin" else "")
             children.append({"program": PEER, "env": {"VLLM_PEER_SPEC": json.dumps(spec)}})
     t0 = time.monotonic()
@@ -221,10 +221,13 @@ PLUGINS = ["standin", pytest.param("real", marks=pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("plugin", PLUGINS)
-@pytest.mark.parametrize("A,F,topology", [(2, 2, "subgroup"), (4, 2, "subgroup"),
-                                          (2, 2, "all_to_all"), (4, 2, "all_to_all")])
-def test_contract_over_processes(runner, A, F, topology, plugin):
-    results, _, report = run_mesh(runner, A, F, topology, plugin=plugin)
+@pytest.mark.parametrize("A,F,topology,custom_ops", [
+    (2, 2, "subgroup", "always"), (4, 2, "subgroup", "auto"),
+    (2, 2, "all_to_all", "auto"), (4, 2, "all_to_all", "always")])
+def test_contract_over_processes(runner, A, F, topology, custom_ops, plugin):
+    """custom_ops="always": every send/receive through torch.ops.stepmesh (the
+    peers count the kernel calls); "auto": eager calls skip the dispatcher."""
+    results, _, report = run_mesh(runner, A, F, topology, plugin=plugin, custom_ops=custom_ops)
     for i, r in enumerate(results):
         assert r["rc"] == 0 and " ok" in r["output"], report
     assert sum("] ok" in r["output"] for r in results) == A + F, report

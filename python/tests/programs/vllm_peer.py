@@ -67,7 +67,7 @@ def ffn_fn(x, logits, f):
 def vllm_config():
     extra = {"topology": TOPO, "transport": "tcp", "backend": "cpu_mock", "max_tokens": MAX,
              "num_stages": STAGES, "router_logits_width": WIDTH, "timeout": SPEC["timeout"],
-             "poll_mode": "blocking"}
+             "poll_mode": "blocking", "custom_ops": SPEC.get("custom_ops", "auto")}
     return types.SimpleNamespace(
         model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(hidden_size=H),
                                            dtype=BF16, enforce_eager=True),
@@ -260,6 +260,11 @@ def main():
     conn.init_afd_connector()  # idempotent
     assert conn.is_initialized
     (attention if ROLE == "attention" else ffn)(conn)
+    if ROLE == "attention" and SPEC["mode"] == "normal":  # the data path took the ops, or not
+        calls = STEPS * LAYERS * STAGES
+        want = calls if SPEC.get("custom_ops") == "always" else 0
+        assert sv.OP_CALLS["afd_send_attn"] == want, (sv.OP_CALLS, want)
+        assert sv.OP_CALLS["afd_recv_ffn"] == want, (sv.OP_CALLS, want)
     conn.close()
     conn.close()
     assert not conn.is_initialized

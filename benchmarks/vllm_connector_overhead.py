@@ -1,0 +1,265 @@
+#!/usr/bin/env python3
+"""What StepMeshAFDConnector adds to a per-layer round trip, against Plan.run()
+on the same mesh in the same process (the paired method of python_overhead.py).
+
+    PYTHONPATH=build/python /usr/bin/python3 benchmarks/vllm_connector_overhead.py \\
+        [--patterns 1A1F,2A2F-subgroup,2A2F-all_to_all] [--tokens 128] [--hidden 7168] \\
+        [--rounds 120] [--block-iters 30] [--json out.json]
+
+Per pattern: A attention and F FFN processes of this script, each with a
+StepMeshAFDConnector (stepmesh.vllm, the stand-in plugin base from
+python/tests/ or the real one), TCP on 127.0.0.1, cpu_mock, CPU bf16 tensors
+of [tokens, hidden]. The FFN processes answer every round trip the same way
+(recv_attn_output, then send_ffn_output of the received hidden states). Each
+attention process runs rounds of three blocks of --block-iters round trips,
+the block order rotating through all six permutations, every attention rank
+in lockstep (a batch needs all of them):
+
+* ``plan``: ``conn._plans[0].run()``, the connector's own prepared request
+  (same keys, bytes and server work): the binding's floor;
+* ``connector``: ``send_attn_output(send_buffer(0)[:n], ctx)`` +
+  ``recv_ffn_output(recv_buffer(0)[:n], 0)``: the connector's whole Python
+  path (checks, custom-op dispatch, metadata, two binding calls), no copy;
+* ``runner``: as vLLM's model runner calls it: a fresh hidden-states tensor
+  (copied into the send buffer) and ``ref_tensor`` = that tensor (the output
+  copied into it): ``connector`` plus two copies of tokens x hidden bf16.
+
+The verdict per row: the median over rounds of (block median - the same
+round's ``plan`` block median), with a distribution-free 95% interval;
+target: ``connector`` adds <= 10 us. For all_to_all with 2 FFN ranks the
+connector also sums the two partial outputs (a bf16 add of the whole output),
+which Plan.run does not do: that is work, not overhead, and is in both
+connector rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import types
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+STANDIN = os.path.join(ROOT, "python", "tests", "afd_plugin_standin")
+sys.path.insert(0, HERE)
+from python_overhead import median_ci  # noqa: E402  (the same interval)
+
+KINDS = ("plan", "connector", "runner")
+ORDERS = list(itertools.permutations(range(len(KINDS))))
+TARGET_ADDED_US = 10.0
+TIMEOUT_S = 60.0
+
+
+def die_with_parent() -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+
+
+def make_connector(args):
+    import importlib.util
+    if importlib.util.find_spec("afd_plugin") is None:  # the tests' stand-in base
+        sys.path.insert(0, STANDIN)
+    import torch
+
+    import stepmesh.vllm as sv
+    extra = {"topology": args.topology, "transport": "tcp", "backend": "cpu_mock",
+             "max_tokens": args.tokens, "num_stages": 1, "timeout": TIMEOUT_S,
+             "custom_ops": args.custom_ops}
+    vcfg = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(
+            hf_config=types.SimpleNamespace(hidden_size=args.hidden), dtype=torch.bfloat16,
+            enforce_eager=True),
+        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=args.tokens),
+        compilation_config=None,
+        additional_config={"afd": {"connector": sv.NAME, "connector_extra_config": extra}})
+    acfg = types.SimpleNamespace(connector=sv.NAME, role=args.role, host="127.0.0.1",
+                                 port=args.port, num_attention_ranks=args.A,
+                                 num_ffn_ranks=args.F, compute_gate_on_attention=False)
+    conn = sv.StepMeshAFDConnector(args.rank, 0, vcfg, acfg, args.rank)
+    conn.init_afd_connector()
+    return conn, sv, torch
+
+
+def total_round_trips(args) -> int:
+    return (args.warmup_rounds + args.rounds) * len(KINDS) * args.block_iters + 1  # + the check
+
+
+def ffn(args) -> None:
+    conn, _, _ = make_connector(args)
+    for _ in range(total_round_trips(args)):
+        p = conn.recv_attn_output(0)
+        conn.send_ffn_output(p.hidden_states, p.context)
+    conn.close()
+
+
+def attention(args) -> None:
+    conn, sv, torch = make_connector(args)
+    n, h = args.tokens, args.hidden
+    ctx = sv.AFDTransferContext(metadata=sv.AFDTransferMetadata(0, 0, [n]))
+    send, recv = conn.send_buffer(0)[:n], conn.recv_buffer(0)[:n]
+    send.copy_(torch.randint(-4, 5, (n, h)).to(torch.bfloat16))
+    fresh = send.clone()
+    plan = conn._plans[0]
+    plan.set_rows(0, n)
+    clock = time.perf_counter_ns
+    lat = np.empty(args.block_iters, np.int64)
+
+    def block(kind: int) -> np.ndarray:
+        for i in range(args.block_iters):
+            if kind == 0:
+                t0 = clock()
+                plan.run(TIMEOUT_S)
+            elif kind == 1:
+                t0 = clock()
+                conn.send_attn_output(send, ctx)
+                conn.recv_ffn_output(recv, 0)
+            else:
+                x = fresh  # the model's output tensor (not the registered buffer)
+                t0 = clock()
+                conn.send_attn_output(x, ctx)
+                conn.recv_ffn_output(x, 0)
+            lat[i] = clock() - t0
+            if kind == 2:
+                fresh.copy_(send)  # restore the input (the output overwrote it), untimed
+        return lat / 1e3
+
+    out = np.empty((args.rounds, len(KINDS), args.block_iters))
+    for r in range(args.warmup_rounds):
+        for k in ORDERS[r % len(ORDERS)]:
+            block(k)
+    for r in range(args.rounds):
+        for k in ORDERS[r % len(ORDERS)]:
+            out[r, k] = block(k)
+    conn.send_attn_output(send, ctx)  # one more through the connector, checked
+    conn.recv_ffn_output(recv, 0)
+    want = send.float() * (args.F if args.topology == "all_to_all" else 1)
+    if not torch.equal(recv.float(), want):  # the FFN echoes: the reply really arrived
+        raise SystemExit("vllm_connector_overhead: wrong reply bytes")
+    conn.close()
+    if args.rank == 0:
+        np.save(args.out, out)
+
+
+def free_ports(n: int) -> int:
+    for _ in range(100):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+        s.close()
+        try:
+            for i in range(n):
+                t = socket.socket()
+                t.bind(("127.0.0.1", base + i))
+                t.close()
+            return base
+        except OSError:
+            continue
+    raise SystemExit("vllm_connector_overhead: no run of free ports")
+
+
+def run_pattern(args, pattern: str, work: str) -> np.ndarray:
+    shape, _, topology = pattern.partition("-")
+    A, F = int(shape[0]), int(shape[2])
+    topology = topology or "subgroup"
+    port = free_ports(F)
+    out = os.path.join(work, f"{pattern}.npy")
+    common = ["--A", str(A), "--F", str(F), "--topology", topology, "--port", str(port),
+              "--tokens", str(args.tokens), "--hidden", str(args.hidden),
+              "--rounds", str(args.rounds), "--warmup-rounds", str(args.warmup_rounds),
+              "--block-iters", str(args.block_iters), "--custom-ops", args.custom_ops,
+              "--out", out]
+    env = dict(os.environ)
+    env.setdefault("STEPMESH_AUTH", "off")  # loopback only
+    procs = []
+    try:
+        for role, count in (("ffn", F), ("attention", A)):
+            for r in range(count):
+                procs.append(subprocess.Popen(
+                    [sys.executable, os.path.abspath(__file__), "--role", role, "--rank", str(r)]
+                    + common, env=env, preexec_fn=die_with_parent))
+        deadline = time.monotonic() + args.deadline_s
+        for p in procs:
+            rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            if rc != 0:
+                raise SystemExit(f"vllm_connector_overhead: {pattern}: pid {p.pid} exited {rc}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait()
+    return np.load(out)
+
+
+def report(pattern: str, blocks: np.ndarray) -> dict:
+    med = np.median(blocks, axis=2)
+    rows = {}
+    print(f"{pattern}: {blocks.shape[0]} rounds of 3 blocks x {blocks.shape[2]} round trips")
+    print(f"  {'':>10} {'p50':>8} {'p99':>8} {'added vs plan':>14} {'95% CI':>17}")
+    for k, kind in enumerate(KINDS):
+        allk = blocks[:, k].ravel()
+        row = {"p50_us": float(np.percentile(allk, 50)), "p99_us": float(np.percentile(allk, 99))}
+        line = f"  {kind:>10} {row['p50_us']:>8.1f} {row['p99_us']:>8.1f}"
+        if k:
+            d, lo, hi = median_ci(med[:, k] - med[:, 0])
+            row.update({"added_us": d, "ci95_us": [lo, hi]})
+            line += f" {d:>+14.1f} {f'[{lo:+.1f}, {hi:+.1f}]':>17}"
+        rows[kind] = row
+        print(line)
+    c = rows["connector"]
+    verdict = "meets" if c["added_us"] <= TARGET_ADDED_US else "misses"
+    print(f"  connector adds {c['added_us']:+.1f} us (95% CI [{c['ci95_us'][0]:+.1f}, "
+          f"{c['ci95_us'][1]:+.1f}]): {verdict} the <= {TARGET_ADDED_US:.0f} us target")
+    rows["verdict"] = verdict
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--patterns", default="1A1F,2A2F-subgroup,2A2F-all_to_all")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--rounds", type=int, default=120)
+    ap.add_argument("--warmup-rounds", type=int, default=6)
+    ap.add_argument("--block-iters", type=int, default=30)
+    ap.add_argument("--deadline-s", type=float, default=900.0)
+    ap.add_argument("--custom-ops", choices=["auto", "always"], default="auto",
+                    help="the connector's custom_ops option: always = every call through "
+                         "the torch dispatcher (what a compiled/captured graph runs)")
+    ap.add_argument("--json")
+    ap.add_argument("--role", choices=["ffn", "attention"])
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--A", type=int)
+    ap.add_argument("--F", type=int)
+    ap.add_argument("--topology")
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.role:
+        die_with_parent()
+        (ffn if args.role == "ffn" else attention)(args)
+        return 0
+    result = {"tool": "vllm_connector_overhead", "tokens": args.tokens, "hidden": args.hidden,
+              "dtype": "bfloat16", "custom_ops": args.custom_ops, "target_added_us": TARGET_ADDED_US, "patterns": {}}
+    with tempfile.TemporaryDirectory() as work:
+        for pattern in args.patterns.split(","):
+            blocks = run_pattern(args, pattern, work)
+            result["patterns"][pattern] = report(pattern, blocks)
+    print(f"load {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
