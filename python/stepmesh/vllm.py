@@ -42,6 +42,7 @@ from __future__ import annotations
 import abc
 import collections
 import dataclasses
+import logging
 import re
 import threading
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ import torch
 import stepmesh
 
 NAME = "StepMeshAFDConnector"
+_log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------
 # The plugin's types, or a minimal copy of their shape.
@@ -547,6 +549,7 @@ class StepMeshAFDConnector(AFDConnectorBase):
         self._device = torch.device("cpu")
         self._stream = False
         self._always_ops = x.custom_ops == "always"
+        self._live_role: Optional[str] = None  # the role while initialised
 
     # ------------------------------------------------------------ lifecycle
     @property
@@ -600,6 +603,12 @@ class StepMeshAFDConnector(AFDConnectorBase):
         self._stream = options.backend == "cuda"
         self._device = (torch.device("cuda", int(self.local_rank)) if self._stream
                         else torch.device("cpu"))
+        if self._stream and not self.enforce_eager:
+            _log.warning(
+                "%s: CUDA graphs are on (model_config.enforce_eager is false), but a graph "
+                "replay does not run the host code that posts a send: capture the attention "
+                "layers without torch.ops.stepmesh.afd_send_attn/afd_recv_ffn inside (split "
+                "the graph there) or run eager (docs/python.md, vLLM AFD plugin)", NAME)
         try:
             if self.role == "ffn" and self.mesh_rank == 0:
                 self._scheduler = stepmesh.Scheduler(options.copy(role="scheduler"))
@@ -614,6 +623,7 @@ class StepMeshAFDConnector(AFDConnectorBase):
         self._id = _NEXT_ID[0]
         _NEXT_ID[0] += 1
         _CONNECTORS[self._id] = self
+        self._live_role = self.role
 
     def close(self) -> None:
         """Leaves the mesh; safe to repeat and after a peer died (then the
@@ -630,6 +640,7 @@ class StepMeshAFDConnector(AFDConnectorBase):
             self._teardown()
 
     def _teardown(self) -> None:
+        self._live_role = None
         _CONNECTORS.pop(self._id, None)
         self._id = 0
         self._plans = []
@@ -652,6 +663,8 @@ class StepMeshAFDConnector(AFDConnectorBase):
                 sched.stop()
 
     def _live(self, role: str):
+        if self._live_role == role and not self._node.closed:  # the hot path: one compare
+            return self._node
         if not self.is_initialized:
             raise RuntimeError(f"{NAME} is not initialised (call init_afd_connector())")
         if self.role != role:
