@@ -1,7 +1,8 @@
 """One rank of the StepMeshAFDConnector contract suite, run as a child of
 fork_runner.py (torch imported once in the parent). The spec is the JSON in
 VLLM_PEER_SPEC: role, rank, A, F, topology, port, steps, layers, mode
-("normal", "lost" or "fallback"), standin (a path put first on sys.path so
+("normal", "lost": FFN rank 1 killed, "hung": FFN rank 1 stopped, or
+"fallback"), standin (a path put first on sys.path so
 `afd_plugin` is the stand-in; empty: whatever is importable).
 
 Both sides derive every tensor from (step, layer, stage, attention rank) with
@@ -120,15 +121,15 @@ def attention(conn):
         t0 = time.monotonic()
         try:
             attention_step(conn, cp, step)
-        except ConnectionError as e:
-            if SPEC["mode"] == "lost" and step >= 1:
+        except (ConnectionError, TimeoutError) as e:
+            if SPEC["mode"] in ("lost", "hung") and step >= 1:
                 took = time.monotonic() - t0
                 assert "FFN rank 1" in str(e), e
-                assert took < SPEC["timeout"], took
+                assert took < SPEC["timeout"] * 1.5, took
                 log(f"lost detected in {took:.3f}s: {e}")
                 return
             raise
-    if SPEC["mode"] == "lost":
+    if SPEC["mode"] in ("lost", "hung"):
         raise AssertionError("the lost FFN rank was not detected")
 
 
@@ -193,16 +194,21 @@ def ffn(conn):
     for step in range(STEPS):
         try:
             p = cp.recv_dp_metadata_list()
-        except ConnectionError as e:
-            if SPEC["mode"] == "lost" and step >= 1:
+        except (ConnectionError, TimeoutError) as e:
+            if SPEC["mode"] in ("lost", "hung") and step >= 1:
                 log(f"attention ranks gone: {e}")
                 return
             raise
-        if SPEC["mode"] == "lost" and RANK == 1 and step == 1:
+        if SPEC["mode"] in ("lost", "hung") and RANK == 1 and step == 1:
             # Step 1's payload comes after the attention ranks received all of
-            # step 0: dying now leaves no step 0 request behind.
-            log("dying")
-            os.kill(os.getpid(), signal.SIGKILL)
+            # step 0: dying (or hanging) now leaves no step 0 request behind.
+            me = os.getpid()
+            if SPEC["mode"] == "hung" and os.fork() == 0:  # ends the hang later (sleep, kill only)
+                time.sleep(2 * SPEC["timeout"])
+                os.kill(me, signal.SIGKILL)
+                os._exit(0)
+            log("dying" if SPEC["mode"] == "lost" else "hanging")
+            os.kill(me, signal.SIGKILL if SPEC["mode"] == "lost" else signal.SIGSTOP)
         assert isinstance(p, sv.AFDControlPayload)
         assert p.is_warmup == flags(step)["is_warmup"], (step, p)
         assert p.is_graph_capturing == flags(step)["is_graph_capturing"], (step, p)
@@ -236,7 +242,7 @@ def ffn(conn):
                         expect_error(RuntimeError, ["already answered"], conn.send_ffn_output,
                                      out, got.context)
         except (ConnectionError, TimeoutError) as e:
-            if SPEC["mode"] == "lost" and step >= 1:
+            if SPEC["mode"] in ("lost", "hung") and step >= 1:
                 log(f"peer gone: {e}")
                 return
             raise
