@@ -350,6 +350,16 @@ def _torch_dtype(value: Any, field: str) -> torch.dtype:
     return dt
 
 
+_ELEMENT_SIZES: Dict[torch.dtype, int] = {}
+
+
+def _element_size(dt: torch.dtype) -> int:
+    size = _ELEMENT_SIZES.get(dt)
+    if size is None:
+        size = _ELEMENT_SIZES[dt] = torch.empty(0, dtype=dt).element_size()
+    return size
+
+
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
 
@@ -454,6 +464,8 @@ class StepMeshTransferState(AFDTransferState):
     batch: Any = None
     stage: int = 0
     workers: List[int] = dataclasses.field(default_factory=list)
+    is_warmup: bool = False  # the sender's flags (from its last control payload)
+    is_graph_capturing: bool = False
 
 
 class StepMeshAFDConnector(AFDConnectorBase):
@@ -936,8 +948,11 @@ class StepMeshAFDConnector(AFDConnectorBase):
             logits = self._gather_logits(batch, s, workers, seq_lens, spec)
         meta = self._meta_regions[s]
         layer_idx = int(meta[workers[0] * _META_WORDS])
+        flags = int(meta[workers[0] * _META_WORDS + 2])
         metadata = AFDTransferMetadata(layer_idx=layer_idx, stage_idx=s, seq_lens=seq_lens)
-        state = StepMeshTransferState(batch=batch, stage=s, workers=workers)
+        state = StepMeshTransferState(batch=batch, stage=s, workers=workers,
+                                      is_warmup=bool(flags & FLAG_WARMUP),
+                                      is_graph_capturing=bool(flags & FLAG_GRAPH_CAPTURE))
         context = AFDTransferContext(metadata=metadata, states=state)
         assert hidden.shape[0] == total
         return AFDA2FTransferPayload(hidden_states=hidden, context=context, router_logits=logits)
@@ -945,7 +960,7 @@ class StepMeshAFDConnector(AFDConnectorBase):
     def _gather_logits(self, batch, s, workers, seq_lens, spec) -> torch.Tensor:
         width = int(spec.router_logits_width)
         dtype = _torch_dtype(spec.router_logits_dtype, "routing_spec.router_logits_dtype")
-        row_bytes = width * torch.empty(0, dtype=dtype).element_size()
+        row_bytes = width * _element_size(dtype)
         if not 0 < row_bytes <= self._logit_row_bytes:
             raise ValueError(f"routing_spec.router_logits_width={width} "
                              f"({_dtype_name(dtype)}): the connector registered "
@@ -1026,7 +1041,14 @@ class StepMeshAFDControlPlane(AFDControlPlane):
 
     def send_dp_metadata_list(self, payload: Any) -> None:
         c = self.connector
-        c._live("attention")
+        w = c._live("attention")
+        if c._control_request is not None:  # one in flight per key, and its words are read
+            try:                            # until it completes: wait (it is long done)
+                w.wait(c._control_request, c.extra_info.timeout)
+            except stepmesh.Error as e:
+                raise c._peer_error("send_dp_metadata_list", e) from e
+            finally:
+                c._control_request = None
         words = c._control_buf
         items = sorted(payload.dp_metadata_list.items())
         if len(items) > c.num_stages:
@@ -1049,13 +1071,6 @@ class StepMeshAFDControlPlane(AFDControlPlane):
         flags = ((FLAG_WARMUP if payload.is_warmup else 0)
                  | (FLAG_GRAPH_CAPTURE if payload.is_graph_capturing else 0))
         words[0], words[1], words[2], words[3] = _CONTROL_MAGIC, flags, len(items), width or 0
-        w = c._node
-        if c._control_request is not None:  # one in flight per key: the last one is long done
-            try:
-                w.wait(c._control_request, c.extra_info.timeout)
-            except stepmesh.Error as e:
-                c._control_request = None
-                raise c._peer_error("send_dp_metadata_list", e) from e
         c._control_plan.set_bytes(0, at * 4)
         try:
             c._control_request = c._control_plan.post()

@@ -223,7 +223,10 @@ def ffn(conn):
                     got = conn.recv_attn_output(ubatch_idx=s, routing_spec=spec)
                     assert isinstance(got, sv.AFDA2FTransferPayload)
                     md = got.context.metadata
-                    assert isinstance(got.context.states, sv.AFDTransferState)
+                    st = got.context.states
+                assert isinstance(st, sv.AFDTransferState)
+                assert (st.is_warmup, st.is_graph_capturing) == \
+                    (flags(step)["is_warmup"], flags(step)["is_graph_capturing"]), st
                     assert md.layer_idx == layer and md.stage_idx == s
                     assert md.seq_lens == [sent(step, s, a) for a in served], md.seq_lens
                     assert md.seq_lens == [cp.expected_tokens(s, a) for a in served]
