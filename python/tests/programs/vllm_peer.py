@@ -224,9 +224,9 @@ def ffn(conn):
                     assert isinstance(got, sv.AFDA2FTransferPayload)
                     md = got.context.metadata
                     st = got.context.states
-                assert isinstance(st, sv.AFDTransferState)
-                assert (st.is_warmup, st.is_graph_capturing) == \
-                    (flags(step)["is_warmup"], flags(step)["is_graph_capturing"]), st
+                    assert isinstance(st, sv.AFDTransferState)
+                    assert (st.is_warmup, st.is_graph_capturing) == \
+                        (flags(step)["is_warmup"], flags(step)["is_graph_capturing"]), st
                     assert md.layer_idx == layer and md.stage_idx == s
                     assert md.seq_lens == [sent(step, s, a) for a in served], md.seq_lens
                     assert md.seq_lens == [cp.expected_tokens(s, a) for a in served]
