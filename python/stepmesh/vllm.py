@@ -561,6 +561,8 @@ class StepMeshAFDConnector(AFDConnectorBase):
         self._device = torch.device("cpu")
         self._stream = False
         self._always_ops = x.custom_ops == "always"
+        self._timeout = x.timeout
+        self._flags = 0  # FLAG_* of the last control payload applied (sent with every push)
         self._live_role: Optional[str] = None  # the role while initialised
 
     # ------------------------------------------------------------ lifecycle
@@ -740,17 +742,22 @@ class StepMeshAFDConnector(AFDConnectorBase):
         return self._recv_bufs[self._stage(stage_idx, "stage_idx")][0]
 
     def send_attn_output(self, hidden_states: torch.Tensor, context: Any, **kwargs: Any) -> None:
-        self._live("attention")
+        # The hot path: attribute reads and compares only (docs/benchmarks.md).
+        if self._live_role != "attention":
+            self._live("attention")
         metadata = context.metadata
-        s = self._stage(metadata.stage_idx, "context.metadata.stage_idx")
-        shape = tuple(hidden_states.shape)
-        compiling = _is_compiling()
+        s = metadata.stage_idx
+        if type(s) is not int or not 0 <= s < self.num_stages:
+            s = self._stage(s, "context.metadata.stage_idx")
+        shape = hidden_states.shape
+        compiling = _IS_COMPILING is not None and _IS_COMPILING()
+        router_logits = kwargs.get("router_logits") if kwargs else None
         if not compiling:
             if len(shape) != 2 or shape[1] != self.hidden_size:
-                raise ValueError(f"hidden_states shape {shape}: want [tokens, "
+                raise ValueError(f"hidden_states shape {tuple(shape)}: want [tokens, "
                                  f"{self.hidden_size}] (hf_config.hidden_size)")
             if shape[0] != metadata.total_tokens:
-                raise ValueError(f"hidden_states shape {shape} does not match "
+                raise ValueError(f"hidden_states shape {tuple(shape)} does not match "
                                  f"context.metadata.total_tokens={metadata.total_tokens}")
             if shape[0] > self.max_tokens:
                 raise ValueError(f"hidden_states has {shape[0]} tokens, more than max_tokens="
@@ -759,27 +766,27 @@ class StepMeshAFDConnector(AFDConnectorBase):
                 raise ValueError(f"hidden_states dtype {_dtype_name(hidden_states.dtype)}: the "
                                  f"connector carries {_dtype_name(self.dtype)} "
                                  "(model_config.dtype)")
-        router_logits = kwargs.get("router_logits")
-        if router_logits is not None and not compiling:
-            if router_logits.dim() != 2 or router_logits.shape[0] != shape[0]:
-                raise ValueError(f"router_logits shape {tuple(router_logits.shape)}: want "
-                                 f"[{shape[0]}, width] (the token count of hidden_states)")
-            nbytes = router_logits.shape[1] * router_logits.element_size()
-            if nbytes > self._logit_row_bytes:
-                raise ValueError(
-                    f"router_logits row of {nbytes} bytes exceeds the registered "
-                    f"{self._logit_row_bytes} (connector_extra_config.router_logits_width="
-                    f"{self.router_logits_width} x 4 bytes)")
+            if router_logits is not None:
+                if router_logits.dim() != 2 or router_logits.shape[0] != shape[0]:
+                    raise ValueError(f"router_logits shape {tuple(router_logits.shape)}: want "
+                                     f"[{shape[0]}, width] (the token count of hidden_states)")
+                nbytes = router_logits.shape[1] * router_logits.element_size()
+                if nbytes > self._logit_row_bytes:
+                    raise ValueError(
+                        f"router_logits row of {nbytes} bytes exceeds the registered "
+                        f"{self._logit_row_bytes} (connector_extra_config.router_logits_width="
+                        f"{self.router_logits_width} x 4 bytes)")
         if s in self._requests:
             raise RuntimeError(f"stage {s}: recv_ffn_output() of the previous send is pending")
-        if compiling or self._via_ops():
+        if compiling or self._always_ops or (self._stream and
+                                             torch.cuda.is_current_stream_capturing()):
             torch.ops.stepmesh.afd_send_attn(hidden_states, router_logits, self._id,
                                              int(metadata.layer_idx), s)
         else:
-            self._send(hidden_states, router_logits, int(metadata.layer_idx), s)
+            self._send(hidden_states, router_logits, metadata.layer_idx, s)
 
     def _send(self, hidden_states, router_logits, layer_idx: int, s: int) -> None:
-        n = int(hidden_states.shape[0])
+        n = hidden_states.shape[0]
         send = self._send_bufs[s]
         if hidden_states.data_ptr() != send.data_ptr():  # not computed in place: copy in
             send[:n].copy_(hidden_states)
@@ -794,13 +801,14 @@ class StepMeshAFDConnector(AFDConnectorBase):
         elif router_logits is not None:
             raise ValueError("router_logits given, but the connector has no router logits "
                              "(connector_extra_config.router_logits_width is 0)")
-        flags = ((FLAG_WARMUP if self.is_warmup else 0)
-                 | (FLAG_GRAPH_CAPTURE if self.is_graph_capturing else 0))
         meta = self._meta_bufs[s]
-        meta[0], meta[1], meta[2] = layer_idx, s, flags
+        meta[0] = layer_idx
+        meta[1] = s
+        meta[2] = self._flags
         plan.set_rows(0, n)
         try:
-            self._requests[s] = plan.post(stream=self._current_stream())
+            self._requests[s] = plan.post(
+                torch.cuda.current_stream(self._device).cuda_stream if self._stream else None)
         except stepmesh.Error as e:
             raise self._peer_error(f"stage {s}: send_attn_output", e) from e
         self._rows[s] = n
@@ -810,42 +818,43 @@ class StepMeshAFDConnector(AFDConnectorBase):
         """Waits for the stage's FFN output and writes it into ``ref_tensor``
         (same storage returned; allocated when None): the subgroup's FFN rank's
         output, or the FFN ranks' partial outputs summed in rank order."""
-        self._live("attention")
-        s = self._stage(ubatch_idx, "ubatch_idx")
-        if s not in self._requests:
+        if self._live_role != "attention":
+            self._live("attention")
+        s = ubatch_idx
+        if type(s) is not int or not 0 <= s < self.num_stages:
+            s = self._stage(s, "ubatch_idx")
+        n = self._rows.get(s) if s in self._requests else None
+        if n is None:
             raise RuntimeError(f"stage {s}: no send_attn_output() to receive for")
-        n = self._rows[s]
-        compiling = _is_compiling()
-        if ref_tensor is not None and not compiling:
-            if tuple(ref_tensor.shape) != (n, self.hidden_size) or ref_tensor.dtype != self.dtype:
-                raise ValueError(f"ref_tensor {tuple(ref_tensor.shape)} "
-                                 f"{_dtype_name(ref_tensor.dtype)}: want ({n}, "
-                                 f"{self.hidden_size}) {_dtype_name(self.dtype)}")
+        compiling = _IS_COMPILING is not None and _IS_COMPILING()
         if ref_tensor is None:
             ref_tensor = self._empty((n, self.hidden_size), self.dtype)
-        if compiling or self._via_ops():
+        elif not compiling and (ref_tensor.shape != (n, self.hidden_size)
+                                or ref_tensor.dtype != self.dtype):
+            raise ValueError(f"ref_tensor {tuple(ref_tensor.shape)} "
+                             f"{_dtype_name(ref_tensor.dtype)}: want ({n}, "
+                             f"{self.hidden_size}) {_dtype_name(self.dtype)}")
+        if compiling or self._always_ops or (self._stream and
+                                             torch.cuda.is_current_stream_capturing()):
             torch.ops.stepmesh.afd_recv_ffn(ref_tensor, self._id, s)
         else:
             self._recv(ref_tensor, s)
         return ref_tensor
 
-    def _via_ops(self) -> bool:
-        """Whether this eager call goes through the custom ops: always with
-        custom_ops="always", else only while a CUDA graph captures."""
-        return self._always_ops or (self._stream and torch.cuda.is_current_stream_capturing())
-
     def _recv(self, out: torch.Tensor, s: int) -> None:
         req = self._requests.pop(s)
-        n = self._rows[s]
         try:
-            self._node.wait(req, self.extra_info.timeout)
+            self._node.wait(req, self._timeout)
         except stepmesh.Error as e:
             raise self._peer_error(f"stage {s}: recv_ffn_output", e) from e
         parts = self._recv_bufs[s]
-        if out.data_ptr() != parts[0].data_ptr():  # not received in place (recv_buffer): copy
-            out.copy_(parts[0][:n])
-        for p in parts[1:]:
-            out.add_(p[:n])
+        first = parts[0]
+        if out.data_ptr() != first.data_ptr():  # not received in place (recv_buffer): copy
+            out.copy_(first[:self._rows[s]])
+        if len(parts) > 1:
+            n = self._rows[s]
+            for p in parts[1:]:
+                out.add_(p[:n])
 
     def _peer_error(self, what: str, e: Exception) -> Exception:
         """A stepmesh error with the FFN rank(s) it concerns named."""
@@ -1028,6 +1037,8 @@ class StepMeshAFDControlPlane(AFDControlPlane):
         c.dp_metadata_list = payload.dp_metadata_list
         c.is_graph_capturing = bool(payload.is_graph_capturing)
         c.is_warmup = bool(payload.is_warmup)
+        c._flags = ((FLAG_WARMUP if c.is_warmup else 0)
+                    | (FLAG_GRAPH_CAPTURE if c.is_graph_capturing else 0))
 
     def expected_tokens(self, stage_idx: int, attention_rank: int) -> int:
         """Tokens attention rank `attention_rank` sends in `stage_idx` per the last
