@@ -34,7 +34,9 @@ in lockstep (a batch needs all of them):
   copied into it): ``connector`` plus two copies of tokens x hidden bf16.
 
 Each row: the median over rounds of (block median - the same round's
-``plan`` block median), with a distribution-free 95% interval. The verdict:
+``plan`` block median), with a distribution-free 95% interval. A last row, in this process: the connector's Python alone (the two calls with
+the node and plan replaced by stand-ins that return at once), best of 5.
+The verdict:
 ``connector`` - ``plan_sum`` (paired the same way) <= 10 us.
 """
 
@@ -173,6 +175,57 @@ def attention(args) -> None:
         np.save(args.out, out)
 
 
+def python_path(args) -> float:
+    """The connector's own Python per round trip, without the binding: a 1A1F
+    attention connector whose node and plan are stand-ins that do nothing
+    (post returns at once, wait returns at once), in place buffers; the best of
+    5 runs of --python-iters round trips, in us."""
+    import importlib.util
+    if importlib.util.find_spec("afd_plugin") is None:
+        sys.path.insert(0, STANDIN)
+    import torch
+
+    import stepmesh.vllm as sv
+    n, h = args.tokens, args.hidden
+    vcfg = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(hidden_size=h),
+                                           dtype=torch.bfloat16),
+        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=n), additional_config={})
+    acfg = types.SimpleNamespace(role="attention", num_attention_ranks=1, num_ffn_ranks=1,
+                                 host="127.0.0.1", port=1)
+    conn = sv.StepMeshAFDConnector(0, 0, vcfg, acfg, 0)
+
+    class Node:  # what the connector calls on a Worker, doing nothing
+        closed = False
+
+        @staticmethod
+        def wait(request, timeout):
+            return None
+
+    class Plan:
+        def set_rows(self, index, rows):
+            return None
+
+        def post(self, stream=None):
+            return 1
+
+    conn._node, conn._plans, conn._live_role = Node(), [Plan()], "attention"
+    conn._send_bufs = [torch.empty(n, h, dtype=torch.bfloat16)]
+    conn._recv_bufs = [[torch.empty(n, h, dtype=torch.bfloat16)]]
+    conn._meta_bufs = [memoryview(torch.zeros(4, dtype=torch.int64).numpy())]
+    send, recv = conn._send_bufs[0][:n], conn._recv_bufs[0][0][:n]
+    ctx = sv.AFDTransferContext(metadata=sv.AFDTransferMetadata(0, 0, [n]))
+    best = float("inf")
+    for rep in range(6):  # the first is a warm-up
+        t0 = time.perf_counter_ns()
+        for _ in range(args.python_iters):
+            conn.send_attn_output(send, ctx)
+            conn.recv_ffn_output(recv, 0)
+        if rep:
+            best = min(best, (time.perf_counter_ns() - t0) / args.python_iters / 1e3)
+    return best
+
+
 def free_ports(n: int) -> int:
     for _ in range(100):
         s = socket.socket()
@@ -262,6 +315,8 @@ def main() -> int:
     ap.add_argument("--custom-ops", choices=["auto", "always"], default="auto",
                     help="the connector's custom_ops option: always = every call through "
                          "the torch dispatcher (what a compiled/captured graph runs)")
+    ap.add_argument("--python-iters", type=int, default=50000,
+                    help="round trips per run of the in-process Python-only row (0: skip it)")
     ap.add_argument("--json")
     ap.add_argument("--role", choices=["ffn", "attention"])
     ap.add_argument("--rank", type=int, default=0)
@@ -281,6 +336,11 @@ def main() -> int:
         for pattern in args.patterns.split(","):
             blocks = run_pattern(args, pattern, work)
             result["patterns"][pattern] = report(pattern, blocks)
+    if args.python_iters > 0:
+        us = python_path(args)
+        result["python_only_us"] = us
+        print(f"the connector's Python alone (send_attn_output + recv_ffn_output on stand-in "
+              f"node and plan, in process, best of 5 x {args.python_iters}): {us:.2f} us")
     print(f"load {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs")
     if args.json:
         with open(args.json, "w") as f:
