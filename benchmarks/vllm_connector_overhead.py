@@ -213,6 +213,7 @@ def python_path(args) -> float:
     conn._send_bufs = [torch.empty(n, h, dtype=torch.bfloat16)]
     conn._recv_bufs = [[torch.empty(n, h, dtype=torch.bfloat16)]]
     conn._meta_bufs = [memoryview(torch.zeros(4, dtype=torch.int64).numpy())]
+    conn._plan_rows, conn._meta_flags = [n], [0]
     send, recv = conn._send_bufs[0][:n], conn._recv_bufs[0][0][:n]
     ctx = sv.AFDTransferContext(metadata=sv.AFDTransferMetadata(0, 0, [n]))
     best = float("inf")

@@ -720,11 +720,15 @@ class StepMeshAFDConnector(AFDConnectorBase):
                 w.register_pull(_key(s, _OUT), f, r)
                 recv.append(r)
             self._send_bufs.append(send)
-            self._meta_bufs.append(memoryview(meta.numpy()))  # element writes: ~20 ns each
+            words = memoryview(meta.numpy())  # element writes: ~20 ns each
+            words[1] = s
+            self._meta_bufs.append(words)
             self._logit_bufs.append(logits)
             self._recv_bufs.append(recv)
             self._plans.append(w.prepare(pushes, [(_key(s, _OUT), f)
                                                   for f in range(self.mesh_servers)]))
+        self._plan_rows = [self.max_tokens] * self.num_stages  # what each plan's push 0 holds
+        self._meta_flags = [0] * self.num_stages  # what each stage's words[2] holds
         control = torch.zeros(self._control_words(), dtype=torch.int32)
         w.register_push(CONTROL_KEY, control)
         self._control_buf = control.numpy()
@@ -801,11 +805,13 @@ class StepMeshAFDConnector(AFDConnectorBase):
         elif router_logits is not None:
             raise ValueError("router_logits given, but the connector has no router logits "
                              "(connector_extra_config.router_logits_width is 0)")
-        meta = self._meta_bufs[s]
-        meta[0] = layer_idx
-        meta[1] = s
-        meta[2] = self._flags
-        plan.set_rows(0, n)
+        words = self._meta_bufs[s]
+        words[0] = layer_idx  # [1] is the stage, written at init
+        if self._meta_flags[s] != self._flags:  # [2]: the flags, when they changed
+            words[2] = self._meta_flags[s] = self._flags
+        if self._plan_rows[s] != n:  # a binding call (~1 us): only when the count changes
+            plan.set_rows(0, n)
+            self._plan_rows[s] = n
         try:
             self._requests[s] = plan.post(
                 torch.cuda.current_stream(self._device).cuda_stream if self._stream else None)
