@@ -147,6 +147,30 @@ def test_constructor_checks_name_the_field():
         conn.control_plane.recv_dp_metadata_list()
 
 
+def test_mesh_options_come_from_the_configs(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret\nignored\n")
+    extra = {"transport": "tcp", "interface": "lo", "poll_mode": "spin", "trace": False,
+             "backend": "cpu_mock", "timeout": 7, "auth_token": f"file:{token}",
+             "topology": "all_to_all"}
+    conn = sv.StepMeshAFDConnector(0, 0, vllm_config(extra), afd_config(
+        role="ffn", num_attention_ranks=3, num_ffn_ranks=2, port=31000), 1)
+    o = conn._mesh_options()
+    assert (o.role, o.rank, o.num_workers, o.num_servers) == ("server", 1, 3, 2)
+    assert (o.scheduler, o.transport, o.interface, o.poll_mode) == \
+        ("127.0.0.1:31000", "tcp", "lo", "spin")
+    assert (o.trace, o.timeout, o.backend, o.auth_token) == (False, 7.0, "cpu_mock", "s3cret")
+    sub = sv.StepMeshAFDConnector(0, 0, vllm_config({"auth_token": "none"}), afd_config(
+        num_attention_ranks=4, num_ffn_ranks=2, port=31000), 3)  # attention 3 -> FFN 1
+    o = sub._mesh_options()
+    assert (o.role, o.rank, o.num_workers, o.num_servers, o.scheduler, o.auth_token) == \
+        ("worker", 1, 2, 1, "127.0.0.1:31001", "")
+    missing = sv.StepMeshAFDConnector(0, 0, vllm_config({"auth_token": "file:/nonexistent/t"}),
+                                      afd_config(), 0)
+    with pytest.raises(ValueError, match="auth_token: cannot read '/nonexistent/t'"):
+        missing._mesh_options()
+
+
 def test_custom_ops_have_fake_implementations():
     sv.register_ops()
     sv.register_ops()  # once per process
