@@ -502,6 +502,9 @@ class StepMeshAFDConnector(AFDConnectorBase):
         else:
             self.ratio = self.attn_size
         hidden = _attr(vllm_config, "model_config.hf_config.hidden_size")
+        get_hidden = _attr(vllm_config, "model_config.get_hidden_size")
+        if hidden is None and callable(get_hidden):  # e.g. a text_config nested in hf_config
+            hidden = get_hidden()
         if not isinstance(hidden, int) or hidden < 1:
             raise ValueError(f"vllm_config.model_config.hf_config.hidden_size={hidden!r}: "
                              "want a positive int")
