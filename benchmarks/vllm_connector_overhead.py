@@ -34,7 +34,10 @@ in lockstep (a batch needs all of them):
   copied into it): ``connector`` plus two copies of tokens x hidden bf16.
 
 Each row: the median over rounds of (block median - the same round's
-``plan`` block median), with a distribution-free 95% interval. A last row, in this process: the connector's Python alone (the two calls with
+``plan`` block median), with a distribution-free 95% interval. ``--alternate N`` replaces the blocks by a finer pairing of the two rows that
+matter: connector and post_wait_sum in turn every N round trips.
+
+A last row, in this process: the connector's Python alone (the two calls with
 the node and plan replaced by stand-ins that return at once), best of 5.
 The verdict:
 ``connector`` - ``plan_sum`` (paired the same way) <= 10 us.
@@ -125,6 +128,27 @@ def attention(args) -> None:
     plan.set_rows(0, n)
     clock = time.perf_counter_ns
     lat = np.empty(args.block_iters, np.int64)
+
+    if args.alternate:  # --alternate N: connector / post_wait_sum, N round trips each, in turn
+        total = total_round_trips(args) - 1
+        out = np.empty((total, 2))
+        for i in range(total):
+            connector = (i // args.alternate) % 2 == 1
+            t0 = clock()
+            if connector:
+                conn.send_attn_output(send, ctx)
+                conn.recv_ffn_output(recv, 0)
+            else:
+                w.wait(plan.post(), TIMEOUT_S)
+                for p in others:
+                    recv.add_(p)
+            out[i] = (connector, (clock() - t0) / 1e3)
+        conn.send_attn_output(send, ctx)
+        conn.recv_ffn_output(recv, 0)
+        conn.close()
+        if args.rank == 0:
+            np.save(args.out, out)
+        return
 
     def block(kind: int) -> np.ndarray:
         for i in range(args.block_iters):
@@ -254,7 +278,7 @@ def run_pattern(args, pattern: str, work: str) -> np.ndarray:
               "--tokens", str(args.tokens), "--hidden", str(args.hidden),
               "--rounds", str(args.rounds), "--warmup-rounds", str(args.warmup_rounds),
               "--block-iters", str(args.block_iters), "--custom-ops", args.custom_ops,
-              "--out", out]
+              "--alternate", str(args.alternate), "--out", out]
     env = dict(os.environ)
     env.setdefault("STEPMESH_AUTH", "off")  # loopback only
     procs = []
@@ -275,6 +299,23 @@ def run_pattern(args, pattern: str, work: str) -> np.ndarray:
                 os.kill(p.pid, signal.SIGKILL)
                 p.wait()
     return np.load(out)
+
+
+def report_alternate(pattern: str, out: np.ndarray, n: int) -> dict:
+    """--alternate: each connector window against the post_wait_sum window before it."""
+    windows = len(out) // (2 * n)
+    diffs = []
+    for k in range(windows):
+        base = out[2 * k * n: (2 * k + 1) * n, 1]
+        conn = out[(2 * k + 1) * n: (2 * k + 2) * n, 1]
+        diffs.append(np.median(conn) - np.median(base))
+    d, lo, hi = median_ci(diffs)
+    p50 = {kind: float(np.percentile(out[out[:, 0] == flag, 1], 50))
+           for kind, flag in (("post_wait_sum", 0), ("connector", 1))}
+    print(f"{pattern}: alternating every {n} round trips, {windows} window pairs: p50 "
+          f"post_wait_sum {p50['post_wait_sum']:.1f} us, connector {p50['connector']:.1f} us; "
+          f"connector - post_wait_sum {d:+.1f} us [{lo:+.1f}, {hi:+.1f}]")
+    return {"p50_us": p50, "added_us": d, "ci95_us": [lo, hi], "windows": windows}
 
 
 def report(pattern: str, blocks: np.ndarray) -> dict:
@@ -316,6 +357,9 @@ def main() -> int:
     ap.add_argument("--custom-ops", choices=["auto", "always"], default="auto",
                     help="the connector's custom_ops option: always = every call through "
                          "the torch dispatcher (what a compiled/captured graph runs)")
+    ap.add_argument("--alternate", type=int, default=0,
+                    help="instead of the blocks: alternate connector and post_wait_sum every N "
+                         "round trips (as many round trips in all), paired per window pair")
     ap.add_argument("--python-iters", type=int, default=50000,
                     help="round trips per run of the in-process Python-only row (0: skip it)")
     ap.add_argument("--json")
@@ -336,7 +380,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as work:
         for pattern in args.patterns.split(","):
             blocks = run_pattern(args, pattern, work)
-            result["patterns"][pattern] = report(pattern, blocks)
+            result["patterns"][pattern] = (report_alternate(pattern, blocks, args.alternate)
+                                           if args.alternate else report(pattern, blocks))
     if args.python_iters > 0:
         us = python_path(args)
         result["python_only_us"] = us
