@@ -897,7 +897,7 @@ class StepMeshAFDConnector(AFDConnectorBase):
             reply = self._empty((W * M, H), self.dtype)
             srv.register_reply(_key(s, _OUT), reply)
             self._regions.append(region)
-            self._meta_regions.append(meta)
+            self._meta_regions.append(memoryview(meta.numpy()))  # plain int reads
             self._logit_regions.append(logits)
             self._logit_gathers.append(gather_logits)
             self._replies.append(reply)
@@ -965,8 +965,8 @@ class StepMeshAFDConnector(AFDConnectorBase):
         if spec is not None:
             logits = self._gather_logits(batch, s, workers, seq_lens, spec)
         meta = self._meta_regions[s]
-        layer_idx = int(meta[workers[0] * _META_WORDS])
-        flags = int(meta[workers[0] * _META_WORDS + 2])
+        layer_idx = meta[workers[0] * _META_WORDS]
+        flags = meta[workers[0] * _META_WORDS + 2]
         metadata = AFDTransferMetadata(layer_idx=layer_idx, stage_idx=s, seq_lens=seq_lens)
         state = StepMeshTransferState(batch=batch, stage=s, workers=workers,
                                       is_warmup=bool(flags & FLAG_WARMUP),
