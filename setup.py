@@ -41,5 +41,9 @@ setup(
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.9",
     install_requires=[],
+    # vLLM calls every vllm.general_plugins entry point in each process it
+    # starts: this one adds StepMeshAFDConnector to the AFD plugin's factory and
+    # supported names (a no-op without afd_plugin). docs/python.md.
+    entry_points={"vllm.general_plugins": ["stepmesh_afd = stepmesh.vllm:register"]},
     zip_safe=False,
 )

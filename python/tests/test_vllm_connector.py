@@ -1,0 +1,290 @@
+"""stepmesh.vllm.StepMeshAFDConnector against the vLLM AFD plugin's contract.
+
+In-process: the extra config, registration in the plugin's factory and names
+tuple, constructor checks, the custom ops' fake implementations. Over real
+processes (children of fork_runner.py, one torch import): 2A2F and 4A2F in
+both topologies (variable and idle token counts per step, warm-up and capture
+flags through the control plane, bf16 router logits, ref_tensor reused, bad
+shapes and metadata), a lost FFN rank, and our own base when no afd_plugin is
+importable. The plugin's classes come from the stand-in under
+afd_plugin_standin/ (written from the documented contract); where the real
+afd_plugin (with vLLM) is importable the process suite runs against it too.
+"""
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STANDIN = os.path.join(HERE, "afd_plugin_standin")
+PEER = os.path.join(HERE, "programs", "vllm_peer.py")
+RUNNER = os.path.join(HERE, "fork_runner.py")
+# Looked up before the stand-in goes first on this process's path.
+REAL_PLUGIN = (importlib.util.find_spec("afd_plugin") is not None
+               and importlib.util.find_spec("vllm") is not None)
+sys.path.insert(0, STANDIN)
+
+import proc_util  # noqa: E402
+
+torch = proc_util.require_torch()
+import stepmesh.vllm as sv  # noqa: E402
+from afd_plugin import config as plugin_config  # noqa: E402  (the stand-in)
+from afd_plugin.connectors.base import AFDConnectorBase  # noqa: E402
+from afd_plugin.connectors.factory import AFDConnectorFactory  # noqa: E402
+
+H = 16
+
+
+def vllm_config(extra=None, hidden=H, **model):
+    afd = {"connector": sv.NAME}
+    if extra is not None:
+        afd["connector_extra_config"] = extra
+    return types.SimpleNamespace(
+        model_config=types.SimpleNamespace(
+            hf_config=types.SimpleNamespace(hidden_size=hidden), dtype=torch.bfloat16,
+            enforce_eager=True, **model),
+        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=64),
+        parallel_config=types.SimpleNamespace(data_parallel_rank=0, data_parallel_size=1),
+        compilation_config=None, additional_config={"afd": afd})
+
+
+def afd_config(**kw):
+    fields = dict(connector=sv.NAME, role="attention", host="127.0.0.1", port=29999,
+                  num_attention_ranks=2, num_ffn_ranks=2)
+    fields.update(kw)
+    return plugin_config.AFDConfig(**fields)
+
+
+# ----------------------------------------------------------------- in-process
+def test_uses_the_plugin_base_when_importable():
+    assert sv.PLUGIN_BASE
+    assert issubclass(sv.StepMeshAFDConnector, AFDConnectorBase)
+    assert isinstance(sv.StepMeshAFDConnector.parse_extra_config({}), sv.StepMeshExtraInfo)
+
+
+def test_parse_extra_config():
+    parse = sv.StepMeshAFDConnector.parse_extra_config
+    assert parse({}) == parse(None) == sv.StepMeshExtraInfo()
+    info = parse({"topology": "all_to_all", "transport": "tcp", "interface": "lo",
+                  "auth_token": "none", "poll_mode": "spin", "trace": "off",
+                  "num_stages": 3, "timeout": 2})
+    assert (info.topology, info.transport, info.interface, info.trace) == \
+        ("all_to_all", "tcp", "lo", False)
+    assert info.to_mapping()["num_stages"] == 3 and info.timeout == 2.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.topology = "subgroup"
+    with pytest.raises(ValueError, match="unknown key 'topolgy'"):
+        parse({"topolgy": "subgroup"})
+    with pytest.raises(ValueError, match="topology='ring'"):
+        parse({"topology": "ring"})
+    with pytest.raises(ValueError, match="num_stages='two'"):
+        parse({"num_stages": "two"})
+    with pytest.raises(ValueError, match="auth_token='secret'"):
+        parse({"auth_token": "secret"})
+    with pytest.raises(TypeError, match="must be a mapping"):
+        parse(["topology"])
+
+
+def test_registration_in_the_plugin_factory():
+    assert sv.register() and sv.register()  # idempotent
+    assert plugin_config.SUPPORTED_AFD_CONNECTORS.count(sv.NAME) == 1
+    afd_config().validate()  # the validator reads the tuple at call time
+    conn = AFDConnectorFactory.create_connector(0, 0, vllm_config({"max_tokens": 8}),
+                                                afd_config(role="ffn"))
+    assert type(conn) is sv.StepMeshAFDConnector
+    assert (conn.role_rank, conn.attn_size, conn.ffn_size) == (0, 2, 2)
+    assert conn.control_plane is not None and not conn.is_initialized
+    conn.close()
+    conn.close()  # never initialised: still fine, twice
+    # The stand-in is as strict as the plugin: a non-connector is refused...
+    AFDConnectorFactory.register_connector("NotAConnector", "stepmesh.vllm",
+                                           "StepMeshExtraInfo", replace=True)
+    with pytest.raises(TypeError, match="is not an AFDConnectorBase"):
+        AFDConnectorFactory.create_connector(
+            0, 0, vllm_config(), afd_config(connector="NotAConnector"))
+    # ... and so is a name outside the supported tuple.
+    with pytest.raises(ValueError, match="AFD connector must be one of"):
+        afd_config(connector="Unlisted").validate()
+
+
+def test_setup_py_declares_the_vllm_entry_point():
+    root = os.environ.get("PYTEST_STEPMESH_ROOT", os.path.dirname(os.path.dirname(HERE)))
+    with open(os.path.join(root, "setup.py"), encoding="utf-8") as f:
+        text = f.read()
+    m = re.search(r'"vllm\.general_plugins": \["stepmesh_afd = ([\w.]+):(\w+)"\]', text)
+    assert m, "setup.py has no vllm.general_plugins entry point"
+    assert m.groups() == ("stepmesh.vllm", "register") and callable(sv.register)
+
+
+def test_constructor_checks_name_the_field():
+    make = sv.StepMeshAFDConnector
+    with pytest.raises(ValueError, match=r"num_attention_ranks \(3\).*num_ffn_ranks \(2\)"):
+        make(0, 0, vllm_config(), afd_config(num_attention_ranks=3), 0)
+    with pytest.raises(ValueError, match="role_rank=2 out of range"):
+        make(0, 0, vllm_config(), afd_config(), 2)
+    with pytest.raises(ValueError, match="hf_config.hidden_size"):
+        make(0, 0, vllm_config(hidden=None), afd_config(), 0)
+    with pytest.raises(ValueError, match="unknown key 'hidden'"):
+        make(0, 0, vllm_config({"hidden": 3}), afd_config(), 0)
+    conn = make(0, 0, vllm_config({"topology": "all_to_all"}), afd_config(num_attention_ranks=3),
+                1)  # any A, F for all_to_all
+    assert conn.max_tokens == 64 and conn.dtype == torch.bfloat16  # from vllm_config
+    ctx = sv.AFDTransferContext(metadata=sv.AFDTransferMetadata(0, 0, [1]))
+    with pytest.raises(RuntimeError, match="not initialised"):
+        conn.send_attn_output(torch.zeros(1, H, dtype=torch.bfloat16), ctx)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        conn.recv_ffn_output(torch.zeros(1, H, dtype=torch.bfloat16), 0)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        conn.control_plane.recv_dp_metadata_list()
+
+
+def test_mesh_options_come_from_the_configs(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("s3cret\nignored\n")
+    extra = {"transport": "tcp", "interface": "lo", "poll_mode": "spin", "trace": False,
+             "backend": "cpu_mock", "timeout": 7, "auth_token": f"file:{token}",
+             "topology": "all_to_all"}
+    conn = sv.StepMeshAFDConnector(0, 0, vllm_config(extra), afd_config(
+        role="ffn", num_attention_ranks=3, num_ffn_ranks=2, port=31000), 1)
+    o = conn._mesh_options()
+    assert (o.role, o.rank, o.num_workers, o.num_servers) == ("server", 1, 3, 2)
+    assert (o.scheduler, o.transport, o.interface, o.poll_mode) == \
+        ("127.0.0.1:31000", "tcp", "lo", "spin")
+    assert (o.trace, o.timeout, o.backend, o.auth_token) == (False, 7.0, "cpu_mock", "s3cret")
+    sub = sv.StepMeshAFDConnector(0, 0, vllm_config({"auth_token": "none"}), afd_config(
+        num_attention_ranks=4, num_ffn_ranks=2, port=31000), 3)  # attention 3 -> FFN 1
+    o = sub._mesh_options()
+    assert (o.role, o.rank, o.num_workers, o.num_servers, o.scheduler, o.auth_token) == \
+        ("worker", 1, 2, 1, "127.0.0.1:31001", "")
+    missing = sv.StepMeshAFDConnector(0, 0, vllm_config({"auth_token": "file:/nonexistent/t"}),
+                                      afd_config(), 0)
+    with pytest.raises(ValueError, match="auth_token: cannot read '/nonexistent/t'"):
+        missing._mesh_options()
+
+
+def test_custom_ops_have_fake_implementations():
+    sv.register_ops()
+    sv.register_ops()  # once per process
+    assert sv.FAKE_REGISTRATION in ("register_fake", "impl_abstract", "meta")
+    meta = torch.empty(4, H, device="meta", dtype=torch.bfloat16)
+    # The fakes touch nothing (no connector with id 12345 exists).
+    torch.ops.stepmesh.afd_send_attn(meta, None, 12345, 0, 0)
+    torch.ops.stepmesh.afd_recv_ffn(meta, 12345, 0)
+    with pytest.raises(RuntimeError, match="id 12345 is not initialised"):
+        torch.ops.stepmesh.afd_recv_ffn(torch.zeros(4, H, dtype=torch.bfloat16), 12345, 0)
+
+
+# ----------------------------------------------------------------- processes
+@pytest.fixture(scope="module")
+def runner():
+    """fork_runner.py with torch and numpy imported once; run(children) runs one
+    spec (its own deadline) and returns each child's result."""
+    env = dict(os.environ)
+    env.setdefault("STEPMESH_AUTH", "off")  # loopback only; silences the no-token warning
+    p = subprocess.Popen([sys.executable, RUNNER, "torch", "numpy"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=proc_util._die_with_parent)
+    try:
+        line = p.stdout.readline()
+        assert line.strip() == "ready", line
+
+        def run(children, timeout_s=60):
+            p.stdin.write(json.dumps({"timeout_s": timeout_s, "children": children}) + "\n")
+            p.stdin.flush()
+            return json.loads(p.stdout.readline())
+
+        yield run
+    finally:
+        p.stdin.close()
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def free_ports(n):
+    """A base port with n consecutive free ports after it (a subgroup mesh per
+    FFN rank listens on port + f)."""
+    for _ in range(100):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+        s.close()
+        try:
+            for i in range(n):
+                t = socket.socket()
+                t.bind(("127.0.0.1", base + i))
+                t.close()
+            return base
+        except OSError:
+            continue
+    raise AssertionError("no run of free ports")
+
+
+def run_mesh(runner, A, F, topology, mode="normal", plugin="standin", steps=4, layers=2,
+             timeout=5.0, custom_ops="auto"):
+    port = free_ports(F)
+    children = []
+    for role, n in (("ffn", F), ("attention", A)):
+        for r in range(n):
+            spec = dict(role=role, rank=r, A=A, F=F, topology=topology, port=port, steps=steps,
+                        layers=layers, mode=mode, timeout=timeout, custom_ops=custom_ops,
+                        standin=STANDIN if plugin == "standin" else "")
+            children.append({"program": PEER, "env": {"VLLM_PEER_SPEC": json.dumps(spec)}})
+    t0 = time.monotonic()
+    results = runner(children, timeout_s=60)
+    took = time.monotonic() - t0
+    report = "\n----\n".join(f"[{c['env']['VLLM_PEER_SPEC']}] rc={r['rc']} "
+                             f"timed_out={r['timed_out']}\n{r['output']}"
+                             for c, r in zip(children, results))
+    return results, took, report
+
+
+PLUGINS = ["standin", pytest.param("real", marks=pytest.mark.skipif(
+    not REAL_PLUGIN, reason="afd_plugin (with vLLM) is not importable here"))]
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
+@pytest.mark.parametrize("A,F,topology,custom_ops", [
+    (2, 2, "subgroup", "always"), (4, 2, "subgroup", "auto"),
+    (2, 2, "all_to_all", "auto"), (4, 2, "all_to_all", "always")])
+def test_contract_over_processes(runner, A, F, topology, custom_ops, plugin):
+    """custom_ops="always": every send/receive through torch.ops.stepmesh (the
+    peers count the kernel calls); "auto": eager calls skip the dispatcher."""
+    results, _, report = run_mesh(runner, A, F, topology, plugin=plugin, custom_ops=custom_ops)
+    for i, r in enumerate(results):
+        assert r["rc"] == 0 and " ok" in r["output"], report
+    assert sum("] ok" in r["output"] for r in results) == A + F, report
+
+
+@pytest.mark.parametrize("mode", ["lost", "hung"])
+def test_lost_ffn_rank_is_named_within_the_timeout(runner, mode):
+    """FFN rank 1 killed (its connections close) or stopped (silent: the
+    library's peer-silence deadline, options.timeout) at the start of step 1."""
+    timeout = 5.0 if mode == "lost" else 2.0
+    results, took, report = run_mesh(runner, 2, 2, "all_to_all", mode=mode, timeout=timeout)
+    ffn0, ffn1, att0, att1 = results
+    assert ffn1["rc"] == -signal.SIGKILL, report
+    for r in (ffn0, att0, att1):
+        assert r["rc"] == 0, report
+    for r in (att0, att1):  # the peer program asserts "FFN rank 1" in the error, in time
+        assert "lost detected" in r["output"] and "FFN rank 1" in r["output"], report
+    assert took < 4 * timeout, report
+
+
+@pytest.mark.skipif(REAL_PLUGIN, reason="afd_plugin is importable: no fallback base here")
+def test_own_base_without_the_plugin(runner):
+    spec = dict(role="attention", rank=0, A=1, F=1, topology="subgroup", port=0, steps=0,
+                layers=0, mode="fallback", timeout=1.0, standin="")
+    (r,) = runner([{"program": PEER, "env": {"VLLM_PEER_SPEC": json.dumps(spec)}}])
+    assert r["rc"] == 0 and "fallback ok" in r["output"], r["output"]
