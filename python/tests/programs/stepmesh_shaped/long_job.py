@@ -1,0 +1,36 @@
+"""A job that runs longer than STEPMESH_TIMEOUT (FSERVER_JOB_S seconds of
+steady traffic): the scheduler must wait for it, as StepMesh's does, and
+every participant's stop() must succeed."""
+
+import os
+import time
+
+import torch
+
+import fserver_lib as f
+
+JOB_S = float(os.environ.get("FSERVER_JOB_S", "6"))
+role = os.environ.get("DMLC_ROLE")
+
+f.init()
+if role == "worker":
+    f.barrier(False, True)
+    t0, it = time.monotonic(), 0
+    while time.monotonic() - t0 < JOB_S:
+        x = torch.full((1, 16), float(it))
+        y = [torch.zeros(1, 16)]
+        f.wait(f.push_pull([x], [0], y, [0]))
+        assert torch.equal(y[0], x + 1)
+        it += 1
+        time.sleep(0.05)
+    f.wait(f.push_pull([torch.full((1, 16), -1.0)], [0], [torch.zeros(1, 16)], [0]))
+    print(f"worker test done after {it} iterations", flush=True)
+elif role == "server":
+    f.barrier(True, False)
+    while True:
+        (handler, tensors, keys), = f.get_batch()
+        f.respond([tensors[0] + 1], handler)
+        if float(tensors[0][0, 0]) == -1.0:
+            break
+    print("server test done", flush=True)
+f.stop()

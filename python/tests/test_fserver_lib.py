@@ -1,0 +1,158 @@
+"""StepMesh-shaped programs (programs/stepmesh_shaped/, written from
+StepMesh's documented API) run through `import fserver_lib` as separate
+processes over TCP on 127.0.0.1, launched the way StepMesh's scripts launch
+them (DMLC_* variables, DMLC_ENABLE_RDMA=zmq, DMLC_INTERFACE=auto with
+DMLC_NODE_HOST). This test process is the scheduler (DMLC_PS_ROOT_PORT=0: the
+OS picks the port) and, as StepMesh's scheduler does, it calls stop() right
+after init(), on a thread: stop() waits as long as the participants run."""
+
+import os
+import threading
+import time
+
+import pytest
+
+import stepmesh
+import fserver_lib as f
+from test_fserver_compat import ForkRunner
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROGRAMS = os.path.join(HERE, "programs", "stepmesh_shaped")
+
+
+@pytest.fixture(scope="module")
+def runner():
+    r = ForkRunner(modules=["torch", "torch.utils.dlpack", "numpy", "fserver_lib", "fserver"])
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+def run_mesh(monkeypatch, runner, program, workers, servers, group_size=1, extra=None,
+             timeout="30s"):
+    """Runs `program` as every participant; returns (outputs, scheduler stop() seconds)."""
+    env = {"DMLC_ROLE": "scheduler", "DMLC_NUM_WORKER": str(workers),
+           "DMLC_NUM_SERVER": str(servers), "DMLC_PS_ROOT_URI": "127.0.0.1",
+           "DMLC_PS_ROOT_PORT": "0", "DMLC_GROUP_SIZE": str(group_size),
+           "DMLC_ENABLE_RDMA": "zmq", "STEPMESH_TIMEOUT": timeout}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    f.init()
+    port = f.scheduler_address().rsplit(":", 1)[1]
+    stopped = {}
+
+    def stop():  # StepMesh's scheduler program: f.init(); f.stop()
+        t0 = time.monotonic()
+        try:
+            f.stop()
+            stopped["ok"] = time.monotonic() - t0
+        except BaseException as e:
+            stopped["error"] = e
+
+    th = threading.Thread(target=stop)
+    th.start()
+    common = {**env, "DMLC_PS_ROOT_PORT": port, "DMLC_INTERFACE": "auto",
+              "DMLC_NODE_HOST": "127.0.0.1", "STEPMESH_POLL_MODE": "blocking", **(extra or {})}
+    children = [{"program": os.path.join(PROGRAMS, program),
+                 "env": {**common, "DMLC_ROLE": role, "DMLC_NODE_RANK": str(r),
+                         "STEPMESH_GPU": str(g)}}
+                for role, count in (("server", servers), ("worker", workers))
+                for r in range(count) for g in range(group_size)]
+    try:
+        results = runner.run({"timeout_s": 200, "children": children}, timeout_s=240)
+    finally:
+        th.join(60)
+    assert not th.is_alive(), "the scheduler's stop() did not return after the job"
+    bad = [f"{c['env']['DMLC_ROLE']} rank {c['env']['DMLC_NODE_RANK']} gpu "
+           f"{c['env']['STEPMESH_GPU']}: rc {r['rc']}{' (timed out)' if r['timed_out'] else ''}"
+           f"\n{r['output']}" for c, r in zip(children, results) if r["rc"] != 0]
+    assert not bad, "\n----\n".join(bad)
+    assert "error" not in stopped, f"scheduler stop(): {stopped.get('error')!r}"
+    return [r["output"] for r in results], stopped["ok"]
+
+
+def count(outs, text):
+    return sum(text in o for o in outs)
+
+
+def test_one_worker_one_server(monkeypatch, runner):
+    outs, _ = run_mesh(monkeypatch, runner, "test_fserver.py", workers=1, servers=1)
+    assert count(outs, "worker test done") == 1 and count(outs, "server test done") == 1, outs
+
+
+def test_two_workers_one_server(monkeypatch, runner):
+    outs, _ = run_mesh(monkeypatch, runner, "test_fserver.py", workers=2, servers=1)
+    assert count(outs, "worker test done") == 2 and count(outs, "server test done") == 1, outs
+
+
+def test_group_size_eight_is_eight_independent_pairs(monkeypatch, runner):
+    outs, _ = run_mesh(monkeypatch, runner, "group_pairs.py", workers=1, servers=1, group_size=8)
+    for g in range(8):
+        assert count(outs, f"worker {g} test done") == 1, outs
+        assert count(outs, f"server {g} test done") == 1, outs
+
+
+def test_per_rank_keys_batch_by_arrival(monkeypatch, runner):
+    outs, _ = run_mesh(monkeypatch, runner, "rank_keys.py", workers=2, servers=2)
+    assert count(outs, "test done") == 4, outs
+
+
+def test_three_stages_in_flight(monkeypatch, runner):
+    outs, _ = run_mesh(monkeypatch, runner, "diff_stage.py", workers=2, servers=2)
+    assert count(outs, "test done") == 4, outs
+
+
+def test_host_flags_proxy_thread(monkeypatch, runner):
+    outs, _ = run_mesh(monkeypatch, runner, "kernel_wait.py", workers=1, servers=1)
+    assert count(outs, "test done") == 2, outs
+
+
+def test_benchmark_prints_its_500_iteration_window(monkeypatch, runner):
+    # The benchmark's window at a CI size (docs/benchmarks.md has the 1024 x 7168 run).
+    outs, _ = run_mesh(monkeypatch, runner, "bmk_comm_latency.py", workers=1, servers=1,
+                       extra={"BMK_TOKENS": "16", "BMK_DIM": "256", "BMK_ITERS": "500"})
+    worker = next(o for o in outs if "worker 0 test done" in o)
+    assert "(1 windows)" in worker, worker
+    assert "comm bmk rank=0: mean=" in worker and "p99=" in worker, worker
+    for name in ("push 1", "push 2", "pull 1"):
+        assert f"rank=0 {name}:" in worker, worker
+    for stage in ("python_req", "req_send", "req_recv", "process", "rsp_send", "rsp_recv",
+                  "python_rsp", "net_cost"):
+        assert worker.count(stage) == 3, (stage, worker)
+
+
+def test_scheduler_waits_for_a_job_longer_than_the_timeout(monkeypatch, runner):
+    outs, took = run_mesh(monkeypatch, runner, "long_job.py", workers=1, servers=1,
+                          timeout="2s", extra={"FSERVER_JOB_S": "5"})
+    assert count(outs, "test done") == 2, outs
+    assert took > 4, f"the scheduler's stop() returned after {took:.1f} s, before the job ended"
+
+
+def test_wait_flag_is_bounded_and_names_the_values():
+    import torch
+    flag = torch.zeros(1, dtype=torch.int64)
+    f.write_flag(flag, torch.tensor([3]))
+    f.wait_flag(flag, torch.tensor([3]))  # already there
+    f.seq_add_one(flag)
+    assert int(flag[0]) == 4
+    with pytest.raises(stepmesh.DeadlineExceeded, match="flag is 4, still below seq 9"):
+        f.wait_flag(flag, torch.tensor([9]), timeout_ms=50)
+
+
+def test_barrier_takes_stepmesh_argument_names():
+    # Before init: the names are checked first (StepMesh's include_client, or include_worker).
+    with pytest.raises(TypeError):
+        f.barrier(True, include_client=True, include_worker=True)
+    with pytest.raises(RuntimeError, match="call init"):
+        f.barrier(True, include_client=False)
+    with pytest.raises(RuntimeError, match="call init"):
+        f.barrier(include_server=True, include_worker=False, instance_barrier=True)
+
+
+def test_fabric_van_names_the_missing_transport(monkeypatch):
+    monkeypatch.setenv("DMLC_ROLE", "worker")
+    monkeypatch.setenv("DMLC_ENABLE_RDMA", "fabric")
+    monkeypatch.setenv("DMLC_PS_ROOT_PORT", "1")  # never dialled: the transport fails first
+    with pytest.raises(stepmesh.Unimplemented, match="libfabric transport is not built"):
+        f.init()
