@@ -117,6 +117,18 @@ def _as_user_tensor(view):
         return view  # e.g. bfloat16 without torch: the raw DLPack view
 
 
+def _bytes_of(t):
+    """A flat uint8 view (torch or numpy) of a contiguous tensor's bytes; the
+    memory is shared. Host tensors, and torch device tensors."""
+    torch = _torch()
+    if torch is not None and isinstance(t, torch.Tensor):
+        return t.reshape(-1).view(torch.uint8)
+    import numpy as np
+    if isinstance(t, np.ndarray):
+        return t.reshape(-1).view(np.uint8)
+    return _bytes_of(_as_user_tensor(t))  # a HostTensor / TensorSlice: through DLPack
+
+
 def _current_stream(tensors) -> Optional[int]:
     """torch's current CUDA stream (a cudaStream_t int) when any of `tensors` is
     a device tensor, else None: host tensors have no producing stream to wait for."""
@@ -200,6 +212,11 @@ class _Mesh:
         self.seq = 0  # requests sent: the n-th of every worker forms the servers' n-th batch
         self.next_handle = 1
         self.handles: Dict[int, Tuple[int, str, int]] = {}  # sub-handle -> (handle, kind, i)
+        # Several pulls per server: key -> part capacities, (key, server) -> staging
+        # buffer, handle -> [(staging, offset, bytes, user tensor)] to copy after wait.
+        self.pull_parts: Dict[int, List[int]] = {}
+        self.pull_stage: Dict[Tuple[int, int], stepmesh.HostTensor] = {}
+        self.copyouts: Dict[int, list] = {}
         self.timeout = w.options.timeout
         self.num_servers = w.num_servers
         # key -> {"push": (ptr, bytes, tensor) | None, "pull": {server: (ptr, bytes, tensor)}}
@@ -271,12 +288,19 @@ class _Mesh:
             raise ValueError(f"{len(push_tensors)} push tensors but {len(push_keys)} push keys")
         if len(pull_tensors) != len(pull_keys):
             raise ValueError(f"{len(pull_tensors)} pull tensors but {len(pull_keys)} pull keys")
+        per = 1
         if len(pull_tensors) > self.num_servers:
-            raise ValueError(f"{len(pull_tensors)} pull tensors for {self.num_servers} server(s): "
-                             "pull_tensors[i] is answered by server i (several pulls per server "
-                             "in one request are not supported, docs/python.md)")
+            if len(pull_tensors) % self.num_servers:
+                raise ValueError(f"{len(pull_tensors)} pull tensors for {self.num_servers} "
+                                 "server(s): several pulls per server come server-major, the same "
+                                 "number from each")
+            per = len(pull_tensors) // self.num_servers
         if not push_keys:
             raise ValueError("a request needs at least one push")
+        copyouts = []
+        if per > 1:  # StepMesh's server-major layout: slot j of server s is s * per + j
+            pull_tensors, pull_keys, copyouts = self._group_pulls(list(pull_tensors),
+                                                                  list(pull_keys), per)
         wanted: Dict[int, list] = {}
         for tensor, key in zip(push_tensors, push_keys):
             entry = wanted.setdefault(int(key), [None, {}])
@@ -287,6 +311,9 @@ class _Mesh:
             wanted.setdefault(int(key), [None, {}])[1][server] = tensor
         notes: dict = {"push": [], "pull": []}
         nbytes = {key: self._bind(key, push, pulls, notes) for key, (push, pulls) in wanted.items()}
+        for n in notes["pull"]:
+            if n["key"] in self.pull_parts:
+                n["parts"] = self.pull_parts[n["key"]]
         if notes["push"] or notes["pull"]:
             self._announce(notes)
         req = self.worker.push_pull([(int(k), nbytes[int(k)]) for k in push_keys],
@@ -295,12 +322,48 @@ class _Mesh:
         # StepMesh's handles: one per push tensor, then one per pull slot of a
         # server; the first names the request.
         handle = self.next_handle
-        count = len(push_keys) + (1 if pull_keys else 0)
+        count = len(push_keys) + (per if pull_keys else 0)
         self.next_handle += count
         self.requests[handle] = req
+        if copyouts:
+            self.copyouts[handle] = copyouts
         for i in range(count):
             self.handles[handle + i] = (handle, "push" if i < len(push_keys) else "pull", i)
         return handle
+
+    def _group_pulls(self, tensors: list, keys: list, per: int):
+        """Several pulls per server: server s's `per` tensors travel as one reply
+        under its first key, into a staging buffer that wait() copies out of.
+        Returns the one-per-server tensors and keys, and the copies to make."""
+        out_tensors, out_keys, copyouts = [], [], []
+        for s in range(self.num_servers):
+            mine = tensors[s * per:(s + 1) * per]
+            mykeys = [int(k) for k in keys[s * per:(s + 1) * per]]
+            if len(set(mykeys)) != per:
+                raise ValueError(f"server {s}'s pull keys {mykeys} repeat a key")
+            infos = [stepmesh.describe(t) for t in mine]
+            if any(i["device"] != "cpu" for i in infos):
+                raise stepmesh.Unimplemented(
+                    "several pulls per server are staged through host memory: host tensors only")
+            wire = mykeys[0]
+            parts = self.pull_parts.get(wire)
+            if parts is None:  # the first use of the layout is its largest, as for any key
+                parts = self.pull_parts[wire] = [i["nbytes"] for i in infos]
+                self.pull_stage[(wire, s)] = stepmesh.HostTensor([sum(parts)], "uint8")
+            elif len(parts) != per or any(i["nbytes"] > cap for i, cap in zip(infos, parts)):
+                raise ValueError(f"pull key {wire}: {per} pulls of "
+                                 f"{[i['nbytes'] for i in infos]} bytes, but its first use was "
+                                 f"{len(parts)} of {parts} bytes (at most)")
+            if (wire, s) not in self.pull_stage:
+                self.pull_stage[(wire, s)] = stepmesh.HostTensor([sum(parts)], "uint8")
+            staging = self.pull_stage[(wire, s)]
+            offset = 0
+            for t, info, cap in zip(mine, infos, parts):
+                copyouts.append((staging, offset, info["nbytes"], t))
+                offset += cap
+            out_tensors.append(staging)
+            out_keys.append(wire)
+        return out_tensors, out_keys, copyouts
 
     def _next_stage(self) -> int:
         """StepMesh's batching rule: the servers' n-th batch holds every worker's n-th
@@ -337,6 +400,8 @@ class _Mesh:
         except stepmesh.DeadlineExceeded:
             self.requests[handle] = req  # still pending: may be waited again
             raise
+        for staging, offset, nbytes, user in self.copyouts.pop(handle, []):
+            _bytes_of(user)[:nbytes] = _bytes_of(staging)[offset:offset + nbytes]
         t = self.worker.fetch_trace(req)
         # StepMesh keeps the trace of a handle's last response: the server whose
         # reply landed last (every push and pull of a request shares its reply).
@@ -361,6 +426,7 @@ class _Mesh:
         self.recv: Dict[int, Tuple[stepmesh.HostTensor, tuple, str]] = {}  # key -> region, row shape
         self.reply: Dict[int, Tuple[stepmesh.HostTensor, int]] = {}  # key -> region, slot bytes
         self.pending: Dict[int, Tuple[Any, int]] = {}  # handler -> (batch entry, worker)
+        self.pull_parts: Dict[int, List[int]] = {}  # key -> part capacities (several pulls)
         # Batches taken (key announcements too) and device waits queued
         # (SimpleNotify): the device counts every batch, announcements included.
         self.batches_seen = 0
@@ -388,6 +454,8 @@ class _Mesh:
                 self._ensure_region(key, n, reply=False)
             for key, n in wanted["pull"].items():
                 self._ensure_region(key, n, reply=True)
+                if "parts" in n:
+                    self.pull_parts[key] = n["parts"]
         except stepmesh.Error as e:
             import sys
             print(f"stepmesh.fserver: key announcement refused: {e}", file=sys.stderr)
@@ -452,12 +520,27 @@ class _Mesh:
         if got is None:
             raise ValueError(f"unknown or already answered handler {handler}")
         entry, w, pull_key = got
-        want = 0 if pull_key is None else 1
+        parts = self.pull_parts.get(pull_key) if pull_key is not None else None
+        want = 0 if pull_key is None else len(parts) if parts else 1
         if len(tensors) != want:
             self.pending[handler] = got
             raise ValueError(f"handler {handler} (worker {w}) pulls {want} tensor(s), "
                              f"respond got {len(tensors)}")
-        if want:
+        if parts:  # several pulls: each part at its offset of the one reply
+            slot = _bytes_of(_as_user_tensor(self.server.reply_slot(pull_key, w)))
+            offset = end = 0
+            for j, (t, cap) in enumerate(zip(tensors, parts)):
+                src = _bytes_of(t)
+                if src.shape[0] > cap:
+                    self.pending[handler] = got
+                    raise ValueError(f"handler {handler}: pull {j} of {src.shape[0]} bytes, more "
+                                     f"than the {cap} its worker pulls")
+                slot[offset:offset + src.shape[0]] = src
+                end = offset + src.shape[0]
+                offset += cap
+            entry["bytes"][w] = end
+            entry["stream"] = entry["stream"] or _current_stream(tensors)
+        elif want:
             entry["bytes"][w] = _copy(self.server.reply_slot(pull_key, w), tensors[0])
             # A device tensor is copied on torch's current stream: the reply
             # leaves after that copy (a ready event), never before.

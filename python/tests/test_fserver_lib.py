@@ -103,6 +103,11 @@ def test_three_stages_in_flight(monkeypatch, runner):
     assert count(outs, "test done") == 4, outs
 
 
+def test_several_pulls_per_server_in_one_request(monkeypatch, runner):
+    outs, _ = run_mesh(monkeypatch, runner, "multi_pull.py", workers=2, servers=2)
+    assert count(outs, "test done") == 4, outs
+
+
 def test_host_flags_proxy_thread(monkeypatch, runner):
     outs, _ = run_mesh(monkeypatch, runner, "kernel_wait.py", workers=1, servers=1)
     assert count(outs, "test done") == 2, outs
