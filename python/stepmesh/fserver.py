@@ -1,9 +1,12 @@
 """A drop-in for StepMesh's ``fserver_lib`` on top of stepmesh.
 
-``import stepmesh.fserver as f`` and StepMesh-style programs keep their shape:
-``f.init()``, ``f.push_pull(...)``, ``f.wait(h)``, ``f.get_batch()``,
+``import fserver_lib as f`` (python/compat/ installs that name, and the
+``fserver`` package, as this module) and StepMesh-style programs keep their
+shape: ``f.init()``, ``f.push_pull(...)``, ``f.wait(h)``, ``f.get_batch()``,
 ``f.respond(...)``, ``f.barrier(...)``, ``f.fetch_trace(h)``, ``f.stop()``,
-configured by the same ``DMLC_*`` variables (plus any ``STEPMESH_*`` one).
+configured by the same ``DMLC_*`` / ``STEPMESH_*`` variables, every one a row
+of the one environment table (src/core/env.cc), read here through
+``MeshOptions.from_env()``.
 
 Like ``fserver_lib`` this module is process-global (one mesh per process);
 the stepmesh classes underneath have no such limit.
@@ -19,17 +22,22 @@ How StepMesh's implicit rules map onto stepmesh's explicit registration:
   collective, like StepMesh's first transfer: every worker introduces its new
   keys in the same call, and the first use of a key is at its largest size
   (a larger later push is a ValueError, not silent corruption).
-* ``pull_tensors[i]`` is answered by server ``i`` (at most one pull per server
-  per request, as in StepMesh's own tests and connector).
+* StepMesh's get_batch() pops each worker's oldest request: here each
+  worker's n-th request carries stage n (SendOptions::stage), so the servers'
+  n-th batch holds every worker's n-th request whatever its keys.
+* ``pull_tensors`` is server-major: with one per server, ``pull_tensors[i]``
+  is answered by server ``i``; several per server travel as one reply into a
+  staging buffer that wait() copies out of.
+* ``DMLC_GROUP_SIZE=g``: instance i of every group forms mesh i (scheduler
+  port + i), GPU i talking to GPU i only.
 * ``get_batch()`` returns one ``(handler, [tensors], [keys])`` per worker, in
-  worker-rank order, once every worker's request of a micro-batch arrived;
-  the tensors are zero-copy views of the receive region (torch tensors when
-  torch is importable, else numpy arrays; a numpy-less dtype such as bfloat16
-  without torch comes as a ``stepmesh.TensorSlice``).
+  worker-rank order; the tensors are zero-copy views of the receive region
+  (torch tensors when torch is importable, else numpy arrays; a numpy-less
+  dtype such as bfloat16 without torch comes as a ``stepmesh.TensorSlice``).
 * ``respond_vec`` gives each handler *its own* rows of ``ret_buffer``
   (consecutive, in handler order), where StepMesh slices row 0 for everyone.
 
-docs/python.md has the migration table.
+docs/python.md has the migration notes and every remaining difference.
 """
 
 from __future__ import annotations

@@ -108,6 +108,11 @@ def test_several_pulls_per_server_in_one_request(monkeypatch, runner):
     assert count(outs, "test done") == 4, outs
 
 
+def test_register_recv_buffer_with_worker_subsets_and_several_keys(monkeypatch, runner):
+    outs, _ = run_mesh(monkeypatch, runner, "register_recv.py", workers=2, servers=1)
+    assert count(outs, "test done") == 3, outs
+
+
 def test_host_flags_proxy_thread(monkeypatch, runner):
     outs, _ = run_mesh(monkeypatch, runner, "kernel_wait.py", workers=1, servers=1)
     assert count(outs, "test done") == 2, outs
