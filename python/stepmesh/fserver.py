@@ -499,7 +499,13 @@ class _Mesh:
 
     def get_batch(self):
         while True:
-            batch = self.server.get_batch(self.timeout)
+            try:
+                batch = self.server.get_batch(self.timeout)
+            except stepmesh.DeadlineExceeded:
+                # StepMesh's get_batch waits as long as the workers run (an idle
+                # attention side is no error); when every worker is gone it ends
+                # here with stepmesh.Unavailable (liveness is the mesh's).
+                continue
             self.batches_seen += 1
             if any(t.key == _ANNOUNCE_KEY for t in batch.tensors):
                 if len(batch.tensors) != 1:
@@ -687,7 +693,9 @@ def wait(handler: int, timeout_ms: int = 10000) -> None:
 
 
 def get_batch():
-    """FFN side: [(handler, [tensors], [keys]) per worker] of the next micro-batch."""
+    """FFN side: [(handler, [tensors], [keys]) per worker] of the next micro-batch.
+    Waits as long as the workers run, as StepMesh's does; stepmesh.Unavailable
+    when every worker is gone (left, or silent for STEPMESH_TIMEOUT)."""
     return _mesh("server").get_batch()
 
 
@@ -857,10 +865,9 @@ class SimpleNotify:
     def get_future_batch_data(self):
         if self._future is None:
             raise RuntimeError("block_now_stream_and_get_batch() first")
-        m = _mesh("server")
-        self._future.join(m.timeout + 5.0)  # get_batch itself gives up after m.timeout
-        if self._future.is_alive():
-            raise stepmesh.DeadlineExceeded("get_batch() did not return in time")
+        # get_batch() waits as long as the workers live, and raises when they are gone.
+        while self._future.is_alive():
+            self._future.join(1.0)
         self._future = None
         kind, value = self._result[0]
         if kind == "error":

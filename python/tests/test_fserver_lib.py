@@ -134,9 +134,9 @@ def test_benchmark_prints_its_500_iteration_window(monkeypatch, runner):
 
 def test_scheduler_waits_for_a_job_longer_than_the_timeout(monkeypatch, runner):
     outs, took = run_mesh(monkeypatch, runner, "long_job.py", workers=1, servers=1,
-                          timeout="2s", extra={"FSERVER_JOB_S": "5"})
+                          timeout="2s", extra={"FSERVER_JOB_S": "6", "FSERVER_IDLE_S": "3"})
     assert count(outs, "test done") == 2, outs
-    assert took > 4, f"the scheduler's stop() returned after {took:.1f} s, before the job ended"
+    assert took > 5, f"the scheduler's stop() returned after {took:.1f} s, before the job ended"
 
 
 def test_wait_flag_is_bounded_and_names_the_values():
