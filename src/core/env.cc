@@ -424,8 +424,15 @@ const std::vector<EnvEntry>& EnvTable() {
        STEPMESH_ENV_INT(fserver.instance_id)},
       // StepMesh's own STEPMESH_* knobs: honoured where ours has the feature,
       // else accepted and named as ignored once per process.
-      {"STEPMESH_GPU", "fserver.gpu", "0", "fserver: StepMesh's device index (the instance index)",
-       STEPMESH_ENV_INT(fserver.gpu), true},
+      {"STEPMESH_GPU", "fserver.gpu, device", "0",
+       "StepMesh's device index: the accelerator (`STEPMESH_DEVICE` wins) and, for fserver, "
+       "the instance index",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         STEPMESH_ASSIGN_OR_RETURN(o.fserver.gpu, ParseInt(v));
+         o.device = o.fserver.gpu;
+         return absl::OkStatus();
+       },
+       true},
       {"STEPMESH_BAKCEND", "backend", "—",
        "StepMesh's backend name (sic): `GPU` is `cuda`, `CPU` is `cpu_mock`",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {

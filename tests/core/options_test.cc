@@ -119,6 +119,14 @@ TEST_CASE("fserver_lib's launch variables land in MeshOptions::fserver", "[optio
     CHECK(o->fserver.rank_offset == 1);
     CHECK(o->fserver.instance_id == 5);
     CHECK(o->fserver.gpu == 4);
+    CHECK(o->device == 4);  // StepMesh's GPU is the accelerator too
+  }
+  {
+    ScopedEnv env({{"STEPMESH_GPU", "4"}, {"STEPMESH_DEVICE", "2"}});
+    auto o = MeshOptions::FromEnv();
+    REQUIRE(o.ok());
+    CHECK(o->device == 2);  // ours wins
+    CHECK(o->fserver.gpu == 4);
   }
   {
     ScopedEnv env({{"DMLC_GROUP_SIZE", "0"}});
