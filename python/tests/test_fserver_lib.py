@@ -72,6 +72,33 @@ def run_mesh(monkeypatch, runner, program, workers, servers, group_size=1, extra
     return [r["output"] for r in results], stopped["ok"]
 
 
+def run_afd(monkeypatch, runner, program, attention, extra):
+    """Like run_mesh for a program that sets its own DMLC_* (1 FFN server):
+    children get only AFD_ROLE / AFD_RANK and the scheduler's address."""
+    for k, v in {"DMLC_ROLE": "scheduler", "DMLC_NUM_WORKER": str(attention),
+                 "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
+                 "DMLC_PS_ROOT_PORT": "0", "STEPMESH_TIMEOUT": "30s"}.items():
+        monkeypatch.setenv(k, v)
+    f.init()
+    port = f.scheduler_address().rsplit(":", 1)[1]
+    th = threading.Thread(target=f.stop)  # the connector's `ps.init(); ps.stop()` scheduler
+    th.start()
+    common = {"DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": port,
+              "STEPMESH_TIMEOUT": "30s", "STEPMESH_POLL_MODE": "blocking", **extra}
+    children = [{"program": os.path.join(PROGRAMS, program),
+                 "env": {**common, "AFD_ROLE": role, "AFD_RANK": str(r)}}
+                for role, n in (("ffn", 1), ("attention", attention)) for r in range(n)]
+    try:
+        results = runner.run({"timeout_s": 200, "children": children}, timeout_s=240)
+    finally:
+        th.join(60)
+    assert not th.is_alive(), "the scheduler's stop() did not return after the job"
+    bad = [f"{c['env']['AFD_ROLE']} {c['env']['AFD_RANK']}: rc {r['rc']}\n{r['output']}"
+           for c, r in zip(children, results) if r["rc"] != 0]
+    assert not bad, "\n----\n".join(bad)
+    return [r["output"] for r in results]
+
+
 def count(outs, text):
     return sum(text in o for o in outs)
 
@@ -111,6 +138,14 @@ def test_several_pulls_per_server_in_one_request(monkeypatch, runner):
 def test_register_recv_buffer_with_worker_subsets_and_several_keys(monkeypatch, runner):
     outs, _ = run_mesh(monkeypatch, runner, "register_recv.py", workers=2, servers=1)
     assert count(outs, "test done") == 3, outs
+
+
+def test_vllm_connector_shape(monkeypatch, runner):
+    # The program sets its DMLC_* itself from AFD_* (as the connector does from vLLM's config).
+    extra = {"AFD_NUM_ATTENTION": "2"}
+    outs = run_afd(monkeypatch, runner, "vllm_connector.py", attention=2, extra=extra)
+    assert count(outs, "attention 0 test done") == 1 and count(outs, "attention 1 test done") == 1
+    assert count(outs, "ffn test done") == 1, outs
 
 
 def test_host_flags_proxy_thread(monkeypatch, runner):
