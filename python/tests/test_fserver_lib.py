@@ -29,20 +29,18 @@ def runner():
         r.close()
 
 
-def run_mesh(monkeypatch, runner, program, workers, servers, group_size=1, extra=None,
-             timeout="30s"):
-    """Runs `program` as every participant; returns (outputs, scheduler stop() seconds)."""
-    env = {"DMLC_ROLE": "scheduler", "DMLC_NUM_WORKER": str(workers),
-           "DMLC_NUM_SERVER": str(servers), "DMLC_PS_ROOT_URI": "127.0.0.1",
-           "DMLC_PS_ROOT_PORT": "0", "DMLC_GROUP_SIZE": str(group_size),
-           "DMLC_ENABLE_RDMA": "zmq", "STEPMESH_TIMEOUT": timeout}
+def run_with_scheduler(monkeypatch, runner, env, make_children):
+    """This process becomes the scheduler of `env` (DMLC_PS_ROOT_PORT=0) and, as
+    StepMesh's scheduler program does (`f.init(); f.stop()`), calls stop() at
+    once, on a thread; make_children(port) are then run. Returns (outputs,
+    seconds stop() took) after checking every child exited 0 and stop() succeeded."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     f.init()
     port = f.scheduler_address().rsplit(":", 1)[1]
     stopped = {}
 
-    def stop():  # StepMesh's scheduler program: f.init(); f.stop()
+    def stop():
         t0 = time.monotonic()
         try:
             f.stop()
@@ -52,51 +50,53 @@ def run_mesh(monkeypatch, runner, program, workers, servers, group_size=1, extra
 
     th = threading.Thread(target=stop)
     th.start()
-    common = {**env, "DMLC_PS_ROOT_PORT": port, "DMLC_INTERFACE": "auto",
-              "DMLC_NODE_HOST": "127.0.0.1", "STEPMESH_POLL_MODE": "blocking", **(extra or {})}
-    children = [{"program": os.path.join(PROGRAMS, program),
-                 "env": {**common, "DMLC_ROLE": role, "DMLC_NODE_RANK": str(r),
-                         "STEPMESH_GPU": str(g)}}
-                for role, count in (("server", servers), ("worker", workers))
-                for r in range(count) for g in range(group_size)]
+    children = make_children(port)
     try:
         results = runner.run({"timeout_s": 200, "children": children}, timeout_s=240)
     finally:
         th.join(60)
     assert not th.is_alive(), "the scheduler's stop() did not return after the job"
-    bad = [f"{c['env']['DMLC_ROLE']} rank {c['env']['DMLC_NODE_RANK']} gpu "
-           f"{c['env']['STEPMESH_GPU']}: rc {r['rc']}{' (timed out)' if r['timed_out'] else ''}"
-           f"\n{r['output']}" for c, r in zip(children, results) if r["rc"] != 0]
+    bad = [f"{c['name']}: rc {r['rc']}{' (timed out)' if r['timed_out'] else ''}\n{r['output']}"
+           for c, r in zip(children, results) if r["rc"] != 0]
     assert not bad, "\n----\n".join(bad)
     assert "error" not in stopped, f"scheduler stop(): {stopped.get('error')!r}"
     return [r["output"] for r in results], stopped["ok"]
 
 
+def run_mesh(monkeypatch, runner, program, workers, servers, group_size=1, extra=None,
+             timeout="30s"):
+    """Runs `program` as every participant, launched as StepMesh's scripts do."""
+    env = {"DMLC_ROLE": "scheduler", "DMLC_NUM_WORKER": str(workers),
+           "DMLC_NUM_SERVER": str(servers), "DMLC_PS_ROOT_URI": "127.0.0.1",
+           "DMLC_PS_ROOT_PORT": "0", "DMLC_GROUP_SIZE": str(group_size),
+           "DMLC_ENABLE_RDMA": "zmq", "STEPMESH_TIMEOUT": timeout}
+
+    def children(port):
+        common = {**env, "DMLC_PS_ROOT_PORT": port, "DMLC_INTERFACE": "auto",
+                  "DMLC_NODE_HOST": "127.0.0.1", "STEPMESH_POLL_MODE": "blocking",
+                  **(extra or {})}
+        return [{"program": os.path.join(PROGRAMS, program),
+                 "name": f"{role} rank {r} gpu {g}",
+                 "env": {**common, "DMLC_ROLE": role, "DMLC_NODE_RANK": str(r),
+                         "STEPMESH_GPU": str(g)}}
+                for role, n in (("server", servers), ("worker", workers))
+                for r in range(n) for g in range(group_size)]
+    return run_with_scheduler(monkeypatch, runner, env, children)
+
+
 def run_afd(monkeypatch, runner, program, attention, extra):
-    """Like run_mesh for a program that sets its own DMLC_* (1 FFN server):
-    children get only AFD_ROLE / AFD_RANK and the scheduler's address."""
-    for k, v in {"DMLC_ROLE": "scheduler", "DMLC_NUM_WORKER": str(attention),
-                 "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
-                 "DMLC_PS_ROOT_PORT": "0", "STEPMESH_TIMEOUT": "30s"}.items():
-        monkeypatch.setenv(k, v)
-    f.init()
-    port = f.scheduler_address().rsplit(":", 1)[1]
-    th = threading.Thread(target=f.stop)  # the connector's `ps.init(); ps.stop()` scheduler
-    th.start()
-    common = {"DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": port,
-              "STEPMESH_TIMEOUT": "30s", "STEPMESH_POLL_MODE": "blocking", **extra}
-    children = [{"program": os.path.join(PROGRAMS, program),
+    """For a program that sets its own DMLC_* (1 FFN server): the children get
+    only AFD_ROLE / AFD_RANK, the scheduler's address and `extra`."""
+    env = {"DMLC_ROLE": "scheduler", "DMLC_NUM_WORKER": str(attention), "DMLC_NUM_SERVER": "1",
+           "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "0", "STEPMESH_TIMEOUT": "30s"}
+
+    def children(port):
+        common = {"DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": port,
+                  "STEPMESH_TIMEOUT": "30s", "STEPMESH_POLL_MODE": "blocking", **extra}
+        return [{"program": os.path.join(PROGRAMS, program), "name": f"{role} {r}",
                  "env": {**common, "AFD_ROLE": role, "AFD_RANK": str(r)}}
                 for role, n in (("ffn", 1), ("attention", attention)) for r in range(n)]
-    try:
-        results = runner.run({"timeout_s": 200, "children": children}, timeout_s=240)
-    finally:
-        th.join(60)
-    assert not th.is_alive(), "the scheduler's stop() did not return after the job"
-    bad = [f"{c['env']['AFD_ROLE']} {c['env']['AFD_RANK']}: rc {r['rc']}\n{r['output']}"
-           for c, r in zip(children, results) if r["rc"] != 0]
-    assert not bad, "\n----\n".join(bad)
-    return [r["output"] for r in results]
+    return run_with_scheduler(monkeypatch, runner, env, children)[0]
 
 
 def count(outs, text):
