@@ -93,10 +93,11 @@ def _instance_options(opts: stepmesh.MeshOptions, role: str, launch: Dict[str, A
                       instance: int, port: Optional[int] = None) -> stepmesh.MeshOptions:
     """The options of `role` in mesh `instance` (its scheduler on port + instance)."""
     changes: Dict[str, Any] = {"role": role}
-    base = _scheduler_port(opts.scheduler) if port is None else port
-    if launch["group_size"] > 1 and base != 0:
+    base = _scheduler_port(opts.scheduler) if port is None else port  # `port`: the one bound
+    offset = instance if launch["group_size"] > 1 else 0
+    if base != 0 and (offset or port is not None):
         host = opts.scheduler.rpartition(":")[0]
-        changes["scheduler"] = f"{host}:{base + instance}"
+        changes["scheduler"] = f"{host}:{base + offset}"
     if role != "scheduler" and opts.rank < 0:  # STEPMESH_RANK, when set, wins
         changes["rank"] = launch["rank"]
     return opts.copy(**changes)

@@ -7,6 +7,7 @@ OS picks the port) and, as StepMesh's scheduler does, it calls stop() right
 after init(), on a thread: stop() waits as long as the participants run."""
 
 import os
+import socket
 import threading
 import time
 
@@ -146,6 +147,23 @@ def test_vllm_connector_shape(monkeypatch, runner):
     outs = run_afd(monkeypatch, runner, "vllm_connector.py", attention=2, extra=extra)
     assert count(outs, "attention 0 test done") == 1 and count(outs, "attention 1 test done") == 1
     assert count(outs, "ffn test done") == 1, outs
+
+
+def test_joint_role_is_scheduler_and_server(runner):
+    # The joint process binds the scheduler port itself: take a free one (bound
+    # and released here; nothing else on this host is told of it).
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    common = {"DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
+              "DMLC_PS_ROOT_PORT": port, "DMLC_ENABLE_RDMA": "zmq", "STEPMESH_TIMEOUT": "30s",
+              "STEPMESH_POLL_MODE": "blocking"}
+    children = [{"program": os.path.join(PROGRAMS, "joint.py"),
+                 "env": {**common, "DMLC_ROLE": role}} for role in ("joint", "worker")]
+    results = runner.run({"timeout_s": 120, "children": children}, timeout_s=150)
+    assert all(r["rc"] == 0 for r in results), results
+    assert "joint test done" in results[0]["output"], results
+    assert "worker test done" in results[1]["output"], results
 
 
 def test_host_flags_proxy_thread(monkeypatch, runner):
