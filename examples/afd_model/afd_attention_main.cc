@@ -259,7 +259,7 @@ absl::Status AttentionInstance::Launch(int step, int layer, MicroBatch& mb) {
   std::vector<stepmesh::Pull> pulls;
   for (int s = 0; s < shape_.ffn; ++s) pulls.push_back({PullKey(m), s});
   absl::StatusOr<stepmesh::RequestHandle> handle =
-      worker_->PushPull(pushes, pulls, stepmesh::SendOptions{.ready = mb.ready.get()});
+      worker_->PushPull(pushes, pulls, stepmesh::SendOptions{.ready = mb.ready.get(), .stage = {}});
   if (!handle.ok()) {
     return absl::Status(handle.status().code(),
                         absl::StrCat("attention ", rank_, ": PushPull step ", step, " layer ",

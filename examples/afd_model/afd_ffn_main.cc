@@ -182,7 +182,8 @@ absl::Status FfnInstance::Serve(const stepmesh::Batch& batch) {
   if (rows.empty()) return absl::InternalError("empty batch");
   STEPMESH_RETURN_IF_ERROR(engine_->EnqueueForward(m, layer, rows));
   STEPMESH_RETURN_IF_ERROR(done_[m]->Record(engine_->stream()));
-  return server_->Respond(batch, replies, stepmesh::SendOptions{.ready = done_[m].get()});
+  return server_->Respond(batch, replies,
+                          stepmesh::SendOptions{.ready = done_[m].get(), .stage = {}});
 }
 
 absl::Status FfnInstance::Run() {

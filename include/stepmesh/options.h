@@ -100,6 +100,19 @@ struct TraceOptions {
   int events = 0;
 };
 
+// StepMesh's fserver_lib launch settings (DMLC_ROLE=joint, DMLC_GROUP_SIZE,
+// DMLC_NODE_RANK, DMLC_RANK_OFFSET, DMLC_INSTANCE_ID, STEPMESH_GPU). The C++
+// core ignores them; the fserver_lib drop-in (python/stepmesh/fserver.py)
+// turns them into ranks, mesh sizes and meshes (docs/python.md).
+struct FserverOptions {
+  std::string role;      // DMLC_ROLE as given (worker, server, scheduler, joint); empty: unset
+  int group_size = 1;    // instances (GPUs) per worker / server group, >= 1
+  int node_rank = 0;     // the group's rank
+  int rank_offset = 0;   // added to gpu for the instance rank and index
+  int instance_id = -1;  // instance index in the group; -1: gpu + rank_offset
+  int gpu = 0;           // StepMesh's device index
+};
+
 struct STEPMESH_EXPORT MeshOptions {
   Role role = Role::kWorker;
   int rank = -1;  // -1: the scheduler assigns one in arrival order
@@ -116,7 +129,8 @@ struct STEPMESH_EXPORT MeshOptions {
   // listing the interfaces found.
   std::string interface;
 
-  std::string transport = "auto";    // "tcp", "rdma" or "auto" (rdma when a device exists)
+  // "tcp", "rdma", "auto" (rdma when a device exists) or "libfabric" (when built).
+  std::string transport = "auto";
   std::string backend = "cpu_mock";  // "cpu_mock" or "cuda"
   int device = 0;
   // The process's CUDA_DEVICE_MAX_CONNECTIONS (0: not set). With 1 the cuda
@@ -141,6 +155,7 @@ struct STEPMESH_EXPORT MeshOptions {
   // (~0.2 ms per 1.75 MiB); for chasing corruption, off in production.
   bool payload_checksum = false;
   TraceOptions trace;
+  FserverOptions fserver;
 
   // `base` with every set STEPMESH_* / DMLC_* variable applied. Bad values are errors.
   static absl::StatusOr<MeshOptions> FromEnv(const MeshOptions& base);

@@ -21,6 +21,12 @@ class STEPMESH_EXPORT Scheduler {
   virtual std::string address() const = 0;  // "host:port" actually bound
   // Blocks until every participant has joined and then left (or timeout).
   virtual absl::Status WaitUntilDone(absl::Duration timeout) = 0;
+  // StepMesh's scheduler: blocks while the participants run, however long.
+  // DEADLINE_EXCEEDED (naming how many joined) only when the mesh did not form
+  // within options.timeout; afterwards it returns once every participant has
+  // left or was lost (silent for options.timeout: liveness is the heartbeat's).
+  // CANCELLED when Stop() runs meanwhile.
+  virtual absl::Status WaitForParticipants() = 0;
   virtual void Stop() = 0;
 };
 

@@ -38,7 +38,7 @@ struct BatchTensor {
 // Valid until Respond() for it returns.
 struct Batch {
   BatchHandle handle;
-  Key group = 0;  // the first push key of the workers' requests: names the micro-batch
+  Key group = 0;  // the requests' stage (SendOptions::stage), else their first push key
   absl::Span<const int> workers;          // ranks present, ascending
   absl::Span<const BatchTensor> tensors;  // in the workers' push order
   // Key each present worker pulls from this server (parallel to `workers`), or

@@ -21,6 +21,9 @@ struct TraceStamps {
   uint64_t server_handler_ns = 0;  // server: batch handed to GetBatch    (server clock)
   uint64_t server_reply_ns = 0;    // server: reply posted                (server clock)
   uint64_t reply_arrival_ns = 0;   // worker: reply landed                (worker clock)
+  // server: Respond() called (server clock; between server_handler_ns and
+  // server_reply_ns; travels as its distance to server_reply_ns, capped at 4.29 s)
+  uint64_t server_respond_ns = 0;
 };
 
 struct TraceRecord {

@@ -206,7 +206,8 @@ class PyWorker {
     }
   }
 
-  RequestRef PushPull(py::handle pushes, py::handle pulls, py::handle stream) {
+  RequestRef PushPull(py::handle pushes, py::handle pulls, py::handle stream,
+                      std::optional<uint32_t> stage) {
     // Per-thread scratch: parsed with the GIL held, used after releasing it.
     thread_local std::vector<Push> push_items;
     thread_local std::vector<std::vector<int>> push_servers;
@@ -226,7 +227,7 @@ class PyWorker {
     if (!pulls.is_none()) {
       ForEachItem(pulls, [&](py::handle item) { pull_items.push_back(ParsePull(item)); });
     }
-    return Submit(push_items, pull_items, stream, "push_pull");
+    return Submit(push_items, pull_items, stream, "push_pull", stage);
   }
 
   // stream=None: blocks (GIL released) until done and releases the handle.
@@ -358,7 +359,7 @@ class PyWorker {
   // Submits a request; with a stream, its send waits for a ready event
   // recorded on that stream now (the producing kernels enqueued so far).
   RequestRef Submit(absl::Span<const Push> pushes, absl::Span<const Pull> pulls, py::handle stream,
-                    const char* what) {
+                    const char* what, std::optional<uint32_t> stage = std::nullopt) {
     auto& node = live();  // may raise: do it holding the GIL
     py::object keep;
     Stream* s = streams_->Resolve(stream, what, keep);
@@ -367,11 +368,11 @@ class PyWorker {
     {
       py::gil_scoped_release release;
       if (ready == nullptr) {
-        handle = node.PushPull(pushes, pulls);
+        handle = node.PushPull(pushes, pulls, SendOptions{.ready = nullptr, .stage = stage});
       } else if (absl::Status r = ready->Record(*s); !r.ok()) {
         handle = r;
       } else {
-        handle = node.PushPull(pushes, pulls, SendOptions{.ready = ready});
+        handle = node.PushPull(pushes, pulls, SendOptions{.ready = ready, .stage = stage});
       }
     }
     if (!handle.ok()) {
@@ -396,6 +397,7 @@ class PyWorker {
       d["post_ns"] = s.stamps.post_ns;
       d["server_arrival_ns"] = s.stamps.server_arrival_ns;
       d["server_handler_ns"] = s.stamps.server_handler_ns;
+      d["server_respond_ns"] = s.stamps.server_respond_ns;
       d["server_reply_ns"] = s.stamps.server_reply_ns;
       d["reply_arrival_ns"] = s.stamps.reply_arrival_ns;
       servers.append(std::move(d));
@@ -932,7 +934,8 @@ class PyServer {
         s = node.Respond(batch.batch, replies);
       } else {
         s = ready->Record(*st);
-        if (s.ok()) s = node.Respond(batch.batch, replies, SendOptions{.ready = ready});
+        if (s.ok())
+          s = node.Respond(batch.batch, replies, SendOptions{.ready = ready, .stage = {}});
       }
     }
     if (ready != nullptr) group_ready_[batch.group].stream = std::move(keep);
@@ -1063,6 +1066,14 @@ class PyScheduler {
     {
       py::gil_scoped_release release;
       s = scheduler_->WaitUntilDone(t);
+    }
+    ThrowIfError(s);
+  }
+  void WaitForParticipants() {
+    absl::Status s;
+    {
+      py::gil_scoped_release release;
+      s = scheduler_->WaitForParticipants();
     }
     ThrowIfError(s);
   }
@@ -1215,9 +1226,11 @@ connects to the scheduler and every server (blocking, GIL released).)doc");
            py::arg("tensor"))
       .def("unregister", &PyWorker::Unregister, py::arg("key"))
       .def("push_pull", &PyWorker::PushPull, py::arg("pushes"), py::arg("pulls") = py::tuple(),
-           py::arg("stream") = py::none(),
+           py::arg("stream") = py::none(), py::arg("stage") = py::none(),
            "stream: None, a stepmesh.Stream or an int cudaStream_t; the send waits for the\n"
-           "work enqueued on it so far (a ready event), without blocking the caller.")
+           "work enqueued on it so far (a ready event), without blocking the caller.\n"
+           "stage: the micro-batch stage (SendOptions.stage): servers batch the requests of\n"
+           "one stage together whatever their keys; None: the first push key names the batch.")
       .def(
           "prepare",
           [](PyWorker& w, py::handle pushes, py::handle pulls) {
@@ -1299,6 +1312,8 @@ the default address is 127.0.0.1:0 (a free port: read .address).)doc");
            py::arg("options") = py::none())
       .def_property_readonly("address", &PyScheduler::address)
       .def("wait_until_done", &PyScheduler::WaitUntilDone, py::arg("timeout") = py::none())
+      .def("wait_for_participants", &PyScheduler::WaitForParticipants,
+           "Waits while the participants run, however long (Scheduler::WaitForParticipants)")
       .def("stop", &PyScheduler::Stop)
       .def("close", &PyScheduler::Stop);
   scheduler.def("__enter__", [](py::object self) { return self; });

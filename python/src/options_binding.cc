@@ -171,6 +171,13 @@ const std::vector<Field>& Fields() {
        [](MeshOptions& o, py::handle v) { o.trace.enabled = CastBool(v, "trace"); }},
       {"trace_events", [](const MeshOptions& o) { return py::object(py::int_(o.trace.events)); },
        [](MeshOptions& o, py::handle v) { o.trace.events = CastInt(v, "trace_events"); }},
+      // fserver_lib's launch settings (FserverOptions), for python/stepmesh/fserver.py.
+      SM_STR_AS("fserver_role", fserver.role),
+      SM_INT_AS("fserver_group_size", fserver.group_size),
+      SM_INT_AS("fserver_node_rank", fserver.node_rank),
+      SM_INT_AS("fserver_rank_offset", fserver.rank_offset),
+      SM_INT_AS("fserver_instance_id", fserver.instance_id),
+      SM_INT_AS("fserver_gpu", fserver.gpu),
   };
   return *fields;
 }

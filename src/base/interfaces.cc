@@ -5,9 +5,13 @@
 #include <net/if.h>
 #include <netinet/in.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <filesystem>
 #include <memory>
+#include <system_error>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "src/base/net.h"
@@ -56,6 +60,53 @@ absl::StatusOr<std::string> InterfaceAddressOf(const std::string& interface) {
   return absl::NotFoundError(absl::StrCat("no interface '", interface,
                                           "' that is up with a usable IP address; found: ",
                                           found.empty() ? "none" : absl::StrJoin(found, ", ")));
+}
+
+std::vector<std::string> RdmaNetdevs() {
+  namespace fs = std::filesystem;
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const fs::directory_entry& dev : fs::directory_iterator("/sys/class/infiniband", ec)) {
+    std::error_code ec2;
+    for (const fs::directory_entry& net : fs::directory_iterator(dev.path() / "device/net", ec2)) {
+      out.push_back(net.path().filename().string());
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+absl::StatusOr<std::string> PickAutoInterface(const std::vector<InterfaceAddress>& all,
+                                              const std::string& node_host,
+                                              const std::vector<std::string>& rdma_netdevs) {
+  auto has_ipv4 = [&all](const std::string& name) {
+    return std::any_of(all.begin(), all.end(), [&name](const InterfaceAddress& a) {
+      return a.interface == name && !a.ipv6;
+    });
+  };
+  if (!node_host.empty()) {
+    for (const InterfaceAddress& a : all) {
+      if (a.address == node_host) return a.interface;
+    }
+  }
+  for (const std::string& name : rdma_netdevs) {
+    if (has_ipv4(name)) return name;
+  }
+  const InterfaceAddress* loopback = nullptr;
+  for (const InterfaceAddress& a : all) {
+    if (a.ipv6) continue;
+    if (absl::StartsWith(a.address, "127.")) {
+      if (loopback == nullptr) loopback = &a;
+      continue;
+    }
+    return a.interface;
+  }
+  if (loopback != nullptr) return loopback->interface;
+  std::vector<std::string> found;
+  for (const InterfaceAddress& a : all) found.push_back(absl::StrCat(a.interface, " ", a.address));
+  return absl::NotFoundError(
+      absl::StrCat("interface 'auto': no interface that is up has an IPv4 address; found: ",
+                   found.empty() ? "none" : absl::StrJoin(found, ", ")));
 }
 
 }  // namespace stepmesh::base

@@ -24,4 +24,18 @@ absl::StatusOr<std::vector<InterfaceAddress>> ListInterfaceAddresses();
 // listing the interfaces and addresses found.
 absl::StatusOr<std::string> InterfaceAddressOf(const std::string& interface);
 
+// The netdevs of this host's RDMA devices (/sys/class/infiniband/*/device/net/*),
+// sorted; empty when there are none.
+std::vector<std::string> RdmaNetdevs();
+
+// The interface DMLC_INTERFACE=auto names, chosen among `all` as StepMesh
+// does: the interface that holds `node_host` when that is one of its
+// addresses (StepMesh's launch scripts set both); else the first RDMA netdev
+// (in `rdma_netdevs` order) with an IPv4 address; else the first interface
+// other than loopback with an IPv4 address; else a loopback one. NOT_FOUND,
+// listing what was found, when nothing has an IPv4 address.
+absl::StatusOr<std::string> PickAutoInterface(const std::vector<InterfaceAddress>& all,
+                                              const std::string& node_host,
+                                              const std::vector<std::string>& rdma_netdevs);
+
 }  // namespace stepmesh::base

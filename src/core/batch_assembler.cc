@@ -63,9 +63,10 @@ BatchAssembler::Arrival BatchAssembler::AddPart(int w, const FrameHeader& h, Rec
     if (!a->failed) out.report = why;
     a->failed = true;
   };
-  // The group (micro-batch name) is the request's first push key, also for a
-  // part that failed: a refused request excuses its worker from that batch.
-  if (h.part_index == 0) a->group = h.key;
+  // The group (micro-batch name) is the request's stage when it names one,
+  // else its first push key, also for a part that failed: a refused request
+  // excuses its worker from that batch.
+  if (h.part_index == 0) a->group = (h.flags & kFlagStage) ? Key{h.status_code} : h.key;
   if (!status.ok()) {
     if (reg != nullptr) reg->busy[w].store(false);
     fail(status);

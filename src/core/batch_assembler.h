@@ -88,6 +88,7 @@ struct BatchSlot {
   std::vector<RecvRegistration*> regs;     // parallel to tensors
   std::vector<std::vector<size_t>> valid;  // [tensor][worker]
   uint64_t handler_ns = 0;
+  uint64_t respond_ns = 0;  // Respond() called (trace)
 };
 
 class BatchAssembler {

@@ -83,8 +83,9 @@ struct EnvEntry {
   const char* name;
   const char* field;          // the MeshOptions field, "" when none
   const char* default_value;  // as the docs show it
-  const char* meaning;        // markdown, one line
+  std::string meaning;        // markdown, one line
   std::function<absl::Status(absl::string_view, MeshOptions&)> apply;
+  bool stepmesh = false;  // one of StepMesh's own names: the StepMesh section of the docs
 };
 
 // A value of an enumeration: one of `accepted`, else an error listing them.
@@ -142,6 +143,44 @@ absl::Status ApplyCores(absl::string_view v, std::vector<int>& cores, MeshOption
   return absl::OkStatus();
 }
 
+// ps-lite / StepMesh van types (DMLC_ENABLE_RDMA, DMLC_PS_VAN_TYPE).
+absl::Status ApplyVanType(absl::string_view v, MeshOptions& o) {
+  if (v.empty() || v == "0" || v == "false" || v == "zmq") {
+    o.transport = "tcp";
+  } else if (v == "1" || v == "true" || v == "ibverbs") {
+    o.transport = "rdma";
+  } else if (v == "fabric") {
+    o.transport = "libfabric";
+  } else {
+    return absl::InvalidArgumentError(
+        "not a van this library has (want zmq, 0, ibverbs, 1 or fabric; ucx, tp and multivan "
+        "have no counterpart)");
+  }
+  return absl::OkStatus();
+}
+
+// Says once per process that `name` is set and why it changes nothing.
+void WarnIgnoredOnce(absl::string_view name, absl::string_view reason) {
+  static absl::Mutex mu(absl::kConstInit);
+  static auto* warned = new std::set<std::string>();
+  absl::MutexLock lock(&mu);
+  if (!warned->insert(std::string(name)).second) return;
+  STEPMESH_LOG(kWarning, "environment variable ", name, " ignored: ", reason);
+}
+
+// A StepMesh variable accepted (a launch script sets it) with no effect here.
+EnvEntry Ignored(const char* name, const char* reason) {
+  return {name,
+          "",
+          "—",
+          absl::StrCat("ignored (named once in the log): ", reason).c_str(),
+          [name, reason](absl::string_view, MeshOptions&) -> absl::Status {
+            WarnIgnoredOnce(name, reason);
+            return absl::OkStatus();
+          },
+          true};
+}
+
 // The one environment table. STEPMESH_RDMA_* rows form the RDMA section of
 // docs/configuration.md, DMLC_* rows the StepMesh section, the rest the main one.
 const std::vector<EnvEntry>& EnvTable() {
@@ -172,10 +211,11 @@ const std::vector<EnvEntry>& EnvTable() {
        "the interfaces found",
        STEPMESH_ENV_STR(interface)},
       {"STEPMESH_TRANSPORT", "transport", "`auto`",
-       "`tcp`, `rdma`, or `auto` (RDMA if a device exists)",
+       "`tcp`, `rdma`, `auto` (RDMA if a device exists), or `libfabric` (an error naming it "
+       "when this build has none)",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
          // An unknown value is refused here, naming the variable, not later.
-         STEPMESH_RETURN_IF_ERROR(CheckOneOf(v, {"tcp", "rdma", "auto"}));
+         STEPMESH_RETURN_IF_ERROR(CheckOneOf(v, {"tcp", "rdma", "auto", "libfabric"}));
          o.transport = std::string(v);
          return absl::OkStatus();
        }},
@@ -317,17 +357,27 @@ const std::vector<EnvEntry>& EnvTable() {
          return absl::OkStatus();
        }},
       // StepMesh / ps-lite names, so existing launch scripts keep working.
-      {"DMLC_ROLE", "role", "—", "`worker`, `server` or `scheduler`",
+      {"DMLC_ROLE", "role, fserver.role", "—",
+       "`worker`, `server` or `scheduler`; `joint` (fserver only: server and scheduler in one "
+       "process) leaves `role` alone",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
-         STEPMESH_ASSIGN_OR_RETURN(o.role, ParseRole(v));
+         o.fserver.role = std::string(v);
+         if (v == "joint") return absl::OkStatus();
+         absl::StatusOr<Role> role = ParseRole(v);
+         if (!role.ok())
+           return absl::InvalidArgumentError(
+               "not a role (want worker, server, "
+               "scheduler or joint)");
+         o.role = *role;
          return absl::OkStatus();
        }},
-      {"DMLC_ENABLE_RDMA", "transport", "—", "empty, `0` or `false` is `tcp`, anything else `rdma`",
-       [](absl::string_view v, MeshOptions& o) -> absl::Status {
-         // ps-lite's switch: empty, 0 or false is TCP, anything else RDMA.
-         o.transport = (v.empty() || v == "0" || v == "false") ? "tcp" : "rdma";
-         return absl::OkStatus();
-       }},
+      // ps-lite's van type; DMLC_ENABLE_RDMA (later in the table) wins over it.
+      {"DMLC_PS_VAN_TYPE", "transport", "—", "as `DMLC_ENABLE_RDMA`, which wins when both are set",
+       ApplyVanType},
+      {"DMLC_ENABLE_RDMA", "transport", "—",
+       "StepMesh's van: `zmq`, `0`, `false` or empty is `tcp`; `ibverbs`, `1` or `true` is "
+       "`rdma`; `fabric` is `libfabric` (an error naming it when this build has none)",
+       ApplyVanType},
       {"DMLC_NUM_WORKER", "num_workers", "—", "as `STEPMESH_NUM_WORKERS`",
        STEPMESH_ENV_INT(num_workers)},
       {"DMLC_NUM_SERVER", "num_servers", "—", "as `STEPMESH_NUM_SERVERS`",
@@ -357,15 +407,71 @@ const std::vector<EnvEntry>& EnvTable() {
          o.bind_host = std::string(v);
          return absl::OkStatus();
        }},
-      {"DMLC_INTERFACE", "interface", "—", "as `STEPMESH_INTERFACE`", STEPMESH_ENV_STR(interface)},
+      {"DMLC_INTERFACE", "interface", "—",
+       "as `STEPMESH_INTERFACE`; `auto` picks one as StepMesh does (see "
+       "[`DMLC_INTERFACE=auto`](#dmlc_interfaceauto))",
+       STEPMESH_ENV_STR(interface)},
+      {"DMLC_GROUP_SIZE", "fserver.group_size", "1",
+       "fserver: instances (GPUs) per group; instance i of every group forms mesh i",
+       STEPMESH_ENV_INT(fserver.group_size)},
+      {"DMLC_NODE_RANK", "fserver.node_rank", "0", "fserver: this group's rank",
+       STEPMESH_ENV_INT(fserver.node_rank)},
+      {"DMLC_RANK_OFFSET", "fserver.rank_offset", "0",
+       "fserver: added to `STEPMESH_GPU` for the instance index",
+       STEPMESH_ENV_INT(fserver.rank_offset)},
+      {"DMLC_INSTANCE_ID", "fserver.instance_id", "-1 (`STEPMESH_GPU` + `DMLC_RANK_OFFSET`)",
+       "fserver: the instance index within the group (which mesh of the group it joins)",
+       STEPMESH_ENV_INT(fserver.instance_id)},
+      // StepMesh's own STEPMESH_* knobs: honoured where ours has the feature,
+      // else accepted and named as ignored once per process.
+      {"STEPMESH_GPU", "fserver.gpu, device", "0",
+       "StepMesh's device index: the accelerator (`STEPMESH_DEVICE` wins) and, for fserver, "
+       "the instance index",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         STEPMESH_ASSIGN_OR_RETURN(o.fserver.gpu, ParseInt(v));
+         o.device = o.fserver.gpu;
+         return absl::OkStatus();
+       },
+       true},
+      {"STEPMESH_BAKCEND", "backend", "—",
+       "StepMesh's backend name (sic): `GPU` is `cuda`, `CPU` is `cpu_mock`",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         STEPMESH_RETURN_IF_ERROR(CheckOneOf(v, {"GPU", "CPU"}));
+         o.backend = v == "GPU" ? "cuda" : "cpu_mock";
+         return absl::OkStatus();
+       },
+       true},
+      {"STEPMESH_SPLIT_QP_LAG", "rdma.qps_per_peer", "—",
+       "`1`: two QPs per peer striping large payloads (`STEPMESH_RDMA_QPS_PER_PEER=2`); the LAG "
+       "port is the driver's choice",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         STEPMESH_ASSIGN_OR_RETURN(bool on, ParseBool(v));
+         o.rdma.qps_per_peer = on ? 2 : 1;
+         return absl::OkStatus();
+       },
+       true},
+      {"STEPMESH_BIND_CPU_CORE", "threads.auto_pin", "—",
+       "`1`: pin the progress threads near the device (as `STEPMESH_SEND_CORES=auto`)",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         STEPMESH_ASSIGN_OR_RETURN(o.threads.auto_pin, ParseBool(v));
+         return absl::OkStatus();
+       },
+       true},
+      Ignored("STEPMESH_CPU_CORES_PER_SOCKET",
+              "StepMesh's core formula; the cores come from hwloc (`STEPMESH_BIND_CPU_CORE`) or "
+              "`STEPMESH_SEND_CORES` / `STEPMESH_RECV_CORES`"),
+      Ignored("STEPMESH_CPU_CORES_PER_GPU", "as `STEPMESH_CPU_CORES_PER_SOCKET`"),
+      Ignored("STEPMESH_CPU_START_OFFSET", "as `STEPMESH_CPU_CORES_PER_SOCKET`"),
+      Ignored("STEPMESH_MEM_SYNC", "the cuda backend picks its ready events itself (docs/cuda.md)"),
+      Ignored("STEPAF_QP_NUM", "`STEPMESH_RDMA_QPS_PER_PEER` sets the QPs per peer"),
+      Ignored("STEPAF_BUSY_POLL_ENABLE", "`STEPMESH_POLL_MODE` says how threads wait"),
   };
   return table;
 }
 
-// Names FromEnv leaves alone without a warning: read by the Python fserver
-// layer (python/stepmesh/fserver.py), or by ps-lite only.
-constexpr absl::string_view kReadElsewhere[] = {"DMLC_GROUP_SIZE", "DMLC_NODE_RANK",
-                                                "DMLC_RANK_OFFSET", "STEPMESH_GPU"};
+// Names FromEnv leaves alone without a warning (none: the fserver layer's
+// variables are rows of the table, FserverOptions).
+constexpr absl::string_view kReadElsewhere[] = {""};
 
 }  // namespace
 
@@ -476,7 +582,8 @@ absl::StatusOr<MeshOptions> MeshOptions::FromEnv(const MeshOptions& base) {
   // DMLC_* first so that STEPMESH_* (listed earlier) wins over them: apply in two passes.
   for (bool dmlc_pass : {true, false}) {
     for (const EnvEntry& entry : EnvTable()) {
-      if (absl::StartsWith(entry.name, "DMLC_") != dmlc_pass) continue;
+      // StepMesh's own names (DMLC_*, STEPAF_*, its STEPMESH_* knobs) are applied first.
+      if ((absl::StartsWith(entry.name, "DMLC_") || entry.stepmesh) != dmlc_pass) continue;
       const char* value = std::getenv(entry.name);
       if (value == nullptr) continue;
       // Every error names the variable and its value, whatever the parser said.
@@ -513,13 +620,17 @@ namespace core {
 std::vector<EnvVariableDoc> DocumentedEnvironment() {
   std::vector<EnvVariableDoc> out;
   for (const EnvEntry& e : EnvTable()) {
-    out.push_back({e.name, e.field, e.default_value, e.meaning});
+    out.push_back({e.name, e.field, e.default_value, e.meaning, e.stepmesh});
   }
   return out;
 }
 
 std::vector<absl::string_view> EnvironmentReadElsewhere() {
-  return {std::begin(kReadElsewhere), std::end(kReadElsewhere)};
+  std::vector<absl::string_view> out;
+  for (absl::string_view n : kReadElsewhere) {
+    if (!n.empty()) out.push_back(n);
+  }
+  return out;
 }
 
 }  // namespace core
@@ -543,8 +654,19 @@ absl::Status MeshOptions::Validate() const {
   if (scheduler.rfind(':') == std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("scheduler '", scheduler, "' is not host:port"));
   }
-  if (transport != "tcp" && transport != "rdma" && transport != "auto") {
-    return absl::InvalidArgumentError(absl::StrCat("transport '", transport, "' (tcp|rdma|auto)"));
+  if (transport != "tcp" && transport != "rdma" && transport != "auto" &&
+      transport != "libfabric") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("transport '", transport, "' (tcp|rdma|auto|libfabric)"));
+  }
+  if (fserver.group_size < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "fserver.group_size (DMLC_GROUP_SIZE) = ", fserver.group_size, " (must be >= 1)"));
+  }
+  if (!fserver.role.empty() && fserver.role != "worker" && fserver.role != "server" &&
+      fserver.role != "scheduler" && fserver.role != "joint") {
+    return absl::InvalidArgumentError(absl::StrCat("fserver.role (DMLC_ROLE) = '", fserver.role,
+                                                   "' (want worker, server, scheduler or joint)"));
   }
   if (timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("timeout must be > 0");
   if (max_inflight_requests < 1 || max_inflight_requests > (1 << 20)) {

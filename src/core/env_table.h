@@ -14,6 +14,7 @@ struct EnvVariableDoc {
   absl::string_view field;          // "" when the variable sets no field
   absl::string_view default_value;  // markdown, as the docs show it
   absl::string_view meaning;        // markdown, one line
+  bool stepmesh = false;            // one of StepMesh's names (the StepMesh section)
 };
 
 // In table order.

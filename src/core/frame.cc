@@ -99,11 +99,14 @@ absl::StatusOr<FrameHeader> DecodeFrame(absl::Span<const std::byte> bytes) {
     return absl::DataLossError(
         absl::StrCat("push part ", h.part_index, " of ", h.part_count, " is impossible"));
   }
-  if (h.flags & ~uint8_t{kFlagHasPull | kFlagPayloadCrc}) {
+  if (h.flags & ~uint8_t{kFlagHasPull | kFlagPayloadCrc | kFlagStage}) {
     return absl::DataLossError(absl::StrCat("unknown frame flags 0x", absl::Hex(h.flags)));
   }
   if (!(h.flags & kFlagPayloadCrc) && h.payload_crc != 0) {
     return absl::DataLossError("payload CRC without its flag");
+  }
+  if ((h.flags & kFlagStage) && h.type != FrameType::kPush) {
+    return absl::DataLossError("a stage on a frame that is not a push");
   }
   if (h.type == FrameType::kError && h.status_code == 0) {
     return absl::DataLossError("error frame carries OK status");

@@ -35,6 +35,7 @@ bool IsValidFrameType(uint8_t raw);
 enum FrameFlags : uint8_t {
   kFlagHasPull = 1 << 0,     // push frames: `pull_key` is expected back from this server
   kFlagPayloadCrc = 1 << 1,  // `payload_crc` is the CRC32C of the payload (payload_checksum)
+  kFlagStage = 1 << 2,       // push frames: `status_code` is the request's stage (SendOptions)
 };
 
 struct FrameHeader {
@@ -49,7 +50,9 @@ struct FrameHeader {
   uint64_t pull_key = 0;
   uint16_t part_index = 0;  // this push among the request's pushes to this server
   uint16_t part_count = 0;
-  uint32_t status_code = 0;  // kError: an absl::StatusCode
+  // kError: an absl::StatusCode; kPush with kFlagStage: the stage; kReply:
+  // ns from Respond() to server_reply_ns (TraceStamps::server_respond_ns), capped.
+  uint32_t status_code = 0;
   uint32_t payload_crc = 0;  // with kFlagPayloadCrc only
   TraceStamps stamps;        // reply_arrival_ns is never sent (always 0 on the wire)
 };

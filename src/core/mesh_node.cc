@@ -153,6 +153,18 @@ absl::StatusOr<MeshOptions> OptionsForRole(const MeshOptions& options, Role role
   MeshOptions out = options;
   out.role = role;
   STEPMESH_RETURN_IF_ERROR(out.Validate());
+  if (out.interface == "auto") {
+    // StepMesh's DMLC_INTERFACE=auto: resolved to a name here (base::PickAutoInterface).
+    absl::StatusOr<std::vector<base::InterfaceAddress>> all = base::ListInterfaceAddresses();
+    absl::StatusOr<std::string> picked =
+        all.ok() ? base::PickAutoInterface(*all, out.node_host, base::RdmaNetdevs())
+                 : absl::StatusOr<std::string>(all.status());
+    if (!picked.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("STEPMESH_INTERFACE / DMLC_INTERFACE=auto: ", picked.status().message()));
+    }
+    out.interface = *picked;
+  }
   if (!out.interface.empty()) {
     // The interface names the address both bound and (unless node_host says
     // otherwise) advertised; for RoCE it also narrows the GIDs to its subnets.

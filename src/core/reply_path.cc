@@ -1,6 +1,7 @@
 #include "src/core/reply_path.h"
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -96,6 +97,10 @@ void ReplyPath::SendReplies(Transport& transport, NodeId self, int rank, BatchSl
     h.stamps = e.stamps;
     h.stamps.server_handler_ns = slot.handler_ns;
     h.stamps.server_reply_ns = reply_ns;
+    if (reply_ns != 0 && slot.respond_ns != 0 && reply_ns >= slot.respond_ns) {
+      h.status_code = static_cast<uint32_t>(
+          std::min<uint64_t>(reply_ns - slot.respond_ns, std::numeric_limits<uint32_t>::max()));
+    }
     absl::Status sent;
     if (!ready.ok() || e.reply_missing) {
       const absl::Status why =

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -73,6 +74,7 @@ struct Request {
   std::vector<TraceStamps> stamps;
   uint64_t enqueue_ns = 0;
   uint64_t complete_ns = 0;
+  std::optional<uint32_t> stage;  // SendOptions::stage
   // The generation of this slot's latest finished request, for streams
   // waiting on the GPU timeline (StreamWaitReply); made by CreateDoneFlags.
   std::unique_ptr<HostFlag> done_flag;

@@ -109,6 +109,22 @@ class SchedulerImpl final : public Scheduler {
     return absl::OkStatus();
   }
 
+  absl::Status WaitForParticipants() override {
+    const absl::Time form_deadline = absl::Now() + options_.timeout;
+    // Until everyone left or was lost: liveness is the heartbeat's (a
+    // participant silent for options.timeout is lost), not a deadline here.
+    while (!done_.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
+      if (stop_.load()) return absl::CancelledError("scheduler: stopped while waiting");
+      if (!formed_note_.HasBeenNotified() && absl::Now() >= form_deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrCat("scheduler: the mesh did not form within ",
+                         absl::FormatDuration(options_.timeout), " (", joined_count_.load(), " of ",
+                         options_.num_workers + options_.num_servers, " participants joined)"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
   void Stop() override {
     stop_.store(true);
     if (thread_.joinable()) thread_.join();
@@ -395,6 +411,7 @@ class SchedulerImpl final : public Scheduler {
     ForEachMember([&](NodeId, Member& o) { all = all && o.joined; });
     if (all) {
       formed_ = true;
+      if (!formed_note_.HasBeenNotified()) formed_note_.Notify();
       ForEachMember([&](NodeId n, Member& o) {
         if (o.live()) SendRoster(n);
       });
@@ -426,6 +443,7 @@ class SchedulerImpl final : public Scheduler {
                    "reconnect (each gets ",
                    absl::FormatDuration(options_.timeout), ")");
       formed_ = true;
+      if (!formed_note_.HasBeenNotified()) formed_note_.Notify();
       const absl::Time now = absl::Now();
       ForEachMember([&](NodeId, Member& o) {
         o.joined = true;
@@ -463,6 +481,7 @@ class SchedulerImpl final : public Scheduler {
     c.in.set_max_payload(kMaxControlPayload);  // members may send the largest messages
     member.conn = &c;
     member.endpoint = endpoint;
+    if (!member.joined) joined_count_.fetch_add(1);
     member.joined = true;
     member.left = member.lost = false;
     member.last_heard = absl::Now();
@@ -702,6 +721,8 @@ class SchedulerImpl final : public Scheduler {
   base::RateLimiter exhausted_{1, absl::Seconds(10)};
   std::atomic<bool> stop_{false};
   base::Notification done_;
+  base::Notification formed_note_;    // formed_, for WaitForParticipants
+  std::atomic<int> joined_count_{0};  // members that joined, for its error
   std::thread thread_;
 };
 

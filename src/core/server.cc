@@ -200,8 +200,10 @@ class Server final : public AFTensorServer, public MeshNode {
     if (stopped()) return absl::FailedPreconditionError("server is shut down");
     base::ReaderMutexLock reg_lock(&reg_mu_);
     const ReplyTensors& reply_tensors = reply_regs_;
+    const uint64_t respond_ns = options_.trace.enabled ? MonotonicNowNs() : 0;
     absl::Status responded = assembler_.Respond(batch.handle, [&](BatchSlot& slot, uint32_t index) {
       STEPMESH_RETURN_IF_ERROR(replies_.Prepare(slot, replies, reply_tensors));
+      slot.respond_ns = respond_ns;
       return EnqueueSend({kSendReplies, index, batch.handle.generation(), send_options.ready});
     });
     if (responded.ok()) stats_.Request(absl::StatusCode::kOk);

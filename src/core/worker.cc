@@ -130,6 +130,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
       for (size_t i = 0; i < pushes.size(); ++i) r->pushes[i].reg->in_flight = true;
       for (const Pull& pull : pulls) r->pull_reg[pull.server]->in_flight = true;
       r->num_pushes = static_cast<int>(pushes.size());
+      r->stage = send_options.stage;
       handle = requests_.Commit(addressed, enqueue_ns);
     }
     absl::Status queued =
@@ -347,6 +348,10 @@ class Worker final : public AFTensorWorker, public MeshNode {
       h.flags = kFlagHasPull;
       h.pull_key = r.pull_key[s];
     }
+    if (r.stage.has_value()) {
+      h.flags |= kFlagStage;
+      h.status_code = *r.stage;
+    }
     h.stamps.enqueue_ns = r.enqueue_ns;
     h.stamps.post_ns = options_.trace.enabled ? MonotonicNowNs() : 0;
     r.stamps[s].enqueue_ns = r.enqueue_ns;
@@ -450,6 +455,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
       t.server_arrival_ns = h.stamps.server_arrival_ns;
       t.server_handler_ns = h.stamps.server_handler_ns;
       t.server_reply_ns = h.stamps.server_reply_ns;
+      t.server_respond_ns = t.server_reply_ns != 0 ? t.server_reply_ns - h.status_code : 0;
       t.reply_arrival_ns = options_.trace.enabled ? MonotonicNowNs() : 0;
       RecordStages(t);
     }

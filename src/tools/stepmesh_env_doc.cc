@@ -21,7 +21,7 @@ enum class Section { kMain, kRdma, kStepMesh };
 
 Section SectionOf(const EnvVariableDoc& v) {
   if (absl::StartsWith(v.name, "STEPMESH_RDMA_")) return Section::kRdma;
-  if (absl::StartsWith(v.name, "DMLC_")) return Section::kStepMesh;
+  if (absl::StartsWith(v.name, "DMLC_") || v.stepmesh) return Section::kStepMesh;
   return Section::kMain;
 }
 
@@ -46,6 +46,10 @@ std::string ReadElsewhere() {
   std::vector<std::string> names;
   for (absl::string_view n : stepmesh::core::EnvironmentReadElsewhere()) {
     names.push_back(absl::StrCat("`", n, "`"));
+  }
+  if (names.empty()) {
+    return "Every variable above is read by `FromEnv`; the Python fserver layer reads its own\n"
+           "through `MeshOptions` (the `fserver.*` fields), never the environment.\n";
   }
   const std::string last = names.back();
   names.pop_back();

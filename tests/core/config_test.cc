@@ -88,6 +88,18 @@ TEST_CASE("unknown STEPMESH_* and DMLC_* names are warned about once per process
   CHECK(Count(log, "DMLC_NODE_RANK") == 0);
 }
 
+TEST_CASE("StepMesh knobs with no counterpart are named as ignored once per process",
+          "[options][config]") {
+  ScopedEnv env({{"STEPMESH_MEM_SYNC", "1"}, {"STEPMESH_CPU_START_OFFSET", "10"}});
+  StderrCapture capture("config_test");
+  for (int i = 0; i < 3; ++i) REQUIRE(MeshOptions::FromEnv().ok());
+  const std::string log = capture.Finish();
+  INFO(log);
+  CHECK(Count(log, "environment variable STEPMESH_MEM_SYNC ignored: ") == 1);
+  CHECK(Count(log, "environment variable STEPMESH_CPU_START_OFFSET ignored: ") == 1);
+  CHECK(Count(log, "unknown environment variable") == 0);
+}
+
 TEST_CASE("RoleFromEnv: STEPMESH_ROLE, else DMLC_ROLE, else none", "[options][config]") {
   {
     absl::StatusOr<std::optional<Role>> r = RoleFromEnv();
@@ -216,8 +228,57 @@ std::string Dump(const MeshOptions& o) {
       o.threads.auto_pin, "|", absl::FormatDuration(o.timeout), "|",
       absl::FormatDuration(o.heartbeat_interval), "|", o.max_inflight_requests, "|",
       o.max_registrations, "|", o.auth_token, "|", AuthModeName(o.auth), "|", o.mesh_id, "|",
-      o.payload_checksum, "|", o.trace.enabled);
+      o.payload_checksum, "|", o.trace.enabled, "|", o.fserver.role, "|", o.fserver.group_size, "|",
+      o.fserver.node_rank, "|", o.fserver.rank_offset, "|", o.fserver.instance_id, "|",
+      o.fserver.gpu);
 }
+
+TEST_CASE("DMLC_INTERFACE=auto picks an interface as StepMesh does",
+          "[options][config][interface]") {
+  using base::InterfaceAddress;
+  const std::vector<InterfaceAddress> all = {{"lo", "127.0.0.1", false, false},
+                                             {"eth0", "fe80::1", true, true},
+                                             {"eth0", "10.0.0.5", false, false},
+                                             {"ib0", "192.168.7.2", false, false},
+                                             {"docker0", "172.17.0.1", false, false}};
+  // The interface holding node_host (StepMesh's scripts set DMLC_NODE_HOST too).
+  CHECK(*base::PickAutoInterface(all, "192.168.7.2", {}) == "ib0");
+  CHECK(*base::PickAutoInterface(all, "127.0.0.1", {"ib0"}) == "lo");
+  // Else an RDMA device's netdev with an IPv4 address, in the order given.
+  CHECK(*base::PickAutoInterface(all, "", {"mlx5_9", "ib0"}) == "ib0");
+  CHECK(*base::PickAutoInterface(all, "node7.example", {"ib0"}) == "ib0");
+  // Else the first non-loopback IPv4 interface, else loopback.
+  CHECK(*base::PickAutoInterface(all, "", {}) == "eth0");
+  CHECK(*base::PickAutoInterface({{"lo", "127.0.0.1", false, false}}, "", {}) == "lo");
+  const absl::Status none =
+      base::PickAutoInterface({{"eth0", "2001:db8::5", true, false}}, "", {}).status();
+  CHECK(absl::IsNotFound(none));
+  CHECK(absl::StrContains(none.message(), "eth0 2001:db8::5"));
+  SECTION("end to end: auto with DMLC_NODE_HOST=127.0.0.1 binds loopback") {
+    ScopedEnv env({{"DMLC_INTERFACE", "auto"}, {"DMLC_NODE_HOST", "127.0.0.1"}});
+    absl::StatusOr<MeshOptions> o = MeshOptions::FromEnv();
+    REQUIRE(o.ok());
+    absl::StatusOr<MeshOptions> resolved = core::OptionsForRole(*o, Role::kServer);
+    REQUIRE(resolved.ok());
+    CHECK(resolved->interface == "lo");
+    CHECK(resolved->bind_host == "127.0.0.1");
+  }
+}
+
+#ifndef STEPMESH_HAVE_LIBFABRIC  // a build with the transport makes one instead
+TEST_CASE("DMLC_ENABLE_RDMA=fabric without a libfabric build names what is missing",
+          "[options][config]") {
+  ScopedEnv env({{"DMLC_ENABLE_RDMA", "fabric"}});
+  absl::StatusOr<MeshOptions> o = MeshOptions::FromEnv();
+  REQUIRE(o.ok());
+  REQUIRE(o->transport == "libfabric");
+  const absl::Status s = compose::CreateTransport(*o).status();
+  INFO(s.ToString());
+  CHECK(absl::IsUnimplemented(s));
+  CHECK(absl::StrContains(s.message(), "libfabric transport is not built"));
+  CHECK(absl::StrContains(s.message(), "DMLC_ENABLE_RDMA=fabric"));
+}
+#endif
 
 TEST_CASE("the documented defaults are the code's defaults", "[options][config]") {
   // docs/configuration.md is generated from the table (config_doc_check); here

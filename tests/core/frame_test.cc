@@ -2,6 +2,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "absl/strings/match.h"
 #include "src/base/crc32c.h"
 #include "src/core/control_message.h"
 
@@ -46,6 +47,20 @@ TEST_CASE("frame round trip keeps every field", "[frame]") {
   CHECK(out->stamps.enqueue_ns == 1);
   CHECK(out->stamps.server_reply_ns == 5);
   CHECK(out->stamps.reply_arrival_ns == 0);
+}
+
+TEST_CASE("a push's stage travels in status_code, and only on a push", "[frame][stage]") {
+  FrameHeader in = SampleHeader();
+  in.flags |= kFlagStage;
+  in.status_code = 0xFFFFFFF0u;  // stages use all 32 bits
+  auto out = DecodeFrame(EncodeFrame(in));
+  REQUIRE(out.ok());
+  CHECK((out->flags & kFlagStage) != 0);
+  CHECK(out->status_code == 0xFFFFFFF0u);
+  in.type = FrameType::kReply;
+  const absl::Status refused = DecodeFrame(EncodeFrame(in)).status();
+  CHECK(absl::IsDataLoss(refused));
+  CHECK(absl::StrContains(refused.message(), "stage"));
 }
 
 TEST_CASE("frame decoder rejects truncated frames", "[frame]") {

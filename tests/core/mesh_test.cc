@@ -156,6 +156,97 @@ TEST_CASE("batch policies: all workers, or whoever arrived by the deadline", "[m
   CHECK(mesh->worker(1).Wait(*b, absl::Seconds(5)).ok());
 }
 
+TEST_CASE("a stage batches workers whose push keys differ (without one the first key does)",
+          "[mesh][batch][stage]") {
+  std::vector<uint8_t> push0(64, 1), push1(64, 2), pull0(64), pull1(64);
+  std::vector<uint8_t> recv10(2 * 64), recv20(2 * 64), reply(2 * 64);
+  auto mesh = TwoByOne();  // after the tensors: registered memory outlives the mesh
+  // Per-rank keys, as StepMesh's benchmark makes them: worker 0 pushes 10, worker 1 pushes 20.
+  REQUIRE(mesh->worker(0).RegisterPushTensor(10, BytesView(push0.data(), 64)).ok());
+  REQUIRE(mesh->worker(1).RegisterPushTensor(20, BytesView(push1.data(), 64)).ok());
+  REQUIRE(mesh->worker(0).RegisterPullTensor(2, 0, BytesView(pull0.data(), 64)).ok());
+  REQUIRE(mesh->worker(1).RegisterPullTensor(2, 0, BytesView(pull1.data(), 64)).ok());
+  REQUIRE(
+      mesh->server(0).RegisterRecvTensor(10, {recv10.data(), DType::kUInt8, Shape{2, 64}}).ok());
+  REQUIRE(
+      mesh->server(0).RegisterRecvTensor(20, {recv20.data(), DType::kUInt8, Shape{2, 64}}).ok());
+  REQUIRE(mesh->server(0).RegisterReplyTensor(2, {reply.data(), DType::kUInt8, Shape{2, 64}}).ok());
+  const Push p0{10}, p1{20};
+  const Pull q{2, 0};
+  for (uint32_t stage : {7u, 8u}) {
+    INFO("stage " << stage);
+    auto a =
+        mesh->worker(0).PushPull({&p0, 1}, {&q, 1}, SendOptions{.ready = nullptr, .stage = stage});
+    auto b =
+        mesh->worker(1).PushPull({&p1, 1}, {&q, 1}, SendOptions{.ready = nullptr, .stage = stage});
+    REQUIRE(a.ok());
+    REQUIRE(b.ok());
+    auto batch = mesh->server(0).GetBatch(absl::Seconds(5), BatchPolicy::kAllWorkers);
+    REQUIRE(batch.ok());
+    CHECK(batch->group == stage);
+    REQUIRE(batch->workers.size() == 2);
+    REQUIRE(batch->tensors.size() == 2);  // key 10 from worker 0, key 20 from worker 1
+    CHECK(recv10[0] == 1);
+    CHECK(recv20[64] == 2);
+    const Reply both[] = {{0, 64}, {1, 64}};
+    REQUIRE(mesh->server(0).Respond(*batch, both).ok());
+    CHECK(mesh->worker(0).Wait(*a, absl::Seconds(5)).ok());
+    CHECK(mesh->worker(1).Wait(*b, absl::Seconds(5)).ok());
+  }
+  // Without a stage the first push key names the batch: different keys, no full batch.
+  auto a = mesh->worker(0).PushPull({&p0, 1}, {&q, 1});
+  auto b = mesh->worker(1).PushPull({&p1, 1}, {&q, 1});
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  CHECK(absl::IsDeadlineExceeded(
+      mesh->server(0).GetBatch(absl::Milliseconds(200), BatchPolicy::kAllWorkers).status()));
+  for (int i = 0; i < 2; ++i) {
+    auto one = mesh->server(0).GetBatch(absl::Seconds(5), BatchPolicy::kReadyByDeadline);
+    REQUIRE(one.ok());
+    CHECK(one->workers.size() == 1);
+    const Reply r{one->workers[0], 64};
+    REQUIRE(mesh->server(0).Respond(*one, {&r, 1}).ok());
+  }
+  CHECK(mesh->worker(0).Wait(*a, absl::Seconds(5)).ok());
+  CHECK(mesh->worker(1).Wait(*b, absl::Seconds(5)).ok());
+}
+
+TEST_CASE("WaitForParticipants waits past options.timeout while the participants live",
+          "[mesh][scheduler]") {
+  MeshOptions o = TcpOptions();
+  o.timeout = absl::Milliseconds(400);
+  o.heartbeat_interval = absl::Milliseconds(50);
+  auto mesh = testing::StartPair(o, compose::CreateTransport);
+  std::atomic<bool> returned{false};
+  absl::Status waited;
+  std::thread waiter([&] {
+    waited = mesh->scheduler().WaitForParticipants();
+    returned.store(true);
+  });
+  absl::SleepFor(absl::Milliseconds(1500));  // more than three timeouts of an idle mesh
+  CHECK_FALSE(returned.load());
+  CHECK(
+      absl::IsDeadlineExceeded(mesh->scheduler().WaitUntilDone(absl::ZeroDuration())));  // not done
+  mesh->ShutdownWorker(0);
+  mesh->ShutdownServer(0);
+  waiter.join();
+  CHECK(returned.load());
+  CHECK(waited.ok());
+}
+
+TEST_CASE("WaitForParticipants: a mesh that never forms is DEADLINE_EXCEEDED, counted",
+          "[mesh][scheduler]") {
+  MeshOptions o = TcpOptions();
+  o.timeout = absl::Milliseconds(300);
+  o.num_workers = 2;
+  auto scheduler = testing::StartLoopbackScheduler(o);
+  REQUIRE(scheduler.ok());
+  const absl::Status s = (*scheduler)->WaitForParticipants();
+  INFO(s.ToString());
+  CHECK(absl::IsDeadlineExceeded(s));
+  CHECK(absl::StrContains(s.message(), "0 of 3 participants joined"));
+}
+
 TEST_CASE("traces carry stamps in causal order", "[mesh][trace]") {
   std::vector<uint8_t> push(64, 1), pull(64), recv(64), reply(64);
   auto mesh = OneByOne();  // after the tensors: registered memory outlives the mesh
@@ -180,7 +271,8 @@ TEST_CASE("traces carry stamps in causal order", "[mesh][trace]") {
   CHECK(t.enqueue_ns <= t.post_ns);
   CHECK(t.post_ns <= t.server_arrival_ns);  // same host: one monotonic clock
   CHECK(t.server_arrival_ns <= t.server_handler_ns);
-  CHECK(t.server_handler_ns <= t.server_reply_ns);
+  CHECK(t.server_handler_ns <= t.server_respond_ns);  // Respond() called
+  CHECK(t.server_respond_ns <= t.server_reply_ns);
   CHECK(t.server_reply_ns <= t.reply_arrival_ns);
   CHECK(t.reply_arrival_ns <= trace->complete_ns);
 }

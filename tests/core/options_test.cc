@@ -77,6 +77,82 @@ TEST_CASE("DMLC_ENABLE_RDMA picks the transport as ps-lite does", "[options]") {
   }
 }
 
+TEST_CASE("DMLC_ENABLE_RDMA / DMLC_PS_VAN_TYPE take StepMesh's van names", "[options]") {
+  const std::pair<const char*, const char*> vans[] = {{"zmq", "tcp"}, {"0", "tcp"},
+                                                      {"", "tcp"},    {"ibverbs", "rdma"},
+                                                      {"1", "rdma"},  {"fabric", "libfabric"}};
+  for (auto [van, transport] : vans) {
+    ScopedEnv env({{"DMLC_ENABLE_RDMA", van}});
+    auto o = MeshOptions::FromEnv();
+    INFO(van);
+    REQUIRE(o.ok());
+    CHECK(o->transport == transport);
+  }
+  {
+    ScopedEnv env({{"DMLC_PS_VAN_TYPE", "ibverbs"}, {"DMLC_ENABLE_RDMA", "zmq"}});
+    auto o = MeshOptions::FromEnv();
+    REQUIRE(o.ok());
+    CHECK(o->transport == "tcp");  // DMLC_ENABLE_RDMA wins
+  }
+  {
+    ScopedEnv env({{"DMLC_ENABLE_RDMA", "ucx"}});
+    const absl::Status s = MeshOptions::FromEnv().status();
+    CHECK(absl::IsInvalidArgument(s));
+    CHECK(absl::StrContains(s.message(), "DMLC_ENABLE_RDMA='ucx'"));
+  }
+}
+
+TEST_CASE("fserver_lib's launch variables land in MeshOptions::fserver", "[options]") {
+  {
+    ScopedEnv env({{"DMLC_ROLE", "joint"},
+                   {"DMLC_GROUP_SIZE", "8"},
+                   {"DMLC_NODE_RANK", "2"},
+                   {"DMLC_RANK_OFFSET", "1"},
+                   {"DMLC_INSTANCE_ID", "5"},
+                   {"STEPMESH_GPU", "4"}});
+    auto o = MeshOptions::FromEnv();
+    REQUIRE(o.ok());
+    CHECK(o->fserver.role == "joint");
+    CHECK(o->role == MeshOptions().role);  // joint leaves the core role alone
+    CHECK(o->fserver.group_size == 8);
+    CHECK(o->fserver.node_rank == 2);
+    CHECK(o->fserver.rank_offset == 1);
+    CHECK(o->fserver.instance_id == 5);
+    CHECK(o->fserver.gpu == 4);
+    CHECK(o->device == 4);  // StepMesh's GPU is the accelerator too
+  }
+  {
+    ScopedEnv env({{"STEPMESH_GPU", "4"}, {"STEPMESH_DEVICE", "2"}});
+    auto o = MeshOptions::FromEnv();
+    REQUIRE(o.ok());
+    CHECK(o->device == 2);  // ours wins
+    CHECK(o->fserver.gpu == 4);
+  }
+  {
+    ScopedEnv env({{"DMLC_GROUP_SIZE", "0"}});
+    const absl::Status s = MeshOptions::FromEnv().status();
+    CHECK(absl::IsInvalidArgument(s));
+    CHECK(absl::StrContains(s.message(), "DMLC_GROUP_SIZE"));
+  }
+  {
+    // StepMesh's knobs: honoured where there is a counterpart, ours win.
+    ScopedEnv env({{"STEPMESH_SPLIT_QP_LAG", "1"},
+                   {"STEPMESH_BIND_CPU_CORE", "1"},
+                   {"STEPMESH_BAKCEND", "CPU"}});
+    auto o = MeshOptions::FromEnv();
+    REQUIRE(o.ok());
+    CHECK(o->rdma.qps_per_peer == 2);
+    CHECK(o->threads.auto_pin);
+    CHECK(o->backend == "cpu_mock");
+  }
+  {
+    ScopedEnv env({{"STEPMESH_SPLIT_QP_LAG", "1"}, {"STEPMESH_RDMA_QPS_PER_PEER", "1"}});
+    auto o = MeshOptions::FromEnv();
+    REQUIRE(o.ok());
+    CHECK(o->rdma.qps_per_peer == 1);
+  }
+}
+
 TEST_CASE("FromEnv rejects bad values with the variable's name", "[options]") {
   // Each error names the variable and the value it had.
   const std::pair<const char*, const char*> bad[] = {
