@@ -45,7 +45,8 @@ STEPMESH_EXPORT absl::string_view GpuDirectName(GpuDirect mode);
 // and InfiniBand fabrics; empty / zero / negative means "choose automatically".
 struct STEPMESH_EXPORT RdmaOptions {
   // Which NIC, port and address.
-  std::string device;     // verbs device name ("mlx5_0"); empty: the best active port
+  std::string device;     // verbs device name ("mlx5_0") or a comma-separated list of the
+                          // allowed ones; empty: the best active port of any
   int port = 0;           // 0: any active port
   int gid_index = -1;     // -1: automatic (RoCE v2 IPv4-mapped first, never link-local v2)
   std::string interface;  // RoCE: only GIDs inside this netdev's subnets ("eth2") or a
@@ -63,6 +64,14 @@ struct STEPMESH_EXPORT RdmaOptions {
   int qps_per_peer = 1;                 // 2 stripes large payloads over two QPs (LAG ports)
   int64_t stripe_min_bytes = 64 << 10;  // with 2 QPs, payloads this large are striped (>= 8192)
   GpuDirect gpudirect = GpuDirect::kAuto;
+
+  // NIC choice by PCI topology. The PCI address of the accelerator this
+  // participant drives ("0000:3b:00.0"); empty: the core fills it in from the
+  // backend (Backend::Locate), so with CUDA it is the physical GPU behind the
+  // CUDA index under CUDA_VISIBLE_DEVICES. Among equally good ports the NIC
+  // nearest it on the PCI tree is chosen (sysfs, as NCCL does).
+  std::string gpu_pci_bus_id;
+  std::string sysfs_root = "/sys";  // tests point it at a fake tree
 
   absl::Status Validate() const;
 };

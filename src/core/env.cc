@@ -195,8 +195,9 @@ const std::vector<EnvEntry>& EnvTable() {
        "stream memory operations (docs/cuda.md, rule 7)",
        STEPMESH_ENV_INT(cuda_device_max_connections)},
       RdmaString("STEPMESH_RDMA_DEVICE", "rdma.device", "auto",
-                 "verbs device name, e.g. `mlx5_0` (iWARP devices are refused: no immediate "
-                 "data)",
+                 "verbs device name, e.g. `mlx5_0`, or a comma-separated list to choose from; "
+                 "auto: the port nearest the GPU on the PCI tree (sysfs) among the best (iWARP "
+                 "devices are refused: no immediate data)",
                  &RdmaOptions::device),
       RdmaInt("STEPMESH_RDMA_PORT", "rdma.port", "0 (any)", "port number on the device",
               &RdmaOptions::port),

@@ -145,6 +145,25 @@ class FakeCudaApi final : public CudaApi {
   void set_device_count_error(cudaError_t error) { device_count_error_ = error; }
   void set_has_stream_memops(bool has) { has_memops_ = has; }
   void set_has_dmabuf(bool has) { has_dmabuf_ = has; }
+  // The PCI bus ids cudaDeviceGetPCIBusId reports, by CUDA index (default
+  // 0000:1<index>:00.0). WithVisibleDevices makes a fake as the runtime sees
+  // a host under CUDA_VISIBLE_DEVICES: `physical` lists every GPU's bus id,
+  // `visible` ("5,2") the physical indices that become CUDA 0, 1, ...
+  void set_pci_bus_ids(std::vector<std::string> ids) { pci_bus_ids_ = std::move(ids); }
+  static std::shared_ptr<FakeCudaApi> WithVisibleDevices(const std::vector<std::string>& physical,
+                                                         const std::string& visible) {
+    std::vector<std::string> ids;
+    size_t start = 0;
+    while (start <= visible.size()) {
+      const size_t comma = std::min(visible.find(',', start), visible.size());
+      const std::string part = visible.substr(start, comma - start);
+      if (!part.empty()) ids.push_back(physical.at(static_cast<size_t>(std::stoi(part))));
+      start = comma + 1;
+    }
+    auto api = std::make_shared<FakeCudaApi>(static_cast<int>(ids.size()));
+    api->set_pci_bus_ids(std::move(ids));
+    return api;
+  }
   void set_has_context_queries(bool has) { has_ctx_queries_ = has; }
   // Device memory allocated from now on stays readable by host code.
   void set_device_memory_host_accessible(bool open) { host_accessible_ = open; }
@@ -380,6 +399,11 @@ class FakeCudaApi final : public CudaApi {
     if (cudaError_t e = lock.injected()) return e;
     if (device < 0 || device >= device_count_) return cudaErrorInvalidDevice;
     // Upper-case hex, as the real call returns it.
+    if (static_cast<size_t>(device) < pci_bus_ids_.size()) {
+      std::snprintf(bus_id, static_cast<size_t>(len), "%s",
+                    pci_bus_ids_[static_cast<size_t>(device)].c_str());
+      return cudaSuccess;
+    }
     std::snprintf(bus_id, static_cast<size_t>(len), "0000:%02X:00.0", 0x10 + device);
     return cudaSuccess;
   }
@@ -1365,6 +1389,7 @@ class FakeCudaApi final : public CudaApi {
   uint64_t ops_run_ = 0;
   std::vector<Device> devices_;
   std::map<cudaDeviceAttr, int> attributes_;
+  std::vector<std::string> pci_bus_ids_;
   std::map<std::thread::id, ThreadState> threads_;
   std::map<uintptr_t, Allocation> allocations_;
   std::map<void*, std::unique_ptr<FakeStream>> streams_;

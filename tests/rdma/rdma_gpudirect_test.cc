@@ -14,17 +14,20 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "src/backends/cuda/cuda_backend.h"
 #include "src/core/mesh.h"
 #include "src/transport/rdma/rdma_transport.h"
+#include "src/transport/rdma/verbs_resources.h"
 #include "src/transport/tcp_fallback/tcp_transport.h"
 #include "stepmesh/scheduler.h"
 #include "stepmesh/status.h"
 #include "tests/cuda/fake_cuda_api.h"
 #include "tests/rdma/fake_verbs.h"
 #include "tests/support/fake_fabric.h"
+#include "tests/support/fake_sysfs.h"
 
 namespace stepmesh {
 namespace {
@@ -320,6 +323,53 @@ TEST_CASE("gpudirect: the TCP fallback stages device tensors, and refuses them u
   o = RunExchange(setup);
   CHECK(absl::IsFailedPrecondition(o.worker));
   CHECK(absl::StrContains(o.worker.message(), "tcp transport cannot reach cuda:0"));
+}
+
+TEST_CASE("topology: under CUDA_VISIBLE_DEVICES the NIC follows the physical GPU",
+          "[rdma][topology]") {
+  testing::FakeSysfs sysfs;
+  sysfs.Hgx();
+  std::vector<std::string> physical;
+  for (int k = 0; k < 8; ++k) physical.push_back(testing::FakeSysfs::HgxGpu(k));
+  // CUDA_VISIBLE_DEVICES=5,2: CUDA device 0 is physical GPU 5, device 1 is GPU 2.
+  auto gpus = FakeCudaApi::WithVisibleDevices(physical, "5,2");
+  for (const auto& [cuda_index, physical_gpu] : {std::pair{0, 5}, std::pair{1, 2}}) {
+    INFO("CUDA device " << cuda_index << " = physical GPU " << physical_gpu);
+    FakeFabric fabric;
+    std::vector<FakeNicSpec> nics;
+    for (int i = 0; i < 8; ++i) {
+      FakeNicSpec spec;
+      spec.name = absl::StrCat("mlx5_", i);
+      spec.ipv4 = 0x0A000101 + static_cast<uint32_t>(i) * 0x100;
+      nics.push_back(spec);
+    }
+    auto verbs = fabric.AddHost(nics);
+    auto backend = CreateCudaBackend(gpus, cuda_index);
+    REQUIRE(backend.ok());
+    std::string chosen, why, told;
+    // The core's transport factory sees what the core made of the backend's
+    // location; the test stops the worker there.
+    const core::TransportFactory spy =
+        [&](const MeshOptions& options) -> absl::StatusOr<std::unique_ptr<core::Transport>> {
+      told = options.rdma.gpu_pci_bus_id;
+      STEPMESH_ASSIGN_OR_RETURN(rdma::PortChoice port, rdma::OpenPort(*verbs, options));
+      chosen = port.device_name;
+      why = port.why;
+      return absl::CancelledError("the test stops here");
+    };
+    MeshOptions o;
+    o.role = Role::kWorker;
+    o.rank = 0;
+    o.transport = "rdma";
+    o.backend = "cuda";
+    o.device = cuda_index;
+    o.rdma.sysfs_root = sysfs.root();
+    auto worker = core::CreateWorker(o, std::shared_ptr<Backend>(*std::move(backend)), spy);
+    CHECK(absl::IsCancelled(worker.status()));
+    INFO(why);
+    CHECK(told == absl::AsciiStrToLower(physical[static_cast<size_t>(physical_gpu)]));
+    CHECK(chosen == testing::FakeSysfs::HgxNicFor(physical_gpu));
+  }
 }
 
 }  // namespace

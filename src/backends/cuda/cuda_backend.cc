@@ -975,6 +975,11 @@ class CudaBackend final : public Backend {
   }
 
   absl::StatusOr<MemoryLocation> Locate(const void* ptr) override {
+    if (ptr == nullptr) {  // the backend's own device
+      const int device = context_->device();
+      STEPMESH_ASSIGN_OR_RETURN(auto topology, context_->DeviceTopology(device));
+      return MemoryLocation{Device::Cuda(device), topology.second, std::move(topology.first)};
+    }
     STEPMESH_ASSIGN_OR_RETURN(const cudaPointerAttributes attributes, Attributes(ptr));
     if (attributes.type != cudaMemoryTypeDevice && attributes.type != cudaMemoryTypeManaged) {
       return MemoryLocation{Device::Cpu(), -1, ""};

@@ -69,13 +69,17 @@ struct PortChoice {
   uint8_t link_layer = IBV_LINK_LAYER_ETHERNET;
   uint16_t lid = 0;                         // InfiniBand: the port's LID, which peers address it by
   uint64_t max_msg_sz = uint64_t{1} << 30;  // the longest message one WR may carry
+  ibv_gid_type gid_type = IBV_GID_TYPE_ROCE_V2;  // of the chosen GID (IB on InfiniBand)
+  std::string nic_pci;                           // the NIC's PCI address, when sysfs knows it
+  std::string why;                               // why this device (for logs and the doctor)
   bool roce() const { return link_layer != IBV_LINK_LAYER_INFINIBAND; }
 };
 
-// Opens the NIC named by options.rdma.device (or every NIC, choosing the best:
-// an active port with a RoCE v2 IPv4-mapped GID first, then RoCE v2, then IB;
-// among equals the one nearest the GPU options.device when the backend is CUDA
-// and hwloc knows the topology). options.rdma.port / gid_index override.
+// Opens the NIC named by options.rdma.device (a name or a comma-separated list;
+// empty: every NIC), choosing the best: an active port with a RoCE v2
+// IPv4-mapped GID first, then RoCE v2, then IB; among equals the one nearest
+// options.rdma.gpu_pci_bus_id on the PCI tree (sysfs under
+// options.rdma.sysfs_root, pci_topology.h). options.rdma.port / gid_index override.
 // Never chosen: devices whose transport is not InfiniBand/RoCE (iWARP: no
 // immediate data), link-local (fe80::/10) RoCE v2 GIDs (not routable), and
 // with options.rdma.interface, RoCE GIDs outside that interface's subnets.
@@ -90,10 +94,6 @@ struct GidSubnet {
 // "10.0.0.0/24", "2001:db8::/64", or a network interface's name (its
 // addresses and netmasks, from getifaddrs).
 absl::StatusOr<std::vector<GidSubnet>> ResolveInterface(const std::string& interface);
-
-// hwloc hop count between the NIC named `ib_device` and CUDA device
-// `gpu_index` (smaller is nearer); -1 when either is unknown.
-int PciDistanceToGpu(const std::string& ib_device, int gpu_index);
 
 std::string GidToString(const ibv_gid& gid);
 absl::StatusOr<ibv_gid> GidFromString(std::string_view text);
