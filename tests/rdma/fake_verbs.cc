@@ -228,6 +228,7 @@ struct FakeFabric::State {
   std::vector<std::pair<uintptr_t, size_t>> device_memory ABSL_GUARDED_BY(mu);
   bool dmabuf ABSL_GUARDED_BY(mu) = true;
   bool peer_memory ABSL_GUARDED_BY(mu) = false;
+  int dmabuf_errno ABSL_GUARDED_BY(mu) = EOPNOTSUPP;
   bool fork_initialized ABSL_GUARDED_BY(mu) = false;
   bool registered_any ABSL_GUARDED_BY(mu) = false;
   std::mt19937_64 rng ABSL_GUARDED_BY(mu);
@@ -674,17 +675,20 @@ class FakeVerbs final : public VerbsApi {
       errno = EINVAL;
       return nullptr;
     }
-    if (!state_->peer_memory && state_->TouchesDevice(reinterpret_cast<uintptr_t>(addr), length)) {
+    const bool device = state_->TouchesDevice(reinterpret_cast<uintptr_t>(addr), length);
+    if (!state_->peer_memory && device) {
       errno = EFAULT;  // get_user_pages cannot pin GPU memory without peer memory
       return nullptr;
     }
-    return NewMr(pd, addr, length, access);
+    ibv_mr* mr = NewMr(pd, addr, length, access);
+    if (mr != nullptr && device) ++state_->stats.peer_memory_mrs;
+    return mr;
   }
   ibv_mr* RegDmabufMr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd,
                       int access) override {
     ::stepmesh::base::MutexLock lock(&state_->mu);
     if (!state_->dmabuf) {
-      errno = EOPNOTSUPP;
+      errno = state_->dmabuf_errno;
       return nullptr;
     }
     if (fd < 0 || ::fcntl(fd, F_GETFD) == -1) {
@@ -1226,10 +1230,11 @@ void FakeFabric::AddDeviceMemory(const void* base, size_t bytes) {
   state_->device_memory.emplace_back(reinterpret_cast<uintptr_t>(base), bytes);
 }
 
-void FakeFabric::SetGpuDirect(bool dmabuf, bool peer_memory) {
+void FakeFabric::SetGpuDirect(bool dmabuf, bool peer_memory, int dmabuf_errno) {
   ::stepmesh::base::MutexLock lock(&state_->mu);
   state_->dmabuf = dmabuf;
   state_->peer_memory = peer_memory;
+  state_->dmabuf_errno = dmabuf_errno;
 }
 
 std::vector<uint8_t> FakeFabric::LagPorts(const std::string& nic) const {

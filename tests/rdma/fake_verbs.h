@@ -47,6 +47,7 @@
 // executes inside PostSend (the wire is instant), for micro-benchmarks that
 // want no fabric thread in the measurement.
 
+#include <cerrno>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -105,7 +106,8 @@ struct FakeFabricStats {
   uint64_t retry_errors = 0;   // requests nobody acknowledged in time
   uint64_t flushed = 0;        // IBV_WC_WR_FLUSH_ERR completions generated
   uint64_t cq_overflows = 0;
-  uint64_t dmabuf_mrs = 0;  // MRs registered through ibv_reg_dmabuf_mr
+  uint64_t dmabuf_mrs = 0;       // MRs registered through ibv_reg_dmabuf_mr
+  uint64_t peer_memory_mrs = 0;  // plain ibv_reg_mr MRs of device memory (peer memory)
   uint64_t fork_init_calls = 0;
   uint64_t registrations_before_fork_init = 0;
 };
@@ -158,7 +160,10 @@ class FakeFabric {
   // an offset that maps the iova back to a page-aligned export; with
   // `dmabuf` unset it fails with EOPNOTSUPP (a kernel or NIC without dma-buf).
   void AddDeviceMemory(const void* base, size_t bytes);
-  void SetGpuDirect(bool dmabuf, bool peer_memory);
+  // `dmabuf_errno` is what a refused ibv_reg_dmabuf_mr sets: EOPNOTSUPP
+  // (kernel without dma-buf MRs) or EPROTONOSUPPORT (MLNX_OFED's; errno 93
+  // in perftest#280 on an H100 host).
+  void SetGpuDirect(bool dmabuf, bool peer_memory, int dmabuf_errno = EOPNOTSUPP);
 
   // The LAG port each live QP of NIC `nic` is pinned to (0: never pinned), in
   // QP-number order.

@@ -48,10 +48,11 @@ uint8_t ReplyByte(int iteration, size_t j) {
 }
 
 struct Setup {
-  bool nic_dmabuf = true;       // the NIC and kernel take dma-buf MRs
-  bool peer_memory = false;     // ibv_reg_mr works on GPU memory (nvidia-peermem)
-  bool driver_dmabuf = true;    // the CUDA driver exports dma-bufs
-  bool ordered_writes = false;  // the GPU orders NIC writes itself (no flush needed)
+  bool nic_dmabuf = true;         // the NIC and kernel take dma-buf MRs
+  bool peer_memory = false;       // ibv_reg_mr works on GPU memory (nvidia-peermem)
+  int dmabuf_errno = EOPNOTSUPP;  // what a NIC that refuses dma-buf MRs says
+  bool driver_dmabuf = true;      // the CUDA driver exports dma-bufs
+  bool ordered_writes = false;    // the GPU orders NIC writes itself (no flush needed)
   GpuDirect mode = GpuDirect::kAuto;
   bool tcp = false;  // the TCP fallback instead of RDMA (it never reaches device memory)
 };
@@ -70,6 +71,7 @@ struct Outcome {
   SideCounts worker_gpu;
   SideCounts server_gpu;
   uint64_t dmabuf_mrs = 0;
+  uint64_t peer_memory_mrs = 0;
   uint64_t access_errors = 0;
 };
 
@@ -164,7 +166,7 @@ absl::Status RunWorker(AFTensorWorker& worker, Backend& backend, FakeFabric& fab
 Outcome RunExchange(const Setup& setup) {
   Outcome outcome;
   auto fabric = std::make_shared<FakeFabric>();
-  fabric->SetGpuDirect(setup.nic_dmabuf, setup.peer_memory);
+  fabric->SetGpuDirect(setup.nic_dmabuf, setup.peer_memory, setup.dmabuf_errno);
   MeshOptions base;
   base.transport = "rdma";
   base.timeout = absl::Seconds(10);
@@ -211,6 +213,7 @@ Outcome RunExchange(const Setup& setup) {
   outcome.worker_gpu = Counts(*worker_gpu, worker_setup_memcpys);
   outcome.server_gpu = Counts(*server_gpu, server_setup_memcpys);
   outcome.dmabuf_mrs = fabric->stats().dmabuf_mrs;
+  outcome.peer_memory_mrs = fabric->stats().peer_memory_mrs;
   outcome.access_errors = fabric->stats().access_errors;
   return outcome;
 }
@@ -273,6 +276,25 @@ TEST_CASE("gpudirect: without dma-buf export, peer memory registers the device a
   CHECK(o.worker_gpu.memcpys == 0);
   CHECK(o.server_gpu.memcpys == 0);
   CHECK(o.worker_gpu.flushes == kIterations);
+}
+
+TEST_CASE("gpudirect: CUDA exports a dma-buf, the NIC refuses it, peer memory registers instead",
+          "[rdma][gpudirect]") {
+  for (const int refusal : {EOPNOTSUPP, EPROTONOSUPPORT}) {
+    INFO("ibv_reg_dmabuf_mr fails with errno " << refusal);
+    Setup setup;
+    setup.nic_dmabuf = false;
+    setup.dmabuf_errno = refusal;
+    setup.peer_memory = true;
+    const Outcome o = RunExchange(setup);
+    CheckDelivered(o);
+    CHECK(o.worker_gpu.exports >= 1);  // the driver did export
+    CHECK(o.dmabuf_mrs == 0);
+    CHECK(o.peer_memory_mrs == 6);  // push, pull, recv + slot, reply + slot... as by dma-buf
+    CHECK(o.worker_gpu.memcpys == 0);
+    CHECK(o.server_gpu.memcpys == 0);
+    CHECK(o.worker_gpu.flushes == kIterations);
+  }
 }
 
 TEST_CASE("gpudirect: a NIC that refuses device memory gets staged copies (auto)",

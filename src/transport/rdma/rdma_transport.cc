@@ -256,16 +256,21 @@ class RdmaTransport final : public Transport {
     const std::string what =
         absl::StrCat("rdma: registering region ", info.id, " (", DeviceName(info.device),
                      info.dmabuf_fd >= 0 ? " memory by dma-buf)" : " memory)");
-    region->local_mr = RegisterPart(info, info.base, info.bytes(), IBV_ACCESS_LOCAL_WRITE);
-    if (!region->local_mr) return absl::InternalError(ErrnoMessage(what, errno));
+    const int ordering = DataAccessFlags();
+    absl::StatusOr<MrHandle> local =
+        RegisterPart(info, info.base, info.bytes(), IBV_ACCESS_LOCAL_WRITE | ordering);
+    if (!local.ok()) return absl::InternalError(absl::StrCat(what, ": ", local.status().message()));
+    region->local_mr = *std::move(local);
     if (info.remote_writable) {
       for (uint32_t slot = 0; slot < info.num_slots; ++slot) {
-        MrHandle mr =
-            RegisterPart(info, static_cast<std::byte*>(info.base) + slot * info.slot_bytes,
-                         info.slot_bytes, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
-        if (!mr)
-          return absl::InternalError(ErrnoMessage(absl::StrCat(what, ", slot ", slot), errno));
-        region->slot_mrs.push_back(std::move(mr));
+        absl::StatusOr<MrHandle> mr = RegisterPart(
+            info, static_cast<std::byte*>(info.base) + slot * info.slot_bytes, info.slot_bytes,
+            IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | ordering);
+        if (!mr.ok()) {
+          return absl::InternalError(
+              absl::StrCat(what, ", slot ", slot, ": ", mr.status().message()));
+        }
+        region->slot_mrs.push_back(*std::move(mr));
       }
     }
     MutexLock lock(&regions_mu_);
@@ -461,18 +466,49 @@ class RdmaTransport final : public Transport {
   // [addr, addr + bytes) inside `region`. Device memory goes by its dma-buf
   // when the core exported one, mapped at its own address (the iova) so work
   // requests name it like host memory; otherwise by address, which for device
-  // memory needs the peer-memory kernel module (nvidia-peermem).
-  MrHandle RegisterPart(const RegionInfo& region, void* addr, size_t bytes, int access) {
-    if (region.dmabuf_fd < 0) {
-      return MrHandle(verbs_.get(), verbs_->RegMr(pd_.get(), addr, bytes, access));
+  // memory needs the peer-memory kernel module (nvidia-peermem). A NIC or
+  // kernel that refuses dma-buf MRs (EOPNOTSUPP / EPROTONOSUPPORT: MLNX_OFED,
+  // kernels before 5.12) gets the address instead, and from then on only that.
+  absl::StatusOr<MrHandle> RegisterPart(const RegionInfo& region, void* addr, size_t bytes,
+                                        int access) {
+    std::string dmabuf_error;
+    if (region.dmabuf_fd >= 0 && !dmabuf_refused_.load(std::memory_order_relaxed)) {
+      const uint64_t offset =
+          region.dmabuf_offset + static_cast<uint64_t>(static_cast<std::byte*>(addr) -
+                                                       static_cast<std::byte*>(region.base));
+      MrHandle mr(verbs_.get(),
+                  verbs_->RegDmabufMr(pd_.get(), offset, bytes, reinterpret_cast<uintptr_t>(addr),
+                                      region.dmabuf_fd, access));
+      if (mr) return mr;
+      const int error = errno;
+      dmabuf_error = ErrnoMessage("ibv_reg_dmabuf_mr", error);
+      if (error != EOPNOTSUPP && error != EPROTONOSUPPORT) {
+        return absl::InternalError(dmabuf_error);
+      }
+      if (!dmabuf_refused_.exchange(true)) {
+        STEPMESH_LOG(kWarning, "rdma: ", port_.device_name, " refuses dma-buf memory regions (",
+                     dmabuf_error,
+                     "); registering device memory by address (peer memory, nvidia-peermem) "
+                     "instead");
+      }
     }
-    const uint64_t offset =
-        region.dmabuf_offset +
-        static_cast<uint64_t>(static_cast<std::byte*>(addr) - static_cast<std::byte*>(region.base));
-    return MrHandle(verbs_.get(),
-                    verbs_->RegDmabufMr(pd_.get(), offset, bytes, reinterpret_cast<uintptr_t>(addr),
-                                        region.dmabuf_fd, access));
+    MrHandle mr(verbs_.get(), verbs_->RegMr(pd_.get(), addr, bytes, access));
+    if (mr) return mr;
+    const int error = errno;
+    std::string message = ErrnoMessage(
+        region.device.kind == DeviceKind::kCpu ? "ibv_reg_mr" : "ibv_reg_mr (peer memory)", error);
+    if (!dmabuf_error.empty()) message = absl::StrCat(dmabuf_error, ", then ", message);
+    if (region.dmabuf_fd >= 0 && dmabuf_error.empty()) {
+      absl::StrAppend(&message, " (dma-buf refused earlier)");
+    }
+    if (error == ENOMEM) absl::StrAppend(&message, MemlockHint(bytes));
+    return absl::InternalError(message);
   }
+
+  // Access flags every data MR gets besides the local/remote ones.
+  int DataAccessFlags() const { return 0; }
+  // Appended to an ENOMEM from a registration.
+  std::string MemlockHint(size_t) const { return ""; }
 
   // ---- Connection set-up ----
 
@@ -1396,6 +1432,7 @@ class RdmaTransport final : public Transport {
   const MeshOptions options_;
   const RdmaOptions rdma_;
   PortChoice port_;
+  std::atomic<bool> dmabuf_refused_{false};  // the NIC said EOPNOTSUPP to a dma-buf MR
   PdHandle pd_;
   ChannelHandle channel_;
   SetupContext setup_;
