@@ -52,8 +52,12 @@ struct STEPMESH_EXPORT RdmaOptions {
   std::string interface;  // RoCE: only GIDs inside this netdev's subnets ("eth2") or a
                           // CIDR ("10.0.0.0/24"); empty: any
   // Traffic class and reliability.
-  int traffic_class = 0;   // GRH traffic class, DSCP << 2 (0..255)
-  int service_level = 0;   // SL / priority (0..15)
+  int traffic_class = 0;  // GRH traffic class, DSCP << 2 (0..255)
+  int service_level = 0;  // SL / priority (0..15)
+  // InfiniBand partition key (NCCL_IB_PKEY's meaning): the QPs use the port's
+  // P_Key table entry of this partition (low 15 bits; full membership
+  // preferred); 0: table index 0, the default partition.
+  int pkey = 0;
   int path_mtu = 0;        // bytes (256, 512, 1024, 2048, 4096); 0: the smaller active MTU
   int ack_timeout = 18;    // local ACK timeout, 4.096 us * 2^n per try (1..31): 18 = 1.07 s
   int retry_count = 7;     // transport retries after the first try (0..7)
@@ -64,6 +68,16 @@ struct STEPMESH_EXPORT RdmaOptions {
   int qps_per_peer = 1;                 // 2 stripes large payloads over two QPs (LAG ports)
   int64_t stripe_min_bytes = 64 << 10;  // with 2 QPs, payloads this large are striped (>= 8192)
   GpuDirect gpudirect = GpuDirect::kAuto;
+  // IBV_ACCESS_RELAXED_ORDERING (PCIe relaxed ordering of the NIC's writes,
+  // which many PCIe topologies need for full speed into GPU memory):
+  // "auto": on the tensors' MRs (the provider drops it where the device has
+  // none), "on": on every MR, the control blocks too, "off": never.
+  std::string relaxed_ordering = "auto";
+  // ibv_fork_init before the first registration: "auto": unless
+  // ibv_is_fork_initialized says the kernel copies pinned pages on fork
+  // itself (IBV_FORK_UNNEEDED), "on": always, "off": never (the process must
+  // then not touch registered memory in a child it forks).
+  std::string fork_init = "auto";
 
   // NIC choice by PCI topology. The PCI address of the accelerator this
   // participant drives ("0000:3b:00.0"); empty: the core fills it in from the

@@ -9,6 +9,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/algorithm/container.h"
@@ -213,6 +214,20 @@ const std::vector<EnvEntry>& EnvTable() {
               "GRH traffic class, DSCP << 2 (0..255)", &RdmaOptions::traffic_class),
       RdmaInt("STEPMESH_RDMA_SERVICE_LEVEL", "rdma.service_level", "0", "SL / priority (0..15)",
               &RdmaOptions::service_level),
+      {"STEPMESH_RDMA_PKEY", "rdma.pkey", "0 (table index 0)",
+       "InfiniBand partition key, `0x8001` or decimal (as `NCCL_IB_PKEY`): the port's P_Key "
+       "table entry of that partition (full membership preferred); a key the table lacks fails "
+       "at start naming the table",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         uint32_t key = 0;
+         const bool hex = absl::StartsWithIgnoreCase(v, "0x");
+         if (!(hex ? absl::SimpleHexAtoi(v.substr(2), &key) : absl::SimpleAtoi(v, &key)) ||
+             key > 0xFFFF) {
+           return absl::InvalidArgumentError("not a 16-bit P_Key (want 0x8001 or 32769)");
+         }
+         o.rdma.pkey = static_cast<int>(key);
+         return absl::OkStatus();
+       }},
       RdmaInt("STEPMESH_RDMA_PATH_MTU", "rdma.path_mtu", "0 (auto)",
               "cap in bytes: 256, 512, 1024, 2048, 4096; auto is the smaller active MTU of both "
               "ends",
@@ -249,6 +264,23 @@ const std::vector<EnvEntry>& EnvTable() {
        "fails rather than stage)",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
          STEPMESH_ASSIGN_OR_RETURN(o.rdma.gpudirect, ParseGpuDirect(v));
+         return absl::OkStatus();
+       }},
+      {"STEPMESH_RDMA_RELAXED_ORDERING", "rdma.relaxed_ordering", "`auto`",
+       "`IBV_ACCESS_RELAXED_ORDERING`: `auto` on the tensors' MRs (dropped by the provider where "
+       "unsupported), `on` on every MR, `off` never",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         STEPMESH_RETURN_IF_ERROR(CheckOneOf(v, {"auto", "on", "off"}));
+         o.rdma.relaxed_ordering = std::string(v);
+         return absl::OkStatus();
+       }},
+      {"STEPMESH_RDMA_FORK_INIT", "rdma.fork_init", "`auto`",
+       "`ibv_fork_init` before registering: `auto` unless the kernel copies pinned pages on fork "
+       "(`IBV_FORK_UNNEEDED`), `on` always, `off` never (then no registered memory may be used "
+       "in a forked child)",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         STEPMESH_RETURN_IF_ERROR(CheckOneOf(v, {"auto", "on", "off"}));
+         o.rdma.fork_init = std::string(v);
          return absl::OkStatus();
        }},
       {"STEPMESH_POLL_MODE", "threads.poll_mode", "`adaptive`", "`spin`, `adaptive`, `blocking`",
@@ -586,6 +618,15 @@ absl::Status RdmaOptions::Validate() const {
       range("traffic_class", "STEPMESH_RDMA_TRAFFIC_CLASS", traffic_class, 0, 255));
   STEPMESH_RETURN_IF_ERROR(
       range("service_level", "STEPMESH_RDMA_SERVICE_LEVEL", service_level, 0, 15));
+  STEPMESH_RETURN_IF_ERROR(range("pkey", "STEPMESH_RDMA_PKEY", pkey, 0, 0xFFFF));
+  for (const auto& [field, variable, value] :
+       {std::tuple{"relaxed_ordering", "STEPMESH_RDMA_RELAXED_ORDERING", &relaxed_ordering},
+        std::tuple{"fork_init", "STEPMESH_RDMA_FORK_INIT", &fork_init}}) {
+    if (*value != "auto" && *value != "on" && *value != "off") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rdma.", field, "='", *value, "' (", variable, "): want auto, on or off"));
+    }
+  }
   if (path_mtu != 0 && path_mtu != 256 && path_mtu != 512 && path_mtu != 1024 && path_mtu != 2048 &&
       path_mtu != 4096) {
     return absl::InvalidArgumentError(

@@ -33,7 +33,22 @@
 //     RoCE ports need a GRH (is_global) with a valid source GID index;
 //   - dual-port devices; port and GID events carry the port number;
 //   - iWARP devices (siw, ...) have no immediate data: WRITE_WITH_IMM fails;
-//   - ibv_fork_init must run before the first registration (counted);
+//   - ibv_fork_init must run before the first registration (counted); a
+//     kernel with copy-on-fork (SetKernelCopyOnFork) makes
+//     ibv_is_fork_initialized say IBV_FORK_UNNEEDED, and registrations made
+//     under an ibv_fork_init that was needed are counted (each one is a
+//     madvise(DONTFORK) that splits the process's mappings);
+//   - RLIMIT_MEMLOCK (FakeHostSpec::memlock_limit): every host-memory MR
+//     pins its pages on its own (overlapping MRs are charged again, as the
+//     kernel's pinned_vm is); past the limit ibv_reg_mr fails with ENOMEM.
+//     dma-buf and peer-memory MRs are not charged;
+//   - P_Keys: a QP's pkey_index must lie inside the port's table, and two QPs
+//     talk only within one partition (same low 15 bits) with at least one
+//     full member (bit 15); otherwise nothing is acknowledged (RETRY_EXC);
+//   - GID types: a GRH names the sender's GID entry, and a packet reaches a
+//     responder only through a GID entry of the same type (RoCE v1 and v2
+//     are different packets); a mismatch is never acknowledged;
+//   - IBV_ACCESS_RELAXED_ORDERING (an optional flag) is accepted and counted;
 //   - GPUDirect: plain MRs of device memory fail (EFAULT) unless peer memory
 //     is on; dma-buf MRs need an open fd and an offset that maps back inside
 //     device memory;
@@ -87,6 +102,14 @@ struct FakeNicSpec {
   // mlx5 LAG: > 1 is a bonded device with that many ports; 0 is not mlx5
   // (the LAG calls fail with EOPNOTSUPP).
   uint8_t lag_ports = 0;
+  // Every port's P_Key table (host byte order); 0xFFFF is the default
+  // partition, full membership.
+  std::vector<uint16_t> pkeys = {0xFFFF};
+};
+
+// What a fake host (one process's view) adds to its NICs.
+struct FakeHostSpec {
+  uint64_t memlock_limit = UINT64_MAX;  // RLIMIT_MEMLOCK soft limit, bytes (MAX: unlimited)
 };
 
 struct FakeFabricOptions {
@@ -110,6 +133,10 @@ struct FakeFabricStats {
   uint64_t peer_memory_mrs = 0;  // plain ibv_reg_mr MRs of device memory (peer memory)
   uint64_t fork_init_calls = 0;
   uint64_t registrations_before_fork_init = 0;
+  uint64_t dontfork_registrations = 0;  // registrations under a needed ibv_fork_init
+  uint64_t relaxed_ordering_mrs = 0;    // MRs registered with IBV_ACCESS_RELAXED_ORDERING
+  uint64_t memlock_refusals = 0;        // registrations refused (ENOMEM) by RLIMIT_MEMLOCK
+  uint64_t peak_pinned_bytes = 0;       // the most host memory any host had pinned
 };
 
 class FakeFabric {
@@ -124,7 +151,11 @@ class FakeFabric {
   // A host with one NIC on this fabric; the returned VerbsApi lists only it.
   std::shared_ptr<VerbsApi> AddHost(const FakeNicSpec& spec);
   // A host with several NICs (device selection tests).
-  std::shared_ptr<VerbsApi> AddHost(const std::vector<FakeNicSpec>& nics);
+  std::shared_ptr<VerbsApi> AddHost(const std::vector<FakeNicSpec>& nics,
+                                    const FakeHostSpec& host = {});
+  // The kernel copies registered pages on fork (Linux 5.13+):
+  // ibv_is_fork_initialized says IBV_FORK_UNNEEDED.
+  void SetKernelCopyOnFork(bool copy_on_fork);
 
   // Moves every QP of the NIC named `nic` to ERR (a NIC reset).
   void FailNic(const std::string& nic);

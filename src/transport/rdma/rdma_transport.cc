@@ -146,11 +146,26 @@ class RdmaTransport final : public Transport {
     STEPMESH_RETURN_IF_ERROR(rdma_.Validate());
     // Before any registration: PyTorch's DataLoader (and anything else that
     // forks) must not leave the child sharing pinned pages with the parent.
-    if (const int rc = verbs_->ForkInit(); rc != 0) {
-      STEPMESH_LOG(kWarning, "rdma: ", ErrnoMessage("ibv_fork_init", rc),
-                   "; registered memory is not fork-safe in this process");
+    // A kernel that copies pinned pages on fork needs none of it, and
+    // ibv_fork_init would then only madvise(DONTFORK) every registration.
+    const ibv_fork_status fork = verbs_->IsForkInitialized();
+    if (rdma_.fork_init == "on" || (rdma_.fork_init == "auto" && fork != IBV_FORK_UNNEEDED)) {
+      if (const int rc = verbs_->ForkInit(); rc != 0) {
+        STEPMESH_LOG(kWarning, "rdma: ", ErrnoMessage("ibv_fork_init", rc),
+                     "; registered memory is not fork-safe in this process");
+      }
     }
     STEPMESH_ASSIGN_OR_RETURN(port_, OpenPort(*verbs_, options_));
+    // Every peer's control block is pinned before any tensor: a container's
+    // default RLIMIT_MEMLOCK (64 KiB, or 8 MiB) fails the first Connect with
+    // a bare ENOMEM otherwise.
+    const int peers = options_.role == Role::kWorker ? options_.num_servers : options_.num_workers;
+    STEPMESH_RETURN_IF_ERROR(CheckMemlock(
+        *verbs_,
+        uint64_t(std::max(peers, 1)) * ControlBlockBytes(static_cast<uint32_t>(rdma_.qps_per_peer),
+                                                         static_cast<uint32_t>(rdma_.recv_depth)),
+        absl::StrCat("connecting to ", peers, " peer(s) with ", rdma_.qps_per_peer,
+                     " QP(s) of STEPMESH_RDMA_RECV_DEPTH=", rdma_.recv_depth)));
     ibv_device_attr device{};
     if (const int rc = verbs_->QueryDevice(port_.context.get(), &device); rc != 0) {
       return absl::InternalError(ErrnoMessage("rdma: ibv_query_device", rc));
@@ -179,6 +194,7 @@ class RdmaTransport final : public Transport {
     STEPMESH_RETURN_IF_ERROR(Watch(channel_->fd, kChannelToken));
     STEPMESH_RETURN_IF_ERROR(Watch(port_.context->async_fd, kAsyncToken));
     STEPMESH_ASSIGN_OR_RETURN(listener_, BootstrapListener::Listen(options_.bind_host));
+    STEPMESH_LOG(kInfo, "rdma: ", port_.device_name, " chosen: ", port_.why);
     STEPMESH_LOG(kInfo, "rdma: using ", port_.device_name, " port ", int{port_.port},
                  port_.roce() ? " (RoCE)" : absl::StrCat(" (InfiniBand, LID ", port_.lid, ")"),
                  " GID index ", port_.gid_index, " (", GidToString(port_.gid), ")");
@@ -505,10 +521,15 @@ class RdmaTransport final : public Transport {
     return absl::InternalError(message);
   }
 
-  // Access flags every data MR gets besides the local/remote ones.
-  int DataAccessFlags() const { return 0; }
+  // Access flags every data MR gets besides the local/remote ones: relaxed
+  // ordering unless turned off (an optional flag: providers without it drop it).
+  int DataAccessFlags() const {
+    return rdma_.relaxed_ordering == "off" ? 0 : IBV_ACCESS_RELAXED_ORDERING;
+  }
   // Appended to an ENOMEM from a registration.
-  std::string MemlockHint(size_t) const { return ""; }
+  std::string MemlockHint(size_t bytes) const {
+    return absl::StrCat(" registering ", FormatBytes(bytes), MemlockAdvice(*verbs_));
+  }
 
   // ---- Connection set-up ----
 

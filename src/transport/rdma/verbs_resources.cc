@@ -253,6 +253,29 @@ absl::StatusOr<PortChoice> OpenPort(VerbsApi& verbs, const MeshOptions& mesh) {
   choice.lid = best->lid;
   choice.max_msg_sz = best->max_msg_sz;
   choice.gid_type = best->gid_type;
+  if (options.pkey != 0) {
+    // As NCCL_IB_PKEY: the entry of the same partition, a full member first.
+    std::vector<std::string> table;
+    int found = -1;
+    for (int index = 0; index < 128; ++index) {
+      uint16_t key = 0;
+      if (verbs.QueryPkey(choice.context.get(), best->port, index, &key) != 0) break;
+      table.push_back(absl::StrCat(index, ":0x", absl::Hex(key, absl::kZeroPad4)));
+      if ((key & 0x7FFF) != (options.pkey & 0x7FFF)) continue;
+      if (found < 0 || (key & 0x8000) != 0) found = index;
+      if ((key & 0x8000) != 0) break;
+    }
+    if (found < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rdma.pkey=0x", absl::Hex(options.pkey, absl::kZeroPad4), " (STEPMESH_RDMA_PKEY): ",
+          best->name, " port ", int{best->port}, " is not in that partition (P_Key table ",
+          table.empty() ? "unreadable" : absl::StrJoin(table, " "), ")"));
+    }
+    choice.pkey_index = static_cast<uint16_t>(found);
+    uint16_t key = 0;
+    (void)verbs.QueryPkey(choice.context.get(), best->port, found, &key);
+    choice.pkey = key;
+  }
   choice.nic_pci = best->placement.nic_pci;
   if (gpu.empty()) {
     choice.why = allowed.empty() ? "no GPU to be near (host memory): the best port found"
@@ -265,6 +288,49 @@ absl::StatusOr<PortChoice> OpenPort(VerbsApi& verbs, const MeshOptions& mesh) {
         allowed.empty() ? "" : absl::StrCat("; allowed by STEPMESH_RDMA_DEVICE=", options.device));
   }
   return choice;
+}
+
+std::string FormatBytes(uint64_t bytes) {
+  if (bytes == UINT64_MAX) return "unlimited";
+  if (bytes >= (uint64_t{1} << 30) && bytes % (uint64_t{1} << 30) == 0) {
+    return absl::StrCat(bytes >> 30, " GiB");
+  }
+  if (bytes >= (uint64_t{1} << 20)) return absl::StrCat(bytes >> 20, " MiB");
+  if (bytes >= 1024) return absl::StrCat(bytes >> 10, " KiB");
+  return absl::StrCat(bytes, " bytes");
+}
+
+std::string MemlockAdvice(VerbsApi& verbs) {
+  uint64_t limit = 0;
+  if (verbs.GetMemlockLimit(&limit) != 0) return "";
+  return absl::StrCat("; RLIMIT_MEMLOCK (ulimit -l) is ", FormatBytes(limit),
+                      limit == UINT64_MAX ? " (so the NIC itself ran out)"
+                                          : ", and every registration pins its pages against it: "
+                                            "raise it (docker run --ulimit memlock=-1, systemd "
+                                            "LimitMEMLOCK=infinity, limits.conf memlock)");
+}
+
+absl::Status CheckMemlock(VerbsApi& verbs, uint64_t needed, const std::string& what) {
+  uint64_t limit = 0;
+  if (verbs.GetMemlockLimit(&limit) != 0 || limit == UINT64_MAX || limit >= needed) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "rdma: RLIMIT_MEMLOCK (ulimit -l) is ", FormatBytes(limit), " but ", what, " pins at least ",
+      FormatBytes(needed),
+      " before any tensor is registered; raise it (docker run --ulimit memlock=-1, systemd "
+      "LimitMEMLOCK=infinity, limits.conf memlock) or use STEPMESH_TRANSPORT=tcp"));
+}
+
+const char* GidTypeName(ibv_gid_type type) {
+  switch (type) {
+    case IBV_GID_TYPE_ROCE_V2:
+      return "RoCE v2";
+    case IBV_GID_TYPE_ROCE_V1:
+      return "RoCE v1";
+    default:
+      return "IB";
+  }
 }
 
 std::string GidToString(const ibv_gid& gid) {
