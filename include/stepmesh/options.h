@@ -171,6 +171,11 @@ struct STEPMESH_EXPORT MeshOptions {
   absl::Status Validate() const;
 };
 
+// The process's CUDA_DEVICE_MAX_CONNECTIONS (0 when unset), read through the
+// one environment table; INVALID_ARGUMENT naming the variable for a bad value.
+// CreateCudaBackend uses it when CudaBackendOptions::device_max_connections is 0.
+STEPMESH_EXPORT absl::StatusOr<int> CudaDeviceMaxConnectionsFromEnv();
+
 // The role STEPMESH_ROLE (or else DMLC_ROLE) names; nullopt when neither is
 // set. Programs that run a whole mesh themselves unless told one role use it.
 STEPMESH_EXPORT absl::StatusOr<std::optional<Role>> RoleFromEnv();

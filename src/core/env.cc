@@ -526,6 +526,24 @@ absl::StatusOr<MeshOptions> MeshOptions::FromEnv(const MeshOptions& base) {
 
 absl::StatusOr<MeshOptions> MeshOptions::FromEnv() { return FromEnv(MeshOptions()); }
 
+absl::StatusOr<int> CudaDeviceMaxConnectionsFromEnv() {
+  for (const EnvEntry& entry : EnvTable()) {
+    if (absl::string_view(entry.name) != "CUDA_DEVICE_MAX_CONNECTIONS") continue;
+    const char* value = std::getenv(entry.name);
+    if (value == nullptr) return 0;
+    MeshOptions options;
+    if (absl::Status s = entry.apply(value, options); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(entry.name, "='", value, "': ", s.message()));
+    }
+    if (options.cuda_device_max_connections < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(entry.name, "='", value, "': want a positive number of hardware queues"));
+    }
+    return options.cuda_device_max_connections;
+  }
+  return 0;
+}
+
 absl::StatusOr<std::optional<Role>> RoleFromEnv() {
   // STEPMESH_ROLE wins over DMLC_ROLE, as in FromEnv.
   for (const char* name : {"STEPMESH_ROLE", "DMLC_ROLE"}) {

@@ -20,6 +20,11 @@
 //    and their later work waits for it. cudaMemcpy is legacy-stream work and
 //    returns per the documented synchronisation rules (device-to-device and
 //    pageable host-to-device copies return before the data is there).
+//  * Hardware queues (set_hardware_queues, CUDA_DEVICE_MAX_CONNECTIONS):
+//    streams map to a device's queues round robin in creation order, and a
+//    cuStreamWaitValue32 that is not yet satisfied at the head of its stream
+//    holds up the work of every stream on that queue enqueued after it (a
+//    wait kernel does not: it is dispatched and spins on an SM).
 //  * cudaFree, cudaFreeHost, cudaHostAlloc and loading a kernel (lazily, at
 //    its first launch, or on request) wait for the whole device.
 //  * Stream capture: captured work is recorded, not run, and can be replayed
@@ -77,6 +82,8 @@ class FakeCudaApi final : public CudaApi {
     std::function<bool()> run;  // false: blocked, retry later
     std::vector<Dep> deps;      // other streams' work that must finish first
     uint64_t seq = 0;
+    uint64_t tick = 0;         // device-wide enqueue order (hardware queues are FIFOs)
+    bool holds_queue = false;  // a memop wait: blocks its hardware queue until satisfied
   };
   struct FakeStream {
     int id = 0;
@@ -84,6 +91,7 @@ class FakeCudaApi final : public CudaApi {
     unsigned int flags = 0;
     int priority = 0;
     bool legacy = false;
+    int queue = -1;  // hardware queue (set_hardware_queues); -1: one of its own
     bool destroyed = false;
     uint64_t enqueued = 0;   // sequence number of the last op enqueued
     uint64_t completed = 0;  // ... and of the last one that ran
@@ -172,6 +180,9 @@ class FakeCudaApi final : public CudaApi {
   void set_suballocate(bool packed) { suballocate_ = packed; }
   // How long a synchronous call may stay blocked before it counts as a hang.
   void set_hang_timeout(std::chrono::milliseconds timeout) { hang_timeout_ = timeout; }
+  // `n` hardware queues per device for the streams created from now on (as
+  // CUDA_DEVICE_MAX_CONNECTIONS=n); 0: every stream has its own.
+  void set_hardware_queues(int n) { hardware_queues_ = n; }
   // cudaDeviceGetAttribute answers (every device alike); unset ones read 0.
   void set_attribute(cudaDeviceAttr attr, int value) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
@@ -1240,6 +1251,9 @@ class FakeCudaApi final : public CudaApi {
     s->device = Thread().current;
     s->flags = flags;
     s->priority = priority;
+    if (hardware_queues_ > 0 && s->device >= 0) {
+      s->queue = queue_cursor_[s->device]++ % hardware_queues_;
+    }
     auto* handle = reinterpret_cast<cudaStream_t>(s.get());
     streams_[s.get()] = std::move(s);
     return handle;
@@ -1277,6 +1291,8 @@ class FakeCudaApi final : public CudaApi {
       return;
     }
     op.seq = ++s->enqueued;
+    op.tick = ++tick_;
+    op.holds_queue = op.name == "wait_value";
     const bool blocking = !(s->flags & cudaStreamNonBlocking);
     for (auto& [handle, other] : streams_) {
       FakeStream* t = other.get();
@@ -1296,12 +1312,26 @@ class FakeCudaApi final : public CudaApi {
       if (s->ops.empty() || Sticky(s->device) != cudaSuccess) return false;
       Op& op = s->ops.front();
       if (!AdvanceDeps(s, op.seq)) return false;
+      if (QueueBlocker(s, op) != nullptr) return false;
       if (!op.run()) return false;
       s->completed = op.seq;
       s->ops.pop_front();
       ++ops_run_;
     }
     return true;
+  }
+  // The stream whose unsatisfied memop wait, enqueued before `op`, sits at
+  // the head of the hardware queue `s` shares with it; null when none.
+  FakeStream* QueueBlocker(FakeStream* s, const Op& op) {
+    if (s->queue < 0) return nullptr;
+    for (auto& [handle, other] : streams_) {
+      FakeStream* t = other.get();
+      if (t == s || t->device != s->device || t->queue != s->queue || t->ops.empty()) continue;
+      const Op& head = t->ops.front();
+      if (!head.holds_queue || head.tick > op.tick) continue;
+      if (!Advance(t, head.seq)) return t;  // still waiting: the queue is stuck behind it
+    }
+    return nullptr;
   }
   // Runs what op `seq` of `s` waits for, but not the op itself (nor the ops
   // before it on `s`, which must be done already for it to count).
@@ -1364,10 +1394,13 @@ class FakeCudaApi final : public CudaApi {
       for (const Dep& dep : op.deps) {
         if (dep.stream->completed < dep.seq) next = dep.stream;
       }
+      if (next == nullptr) next = QueueBlocker(s, op);
       if (next == nullptr) break;
       s = next;
     }
-    return "'" + (s->ops.empty() ? std::string("?") : s->ops.front().name) + "' on " +
+    const std::string queue =
+        s->queue >= 0 ? " on hardware queue " + std::to_string(s->queue) : std::string();
+    return "'" + (s->ops.empty() ? std::string("?") : s->ops.front().name) + "'" + queue + " on " +
            (s->legacy
                 ? std::string("the legacy default stream")
                 : "stream " + std::to_string(s->id) +
@@ -1386,6 +1419,9 @@ class FakeCudaApi final : public CudaApi {
   bool suballocate_ = false;
   std::chrono::milliseconds hang_timeout_{1000};
   int next_stream_id_ = 1;
+  int hardware_queues_ = 0;
+  std::map<int, int> queue_cursor_;  // per device: streams given a queue so far
+  uint64_t tick_ = 0;
   uint64_t ops_run_ = 0;
   std::vector<Device> devices_;
   std::map<cudaDeviceAttr, int> attributes_;

@@ -44,6 +44,7 @@
 #include "src/backends/cuda/cuda_status.h"
 #include "src/base/logging.h"
 #include "src/base/thread_util.h"
+#include "stepmesh/options.h"
 #include "stepmesh/status.h"
 
 namespace stepmesh {
@@ -67,6 +68,8 @@ constexpr int kSpinsBeforeYield = 1 << 12;
 // thread and an application thread, so their synchronous copies never queue
 // behind one another.
 constexpr size_t kCopyLanes = 3;
+// CUDA's hardware queues per device when CUDA_DEVICE_MAX_CONNECTIONS is unset.
+constexpr int kDefaultConnections = 8;
 // A pending copy-engine event looks at the clock once every this many polls.
 constexpr uint32_t kPollsPerClockRead = 64;
 
@@ -241,6 +244,8 @@ class DeviceContext {
   int device() const { return device_; }
   const CudaBackendOptions& options() const { return options_; }
   int stream_priority() const { return options_.high_priority_streams ? greatest_priority_ : 0; }
+  // Streams handed out (CreateStream, WrapCudaStream), besides the copy lanes.
+  void NoteStream(int delta) { streams_.fetch_add(delta, std::memory_order_relaxed); }
 
   // A synchronous copy on one of the backend's own streams: non-blocking (no
   // implicit wait for the legacy default stream or the application's blocking
@@ -360,10 +365,26 @@ class DeviceContext {
         break;
     }
     // A stream memory operation is not something every driver can capture
-    // into a graph; the kernel always is. With one hardware queue a memop
-    // wait would hold up every stream behind it.
-    return !capturing && options_.device_max_connections != 1 &&
-           !memops_unsupported_.load(std::memory_order_relaxed) && api_->HasStreamMemOps();
+    // into a graph; the kernel always is. A memop wait at the head of a
+    // hardware queue holds up every stream mapped to that queue: with more
+    // streams than queues (CUDA_DEVICE_MAX_CONNECTIONS, default 8; CUDA maps
+    // streams to queues round robin) a waiting stream may share one with a
+    // copy lane the receive thread needs before it raises the flag: a
+    // deadlock. A wait kernel occupies an SM slot but never the queue.
+    if (capturing || memops_unsupported_.load(std::memory_order_relaxed) ||
+        !api_->HasStreamMemOps()) {
+      return false;
+    }
+    const int queues =
+        options_.device_max_connections > 0 ? options_.device_max_connections : kDefaultConnections;
+    const int streams = static_cast<int>(kCopyLanes) + streams_.load(std::memory_order_relaxed);
+    if (streams <= queues) return true;
+    if (!shared_queues_noted_.exchange(true)) {
+      STEPMESH_LOG(kInfo, "cuda: ", streams, " streams on device ", device_, " share ", queues,
+                   " hardware queues (CUDA_DEVICE_MAX_CONNECTIONS); GPU waits on host flags use "
+                   "the wait kernel, which cannot block a queue");
+    }
+    return false;
   }
 
   // In kAuto mode a driver that resolves the entry point but refuses the call
@@ -398,6 +419,8 @@ class DeviceContext {
   const CudaBackendOptions options_;
   int greatest_priority_ = 0;
   std::array<CopyLane, kCopyLanes> lanes_;
+  std::atomic<int> streams_{0};
+  std::atomic<bool> shared_queues_noted_{false};
   std::atomic<bool> memops_unsupported_{false};
   std::mutex topology_mu_;
   absl::flat_hash_map<int, std::pair<std::string, int>> topology_;
@@ -699,8 +722,11 @@ void RunHostFunc(void* arg) {
 class CudaStream final : public Stream {
  public:
   CudaStream(std::shared_ptr<DeviceContext> context, cudaStream_t stream, bool owned)
-      : context_(std::move(context)), stream_(stream), owned_(owned) {}
+      : context_(std::move(context)), stream_(stream), owned_(owned) {
+    context_->NoteStream(+1);
+  }
   ~CudaStream() override {
+    context_->NoteStream(-1);
     if (!owned_) return;
     CudaApi& api = context_->api();
     ScopedDevice scoped(api, context_->device());
@@ -1177,9 +1203,15 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(std::shared_ptr<cuda:
     return absl::InvalidArgumentError(
         absl::StrCat("cuda backend: device ", device, " does not exist (", count, " visible)"));
   }
-  STEPMESH_RETURN_IF_ERROR(cuda::CheckOptions(*api, device, options));
+  // CUDA itself reads CUDA_DEVICE_MAX_CONNECTIONS; so must we, also for
+  // direct users (Megatron sets it to 1) who never went through MeshOptions.
+  CudaBackendOptions effective = options;
+  if (effective.device_max_connections == 0) {
+    STEPMESH_ASSIGN_OR_RETURN(effective.device_max_connections, CudaDeviceMaxConnectionsFromEnv());
+  }
+  STEPMESH_RETURN_IF_ERROR(cuda::CheckOptions(*api, device, effective));
   STEPMESH_ASSIGN_OR_RETURN(auto context,
-                            cuda::DeviceContext::Create(std::move(api), device, options));
+                            cuda::DeviceContext::Create(std::move(api), device, effective));
   STEPMESH_ASSIGN_OR_RETURN(auto pool, cuda::EventPool::Create(context, options.event_pool_size));
   return std::unique_ptr<Backend>(new cuda::CudaBackend(std::move(context), std::move(pool)));
 }
