@@ -192,8 +192,10 @@ const std::vector<EnvEntry>& EnvTable() {
        STEPMESH_ENV_INT(device)},
       // Read by CUDA itself; the cuda backend must know it too (one hardware queue).
       {"CUDA_DEVICE_MAX_CONNECTIONS", "cuda_device_max_connections", "unset (0)",
-       "CUDA's own variable, read so the cuda backend knows: with 1 it waits with kernels, not "
-       "stream memory operations (docs/cuda.md, rule 7)",
+       "CUDA's own variable (hardware queues per device, CUDA's default 8), read so the cuda "
+       "backend knows (`CreateCudaBackend` reads it too): once its streams outnumber the queues, "
+       "and always with 1, it waits with kernels, not stream memory operations (docs/cuda.md, "
+       "rule 7)",
        STEPMESH_ENV_INT(cuda_device_max_connections)},
       RdmaString("STEPMESH_RDMA_DEVICE", "rdma.device", "auto",
                  "verbs device name, e.g. `mlx5_0`, or a comma-separated list to choose from; "
