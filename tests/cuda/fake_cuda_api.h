@@ -180,6 +180,16 @@ class FakeCudaApi final : public CudaApi {
   void set_suballocate(bool packed) { suballocate_ = packed; }
   // How long a synchronous call may stay blocked before it counts as a hang.
   void set_hang_timeout(std::chrono::milliseconds timeout) { hang_timeout_ = timeout; }
+  // Whether [ptr, ptr + bytes) is fake device memory (for a fake NIC).
+  bool IsDeviceMemory(const void* ptr, size_t bytes) {
+    std::lock_guard<std::recursive_mutex> guard(mu_);
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(ptr) & ~uintptr_t{kPage - 1};
+    const uintptr_t end = reinterpret_cast<uintptr_t>(ptr) + std::max<size_t>(bytes, 1);
+    for (uintptr_t page = begin; page < end; page += kPage) {
+      if (!MappedDevicePage(page)) return false;
+    }
+    return true;
+  }
   // `n` hardware queues per device for the streams created from now on (as
   // CUDA_DEVICE_MAX_CONNECTIONS=n); 0: every stream has its own.
   void set_hardware_queues(int n) { hardware_queues_ = n; }

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <random>
 #include <thread>
@@ -235,6 +236,7 @@ struct FakeFabric::State {
   int dmabuf_errno ABSL_GUARDED_BY(mu) = EOPNOTSUPP;
   bool fork_initialized ABSL_GUARDED_BY(mu) = false;
   bool copy_on_fork ABSL_GUARDED_BY(mu) = false;
+  std::function<bool(const void*, size_t)> device_oracle ABSL_GUARDED_BY(mu);
   bool registered_any ABSL_GUARDED_BY(mu) = false;
   std::mt19937_64 rng ABSL_GUARDED_BY(mu);
   std::vector<FakeQp*> active ABSL_GUARDED_BY(mu);  // QPs with pending requests
@@ -253,7 +255,13 @@ struct FakeFabric::State {
     }
     return nullptr;
   }
+  // [address, address + bytes) lies wholly in device memory.
+  bool InsideDevice(uintptr_t address, size_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return DeviceRange(address, bytes) != nullptr ||
+           (device_oracle && device_oracle(reinterpret_cast<const void*>(address), bytes));
+  }
   bool TouchesDevice(uintptr_t address, size_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (device_oracle && device_oracle(reinterpret_cast<const void*>(address), 1)) return true;
     for (const auto& [base, size] : device_memory) {
       if (address < base + size && base < address + bytes) return true;
     }
@@ -741,8 +749,7 @@ class FakeVerbs final : public VerbsApi {
     // iova - offset must land there, or the MR would map other memory.
     const uintptr_t export_start = static_cast<uintptr_t>(iova - offset);
     if (length == 0 || offset > iova || export_start % 4096 != 0 ||
-        state_->DeviceRange(export_start, static_cast<size_t>(iova + length - export_start)) ==
-            nullptr) {
+        !state_->InsideDevice(export_start, static_cast<size_t>(iova + length - export_start))) {
       errno = EINVAL;
       return nullptr;
     }
@@ -1165,6 +1172,11 @@ bool FakeFabric::asynchronous() const { return state_->options.asynchronous; }
 
 std::shared_ptr<VerbsApi> FakeFabric::AddHost(const FakeNicSpec& spec) {
   return AddHost(std::vector<FakeNicSpec>{spec});
+}
+
+void FakeFabric::SetDeviceMemoryOracle(std::function<bool(const void*, size_t)> is_device) {
+  ::stepmesh::base::MutexLock lock(&state_->mu);
+  state_->device_oracle = std::move(is_device);
 }
 
 void FakeFabric::SetKernelCopyOnFork(bool copy_on_fork) {

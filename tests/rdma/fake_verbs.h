@@ -64,6 +64,7 @@
 
 #include <cerrno>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -195,6 +196,10 @@ class FakeFabric {
   // (kernel without dma-buf MRs) or EPROTONOSUPPORT (MLNX_OFED's; errno 93
   // in perftest#280 on an H100 host).
   void SetGpuDirect(bool dmabuf, bool peer_memory, int dmabuf_errno = EOPNOTSUPP);
+  // Device memory the fabric cannot be told of range by range (a fake GPU's
+  // cudaMalloc inside the code under test): `is_device(p, n)` says whether
+  // [p, p + n) is GPU memory, besides the ranges AddDeviceMemory named.
+  void SetDeviceMemoryOracle(std::function<bool(const void*, size_t)> is_device);
 
   // The LAG port each live QP of NIC `nic` is pinned to (0: never pinned), in
   // QP-number order.
