@@ -214,6 +214,17 @@ const std::vector<EnvEntry>& EnvTable() {
                  &RdmaOptions::interface),
       RdmaInt("STEPMESH_RDMA_TRAFFIC_CLASS", "rdma.traffic_class", "0",
               "GRH traffic class, DSCP << 2 (0..255)", &RdmaOptions::traffic_class),
+      {"STEPMESH_RDMA_DSCP", "rdma.traffic_class", "unset",
+       "the same as a DSCP (0..63): sets the traffic class to DSCP << 2, e.g. 26 → 104; wins "
+       "over `STEPMESH_RDMA_TRAFFIC_CLASS` when both are set",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         int dscp = 0;
+         if (!absl::SimpleAtoi(v, &dscp) || dscp < 0 || dscp > 63) {
+           return absl::InvalidArgumentError("not a DSCP (want 0..63)");
+         }
+         o.rdma.traffic_class = dscp << 2;
+         return absl::OkStatus();
+       }},
       RdmaInt("STEPMESH_RDMA_SERVICE_LEVEL", "rdma.service_level", "0", "SL / priority (0..15)",
               &RdmaOptions::service_level),
       {"STEPMESH_RDMA_PKEY", "rdma.pkey", "0 (table index 0)",

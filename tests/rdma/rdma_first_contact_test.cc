@@ -21,10 +21,10 @@ bool Mentions(const absl::Status& status, absl::string_view text) {
 }
 
 TEST_CASE("first contact: tensors' MRs get relaxed ordering unless it is off", "[rdma][first]") {
-  // Buffers: recv (region + 2 slots), reply, src, pull (region + 1 slot) = 7
-  // data MRs; each side's control block for its one peer is 2 more.
+  // Buffers: recv (2 slots), reply, src, pull (1 slot) = 5 data MRs; each
+  // side's control block for its one peer is 2 more.
   for (const auto& [mode, expected] :
-       {std::pair{"auto", 7}, std::pair{"on", 11}, std::pair{"off", 0}}) {
+       {std::pair{"auto", 5}, std::pair{"on", 9}, std::pair{"off", 0}}) {
     INFO("STEPMESH_RDMA_RELAXED_ORDERING=" << mode);
     PairConfig config;
     config.options.rdma.relaxed_ordering = mode;
@@ -73,9 +73,9 @@ TEST_CASE("first contact: an RLIMIT_MEMLOCK too small for the control blocks fai
 
 TEST_CASE("first contact: a registration past RLIMIT_MEMLOCK names the limit", "[rdma][first]") {
   PairConfig config;
-  // Room for the control block and the small tensors, not for the 2 MiB
-  // receive region and its slots.
-  config.server_host.memlock_limit = rdma::ControlBlockBytes(1, 256) + (3 << 20);
+  // Room for the control block and the 1 MiB reply tensor, not for the 2 MiB
+  // receive region besides.
+  config.server_host.memlock_limit = rdma::ControlBlockBytes(1, 256) + (2 << 20);
   Buffers buf;
   Pair pair(config);
   REQUIRE(pair.server.transport->RegisterRegion(buf.Reply()).ok());
@@ -83,8 +83,23 @@ TEST_CASE("first contact: a registration past RLIMIT_MEMLOCK names the limit", "
   INFO(recv.ToString());
   CHECK_FALSE(recv.ok());
   CHECK(Mentions(recv, "Cannot allocate memory"));
-  CHECK(Mentions(recv, "RLIMIT_MEMLOCK (ulimit -l) is 3 MiB"));
+  CHECK(Mentions(recv, "RLIMIT_MEMLOCK (ulimit -l) is 2 MiB"));
   CHECK(pair.fabric.stats().memlock_refusals == 1);
+}
+
+TEST_CASE("first contact: a receive region pins its pages once, not again per slot",
+          "[rdma][first]") {
+  PairConfig config;
+  // The control block, the 2 MiB receive region and the 1 MiB reply tensor
+  // (plus a few pages: the buffers are not page-aligned): enough only if the
+  // region's pages are charged once, not once more for a whole-region MR.
+  config.server_host.memlock_limit = rdma::ControlBlockBytes(1, 256) + (3 << 20) + (64 << 10);
+  Buffers buf;
+  Pair pair(config);
+  Serve(pair, buf);
+  PushChecked(pair, buf, 70000, 3);
+  ReplyChecked(pair, buf, 5000, 4);
+  CHECK(pair.fabric.stats().memlock_refusals == 0);
 }
 
 TEST_CASE("first contact: STEPMESH_RDMA_PKEY selects the partition's P_Key entry",

@@ -419,7 +419,7 @@ void CheckRdma(const DoctorInputs& in, const std::vector<Gpu>& gpus, Report& r) 
     if (port->roce() && o.rdma.traffic_class == 0) {
       r.Info(
           "traffic class 0 is the lossy class on DSCP-trust fabrics; set "
-          "STEPMESH_RDMA_TRAFFIC_CLASS to the lossless one (e.g. 106 = DSCP 26)");
+          "STEPMESH_RDMA_DSCP to the lossless one (e.g. 26, traffic class 104)");
     }
     if (gpu.index >= 0) ProbeGpuDirect(in, gpu, *port, r);
   }

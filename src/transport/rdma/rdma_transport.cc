@@ -273,11 +273,17 @@ class RdmaTransport final : public Transport {
         absl::StrCat("rdma: registering region ", info.id, " (", DeviceName(info.device),
                      info.dmabuf_fd >= 0 ? " memory by dma-buf)" : " memory)");
     const int ordering = DataAccessFlags();
-    absl::StatusOr<MrHandle> local =
-        RegisterPart(info, info.base, info.bytes(), IBV_ACCESS_LOCAL_WRITE | ordering);
-    if (!local.ok()) return absl::InternalError(absl::StrCat(what, ": ", local.status().message()));
-    region->local_mr = *std::move(local);
-    if (info.remote_writable) {
+    // A receive region gets only its per-slot MRs: a whole-region MR as well
+    // would pin every page twice against RLIMIT_MEMLOCK (the kernel charges
+    // each MR on its own). Local access (a send from it) goes by the slot's MR.
+    if (!info.remote_writable) {
+      absl::StatusOr<MrHandle> local =
+          RegisterPart(info, info.base, info.bytes(), IBV_ACCESS_LOCAL_WRITE | ordering);
+      if (!local.ok()) {
+        return absl::InternalError(absl::StrCat(what, ": ", local.status().message()));
+      }
+      region->local_mr = *std::move(local);
+    } else {
       for (uint32_t slot = 0; slot < info.num_slots; ++slot) {
         absl::StatusOr<MrHandle> mr = RegisterPart(
             info, static_cast<std::byte*>(info.base) + slot * info.slot_bytes, info.slot_bytes,
@@ -692,6 +698,18 @@ class RdmaTransport final : public Transport {
             absl::StrCat("rdma: source region ", id, " is not registered"));
       }
       const RegionInfo& info = region->second->info;
+      if (!region->second->local_mr) {
+        // A receive region: the slot holding [src, src + bytes), by its own MR.
+        const auto* base = static_cast<const std::byte*>(info.base);
+        const size_t slot = src >= base ? static_cast<size_t>(src - base) / info.slot_bytes : 0;
+        if (src < base || slot >= info.num_slots ||
+            src + bytes > base + (slot + 1) * info.slot_bytes) {
+          return absl::OutOfRangeError(
+              absl::StrCat("rdma: a send from receive region ", id, " must lie inside one slot"));
+        }
+        return CachedSource{base + slot * info.slot_bytes, info.slot_bytes,
+                            region->second->slot_mrs[slot]->lkey, version};
+      }
       it = source_cache_
                .insert_or_assign(
                    id, CachedSource{static_cast<const std::byte*>(info.base), info.bytes(),
