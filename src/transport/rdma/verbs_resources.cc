@@ -279,7 +279,10 @@ absl::StatusOr<PortChoice> OpenPort(VerbsApi& verbs, const MeshOptions& mesh) {
   choice.nic_pci = best->placement.nic_pci;
   if (gpu.empty()) {
     choice.why = allowed.empty() ? "no GPU to be near (host memory): the best port found"
-                                 : absl::StrCat("named by rdma.device (STEPMESH_RDMA_DEVICE)");
+                 : allowed.size() == 1
+                     ? "named by rdma.device (STEPMESH_RDMA_DEVICE)"
+                     : absl::StrCat("the best port of those STEPMESH_RDMA_DEVICE=", options.device,
+                                    " allows");
   } else {
     choice.why = absl::StrCat(
         "nearest to GPU ", gpu, ": ", PciAffinityName(best->placement.affinity),
