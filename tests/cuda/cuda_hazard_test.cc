@@ -231,6 +231,33 @@ TEST_CASE("hazard 3: destroying a flag releases the stream waits on it", "[cuda]
   }
 }
 
+// CUDA: cudaFree and cudaFreeHost wait for the whole device. Freeing *other*
+// memory (a staging buffer of a tensor being unregistered, a flag of a
+// finished request) while a stream waits on an arrival flag that the same
+// thread is about to raise never returns on a GPU (#31, item 11).
+TEST_CASE("hazard 3: freeing memory while a stream waits on another flag does not block",
+          "[cuda][hazard]") {
+  for (StreamWaitMode mode : {StreamWaitMode::kAuto, StreamWaitMode::kKernel}) {
+    Rig rig(1, Modes(ReadyEventMode::kCopyEngineFlag, mode));
+    auto stream = rig.NewStream();
+    auto arrival = *rig.backend->CreateHostFlag();
+    auto staging = *rig.backend->Allocate(4096, MemoryKind::kHostPinned);
+    auto device = *rig.backend->Allocate(4096, MemoryKind::kDevice);
+    auto finished = *rig.backend->CreateHostFlag();
+    REQUIRE(stream->WaitHostFlag(*arrival, 1).ok());
+    // The receive thread: drops memory it no longer needs, then raises the flag.
+    const absl::Time start = absl::Now();
+    staging.reset();
+    device.reset();
+    finished.reset();
+    const absl::Duration took = absl::Now() - start;
+    CHECK(took < absl::Milliseconds(500));  // the fake reports a hang after 1 s
+    arrival->Store(1);
+    rig.fake->RunAll();
+    CHECK(rig.fake->Pending(Rig::Native(*stream)) == 0);
+  }
+}
+
 // --- 4. Contexts -------------------------------------------------------------
 
 // CUDA 12: cudaSetDevice creates the device's primary context; a thread with

@@ -27,6 +27,7 @@
 #include <array>
 #include <atomic>
 #include <cctype>
+#include <condition_variable>
 #include <cstring>
 #include <fstream>
 #include <mutex>
@@ -234,6 +235,14 @@ class DeviceContext {
   }
 
   ~DeviceContext() {
+    // Frees handed to the reaper complete first: every flag (each holds this
+    // context) is gone, so its waits were released and the device can idle.
+    {
+      std::lock_guard<std::mutex> lock(reaper_mu_);
+      reaper_stop_ = true;
+    }
+    reaper_cv_.notify_all();
+    if (reaper_.joinable()) reaper_.join();
     ScopedDevice scoped(*api_, device_);
     for (CopyLane& lane : lanes_) {
       if (lane.stream != nullptr) (void)api_->StreamDestroy(lane.stream);
@@ -246,6 +255,39 @@ class DeviceContext {
   int stream_priority() const { return options_.high_priority_streams ? greatest_priority_ : 0; }
   // Streams handed out (CreateStream, WrapCudaStream), besides the copy lanes.
   void NoteStream(int delta) { streams_.fetch_add(delta, std::memory_order_relaxed); }
+
+  // The live host flags, so that a free can tell whether a stream may be
+  // waiting on an arrival (below).
+  void AddFlag(CudaHostFlag* flag) {
+    std::lock_guard<std::mutex> lock(flags_mu_);
+    flags_.push_back(flag);
+  }
+  void RemoveFlag(CudaHostFlag* flag) {
+    std::lock_guard<std::mutex> lock(flags_mu_);
+    flags_.erase(std::remove(flags_.begin(), flags_.end(), flag), flags_.end());
+  }
+  bool AnyWaitPending();  // after CudaHostFlag
+
+  // cudaFree / cudaFreeHost of `ptr`. Both wait for the whole device: while a
+  // stream waits on a flag that the freeing thread (the receive thread
+  // unregistering a tensor, an application thread) is to raise, that wait
+  // never ends. So while any flag of this context has a wait pending, the
+  // free goes to a reaper thread, which the device may hold up instead; the
+  // memory is gone for the caller either way.
+  void Release(void* ptr, bool device) {
+    if (ptr == nullptr) return;
+    if (AnyWaitPending()) {
+      std::lock_guard<std::mutex> lock(reaper_mu_);
+      if (!reaper_.joinable()) {
+        reaper_ =
+            base::StartNamedThread(absl::StrCat("sm-cuda-free-", device_), {}, [this] { Reap(); });
+      }
+      reaper_queue_.emplace_back(ptr, device);
+      reaper_cv_.notify_one();
+      return;
+    }
+    FreeNow(ptr, device);
+  }
 
   // A synchronous copy on one of the backend's own streams: non-blocking (no
   // implicit wait for the legacy default stream or the application's blocking
@@ -326,6 +368,27 @@ class DeviceContext {
 
   DeviceContext(std::shared_ptr<CudaApi> api, int device, const CudaBackendOptions& options)
       : api_(std::move(api)), device_(device), options_(options) {}
+
+  void FreeNow(void* ptr, bool device) {
+    ScopedDevice scoped(*api_, device_);
+    const cudaError_t error = device ? api_->Free(ptr) : api_->FreeHost(ptr);
+    if (error != cudaSuccess) {
+      STEPMESH_LOG(kWarning,
+                   CudaStatus(*api_, error, device ? "cudaFree" : "cudaFreeHost").ToString());
+    }
+  }
+  void Reap() {
+    std::unique_lock<std::mutex> lock(reaper_mu_);
+    for (;;) {
+      reaper_cv_.wait(lock, [this] { return reaper_stop_ || !reaper_queue_.empty(); });
+      if (reaper_queue_.empty()) return;  // stopping, nothing left
+      const auto [ptr, device] = reaper_queue_.front();
+      reaper_queue_.erase(reaper_queue_.begin());
+      lock.unlock();
+      FreeNow(ptr, device);
+      lock.lock();
+    }
+  }
 
   CopyLane& AcquireLane() {
     for (int spins = 0;; ++spins) {
@@ -424,6 +487,13 @@ class DeviceContext {
   std::atomic<bool> memops_unsupported_{false};
   std::mutex topology_mu_;
   absl::flat_hash_map<int, std::pair<std::string, int>> topology_;
+  std::mutex flags_mu_;
+  std::vector<CudaHostFlag*> flags_;
+  std::mutex reaper_mu_;
+  std::condition_variable reaper_cv_;
+  std::vector<std::pair<void*, bool>> reaper_queue_;  // (pointer, device memory)
+  bool reaper_stop_ = false;
+  std::thread reaper_;
 };
 
 // ---------------------------------------------------------------------------
@@ -433,16 +503,7 @@ class CudaMemory final : public Memory {
  public:
   CudaMemory(std::shared_ptr<DeviceContext> context, void* data, size_t bytes, MemoryKind kind)
       : context_(std::move(context)), data_(data), bytes_(bytes), kind_(kind) {}
-  ~CudaMemory() override {
-    CudaApi& api = context_->api();
-    ScopedDevice scoped(api, context_->device());
-    const bool on_device = kind_ == MemoryKind::kDevice;
-    const cudaError_t error = on_device ? api.Free(data_) : api.FreeHost(data_);
-    if (error != cudaSuccess) {
-      STEPMESH_LOG(kWarning,
-                   CudaStatus(api, error, on_device ? "cudaFree" : "cudaFreeHost").ToString());
-    }
-  }
+  ~CudaMemory() override { context_->Release(data_, kind_ == MemoryKind::kDevice); }
   void* data() const override { return data_; }
   size_t bytes() const override { return bytes_; }
   Device device() const override {
@@ -464,15 +525,20 @@ class CudaMemory final : public Memory {
 class CudaHostFlag final : public HostFlag {
  public:
   CudaHostFlag(std::shared_ptr<DeviceContext> context, uint32_t* host, uint32_t* device)
-      : context_(std::move(context)), host_(host), device_(device) {}
+      : context_(std::move(context)), host_(host), device_(device) {
+    context_->AddFlag(this);
+  }
   ~CudaHostFlag() override {
     ReleaseWaiters();
-    CudaApi& api = context_->api();
-    ScopedDevice scoped(api, context_->device());
-    const cudaError_t error = api.FreeHost(host_);
-    if (error != cudaSuccess) {
-      STEPMESH_LOG(kWarning, CudaStatus(api, error, "cudaFreeHost(host flag)").ToString());
-    }
+    context_->RemoveFlag(this);
+    context_->Release(host_, /*device=*/false);  // other flags' waits may still be pending
+  }
+  // A stream may be waiting on this flag: a plain wait not yet reached, or
+  // next-waits, whose targets live on the device (assumed pending).
+  bool MayHaveWaiter() const {
+    const uint64_t waited = waited_.load(std::memory_order_acquire);
+    return ((waited & kHasWait) != 0 && !Reached(Load(), static_cast<uint32_t>(waited))) ||
+           next_waits_.load(std::memory_order_acquire);
   }
   void Store(uint32_t value) override {
     std::atomic_ref<uint32_t>(*host_).store(value, std::memory_order_release);
@@ -509,6 +575,12 @@ class CudaHostFlag final : public HostFlag {
   std::atomic<uint64_t> waited_{0};
   std::atomic<bool> next_waits_{false};
 };
+
+bool DeviceContext::AnyWaitPending() {
+  std::lock_guard<std::mutex> lock(flags_mu_);
+  return std::any_of(flags_.begin(), flags_.end(),
+                     [](const CudaHostFlag* flag) { return flag->MayHaveWaiter(); });
+}
 
 absl::Status DeviceContext::StreamWait(cudaStream_t stream, CudaHostFlag& flag, uint32_t value) {
   STEPMESH_RETURN_IF_ERROR(BindThread(*api_, device_));
