@@ -14,7 +14,7 @@ install(TARGETS stepmesh_shared EXPORT stepmeshTargets
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
 install(TARGETS stepmesh EXPORT stepmeshStaticTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
-install(TARGETS stepmesh_scheduler stepmesh_trace_merge RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+install(TARGETS stepmesh_scheduler stepmesh_doctor stepmesh_trace_merge RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 install(EXPORT stepmeshTargets NAMESPACE stepmesh:: DESTINATION ${stepmesh_cmake_dir})
 install(EXPORT stepmeshStaticTargets NAMESPACE stepmesh:: DESTINATION ${stepmesh_cmake_dir})
 

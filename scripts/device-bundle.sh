@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Packs the GPU checks (issues 3, 5, 16, 19 and 20) for a lent GPU machine. Its image has
+# Packs the GPU checks (issues 3, 5, 16, 19, 20 and 31) for a lent GPU machine. Its image has
 # CUDA but none of stepmesh's C++ dependencies (Abseil, hwloc, rdma-core,
 # Catch2) and nothing can be installed there, so the test programs are built
 # here (nvcc, sm_90) and carried with the shared libraries they need.
 #
 #   scripts/device-bundle.sh            # builds into build/, writes .device-bundle/
-#   then, with the device tool:  run  command="bash benchmarks/gpu/run_device_checks.sh backend" (then model, gate-c;
+#   then, with the device tool:  run  command="bash benchmarks/gpu/run_device_checks.sh backend" (then issue31, model, gate-c;
 #                                     carry=[".device-bundle"]  see docs/cuda.md)
 #
 # .device-bundle/ is git-ignored; it is rebuilt from scratch each time.
@@ -19,11 +19,12 @@ scripts/install-deps.sh
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DSTEPMESH_BUILD_TESTS=ON -DSTEPMESH_BUILD_BENCHMARKS=ON -DSTEPMESH_BUILD_EXAMPLES=ON \
   -DSTEPMESH_ENABLE_CUDA=ON -DSTEPMESH_ENABLE_RDMA=ON >/dev/null
-cmake --build "$build" -j "$jobs" --target cuda_gpu_tests cuda_latency model_gpu_tests \
-  step5_gpu_tests afd_launch afd_attention afd_ffn
+cmake --build "$build" -j "$jobs" --target cuda_gpu_tests cuda_latency cuda_probe stepmesh_doctor \
+  model_gpu_tests step5_gpu_tests afd_launch afd_attention afd_ffn
 
 # afd_launch starts afd_attention and afd_ffn from its own directory.
 programs=("$build/tests/cuda/cuda_gpu_tests" "$build/benchmarks/gpu/cuda_latency"
+          "$build/benchmarks/gpu/cuda_probe" "$build/src/tools/doctor/stepmesh_doctor"
           "$build/tests/model_gpu/model_gpu_tests" "$build/tests/step5/step5_gpu_tests"
           "$build/examples/afd_model/afd_launch"
           "$build/examples/afd_model/afd_attention" "$build/examples/afd_model/afd_ffn")

@@ -19,6 +19,7 @@ rules=(
   "src/backends/cuda/|src/base/ src/backends/cuda/ stepmesh/"
   "src/compose/|src/ stepmesh/"
   "src/tools/planner/|stepmesh/status.h"
+  "src/tools/doctor/|src/ stepmesh/"
   "src/tools/|src/compose/ src/core/ src/base/ stepmesh/"
   "tests/support/|src/ stepmesh/ tests/support/ tests/rdma/fake_verbs.h tests/cuda/fake_cuda_api.h"
   "tests/fuzz/|src/base/ src/core/ src/transport/ stepmesh/"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine, from the repository root, every GPU check of
-# issues 3, 5, 16, 19 and 20 out of .device-bundle/ (made here by scripts/device-bundle.sh):
+# issues 3, 5, 16, 19, 20 and 31 out of .device-bundle/ (made here by scripts/device-bundle.sh):
 #   cuda_gpu_issue16 the CUDA backend's hazards on the device (issue 16): a
 #                    blocking application stream waiting on the reply while the
 #                    send thread copies (10 s deadline), a device fault failing
@@ -23,23 +23,38 @@
 #                    run's tokens) and the report's tokens/s
 #   afd_paper_mb     the same at the paper's 128 tokens per micro-batch in decode
 #                    (384 requests, 3 micro-batches): tokens/s, no reference
+#   issue 31 (ready for the first real NIC and GPU):
+#   cuda_gpu_full    the whole cuda_gpu_tests in one run; its log must show
+#                    "ExportDmabuf returned fd" (checked: dmabuf_fd)
+#   cuda_gpu_conn2   the same under CUDA_DEVICE_MAX_CONNECTIONS=2 (streams share
+#   cuda_gpu_conn1   hardware queues; the backend must switch to wait kernels)
+#                    and =1 (one queue, Megatron's setting)
+#   cuda_probe       GPUDirect write ordering, flush options, dma-buf and memop
+#                    support, cuMemGetHandleForAddressRange on cudaMalloc and on
+#                    cuMemCreate mappings (expandable_segments), with and
+#                    without gpuDirectRDMACapable
+#   doctor           stepmesh_doctor --no-rdma (no NIC on the lent machine): the
+#                    CUDA attributes as an operator sees them
+#   cuda_latency_31  cuda_latency again, beside the probe's numbers
 # Logs go to $OUT (the device tool brings them back) or .device-bundle/out.
 # Each step has its own time limit; one failing does not stop the others.
 #
-# The limits add up to ~1520 s, more than one device call (600 s) and one
+# The limits add up to ~2050 s, more than one device call (600 s) and one
 # session's device time (900 s with the start), so the checks come in parts,
 # each under 600 s of limits; run the most important first:
 #   run_device_checks.sh backend   cuda_gpu_issue16, cuda_gpu_tests, cuda_latency,
 #                                  step5_gpu_tests          (limits 500 s)
 #   run_device_checks.sh model     model_gpu_tests, afd_paper_mb (600 s)
 #   run_device_checks.sh gate-c    afd_gate_c                (420 s)
+#   run_device_checks.sh issue31   cuda_gpu_full, cuda_gpu_conn2, cuda_gpu_conn1,
+#                                  cuda_probe, doctor, cuda_latency_31 (530 s)
 #   run_device_checks.sh all       everything (default; only with a long lease)
 set -uo pipefail
 part=${1:-all}
 case $part in
-  all | backend | model | gate-c) ;;
+  all | backend | model | gate-c | issue31) ;;
   *)
-    echo "run_device_checks: unknown part '$part' (all|backend|model|gate-c)" >&2
+    echo "run_device_checks: unknown part '$part' (all|backend|model|gate-c|issue31)" >&2
     exit 2
     ;;
 esac
@@ -80,6 +95,23 @@ if want backend; then
   else
     summary+=("step5_gpu_tests: not in the bundle (rebuild it with scripts/device-bundle.sh)")
   fi
+fi
+# Issue 31: the full suite once, then under shared hardware queues; the
+# attribute probe and the doctor; cuda_latency beside them.
+if want issue31; then
+  step cuda_gpu_full 150 "$bundle/bin/cuda_gpu_tests" --durations yes
+  if grep -q "ExportDmabuf returned fd" "$out/cuda_gpu_full.log"; then
+    summary+=("dmabuf_fd: exit 0")
+  else
+    summary+=("dmabuf_fd: exit 1 (no 'ExportDmabuf returned fd' in cuda_gpu_full.log)")
+  fi
+  step cuda_gpu_conn2 130 env CUDA_DEVICE_MAX_CONNECTIONS=2 "$bundle/bin/cuda_gpu_tests" \
+    --durations yes
+  step cuda_gpu_conn1 130 env CUDA_DEVICE_MAX_CONNECTIONS=1 "$bundle/bin/cuda_gpu_tests" \
+    --durations yes
+  step cuda_probe 30 "$bundle/bin/cuda_probe" 0
+  step doctor 30 "$bundle/bin/stepmesh_doctor" --no-rdma
+  step cuda_latency_31 60 "$bundle/bin/cuda_latency" 2000 0
 fi
 want model && step model_gpu_tests 300 "$bundle/bin/model_gpu_tests"
 # The CPU reference of full width needs ~56 GB of host memory and a few

@@ -108,6 +108,7 @@ class STEPMESH_EXPORT Backend {
   virtual absl::StatusOr<std::unique_ptr<HostFlag>> CreateHostFlag() = 0;
   // Synchronous copy between any two addresses this backend understands.
   virtual absl::Status Copy(void* dst, const void* src, size_t bytes) = 0;
+  // Where `ptr` lives; null: the backend's own device (its PCI address picks the NIC).
   virtual absl::StatusOr<MemoryLocation> Locate(const void* ptr) = 0;
   // A dma-buf fd for device memory (GPUDirect RDMA via ibv_reg_dmabuf_mr);
   // UNIMPLEMENTED where the backend or platform has none. Caller closes the fd.

@@ -60,11 +60,15 @@ struct CudaBackendOptions {
   // kernels and copies on them are not queued behind long model kernels of
   // lower-priority streams. The backend's own copy streams always do.
   bool high_priority_streams = true;
-  // The process's CUDA_DEVICE_MAX_CONNECTIONS (0: not set, CUDA's default of
-  // 8). With 1 (Megatron-LM and Transformer Engine set it) all streams share
-  // one hardware queue, where a cuStreamWaitValue32 holds up everything
-  // behind it, the backend's own copies included: kAuto then waits with the
-  // kernel, and kStreamMemOp is refused at creation.
+  // The process's CUDA_DEVICE_MAX_CONNECTIONS: the hardware queues CUDA maps
+  // streams to, round robin (0: CreateCudaBackend reads the variable itself;
+  // unset there means CUDA's default of 8). A cuStreamWaitValue32 at a queue's
+  // head holds up every stream on that queue, the backend's own copies
+  // included, so kAuto waits with the kernel once the backend's streams (its
+  // 3 copy lanes plus every stream it made or wrapped) outnumber the queues,
+  // and always with 1 (Megatron-LM, Transformer Engine); kStreamMemOp is then
+  // refused at creation. Streams the application made without the backend
+  // are not counted: with many of those, use kKernel (docs/cuda.md, rule 7).
   int device_max_connections = 0;
   // A copy-engine ready event pending this long makes Query() also ask the
   // device whether it faulted (a faulted device never runs the flag copy, so

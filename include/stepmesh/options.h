@@ -45,14 +45,19 @@ STEPMESH_EXPORT absl::string_view GpuDirectName(GpuDirect mode);
 // and InfiniBand fabrics; empty / zero / negative means "choose automatically".
 struct STEPMESH_EXPORT RdmaOptions {
   // Which NIC, port and address.
-  std::string device;     // verbs device name ("mlx5_0"); empty: the best active port
+  std::string device;     // verbs device name ("mlx5_0") or a comma-separated list of the
+                          // allowed ones; empty: the best active port of any
   int port = 0;           // 0: any active port
   int gid_index = -1;     // -1: automatic (RoCE v2 IPv4-mapped first, never link-local v2)
   std::string interface;  // RoCE: only GIDs inside this netdev's subnets ("eth2") or a
                           // CIDR ("10.0.0.0/24"); empty: any
   // Traffic class and reliability.
-  int traffic_class = 0;   // GRH traffic class, DSCP << 2 (0..255)
-  int service_level = 0;   // SL / priority (0..15)
+  int traffic_class = 0;  // GRH traffic class, DSCP << 2 (0..255)
+  int service_level = 0;  // SL / priority (0..15)
+  // InfiniBand partition key (NCCL_IB_PKEY's meaning): the QPs use the port's
+  // P_Key table entry of this partition (low 15 bits; full membership
+  // preferred); 0: table index 0, the default partition.
+  int pkey = 0;
   int path_mtu = 0;        // bytes (256, 512, 1024, 2048, 4096); 0: the smaller active MTU
   int ack_timeout = 18;    // local ACK timeout, 4.096 us * 2^n per try (1..31): 18 = 1.07 s
   int retry_count = 7;     // transport retries after the first try (0..7)
@@ -63,6 +68,24 @@ struct STEPMESH_EXPORT RdmaOptions {
   int qps_per_peer = 1;                 // 2 stripes large payloads over two QPs (LAG ports)
   int64_t stripe_min_bytes = 64 << 10;  // with 2 QPs, payloads this large are striped (>= 8192)
   GpuDirect gpudirect = GpuDirect::kAuto;
+  // IBV_ACCESS_RELAXED_ORDERING (PCIe relaxed ordering of the NIC's writes,
+  // which many PCIe topologies need for full speed into GPU memory):
+  // "auto": on the tensors' MRs (the provider drops it where the device has
+  // none), "on": on every MR, the control blocks too, "off": never.
+  std::string relaxed_ordering = "auto";
+  // ibv_fork_init before the first registration: "auto": unless
+  // ibv_is_fork_initialized says the kernel copies pinned pages on fork
+  // itself (IBV_FORK_UNNEEDED), "on": always, "off": never (the process must
+  // then not touch registered memory in a child it forks).
+  std::string fork_init = "auto";
+
+  // NIC choice by PCI topology. The PCI address of the accelerator this
+  // participant drives ("0000:3b:00.0"); empty: the core fills it in from the
+  // backend (Backend::Locate), so with CUDA it is the physical GPU behind the
+  // CUDA index under CUDA_VISIBLE_DEVICES. Among equally good ports the NIC
+  // nearest it on the PCI tree is chosen (sysfs, as NCCL does).
+  std::string gpu_pci_bus_id;
+  std::string sysfs_root = "/sys";  // tests point it at a fake tree
 
   absl::Status Validate() const;
 };
@@ -162,6 +185,11 @@ struct STEPMESH_EXPORT MeshOptions {
   static absl::StatusOr<MeshOptions> FromEnv();
   absl::Status Validate() const;
 };
+
+// The process's CUDA_DEVICE_MAX_CONNECTIONS (0 when unset), read through the
+// one environment table; INVALID_ARGUMENT naming the variable for a bad value.
+// CreateCudaBackend uses it when CudaBackendOptions::device_max_connections is 0.
+STEPMESH_EXPORT absl::StatusOr<int> CudaDeviceMaxConnectionsFromEnv();
 
 // The role STEPMESH_ROLE (or else DMLC_ROLE) names; nullopt when neither is
 // set. Programs that run a whole mesh themselves unless told one role use it.

@@ -9,6 +9,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/algorithm/container.h"
@@ -231,12 +232,15 @@ const std::vector<EnvEntry>& EnvTable() {
        STEPMESH_ENV_INT(device)},
       // Read by CUDA itself; the cuda backend must know it too (one hardware queue).
       {"CUDA_DEVICE_MAX_CONNECTIONS", "cuda_device_max_connections", "unset (0)",
-       "CUDA's own variable, read so the cuda backend knows: with 1 it waits with kernels, not "
-       "stream memory operations (docs/cuda.md, rule 7)",
+       "CUDA's own variable (hardware queues per device, CUDA's default 8), read so the cuda "
+       "backend knows (`CreateCudaBackend` reads it too): once its streams outnumber the queues, "
+       "and always with 1, it waits with kernels, not stream memory operations (docs/cuda.md, "
+       "rule 7)",
        STEPMESH_ENV_INT(cuda_device_max_connections)},
       RdmaString("STEPMESH_RDMA_DEVICE", "rdma.device", "auto",
-                 "verbs device name, e.g. `mlx5_0` (iWARP devices are refused: no immediate "
-                 "data)",
+                 "verbs device name, e.g. `mlx5_0`, or a comma-separated list to choose from; "
+                 "auto: the port nearest the GPU on the PCI tree (sysfs) among the best (iWARP "
+                 "devices are refused: no immediate data)",
                  &RdmaOptions::device),
       RdmaInt("STEPMESH_RDMA_PORT", "rdma.port", "0 (any)", "port number on the device",
               &RdmaOptions::port),
@@ -250,8 +254,33 @@ const std::vector<EnvEntry>& EnvTable() {
                  &RdmaOptions::interface),
       RdmaInt("STEPMESH_RDMA_TRAFFIC_CLASS", "rdma.traffic_class", "0",
               "GRH traffic class, DSCP << 2 (0..255)", &RdmaOptions::traffic_class),
+      {"STEPMESH_RDMA_DSCP", "rdma.traffic_class", "unset",
+       "the same as a DSCP (0..63): sets the traffic class to DSCP << 2, e.g. 26 → 104; wins "
+       "over `STEPMESH_RDMA_TRAFFIC_CLASS` when both are set",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         int dscp = 0;
+         if (!absl::SimpleAtoi(v, &dscp) || dscp < 0 || dscp > 63) {
+           return absl::InvalidArgumentError("not a DSCP (want 0..63)");
+         }
+         o.rdma.traffic_class = dscp << 2;
+         return absl::OkStatus();
+       }},
       RdmaInt("STEPMESH_RDMA_SERVICE_LEVEL", "rdma.service_level", "0", "SL / priority (0..15)",
               &RdmaOptions::service_level),
+      {"STEPMESH_RDMA_PKEY", "rdma.pkey", "0 (table index 0)",
+       "InfiniBand partition key, `0x8001` or decimal (as `NCCL_IB_PKEY`): the port's P_Key "
+       "table entry of that partition (full membership preferred); a key the table lacks fails "
+       "at start naming the table",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         uint32_t key = 0;
+         const bool hex = absl::StartsWithIgnoreCase(v, "0x");
+         if (!(hex ? absl::SimpleHexAtoi(v.substr(2), &key) : absl::SimpleAtoi(v, &key)) ||
+             key > 0xFFFF) {
+           return absl::InvalidArgumentError("not a 16-bit P_Key (want 0x8001 or 32769)");
+         }
+         o.rdma.pkey = static_cast<int>(key);
+         return absl::OkStatus();
+       }},
       RdmaInt("STEPMESH_RDMA_PATH_MTU", "rdma.path_mtu", "0 (auto)",
               "cap in bytes: 256, 512, 1024, 2048, 4096; auto is the smaller active MTU of both "
               "ends",
@@ -288,6 +317,23 @@ const std::vector<EnvEntry>& EnvTable() {
        "fails rather than stage)",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
          STEPMESH_ASSIGN_OR_RETURN(o.rdma.gpudirect, ParseGpuDirect(v));
+         return absl::OkStatus();
+       }},
+      {"STEPMESH_RDMA_RELAXED_ORDERING", "rdma.relaxed_ordering", "`auto`",
+       "`IBV_ACCESS_RELAXED_ORDERING`: `auto` on the tensors' MRs (dropped by the provider where "
+       "unsupported), `on` on every MR, `off` never",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         STEPMESH_RETURN_IF_ERROR(CheckOneOf(v, {"auto", "on", "off"}));
+         o.rdma.relaxed_ordering = std::string(v);
+         return absl::OkStatus();
+       }},
+      {"STEPMESH_RDMA_FORK_INIT", "rdma.fork_init", "`auto`",
+       "`ibv_fork_init` before registering: `auto` unless the kernel copies pinned pages on fork "
+       "(`IBV_FORK_UNNEEDED`), `on` always, `off` never (then no registered memory may be used "
+       "in a forked child)",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         STEPMESH_RETURN_IF_ERROR(CheckOneOf(v, {"auto", "on", "off"}));
+         o.rdma.fork_init = std::string(v);
          return absl::OkStatus();
        }},
       {"STEPMESH_POLL_MODE", "threads.poll_mode", "`adaptive`", "`spin`, `adaptive`, `blocking`",
@@ -600,6 +646,24 @@ absl::StatusOr<MeshOptions> MeshOptions::FromEnv(const MeshOptions& base) {
 
 absl::StatusOr<MeshOptions> MeshOptions::FromEnv() { return FromEnv(MeshOptions()); }
 
+absl::StatusOr<int> CudaDeviceMaxConnectionsFromEnv() {
+  for (const EnvEntry& entry : EnvTable()) {
+    if (absl::string_view(entry.name) != "CUDA_DEVICE_MAX_CONNECTIONS") continue;
+    const char* value = std::getenv(entry.name);
+    if (value == nullptr) return 0;
+    MeshOptions options;
+    if (absl::Status s = entry.apply(value, options); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(entry.name, "='", value, "': ", s.message()));
+    }
+    if (options.cuda_device_max_connections < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(entry.name, "='", value, "': want a positive number of hardware queues"));
+    }
+    return options.cuda_device_max_connections;
+  }
+  return 0;
+}
+
 absl::StatusOr<std::optional<Role>> RoleFromEnv() {
   // STEPMESH_ROLE wins over DMLC_ROLE, as in FromEnv.
   for (const char* name : {"STEPMESH_ROLE", "DMLC_ROLE"}) {
@@ -707,6 +771,15 @@ absl::Status RdmaOptions::Validate() const {
       range("traffic_class", "STEPMESH_RDMA_TRAFFIC_CLASS", traffic_class, 0, 255));
   STEPMESH_RETURN_IF_ERROR(
       range("service_level", "STEPMESH_RDMA_SERVICE_LEVEL", service_level, 0, 15));
+  STEPMESH_RETURN_IF_ERROR(range("pkey", "STEPMESH_RDMA_PKEY", pkey, 0, 0xFFFF));
+  for (const auto& [field, variable, value] :
+       {std::tuple{"relaxed_ordering", "STEPMESH_RDMA_RELAXED_ORDERING", &relaxed_ordering},
+        std::tuple{"fork_init", "STEPMESH_RDMA_FORK_INIT", &fork_init}}) {
+    if (*value != "auto" && *value != "on" && *value != "off") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rdma.", field, "='", *value, "' (", variable, "): want auto, on or off"));
+    }
+  }
   if (path_mtu != 0 && path_mtu != 256 && path_mtu != 512 && path_mtu != 1024 && path_mtu != 2048 &&
       path_mtu != 4096) {
     return absl::InvalidArgumentError(

@@ -71,7 +71,17 @@ absl::Status MeshNode::Start(const TransportFactory& factory) {
   bool open_on_loopback = false;  // the scheduler warns about that, once for the mesh
   STEPMESH_RETURN_IF_ERROR(
       CheckAuthPolicy(options_, "the data listener", options_.bind_host, &open_on_loopback));
-  STEPMESH_ASSIGN_OR_RETURN(transport_, factory(options_));
+  // The transport picks the NIC nearest the accelerator: tell it where that is
+  // (with CUDA the physical GPU behind the CUDA index, CUDA_VISIBLE_DEVICES
+  // applied by the runtime).
+  MeshOptions transport_options = options_;
+  if (transport_options.rdma.gpu_pci_bus_id.empty() &&
+      backend_->device().kind != DeviceKind::kCpu) {
+    if (absl::StatusOr<MemoryLocation> where = backend_->Locate(nullptr); where.ok()) {
+      transport_options.rdma.gpu_pci_bus_id = where->pci_bus_id;
+    }
+  }
+  STEPMESH_ASSIGN_OR_RETURN(transport_, factory(transport_options));
   STEPMESH_ASSIGN_OR_RETURN(std::string endpoint, transport_->LocalEndpoint());
   STEPMESH_ASSIGN_OR_RETURN(rendezvous_, RendezvousClient::Join(options_, endpoint));
   rank_ = rendezvous_->rank();

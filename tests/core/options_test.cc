@@ -192,10 +192,16 @@ TEST_CASE("every RDMA knob has a STEPMESH_RDMA_* variable", "[options][rdma]") {
                  {"STEPMESH_RDMA_RECV_DEPTH", "512"},
                  {"STEPMESH_RDMA_QPS_PER_PEER", "2"},
                  {"STEPMESH_RDMA_STRIPE_MIN_BYTES", "131072"},
-                 {"STEPMESH_RDMA_GPUDIRECT", "off"}});
+                 {"STEPMESH_RDMA_GPUDIRECT", "off"},
+                 {"STEPMESH_RDMA_PKEY", "0x8001"},
+                 {"STEPMESH_RDMA_RELAXED_ORDERING", "off"},
+                 {"STEPMESH_RDMA_FORK_INIT", "on"}});
   auto o = MeshOptions::FromEnv();
   REQUIRE(o.ok());
   const RdmaOptions& r = o->rdma;
+  CHECK(r.pkey == 0x8001);
+  CHECK(r.relaxed_ordering == "off");
+  CHECK(r.fork_init == "on");
   CHECK(r.device == "mlx5_3");
   CHECK(r.port == 2);
   CHECK(r.gid_index == 3);
@@ -215,13 +221,25 @@ TEST_CASE("every RDMA knob has a STEPMESH_RDMA_* variable", "[options][rdma]") {
 
 TEST_CASE("bad RDMA settings are refused naming the variable", "[options][rdma]") {
   const std::pair<const char*, const char*> cases[] = {
-      {"STEPMESH_RDMA_ACK_TIMEOUT", "40"},        {"STEPMESH_RDMA_ACK_TIMEOUT", "soon"},
-      {"STEPMESH_RDMA_RETRY_COUNT", "8"},         {"STEPMESH_RDMA_RNR_RETRY", "7"},
-      {"STEPMESH_RDMA_RECV_DEPTH", "2"},          {"STEPMESH_RDMA_RECV_DEPTH", "9000"},
-      {"STEPMESH_RDMA_PATH_MTU", "1500"},         {"STEPMESH_RDMA_QPS_PER_PEER", "3"},
-      {"STEPMESH_RDMA_TRAFFIC_CLASS", "256"},     {"STEPMESH_RDMA_SERVICE_LEVEL", "16"},
-      {"STEPMESH_RDMA_STRIPE_MIN_BYTES", "4096"}, {"STEPMESH_RDMA_GID_INDEX", "x"},
-      {"STEPMESH_RDMA_MIN_RNR_TIMER", "0"},       {"STEPMESH_RDMA_GPUDIRECT", "maybe"},
+      {"STEPMESH_RDMA_ACK_TIMEOUT", "40"},
+      {"STEPMESH_RDMA_ACK_TIMEOUT", "soon"},
+      {"STEPMESH_RDMA_RETRY_COUNT", "8"},
+      {"STEPMESH_RDMA_RNR_RETRY", "7"},
+      {"STEPMESH_RDMA_RECV_DEPTH", "2"},
+      {"STEPMESH_RDMA_RECV_DEPTH", "9000"},
+      {"STEPMESH_RDMA_PATH_MTU", "1500"},
+      {"STEPMESH_RDMA_QPS_PER_PEER", "3"},
+      {"STEPMESH_RDMA_TRAFFIC_CLASS", "256"},
+      {"STEPMESH_RDMA_SERVICE_LEVEL", "16"},
+      {"STEPMESH_RDMA_STRIPE_MIN_BYTES", "4096"},
+      {"STEPMESH_RDMA_GID_INDEX", "x"},
+      {"STEPMESH_RDMA_MIN_RNR_TIMER", "0"},
+      {"STEPMESH_RDMA_GPUDIRECT", "maybe"},
+      {"STEPMESH_RDMA_PKEY", "0x10000"},
+      {"STEPMESH_RDMA_PKEY", "partition"},
+      {"STEPMESH_RDMA_RELAXED_ORDERING", "yes"},
+      {"STEPMESH_RDMA_FORK_INIT", "sometimes"},
+      {"STEPMESH_RDMA_DSCP", "64"},
   };
   for (const auto& [name, value] : cases) {
     ScopedEnv env({{name, value}});
@@ -235,6 +253,13 @@ TEST_CASE("bad RDMA settings are refused naming the variable", "[options][rdma]"
   const absl::Status status = direct.Validate();
   CHECK(absl::IsInvalidArgument(status));
   CHECK(std::string(status.message()).find("rdma.ack_timeout") != std::string::npos);
+}
+
+TEST_CASE("STEPMESH_RDMA_DSCP sets the traffic class to DSCP << 2", "[options][rdma]") {
+  ScopedEnv env({{"STEPMESH_RDMA_TRAFFIC_CLASS", "104"}, {"STEPMESH_RDMA_DSCP", "46"}});
+  auto o = MeshOptions::FromEnv();
+  REQUIRE(o.ok());
+  CHECK(o->rdma.traffic_class == 46 << 2);  // the DSCP wins
 }
 
 TEST_CASE("FromEnv reads CUDA_DEVICE_MAX_CONNECTIONS for the cuda backend", "[options]") {

@@ -25,6 +25,7 @@
 #include "src/backends/cuda/cuda_backend.h"
 #include "stepmesh/backend.h"
 #include "tests/cuda/fake_cuda_api.h"
+#include "tests/support/scoped_env.h"
 
 namespace stepmesh {
 namespace {
@@ -225,6 +226,33 @@ TEST_CASE("hazard 3: destroying a flag releases the stream waits on it", "[cuda]
     REQUIRE(stream->WaitHostFlag(*arrival, 7).ok());
     REQUIRE(stream->WaitHostFlag(*arrival, 5).ok());
     arrival.reset();  // the arrival will never come
+    rig.fake->RunAll();
+    CHECK(rig.fake->Pending(Rig::Native(*stream)) == 0);
+  }
+}
+
+// CUDA: cudaFree and cudaFreeHost wait for the whole device. Freeing *other*
+// memory (a staging buffer of a tensor being unregistered, a flag of a
+// finished request) while a stream waits on an arrival flag that the same
+// thread is about to raise never returns on a GPU (#31, item 11).
+TEST_CASE("hazard 3: freeing memory while a stream waits on another flag does not block",
+          "[cuda][hazard]") {
+  for (StreamWaitMode mode : {StreamWaitMode::kAuto, StreamWaitMode::kKernel}) {
+    Rig rig(1, Modes(ReadyEventMode::kCopyEngineFlag, mode));
+    auto stream = rig.NewStream();
+    auto arrival = *rig.backend->CreateHostFlag();
+    auto staging = *rig.backend->Allocate(4096, MemoryKind::kHostPinned);
+    auto device = *rig.backend->Allocate(4096, MemoryKind::kDevice);
+    auto finished = *rig.backend->CreateHostFlag();
+    REQUIRE(stream->WaitHostFlag(*arrival, 1).ok());
+    // The receive thread: drops memory it no longer needs, then raises the flag.
+    const absl::Time start = absl::Now();
+    staging.reset();
+    device.reset();
+    finished.reset();
+    const absl::Duration took = absl::Now() - start;
+    CHECK(took < absl::Milliseconds(500));  // the fake reports a hang after 1 s
+    arrival->Store(1);
     rig.fake->RunAll();
     CHECK(rig.fake->Pending(Rig::Native(*stream)) == 0);
   }
@@ -581,6 +609,73 @@ TEST_CASE("fake CUDA: runtime calls on a thread without a context make device 0'
     CHECK(fake->Free(p) == cudaSuccess);
   });
   fresh.join();
+}
+
+// --- 9. Shared hardware queues -------------------------------------------------
+
+// CUDA maps streams to CUDA_DEVICE_MAX_CONNECTIONS hardware queues (default
+// 8) round robin; a cuStreamWaitValue32 at a queue's head holds up every
+// stream on that queue. With more streams than queues, an application stream
+// waiting for an arrival shares a queue with one of the backend's copy lanes,
+// and the receive thread's copy -- which must land before it raises the flag
+// -- never runs. CreateCudaBackend must read the variable itself (direct
+// users never pass it) and wait with the kernel once streams outnumber queues.
+TEST_CASE("hazard 9: a stream waiting for an arrival does not block the copy that delivers it",
+          "[cuda][hazard]") {
+  struct Case {
+    const char* connections;
+    int app_streams;
+  };
+  for (const Case c : {Case{"2", 2}, Case{"8", 6}}) {
+    INFO("CUDA_DEVICE_MAX_CONNECTIONS=" << c.connections << ", " << c.app_streams
+                                        << " application streams + 3 copy lanes");
+    testing::ScopedEnv env({{"CUDA_DEVICE_MAX_CONNECTIONS", c.connections}});
+    auto fake = std::make_shared<FakeCudaApi>(1);
+    fake->set_hardware_queues(std::stoi(c.connections));
+    fake->set_hang_timeout(std::chrono::milliseconds(200));
+    Rig rig(fake, 0);  // default options: kAuto, device_max_connections unset
+    std::vector<std::unique_ptr<Stream>> streams;
+    for (int i = 0; i < c.app_streams; ++i) streams.push_back(rig.NewStream());
+    auto arrival = *rig.backend->CreateHostFlag();
+    for (auto& stream : streams) REQUIRE(stream->WaitHostFlag(*arrival, 1).ok());
+    // The receive thread: the bytes into the tensor, then the flag.
+    auto device = *rig.backend->Allocate(4096, MemoryKind::kDevice);
+    std::vector<char> staged(4096, 'x');
+    const absl::Status copied = rig.backend->Copy(device->data(), staged.data(), staged.size());
+    INFO(copied.ToString());
+    CHECK(copied.ok());
+    arrival->Store(1);
+    fake->RunAll();
+    for (auto& stream : streams) CHECK(fake->Pending(Rig::Native(*stream)) == 0);
+    CHECK(fake->memops().empty());  // the waits were kernels
+  }
+}
+
+// Megatron-LM and Transformer Engine set CUDA_DEVICE_MAX_CONNECTIONS=1 and
+// create the backend themselves: CreateCudaBackend must see it, not only
+// MeshOptions::FromEnv.
+TEST_CASE("hazard 9: CreateCudaBackend reads CUDA_DEVICE_MAX_CONNECTIONS itself",
+          "[cuda][hazard]") {
+  auto fake = std::make_shared<FakeCudaApi>(1);
+  {
+    testing::ScopedEnv env({{"CUDA_DEVICE_MAX_CONNECTIONS", "1"}});
+    auto refused = CreateCudaBackend(
+        fake, 0, Modes(ReadyEventMode::kCopyEngineFlag, StreamWaitMode::kStreamMemOp));
+    INFO(refused.status().ToString());
+    CHECK(refused.status().code() == absl::StatusCode::kFailedPrecondition);
+    Rig rig(fake, 0);
+    auto stream = rig.NewStream();
+    auto flag = *rig.backend->CreateHostFlag();
+    REQUIRE(stream->WaitHostFlag(*flag, 1).ok());
+    CHECK(fake->memops().empty());  // one queue: the kernel
+    flag->Store(1);
+    fake->RunAll();
+  }
+  testing::ScopedEnv bad({{"CUDA_DEVICE_MAX_CONNECTIONS", "lots"}});
+  auto rejected = CreateCudaBackend(fake, 0);
+  INFO(rejected.status().ToString());
+  CHECK(rejected.status().code() == absl::StatusCode::kInvalidArgument);
+  CHECK(absl::StrContains(rejected.status().message(), "CUDA_DEVICE_MAX_CONNECTIONS='lots'"));
 }
 
 }  // namespace

@@ -20,6 +20,11 @@
 //    and their later work waits for it. cudaMemcpy is legacy-stream work and
 //    returns per the documented synchronisation rules (device-to-device and
 //    pageable host-to-device copies return before the data is there).
+//  * Hardware queues (set_hardware_queues, CUDA_DEVICE_MAX_CONNECTIONS):
+//    streams map to a device's queues round robin in creation order, and a
+//    cuStreamWaitValue32 that is not yet satisfied at the head of its stream
+//    holds up the work of every stream on that queue enqueued after it (a
+//    wait kernel does not: it is dispatched and spins on an SM).
 //  * cudaFree, cudaFreeHost, cudaHostAlloc and loading a kernel (lazily, at
 //    its first launch, or on request) wait for the whole device.
 //  * Stream capture: captured work is recorded, not run, and can be replayed
@@ -77,6 +82,8 @@ class FakeCudaApi final : public CudaApi {
     std::function<bool()> run;  // false: blocked, retry later
     std::vector<Dep> deps;      // other streams' work that must finish first
     uint64_t seq = 0;
+    uint64_t tick = 0;         // device-wide enqueue order (hardware queues are FIFOs)
+    bool holds_queue = false;  // a memop wait: blocks its hardware queue until satisfied
   };
   struct FakeStream {
     int id = 0;
@@ -84,6 +91,7 @@ class FakeCudaApi final : public CudaApi {
     unsigned int flags = 0;
     int priority = 0;
     bool legacy = false;
+    int queue = -1;  // hardware queue (set_hardware_queues); -1: one of its own
     bool destroyed = false;
     uint64_t enqueued = 0;   // sequence number of the last op enqueued
     uint64_t completed = 0;  // ... and of the last one that ran
@@ -145,6 +153,25 @@ class FakeCudaApi final : public CudaApi {
   void set_device_count_error(cudaError_t error) { device_count_error_ = error; }
   void set_has_stream_memops(bool has) { has_memops_ = has; }
   void set_has_dmabuf(bool has) { has_dmabuf_ = has; }
+  // The PCI bus ids cudaDeviceGetPCIBusId reports, by CUDA index (default
+  // 0000:1<index>:00.0). WithVisibleDevices makes a fake as the runtime sees
+  // a host under CUDA_VISIBLE_DEVICES: `physical` lists every GPU's bus id,
+  // `visible` ("5,2") the physical indices that become CUDA 0, 1, ...
+  void set_pci_bus_ids(std::vector<std::string> ids) { pci_bus_ids_ = std::move(ids); }
+  static std::shared_ptr<FakeCudaApi> WithVisibleDevices(const std::vector<std::string>& physical,
+                                                         const std::string& visible) {
+    std::vector<std::string> ids;
+    size_t start = 0;
+    while (start <= visible.size()) {
+      const size_t comma = std::min(visible.find(',', start), visible.size());
+      const std::string part = visible.substr(start, comma - start);
+      if (!part.empty()) ids.push_back(physical.at(static_cast<size_t>(std::stoi(part))));
+      start = comma + 1;
+    }
+    auto api = std::make_shared<FakeCudaApi>(static_cast<int>(ids.size()));
+    api->set_pci_bus_ids(std::move(ids));
+    return api;
+  }
   void set_has_context_queries(bool has) { has_ctx_queries_ = has; }
   // Device memory allocated from now on stays readable by host code.
   void set_device_memory_host_accessible(bool open) { host_accessible_ = open; }
@@ -153,6 +180,19 @@ class FakeCudaApi final : public CudaApi {
   void set_suballocate(bool packed) { suballocate_ = packed; }
   // How long a synchronous call may stay blocked before it counts as a hang.
   void set_hang_timeout(std::chrono::milliseconds timeout) { hang_timeout_ = timeout; }
+  // Whether [ptr, ptr + bytes) is fake device memory (for a fake NIC).
+  bool IsDeviceMemory(const void* ptr, size_t bytes) {
+    std::lock_guard<std::recursive_mutex> guard(mu_);
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(ptr) & ~uintptr_t{kPage - 1};
+    const uintptr_t end = reinterpret_cast<uintptr_t>(ptr) + std::max<size_t>(bytes, 1);
+    for (uintptr_t page = begin; page < end; page += kPage) {
+      if (!MappedDevicePage(page)) return false;
+    }
+    return true;
+  }
+  // `n` hardware queues per device for the streams created from now on (as
+  // CUDA_DEVICE_MAX_CONNECTIONS=n); 0: every stream has its own.
+  void set_hardware_queues(int n) { hardware_queues_ = n; }
   // cudaDeviceGetAttribute answers (every device alike); unset ones read 0.
   void set_attribute(cudaDeviceAttr attr, int value) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
@@ -380,6 +420,11 @@ class FakeCudaApi final : public CudaApi {
     if (cudaError_t e = lock.injected()) return e;
     if (device < 0 || device >= device_count_) return cudaErrorInvalidDevice;
     // Upper-case hex, as the real call returns it.
+    if (static_cast<size_t>(device) < pci_bus_ids_.size()) {
+      std::snprintf(bus_id, static_cast<size_t>(len), "%s",
+                    pci_bus_ids_[static_cast<size_t>(device)].c_str());
+      return cudaSuccess;
+    }
     std::snprintf(bus_id, static_cast<size_t>(len), "0000:%02X:00.0", 0x10 + device);
     return cudaSuccess;
   }
@@ -1216,6 +1261,9 @@ class FakeCudaApi final : public CudaApi {
     s->device = Thread().current;
     s->flags = flags;
     s->priority = priority;
+    if (hardware_queues_ > 0 && s->device >= 0) {
+      s->queue = queue_cursor_[s->device]++ % hardware_queues_;
+    }
     auto* handle = reinterpret_cast<cudaStream_t>(s.get());
     streams_[s.get()] = std::move(s);
     return handle;
@@ -1253,6 +1301,8 @@ class FakeCudaApi final : public CudaApi {
       return;
     }
     op.seq = ++s->enqueued;
+    op.tick = ++tick_;
+    op.holds_queue = op.name == "wait_value";
     const bool blocking = !(s->flags & cudaStreamNonBlocking);
     for (auto& [handle, other] : streams_) {
       FakeStream* t = other.get();
@@ -1272,12 +1322,26 @@ class FakeCudaApi final : public CudaApi {
       if (s->ops.empty() || Sticky(s->device) != cudaSuccess) return false;
       Op& op = s->ops.front();
       if (!AdvanceDeps(s, op.seq)) return false;
+      if (QueueBlocker(s, op) != nullptr) return false;
       if (!op.run()) return false;
       s->completed = op.seq;
       s->ops.pop_front();
       ++ops_run_;
     }
     return true;
+  }
+  // The stream whose unsatisfied memop wait, enqueued before `op`, sits at
+  // the head of the hardware queue `s` shares with it; null when none.
+  FakeStream* QueueBlocker(FakeStream* s, const Op& op) {
+    if (s->queue < 0) return nullptr;
+    for (auto& [handle, other] : streams_) {
+      FakeStream* t = other.get();
+      if (t == s || t->device != s->device || t->queue != s->queue || t->ops.empty()) continue;
+      const Op& head = t->ops.front();
+      if (!head.holds_queue || head.tick > op.tick) continue;
+      if (!Advance(t, head.seq)) return t;  // still waiting: the queue is stuck behind it
+    }
+    return nullptr;
   }
   // Runs what op `seq` of `s` waits for, but not the op itself (nor the ops
   // before it on `s`, which must be done already for it to count).
@@ -1340,10 +1404,13 @@ class FakeCudaApi final : public CudaApi {
       for (const Dep& dep : op.deps) {
         if (dep.stream->completed < dep.seq) next = dep.stream;
       }
+      if (next == nullptr) next = QueueBlocker(s, op);
       if (next == nullptr) break;
       s = next;
     }
-    return "'" + (s->ops.empty() ? std::string("?") : s->ops.front().name) + "' on " +
+    const std::string queue =
+        s->queue >= 0 ? " on hardware queue " + std::to_string(s->queue) : std::string();
+    return "'" + (s->ops.empty() ? std::string("?") : s->ops.front().name) + "'" + queue + " on " +
            (s->legacy
                 ? std::string("the legacy default stream")
                 : "stream " + std::to_string(s->id) +
@@ -1362,9 +1429,13 @@ class FakeCudaApi final : public CudaApi {
   bool suballocate_ = false;
   std::chrono::milliseconds hang_timeout_{1000};
   int next_stream_id_ = 1;
+  int hardware_queues_ = 0;
+  std::map<int, int> queue_cursor_;  // per device: streams given a queue so far
+  uint64_t tick_ = 0;
   uint64_t ops_run_ = 0;
   std::vector<Device> devices_;
   std::map<cudaDeviceAttr, int> attributes_;
+  std::vector<std::string> pci_bus_ids_;
   std::map<std::thread::id, ThreadState> threads_;
   std::map<uintptr_t, Allocation> allocations_;
   std::map<void*, std::unique_ptr<FakeStream>> streams_;

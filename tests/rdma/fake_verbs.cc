@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <random>
 #include <thread>
@@ -57,6 +58,7 @@ struct FakeMr {
   ibv_mr mr{};
   FakePd* pd = nullptr;
   int access = 0;
+  uint64_t pinned = 0;  // host bytes it charged against RLIMIT_MEMLOCK
 };
 
 struct FakePd {
@@ -132,13 +134,16 @@ struct FakeQp {
   absl::Time last_due = absl::InfinitePast();
   bool held = false;
   bool drop = false;
-  uint8_t lag_port = 0;  // mlx5dv_modify_qp_lag_port; 0: never set
+  uint8_t lag_port = 0;                           // mlx5dv_modify_qp_lag_port; 0: never set
+  uint16_t pkey = 0xFFFF;                         // the port's table entry at pkey_index (INIT)
+  ibv_gid_type sgid_type = IBV_GID_TYPE_ROCE_V2;  // of the GRH's source GID (RTR)
 };
 
 struct FakePort {
   ibv_port_state state = IBV_PORT_ACTIVE;
   uint16_t lid = 0;
   std::vector<FakeGid> gids;
+  std::vector<uint16_t> pkeys;
 };
 
 struct FakeNic {
@@ -228,7 +233,10 @@ struct FakeFabric::State {
   std::vector<std::pair<uintptr_t, size_t>> device_memory ABSL_GUARDED_BY(mu);
   bool dmabuf ABSL_GUARDED_BY(mu) = true;
   bool peer_memory ABSL_GUARDED_BY(mu) = false;
+  int dmabuf_errno ABSL_GUARDED_BY(mu) = EOPNOTSUPP;
   bool fork_initialized ABSL_GUARDED_BY(mu) = false;
+  bool copy_on_fork ABSL_GUARDED_BY(mu) = false;
+  std::function<bool(const void*, size_t)> device_oracle ABSL_GUARDED_BY(mu);
   bool registered_any ABSL_GUARDED_BY(mu) = false;
   std::mt19937_64 rng ABSL_GUARDED_BY(mu);
   std::vector<FakeQp*> active ABSL_GUARDED_BY(mu);  // QPs with pending requests
@@ -247,7 +255,13 @@ struct FakeFabric::State {
     }
     return nullptr;
   }
+  // [address, address + bytes) lies wholly in device memory.
+  bool InsideDevice(uintptr_t address, size_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return DeviceRange(address, bytes) != nullptr ||
+           (device_oracle && device_oracle(reinterpret_cast<const void*>(address), bytes));
+  }
   bool TouchesDevice(uintptr_t address, size_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (device_oracle && device_oracle(reinterpret_cast<const void*>(address), 1)) return true;
     for (const auto& [base, size] : device_memory) {
       if (address < base + size && base < address + bytes) return true;
     }
@@ -280,8 +294,11 @@ struct FakeFabric::State {
         FakePort& port = nic->ports[p];
         bool match = false;
         if (qp->is_global) {
+          // RoCE v1 and v2 are different packets: only an entry of the
+          // sender's GID type receives them.
           for (const FakeGid& g : port.gids) {
-            match = match || std::memcmp(&g.gid, &qp->dest_gid, sizeof(ibv_gid)) == 0;
+            match = match || (std::memcmp(&g.gid, &qp->dest_gid, sizeof(ibv_gid)) == 0 &&
+                              g.type == qp->sgid_type);
           }
         } else {
           match = nic->ib() && port.lid == qp->dest_lid;
@@ -392,6 +409,10 @@ struct FakeFabric::State {
     if (target.port == nullptr || target.port->state != IBV_PORT_ACTIVE) return Blocked::kNoAck;
     if (peer == nullptr || (peer->qp.state != IBV_QPS_RTR && peer->qp.state != IBV_QPS_RTS) ||
         peer->dest_qpn != qp->qp.qp_num || peer->expected_recv_psn != qp->next_send_psn) {
+      return Blocked::kNoAck;
+    }
+    // One partition, and not two limited members.
+    if ((qp->pkey & 0x7FFF) != (peer->pkey & 0x7FFF) || ((qp->pkey | peer->pkey) & 0x8000) == 0) {
       return Blocked::kNoAck;
     }
     *until = std::max(own->paused_until, target.nic->paused_until);
@@ -566,8 +587,27 @@ namespace {
 class FakeVerbs final : public VerbsApi {
  public:
   using State = FakeFabric::State;
-  FakeVerbs(std::shared_ptr<State> state, std::vector<FakeNic*> nics)
-      : state_(std::move(state)), nics_(std::move(nics)) {}
+  FakeVerbs(std::shared_ptr<State> state, std::vector<FakeNic*> nics, FakeHostSpec host)
+      : state_(std::move(state)), nics_(std::move(nics)), host_(host) {}
+
+  ibv_fork_status IsForkInitialized() override {
+    ::stepmesh::base::MutexLock lock(&state_->mu);
+    if (state_->copy_on_fork) return IBV_FORK_UNNEEDED;
+    return state_->fork_initialized ? IBV_FORK_ENABLED : IBV_FORK_DISABLED;
+  }
+  int GetMemlockLimit(uint64_t* bytes) override {
+    *bytes = host_.memlock_limit;
+    return 0;
+  }
+  int QueryPkey(ibv_context* context, uint8_t port, int index, uint16_t* pkey) override {
+    ::stepmesh::base::MutexLock lock(&state_->mu);
+    FakeNic* nic = Ctx(context)->nic;
+    if (port < 1 || port > nic->ports.size()) return EINVAL;
+    const FakePort& p = nic->ports[port - 1];
+    if (index < 0 || static_cast<size_t>(index) >= p.pkeys.size()) return EINVAL;
+    *pkey = p.pkeys[static_cast<size_t>(index)];
+    return 0;
+  }
 
   int ForkInit() override {
     ::stepmesh::base::MutexLock lock(&state_->mu);
@@ -674,17 +714,31 @@ class FakeVerbs final : public VerbsApi {
       errno = EINVAL;
       return nullptr;
     }
-    if (!state_->peer_memory && state_->TouchesDevice(reinterpret_cast<uintptr_t>(addr), length)) {
+    const bool device = state_->TouchesDevice(reinterpret_cast<uintptr_t>(addr), length);
+    if (!state_->peer_memory && device) {
       errno = EFAULT;  // get_user_pages cannot pin GPU memory without peer memory
       return nullptr;
     }
-    return NewMr(pd, addr, length, access);
+    // Host pages are pinned against RLIMIT_MEMLOCK, every MR on its own.
+    const uint64_t pages = device ? 0 : PinnedBytes(addr, length);
+    if (pages > 0 && (pinned_ + pages > host_.memlock_limit || pinned_ + pages < pinned_)) {
+      ++state_->stats.memlock_refusals;
+      errno = ENOMEM;
+      return nullptr;
+    }
+    ibv_mr* mr = NewMr(pd, addr, length, access);
+    if (mr == nullptr) return nullptr;
+    if (device) ++state_->stats.peer_memory_mrs;
+    reinterpret_cast<FakeMr*>(mr)->pinned = pages;
+    pinned_ += pages;
+    state_->stats.peak_pinned_bytes = std::max(state_->stats.peak_pinned_bytes, pinned_);
+    return mr;
   }
   ibv_mr* RegDmabufMr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd,
                       int access) override {
     ::stepmesh::base::MutexLock lock(&state_->mu);
     if (!state_->dmabuf) {
-      errno = EOPNOTSUPP;
+      errno = state_->dmabuf_errno;
       return nullptr;
     }
     if (fd < 0 || ::fcntl(fd, F_GETFD) == -1) {
@@ -695,8 +749,7 @@ class FakeVerbs final : public VerbsApi {
     // iova - offset must land there, or the MR would map other memory.
     const uintptr_t export_start = static_cast<uintptr_t>(iova - offset);
     if (length == 0 || offset > iova || export_start % 4096 != 0 ||
-        state_->DeviceRange(export_start, static_cast<size_t>(iova + length - export_start)) ==
-            nullptr) {
+        !state_->InsideDevice(export_start, static_cast<size_t>(iova + length - export_start))) {
       errno = EINVAL;
       return nullptr;
     }
@@ -707,6 +760,7 @@ class FakeVerbs final : public VerbsApi {
   int DeregMr(ibv_mr* mr) override {
     ::stepmesh::base::MutexLock lock(&state_->mu);
     auto* fake = reinterpret_cast<FakeMr*>(mr);
+    pinned_ -= fake->pinned;
     FakeNic* nic = fake->pd->ctx->nic;
     nic->mrs_by_lkey.erase(mr->lkey);
     nic->mrs_by_rkey.erase(mr->rkey);
@@ -906,6 +960,11 @@ class FakeVerbs final : public VerbsApi {
         fake->port = attr->port_num;
       }
       if (mask & IBV_QP_ACCESS_FLAGS) fake->access = attr->qp_access_flags;
+      if (mask & IBV_QP_PKEY_INDEX) {
+        const FakePort& port = nic->ports[fake->port - 1];
+        if (attr->pkey_index >= port.pkeys.size()) return EINVAL;
+        fake->pkey = port.pkeys[attr->pkey_index];
+      }
       fake->qp.state = IBV_QPS_INIT;
       return 0;
     }
@@ -918,6 +977,7 @@ class FakeVerbs final : public VerbsApi {
       if (ah.port_num != fake->port) return EINVAL;
       const FakePort& port = nic->ports[fake->port - 1];
       if (ah.is_global && ah.grh.sgid_index >= port.gids.size()) return EINVAL;
+      if (ah.is_global) fake->sgid_type = port.gids[ah.grh.sgid_index].type;
       if (nic->ib()) {
         if (ah.dlid == 0) return EINVAL;  // InfiniBand routes by LID
       } else if (!ah.is_global) {
@@ -1066,6 +1126,8 @@ class FakeVerbs final : public VerbsApi {
       return nullptr;
     }
     if (!state_->fork_initialized) ++state_->stats.registrations_before_fork_init;
+    if (state_->fork_initialized && !state_->copy_on_fork) ++state_->stats.dontfork_registrations;
+    if (access & IBV_ACCESS_RELAXED_ORDERING) ++state_->stats.relaxed_ordering_mrs;
     state_->registered_any = true;
     FakePd* fake_pd = Pd(pd);
     auto* mr = new FakeMr;
@@ -1085,6 +1147,11 @@ class FakeVerbs final : public VerbsApi {
     return &mr->mr;
   }
 
+  static uint64_t PinnedBytes(const void* addr, size_t length) {
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(addr) & ~uintptr_t{4095};
+    const uintptr_t end = (reinterpret_cast<uintptr_t>(addr) + length + 4095) & ~uintptr_t{4095};
+    return end - begin;
+  }
   static FakeContext* Ctx(ibv_context* c) { return reinterpret_cast<FakeContext*>(c); }
   static FakePd* Pd(ibv_pd* p) { return reinterpret_cast<FakePd*>(p); }
   static FakeCq* Cq(ibv_cq* c) { return reinterpret_cast<FakeCq*>(c); }
@@ -1092,6 +1159,8 @@ class FakeVerbs final : public VerbsApi {
 
   std::shared_ptr<State> state_;
   std::vector<FakeNic*> nics_;
+  const FakeHostSpec host_;
+  uint64_t pinned_ = 0;  // guarded by state_->mu  // host bytes pinned by this host's MRs
 };
 
 }  // namespace
@@ -1105,7 +1174,18 @@ std::shared_ptr<VerbsApi> FakeFabric::AddHost(const FakeNicSpec& spec) {
   return AddHost(std::vector<FakeNicSpec>{spec});
 }
 
-std::shared_ptr<VerbsApi> FakeFabric::AddHost(const std::vector<FakeNicSpec>& specs) {
+void FakeFabric::SetDeviceMemoryOracle(std::function<bool(const void*, size_t)> is_device) {
+  ::stepmesh::base::MutexLock lock(&state_->mu);
+  state_->device_oracle = std::move(is_device);
+}
+
+void FakeFabric::SetKernelCopyOnFork(bool copy_on_fork) {
+  ::stepmesh::base::MutexLock lock(&state_->mu);
+  state_->copy_on_fork = copy_on_fork;
+}
+
+std::shared_ptr<VerbsApi> FakeFabric::AddHost(const std::vector<FakeNicSpec>& specs,
+                                              const FakeHostSpec& host) {
   ::stepmesh::base::MutexLock lock(&state_->mu);
   std::vector<FakeNic*> nics;
   for (const FakeNicSpec& spec : specs) {
@@ -1129,13 +1209,14 @@ std::shared_ptr<VerbsApi> FakeFabric::AddHost(const std::vector<FakeNicSpec>& sp
                      {Ipv4Gid(ip), IBV_GID_TYPE_ROCE_V1},
                      {Ipv4Gid(ip), IBV_GID_TYPE_ROCE_V2}};
       }
+      port.pkeys = spec.pkeys;
       nic->ports.push_back(port);
     }
     nic->spec.ports = static_cast<uint8_t>(nic->ports.size());
     nics.push_back(nic.get());
     state_->nics.push_back(std::move(nic));
   }
-  return std::make_shared<FakeVerbs>(state_, std::move(nics));
+  return std::make_shared<FakeVerbs>(state_, std::move(nics), host);
 }
 
 void FakeFabric::FailNic(const std::string& name) {
@@ -1226,10 +1307,11 @@ void FakeFabric::AddDeviceMemory(const void* base, size_t bytes) {
   state_->device_memory.emplace_back(reinterpret_cast<uintptr_t>(base), bytes);
 }
 
-void FakeFabric::SetGpuDirect(bool dmabuf, bool peer_memory) {
+void FakeFabric::SetGpuDirect(bool dmabuf, bool peer_memory, int dmabuf_errno) {
   ::stepmesh::base::MutexLock lock(&state_->mu);
   state_->dmabuf = dmabuf;
   state_->peer_memory = peer_memory;
+  state_->dmabuf_errno = dmabuf_errno;
 }
 
 std::vector<uint8_t> FakeFabric::LagPorts(const std::string& nic) const {

@@ -33,7 +33,22 @@
 //     RoCE ports need a GRH (is_global) with a valid source GID index;
 //   - dual-port devices; port and GID events carry the port number;
 //   - iWARP devices (siw, ...) have no immediate data: WRITE_WITH_IMM fails;
-//   - ibv_fork_init must run before the first registration (counted);
+//   - ibv_fork_init must run before the first registration (counted); a
+//     kernel with copy-on-fork (SetKernelCopyOnFork) makes
+//     ibv_is_fork_initialized say IBV_FORK_UNNEEDED, and registrations made
+//     under an ibv_fork_init that was needed are counted (each one is a
+//     madvise(DONTFORK) that splits the process's mappings);
+//   - RLIMIT_MEMLOCK (FakeHostSpec::memlock_limit): every host-memory MR
+//     pins its pages on its own (overlapping MRs are charged again, as the
+//     kernel's pinned_vm is); past the limit ibv_reg_mr fails with ENOMEM.
+//     dma-buf and peer-memory MRs are not charged;
+//   - P_Keys: a QP's pkey_index must lie inside the port's table, and two QPs
+//     talk only within one partition (same low 15 bits) with at least one
+//     full member (bit 15); otherwise nothing is acknowledged (RETRY_EXC);
+//   - GID types: a GRH names the sender's GID entry, and a packet reaches a
+//     responder only through a GID entry of the same type (RoCE v1 and v2
+//     are different packets); a mismatch is never acknowledged;
+//   - IBV_ACCESS_RELAXED_ORDERING (an optional flag) is accepted and counted;
 //   - GPUDirect: plain MRs of device memory fail (EFAULT) unless peer memory
 //     is on; dma-buf MRs need an open fd and an offset that maps back inside
 //     device memory;
@@ -47,7 +62,9 @@
 // executes inside PostSend (the wire is instant), for micro-benchmarks that
 // want no fabric thread in the measurement.
 
+#include <cerrno>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -86,6 +103,14 @@ struct FakeNicSpec {
   // mlx5 LAG: > 1 is a bonded device with that many ports; 0 is not mlx5
   // (the LAG calls fail with EOPNOTSUPP).
   uint8_t lag_ports = 0;
+  // Every port's P_Key table (host byte order); 0xFFFF is the default
+  // partition, full membership.
+  std::vector<uint16_t> pkeys = {0xFFFF};
+};
+
+// What a fake host (one process's view) adds to its NICs.
+struct FakeHostSpec {
+  uint64_t memlock_limit = UINT64_MAX;  // RLIMIT_MEMLOCK soft limit, bytes (MAX: unlimited)
 };
 
 struct FakeFabricOptions {
@@ -105,9 +130,14 @@ struct FakeFabricStats {
   uint64_t retry_errors = 0;   // requests nobody acknowledged in time
   uint64_t flushed = 0;        // IBV_WC_WR_FLUSH_ERR completions generated
   uint64_t cq_overflows = 0;
-  uint64_t dmabuf_mrs = 0;  // MRs registered through ibv_reg_dmabuf_mr
+  uint64_t dmabuf_mrs = 0;       // MRs registered through ibv_reg_dmabuf_mr
+  uint64_t peer_memory_mrs = 0;  // plain ibv_reg_mr MRs of device memory (peer memory)
   uint64_t fork_init_calls = 0;
   uint64_t registrations_before_fork_init = 0;
+  uint64_t dontfork_registrations = 0;  // registrations under a needed ibv_fork_init
+  uint64_t relaxed_ordering_mrs = 0;    // MRs registered with IBV_ACCESS_RELAXED_ORDERING
+  uint64_t memlock_refusals = 0;        // registrations refused (ENOMEM) by RLIMIT_MEMLOCK
+  uint64_t peak_pinned_bytes = 0;       // the most host memory any host had pinned
 };
 
 class FakeFabric {
@@ -122,7 +152,11 @@ class FakeFabric {
   // A host with one NIC on this fabric; the returned VerbsApi lists only it.
   std::shared_ptr<VerbsApi> AddHost(const FakeNicSpec& spec);
   // A host with several NICs (device selection tests).
-  std::shared_ptr<VerbsApi> AddHost(const std::vector<FakeNicSpec>& nics);
+  std::shared_ptr<VerbsApi> AddHost(const std::vector<FakeNicSpec>& nics,
+                                    const FakeHostSpec& host = {});
+  // The kernel copies registered pages on fork (Linux 5.13+):
+  // ibv_is_fork_initialized says IBV_FORK_UNNEEDED.
+  void SetKernelCopyOnFork(bool copy_on_fork);
 
   // Moves every QP of the NIC named `nic` to ERR (a NIC reset).
   void FailNic(const std::string& nic);
@@ -158,7 +192,14 @@ class FakeFabric {
   // an offset that maps the iova back to a page-aligned export; with
   // `dmabuf` unset it fails with EOPNOTSUPP (a kernel or NIC without dma-buf).
   void AddDeviceMemory(const void* base, size_t bytes);
-  void SetGpuDirect(bool dmabuf, bool peer_memory);
+  // `dmabuf_errno` is what a refused ibv_reg_dmabuf_mr sets: EOPNOTSUPP
+  // (kernel without dma-buf MRs) or EPROTONOSUPPORT (MLNX_OFED's; errno 93
+  // in perftest#280 on an H100 host).
+  void SetGpuDirect(bool dmabuf, bool peer_memory, int dmabuf_errno = EOPNOTSUPP);
+  // Device memory the fabric cannot be told of range by range (a fake GPU's
+  // cudaMalloc inside the code under test): `is_device(p, n)` says whether
+  // [p, p + n) is GPU memory, besides the ranges AddDeviceMemory named.
+  void SetDeviceMemoryOracle(std::function<bool(const void*, size_t)> is_device);
 
   // The LAG port each live QP of NIC `nic` is pinned to (0: never pinned), in
   // QP-number order.

@@ -14,17 +14,20 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "src/backends/cuda/cuda_backend.h"
 #include "src/core/mesh.h"
 #include "src/transport/rdma/rdma_transport.h"
+#include "src/transport/rdma/verbs_resources.h"
 #include "src/transport/tcp_fallback/tcp_transport.h"
 #include "stepmesh/scheduler.h"
 #include "stepmesh/status.h"
 #include "tests/cuda/fake_cuda_api.h"
 #include "tests/rdma/fake_verbs.h"
 #include "tests/support/fake_fabric.h"
+#include "tests/support/fake_sysfs.h"
 
 namespace stepmesh {
 namespace {
@@ -45,10 +48,11 @@ uint8_t ReplyByte(int iteration, size_t j) {
 }
 
 struct Setup {
-  bool nic_dmabuf = true;       // the NIC and kernel take dma-buf MRs
-  bool peer_memory = false;     // ibv_reg_mr works on GPU memory (nvidia-peermem)
-  bool driver_dmabuf = true;    // the CUDA driver exports dma-bufs
-  bool ordered_writes = false;  // the GPU orders NIC writes itself (no flush needed)
+  bool nic_dmabuf = true;         // the NIC and kernel take dma-buf MRs
+  bool peer_memory = false;       // ibv_reg_mr works on GPU memory (nvidia-peermem)
+  int dmabuf_errno = EOPNOTSUPP;  // what a NIC that refuses dma-buf MRs says
+  bool driver_dmabuf = true;      // the CUDA driver exports dma-bufs
+  bool ordered_writes = false;    // the GPU orders NIC writes itself (no flush needed)
   GpuDirect mode = GpuDirect::kAuto;
   bool tcp = false;  // the TCP fallback instead of RDMA (it never reaches device memory)
 };
@@ -67,6 +71,7 @@ struct Outcome {
   SideCounts worker_gpu;
   SideCounts server_gpu;
   uint64_t dmabuf_mrs = 0;
+  uint64_t peer_memory_mrs = 0;
   uint64_t access_errors = 0;
 };
 
@@ -161,7 +166,7 @@ absl::Status RunWorker(AFTensorWorker& worker, Backend& backend, FakeFabric& fab
 Outcome RunExchange(const Setup& setup) {
   Outcome outcome;
   auto fabric = std::make_shared<FakeFabric>();
-  fabric->SetGpuDirect(setup.nic_dmabuf, setup.peer_memory);
+  fabric->SetGpuDirect(setup.nic_dmabuf, setup.peer_memory, setup.dmabuf_errno);
   MeshOptions base;
   base.transport = "rdma";
   base.timeout = absl::Seconds(10);
@@ -208,6 +213,7 @@ Outcome RunExchange(const Setup& setup) {
   outcome.worker_gpu = Counts(*worker_gpu, worker_setup_memcpys);
   outcome.server_gpu = Counts(*server_gpu, server_setup_memcpys);
   outcome.dmabuf_mrs = fabric->stats().dmabuf_mrs;
+  outcome.peer_memory_mrs = fabric->stats().peer_memory_mrs;
   outcome.access_errors = fabric->stats().access_errors;
   return outcome;
 }
@@ -236,10 +242,10 @@ TEST_CASE("gpudirect: device tensors registered by dma-buf, no staging, flushed 
   const Outcome o = RunExchange({});
   CheckDelivered(o);
   // Push, pull, recv and reply tensors each exported once; each MR'd by dma-buf
-  // (the two receive tensors also once per slot).
+  // once (the two receive tensors by their one slot each, never as a whole too).
   CHECK(o.worker_gpu.exports == 2);
   CHECK(o.server_gpu.exports == 2);
-  CHECK(o.dmabuf_mrs == 6);
+  CHECK(o.dmabuf_mrs == 4);
   CHECK(o.worker_gpu.memcpys == 0);
   CHECK(o.server_gpu.memcpys == 0);
   // One flush per arrival: each pull on the worker, each push on the server.
@@ -254,7 +260,7 @@ TEST_CASE("gpudirect: a GPU that orders NIC writes itself is not flushed", "[rdm
   setup.ordered_writes = true;
   const Outcome o = RunExchange(setup);
   CheckDelivered(o);
-  CHECK(o.dmabuf_mrs == 6);
+  CHECK(o.dmabuf_mrs == 4);
   CHECK(o.worker_gpu.flushes == 0);
   CHECK(o.server_gpu.flushes == 0);
 }
@@ -270,6 +276,25 @@ TEST_CASE("gpudirect: without dma-buf export, peer memory registers the device a
   CHECK(o.worker_gpu.memcpys == 0);
   CHECK(o.server_gpu.memcpys == 0);
   CHECK(o.worker_gpu.flushes == kIterations);
+}
+
+TEST_CASE("gpudirect: CUDA exports a dma-buf, the NIC refuses it, peer memory registers instead",
+          "[rdma][gpudirect]") {
+  for (const int refusal : {EOPNOTSUPP, EPROTONOSUPPORT}) {
+    INFO("ibv_reg_dmabuf_mr fails with errno " << refusal);
+    Setup setup;
+    setup.nic_dmabuf = false;
+    setup.dmabuf_errno = refusal;
+    setup.peer_memory = true;
+    const Outcome o = RunExchange(setup);
+    CheckDelivered(o);
+    CHECK(o.worker_gpu.exports >= 1);  // the driver did export
+    CHECK(o.dmabuf_mrs == 0);
+    CHECK(o.peer_memory_mrs == 4);  // push, pull's slot, recv's slot, reply: as by dma-buf
+    CHECK(o.worker_gpu.memcpys == 0);
+    CHECK(o.server_gpu.memcpys == 0);
+    CHECK(o.worker_gpu.flushes == kIterations);
+  }
 }
 
 TEST_CASE("gpudirect: a NIC that refuses device memory gets staged copies (auto)",
@@ -320,6 +345,53 @@ TEST_CASE("gpudirect: the TCP fallback stages device tensors, and refuses them u
   o = RunExchange(setup);
   CHECK(absl::IsFailedPrecondition(o.worker));
   CHECK(absl::StrContains(o.worker.message(), "tcp transport cannot reach cuda:0"));
+}
+
+TEST_CASE("topology: under CUDA_VISIBLE_DEVICES the NIC follows the physical GPU",
+          "[rdma][topology]") {
+  testing::FakeSysfs sysfs;
+  sysfs.Hgx();
+  std::vector<std::string> physical;
+  for (int k = 0; k < 8; ++k) physical.push_back(testing::FakeSysfs::HgxGpu(k));
+  // CUDA_VISIBLE_DEVICES=5,2: CUDA device 0 is physical GPU 5, device 1 is GPU 2.
+  auto gpus = FakeCudaApi::WithVisibleDevices(physical, "5,2");
+  for (const auto& [cuda_index, physical_gpu] : {std::pair{0, 5}, std::pair{1, 2}}) {
+    INFO("CUDA device " << cuda_index << " = physical GPU " << physical_gpu);
+    FakeFabric fabric;
+    std::vector<FakeNicSpec> nics;
+    for (int i = 0; i < 8; ++i) {
+      FakeNicSpec spec;
+      spec.name = absl::StrCat("mlx5_", i);
+      spec.ipv4 = 0x0A000101 + static_cast<uint32_t>(i) * 0x100;
+      nics.push_back(spec);
+    }
+    auto verbs = fabric.AddHost(nics);
+    auto backend = CreateCudaBackend(gpus, cuda_index);
+    REQUIRE(backend.ok());
+    std::string chosen, why, told;
+    // The core's transport factory sees what the core made of the backend's
+    // location; the test stops the worker there.
+    const core::TransportFactory spy =
+        [&](const MeshOptions& options) -> absl::StatusOr<std::unique_ptr<core::Transport>> {
+      told = options.rdma.gpu_pci_bus_id;
+      STEPMESH_ASSIGN_OR_RETURN(rdma::PortChoice port, rdma::OpenPort(*verbs, options));
+      chosen = port.device_name;
+      why = port.why;
+      return absl::CancelledError("the test stops here");
+    };
+    MeshOptions o;
+    o.role = Role::kWorker;
+    o.rank = 0;
+    o.transport = "rdma";
+    o.backend = "cuda";
+    o.device = cuda_index;
+    o.rdma.sysfs_root = sysfs.root();
+    auto worker = core::CreateWorker(o, std::shared_ptr<Backend>(*std::move(backend)), spy);
+    CHECK(absl::IsCancelled(worker.status()));
+    INFO(why);
+    CHECK(told == absl::AsciiStrToLower(physical[static_cast<size_t>(physical_gpu)]));
+    CHECK(chosen == testing::FakeSysfs::HgxNicFor(physical_gpu));
+  }
 }
 
 }  // namespace

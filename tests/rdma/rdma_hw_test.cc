@@ -1,8 +1,9 @@
 // The RDMA conformance scenarios on real verbs: every participant is a thread
 // of this process and all of them share the selected NIC (loopback through the
-// adapter). Exits 77 (ctest: skipped) when no RDMA device with an active port
-// exists. The device comes from STEPMESH_RDMA_DEVICE / STEPMESH_RDMA_GID_INDEX
-// etc. (MeshOptions::FromEnv), or is chosen automatically.
+// adapter). Exits 77 (ctest: skipped) only when the host has no InfiniBand/RoCE
+// device and none was asked for (STEPMESH_RDMA_DEVICE, STEPMESH_TRANSPORT=rdma);
+// a device that is there but unusable fails. The device comes from STEPMESH_RDMA_DEVICE /
+// STEPMESH_RDMA_GID_INDEX etc. (MeshOptions::FromEnv), or is chosen automatically.
 
 #include <catch2/catch.hpp>
 #include <cstdio>
@@ -51,19 +52,44 @@ TEST_CASE("hw conformance: two QPs per peer (striped payloads)", "[rdma][hw]") {
 }  // namespace
 }  // namespace stepmesh
 
+// Exit 77 (skipped) only when the host has no InfiniBand/RoCE device at all
+// and none was asked for. A device that exists but cannot be used (a named
+// one that is missing or down, a RoCE port with only link-local GIDs, a
+// P_Key the port lacks) is a failure: passing by skipping would hide exactly
+// the first-contact problems this program is for.
 int main(int argc, char** argv) {
-  if (!stepmesh::rdma::RdmaDeviceAvailable()) {
-    std::fprintf(stderr, "rdma_hw_tests: no RDMA device with an active port; skipping\n");
+  absl::StatusOr<stepmesh::MeshOptions> env = stepmesh::MeshOptions::FromEnv();
+  if (!env.ok()) {
+    std::fprintf(stderr, "rdma_hw_tests: FAILED: %s\n", env.status().ToString().c_str());
+    return 1;
+  }
+  const bool asked = !env->rdma.device.empty() || env->transport == "rdma";
+  auto verbs = stepmesh::rdma::MakeRealVerbsApi();
+  int count = 0;
+  int ib_transport = 0;  // InfiniBand-transport devices (IB, RoCE); iWARP does not count
+  if (ibv_device** list = verbs->GetDeviceList(&count); list != nullptr) {
+    for (int i = 0; i < count; ++i) ib_transport += list[i]->transport_type == IBV_TRANSPORT_IB;
+    verbs->FreeDeviceList(list);
+  }
+  if (ib_transport == 0 && !asked) {
+    std::fprintf(stderr,
+                 "rdma_hw_tests: no InfiniBand/RoCE device on this host (%d verbs devices); "
+                 "skipping\n",
+                 count);
     return 77;
   }
-  absl::StatusOr<stepmesh::MeshOptions> env = stepmesh::MeshOptions::FromEnv();
-  if (env.ok() && !env->rdma.device.empty()) {
-    auto verbs = stepmesh::rdma::MakeRealVerbsApi();
-    if (!stepmesh::rdma::OpenPort(*verbs, *env).ok()) {
-      std::fprintf(stderr, "rdma_hw_tests: device %s unusable; skipping\n",
-                   env->rdma.device.c_str());
-      return 77;
-    }
+  absl::StatusOr<stepmesh::rdma::PortChoice> port = stepmesh::rdma::OpenPort(*verbs, *env);
+  if (!port.ok()) {
+    std::fprintf(stderr, "rdma_hw_tests: FAILED: %s%s%s: %s\n",
+                 asked ? "the RDMA device asked for" : "",
+                 env->rdma.device.empty() ? "" : " (STEPMESH_RDMA_DEVICE=",
+                 env->rdma.device.empty() ? "" : (env->rdma.device + ")").c_str(),
+                 port.status().ToString().c_str());
+    if (!asked) std::fprintf(stderr, "rdma_hw_tests: %d device(s) present, none usable\n", count);
+    return 1;
   }
+  std::fprintf(stderr, "rdma_hw_tests: %s port %d GID index %d (%s): %s\n",
+               port->device_name.c_str(), int{port->port}, port->gid_index,
+               stepmesh::rdma::GidTypeName(port->gid_type), port->why.c_str());
   return stepmesh::testing::RunCatchSession(argc, argv);
 }

@@ -120,6 +120,9 @@ struct PairConfig {
   FakeFabricOptions fabric;
   FakeNicSpec worker_nic;
   FakeNicSpec server_nic;
+  testing::FakeHostSpec worker_host;
+  testing::FakeHostSpec server_host;
+  bool copy_on_fork = false;  // the kernel copies pinned pages on fork
   PairConfig() {
     options.timeout = absl::Seconds(3);
     worker_nic.name = "fake_w";
@@ -136,8 +139,15 @@ struct Pair {
   Node server;
 
   explicit Pair(const PairConfig& config = PairConfig()) : fabric(config.fabric) {
-    auto w = CreateRdmaTransport(config.options, fabric.AddHost(config.worker_nic));
-    auto s = CreateRdmaTransport(config.options, fabric.AddHost(config.server_nic));
+    fabric.SetKernelCopyOnFork(config.copy_on_fork);
+    MeshOptions worker_options = config.options;
+    worker_options.role = Role::kWorker;
+    MeshOptions server_options = config.options;
+    server_options.role = Role::kServer;
+    auto w = CreateRdmaTransport(worker_options,
+                                 fabric.AddHost({config.worker_nic}, config.worker_host));
+    auto s = CreateRdmaTransport(server_options,
+                                 fabric.AddHost({config.server_nic}, config.server_host));
     REQUIRE(w.ok());
     REQUIRE(s.ok());
     worker.transport = *std::move(w);

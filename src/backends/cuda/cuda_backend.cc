@@ -27,6 +27,7 @@
 #include <array>
 #include <atomic>
 #include <cctype>
+#include <condition_variable>
 #include <cstring>
 #include <fstream>
 #include <mutex>
@@ -44,6 +45,7 @@
 #include "src/backends/cuda/cuda_status.h"
 #include "src/base/logging.h"
 #include "src/base/thread_util.h"
+#include "stepmesh/options.h"
 #include "stepmesh/status.h"
 
 namespace stepmesh {
@@ -67,6 +69,8 @@ constexpr int kSpinsBeforeYield = 1 << 12;
 // thread and an application thread, so their synchronous copies never queue
 // behind one another.
 constexpr size_t kCopyLanes = 3;
+// CUDA's hardware queues per device when CUDA_DEVICE_MAX_CONNECTIONS is unset.
+constexpr int kDefaultConnections = 8;
 // A pending copy-engine event looks at the clock once every this many polls.
 constexpr uint32_t kPollsPerClockRead = 64;
 
@@ -231,6 +235,14 @@ class DeviceContext {
   }
 
   ~DeviceContext() {
+    // Frees handed to the reaper complete first: every flag (each holds this
+    // context) is gone, so its waits were released and the device can idle.
+    {
+      std::lock_guard<std::mutex> lock(reaper_mu_);
+      reaper_stop_ = true;
+    }
+    reaper_cv_.notify_all();
+    if (reaper_.joinable()) reaper_.join();
     ScopedDevice scoped(*api_, device_);
     for (CopyLane& lane : lanes_) {
       if (lane.stream != nullptr) (void)api_->StreamDestroy(lane.stream);
@@ -241,6 +253,41 @@ class DeviceContext {
   int device() const { return device_; }
   const CudaBackendOptions& options() const { return options_; }
   int stream_priority() const { return options_.high_priority_streams ? greatest_priority_ : 0; }
+  // Streams handed out (CreateStream, WrapCudaStream), besides the copy lanes.
+  void NoteStream(int delta) { streams_.fetch_add(delta, std::memory_order_relaxed); }
+
+  // The live host flags, so that a free can tell whether a stream may be
+  // waiting on an arrival (below).
+  void AddFlag(CudaHostFlag* flag) {
+    std::lock_guard<std::mutex> lock(flags_mu_);
+    flags_.push_back(flag);
+  }
+  void RemoveFlag(CudaHostFlag* flag) {
+    std::lock_guard<std::mutex> lock(flags_mu_);
+    flags_.erase(std::remove(flags_.begin(), flags_.end(), flag), flags_.end());
+  }
+  bool AnyWaitPending();  // after CudaHostFlag
+
+  // cudaFree / cudaFreeHost of `ptr`. Both wait for the whole device: while a
+  // stream waits on a flag that the freeing thread (the receive thread
+  // unregistering a tensor, an application thread) is to raise, that wait
+  // never ends. So while any flag of this context has a wait pending, the
+  // free goes to a reaper thread, which the device may hold up instead; the
+  // memory is gone for the caller either way.
+  void Release(void* ptr, bool device) {
+    if (ptr == nullptr) return;
+    if (AnyWaitPending()) {
+      std::lock_guard<std::mutex> lock(reaper_mu_);
+      if (!reaper_.joinable()) {
+        reaper_ =
+            base::StartNamedThread(absl::StrCat("sm-cuda-free-", device_), {}, [this] { Reap(); });
+      }
+      reaper_queue_.emplace_back(ptr, device);
+      reaper_cv_.notify_one();
+      return;
+    }
+    FreeNow(ptr, device);
+  }
 
   // A synchronous copy on one of the backend's own streams: non-blocking (no
   // implicit wait for the legacy default stream or the application's blocking
@@ -322,6 +369,27 @@ class DeviceContext {
   DeviceContext(std::shared_ptr<CudaApi> api, int device, const CudaBackendOptions& options)
       : api_(std::move(api)), device_(device), options_(options) {}
 
+  void FreeNow(void* ptr, bool device) {
+    ScopedDevice scoped(*api_, device_);
+    const cudaError_t error = device ? api_->Free(ptr) : api_->FreeHost(ptr);
+    if (error != cudaSuccess) {
+      STEPMESH_LOG(kWarning,
+                   CudaStatus(*api_, error, device ? "cudaFree" : "cudaFreeHost").ToString());
+    }
+  }
+  void Reap() {
+    std::unique_lock<std::mutex> lock(reaper_mu_);
+    for (;;) {
+      reaper_cv_.wait(lock, [this] { return reaper_stop_ || !reaper_queue_.empty(); });
+      if (reaper_queue_.empty()) return;  // stopping, nothing left
+      const auto [ptr, device] = reaper_queue_.front();
+      reaper_queue_.erase(reaper_queue_.begin());
+      lock.unlock();
+      FreeNow(ptr, device);
+      lock.lock();
+    }
+  }
+
   CopyLane& AcquireLane() {
     for (int spins = 0;; ++spins) {
       for (CopyLane& lane : lanes_) {
@@ -360,10 +428,26 @@ class DeviceContext {
         break;
     }
     // A stream memory operation is not something every driver can capture
-    // into a graph; the kernel always is. With one hardware queue a memop
-    // wait would hold up every stream behind it.
-    return !capturing && options_.device_max_connections != 1 &&
-           !memops_unsupported_.load(std::memory_order_relaxed) && api_->HasStreamMemOps();
+    // into a graph; the kernel always is. A memop wait at the head of a
+    // hardware queue holds up every stream mapped to that queue: with more
+    // streams than queues (CUDA_DEVICE_MAX_CONNECTIONS, default 8; CUDA maps
+    // streams to queues round robin) a waiting stream may share one with a
+    // copy lane the receive thread needs before it raises the flag: a
+    // deadlock. A wait kernel occupies an SM slot but never the queue.
+    if (capturing || memops_unsupported_.load(std::memory_order_relaxed) ||
+        !api_->HasStreamMemOps()) {
+      return false;
+    }
+    const int queues =
+        options_.device_max_connections > 0 ? options_.device_max_connections : kDefaultConnections;
+    const int streams = static_cast<int>(kCopyLanes) + streams_.load(std::memory_order_relaxed);
+    if (streams <= queues) return true;
+    if (!shared_queues_noted_.exchange(true)) {
+      STEPMESH_LOG(kInfo, "cuda: ", streams, " streams on device ", device_, " share ", queues,
+                   " hardware queues (CUDA_DEVICE_MAX_CONNECTIONS); GPU waits on host flags use "
+                   "the wait kernel, which cannot block a queue");
+    }
+    return false;
   }
 
   // In kAuto mode a driver that resolves the entry point but refuses the call
@@ -398,9 +482,18 @@ class DeviceContext {
   const CudaBackendOptions options_;
   int greatest_priority_ = 0;
   std::array<CopyLane, kCopyLanes> lanes_;
+  std::atomic<int> streams_{0};
+  std::atomic<bool> shared_queues_noted_{false};
   std::atomic<bool> memops_unsupported_{false};
   std::mutex topology_mu_;
   absl::flat_hash_map<int, std::pair<std::string, int>> topology_;
+  std::mutex flags_mu_;
+  std::vector<CudaHostFlag*> flags_;
+  std::mutex reaper_mu_;
+  std::condition_variable reaper_cv_;
+  std::vector<std::pair<void*, bool>> reaper_queue_;  // (pointer, device memory)
+  bool reaper_stop_ = false;
+  std::thread reaper_;
 };
 
 // ---------------------------------------------------------------------------
@@ -410,16 +503,7 @@ class CudaMemory final : public Memory {
  public:
   CudaMemory(std::shared_ptr<DeviceContext> context, void* data, size_t bytes, MemoryKind kind)
       : context_(std::move(context)), data_(data), bytes_(bytes), kind_(kind) {}
-  ~CudaMemory() override {
-    CudaApi& api = context_->api();
-    ScopedDevice scoped(api, context_->device());
-    const bool on_device = kind_ == MemoryKind::kDevice;
-    const cudaError_t error = on_device ? api.Free(data_) : api.FreeHost(data_);
-    if (error != cudaSuccess) {
-      STEPMESH_LOG(kWarning,
-                   CudaStatus(api, error, on_device ? "cudaFree" : "cudaFreeHost").ToString());
-    }
-  }
+  ~CudaMemory() override { context_->Release(data_, kind_ == MemoryKind::kDevice); }
   void* data() const override { return data_; }
   size_t bytes() const override { return bytes_; }
   Device device() const override {
@@ -441,15 +525,20 @@ class CudaMemory final : public Memory {
 class CudaHostFlag final : public HostFlag {
  public:
   CudaHostFlag(std::shared_ptr<DeviceContext> context, uint32_t* host, uint32_t* device)
-      : context_(std::move(context)), host_(host), device_(device) {}
+      : context_(std::move(context)), host_(host), device_(device) {
+    context_->AddFlag(this);
+  }
   ~CudaHostFlag() override {
     ReleaseWaiters();
-    CudaApi& api = context_->api();
-    ScopedDevice scoped(api, context_->device());
-    const cudaError_t error = api.FreeHost(host_);
-    if (error != cudaSuccess) {
-      STEPMESH_LOG(kWarning, CudaStatus(api, error, "cudaFreeHost(host flag)").ToString());
-    }
+    context_->RemoveFlag(this);
+    context_->Release(host_, /*device=*/false);  // other flags' waits may still be pending
+  }
+  // A stream may be waiting on this flag: a plain wait not yet reached, or
+  // next-waits, whose targets live on the device (assumed pending).
+  bool MayHaveWaiter() const {
+    const uint64_t waited = waited_.load(std::memory_order_acquire);
+    return ((waited & kHasWait) != 0 && !Reached(Load(), static_cast<uint32_t>(waited))) ||
+           next_waits_.load(std::memory_order_acquire);
   }
   void Store(uint32_t value) override {
     std::atomic_ref<uint32_t>(*host_).store(value, std::memory_order_release);
@@ -486,6 +575,12 @@ class CudaHostFlag final : public HostFlag {
   std::atomic<uint64_t> waited_{0};
   std::atomic<bool> next_waits_{false};
 };
+
+bool DeviceContext::AnyWaitPending() {
+  std::lock_guard<std::mutex> lock(flags_mu_);
+  return std::any_of(flags_.begin(), flags_.end(),
+                     [](const CudaHostFlag* flag) { return flag->MayHaveWaiter(); });
+}
 
 absl::Status DeviceContext::StreamWait(cudaStream_t stream, CudaHostFlag& flag, uint32_t value) {
   STEPMESH_RETURN_IF_ERROR(BindThread(*api_, device_));
@@ -699,8 +794,11 @@ void RunHostFunc(void* arg) {
 class CudaStream final : public Stream {
  public:
   CudaStream(std::shared_ptr<DeviceContext> context, cudaStream_t stream, bool owned)
-      : context_(std::move(context)), stream_(stream), owned_(owned) {}
+      : context_(std::move(context)), stream_(stream), owned_(owned) {
+    context_->NoteStream(+1);
+  }
   ~CudaStream() override {
+    context_->NoteStream(-1);
     if (!owned_) return;
     CudaApi& api = context_->api();
     ScopedDevice scoped(api, context_->device());
@@ -975,6 +1073,11 @@ class CudaBackend final : public Backend {
   }
 
   absl::StatusOr<MemoryLocation> Locate(const void* ptr) override {
+    if (ptr == nullptr) {  // the backend's own device
+      const int device = context_->device();
+      STEPMESH_ASSIGN_OR_RETURN(auto topology, context_->DeviceTopology(device));
+      return MemoryLocation{Device::Cuda(device), topology.second, std::move(topology.first)};
+    }
     STEPMESH_ASSIGN_OR_RETURN(const cudaPointerAttributes attributes, Attributes(ptr));
     if (attributes.type != cudaMemoryTypeDevice && attributes.type != cudaMemoryTypeManaged) {
       return MemoryLocation{Device::Cpu(), -1, ""};
@@ -1172,9 +1275,15 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(std::shared_ptr<cuda:
     return absl::InvalidArgumentError(
         absl::StrCat("cuda backend: device ", device, " does not exist (", count, " visible)"));
   }
-  STEPMESH_RETURN_IF_ERROR(cuda::CheckOptions(*api, device, options));
+  // CUDA itself reads CUDA_DEVICE_MAX_CONNECTIONS; so must we, also for
+  // direct users (Megatron sets it to 1) who never went through MeshOptions.
+  CudaBackendOptions effective = options;
+  if (effective.device_max_connections == 0) {
+    STEPMESH_ASSIGN_OR_RETURN(effective.device_max_connections, CudaDeviceMaxConnectionsFromEnv());
+  }
+  STEPMESH_RETURN_IF_ERROR(cuda::CheckOptions(*api, device, effective));
   STEPMESH_ASSIGN_OR_RETURN(auto context,
-                            cuda::DeviceContext::Create(std::move(api), device, options));
+                            cuda::DeviceContext::Create(std::move(api), device, effective));
   STEPMESH_ASSIGN_OR_RETURN(auto pool, cuda::EventPool::Create(context, options.event_pool_size));
   return std::unique_ptr<Backend>(new cuda::CudaBackend(std::move(context), std::move(pool)));
 }

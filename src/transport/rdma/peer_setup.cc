@@ -113,7 +113,7 @@ absl::Status CreateQp(const SetupContext& ctx, Peer& peer, QueuePair& qp) {
 absl::Status ToInit(const SetupContext& ctx, QueuePair& qp) {
   ibv_qp_attr attr{};
   attr.qp_state = IBV_QPS_INIT;
-  attr.pkey_index = 0;
+  attr.pkey_index = ctx.port->pkey_index;  // STEPMESH_RDMA_PKEY's entry, else 0
   attr.port_num = ctx.port->port;
   attr.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
   return Modify(*ctx.verbs, qp, attr,
@@ -136,6 +136,10 @@ void PinLagPort(const SetupContext& ctx, Peer& peer, uint32_t q) {
 
 }  // namespace
 
+size_t ControlBlockBytes(uint32_t num_qps, uint32_t depth) {
+  return 2 * RoundUp(num_qps * (size_t{depth} * kRingStride + kMailboxStride), kPageBytes);
+}
+
 absl::Status BuildPeer(const SetupContext& ctx, std::mt19937& rng, Peer& peer, rdma::Hello& hello) {
   VerbsApi& verbs = *ctx.verbs;
   const uint32_t q_count = peer.num_qps;
@@ -147,12 +151,24 @@ absl::Status BuildPeer(const SetupContext& ctx, std::mt19937& rng, Peer& peer, r
   if (peer.memory == nullptr) return absl::ResourceExhaustedError("rdma: control block");
   std::byte* base = peer.memory.get();
   std::memset(base, 0, peer.remote_bytes + local_bytes);
-  peer.remote_mr = MrHandle(&verbs, verbs.RegMr(ctx.pd, base, peer.remote_bytes,
-                                                IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE));
-  peer.local_mr = MrHandle(
-      &verbs, verbs.RegMr(ctx.pd, base + peer.remote_bytes, local_bytes, IBV_ACCESS_LOCAL_WRITE));
+  // Relaxed ordering only when asked for everywhere: the rings are small,
+  // and their CQEs are ordered after the data anyway.
+  const int ordering = ctx.options->relaxed_ordering == "on" ? IBV_ACCESS_RELAXED_ORDERING : 0;
+  peer.remote_mr =
+      MrHandle(&verbs, verbs.RegMr(ctx.pd, base, peer.remote_bytes,
+                                   IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | ordering));
+  if (peer.remote_mr) {
+    peer.local_mr = MrHandle(&verbs, verbs.RegMr(ctx.pd, base + peer.remote_bytes, local_bytes,
+                                                 IBV_ACCESS_LOCAL_WRITE | ordering));
+  }
   if (!peer.remote_mr || !peer.local_mr) {
-    return absl::InternalError(ErrnoMessage("rdma: registering a control block", errno));
+    const int error = errno;
+    std::string message =
+        ErrnoMessage(absl::StrCat("rdma: registering the ", (peer.remote_bytes + local_bytes) >> 10,
+                                  " KiB control block for ", PeerName(peer.id)),
+                     error);
+    if (error == ENOMEM) absl::StrAppend(&message, MemlockAdvice(verbs));
+    return absl::ResourceExhaustedError(message);
   }
   // Every receive of every QP, flushed at once if the connection fails.
   const uint32_t recv_entries = q_count * peer.depth + 16;
@@ -171,6 +187,7 @@ absl::Status BuildPeer(const SetupContext& ctx, std::mt19937& rng, Peer& peer, r
   hello.recv_depth = peer.depth;
   hello.mtu = static_cast<uint8_t>(ctx.port->active_mtu);
   hello.link_layer = ctx.port->link_layer;
+  hello.gid_type = static_cast<uint8_t>(ctx.port->gid_type);
   hello.ring_addr = reinterpret_cast<uintptr_t>(base);
   hello.ring_rkey = peer.remote_mr->rkey;
   for (uint32_t q = 0; q < q_count; ++q) {
@@ -202,6 +219,17 @@ absl::Status BringUp(const SetupContext& ctx, Peer& peer, const rdma::Hello& the
         theirs.link_layer == IBV_LINK_LAYER_INFINIBAND ? "InfiniBand" : "Ethernet (RoCE)",
         ", this node on ", port.roce() ? "Ethernet (RoCE)" : "InfiniBand",
         ": both ends need the same link layer"));
+  }
+  // RoCE v1 and v2 are different packets: a pair that disagrees would only
+  // time out after every retry (~8.6 s with the defaults). Say so now.
+  if (port.roce() && theirs.gid_type != static_cast<uint8_t>(port.gid_type)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rdma: GID type mismatch: ", PeerName(peer.id), " uses a ",
+        GidTypeName(static_cast<ibv_gid_type>(theirs.gid_type)), " GID, this node ",
+        port.device_name, " port ", int{port.port}, " GID index ", port.gid_index, " (",
+        GidTypeName(port.gid_type),
+        "); both ends need the same RoCE version: set STEPMESH_RDMA_GID_INDEX to GIDs of one "
+        "type (show_gids) or leave it unset on both"));
   }
   peer.remote_rkey = theirs.ring_rkey;
   const size_t ring_bytes = size_t{peer.depth} * kRingStride;

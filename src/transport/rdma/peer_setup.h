@@ -28,6 +28,9 @@ struct SetupContext {
   core::NodeId self = core::kNoNode;
 };
 
+// Host bytes one peer's control block pins (rings, mailboxes; both halves).
+size_t ControlBlockBytes(uint32_t num_qps, uint32_t depth);
+
 // Allocates the control block, the receive CQ and the QPs (in INIT, receives
 // posted) of `peer` (id, num_qps and depth set), and fills `hello`.
 absl::Status BuildPeer(const SetupContext& ctx, std::mt19937& rng, Peer& peer, rdma::Hello& hello);

@@ -146,11 +146,26 @@ class RdmaTransport final : public Transport {
     STEPMESH_RETURN_IF_ERROR(rdma_.Validate());
     // Before any registration: PyTorch's DataLoader (and anything else that
     // forks) must not leave the child sharing pinned pages with the parent.
-    if (const int rc = verbs_->ForkInit(); rc != 0) {
-      STEPMESH_LOG(kWarning, "rdma: ", ErrnoMessage("ibv_fork_init", rc),
-                   "; registered memory is not fork-safe in this process");
+    // A kernel that copies pinned pages on fork needs none of it, and
+    // ibv_fork_init would then only madvise(DONTFORK) every registration.
+    const ibv_fork_status fork = verbs_->IsForkInitialized();
+    if (rdma_.fork_init == "on" || (rdma_.fork_init == "auto" && fork != IBV_FORK_UNNEEDED)) {
+      if (const int rc = verbs_->ForkInit(); rc != 0) {
+        STEPMESH_LOG(kWarning, "rdma: ", ErrnoMessage("ibv_fork_init", rc),
+                     "; registered memory is not fork-safe in this process");
+      }
     }
     STEPMESH_ASSIGN_OR_RETURN(port_, OpenPort(*verbs_, options_));
+    // Every peer's control block is pinned before any tensor: a container's
+    // default RLIMIT_MEMLOCK (64 KiB, or 8 MiB) fails the first Connect with
+    // a bare ENOMEM otherwise.
+    const int peers = options_.role == Role::kWorker ? options_.num_servers : options_.num_workers;
+    STEPMESH_RETURN_IF_ERROR(CheckMemlock(
+        *verbs_,
+        uint64_t(std::max(peers, 1)) * ControlBlockBytes(static_cast<uint32_t>(rdma_.qps_per_peer),
+                                                         static_cast<uint32_t>(rdma_.recv_depth)),
+        absl::StrCat("connecting to ", peers, " peer(s) with ", rdma_.qps_per_peer,
+                     " QP(s) of STEPMESH_RDMA_RECV_DEPTH=", rdma_.recv_depth)));
     ibv_device_attr device{};
     if (const int rc = verbs_->QueryDevice(port_.context.get(), &device); rc != 0) {
       return absl::InternalError(ErrnoMessage("rdma: ibv_query_device", rc));
@@ -179,6 +194,7 @@ class RdmaTransport final : public Transport {
     STEPMESH_RETURN_IF_ERROR(Watch(channel_->fd, kChannelToken));
     STEPMESH_RETURN_IF_ERROR(Watch(port_.context->async_fd, kAsyncToken));
     STEPMESH_ASSIGN_OR_RETURN(listener_, BootstrapListener::Listen(options_.bind_host));
+    STEPMESH_LOG(kInfo, "rdma: ", port_.device_name, " chosen: ", port_.why);
     STEPMESH_LOG(kInfo, "rdma: using ", port_.device_name, " port ", int{port_.port},
                  port_.roce() ? " (RoCE)" : absl::StrCat(" (InfiniBand, LID ", port_.lid, ")"),
                  " GID index ", port_.gid_index, " (", GidToString(port_.gid), ")");
@@ -256,16 +272,27 @@ class RdmaTransport final : public Transport {
     const std::string what =
         absl::StrCat("rdma: registering region ", info.id, " (", DeviceName(info.device),
                      info.dmabuf_fd >= 0 ? " memory by dma-buf)" : " memory)");
-    region->local_mr = RegisterPart(info, info.base, info.bytes(), IBV_ACCESS_LOCAL_WRITE);
-    if (!region->local_mr) return absl::InternalError(ErrnoMessage(what, errno));
-    if (info.remote_writable) {
+    const int ordering = DataAccessFlags();
+    // A receive region gets only its per-slot MRs: a whole-region MR as well
+    // would pin every page twice against RLIMIT_MEMLOCK (the kernel charges
+    // each MR on its own). Local access (a send from it) goes by the slot's MR.
+    if (!info.remote_writable) {
+      absl::StatusOr<MrHandle> local =
+          RegisterPart(info, info.base, info.bytes(), IBV_ACCESS_LOCAL_WRITE | ordering);
+      if (!local.ok()) {
+        return absl::InternalError(absl::StrCat(what, ": ", local.status().message()));
+      }
+      region->local_mr = *std::move(local);
+    } else {
       for (uint32_t slot = 0; slot < info.num_slots; ++slot) {
-        MrHandle mr =
-            RegisterPart(info, static_cast<std::byte*>(info.base) + slot * info.slot_bytes,
-                         info.slot_bytes, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
-        if (!mr)
-          return absl::InternalError(ErrnoMessage(absl::StrCat(what, ", slot ", slot), errno));
-        region->slot_mrs.push_back(std::move(mr));
+        absl::StatusOr<MrHandle> mr = RegisterPart(
+            info, static_cast<std::byte*>(info.base) + slot * info.slot_bytes, info.slot_bytes,
+            IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | ordering);
+        if (!mr.ok()) {
+          return absl::InternalError(
+              absl::StrCat(what, ", slot ", slot, ": ", mr.status().message()));
+        }
+        region->slot_mrs.push_back(*std::move(mr));
       }
     }
     MutexLock lock(&regions_mu_);
@@ -461,17 +488,53 @@ class RdmaTransport final : public Transport {
   // [addr, addr + bytes) inside `region`. Device memory goes by its dma-buf
   // when the core exported one, mapped at its own address (the iova) so work
   // requests name it like host memory; otherwise by address, which for device
-  // memory needs the peer-memory kernel module (nvidia-peermem).
-  MrHandle RegisterPart(const RegionInfo& region, void* addr, size_t bytes, int access) {
-    if (region.dmabuf_fd < 0) {
-      return MrHandle(verbs_.get(), verbs_->RegMr(pd_.get(), addr, bytes, access));
+  // memory needs the peer-memory kernel module (nvidia-peermem). A NIC or
+  // kernel that refuses dma-buf MRs (EOPNOTSUPP / EPROTONOSUPPORT: MLNX_OFED,
+  // kernels before 5.12) gets the address instead, and from then on only that.
+  absl::StatusOr<MrHandle> RegisterPart(const RegionInfo& region, void* addr, size_t bytes,
+                                        int access) {
+    std::string dmabuf_error;
+    if (region.dmabuf_fd >= 0 && !dmabuf_refused_.load(std::memory_order_relaxed)) {
+      const uint64_t offset =
+          region.dmabuf_offset + static_cast<uint64_t>(static_cast<std::byte*>(addr) -
+                                                       static_cast<std::byte*>(region.base));
+      MrHandle mr(verbs_.get(),
+                  verbs_->RegDmabufMr(pd_.get(), offset, bytes, reinterpret_cast<uintptr_t>(addr),
+                                      region.dmabuf_fd, access));
+      if (mr) return mr;
+      const int error = errno;
+      dmabuf_error = ErrnoMessage("ibv_reg_dmabuf_mr", error);
+      if (error != EOPNOTSUPP && error != EPROTONOSUPPORT) {
+        return absl::InternalError(dmabuf_error);
+      }
+      if (!dmabuf_refused_.exchange(true)) {
+        STEPMESH_LOG(kWarning, "rdma: ", port_.device_name, " refuses dma-buf memory regions (",
+                     dmabuf_error,
+                     "); registering device memory by address (peer memory, nvidia-peermem) "
+                     "instead");
+      }
     }
-    const uint64_t offset =
-        region.dmabuf_offset +
-        static_cast<uint64_t>(static_cast<std::byte*>(addr) - static_cast<std::byte*>(region.base));
-    return MrHandle(verbs_.get(),
-                    verbs_->RegDmabufMr(pd_.get(), offset, bytes, reinterpret_cast<uintptr_t>(addr),
-                                        region.dmabuf_fd, access));
+    MrHandle mr(verbs_.get(), verbs_->RegMr(pd_.get(), addr, bytes, access));
+    if (mr) return mr;
+    const int error = errno;
+    std::string message = ErrnoMessage(
+        region.device.kind == DeviceKind::kCpu ? "ibv_reg_mr" : "ibv_reg_mr (peer memory)", error);
+    if (!dmabuf_error.empty()) message = absl::StrCat(dmabuf_error, ", then ", message);
+    if (region.dmabuf_fd >= 0 && dmabuf_error.empty()) {
+      absl::StrAppend(&message, " (dma-buf refused earlier)");
+    }
+    if (error == ENOMEM) absl::StrAppend(&message, MemlockHint(bytes));
+    return absl::InternalError(message);
+  }
+
+  // Access flags every data MR gets besides the local/remote ones: relaxed
+  // ordering unless turned off (an optional flag: providers without it drop it).
+  int DataAccessFlags() const {
+    return rdma_.relaxed_ordering == "off" ? 0 : IBV_ACCESS_RELAXED_ORDERING;
+  }
+  // Appended to an ENOMEM from a registration.
+  std::string MemlockHint(size_t bytes) const {
+    return absl::StrCat(" registering ", FormatBytes(bytes), MemlockAdvice(*verbs_));
   }
 
   // ---- Connection set-up ----
@@ -635,6 +698,18 @@ class RdmaTransport final : public Transport {
             absl::StrCat("rdma: source region ", id, " is not registered"));
       }
       const RegionInfo& info = region->second->info;
+      if (!region->second->local_mr) {
+        // A receive region: the slot holding [src, src + bytes), by its own MR.
+        const auto* base = static_cast<const std::byte*>(info.base);
+        const size_t slot = src >= base ? static_cast<size_t>(src - base) / info.slot_bytes : 0;
+        if (src < base || slot >= info.num_slots ||
+            src + bytes > base + (slot + 1) * info.slot_bytes) {
+          return absl::OutOfRangeError(
+              absl::StrCat("rdma: a send from receive region ", id, " must lie inside one slot"));
+        }
+        return CachedSource{base + slot * info.slot_bytes, info.slot_bytes,
+                            region->second->slot_mrs[slot]->lkey, version};
+      }
       it = source_cache_
                .insert_or_assign(
                    id, CachedSource{static_cast<const std::byte*>(info.base), info.bytes(),
@@ -1396,6 +1471,7 @@ class RdmaTransport final : public Transport {
   const MeshOptions options_;
   const RdmaOptions rdma_;
   PortChoice port_;
+  std::atomic<bool> dmabuf_refused_{false};  // the NIC said EOPNOTSUPP to a dma-buf MR
   PdHandle pd_;
   ChannelHandle channel_;
   SetupContext setup_;

@@ -32,6 +32,7 @@ size_t EncodeHello(const Hello& hello, std::byte* out) {
   w.Put<uint32_t>(hello.recv_depth);
   w.Put<uint8_t>(hello.mtu);
   w.Put<uint8_t>(hello.link_layer);
+  w.Put<uint8_t>(hello.gid_type);
   w.Put<uint64_t>(hello.ring_addr);
   w.Put<uint32_t>(hello.ring_rkey);
   for (uint32_t q = 0; q < hello.num_qps && q < kMaxQpsPerPeer; ++q) {
@@ -89,7 +90,7 @@ absl::StatusOr<Hello> DecodeHello(const std::byte* body, size_t bytes) {
         absl::StrCat("rdma bootstrap: peer speaks version ", h.version, ", not ", kBootVersion));
   }
   if (!r.Get(h.node) || !r.Get(h.num_qps) || !r.Get(h.recv_depth) || !r.Get(h.mtu) ||
-      !r.Get(h.link_layer) || !r.Get(h.ring_addr) || !r.Get(h.ring_rkey)) {
+      !r.Get(h.link_layer) || !r.Get(h.gid_type) || !r.Get(h.ring_addr) || !r.Get(h.ring_rkey)) {
     return Malformed("hello");
   }
   if (h.num_qps < 1 || h.num_qps > kMaxQpsPerPeer) return Malformed("hello (QP count)");

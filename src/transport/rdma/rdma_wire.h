@@ -52,9 +52,10 @@ inline constexpr size_t kMailboxStride = 64;  // one credit counter per cache li
 // ---- Bootstrap messages ----
 inline constexpr uint32_t kBootMagic = 0x52534D53;  // "SMSR"
 // 2: the hello carries the link layer (and a real LID); withdrawals are
-// acknowledged (kWithdrawAck) before the slot is deregistered. Version 1
-// peers are refused at connect.
-inline constexpr uint16_t kBootVersion = 2;
+// acknowledged (kWithdrawAck) before the slot is deregistered.
+// 3: the hello carries the GID type (RoCE v1 / v2 / IB), so a mismatch fails
+// at connect instead of after every retry. Other versions are refused at connect.
+inline constexpr uint16_t kBootVersion = 3;
 inline constexpr int kMaxQpsPerPeer = 2;
 
 enum class BootType : uint16_t {
@@ -84,6 +85,7 @@ struct Hello {
   uint32_t recv_depth = 0;
   uint8_t mtu = 0;         // enum ibv_mtu
   uint8_t link_layer = 0;  // IBV_LINK_LAYER_*: both ends must match
+  uint8_t gid_type = 0;    // enum ibv_gid_type of the QPs' GID: RoCE ends must match
   uint64_t ring_addr = 0;  // remote-writable part of the control block
   uint32_t ring_rkey = 0;
   std::array<QpAddress, kMaxQpsPerPeer> qps{};

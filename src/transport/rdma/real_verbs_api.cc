@@ -2,9 +2,12 @@
 // LAG calls come from libmlx5, opened on first use (never linked).
 
 #include <dlfcn.h>
+#include <endian.h>
 #include <infiniband/mlx5dv.h>
+#include <sys/resource.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 
@@ -59,6 +62,13 @@ class Mlx5Calls {
 class RealVerbsApi final : public VerbsApi {
  public:
   int ForkInit() override { return ibv_fork_init(); }
+  ibv_fork_status IsForkInitialized() override { return ibv_is_fork_initialized(); }
+  int GetMemlockLimit(uint64_t* bytes) override {
+    rlimit limit{};
+    if (::getrlimit(RLIMIT_MEMLOCK, &limit) != 0) return errno;
+    *bytes = limit.rlim_cur == RLIM_INFINITY ? UINT64_MAX : static_cast<uint64_t>(limit.rlim_cur);
+    return 0;
+  }
   ibv_device** GetDeviceList(int* num_devices) override { return ibv_get_device_list(num_devices); }
   void FreeDeviceList(ibv_device** list) override { ibv_free_device_list(list); }
   const char* GetDeviceName(ibv_device* device) override { return ibv_get_device_name(device); }
@@ -73,6 +83,12 @@ class RealVerbsApi final : public VerbsApi {
   int QueryGidEx(ibv_context* context, uint8_t port, uint32_t index,
                  ibv_gid_entry* entry) override {
     return ibv_query_gid_ex(context, port, index, entry, 0);
+  }
+  int QueryPkey(ibv_context* context, uint8_t port, int index, uint16_t* pkey) override {
+    __be16 raw = 0;
+    if (const int rc = ibv_query_pkey(context, port, index, &raw); rc != 0) return rc;
+    *pkey = be16toh(raw);
+    return 0;
   }
 
   ibv_pd* AllocPd(ibv_context* context) override { return ibv_alloc_pd(context); }

@@ -21,6 +21,15 @@ class VerbsApi {
   // ibv_fork_init: makes registered memory safe across fork() (PyTorch's
   // DataLoader forks). Must come before the first registration; 0 or an errno.
   virtual int ForkInit() = 0;
+  // ibv_is_fork_initialized: IBV_FORK_UNNEEDED where the kernel copies
+  // registered pages on fork itself (5.13+ with rdma-core 35+): ibv_fork_init
+  // is then not needed, and calling it would madvise(DONTFORK) every
+  // registration, splitting mappings until vm.max_map_count runs out.
+  virtual ibv_fork_status IsForkInitialized() = 0;
+  // The process's RLIMIT_MEMLOCK soft limit in bytes (UINT64_MAX: unlimited),
+  // which the kernel charges every registration's pages against, each MR on
+  // its own; 0 or an errno. Not a verbs call, but the limit verbs live under.
+  virtual int GetMemlockLimit(uint64_t* bytes) = 0;
 
   // Devices.
   virtual ibv_device** GetDeviceList(int* num_devices) = 0;
@@ -33,6 +42,8 @@ class VerbsApi {
   // Fills `entry` (GID bytes and RoCE v1/v2/IB type); nonzero for an empty slot.
   virtual int QueryGidEx(ibv_context* context, uint8_t port, uint32_t index,
                          ibv_gid_entry* entry) = 0;
+  // ibv_query_pkey, the P_Key in host byte order; nonzero past the table's end.
+  virtual int QueryPkey(ibv_context* context, uint8_t port, int index, uint16_t* pkey) = 0;
 
   // Protection domains and memory regions.
   virtual ibv_pd* AllocPd(ibv_context* context) = 0;

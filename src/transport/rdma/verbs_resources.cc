@@ -1,7 +1,6 @@
 #include "src/transport/rdma/verbs_resources.h"
 
 #include <arpa/inet.h>
-#include <hwloc.h>
 #include <ifaddrs.h>
 #include <netinet/in.h>
 
@@ -14,7 +13,10 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "src/base/net.h"
+#include "src/transport/rdma/pci_topology.h"
 #include "stepmesh/status.h"
 
 namespace stepmesh::rdma {
@@ -52,12 +54,13 @@ struct Candidate {
   uint8_t port = 1;
   int gid_index = 0;
   ibv_gid gid{};
+  ibv_gid_type gid_type = IBV_GID_TYPE_ROCE_V2;
   ibv_mtu mtu = IBV_MTU_1024;
   uint8_t link_layer = IBV_LINK_LAYER_ETHERNET;
   uint16_t lid = 0;
   uint64_t max_msg_sz = 0;
   int score = -1;
-  int distance = -1;
+  PciPlacement placement;  // relative to the GPU; kUnknown without one
 };
 
 // Fills the best GID of `port` into `out`; false when the port is unusable.
@@ -89,6 +92,7 @@ bool ChoosePortGid(VerbsApi& verbs, ibv_context* ctx, uint8_t port, const RdmaOp
       out.score = score;
       out.gid_index = index;
       out.gid = entry.gid;
+      out.gid_type = static_cast<ibv_gid_type>(entry.gid_type);
     }
   }
   return out.score >= 0;
@@ -186,13 +190,16 @@ absl::StatusOr<PortChoice> OpenPort(VerbsApi& verbs, const MeshOptions& mesh) {
                                                                            verbs.FreeDeviceList(l);
                                                                        });
   if (list == nullptr || count == 0) return absl::UnavailableError("rdma: no RDMA device found");
-  const int gpu = mesh.backend == "cuda" ? mesh.device : -1;
+  const std::string& gpu = options.gpu_pci_bus_id;
+  const std::vector<std::string> allowed = absl::StrSplit(options.device, ',', absl::SkipEmpty());
   std::vector<Candidate> candidates;
   std::vector<std::string> refused;  // devices this transport cannot use, and why
   for (int i = 0; i < count; ++i) {
     ibv_device* device = list.get()[i];
     const std::string name = verbs.GetDeviceName(device);
-    if (!options.device.empty() && name != options.device) continue;
+    if (!allowed.empty() && std::find(allowed.begin(), allowed.end(), name) == allowed.end()) {
+      continue;
+    }
     // Frames travel as RDMA_WRITE_WITH_IMM: iWARP (siw, cxgb, ...) has no
     // immediate data, so only InfiniBand-transport devices (IB, RoCE) qualify.
     if (device->transport_type != IBV_TRANSPORT_IB) {
@@ -211,7 +218,7 @@ absl::StatusOr<PortChoice> OpenPort(VerbsApi& verbs, const MeshOptions& mesh) {
       c.device = device;
       c.name = name;
       if (!ChoosePortGid(verbs, ctx.get(), port, options, subnets, c)) continue;
-      if (gpu >= 0) c.distance = PciDistanceToGpu(name, gpu);
+      if (!gpu.empty()) c.placement = PlaceNic(options.sysfs_root, name, gpu);
       candidates.push_back(c);
     }
   }
@@ -226,9 +233,11 @@ absl::StatusOr<PortChoice> OpenPort(VerbsApi& verbs, const MeshOptions& mesh) {
     for (const std::string& r : refused) absl::StrAppend(&why, "; ", r);
     return absl::UnavailableError(why);
   }
+  // The best GID kind first, then the nearest to the GPU on the PCI tree;
+  // among equals the first listed.
   const Candidate* best = &candidates.front();
   for (const Candidate& c : candidates) {
-    const bool nearer = c.distance >= 0 && (best->distance < 0 || c.distance < best->distance);
+    const bool nearer = c.placement.Rank() < best->placement.Rank();
     if (c.score > best->score || (c.score == best->score && nearer)) best = &c;
   }
   PortChoice choice;
@@ -243,33 +252,88 @@ absl::StatusOr<PortChoice> OpenPort(VerbsApi& verbs, const MeshOptions& mesh) {
   choice.link_layer = best->link_layer;
   choice.lid = best->lid;
   choice.max_msg_sz = best->max_msg_sz;
+  choice.gid_type = best->gid_type;
+  if (options.pkey != 0) {
+    // As NCCL_IB_PKEY: the entry of the same partition, a full member first.
+    std::vector<std::string> table;
+    int found = -1;
+    for (int index = 0; index < 128; ++index) {
+      uint16_t key = 0;
+      if (verbs.QueryPkey(choice.context.get(), best->port, index, &key) != 0) break;
+      table.push_back(absl::StrCat(index, ":0x", absl::Hex(key, absl::kZeroPad4)));
+      if ((key & 0x7FFF) != (options.pkey & 0x7FFF)) continue;
+      if (found < 0 || (key & 0x8000) != 0) found = index;
+      if ((key & 0x8000) != 0) break;
+    }
+    if (found < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "rdma.pkey=0x", absl::Hex(options.pkey, absl::kZeroPad4), " (STEPMESH_RDMA_PKEY): ",
+          best->name, " port ", int{best->port}, " is not in that partition (P_Key table ",
+          table.empty() ? "unreadable" : absl::StrJoin(table, " "), ")"));
+    }
+    choice.pkey_index = static_cast<uint16_t>(found);
+    uint16_t key = 0;
+    (void)verbs.QueryPkey(choice.context.get(), best->port, found, &key);
+    choice.pkey = key;
+  }
+  choice.nic_pci = best->placement.nic_pci;
+  if (gpu.empty()) {
+    choice.why = allowed.empty() ? "no GPU to be near (host memory): the best port found"
+                 : allowed.size() == 1
+                     ? "named by rdma.device (STEPMESH_RDMA_DEVICE)"
+                     : absl::StrCat("the best port of those STEPMESH_RDMA_DEVICE=", options.device,
+                                    " allows");
+  } else {
+    choice.why = absl::StrCat(
+        "nearest to GPU ", gpu, ": ", PciAffinityName(best->placement.affinity),
+        best->placement.hops >= 0 ? absl::StrCat(", ", best->placement.hops, " PCI hops") : "",
+        candidates.size() > 1 ? absl::StrCat(" (of ", candidates.size(), " ports)") : "",
+        allowed.empty() ? "" : absl::StrCat("; allowed by STEPMESH_RDMA_DEVICE=", options.device));
+  }
   return choice;
 }
 
-int PciDistanceToGpu(const std::string& ib_device, int gpu_index) {
-  hwloc_topology_t topo;
-  if (hwloc_topology_init(&topo) != 0) return -1;
-  std::unique_ptr<hwloc_topology, void (*)(hwloc_topology_t)> guard(topo, hwloc_topology_destroy);
-  hwloc_topology_set_io_types_filter(topo, HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
-  if (hwloc_topology_load(topo) != 0) return -1;
-  const std::string gpu_names[] = {absl::StrCat("cuda", gpu_index),
-                                   absl::StrCat("nvml", gpu_index)};
-  hwloc_obj_t nic = nullptr;
-  hwloc_obj_t gpu = nullptr;
-  for (hwloc_obj_t os = hwloc_get_next_osdev(topo, nullptr); os != nullptr;
-       os = hwloc_get_next_osdev(topo, os)) {
-    if (os->name == nullptr) continue;
-    if (ib_device == os->name) nic = os;
-    for (const std::string& g : gpu_names) {
-      if (g == os->name) gpu = os;
-    }
+std::string FormatBytes(uint64_t bytes) {
+  if (bytes == UINT64_MAX) return "unlimited";
+  if (bytes >= (uint64_t{1} << 30) && bytes % (uint64_t{1} << 30) == 0) {
+    return absl::StrCat(bytes >> 30, " GiB");
   }
-  if (nic == nullptr || gpu == nullptr) return -1;
-  hwloc_obj_t common = hwloc_get_common_ancestor_obj(topo, nic, gpu);
-  int hops = 0;
-  for (hwloc_obj_t o = nic; o != common && o != nullptr; o = o->parent) ++hops;
-  for (hwloc_obj_t o = gpu; o != common && o != nullptr; o = o->parent) ++hops;
-  return hops;
+  if (bytes >= (uint64_t{1} << 20)) return absl::StrCat(bytes >> 20, " MiB");
+  if (bytes >= 1024) return absl::StrCat(bytes >> 10, " KiB");
+  return absl::StrCat(bytes, " bytes");
+}
+
+std::string MemlockAdvice(VerbsApi& verbs) {
+  uint64_t limit = 0;
+  if (verbs.GetMemlockLimit(&limit) != 0) return "";
+  return absl::StrCat("; RLIMIT_MEMLOCK (ulimit -l) is ", FormatBytes(limit),
+                      limit == UINT64_MAX ? " (so the NIC itself ran out)"
+                                          : ", and every registration pins its pages against it: "
+                                            "raise it (docker run --ulimit memlock=-1, systemd "
+                                            "LimitMEMLOCK=infinity, limits.conf memlock)");
+}
+
+absl::Status CheckMemlock(VerbsApi& verbs, uint64_t needed, const std::string& what) {
+  uint64_t limit = 0;
+  if (verbs.GetMemlockLimit(&limit) != 0 || limit == UINT64_MAX || limit >= needed) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "rdma: RLIMIT_MEMLOCK (ulimit -l) is ", FormatBytes(limit), " but ", what, " pins at least ",
+      FormatBytes(needed),
+      " before any tensor is registered; raise it (docker run --ulimit memlock=-1, systemd "
+      "LimitMEMLOCK=infinity, limits.conf memlock) or use STEPMESH_TRANSPORT=tcp"));
+}
+
+const char* GidTypeName(ibv_gid_type type) {
+  switch (type) {
+    case IBV_GID_TYPE_ROCE_V2:
+      return "RoCE v2";
+    case IBV_GID_TYPE_ROCE_V1:
+      return "RoCE v1";
+    default:
+      return "IB";
+  }
 }
 
 std::string GidToString(const ibv_gid& gid) {

@@ -69,17 +69,28 @@ struct PortChoice {
   uint8_t link_layer = IBV_LINK_LAYER_ETHERNET;
   uint16_t lid = 0;                         // InfiniBand: the port's LID, which peers address it by
   uint64_t max_msg_sz = uint64_t{1} << 30;  // the longest message one WR may carry
+  ibv_gid_type gid_type = IBV_GID_TYPE_ROCE_V2;  // of the chosen GID (IB on InfiniBand)
+  std::string nic_pci;                           // the NIC's PCI address, when sysfs knows it
+  std::string why;                               // why this device (for logs and the doctor)
+  uint16_t pkey_index = 0;                       // P_Key table entry the QPs use
+  uint16_t pkey = 0;                             // its value (0: not looked up)
   bool roce() const { return link_layer != IBV_LINK_LAYER_INFINIBAND; }
 };
 
-// Opens the NIC named by options.rdma.device (or every NIC, choosing the best:
-// an active port with a RoCE v2 IPv4-mapped GID first, then RoCE v2, then IB;
-// among equals the one nearest the GPU options.device when the backend is CUDA
-// and hwloc knows the topology). options.rdma.port / gid_index override.
+// Opens the NIC named by options.rdma.device (a name or a comma-separated list;
+// empty: every NIC), choosing the best: an active port with a RoCE v2
+// IPv4-mapped GID first, then RoCE v2, then IB; among equals the one nearest
+// options.rdma.gpu_pci_bus_id on the PCI tree (sysfs under
+// options.rdma.sysfs_root, pci_topology.h). options.rdma.port / gid_index override.
 // Never chosen: devices whose transport is not InfiniBand/RoCE (iWARP: no
 // immediate data), link-local (fe80::/10) RoCE v2 GIDs (not routable), and
 // with options.rdma.interface, RoCE GIDs outside that interface's subnets.
+// With options.rdma.pkey set, the port's P_Key table must hold that partition
+// (FAILED_PRECONDITION naming STEPMESH_RDMA_PKEY and the table otherwise).
 absl::StatusOr<PortChoice> OpenPort(VerbsApi& verbs, const MeshOptions& options);
+
+// "RoCE v2", "RoCE v1", "IB".
+const char* GidTypeName(ibv_gid_type type);
 
 // An IP subnet a RoCE GID must fall into (IPv4 as ::ffff:a.b.c.d).
 struct GidSubnet {
@@ -91,9 +102,13 @@ struct GidSubnet {
 // addresses and netmasks, from getifaddrs).
 absl::StatusOr<std::vector<GidSubnet>> ResolveInterface(const std::string& interface);
 
-// hwloc hop count between the NIC named `ib_device` and CUDA device
-// `gpu_index` (smaller is nearer); -1 when either is unknown.
-int PciDistanceToGpu(const std::string& ib_device, int gpu_index);
+// RLIMIT_MEMLOCK, which every registration of host memory is charged against.
+// MemlockAdvice: "; RLIMIT_MEMLOCK (ulimit -l) is 64 KiB: raise it ...", for
+// appending to an ENOMEM. CheckMemlock: FAILED_PRECONDITION naming the limit
+// when it is below `needed` bytes (`what` says what needs them).
+std::string MemlockAdvice(VerbsApi& verbs);
+absl::Status CheckMemlock(VerbsApi& verbs, uint64_t needed, const std::string& what);
+std::string FormatBytes(uint64_t bytes);
 
 std::string GidToString(const ibv_gid& gid);
 absl::StatusOr<ibv_gid> GidFromString(std::string_view text);
