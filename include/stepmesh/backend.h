@@ -86,6 +86,18 @@ class STEPMESH_EXPORT Stream {
   virtual absl::Status WaitHostFlagNext(HostFlag& counter, HostFlag& cursor) = 0;
   // The stream writes `value` to `flag` when it reaches this point.
   virtual absl::Status SignalHostFlag(HostFlag& flag, uint32_t value) = 0;
+  // Later work waits until *counter >= *target: two int64 words the stream
+  // addresses (host memory on cpu_mock; mapped pinned host memory or device
+  // memory on CUDA), both read when the stream gets there, so a captured CUDA
+  // graph that contains it reads them again at every replay (StepMesh's
+  // wait_flag). Both must stay valid until the wait ran. A kernel on CUDA
+  // (graph-safe, one SM slot while waiting). UNIMPLEMENTED where a backend
+  // has no such wait.
+  virtual absl::Status WaitCounterAtLeast(const int64_t* counter, const int64_t* target) {
+    (void)counter;
+    (void)target;
+    return absl::UnimplementedError("this backend's streams cannot wait on an int64 counter");
+  }
   virtual absl::Status Synchronize(absl::Duration timeout) = 0;
 };
 

@@ -251,6 +251,11 @@ class PyWorker {
     ThrowIfError(s);
   }
 
+  void StreamWaitCounter(uintptr_t counter, uintptr_t target, py::handle stream) {
+    live();
+    streams_->WaitCounter(stream, counter, target);
+  }
+
   void StreamWaitNextPull(py::handle key_arg, int server, py::handle stream) {
     const Key key = KeyArg(key_arg, "stream_wait_next_pull");
     auto& node = live();
@@ -874,6 +879,11 @@ class PyServer {
 
   PyStream* CreateStream() { return new PyStream(ValueOrThrow(live().backend().CreateStream())); }
 
+  void StreamWaitCounter(uintptr_t counter, uintptr_t target, py::handle stream) {
+    live();
+    streams_->WaitCounter(stream, counter, target);
+  }
+
   void StreamWaitNextBatch(py::handle stream) {
     auto& node = live();
     if (stream.is_none()) ThrowInvalidArgument("stream_wait_next_batch: stream is None");
@@ -1243,6 +1253,11 @@ connects to the scheduler and every server (blocking, GIL released).)doc");
            py::arg("stream") = py::none(),
            "Host wait (GIL released), or with stream=: the stream waits on the device for\n"
            "the reply and this returns at once (wait() on the host later releases the handle).")
+      .def("stream_wait_counter", &PyWorker::StreamWaitCounter, py::arg("counter"),
+           py::arg("target"), py::arg("stream"),
+           "Later work on `stream` waits until the int64 at address `counter` >= the one at "
+           "`target` "
+           "(both read when the stream gets there: graph-safe on CUDA, a one-thread kernel).")
       .def("stream_wait_next_pull", &PyWorker::StreamWaitNextPull, py::arg("key"),
            py::arg("server"), py::arg("stream"),
            "The stream waits for the next reply under (key, server), counted on the device.")
@@ -1280,6 +1295,11 @@ The FFN side (C++ AFTensorServer). Server(options=None, **fields) joins the mesh
            py::arg("bytes") = py::none(), py::arg("stream") = py::none(),
            "stream: None, a stepmesh.Stream or an int cudaStream_t; the replies are sent\n"
            "once the work enqueued on it so far ran (a ready event), without blocking.")
+      .def("stream_wait_counter", &PyServer::StreamWaitCounter, py::arg("counter"),
+           py::arg("target"), py::arg("stream"),
+           "Later work on `stream` waits until the int64 at address `counter` >= the one at "
+           "`target` "
+           "(both read when the stream gets there: graph-safe on CUDA, a one-thread kernel).")
       .def("stream_wait_next_batch", &PyServer::StreamWaitNextBatch, py::arg("stream"),
            "The stream waits for the next complete batch, counted on the device (pair each\n"
            "with one get_batch()).")

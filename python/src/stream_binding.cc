@@ -52,6 +52,18 @@ Stream* StreamArgs::Resolve(py::handle arg, const char* what, py::object& keep) 
   return out;
 }
 
+void StreamArgs::WaitCounter(py::handle stream, uintptr_t counter, uintptr_t target) {
+  if (stream.is_none()) ThrowInvalidArgument("stream_wait_counter: stream is None");
+  if (counter == 0 || target == 0) {
+    ThrowInvalidArgument(absl::StrCat("stream_wait_counter: ", counter == 0 ? "counter" : "target",
+                                      " is a null address"));
+  }
+  py::object keep;
+  Stream* s = Resolve(stream, "stream_wait_counter", keep);
+  ThrowIfError(s->WaitCounterAtLeast(reinterpret_cast<const int64_t*>(counter),
+                                     reinterpret_cast<const int64_t*>(target)));
+}
+
 Event* EventPool::Take() {
   if (!free_.empty()) {
     Event* e = free_.back();

@@ -41,6 +41,9 @@ class StreamArgs {
   // call) for anything else, or for an int on a backend that is not CUDA.
   // `keep` receives the Python object to hold while the stream is in use.
   Stream* Resolve(pybind11::handle arg, const char* what, pybind11::object& keep);
+  // Stream::WaitCounterAtLeast on `stream` (not None) for two int64 words given
+  // by address (a tensor's data_ptr()); raises naming the problem.
+  void WaitCounter(pybind11::handle stream, uintptr_t counter, uintptr_t target);
 
  private:
   static constexpr size_t kMaxWrapped = 256;

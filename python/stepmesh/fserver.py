@@ -935,13 +935,22 @@ def seq_add_one(seq) -> None:
 
 
 def wait_flag(flag, seq, *, timeout_ms: Optional[int] = None) -> None:
-    """Blocks until flag[0] >= seq[0]. On the host it polls (yielding, then
+    """Until flag[0] >= seq[0]. A CUDA seq: torch's current stream waits on the
+    device (a one-thread kernel reading both words when it runs, so it captures
+    into CUDA graphs; needs backend cuda; timeout_ms does not apply). A host
+    seq: the caller blocks, polling (yielding, then
     sleeping 50 us), at most `timeout_ms` (default: the mesh's STEPMESH_TIMEOUT,
     30 s before init): stepmesh.DeadlineExceeded names both values then."""
     if _is_cuda(seq):
-        raise stepmesh.Unimplemented(
-            "wait_flag on a CUDA seq needs StepMesh's spin kernel, which this build does not "
-            "have; wait on the host (a CPU seq) or with Worker.wait(req, stream=)")
+        # On the device, as StepMesh's spin kernel: torch's current stream waits
+        # (graph-safe: both words are read at every replay); the host goes on.
+        m = _mesh()
+        node = m.worker if m.worker is not None else m.server
+        if flag.dtype != seq.dtype or str(seq.dtype) != "torch.int64":
+            raise ValueError(f"wait_flag: flag and seq must be int64, got {flag.dtype} and {seq.dtype}")
+        node.stream_wait_counter(flag.data_ptr(), seq.data_ptr(),
+                                 _torch().cuda.current_stream().cuda_stream)
+        return
     import time
     want = _scalar(seq)
     if timeout_ms is None:

@@ -898,3 +898,37 @@ def test_metrics_text_and_chrome_trace_export(tmp_path):
             w.barrier()
     finally:
         quiet.close()
+
+
+def test_stream_wait_counter_holds_later_stream_work_until_the_counter_reaches_the_target():
+    """stream_wait_counter (fserver_lib.wait_flag's device form) on a cpu_mock
+    stream: later work on the stream runs only once counter >= target, both
+    int64 words read when the stream gets there; bad addresses are named."""
+
+    def server(s):
+        s.barrier()
+
+    mesh = Mesh(server)
+    try:
+        with mesh.worker() as w:
+            st = w.create_stream()
+            counter = np.zeros(1, np.int64)
+            target = np.array([2], np.int64)
+            ran = []
+            w.stream_wait_counter(counter.ctypes.data, target.ctypes.data, st)
+            st.launch_host_func(lambda: ran.append(int(counter[0])))
+            time.sleep(0.1)
+            assert ran == []
+            counter[0] = 1  # below the target
+            time.sleep(0.1)
+            assert ran == []
+            counter[0] = 2
+            st.synchronize(10)
+            assert ran == [2]
+            with pytest.raises(ValueError, match="counter is a null address"):
+                w.stream_wait_counter(0, target.ctypes.data, st)
+            with pytest.raises(ValueError, match="stream is None"):
+                w.stream_wait_counter(counter.ctypes.data, target.ctypes.data, None)
+            w.barrier()
+    finally:
+        mesh.close()

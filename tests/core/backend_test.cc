@@ -75,6 +75,25 @@ TEST_CASE("cpu_mock WaitHostFlagNext waits for one more increment each time it r
   }
 }
 
+TEST_CASE("cpu_mock WaitCounterAtLeast holds later work until counter >= target", "[backend]") {
+  auto backend = CreateCpuMockBackend();
+  auto stream = *backend->CreateStream();
+  int64_t counter = 0;
+  int64_t target = 2;
+  std::atomic<int> passed{0};
+  REQUIRE(stream->WaitCounterAtLeast(&counter, &target).ok());
+  REQUIRE(stream->LaunchHostFunc([&] { ++passed; }).ok());
+  absl::SleepFor(absl::Milliseconds(10));
+  CHECK(passed.load() == 0);
+  std::atomic_ref<int64_t>(counter).store(1, std::memory_order_release);
+  absl::SleepFor(absl::Milliseconds(10));
+  CHECK(passed.load() == 0);  // 1 < 2
+  std::atomic_ref<int64_t>(counter).store(3, std::memory_order_release);
+  CHECK(stream->Synchronize(absl::Seconds(5)).ok());
+  CHECK(passed.load() == 1);
+  CHECK(absl::IsInvalidArgument(stream->WaitCounterAtLeast(nullptr, &target)));
+}
+
 TEST_CASE("cpu_mock: a destroyed or released flag lets its waiters go", "[backend]") {
   auto backend = CreateCpuMockBackend();
   auto stream = *backend->CreateStream();

@@ -760,6 +760,39 @@ TEST_CASE("cuda: WaitHostFlagNext in a captured graph waits for one new incremen
   }
 }
 
+TEST_CASE("cuda: WaitCounterAtLeast in a captured graph reads both words at every replay",
+          "[cuda]") {
+  Fixture f;
+  auto capture = f.NewStream();
+  auto replay = f.NewStream();
+  auto counter_mem = *f.backend->Allocate(sizeof(int64_t), MemoryKind::kHostMapped);
+  auto target_mem = *f.backend->Allocate(sizeof(int64_t), MemoryKind::kHostMapped);
+  auto* counter = static_cast<int64_t*>(counter_mem->data());
+  auto* target = static_cast<int64_t*>(target_mem->data());
+  auto done = *f.backend->CreateHostFlag();
+  REQUIRE(f.fake->BeginCapture(f.Native(*capture), cudaStreamCaptureModeGlobal) == cudaSuccess);
+  REQUIRE(capture->WaitCounterAtLeast(counter, target).ok());
+  REQUIRE(capture->SignalHostFlag(*done, 1).ok());
+  FakeCudaApi::Graph graph;
+  REQUIRE(f.fake->EndCapture(f.Native(*capture), &graph) == cudaSuccess);
+  CHECK(f.fake->KernelLoaded(0, "wait_counter_kernel"));  // loaded with the backend
+  for (int64_t step = 1; step <= 20; ++step) {
+    done->Store(0);
+    std::atomic_ref<int64_t>(*target).store(step);  // StepMesh's seq_add_one
+    REQUIRE(f.fake->LaunchGraph(graph, f.Native(*replay)) == cudaSuccess);
+    f.fake->RunAll();
+    CHECK(done->Load() == 0);  // counter step - 1 < target step
+    std::atomic_ref<int64_t>(*counter).store(step);
+    f.fake->RunAll();
+    CHECK(done->Load() == 1);
+  }
+  // Pageable memory is refused, naming the word.
+  int64_t on_stack = 0;
+  const absl::Status refused = replay->WaitCounterAtLeast(&on_stack, target);
+  CHECK(absl::IsInvalidArgument(refused));
+  CHECK_THAT(std::string(refused.message()), Catch::Contains("counter is pageable"));
+}
+
 TEST_CASE("cuda: WaitHostFlagNext outside graphs, and released for shutdown", "[cuda]") {
   Fixture f(1, Options(ReadyEventMode::kCopyEngineFlag, StreamWaitMode::kKernel));
   auto stream = f.NewStream();

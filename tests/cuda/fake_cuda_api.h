@@ -806,13 +806,33 @@ class FakeCudaApi final : public CudaApi {
                 }});
     return cudaSuccess;
   }
+  cudaError_t LaunchWaitCounterKernel(cudaStream_t stream, const int64_t* counter,
+                                      const int64_t* target) override {
+    Lock lock(this, "wait_counter_kernel");
+    if (cudaError_t e = lock.injected()) return e;
+    if (cudaError_t e = lock.context()) return e;
+    if (cudaError_t e = CheckLaunch(stream, counter, "wait_counter_kernel")) return e;
+    if (cudaError_t e = CheckLaunch(stream, target, "wait_counter_kernel")) return e;
+    FakeStream* s = StreamForCall(stream, "wait counter kernel");
+    const auto* count = static_cast<const int64_t*>(Resolve(counter));
+    const auto* want = static_cast<const int64_t*>(Resolve(target));
+    std::shared_ptr<Mapping> count_mapping = MappingOf(count), want_mapping = MappingOf(want);
+    Enqueue(s, {"wait_counter_kernel", [this, count, want, count_mapping, want_mapping] {
+                  Window a(this, count_mapping.get());
+                  Window b(this, want_mapping.get());
+                  return std::atomic_ref<const int64_t>(*count).load(std::memory_order_acquire) >=
+                         std::atomic_ref<const int64_t>(*want).load(std::memory_order_acquire);
+                }});
+    return cudaSuccess;
+  }
   cudaError_t LoadFlagKernels() override {
     Lock lock(this, "LoadFlagKernels");
     if (cudaError_t e = lock.injected()) return e;
     if (cudaError_t e = lock.context()) return e;
     if (cudaError_t e = Unsafe("loading the flag kernels")) return e;
     const int device = Thread().current;
-    for (const char* kernel : {"wait_kernel", "wait_next_kernel", "signal_kernel"}) {
+    for (const char* kernel :
+         {"wait_kernel", "wait_next_kernel", "wait_counter_kernel", "signal_kernel"}) {
       if (cudaError_t e = Load(device, kernel)) return e;
     }
     return cudaSuccess;

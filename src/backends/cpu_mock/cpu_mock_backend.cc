@@ -132,6 +132,19 @@ class MockStream final : public Stream {
     });
   }
 
+  absl::Status WaitCounterAtLeast(const int64_t* counter, const int64_t* target) override {
+    if (counter == nullptr || target == nullptr) {
+      return absl::InvalidArgumentError("WaitCounterAtLeast: a null counter or target");
+    }
+    return LaunchHostFunc([this, counter, target] {
+      const int64_t want = std::atomic_ref<const int64_t>(*target).load(std::memory_order_acquire);
+      while (std::atomic_ref<const int64_t>(*counter).load(std::memory_order_acquire) < want &&
+             !stopping_.load(std::memory_order_relaxed)) {
+        std::this_thread::yield();
+      }
+    });
+  }
+
   absl::Status SignalHostFlag(HostFlag& flag, uint32_t value) override {
     auto* mock = dynamic_cast<MockHostFlag*>(&flag);
     if (mock == nullptr) return absl::InvalidArgumentError("SignalHostFlag: not a cpu_mock flag");

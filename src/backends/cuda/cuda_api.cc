@@ -128,6 +128,10 @@ class RuntimeCudaApi final : public CudaApi {
                                        uint32_t* cursor) override {
     return cuda::LaunchWaitNextFlagKernel(stream, counter, cursor);
   }
+  cudaError_t LaunchWaitCounterKernel(cudaStream_t stream, const int64_t* counter,
+                                      const int64_t* target) override {
+    return cuda::LaunchWaitCounterKernel(stream, counter, target);
+  }
   cudaError_t LoadFlagKernels() override { return cuda::LoadFlagKernels(); }
   cudaError_t LoadKernel(const void* kernel) override {
     // Asking for a kernel's attributes loads it into the current context.

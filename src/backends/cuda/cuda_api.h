@@ -83,6 +83,10 @@ class CudaApi {
   // runs, so a replayed graph waits for one more increment each time.
   virtual cudaError_t LaunchWaitNextFlagKernel(cudaStream_t stream, const uint32_t* counter,
                                                uint32_t* cursor) = 0;
+  // Later work waits until *counter >= *target (int64 device pointers, both
+  // read when the kernel runs).
+  virtual cudaError_t LaunchWaitCounterKernel(cudaStream_t stream, const int64_t* counter,
+                                              const int64_t* target) = 0;
   // Loads the flag kernels into the current context now. Under lazy loading
   // (the default since CUDA 12.2) a kernel is loaded at its first launch, and
   // loading waits for the whole device: with a wait kernel spinning on a flag

@@ -851,6 +851,43 @@ class CudaStream final : public Stream {
     return context_->StreamWaitNext(stream_, *cuda_counter, *cuda_cursor);
   }
 
+  absl::Status WaitCounterAtLeast(const int64_t* counter, const int64_t* target) override {
+    if (counter == nullptr || target == nullptr) {
+      return absl::InvalidArgumentError("WaitCounterAtLeast: a null counter or target");
+    }
+    CudaApi& api = context_->api();
+    STEPMESH_RETURN_IF_ERROR(BindThread(api, context_->device()));
+    STEPMESH_ASSIGN_OR_RETURN(const int64_t* device_counter, DeviceWord(api, counter, "counter"));
+    STEPMESH_ASSIGN_OR_RETURN(const int64_t* device_target, DeviceWord(api, target, "target"));
+    return CudaStatus(api, api.LaunchWaitCounterKernel(stream_, device_counter, device_target),
+                      "launching the counter-wait kernel");
+  }
+
+  // The address a kernel reads `word` at: itself in device memory, the
+  // mapping of pinned host memory, an error for pageable memory.
+  static absl::StatusOr<const int64_t*> DeviceWord(CudaApi& api, const int64_t* word,
+                                                   absl::string_view name) {
+    cudaPointerAttributes attributes{};
+    STEPMESH_RETURN_IF_ERROR(CudaStatus(api, api.PointerGetAttributes(&attributes, word),
+                                        absl::StrCat("cudaPointerGetAttributes of the ", name)));
+    if (attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged) {
+      return word;
+    }
+    if (attributes.type != cudaMemoryTypeHost) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "WaitCounterAtLeast: the ", name,
+          " is pageable host memory, which the device cannot read (pin it: pin_memory=True)"));
+    }
+    if (attributes.devicePointer != nullptr) {
+      return static_cast<const int64_t*>(attributes.devicePointer);
+    }
+    void* mapped = nullptr;
+    STEPMESH_RETURN_IF_ERROR(
+        CudaStatus(api, api.HostGetDevicePointer(&mapped, const_cast<int64_t*>(word), 0),
+                   absl::StrCat("cudaHostGetDevicePointer of the ", name)));
+    return static_cast<const int64_t*>(mapped);
+  }
+
   absl::Status SignalHostFlag(HostFlag& flag, uint32_t value) override {
     auto* cuda_flag = dynamic_cast<CudaHostFlag*>(&flag);
     if (cuda_flag == nullptr) {

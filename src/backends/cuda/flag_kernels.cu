@@ -18,6 +18,12 @@ __device__ __forceinline__ uint32_t LoadAcquireSystem(const uint32_t* flag) {
   return value;
 }
 
+__device__ __forceinline__ int64_t LoadAcquireSystem64(const int64_t* word) {
+  int64_t value;
+  asm volatile("ld.acquire.sys.s64 %0, [%1];" : "=l"(value) : "l"(word) : "memory");
+  return value;
+}
+
 __device__ __forceinline__ void StoreReleaseSystem(uint32_t* flag, uint32_t value) {
   asm volatile("st.release.sys.u32 [%0], %1;" ::"l"(flag), "r"(value) : "memory");
 }
@@ -41,6 +47,14 @@ __global__ void WaitNextFlagKernel(const uint32_t* counter, uint32_t* cursor) {
   const uint32_t target = LoadAcquireSystem(cursor) + 1;
   while (static_cast<int32_t>(LoadAcquireSystem(counter) - target) < 0) __nanosleep(128);
   StoreReleaseSystem(cursor, target);
+}
+
+// Both words are read when it runs (a replayed graph waits for the values of
+// that replay); the target may be device memory an earlier kernel of the
+// stream wrote, the counter host memory the host bumps.
+__global__ void WaitCounterKernel(const int64_t* counter, const int64_t* target) {
+  const int64_t want = LoadAcquireSystem64(target);
+  while (LoadAcquireSystem64(counter) < want) __nanosleep(128);
 }
 
 }  // namespace
@@ -67,6 +81,13 @@ cudaError_t LaunchWaitNextFlagKernel(cudaStream_t stream, const uint32_t* counte
                           args, 0, stream);
 }
 
+cudaError_t LaunchWaitCounterKernel(cudaStream_t stream, const int64_t* counter,
+                                    const int64_t* target) {
+  void* args[] = {&counter, &target};
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&WaitCounterKernel), dim3(1), dim3(1), args,
+                          0, stream);
+}
+
 cudaError_t LoadFlagKernels() {
   // cudaFuncGetAttributes finishes loading a lazily loaded kernel, with any
   // device-wide wait that takes, here rather than at a first launch.
@@ -75,6 +96,8 @@ cudaError_t LoadFlagKernels() {
       cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&WaitFlagKernel));
   if (error != cudaSuccess) return error;
   error = cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&WaitNextFlagKernel));
+  if (error != cudaSuccess) return error;
+  error = cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&WaitCounterKernel));
   if (error != cudaSuccess) return error;
   return cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&SignalFlagKernel));
 }

@@ -22,6 +22,11 @@ cudaError_t LaunchSignalFlagKernel(cudaStream_t stream, uint32_t* flag, uint32_t
 cudaError_t LaunchWaitNextFlagKernel(cudaStream_t stream, const uint32_t* counter,
                                      uint32_t* cursor);
 
+// Later work waits until *counter >= *target (int64, both read when the kernel
+// runs: device addresses of mapped pinned host memory or device memory).
+cudaError_t LaunchWaitCounterKernel(cudaStream_t stream, const int64_t* counter,
+                                    const int64_t* target);
+
 // Loads the kernels into the current context (see CudaApi::LoadFlagKernels).
 cudaError_t LoadFlagKernels();
 
