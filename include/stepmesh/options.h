@@ -116,7 +116,10 @@ struct STEPMESH_EXPORT MeshOptions {
   // listing the interfaces found.
   std::string interface;
 
-  std::string transport = "auto";    // "tcp", "rdma" or "auto" (rdma when a device exists)
+  std::string transport = "auto";  // "tcp", "rdma", "libfabric" or "auto" (rdma when a device exists)
+  // transport = "libfabric": the provider ("tcp", "shm", "efa", ...; empty:
+  // the first with RMA and remote CQ data). docs/libfabric.md.
+  std::string fi_provider;
   std::string backend = "cpu_mock";  // "cpu_mock" or "cuda"
   int device = 0;
   // The process's CUDA_DEVICE_MAX_CONNECTIONS (0: not set). With 1 the cuda

@@ -172,13 +172,21 @@ const std::vector<EnvEntry>& EnvTable() {
        "the interfaces found",
        STEPMESH_ENV_STR(interface)},
       {"STEPMESH_TRANSPORT", "transport", "`auto`",
-       "`tcp`, `rdma`, or `auto` (RDMA if a device exists)",
+       "`tcp`, `rdma`, `libfabric`, or `auto` (RDMA if a device exists)",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
          // An unknown value is refused here, naming the variable, not later.
-         STEPMESH_RETURN_IF_ERROR(CheckOneOf(v, {"tcp", "rdma", "auto"}));
+         STEPMESH_RETURN_IF_ERROR(CheckOneOf(v, {"tcp", "rdma", "libfabric", "auto"}));
          o.transport = std::string(v);
          return absl::OkStatus();
        }},
+      // libfabric's own variable (it also filters libfabric's providers);
+      // STEPMESH_FI_PROVIDER, listed after it, wins.
+      {"FI_PROVIDER", "fi_provider", "—", "as `STEPMESH_FI_PROVIDER` (libfabric's own name)",
+       STEPMESH_ENV_STR(fi_provider)},
+      {"STEPMESH_FI_PROVIDER", "fi_provider", "empty (the first that fits)",
+       "libfabric provider of `transport = libfabric`: `tcp`, `shm`, `efa`, `tcp;ofi_rxm`, ...; "
+       "one without RMA or remote CQ data is refused, naming what it lacks",
+       STEPMESH_ENV_STR(fi_provider)},
       {"STEPMESH_BACKEND", "backend", "`cpu_mock`", "`cpu_mock` or `cuda`",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
          // Whether this build has CUDA is decided when the backend is made;
@@ -322,10 +330,15 @@ const std::vector<EnvEntry>& EnvTable() {
          STEPMESH_ASSIGN_OR_RETURN(o.role, ParseRole(v));
          return absl::OkStatus();
        }},
-      {"DMLC_ENABLE_RDMA", "transport", "—", "empty, `0` or `false` is `tcp`, anything else `rdma`",
+      {"DMLC_ENABLE_RDMA", "transport", "—",
+       "empty, `0` or `false` is `tcp`, `fabric` is `libfabric` (StepMesh's), anything else "
+       "`rdma`",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
-         // ps-lite's switch: empty, 0 or false is TCP, anything else RDMA.
-         o.transport = (v.empty() || v == "0" || v == "false") ? "tcp" : "rdma";
+         // ps-lite's switch: empty, 0 or false is TCP, anything else RDMA;
+         // StepMesh's "fabric" is its libfabric van.
+         o.transport = (v.empty() || v == "0" || v == "false") ? "tcp"
+                       : v == "fabric"                           ? "libfabric"
+                                                                 : "rdma";
          return absl::OkStatus();
        }},
       {"DMLC_NUM_WORKER", "num_workers", "—", "as `STEPMESH_NUM_WORKERS`",
@@ -543,8 +556,10 @@ absl::Status MeshOptions::Validate() const {
   if (scheduler.rfind(':') == std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("scheduler '", scheduler, "' is not host:port"));
   }
-  if (transport != "tcp" && transport != "rdma" && transport != "auto") {
-    return absl::InvalidArgumentError(absl::StrCat("transport '", transport, "' (tcp|rdma|auto)"));
+  if (transport != "tcp" && transport != "rdma" && transport != "libfabric" &&
+      transport != "auto") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("transport '", transport, "' (tcp|rdma|libfabric|auto)"));
   }
   if (timeout <= absl::ZeroDuration()) return absl::InvalidArgumentError("timeout must be > 0");
   if (max_inflight_requests < 1 || max_inflight_requests > (1 << 20)) {
