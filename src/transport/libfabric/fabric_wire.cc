@@ -70,6 +70,12 @@ std::string EncodeAbort(uint32_t seq) {
   return out;
 }
 
+std::string EncodeExpel(absl::string_view reason) {
+  std::string out = Start(ControlType::kExpel);
+  AppendBytes(out, reason.substr(0, 1024));
+  return out;
+}
+
 absl::StatusOr<ControlMessage> DecodeControl(absl::string_view bytes) {
   base::ByteReader r(bytes.data(), bytes.size());
   uint8_t raw_type = 0;
@@ -102,6 +108,9 @@ absl::StatusOr<ControlMessage> DecodeControl(absl::string_view bytes) {
       break;
     case ControlType::kAbort:
       if (!r.Get(m.frame.seq)) return bad("abort");
+      break;
+    case ControlType::kExpel:
+      if (!GetBytes(r, m.reason)) return bad("expel");
       break;
     case ControlType::kFrame: {
       if (!r.Get(m.frame.seq) || !r.Get(m.frame.chunks)) return bad("frame");

@@ -46,6 +46,7 @@ enum class ControlType : uint8_t {
   kWithdraw = 3,
   kFrame = 4,
   kAbort = 5,
+  kExpel = 6,  // the sender broke the protocol: the receiver dropped it
 };
 
 struct Hello {
@@ -77,6 +78,7 @@ struct ControlMessage {
   Hello hello;
   Advert advert;           // kAdvert; kWithdraw uses advert.key
   FrameDescriptor frame;   // kFrame; kAbort uses frame.seq
+  std::string reason;      // kExpel
 };
 
 std::string EncodeHello(const Hello& hello);
@@ -84,6 +86,7 @@ std::string EncodeAdvert(const Advert& advert);
 std::string EncodeWithdraw(uint64_t key);
 std::string EncodeFrame(const FrameDescriptor& frame);
 std::string EncodeAbort(uint32_t seq);
+std::string EncodeExpel(absl::string_view reason);
 // Untrusted bytes: every field bounds checked, the header CRC-checked.
 absl::StatusOr<ControlMessage> DecodeControl(absl::string_view bytes);
 

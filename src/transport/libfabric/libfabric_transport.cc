@@ -209,6 +209,8 @@ void LibfabricTransport::OnHello(NodeId peer, const Hello& hello) {
     MutexLock lock(&recv_mu_);
     RecvPeer& rp = recv_peers_[peer];
     rp.epoch = hello.epoch;
+    if (rp.expelled) rp.answered = 0;  // it reconnected: greet it again
+    rp.expelled = false;
     answer = rp.answered != hello.epoch;
     rp.answered = hello.epoch;
   }
@@ -224,6 +226,7 @@ void LibfabricTransport::OnHello(NodeId peer, const Hello& hello) {
     sp->addr = *addr;
     sp->tag = hello.your_tag;
     sp->hello = true;
+    sp->expelled = false;
   }
   if (answer) {
     absl::Status st = SendControl(peer, ours);
@@ -240,10 +243,32 @@ void LibfabricTransport::OnControl(NodeId peer, absl::string_view bytes,
                          msg.status().ToString());
     return;
   }
+  if (msg->type != ControlType::kHello) {
+    MutexLock lock(&recv_mu_);
+    auto it = recv_peers_.find(peer);
+    if (it != recv_peers_.end() && it->second.expelled) return;
+  }
   switch (msg->type) {
     case ControlType::kHello:
       OnHello(peer, msg->hello);
       return;
+    case ControlType::kExpel: {
+      {
+        std::shared_ptr<SendPeer> sp = PeerFor(peer);
+        MutexLock lock(&sp->mu);
+        sp->expelled = true;
+        DropQueue(*sp);
+      }
+      {
+        MutexLock lock(&recv_mu_);
+        RecvPeer& rp = recv_peers_[peer];
+        rp.expelled = true;
+        rp.frames = FrameAssembler();
+      }
+      sink.OnPeerLost(peer, absl::UnavailableError(absl::StrCat(
+                                "libfabric: ", PeerName(peer), " dropped this node: ", msg->reason)));
+      return;
+    }
     case ControlType::kAdvert:
     case ControlType::kWithdraw: {
       std::shared_ptr<SendPeer> sp = PeerFor(peer);
@@ -257,11 +282,13 @@ void LibfabricTransport::OnControl(NodeId peer, absl::string_view bytes,
     }
     case ControlType::kFrame: {
       const FrameHeader& h = msg->frame.header;
-      if (h.src != peer || h.dst != self_.load(std::memory_order_acquire)) {
-        STEPMESH_LOG_LIMITED(warnings_, kWarning, "libfabric: ", PeerName(peer),
-                             " sent a frame from ", PeerName(h.src), " to ", PeerName(h.dst),
-                             "; dropped");
-        return;
+      const NodeId self = self_.load(std::memory_order_acquire);
+      if (h.src != peer || h.dst != self) {
+        return Expel(peer,
+                     absl::PermissionDeniedError(absl::StrCat(
+                         "a frame claims to come from ", PeerName(h.src), " to ", PeerName(h.dst),
+                         " (this node is ", PeerName(self), ")")),
+                     sink);
       }
       {
         MutexLock lock(&recv_mu_);
@@ -281,6 +308,27 @@ void LibfabricTransport::OnControl(NodeId peer, absl::string_view bytes,
       return;
     }
   }
+}
+
+// A peer that broke the protocol is dropped as TCP drops its connection:
+// it is told (so that its requests fail now), its frames are forgotten, and
+// the core hears of the loss; it is heard again only after a new hello.
+void LibfabricTransport::Expel(NodeId peer, absl::Status why, core::TransportSink& sink) {
+  STEPMESH_LOG_LIMITED(warnings_, kWarning, "libfabric: ", PeerName(peer),
+                       " broke the protocol: ", why.message(), "; dropping it");
+  {
+    MutexLock lock(&recv_mu_);
+    RecvPeer& rp = recv_peers_[peer];
+    rp.expelled = true;
+    rp.frames = FrameAssembler();
+  }
+  {
+    std::shared_ptr<SendPeer> sp = PeerFor(peer);
+    MutexLock lock(&sp->mu);
+    DropQueue(*sp);
+  }
+  (void)SendControl(peer, EncodeExpel(why.message()));
+  sink.OnPeerLost(peer, std::move(why));
 }
 
 void LibfabricTransport::OnPeerLost(NodeId peer, absl::Status why, core::TransportSink& sink) {

@@ -223,6 +223,13 @@ absl::Status LibfabricTransport::Send(NodeId peer, const FrameHeader& header, co
   const absl::Time deadline = absl::Now() + options_.timeout;
   Progress();
   std::shared_ptr<SendPeer> sp = PeerFor(peer);
+  {
+    MutexLock lock(&sp->mu);
+    if (sp->expelled) {
+      return absl::UnavailableError(
+          absl::StrCat("libfabric: ", PeerName(peer), " dropped this node"));
+    }
+  }
   FrameDescriptor d;
   d.header = header;
   if (bytes == 0 || src_region == 0) {

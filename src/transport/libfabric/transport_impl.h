@@ -36,6 +36,7 @@ struct OpContext {
 struct SendPeer {
   base::Mutex mu;
   bool hello = false;  // the peer's hello arrived: addr and tag are valid
+  bool expelled = false;  // it dropped this node (kExpel): sends fail until its next hello
   uint64_t epoch = 0;
   fi_addr_t addr = FI_ADDR_UNSPEC;
   uint32_t tag = 0;
@@ -49,6 +50,7 @@ struct RecvPeer {
   uint32_t tag = 0;
   uint64_t epoch = 0;     // of the peer's last hello
   uint64_t answered = 0;  // the peer epoch our hello answered
+  bool expelled = false;  // dropped for a protocol violation, until its next hello
   FrameAssembler frames;
 };
 
@@ -86,6 +88,7 @@ class LibfabricTransport final : public core::Transport {
   absl::Status SendControl(core::NodeId peer, const std::string& body);
   std::string HelloFor(core::NodeId peer);
   void OnHello(core::NodeId peer, const Hello& hello);
+  void Expel(core::NodeId peer, absl::Status why, core::TransportSink& sink);
   void ReadReceives(core::TransportSink& sink);
   void DeliverReady(core::NodeId peer, core::TransportSink& sink);
   void Deliver(core::NodeId peer, PendingFrame& frame, core::TransportSink& sink);
