@@ -116,7 +116,8 @@ struct STEPMESH_EXPORT MeshOptions {
   // listing the interfaces found.
   std::string interface;
 
-  std::string transport = "auto";  // "tcp", "rdma", "libfabric" or "auto" (rdma when a device exists)
+  // "tcp", "rdma", "libfabric" or "auto" (rdma when a device exists)
+  std::string transport = "auto";
   // transport = "libfabric": the provider ("tcp", "shm", "efa", ...; empty:
   // the first with RMA and remote CQ data). docs/libfabric.md.
   std::string fi_provider;

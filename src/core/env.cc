@@ -337,8 +337,8 @@ const std::vector<EnvEntry>& EnvTable() {
          // ps-lite's switch: empty, 0 or false is TCP, anything else RDMA;
          // StepMesh's "fabric" is its libfabric van.
          o.transport = (v.empty() || v == "0" || v == "false") ? "tcp"
-                       : v == "fabric"                           ? "libfabric"
-                                                                 : "rdma";
+                       : v == "fabric"                         ? "libfabric"
+                                                               : "rdma";
          return absl::OkStatus();
        }},
       {"DMLC_NUM_WORKER", "num_workers", "—", "as `STEPMESH_NUM_WORKERS`",

@@ -81,8 +81,8 @@ std::string FabricEndpoint::Error(absl::string_view what, int rc) const {
                       rc, ")");
 }
 
-absl::StatusOr<std::unique_ptr<FabricEndpoint>> FabricEndpoint::Open(
-    const FabricApi& api, const EndpointConfig& config) {
+absl::StatusOr<std::unique_ptr<FabricEndpoint>> FabricEndpoint::Open(const FabricApi& api,
+                                                                     const EndpointConfig& config) {
   const std::string& want = config.provider;
   const std::string shown = want.empty() ? "(any)" : want;
   const bool local_only = absl::StartsWith(want, "shm");
@@ -234,7 +234,8 @@ absl::StatusOr<std::string> HexDecode(absl::string_view hex) {
   out.reserve(hex.size() / 2);
   for (size_t i = 0; i < hex.size(); i += 2) {
     const int hi = digit(hex[i]), lo = digit(hex[i + 1]);
-    if (hi < 0 || lo < 0) return absl::InvalidArgumentError("libfabric: a fabric address is not hex");
+    if (hi < 0 || lo < 0)
+      return absl::InvalidArgumentError("libfabric: a fabric address is not hex");
     out.push_back(static_cast<char>(hi << 4 | lo));
   }
   return out;

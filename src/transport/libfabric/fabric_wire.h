@@ -76,9 +76,9 @@ inline constexpr size_t kMaxInlineBytes = kMaxControlBytes - 1 - 8 - core::kFram
 struct ControlMessage {
   ControlType type = ControlType::kHello;
   Hello hello;
-  Advert advert;           // kAdvert; kWithdraw uses advert.key
-  FrameDescriptor frame;   // kFrame; kAbort uses frame.seq
-  std::string reason;      // kExpel
+  Advert advert;          // kAdvert; kWithdraw uses advert.key
+  FrameDescriptor frame;  // kFrame; kAbort uses frame.seq
+  std::string reason;     // kExpel
 };
 
 std::string EncodeHello(const Hello& hello);

@@ -40,9 +40,9 @@ void FrameAssembler::OnDescriptor(FrameDescriptor d, absl::Time now) {
 void FrameAssembler::OnChunk(uint32_t seq) {
   if (PendingFrame* f = Find(seq); f != nullptr) {
     if (++f->landed > f->chunks && f->failure.ok()) {
-      f->failure = absl::DataLossError(absl::StrCat("libfabric: frame ", seq, " had ", f->landed,
-                                                    " writes land, its descriptor counts ",
-                                                    f->chunks));
+      f->failure =
+          absl::DataLossError(absl::StrCat("libfabric: frame ", seq, " had ", f->landed,
+                                           " writes land, its descriptor counts ", f->chunks));
     }
     return;
   }

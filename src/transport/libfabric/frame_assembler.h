@@ -38,7 +38,9 @@ class FrameAssembler {
   // The writer could not write frame `seq`: it completes with `why`.
   void OnAbort(uint32_t seq, absl::Status why);
   // The oldest frame when complete (or failed); null while it still waits.
-  PendingFrame* Ready() { return !fifo_.empty() && fifo_.front().complete() ? &fifo_.front() : nullptr; }
+  PendingFrame* Ready() {
+    return !fifo_.empty() && fifo_.front().complete() ? &fifo_.front() : nullptr;
+  }
   void Pop() { fifo_.pop_front(); }
   bool waiting() const { return !fifo_.empty(); }
   // The oldest frame waits since then (InfiniteFuture when none).
@@ -50,8 +52,8 @@ class FrameAssembler {
  private:
   PendingFrame* Find(uint32_t seq);
   std::deque<PendingFrame> fifo_;
-  absl::flat_hash_map<uint32_t, uint32_t> early_;          // seq -> writes landed first
-  absl::flat_hash_map<uint32_t, absl::Status> aborted_;    // aborts ahead of descriptors
+  absl::flat_hash_map<uint32_t, uint32_t> early_;        // seq -> writes landed first
+  absl::flat_hash_map<uint32_t, absl::Status> aborted_;  // aborts ahead of descriptors
 };
 
 }  // namespace stepmesh::libfabric

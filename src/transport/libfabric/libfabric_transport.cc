@@ -83,7 +83,8 @@ LibfabricTransport::LibfabricTransport(const MeshOptions& options,
       epoch_(RandomEpoch()) {
   // Large chunks: every chunk is one completion at the receiver.
   chunk_bytes_ = hooks_.chunk_bytes > 0 ? hooks_.chunk_bytes : size_t{4} << 20;
-  if (endpoint_->max_msg_size() > 0) chunk_bytes_ = std::min(chunk_bytes_, endpoint_->max_msg_size());
+  if (endpoint_->max_msg_size() > 0)
+    chunk_bytes_ = std::min(chunk_bytes_, endpoint_->max_msg_size());
 }
 
 LibfabricTransport::~LibfabricTransport() {
@@ -101,8 +102,7 @@ LibfabricTransport::~LibfabricTransport() {
 
 absl::StatusOr<std::string> LibfabricTransport::LocalEndpoint() {
   STEPMESH_ASSIGN_OR_RETURN(std::string control, control_->LocalEndpoint());
-  return absl::StrCat(control, "|", endpoint_->provider(), "|",
-                      HexEncode(endpoint_->address()));
+  return absl::StrCat(control, "|", endpoint_->provider(), "|", HexEncode(endpoint_->address()));
 }
 
 absl::Status LibfabricTransport::Connect(NodeId self, absl::Span<const core::PeerInfo> peers,
@@ -138,7 +138,8 @@ absl::Status LibfabricTransport::Connect(NodeId self, absl::Span<const core::Pee
   // answered, so a restarted peer (a new epoch) is greeted again.
   for (const core::PeerInfo& peer : control_peers) {
     absl::Status st = SendControl(peer.id, HelloFor(peer.id));
-    if (!st.ok()) STEPMESH_LOG(kDebug, "libfabric: hello to ", PeerName(peer.id), ": ", st.ToString());
+    if (!st.ok())
+      STEPMESH_LOG(kDebug, "libfabric: hello to ", PeerName(peer.id), ": ", st.ToString());
   }
   return absl::OkStatus();
 }
@@ -190,7 +191,8 @@ void LibfabricTransport::OnHello(NodeId peer, const Hello& hello) {
     addr = endpoint_->Resolve(hello.address);
   }
   if (!addr.ok()) {
-    STEPMESH_LOG_LIMITED(warnings_, kWarning, "libfabric: ", PeerName(peer), ": ", addr.status().ToString());
+    STEPMESH_LOG_LIMITED(warnings_, kWarning, "libfabric: ", PeerName(peer), ": ",
+                         addr.status().ToString());
     return;
   }
   bool answer = false;
@@ -265,8 +267,9 @@ void LibfabricTransport::OnControl(NodeId peer, absl::string_view bytes,
         rp.expelled = true;
         rp.frames = FrameAssembler();
       }
-      sink.OnPeerLost(peer, absl::UnavailableError(absl::StrCat(
-                                "libfabric: ", PeerName(peer), " dropped this node: ", msg->reason)));
+      sink.OnPeerLost(peer,
+                      absl::UnavailableError(absl::StrCat("libfabric: ", PeerName(peer),
+                                                          " dropped this node: ", msg->reason)));
       return;
     }
     case ControlType::kAdvert:
@@ -285,9 +288,9 @@ void LibfabricTransport::OnControl(NodeId peer, absl::string_view bytes,
       const NodeId self = self_.load(std::memory_order_acquire);
       if (h.src != peer || h.dst != self) {
         return Expel(peer,
-                     absl::PermissionDeniedError(absl::StrCat(
-                         "a frame claims to come from ", PeerName(h.src), " to ", PeerName(h.dst),
-                         " (this node is ", PeerName(self), ")")),
+                     absl::PermissionDeniedError(
+                         absl::StrCat("a frame claims to come from ", PeerName(h.src), " to ",
+                                      PeerName(h.dst), " (this node is ", PeerName(self), ")")),
                      sink);
       }
       {
@@ -301,8 +304,8 @@ void LibfabricTransport::OnControl(NodeId peer, absl::string_view bytes,
       {
         MutexLock lock(&recv_mu_);
         recv_peers_[peer].frames.OnAbort(
-            msg->frame.seq, absl::DataLossError(absl::StrCat(
-                                "libfabric: ", PeerName(peer), " could not write the payload")));
+            msg->frame.seq, absl::DataLossError(absl::StrCat("libfabric: ", PeerName(peer),
+                                                             " could not write the payload")));
       }
       DeliverReady(peer, sink);
       return;
@@ -366,16 +369,16 @@ void LibfabricTransport::ReadReceives(core::TransportSink& sink) {
     if (n == -FI_EAVAIL) {
       fi_cq_err_entry err{};
       if (fi_cq_readerr(endpoint_->rx_cq(), &err, 0) > 0) {
-        STEPMESH_LOG_LIMITED(warnings_, kWarning, "libfabric ", endpoint_->provider(),
-                             ": receive completion error ", err.err, " (",
-                             fi_cq_strerror(endpoint_->rx_cq(), err.prov_errno, err.err_data,
-                                            nullptr, 0),
-                             ")");
+        STEPMESH_LOG_LIMITED(
+            warnings_, kWarning, "libfabric ", endpoint_->provider(), ": receive completion error ",
+            err.err, " (",
+            fi_cq_strerror(endpoint_->rx_cq(), err.prov_errno, err.err_data, nullptr, 0), ")");
       }
       continue;
     }
     if (n < 0) {
-      STEPMESH_LOG_LIMITED(warnings_, kWarning, endpoint_->Error("fi_cq_read", static_cast<int>(n)));
+      STEPMESH_LOG_LIMITED(warnings_, kWarning,
+                           endpoint_->Error("fi_cq_read", static_cast<int>(n)));
       return;
     }
     absl::flat_hash_set<NodeId> touched;
@@ -432,9 +435,9 @@ void LibfabricTransport::Deliver(NodeId peer, PendingFrame& frame, core::Transpo
       return;
     }
     case FrameType::kError:
-      sink.OnFrame(peer, header, nullptr,
-                   absl::Status(static_cast<absl::StatusCode>(header.status_code),
-                                frame.inline_bytes));
+      sink.OnFrame(
+          peer, header, nullptr,
+          absl::Status(static_cast<absl::StatusCode>(header.status_code), frame.inline_bytes));
       return;
     default:
       return;
@@ -491,8 +494,8 @@ absl::Status LibfabricTransport::Poll(core::TransportSink& sink, absl::Duration 
   ReadReceives(sink);
   ExpireWaiting(sink);
   const bool busy = Busy() || poster_->Progress(endpoint_->ep());
-  absl::Status st = control_->Poll(control, busy ? absl::ZeroDuration()
-                                                 : std::min(max_wait, kIdleSlice));
+  absl::Status st =
+      control_->Poll(control, busy ? absl::ZeroDuration() : std::min(max_wait, kIdleSlice));
   ReadReceives(sink);
   return st;
 }

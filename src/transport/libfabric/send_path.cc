@@ -104,13 +104,15 @@ absl::Status LibfabricTransport::RegisterRegion(const RegionInfo& info) {
   }
   auto region = std::make_unique<Region>();
   region->info = info;
-  auto reg = [&](void* base, size_t bytes, uint64_t access, FidHandle<fid_mr>& out) -> absl::Status {
+  auto reg = [&](void* base, size_t bytes, uint64_t access,
+                 FidHandle<fid_mr>& out) -> absl::Status {
     uint64_t key;
     {
       MutexLock lock(&regions_mu_);
       key = next_mr_key_++;
     }
-    const int rc = fi_mr_reg(endpoint_->domain(), base, bytes, access, 0, key, 0, out.out(), nullptr);
+    const int rc =
+        fi_mr_reg(endpoint_->domain(), base, bytes, access, 0, key, 0, out.out(), nullptr);
     if (rc != 0) {
       return absl::ResourceExhaustedError(endpoint_->Error(
           absl::StrCat("fi_mr_reg of key ", info.key, " (", bytes, " bytes)"), rc));
@@ -130,7 +132,8 @@ absl::Status LibfabricTransport::RegisterRegion(const RegionInfo& info) {
   {
     MutexLock lock(&regions_mu_);
     if (regions_.contains(info.id)) {
-      return absl::AlreadyExistsError(absl::StrCat("libfabric: region ", info.id, " registered twice"));
+      return absl::AlreadyExistsError(
+          absl::StrCat("libfabric: region ", info.id, " registered twice"));
     }
     regions_[info.id] = std::move(region);
   }
@@ -158,9 +161,9 @@ absl::Status LibfabricTransport::UnregisterRegion(RegionId id) {
   const absl::Time until = absl::Now() + options_.timeout;
   while (in_flight->load() > 0) {
     if (absl::Now() >= until) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("libfabric: region ", id, " still has ", in_flight->load(),
-                       " writes in flight; try again"));
+      return absl::FailedPreconditionError(absl::StrCat("libfabric: region ", id, " still has ",
+                                                        in_flight->load(),
+                                                        " writes in flight; try again"));
     }
     Progress();
     std::this_thread::yield();
@@ -213,7 +216,8 @@ void LibfabricTransport::SendAdverts(NodeId peer) {
   }
   for (const std::string& a : adverts) {
     absl::Status st = SendControl(peer, a);
-    if (!st.ok()) STEPMESH_LOG(kDebug, "libfabric: advert to ", PeerName(peer), ": ", st.ToString());
+    if (!st.ok())
+      STEPMESH_LOG(kDebug, "libfabric: advert to ", PeerName(peer), ": ", st.ToString());
   }
 }
 
@@ -278,7 +282,8 @@ absl::Status LibfabricTransport::Send(NodeId peer, const FrameHeader& header, co
     const Advert a = advert->second;
     if (bytes > a.bytes) {
       return absl::OutOfRangeError(absl::StrCat("libfabric: ", bytes, " bytes for key ", header.key,
-                                                " exceed ", PeerName(peer), "'s slot of ", a.bytes));
+                                                " exceed ", PeerName(peer), "'s slot of ",
+                                                a.bytes));
     }
     const uint32_t chunks = static_cast<uint32_t>((bytes + chunk_bytes_ - 1) / chunk_bytes_);
     if (sp->queue.size() + chunks > kMaxQueuedWrites) {
@@ -334,8 +339,8 @@ absl::Status LibfabricTransport::PostOrQueue(NodeId peer, SendPeer& sp, const Wr
     if (rc == 0) return absl::OkStatus();
     if (rc != -FI_EAGAIN) {
       Finish(ctx, absl::OkStatus());
-      return absl::UnavailableError(endpoint_->Error(
-          absl::StrCat("fi_writemsg to ", PeerName(peer)), static_cast<int>(rc)));
+      return absl::UnavailableError(
+          endpoint_->Error(absl::StrCat("fi_writemsg to ", PeerName(peer)), static_cast<int>(rc)));
     }
   }
   sp.queue.emplace_back(op, ctx);
@@ -377,11 +382,11 @@ void LibfabricTransport::ReapTransmits() {
       if (n == -FI_EAVAIL) {
         fi_cq_err_entry err{};
         if (fi_cq_readerr(endpoint_->tx_cq(), &err, 0) > 0 && err.op_context != nullptr) {
-          done.emplace_back(static_cast<OpContext*>(err.op_context),
-                            absl::UnavailableError(absl::StrCat(
-                                "libfabric ", endpoint_->provider(), ": ",
-                                fi_cq_strerror(endpoint_->tx_cq(), err.prov_errno, err.err_data,
-                                               nullptr, 0))));
+          done.emplace_back(
+              static_cast<OpContext*>(err.op_context),
+              absl::UnavailableError(absl::StrCat(
+                  "libfabric ", endpoint_->provider(), ": ",
+                  fi_cq_strerror(endpoint_->tx_cq(), err.prov_errno, err.err_data, nullptr, 0))));
         }
       } else if (n > 0) {
         for (ssize_t i = 0; i < n; ++i) {

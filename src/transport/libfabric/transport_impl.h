@@ -35,7 +35,7 @@ struct OpContext {
 // What this node needs to write to one peer. `mu` guards the rest.
 struct SendPeer {
   base::Mutex mu;
-  bool hello = false;  // the peer's hello arrived: addr and tag are valid
+  bool hello = false;     // the peer's hello arrived: addr and tag are valid
   bool expelled = false;  // it dropped this node (kExpel): sends fail until its next hello
   uint64_t epoch = 0;
   fi_addr_t addr = FI_ADDR_UNSPEC;
