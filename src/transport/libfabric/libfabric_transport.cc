@@ -162,19 +162,23 @@ std::string LibfabricTransport::HelloFor(NodeId peer) {
   hello.provider = endpoint_->provider();
   hello.address = endpoint_->address();
   MutexLock lock(&recv_mu_);
-  auto [it, fresh] = recv_peers_.try_emplace(peer);
-  if (fresh) {
+  RecvPeer& rp = recv_peers_[peer];  // may exist already: a frame came before any hello
+  if (!rp.has_tag) {
     for (uint32_t i = 0; i < kMaxTags; ++i) {
       const uint32_t tag = (next_tag_ + i) % kMaxTags;
       if (tag_owner_[tag] == core::kNoNode) {
         tag_owner_[tag] = peer;
-        it->second.tag = tag;
+        rp.tag = tag;
+        rp.has_tag = true;
         next_tag_ = tag + 1;
         break;
       }
     }
+    // kMaxTags (4096) writers at once is the mesh's limit of workers per
+    // server; beyond it a writer's immediates could not be told apart.
+    if (!rp.has_tag) STEPMESH_LOG(kError, "libfabric: no writer tag left for ", PeerName(peer));
   }
-  hello.your_tag = it->second.tag;
+  hello.your_tag = rp.tag;
   return EncodeHello(hello);
 }
 
@@ -202,7 +206,7 @@ void LibfabricTransport::OnHello(NodeId peer, const Hello& hello) {
     if (rp.epoch != 0 && rp.epoch != hello.epoch) {
       // A restarted peer: its frame numbers start again, and its old writes
       // must not count towards the new ones, so it gets a new tag.
-      tag_owner_[rp.tag] = core::kNoNode;
+      if (rp.has_tag) tag_owner_[rp.tag] = core::kNoNode;
       recv_peers_.erase(peer);
     }
   }

@@ -48,6 +48,7 @@ struct SendPeer {
 // What this node knows of one peer's writes to it (under recv_mu_).
 struct RecvPeer {
   uint32_t tag = 0;
+  bool has_tag = false;   // assigned with our first hello to it
   uint64_t epoch = 0;     // of the peer's last hello
   uint64_t answered = 0;  // the peer epoch our hello answered
   bool expelled = false;  // dropped for a protocol violation, until its next hello
