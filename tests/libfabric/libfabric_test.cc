@@ -8,9 +8,13 @@
 
 #include <rdma/fi_errno.h>
 
+#include <atomic>
 #include <catch2/catch.hpp>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -82,6 +86,132 @@ TEST_CASE("libfabric: the order-dependent variant fails under the same reorderin
   UNSCOPED_INFO("the order-dependent variant: " << s.ToString());
   CHECK_FALSE(s.ok());
   CHECK(absl::IsDataLoss(s));  // bytes that had not landed yet
+}
+
+// Refuses every write with -FI_EAGAIN while `refuse` is set, as a provider
+// whose queue to a peer is full does.
+class RefusingPoster final : public libfabric::WritePoster {
+ public:
+  explicit RefusingPoster(std::shared_ptr<std::atomic<bool>> refuse)
+      : refuse_(std::move(refuse)), direct_(libfabric::MakeDirectPoster()) {}
+  ssize_t Post(fid_ep* ep, const libfabric::WriteOp& op) override {
+    if (refuse_->load()) return -FI_EAGAIN;
+    return direct_->Post(ep, op);
+  }
+
+ private:
+  std::shared_ptr<std::atomic<bool>> refuse_;
+  std::unique_ptr<libfabric::WritePoster> direct_;
+};
+
+// The server side's sink: every push lands in `slot`.
+class SlotSink final : public core::TransportSink {
+ public:
+  explicit SlotSink(std::vector<std::byte>& slot) : slot_(slot) {}
+  absl::Status Resolve(core::NodeId, const core::FrameHeader&, core::Destination& out,
+                       core::FrameContext*) override {
+    out.data = slot_.data();
+    out.capacity = slot_.size();
+    out.region = 1;
+    return absl::OkStatus();
+  }
+  void OnFrame(core::NodeId, const core::FrameHeader&, core::FrameContext,
+               absl::Status status) override {
+    (status.ok() ? delivered : failed).fetch_add(1);
+  }
+  void OnPeerLost(core::NodeId, absl::Status) override { lost.fetch_add(1); }
+  std::atomic<int> delivered{0}, failed{0}, lost{0};
+
+ private:
+  std::vector<std::byte>& slot_;
+};
+
+TEST_CASE(
+    "libfabric: writes the provider refuses queue for that peer, a full queue is "
+    "RESOURCE_EXHAUSTED naming it, and the queue drains in order",
+    "[libfabric][queue]") {
+  MeshOptions o = Base();
+  o.fi_provider = "shm";
+  o.timeout = absl::Seconds(5);
+  auto refuse = std::make_shared<std::atomic<bool>>(true);
+  libfabric::LibfabricHooks hooks;
+  hooks.chunk_bytes = 4096;
+  hooks.poster = [refuse] { return std::make_unique<RefusingPoster>(refuse); };
+  auto worker = libfabric::CreateLibfabricTransport(o, tcp::CreateTcpTransport, hooks);
+  auto server = libfabric::CreateLibfabricTransport(o, tcp::CreateTcpTransport);
+  REQUIRE_OK(worker.status());
+  REQUIRE_OK(server.status());
+  core::Transport& w = **worker;
+  core::Transport& s = **server;
+  const core::NodeId wid = core::WorkerId(0), sid = core::ServerId(0);
+  auto wep = w.LocalEndpoint();
+  auto sep = s.LocalEndpoint();
+  REQUIRE_OK(wep.status());
+  REQUIRE_OK(sep.status());
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  absl::Status server_connect;
+  std::thread accept([&] {
+    const core::PeerInfo peer{wid, *wep};
+    server_connect = s.Connect(sid, absl::MakeConstSpan(&peer, 1), deadline);
+  });
+  const core::PeerInfo to_server{sid, *sep};
+  REQUIRE_OK(w.Connect(wid, absl::MakeConstSpan(&to_server, 1), deadline));
+  accept.join();
+  REQUIRE_OK(server_connect);
+
+  constexpr size_t kBytes = 64 << 10;  // 16 writes a frame
+  std::vector<std::byte> slot(kBytes), src(kBytes);
+  for (size_t i = 0; i < kBytes; ++i) src[i] = static_cast<std::byte>(i * 7 + 3);
+  SlotSink server_sink(slot);
+  SlotSink worker_sink(src);  // nothing arrives at the worker
+  std::atomic<bool> stop{false};
+  std::thread server_poll([&] {
+    while (!stop.load()) (void)s.Poll(server_sink, absl::Milliseconds(1));
+  });
+  std::thread worker_poll([&] {
+    while (!stop.load()) (void)w.Poll(worker_sink, absl::Milliseconds(1));
+  });
+  core::RegionInfo recv{.id = 1, .key = 7, .base = slot.data(), .slot_bytes = kBytes};
+  recv.remote_writable = true;
+  recv.slot_peers = {wid};
+  core::RegionInfo send{.id = 1, .key = 7, .base = src.data(), .slot_bytes = kBytes};
+  REQUIRE_OK(s.RegisterRegion(recv));
+  REQUIRE_OK(w.RegisterRegion(send));
+
+  core::FrameHeader h;
+  h.type = core::FrameType::kPush;
+  h.src = wid;
+  h.dst = sid;
+  h.key = 7;
+  h.payload_bytes = kBytes;
+  h.part_count = 1;
+  int accepted = 0;
+  absl::Status full;
+  const absl::Time start = absl::Now();
+  for (int i = 0; i < 1000 && full.ok(); ++i) {
+    h.request_id = static_cast<uint64_t>(i);
+    full = w.Send(sid, h, src.data(), 1, kBytes);
+    if (full.ok()) ++accepted;
+  }
+  INFO(full.ToString());
+  CHECK(absl::IsResourceExhausted(full));
+  CHECK(absl::StrContains(full.message(), core::PeerName(sid)));
+  CHECK(accepted == 4096 / 16);                   // the queue's bound, in frames
+  CHECK(absl::Now() - start < absl::Seconds(2));  // no send waited for the provider
+  CHECK(server_sink.delivered.load() == 0);       // the descriptors wait for their writes
+  refuse->store(false);  // room again: the queue drains and every frame completes
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (server_sink.delivered.load() < accepted && absl::Now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  CHECK(server_sink.delivered.load() == accepted);
+  CHECK(server_sink.failed.load() == 0);
+  CHECK(std::memcmp(slot.data(), src.data(), kBytes) == 0);
+  stop.store(true);
+  server_poll.join();
+  worker_poll.join();
+  w.Shutdown();
+  s.Shutdown();
 }
 
 FrameDescriptor Descriptor(uint32_t seq, uint32_t chunks) {
