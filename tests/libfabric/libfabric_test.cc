@@ -70,7 +70,12 @@ TEST_CASE("libfabric: writes landing newest first are counted, the data is exact
           "[libfabric][reorder]") {
   for (const char* provider : {"shm", "tcp"}) {
     DYNAMIC_SECTION(provider) {
-      CHECK_OK(RunInProcess(SmallScenario(), Base(), Reordered(provider, false)));
+      // 2A2F: each server counts two writers' frames, each writer's two
+      // micro-batches in flight, all their writes interleaved newest first.
+      Scenario sc = SmallScenario();
+      sc.workers = 2;
+      sc.servers = 2;
+      CHECK_OK(RunInProcess(sc, Base(), Reordered(provider, false)));
     }
   }
 }
