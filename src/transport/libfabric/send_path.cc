@@ -311,10 +311,11 @@ absl::Status LibfabricTransport::Send(NodeId peer, const FrameHeader& header, co
       op.context = ctx;
       absl::Status st = PostOrQueue(peer, *sp, op, ctx);
       if (!st.ok()) {
-        // The frame is announced and failed, so the peer does not wait for it.
+        if (c == 0) return st;  // nothing posted: the send may be retried
+        // Some writes are out: the frame is announced and failed, so that
+        // the peer does not wait for the rest.
         MutexLock abort(&abort_mu_);
         aborts_.emplace_back(peer, d.seq);
-        if (c == 0) return st;
         break;
       }
     }
