@@ -122,14 +122,19 @@ absl::Status LibfabricTransport::Connect(NodeId self, absl::Span<const core::Pee
           absl::StrCat("libfabric: ", PeerName(peer.id), " uses provider '", parts[1],
                        "', this node '", endpoint_->provider(), "'"));
     }
-    STEPMESH_ASSIGN_OR_RETURN(std::string raw, HexDecode(parts[2]));
+    // The published address goes into the address vector when the peer's
+    // hello confirms it over its live control connection (OnHello), not
+    // here: a peer that dies before it connects is never inserted (libfabric
+    // 1.17's shm provider faults inserting the name of an endpoint that its
+    // process has closed meanwhile).
+    absl::StatusOr<std::string> raw = HexDecode(parts[2]);
+    if (!raw.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(raw.status().message(), " (", PeerName(peer.id), "'s endpoint)"));
+    }
     {
       MutexLock lock(&av_mu_);
-      absl::StatusOr<fi_addr_t> addr = endpoint_->Resolve(raw);
-      if (!addr.ok()) {
-        return absl::Status(addr.status().code(),
-                            absl::StrCat(addr.status().message(), " for ", PeerName(peer.id)));
-      }
+      published_[peer.id] = *std::move(raw);
     }
     control_peers.push_back({peer.id, parts[0]});
   }
@@ -192,6 +197,12 @@ void LibfabricTransport::OnHello(NodeId peer, const Hello& hello) {
   absl::StatusOr<fi_addr_t> addr;
   {
     MutexLock lock(&av_mu_);
+    auto published = published_.find(peer);
+    if (published != published_.end() && published->second != hello.address) {
+      // It restarted since the roster we were given: its hello is the live one.
+      STEPMESH_LOG(kInfo, "libfabric: ", PeerName(peer),
+                   " says hello from another fabric address than it published");
+    }
     addr = endpoint_->Resolve(hello.address);
   }
   if (!addr.ok()) {

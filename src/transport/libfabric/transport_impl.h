@@ -119,7 +119,8 @@ class LibfabricTransport final : public core::Transport {
   base::RateLimiter warnings_{5, absl::Seconds(10)};
 
   base::Mutex ctl_mu_;  // one control send at a time
-  base::Mutex av_mu_;   // the endpoint's address-vector cache
+  base::Mutex av_mu_;   // the endpoint's address-vector cache, published_
+  absl::flat_hash_map<core::NodeId, std::string> published_;  // roster addresses (raw)
 
   base::Mutex peers_mu_;
   absl::flat_hash_map<core::NodeId, std::shared_ptr<SendPeer>> send_peers_;
