@@ -96,7 +96,7 @@ int Usage(const char* why) {
   std::fprintf(
       stderr,
       "usage: stepmesh_perf [--role launch|worker|server|scheduler] [--scheduler H:P] [--rank R]\n"
-      "  [--transport tcp|rdma] [--backend cpu_mock|cuda] [--device N]\n"
+      "  [--transport tcp|rdma|libfabric] [--backend cpu_mock|cuda] [--device N]\n"
       "  [--pattern 1A1F|1A2F|2A1F|2A2F|xAyF] [--workers X --servers Y (with xAyF)]\n"
       "  [--push-bytes B] [--pull-bytes B] | [--sizes P:Q,P:Q,...]   (default sweep 8 B..3.5 MiB)\n"
       "  [--micro-batches M] [--warmup N] [--iters N] [--reps R]\n"

@@ -15,6 +15,19 @@ if(STEPMESH_ENABLE_RDMA)
   endif()
 endif()
 
+# The libfabric transport: headers only at build time (libfabric.so.1 is
+# dlopen'ed when the transport is selected), so the library links and runs
+# on machines without libfabric.
+set(STEPMESH_HAVE_LIBFABRIC OFF)
+if(STEPMESH_ENABLE_LIBFABRIC)
+  pkg_check_modules(LIBFABRIC libfabric>=1.9)
+  if(LIBFABRIC_FOUND)
+    set(STEPMESH_HAVE_LIBFABRIC ON)
+  else()
+    message(STATUS "stepmesh: libfabric not found, libfabric transport disabled")
+  endif()
+endif()
+
 if(STEPMESH_BUILD_TESTS)
   find_package(Catch2 2 REQUIRED)
   include(Catch)

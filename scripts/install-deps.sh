@@ -6,6 +6,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config ccache
   libabsl-dev libhwloc-dev libibverbs-dev
+  libfabric-dev libfabric-bin   # the libfabric transport (headers; fi_info); its tcp/shm rows in CI
   catch2 libbenchmark-dev libzmq3-dev
   gnuplot-nox
   python3 python3-numpy   # the example's independent float64 reference (tests/model)

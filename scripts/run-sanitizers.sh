@@ -11,8 +11,10 @@
 #
 # What runs where (CI time is paid for; every program below is built only for
 # the sanitizer that runs it, with -g1 line tables, see CMakePresets.json):
-#   both   core_tests, reliability_tests, rdma_tests, cuda_backend_tests and
-#          their child programs: the threaded code (transports, receive and
+#   both   core_tests, reliability_tests, rdma_tests, cuda_backend_tests,
+#          libfabric_tests and their child programs (core_tests and
+#          reliability_tests include the libfabric-tcp/-shm rows): the
+#          threaded code (transports, receive and
 #          send threads, reliability, the fake verbs fabric and fake CUDA
 #          streams) and all the byte handling.
 #   ASan   planner_tests (single-threaded: nothing for TSan to see) and the
@@ -65,7 +67,7 @@ for preset in "${presets[@]}"; do
   # fails whenever grep stops reading before ninja has written everything
   # (SIGPIPE), which silently dropped targets late in the list.
   all_targets=$(ninja -C "$build" -t targets all 2>/dev/null)
-  for optional in rdma_tests cuda_backend_tests; do
+  for optional in rdma_tests cuda_backend_tests libfabric_tests; do
     if grep -q "^$optional:" <<<"$all_targets"; then
       extra+=("$optional")
     fi

@@ -93,8 +93,9 @@ absl::Status RunShape::Validate() const {
   if (prompt_len < 1 || decode_steps < 0) {
     return absl::InvalidArgumentError("--prompt-len must be >= 1 and --decode-steps >= 0");
   }
-  if (transport != "tcp" && transport != "rdma") {
-    return absl::InvalidArgumentError("--transport must be tcp or rdma");
+  if (transport != "tcp" && transport != "rdma" && transport != "libfabric") {
+    return absl::InvalidArgumentError(
+        "--transport must be tcp, rdma or libfabric (provider: STEPMESH_FI_PROVIDER)");
   }
   if (backend != "cpu_mock" && backend != "cuda") {
     return absl::InvalidArgumentError("--backend must be cpu_mock or cuda");

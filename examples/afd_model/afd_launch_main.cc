@@ -3,7 +3,7 @@
 //
 //   afd_launch --attention X --ffn Y [--requests R] [--prompt-len 32]
 //              [--decode-steps 16] [--micro-batches 3] [--model tiny]
-//              [--transport tcp|rdma] [--backend cpu_mock|cuda]
+//              [--transport tcp|rdma|libfabric] [--backend cpu_mock|cuda]
 //              [--poll-mode adaptive|spin|blocking] [--timeout-ms 30000]
 //              [--deadline-s 300] [--chrome-trace FILE] [--work-dir DIR]
 //              [--scheduler-binary PATH] [--no-reference] [--no-layer-check]
@@ -742,7 +742,9 @@ run shape (passed to every process):
                          full wire widths, CPU-sized FFN), step3; Step-5-Preview
                          tiny-step5, full-width-step5, step5; or a config file.
                          Step-5 models run on the cpu engine with an fp32 KV cache
-  --transport tcp|rdma   default tcp (rdma needs an RDMA device)
+  --transport tcp|rdma|libfabric
+                         default tcp (rdma needs an RDMA device; libfabric's
+                         provider: STEPMESH_FI_PROVIDER, docs/libfabric.md)
   --backend cpu_mock|cuda  default cpu_mock (cuda needs a GPU)
   --engine auto|cpu|cuda|cpu-device
                          compute engine: cpu = the CPU kernels; cuda = the CUDA

@@ -152,8 +152,11 @@ struct STEPMESH_EXPORT MeshOptions {
   // listing the interfaces found.
   std::string interface;
 
-  // "tcp", "rdma", "auto" (rdma when a device exists) or "libfabric" (when built).
+  // "tcp", "rdma", "libfabric" or "auto" (rdma when a device exists)
   std::string transport = "auto";
+  // transport = "libfabric": the provider ("tcp", "shm", "efa", ...; empty:
+  // the first with RMA and remote CQ data). docs/libfabric.md.
+  std::string fi_provider;
   std::string backend = "cpu_mock";  // "cpu_mock" or "cuda"
   int device = 0;
   // The process's CUDA_DEVICE_MAX_CONNECTIONS (0: not set). With 1 the cuda

@@ -16,6 +16,9 @@
 #ifdef STEPMESH_HAVE_RDMA
 #include "src/transport/rdma/rdma_transport.h"
 #endif
+#ifdef STEPMESH_HAVE_LIBFABRIC
+#include "src/transport/libfabric/libfabric_transport.h"
+#endif
 #ifdef STEPMESH_HAVE_CUDA
 #include "src/backends/cuda/cuda_backend.h"
 #endif
@@ -25,6 +28,14 @@ namespace compose {
 
 absl::StatusOr<std::unique_ptr<core::Transport>> CreateTransport(const MeshOptions& options) {
   if (options.transport == "tcp") return tcp::CreateTcpTransport(options);
+  if (options.transport == "libfabric") {
+#ifdef STEPMESH_HAVE_LIBFABRIC
+    // Descriptors, adverts and goodbyes ride an ordered TCP control connection.
+    return libfabric::CreateLibfabricTransport(options, tcp::CreateTcpTransport);
+#else
+    return absl::UnimplementedError("this build of stepmesh has no libfabric transport");
+#endif
+  }
 #ifdef STEPMESH_HAVE_RDMA
   if (options.transport == "rdma") return rdma::CreateRdmaTransport(options);
   if (options.transport == "auto" && rdma::RdmaDeviceAvailable()) {

@@ -12,7 +12,8 @@
 
 namespace stepmesh::compose {
 
-// The transport named in options.transport: "tcp", "rdma", or "auto" (rdma
+// The transport named in options.transport: "tcp", "rdma", "libfabric"
+// (options.fi_provider's provider), or "auto" (rdma
 // when built with it and a device is present, else tcp). A core::TransportFactory.
 absl::StatusOr<std::unique_ptr<core::Transport>> CreateTransport(const MeshOptions& options);
 

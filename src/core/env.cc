@@ -212,14 +212,22 @@ const std::vector<EnvEntry>& EnvTable() {
        "the interfaces found",
        STEPMESH_ENV_STR(interface)},
       {"STEPMESH_TRANSPORT", "transport", "`auto`",
-       "`tcp`, `rdma`, `auto` (RDMA if a device exists), or `libfabric` (an error naming it "
-       "when this build has none)",
+       "`tcp`, `rdma`, `libfabric` (an error naming it when this build has none), or `auto` "
+       "(RDMA if a device exists)",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
          // An unknown value is refused here, naming the variable, not later.
-         STEPMESH_RETURN_IF_ERROR(CheckOneOf(v, {"tcp", "rdma", "auto", "libfabric"}));
+         STEPMESH_RETURN_IF_ERROR(CheckOneOf(v, {"tcp", "rdma", "libfabric", "auto"}));
          o.transport = std::string(v);
          return absl::OkStatus();
        }},
+      // libfabric's own variable (it also filters libfabric's providers);
+      // STEPMESH_FI_PROVIDER, listed after it, wins.
+      {"FI_PROVIDER", "fi_provider", "—", "as `STEPMESH_FI_PROVIDER` (libfabric's own name)",
+       STEPMESH_ENV_STR(fi_provider)},
+      {"STEPMESH_FI_PROVIDER", "fi_provider", "empty (the first that fits)",
+       "libfabric provider of `transport = libfabric`: `tcp`, `shm`, `efa`, `tcp;ofi_rxm`, ...; "
+       "one without RMA or remote CQ data is refused, naming what it lacks",
+       STEPMESH_ENV_STR(fi_provider)},
       {"STEPMESH_BACKEND", "backend", "`cpu_mock`", "`cpu_mock` or `cuda`",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
          // Whether this build has CUDA is decided when the backend is made;

@@ -46,7 +46,7 @@ expect 2 "unknown flag\(s\): --bogus" --bogus 3
 expect 2 "missing value for --requests" --requests
 expect 2 "--requests: not an integer: many" --requests many
 expect 2 "--requests \(2\) must be at least --micro-batches \(3\)" --requests 2
-expect 2 "--transport must be tcp or rdma" --transport udp
+expect 2 "--transport must be tcp, rdma or libfabric" --transport udp
 expect 2 "--backend must be cpu_mock or cuda" --backend tpu
 expect 2 "exceeds tiny-step3's max_position_embedding 4096" --prompt-len 4000 --decode-steps 200
 expect 2 "--model: unknown model '/nonexistent.cfg'" --config /nonexistent.cfg

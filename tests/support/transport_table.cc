@@ -7,6 +7,9 @@
 #include "absl/strings/str_cat.h"
 #include "src/transport/tcp_fallback/tcp_transport.h"
 
+#ifdef STEPMESH_HAVE_LIBFABRIC
+#include "src/transport/libfabric/libfabric_transport.h"
+#endif
 #ifdef STEPMESH_HAVE_RDMA
 #include "src/transport/rdma/rdma_transport.h"
 #include "tests/support/fake_fabric.h"
@@ -62,6 +65,26 @@ TransportCase HardwareRdmaRow() {
 }
 #endif
 
+#ifdef STEPMESH_HAVE_LIBFABRIC
+// The libfabric transport over one of libfabric's own software providers
+// ("tcp": tcp;ofi_rxm over loopback; "shm": same-host shared memory), with
+// its TCP control connection.
+TransportCase LibfabricRow(std::string name, std::string provider) {
+  return {.name = std::move(name),
+          .transport = "libfabric",
+          .make =
+              [provider] {
+                core::TransportFactory factory = [provider](const MeshOptions& options) {
+                  MeshOptions o = options;
+                  o.fi_provider = provider;
+                  return libfabric::CreateLibfabricTransport(o, tcp::CreateTcpTransport);
+                };
+                return TransportInstance{std::move(factory), nullptr, nullptr};
+              },
+          .payload_lands_first = true};
+}
+#endif
+
 }  // namespace
 
 std::vector<TransportCase> AllTransportRows() {
@@ -73,6 +96,10 @@ std::vector<TransportCase> AllTransportRows() {
                         return TransportInstance{tcp::CreateTcpTransport, nullptr, nullptr};
                       },
                   .wire_faults = true});
+#ifdef STEPMESH_HAVE_LIBFABRIC
+  rows.push_back(LibfabricRow("libfabric-tcp", "tcp"));
+  rows.push_back(LibfabricRow("libfabric-shm", "shm"));
+#endif
 #ifdef STEPMESH_HAVE_RDMA
   rows.push_back(FakeRdmaRow("rdma-fake-sync", /*asynchronous=*/false));
   rows.push_back(FakeRdmaRow("rdma-fake-async", /*asynchronous=*/true));

@@ -3,7 +3,9 @@
 // a suite covers every transport by iterating the table (one Catch
 // DYNAMIC_SECTION per row) and a new transport is one new row here.
 //
-// Rows: "tcp"; where RDMA is built, "rdma-fake-sync" and "rdma-fake-async"
+// Rows: "tcp"; where libfabric is built, "libfabric-tcp" and "libfabric-shm"
+// (the libfabric transport over libfabric's tcp;ofi_rxm and shm providers,
+// docs/libfabric.md); where RDMA is built, "rdma-fake-sync" and "rdma-fake-async"
 // (the RDMA transport over the in-process fake fabric, tests/rdma/fake_verbs.h,
 // executing work requests inside post_send or asynchronously on a fabric
 // thread), and "rdma-hw" (real verbs; a hardware row, run only by

@@ -1,0 +1,381 @@
+// The libfabric transport: a frame is complete when its descriptor and every
+// one of its writes have landed, in whatever order they come. The reordering
+// poster (libfabric_transport.h) holds every write and posts them newest
+// first, one per millisecond -- each frame's last chunk lands first, as it may
+// on EFA's SRD. The counted transport must stay byte-exact under it; the
+// order-dependent variant (only the last write signals, as on RC) must not,
+// which shows that the reordering reaches the data.
+
+#include <rdma/fi_errno.h>
+
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "src/compose/transports.h"
+#include "src/core/protocol.h"
+#include "src/transport/libfabric/fabric_endpoint.h"
+#include "src/transport/libfabric/fabric_wire.h"
+#include "src/transport/libfabric/frame_assembler.h"
+#include "src/transport/libfabric/libfabric_transport.h"
+#include "src/transport/tcp_fallback/tcp_transport.h"
+#include "tests/support/mesh_scenarios.h"
+#include "tests/support/scoped_env.h"
+#include "tests/support/status.h"
+
+namespace stepmesh::testing {
+namespace {
+
+using libfabric::FrameAssembler;
+using libfabric::FrameDescriptor;
+
+core::TransportFactory Reordered(const std::string& provider, bool order_dependent) {
+  return [provider, order_dependent](const MeshOptions& options) {
+    MeshOptions o = options;
+    o.fi_provider = provider;
+    libfabric::LibfabricHooks hooks;
+    hooks.poster = [] { return libfabric::MakeReorderingPoster(absl::Milliseconds(1)); };
+    hooks.chunk_bytes = 4096;  // every push and pull is several writes
+    hooks.signal_last_chunk_only = order_dependent;
+    return libfabric::CreateLibfabricTransport(o, tcp::CreateTcpTransport, std::move(hooks));
+  };
+}
+
+Scenario SmallScenario() {
+  Scenario sc;
+  sc.workers = 1;
+  sc.servers = 1;
+  sc.micro_batches = 2;
+  sc.iterations = 3;
+  sc.push_bytes = 6 * 4096;  // 6 writes
+  sc.pull_bytes = 5 * 4096;  // 5 writes
+  sc.step_timeout = absl::Seconds(10);
+  return sc;
+}
+
+MeshOptions Base() {
+  MeshOptions o;
+  o.transport = "libfabric";
+  o.timeout = absl::Seconds(10);
+  return o;
+}
+
+TEST_CASE("libfabric: writes landing newest first are counted, the data is exact",
+          "[libfabric][reorder]") {
+  for (const char* provider : {"shm", "tcp"}) {
+    DYNAMIC_SECTION(provider) {
+      // 2A2F: each server counts two writers' frames, each writer's two
+      // micro-batches in flight, all their writes interleaved newest first.
+      Scenario sc = SmallScenario();
+      sc.workers = 2;
+      sc.servers = 2;
+      CHECK_OK(RunInProcess(sc, Base(), Reordered(provider, false)));
+    }
+  }
+}
+
+TEST_CASE("libfabric: the order-dependent variant fails under the same reordering",
+          "[libfabric][reorder]") {
+  // Only each frame's last write signals, and its landing is taken for all:
+  // the frame is delivered while its other writes are still held, so the
+  // scenario's byte check (or its deadline) fails. If this passed, the
+  // reordering poster would not be reordering and the test above would
+  // prove nothing.
+  const absl::Status s = RunInProcess(SmallScenario(), Base(), Reordered("shm", true));
+  UNSCOPED_INFO("the order-dependent variant: " << s.ToString());
+  CHECK_FALSE(s.ok());
+  CHECK(absl::IsDataLoss(s));  // bytes that had not landed yet
+}
+
+// Refuses every write with -FI_EAGAIN while `refuse` is set, as a provider
+// whose queue to a peer is full does.
+class RefusingPoster final : public libfabric::WritePoster {
+ public:
+  explicit RefusingPoster(std::shared_ptr<std::atomic<bool>> refuse)
+      : refuse_(std::move(refuse)), direct_(libfabric::MakeDirectPoster()) {}
+  ssize_t Post(fid_ep* ep, const libfabric::WriteOp& op) override {
+    if (refuse_->load()) return -FI_EAGAIN;
+    return direct_->Post(ep, op);
+  }
+
+ private:
+  std::shared_ptr<std::atomic<bool>> refuse_;
+  std::unique_ptr<libfabric::WritePoster> direct_;
+};
+
+// The server side's sink: every push lands in `slot`.
+class SlotSink final : public core::TransportSink {
+ public:
+  explicit SlotSink(std::vector<std::byte>& slot) : slot_(slot) {}
+  absl::Status Resolve(core::NodeId, const core::FrameHeader&, core::Destination& out,
+                       core::FrameContext*) override {
+    out.data = slot_.data();
+    out.capacity = slot_.size();
+    out.region = 1;
+    return absl::OkStatus();
+  }
+  void OnFrame(core::NodeId, const core::FrameHeader&, core::FrameContext,
+               absl::Status status) override {
+    (status.ok() ? delivered : failed).fetch_add(1);
+  }
+  void OnPeerLost(core::NodeId, absl::Status) override { lost.fetch_add(1); }
+  std::atomic<int> delivered{0}, failed{0}, lost{0};
+
+ private:
+  std::vector<std::byte>& slot_;
+};
+
+TEST_CASE(
+    "libfabric: writes the provider refuses queue for that peer, a full queue is "
+    "RESOURCE_EXHAUSTED naming it, and the queue drains in order",
+    "[libfabric][queue]") {
+  MeshOptions o = Base();
+  o.fi_provider = "shm";
+  o.timeout = absl::Seconds(5);
+  auto refuse = std::make_shared<std::atomic<bool>>(true);
+  libfabric::LibfabricHooks hooks;
+  hooks.chunk_bytes = 4096;
+  hooks.poster = [refuse] { return std::make_unique<RefusingPoster>(refuse); };
+  auto worker = libfabric::CreateLibfabricTransport(o, tcp::CreateTcpTransport, hooks);
+  auto server = libfabric::CreateLibfabricTransport(o, tcp::CreateTcpTransport);
+  REQUIRE_OK(worker.status());
+  REQUIRE_OK(server.status());
+  core::Transport& w = **worker;
+  core::Transport& s = **server;
+  const core::NodeId wid = core::WorkerId(0), sid = core::ServerId(0);
+  auto wep = w.LocalEndpoint();
+  auto sep = s.LocalEndpoint();
+  REQUIRE_OK(wep.status());
+  REQUIRE_OK(sep.status());
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  absl::Status server_connect;
+  std::thread accept([&] {
+    const core::PeerInfo peer{wid, *wep};
+    server_connect = s.Connect(sid, absl::MakeConstSpan(&peer, 1), deadline);
+  });
+  const core::PeerInfo to_server{sid, *sep};
+  REQUIRE_OK(w.Connect(wid, absl::MakeConstSpan(&to_server, 1), deadline));
+  accept.join();
+  REQUIRE_OK(server_connect);
+
+  constexpr size_t kBytes = 64 << 10;  // 16 writes a frame
+  std::vector<std::byte> slot(kBytes), src(kBytes);
+  for (size_t i = 0; i < kBytes; ++i) src[i] = static_cast<std::byte>(i * 7 + 3);
+  SlotSink server_sink(slot);
+  SlotSink worker_sink(src);  // nothing arrives at the worker
+  std::atomic<bool> stop{false};
+  std::thread server_poll([&] {
+    while (!stop.load()) (void)s.Poll(server_sink, absl::Milliseconds(1));
+  });
+  std::thread worker_poll([&] {
+    while (!stop.load()) (void)w.Poll(worker_sink, absl::Milliseconds(1));
+  });
+  core::RegionInfo recv{.id = 1, .key = 7, .base = slot.data(), .slot_bytes = kBytes};
+  recv.remote_writable = true;
+  recv.slot_peers = {wid};
+  core::RegionInfo send{.id = 1, .key = 7, .base = src.data(), .slot_bytes = kBytes};
+  REQUIRE_OK(s.RegisterRegion(recv));
+  REQUIRE_OK(w.RegisterRegion(send));
+
+  core::FrameHeader h;
+  h.type = core::FrameType::kPush;
+  h.src = wid;
+  h.dst = sid;
+  h.key = 7;
+  h.payload_bytes = kBytes;
+  h.part_count = 1;
+  int accepted = 0;
+  absl::Status full;
+  const absl::Time start = absl::Now();
+  for (int i = 0; i < 1000 && full.ok(); ++i) {
+    h.request_id = static_cast<uint64_t>(i);
+    full = w.Send(sid, h, src.data(), 1, kBytes);
+    if (full.ok()) ++accepted;
+  }
+  INFO(full.ToString());
+  CHECK(absl::IsResourceExhausted(full));
+  CHECK(absl::StrContains(full.message(), core::PeerName(sid)));
+  CHECK(accepted == 4096 / 16);                   // the queue's bound, in frames
+  CHECK(absl::Now() - start < absl::Seconds(2));  // no send waited for the provider
+  CHECK(server_sink.delivered.load() == 0);       // the descriptors wait for their writes
+  refuse->store(false);  // room again: the queue drains and every frame completes
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  while (server_sink.delivered.load() < accepted && absl::Now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  CHECK(server_sink.delivered.load() == accepted);
+  CHECK(server_sink.failed.load() == 0);
+  CHECK(std::memcmp(slot.data(), src.data(), kBytes) == 0);
+  stop.store(true);
+  server_poll.join();
+  worker_poll.join();
+  w.Shutdown();
+  s.Shutdown();
+}
+
+FrameDescriptor Descriptor(uint32_t seq, uint32_t chunks) {
+  FrameDescriptor d;
+  d.seq = seq;
+  d.chunks = chunks;
+  d.header.type = core::FrameType::kPush;
+  d.header.payload_bytes = chunks * 100;
+  d.header.part_count = 1;
+  return d;
+}
+
+TEST_CASE("libfabric: frame assembler completes by count in any order, delivers in order",
+          "[libfabric][assembler]") {
+  FrameAssembler a;
+  const absl::Time now = absl::Now();
+  a.OnChunk(2);  // frame 2's write lands before any descriptor
+  a.OnDescriptor(Descriptor(1, 2), now);
+  a.OnDescriptor(Descriptor(2, 1), now);
+  CHECK(a.Ready() == nullptr);  // frame 2 is complete but frame 1 is first
+  a.OnChunk(1);
+  CHECK(a.Ready() == nullptr);
+  a.OnChunk(1);
+  REQUIRE(a.Ready() != nullptr);
+  CHECK(a.Ready()->seq == 1);
+  CHECK(a.Ready()->failure.ok());
+  a.Pop();
+  REQUIRE(a.Ready() != nullptr);
+  CHECK(a.Ready()->seq == 2);
+  a.Pop();
+  CHECK_FALSE(a.waiting());
+
+  SECTION("an extra write fails the frame") {
+    a.OnDescriptor(Descriptor(3, 1), now);
+    a.OnChunk(3);
+    a.OnChunk(3);
+    REQUIRE(a.Ready() != nullptr);
+    CHECK(absl::IsDataLoss(a.Ready()->failure));
+  }
+  SECTION("an abort ahead of its descriptor fails the frame") {
+    a.OnAbort(4, absl::DataLossError("write failed"));
+    a.OnDescriptor(Descriptor(4, 3), now);
+    REQUIRE(a.Ready() != nullptr);
+    CHECK(absl::IsDataLoss(a.Ready()->failure));
+  }
+  SECTION("a frame with no writes is complete at once") {
+    a.OnDescriptor(Descriptor(5, 0), now);
+    CHECK(a.Ready() != nullptr);
+  }
+}
+
+TEST_CASE("libfabric: control messages round-trip and garbage is refused", "[libfabric][wire]") {
+  libfabric::Hello hello{.epoch = 42, .your_tag = 7, .provider = "shm", .address = "fi_shm://1"};
+  auto m = libfabric::DecodeControl(libfabric::EncodeHello(hello));
+  REQUIRE_OK(m.status());
+  CHECK(m->hello.epoch == 42);
+  CHECK(m->hello.your_tag == 7);
+  CHECK(m->hello.address == "fi_shm://1");
+  FrameDescriptor d = Descriptor(9, 0);
+  d.header.payload_bytes = 3;
+  d.inline_bytes = "abc";
+  auto f = libfabric::DecodeControl(libfabric::EncodeFrame(d));
+  REQUIRE_OK(f.status());
+  CHECK(f->frame.inline_bytes == "abc");
+  std::string bad = libfabric::EncodeFrame(d);
+  bad[20] ^= 1;  // inside the header: its CRC fails
+  CHECK(absl::IsDataLoss(libfabric::DecodeControl(bad).status()));
+  CHECK_FALSE(libfabric::DecodeControl("").ok());
+  CHECK_FALSE(libfabric::DecodeControl(std::string("\x63", 1)).ok());
+  CHECK(libfabric::ImmediateSeq(libfabric::Immediate(4095, 0xFFFFF)) == 0xFFFFF);
+  CHECK(libfabric::ImmediateTag(libfabric::Immediate(4095, 0xFFFFF)) == 4095);
+}
+
+TEST_CASE("libfabric: an unknown provider is named, with the ones this machine has",
+          "[libfabric][bad-input]") {
+  MeshOptions o = Base();
+  o.fi_provider = "carrier-pigeon";
+  const absl::Status s = compose::CreateTransport(o).status();
+  INFO(s.ToString());
+  CHECK(absl::IsNotFound(s));
+  CHECK(absl::StrContains(s.message(), "'carrier-pigeon'"));
+  CHECK(absl::StrContains(s.message(), "providers on this machine:"));
+  CHECK(absl::StrContains(s.message(), "shm"));
+}
+
+// libfabric behind the FabricApi seam, with what the provider reports edited:
+// this machine's providers all have RMA and CQ data, EFA-less clouds and
+// old providers do not.
+const libfabric::FabricApi* real_api = nullptr;
+bool strip_rma = false;
+int Edited(uint32_t version, const char* node, const char* service, uint64_t flags,
+           const fi_info* hints, fi_info** info) {
+  if (strip_rma && hints != nullptr && (hints->caps & FI_RMA) != 0) return -FI_ENODATA;
+  const int rc = real_api->getinfo(version, node, service, flags, hints, info);
+  if (rc == 0 && !strip_rma) {
+    for (fi_info* i = *info; i != nullptr; i = i->next) i->domain_attr->cq_data_size = 0;
+  }
+  return rc;
+}
+
+TEST_CASE("libfabric: a provider without RMA or remote CQ data is refused by name",
+          "[libfabric][bad-input]") {
+  auto api = libfabric::LoadFabricApi();
+  REQUIRE_OK(api.status());
+  real_api = *api;
+  libfabric::FabricApi edited = **api;
+  edited.getinfo = Edited;
+  const libfabric::EndpointConfig shm{.provider = "shm", .host = ""};
+  SECTION("no FI_RMA") {
+    strip_rma = true;
+    const absl::Status s = libfabric::FabricEndpoint::Open(edited, shm).status();
+    INFO(s.ToString());
+    CHECK(absl::IsFailedPrecondition(s));
+    CHECK(absl::StrContains(s.message(), "'shm' lacks FI_RMA"));
+  }
+  SECTION("no remote CQ data") {
+    strip_rma = false;
+    const absl::Status s = libfabric::FabricEndpoint::Open(edited, shm).status();
+    INFO(s.ToString());
+    CHECK(absl::IsFailedPrecondition(s));
+    CHECK(absl::StrContains(s.message(), "'shm' lacks remote CQ data"));
+  }
+  SECTION("the real one opens") {
+    auto e = libfabric::FabricEndpoint::Open(**api, shm);
+    REQUIRE_OK(e.status());
+    CHECK((*e)->provider() == "shm");
+    CHECK((*e)->cq_data_size() >= 4);
+  }
+  SECTION("a utility provider alone has no RDM endpoint") {
+    const absl::Status s =
+        libfabric::FabricEndpoint::Open(**api, {.provider = "ofi_hook_noop", .host = ""}).status();
+    INFO(s.ToString());
+    CHECK(absl::IsNotFound(s));
+    CHECK(absl::StrContains(s.message(), "'ofi_hook_noop'"));
+  }
+}
+
+TEST_CASE("libfabric: selected through the environment table", "[libfabric][options]") {
+  {
+    ScopedEnv env({{"STEPMESH_TRANSPORT", "libfabric"}, {"STEPMESH_FI_PROVIDER", "shm"}});
+    auto o = MeshOptions::FromEnv();
+    REQUIRE_OK(o.status());
+    CHECK(o->transport == "libfabric");
+    CHECK(o->fi_provider == "shm");
+  }
+  {
+    ScopedEnv env({{"FI_PROVIDER", "tcp"}, {"DMLC_ENABLE_RDMA", "fabric"}});
+    auto o = MeshOptions::FromEnv();
+    REQUIRE_OK(o.status());
+    CHECK(o->transport == "libfabric");
+    CHECK(o->fi_provider == "tcp");
+  }
+  {
+    ScopedEnv env({{"FI_PROVIDER", "tcp"}, {"STEPMESH_FI_PROVIDER", "shm"}});
+    auto o = MeshOptions::FromEnv();
+    REQUIRE_OK(o.status());
+    CHECK(o->fi_provider == "shm");  // STEPMESH_* wins
+  }
+}
+
+}  // namespace
+}  // namespace stepmesh::testing
