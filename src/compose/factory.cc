@@ -33,7 +33,10 @@ absl::StatusOr<std::unique_ptr<core::Transport>> CreateTransport(const MeshOptio
     // Descriptors, adverts and goodbyes ride an ordered TCP control connection.
     return libfabric::CreateLibfabricTransport(options, tcp::CreateTcpTransport);
 #else
-    return absl::UnimplementedError("this build of stepmesh has no libfabric transport");
+    return absl::UnimplementedError(
+        "transport 'libfabric' (STEPMESH_TRANSPORT=libfabric, DMLC_ENABLE_RDMA=fabric): the "
+        "libfabric transport is not built into this stepmesh (no libfabric-dev at configure "
+        "time); use tcp (DMLC_ENABLE_RDMA=zmq) or rdma (ibverbs)");
 #endif
   }
 #ifdef STEPMESH_HAVE_RDMA
@@ -46,13 +49,6 @@ absl::StatusOr<std::unique_ptr<core::Transport>> CreateTransport(const MeshOptio
     return absl::UnimplementedError("this build of stepmesh has no RDMA transport");
   }
 #endif
-  if (options.transport == "libfabric") {
-    // A build with src/transport/libfabric/ returns its transport above this line.
-    return absl::UnimplementedError(
-        "transport 'libfabric' (STEPMESH_TRANSPORT=libfabric, DMLC_ENABLE_RDMA=fabric): the "
-        "libfabric transport is not built into this stepmesh; use tcp (DMLC_ENABLE_RDMA=zmq) or "
-        "rdma (ibverbs)");
-  }
   if (options.transport == "auto") {
     STEPMESH_LOG(kInfo, "no RDMA device: using the TCP fallback");
     return tcp::CreateTcpTransport(options);
