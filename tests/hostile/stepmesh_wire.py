@@ -218,8 +218,8 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def listening_ports(pid):
-    """TCP ports `pid` listens on (IPv4), from /proc."""
+def _socket_inodes(pid):
+    """The socket inodes of `pid`'s open descriptors, from /proc."""
     inodes = set()
     for fd in os.listdir("/proc/%d/fd" % pid):
         try:
@@ -229,34 +229,28 @@ def listening_ports(pid):
         m = re.match(r"socket:\[(\d+)\]", target)
         if m:
             inodes.add(m.group(1))
-    ports = []
+    return inodes
+
+
+def _tcp_sockets(pid):
+    """(state, local port, remote port) of `pid`'s IPv4 TCP sockets, from /proc/net/tcp."""
+    inodes = _socket_inodes(pid)
     with open("/proc/net/tcp") as f:
         next(f)
         for line in f:
             parts = line.split()
-            if parts[3] == "0A" and parts[9] in inodes:  # LISTEN
-                ports.append(int(parts[1].split(":")[1], 16))
-    return sorted(ports)
+            if parts[9] in inodes:
+                yield parts[3], int(parts[1].split(":")[1], 16), int(parts[2].split(":")[1], 16)
+
+
+def listening_ports(pid):
+    """TCP ports `pid` listens on (IPv4), from /proc."""
+    return sorted(local for state, local, _ in _tcp_sockets(pid) if state == "0A")  # LISTEN
 
 
 def connected_to(pid, port):
     """Whether `pid` has an established TCP connection to 127.0.0.1:`port` (from /proc)."""
-    inodes = set()
-    for fd in os.listdir("/proc/%d/fd" % pid):
-        try:
-            target = os.readlink("/proc/%d/fd/%s" % (pid, fd))
-        except OSError:
-            continue
-        m = re.match(r"socket:\[(\d+)\]", target)
-        if m:
-            inodes.add(m.group(1))
-    with open("/proc/net/tcp") as f:
-        next(f)
-        for line in f:
-            parts = line.split()
-            if parts[3] == "01" and parts[9] in inodes and int(parts[2].split(":")[1], 16) == port:
-                return True
-    return False
+    return any(state == "01" and remote == port for state, _, remote in _tcp_sockets(pid))
 
 
 def free_port():
