@@ -14,6 +14,7 @@
 #include "stepmesh/export.h"
 #include "stepmesh/handle.h"
 #include "stepmesh/options.h"
+#include "stepmesh/participant.h"
 #include "stepmesh/stats.h"
 #include "stepmesh/tensor.h"
 #include "stepmesh/trace.h"
@@ -52,15 +53,14 @@ struct Reply {
   size_t bytes = kWholeTensor;  // of the worker's slot in the reply region
 };
 
-class STEPMESH_EXPORT AFTensorServer {
+// Rank, backend, stats, traces, Barrier and Shutdown: stepmesh/participant.h.
+class STEPMESH_EXPORT AFTensorServer : public Participant {
  public:
   static absl::StatusOr<std::unique_ptr<AFTensorServer>> Create(
       const MeshOptions& options, std::shared_ptr<Backend> backend = nullptr);
-  virtual ~AFTensorServer() = default;
+  ~AFTensorServer() override = default;
 
-  virtual int rank() const = 0;
   virtual int num_workers() const = 0;
-  virtual Backend& backend() = 0;
 
   // `region` holds num_workers equal slots (its first dimension must divide
   // evenly); worker w's pushes under `key` land in slot w.
@@ -87,29 +87,6 @@ class STEPMESH_EXPORT AFTensorServer {
   // must have a Reply; nothing is sent when the call fails.
   virtual absl::Status Respond(const Batch& batch, absl::Span<const Reply> replies,
                                const SendOptions& options = {}) = 0;
-
-  // A copy of this server's counters and stage histograms (always kept; the
-  // stage histograms need options.trace.enabled). Any thread; allocates.
-  virtual MeshStats Stats() = 0;
-
-  // This host's clock against the scheduler's (stepmesh/trace.h): 8 exchanges
-  // over the control connection, the shortest kept; each bounded by
-  // options.timeout. For lining up stamps (FetchTrace) of several hosts.
-  virtual absl::StatusOr<ClockSync> SchedulerClock() = 0;
-
-  // The recorded requests (options.trace.events, the newest that many) as
-  // Chrome trace-event JSON: this server as one process, a thread per stage,
-  // timestamps on the scheduler's clock (SchedulerClock() is run for it), so
-  // MergeChromeTraces lines up the exports of several processes
-  // (docs/tracing.md). FAILED_PRECONDITION when recording is off. Any thread;
-  // allocates; requests completing meanwhile may be left out (counted as
-  // dropped in the export).
-  virtual absl::StatusOr<std::string> ChromeTraceJson() = 0;
-  // ChromeTraceJson() written to `path`.
-  virtual absl::Status WriteChromeTrace(const std::string& path) = 0;
-
-  virtual absl::Status Barrier() = 0;
-  virtual absl::Status Shutdown() = 0;
 };
 
 }  // namespace stepmesh

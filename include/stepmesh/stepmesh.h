@@ -5,6 +5,7 @@
 #include "stepmesh/cuda.h"
 #include "stepmesh/handle.h"
 #include "stepmesh/options.h"
+#include "stepmesh/participant.h"
 #include "stepmesh/scheduler.h"
 #include "stepmesh/server.h"
 #include "stepmesh/stats.h"

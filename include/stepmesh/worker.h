@@ -14,6 +14,7 @@
 #include "stepmesh/export.h"
 #include "stepmesh/handle.h"
 #include "stepmesh/options.h"
+#include "stepmesh/participant.h"
 #include "stepmesh/stats.h"
 #include "stepmesh/tensor.h"
 #include "stepmesh/trace.h"
@@ -32,17 +33,16 @@ struct Pull {
   int server = 0;
 };
 
-class STEPMESH_EXPORT AFTensorWorker {
+// Rank, backend, stats, traces, Barrier and Shutdown: stepmesh/participant.h.
+class STEPMESH_EXPORT AFTensorWorker : public Participant {
  public:
   // Connects to the scheduler and every server. `backend` may be null: one is
   // created from options.backend / options.device.
   static absl::StatusOr<std::unique_ptr<AFTensorWorker>> Create(
       const MeshOptions& options, std::shared_ptr<Backend> backend = nullptr);
-  virtual ~AFTensorWorker() = default;
+  ~AFTensorWorker() override = default;
 
-  virtual int rank() const = 0;
   virtual int num_servers() const = 0;
-  virtual Backend& backend() = 0;
 
   // `tensor` is the largest push under `key`; its memory must outlive the worker.
   virtual absl::Status RegisterPushTensor(Key key, TensorView tensor) = 0;
@@ -80,31 +80,6 @@ class STEPMESH_EXPORT AFTensorWorker {
   virtual absl::Status StreamWaitNextPull(Key key, int server, Stream& stream) = 0;
   // The stamps of a completed request; valid after Wait until its slot is reused.
   virtual absl::StatusOr<TraceRecord> FetchTrace(RequestHandle handle) = 0;
-
-  // A copy of this worker's counters and stage histograms (always kept; the
-  // stage histograms need options.trace.enabled). Any thread; allocates.
-  virtual MeshStats Stats() = 0;
-
-  // This host's clock against the scheduler's (stepmesh/trace.h): 8 exchanges
-  // over the control connection, the shortest kept; each bounded by
-  // options.timeout. For lining up stamps (FetchTrace) of several hosts.
-  virtual absl::StatusOr<ClockSync> SchedulerClock() = 0;
-
-  // The recorded requests (options.trace.events, the newest that many) as
-  // Chrome trace-event JSON: this worker as one process, a thread per stage,
-  // timestamps on the scheduler's clock (SchedulerClock() is run for it), so
-  // MergeChromeTraces lines up the exports of several processes
-  // (docs/tracing.md). FAILED_PRECONDITION when recording is off. Any thread;
-  // allocates; requests completing meanwhile may be left out (counted as
-  // dropped in the export).
-  virtual absl::StatusOr<std::string> ChromeTraceJson() = 0;
-  // ChromeTraceJson() written to `path`.
-  virtual absl::Status WriteChromeTrace(const std::string& path) = 0;
-
-  // Waits for every worker and server to reach the same barrier.
-  virtual absl::Status Barrier() = 0;
-  // Leaves the mesh; pending requests fail with CANCELLED. Also run by the destructor.
-  virtual absl::Status Shutdown() = 0;
 };
 
 }  // namespace stepmesh

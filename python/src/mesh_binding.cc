@@ -15,6 +15,7 @@
 #include "python/src/dlpack_tensor.h"
 #include "python/src/errors.h"
 #include "python/src/options_binding.h"
+#include "python/src/participant_binding.h"
 #include "python/src/stream_binding.h"
 #include "stepmesh/scheduler.h"
 #include "stepmesh/server.h"
@@ -27,30 +28,6 @@ namespace py = pybind11;
 namespace {
 
 using Registered = std::shared_ptr<ImportedTensor>;
-
-// The recorded requests of a worker or server as Chrome trace JSON on the
-// scheduler's clock (docs/tracing.md; needs trace_events > 0). The node asks
-// the scheduler for the clock offset: the GIL is released meanwhile. `node`
-// comes from live(), which may raise, so the caller gets it holding the GIL.
-template <class Node>
-std::string ChromeTraceJsonOf(Node& node) {
-  absl::StatusOr<std::string> json;
-  {
-    py::gil_scoped_release release;
-    json = node.ChromeTraceJson();
-  }
-  return ValueOrThrow(std::move(json));
-}
-
-template <class Node>
-void WriteChromeTraceOf(Node& node, const std::string& path) {
-  absl::Status s;
-  {
-    py::gil_scoped_release release;
-    s = node.WriteChromeTrace(path);
-  }
-  ThrowIfError(s);
-}
 
 absl::Duration TimeoutArg(py::handle timeout, absl::Duration fallback) {
   if (timeout.is_none()) return fallback;
@@ -127,9 +104,9 @@ struct RequestRef {
   RequestHandle handle;
 };
 
-class PyWorker {
+class PyWorker : public PyParticipant {
  public:
-  explicit PyWorker(MeshOptions options) : options_(std::move(options)) {
+  explicit PyWorker(MeshOptions options) : PyParticipant("worker"), options_(std::move(options)) {
     options_.role = Role::kWorker;
     absl::StatusOr<std::unique_ptr<AFTensorWorker>> worker;
     {
@@ -137,6 +114,7 @@ class PyWorker {
       worker = AFTensorWorker::Create(options_);
     }
     worker_ = ValueOrThrow(std::move(worker));
+    Attach(worker_.get());
     streams_ = std::make_unique<StreamArgs>(worker_->backend());
     events_ = std::make_unique<EventPool>(worker_->backend());
   }
@@ -159,7 +137,6 @@ class PyWorker {
 
   PyStream* CreateStream() { return new PyStream(ValueOrThrow(live().backend().CreateStream())); }
 
-  int rank() { return live().rank(); }
   int num_servers() { return live().num_servers(); }
   const MeshOptions& options() const { return options_; }
 
@@ -413,39 +390,9 @@ class PyWorker {
     return out;
   }
 
-  // PrometheusText(Stats()): the counters and stage histograms (docs/metrics.md).
-  std::string MetricsText() { return PrometheusText(live().Stats()); }
-
-  // Chrome trace JSON of the recorded requests (docs/tracing.md).
-  std::string ChromeTraceJson() { return ChromeTraceJsonOf(live()); }
-  void WriteChromeTrace(const std::string& path) { WriteChromeTraceOf(live(), path); }
-
-  void Barrier() {
-    absl::Status s;
-    auto& node = live();  // may raise: do it holding the GIL
-    {
-      py::gil_scoped_release release;
-      s = node.Barrier();
-    }
-    ThrowIfError(s);
-  }
-
-  // Leaves the mesh; registered tensors stay referenced until the object goes.
-  void Close() {
-    if (closed_) return;
-    closed_ = true;
-    absl::Status s;
-    {
-      py::gil_scoped_release release;
-      s = worker_->Shutdown();
-    }
-    ThrowIfError(s);
-  }
-  bool closed() const { return closed_; }
-
  private:
   AFTensorWorker& live() {
-    if (closed_) ThrowStatus(absl::FailedPreconditionError("worker is closed"));
+    PyParticipant::live();  // raises once closed
     return *worker_;
   }
 
@@ -585,7 +532,6 @@ class PyWorker {
   };
 
   MeshOptions options_;
-  bool closed_ = false;
   std::vector<ReadyOf> ready_;
   std::unique_ptr<StreamArgs> streams_;
   std::unique_ptr<EventPool> events_;
@@ -761,9 +707,9 @@ struct PyBatch {
   }
 };
 
-class PyServer {
+class PyServer : public PyParticipant {
  public:
-  explicit PyServer(MeshOptions options) : options_(std::move(options)) {
+  explicit PyServer(MeshOptions options) : PyParticipant("server"), options_(std::move(options)) {
     options_.role = Role::kServer;
     absl::StatusOr<std::unique_ptr<AFTensorServer>> server;
     {
@@ -771,6 +717,7 @@ class PyServer {
       server = AFTensorServer::Create(options_);
     }
     server_ = ValueOrThrow(std::move(server));
+    Attach(server_.get());
     streams_ = std::make_unique<StreamArgs>(server_->backend());
     events_ = std::make_unique<EventPool>(server_->backend());
   }
@@ -791,7 +738,6 @@ class PyServer {
     reply_regs_.clear();
   }
 
-  int rank() { return live().rank(); }
   int num_workers() { return live().num_workers(); }
   const MeshOptions& options() const { return options_; }
 
@@ -969,38 +915,9 @@ class PyServer {
     return SliceOf(it->second, key, worker, slot_bytes, slot_bytes);
   }
 
-  // PrometheusText(Stats()): the counters and stage histograms (docs/metrics.md).
-  std::string MetricsText() { return PrometheusText(live().Stats()); }
-
-  // Chrome trace JSON of the recorded requests (docs/tracing.md).
-  std::string ChromeTraceJson() { return ChromeTraceJsonOf(live()); }
-  void WriteChromeTrace(const std::string& path) { WriteChromeTraceOf(live(), path); }
-
-  void Barrier() {
-    absl::Status s;
-    auto& node = live();  // may raise: do it holding the GIL
-    {
-      py::gil_scoped_release release;
-      s = node.Barrier();
-    }
-    ThrowIfError(s);
-  }
-
-  void Close() {
-    if (closed_) return;
-    closed_ = true;
-    absl::Status s;
-    {
-      py::gil_scoped_release release;
-      s = server_->Shutdown();
-    }
-    ThrowIfError(s);
-  }
-  bool closed() const { return closed_; }
-
  private:
   AFTensorServer& live() {
-    if (closed_) ThrowStatus(absl::FailedPreconditionError("server is closed"));
+    PyParticipant::live();  // raises once closed
     return *server_;
   }
 
@@ -1037,7 +954,6 @@ class PyServer {
   }
 
   MeshOptions options_;
-  bool closed_ = false;
   std::vector<Reply> replies_;  // Respond's scratch
   struct GroupReady {
     Event* event = nullptr;
@@ -1096,20 +1012,6 @@ class PyScheduler {
   std::unique_ptr<Scheduler> scheduler_;
   absl::Duration timeout_;
 };
-
-template <typename T>
-void AddContextManager(py::class_<T>& cls) {
-  cls.def("__enter__", [](py::object self) { return self; });
-  cls.def("__exit__", [](T& self, py::handle type, py::handle, py::handle) {
-    // On an exception the mesh is torn down without masking it.
-    try {
-      self.Close();
-    } catch (const py::error_already_set&) {
-      if (type.is_none()) throw;
-    }
-    return false;
-  });
-}
 
 }  // namespace
 
@@ -1227,10 +1129,8 @@ connects to the scheduler and every server (blocking, GIL released).)doc");
              return std::make_unique<PyWorker>(OptionsFrom(options, kwargs));
            }),
            py::arg("options") = py::none())
-      .def_property_readonly("rank", &PyWorker::rank)
       .def_property_readonly("num_servers", &PyWorker::num_servers)
       .def_property_readonly("options", &PyWorker::options)
-      .def_property_readonly("closed", &PyWorker::closed)
       .def("register_push", &PyWorker::RegisterPush, py::arg("key"), py::arg("tensor"))
       .def("register_pull", &PyWorker::RegisterPull, py::arg("key"), py::arg("server"),
            py::arg("tensor"))
@@ -1264,15 +1164,8 @@ connects to the scheduler and every server (blocking, GIL released).)doc");
       .def("create_stream", &PyWorker::CreateStream, py::keep_alive<0, 1>(),
            "A stream of this worker's backend (cpu_mock: a host thread).")
       .def("test", &PyWorker::Test, py::arg("request"))
-      .def("fetch_trace", &PyWorker::FetchTrace, py::arg("request"))
-      .def("metrics_text", &PyWorker::MetricsText,
-           "Stats() in the Prometheus text format (docs/metrics.md).")
-      .def("chrome_trace_json", &PyWorker::ChromeTraceJson,
-           "Recorded requests as Chrome trace JSON on the scheduler's clock (trace_events > 0).")
-      .def("write_chrome_trace", &PyWorker::WriteChromeTrace, py::arg("path"))
-      .def("barrier", &PyWorker::Barrier)
-      .def("close", &PyWorker::Close);
-  AddContextManager(worker);
+      .def("fetch_trace", &PyWorker::FetchTrace, py::arg("request"));
+  DefParticipant(worker);
 
   py::class_<PyServer> server(m, "Server", R"doc(
 The FFN side (C++ AFTensorServer). Server(options=None, **fields) joins the mesh
@@ -1282,10 +1175,8 @@ The FFN side (C++ AFTensorServer). Server(options=None, **fields) joins the mesh
              return std::make_unique<PyServer>(OptionsFrom(options, kwargs));
            }),
            py::arg("options") = py::none())
-      .def_property_readonly("rank", &PyServer::rank)
       .def_property_readonly("num_workers", &PyServer::num_workers)
       .def_property_readonly("options", &PyServer::options)
-      .def_property_readonly("closed", &PyServer::closed)
       .def("register_recv", &PyServer::RegisterRecv, py::arg("key"), py::arg("tensor"))
       .def("register_reply", &PyServer::RegisterReply, py::arg("key"), py::arg("tensor"))
       .def("unregister", &PyServer::Unregister, py::arg("key"))
@@ -1310,15 +1201,8 @@ The FFN side (C++ AFTensorServer). Server(options=None, **fields) joins the mesh
           py::arg("key"), py::arg("worker"))
       .def(
           "reply_slot", [](PyServer& s, py::handle key, int w) { return s.Slot(key, w, true); },
-          py::arg("key"), py::arg("worker"))
-      .def("metrics_text", &PyServer::MetricsText,
-           "Stats() in the Prometheus text format (docs/metrics.md).")
-      .def("chrome_trace_json", &PyServer::ChromeTraceJson,
-           "Recorded requests as Chrome trace JSON on the scheduler's clock (trace_events > 0).")
-      .def("write_chrome_trace", &PyServer::WriteChromeTrace, py::arg("path"))
-      .def("barrier", &PyServer::Barrier)
-      .def("close", &PyServer::Close);
-  AddContextManager(server);
+          py::arg("key"), py::arg("worker"));
+  DefParticipant(server);
 
   py::class_<PyScheduler> scheduler(m, "Scheduler", R"doc(
 The rendezvous service, in this process. Scheduler(options=None, **fields);

@@ -20,6 +20,7 @@
 #include "src/core/chrome_trace.h"
 #include "src/core/mesh.h"
 #include "src/core/mesh_node.h"
+#include "src/core/participant_node.h"
 #include "src/core/reply_path.h"
 #include "src/core/server_tensors.h"
 #include "stepmesh/status.h"
@@ -66,10 +67,10 @@ struct ParkedPush {
   uint32_t epoch = 0;  // the sender's process (worker_epochs_) when it arrived
 };
 
-class Server final : public AFTensorServer, public MeshNode {
+class Server final : public ParticipantNode<AFTensorServer> {
  public:
   Server(const MeshOptions& options, std::shared_ptr<Backend> backend)
-      : MeshNode(options, std::move(backend)),
+      : ParticipantNode(options, std::move(backend)),
         assembler_(options.num_workers, lost_, options.trace.enabled),
         replies_(options_, io_, lost_, stats_, trace_ring_),
         notes_(options.num_workers),
@@ -95,9 +96,7 @@ class Server final : public AFTensorServer, public MeshNode {
     return Start(factory);
   }
 
-  int rank() const override { return rank_; }
   int num_workers() const override { return options_.num_workers; }
-  Backend& backend() override { return *backend_; }
 
   absl::Status RegisterRecvTensor(Key key, TensorView region) override {
     base::MutexLock lock(&reg_mu_);
@@ -210,30 +209,11 @@ class Server final : public AFTensorServer, public MeshNode {
     return responded;
   }
 
-  MeshStats Stats() override {
-    MeshStats s = BaseStats();
-    s.in_flight = static_cast<uint64_t>(std::max(assembler_.ready_count(), 0));
-    return s;
-  }
-
-  absl::StatusOr<ClockSync> SchedulerClock() override {
-    return rendezvous_->EstimateClock(8, options_.timeout);
-  }
-
-  absl::StatusOr<std::string> ChromeTraceJson() override { return ExportChromeTrace(); }
-  absl::Status WriteChromeTrace(const std::string& path) override {
-    STEPMESH_ASSIGN_OR_RETURN(const std::string json, ExportChromeTrace());
-    return WriteTextFile(path, json);
-  }
-
-  absl::Status Barrier() override { return rendezvous_->Barrier(options_.timeout); }
-
-  absl::Status Shutdown() override {
-    Stop();
-    return absl::OkStatus();
-  }
-
  private:
+  uint64_t InFlight() override {
+    return static_cast<uint64_t>(std::max(assembler_.ready_count(), 0));
+  }
+
   // --- send thread ---
   void ExecuteSend(const SendItem& item, const absl::Status& ready) override {
     if (item.kind == kSendError) {

@@ -15,6 +15,7 @@
 #include "src/core/chrome_trace.h"
 #include "src/core/mesh.h"
 #include "src/core/mesh_node.h"
+#include "src/core/participant_node.h"
 #include "src/core/request_table.h"
 #include "stepmesh/status.h"
 
@@ -23,10 +24,10 @@ namespace {
 
 constexpr uint32_t kSendRequest = 1;
 
-class Worker final : public AFTensorWorker, public MeshNode {
+class Worker final : public ParticipantNode<AFTensorWorker> {
  public:
   Worker(const MeshOptions& options, std::shared_ptr<Backend> backend)
-      : MeshNode(options, std::move(backend)),
+      : ParticipantNode(options, std::move(backend)),
         // Generations start at a random point per process: a reply addressed to
         // a previous process under this rank (a server answering a batch from
         // before a restart) then matches no request of this one.
@@ -38,9 +39,7 @@ class Worker final : public AFTensorWorker, public MeshNode {
     return Start(factory);
   }
 
-  int rank() const override { return rank_; }
   int num_servers() const override { return options_.num_servers; }
-  Backend& backend() override { return *backend_; }
 
   absl::Status RegisterPushTensor(Key key, TensorView tensor) override {
     base::MutexLock lock(&reg_mu_);
@@ -198,31 +197,12 @@ class Worker final : public AFTensorWorker, public MeshNode {
     return record;
   }
 
-  MeshStats Stats() override {
-    MeshStats s = BaseStats();
-    base::MutexLock lock(&reg_mu_);
-    s.in_flight = requests_.in_use();
-    return s;
-  }
-
-  absl::StatusOr<ClockSync> SchedulerClock() override {
-    return rendezvous_->EstimateClock(8, options_.timeout);
-  }
-
-  absl::StatusOr<std::string> ChromeTraceJson() override { return ExportChromeTrace(); }
-  absl::Status WriteChromeTrace(const std::string& path) override {
-    STEPMESH_ASSIGN_OR_RETURN(const std::string json, ExportChromeTrace());
-    return WriteTextFile(path, json);
-  }
-
-  absl::Status Barrier() override { return rendezvous_->Barrier(options_.timeout); }
-
-  absl::Status Shutdown() override {
-    Stop();
-    return absl::OkStatus();
-  }
-
  private:
+  uint64_t InFlight() override {
+    base::MutexLock lock(&reg_mu_);
+    return requests_.in_use();
+  }
+
   // --- PushPull's validation, into the free slot `r` ---
   absl::Status PlanPushes(Request& r, absl::Span<const Push> pushes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(reg_mu_) {
