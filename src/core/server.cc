@@ -23,6 +23,7 @@
 #include "src/core/participant_node.h"
 #include "src/core/reply_path.h"
 #include "src/core/server_tensors.h"
+#include "src/core/worker_rejoins.h"
 #include "stepmesh/status.h"
 
 namespace stepmesh::core {
@@ -64,7 +65,7 @@ struct ParkedPush {
   // this receive region, reserved for it (busy) until the push is delivered.
   RecvRegistration* reg = nullptr;
   absl::Time deadline;
-  uint32_t epoch = 0;  // the sender's process (worker_epochs_) when it arrived
+  uint32_t epoch = 0;  // the sender's process (WorkerRejoins::epoch) when it arrived
 };
 
 class Server final : public ParticipantNode<AFTensorServer> {
@@ -76,15 +77,8 @@ class Server final : public ParticipantNode<AFTensorServer> {
         notes_(options.num_workers),
         parked_(options.num_workers),
         parked_bytes_(options.num_workers, 0),
-        worker_epochs_(new std::atomic<uint32_t>[options.num_workers]),
-        rejoining_(new std::atomic<Rejoin>[options.num_workers]),
-        seen_epochs_(options.num_workers, 0),
-        loss_ignored_(options.num_workers, false) {
-    for (int w = 0; w < options.num_workers; ++w) {
-      notes_[w].worker = w;
-      worker_epochs_[w] = 0;
-      rejoining_[w] = Rejoin::kNo;
-    }
+        rejoins_(options.num_workers) {
+    for (int w = 0; w < options.num_workers; ++w) notes_[w].worker = w;
   }
   ~Server() override { Stop(); }
 
@@ -370,8 +364,8 @@ class Server final : public ParticipantNode<AFTensorServer> {
     const int w = note.worker;
     if (std::exchange(note.parking, false) && status.ok()) {
       if (reg == nullptr) parked_bytes_[w] += h.payload_bytes;  // else it sits in its slot
-      parked_[w].push_back(ParkedPush{h, std::move(note.park), reg, absl::Now() + ParkWait(),
-                                      worker_epochs_[w].load(std::memory_order_acquire)});
+      parked_[w].push_back(
+          ParkedPush{h, std::move(note.park), reg, absl::Now() + ParkWait(), rejoins_.epoch(w)});
       ++parked_total_;
       parked_any_.store(true, std::memory_order_release);
       STEPMESH_LOG(kInfo, "server ", rank_, ": worker ", w, "'s push under key ", h.key,
@@ -420,9 +414,7 @@ class Server final : public ParticipantNode<AFTensorServer> {
   // restart with the process) and frees the receive slots those pushes held.
   // Slots held by batches the application has not answered stay held.
   void ForgetPreviousProcess(int w) {
-    const uint32_t epoch = worker_epochs_[w].load(std::memory_order_acquire);
-    if (seen_epochs_[w] == epoch) return;
-    seen_epochs_[w] = epoch;
+    if (!rejoins_.NewProcessSeen(w)) return;
     const std::vector<const RecvRegistration*> held = assembler_.ForgetWorker(w);
     // Only this thread sets busy flags, so none can become held meanwhile.
     base::ReaderMutexLock lock(&reg_mu_);
@@ -457,7 +449,7 @@ class Server final : public ParticipantNode<AFTensorServer> {
     next_parked_check_ = now + kParkedCheck;
     for (int w = 0; w < options_.num_workers; ++w) {
       std::deque<ParkedPush>& queue = parked_[w];
-      const uint32_t epoch = worker_epochs_[w].load(std::memory_order_acquire);
+      const uint32_t epoch = rejoins_.epoch(w);
       for (size_t i = 0; i < queue.size();) {
         ParkedPush& p = queue[i];
         if (lost_.lost(w) || p.epoch != epoch) {  // its sender is gone: nothing is owed
@@ -540,35 +532,15 @@ class Server final : public ParticipantNode<AFTensorServer> {
     NotifyWaiters();
   }
 
-  // While a rejoined worker's new connection is being made (HandlePeerJoined,
-  // from counting it back in until Connect returns), a connection loss the
-  // transport reports may be the previous process's, read late by a receive
-  // thread lagging the rendezvous thread (a loaded machine). Counting the
-  // worker out for it would leave the new process's requests waiting for
-  // batches that never form, so it is set aside. But the loss may as well be
-  // the new process's own: a transport may carry the new connection before
-  // Connect returns (TCP adopts it on whichever thread runs the handshake),
-  // so a short-lived process can be served and leave inside that window.
-  // The scheduler settles it on the rendezvous thread, after Connect: a new
-  // process that crashed or went silent is reported lost, and one that left
-  // in order is reported as having left (HandlePeerLeft).
+  // A connection loss while the worker rejoins may be its previous
+  // process's: set aside, settled by the scheduler (src/core/worker_rejoins.h).
   void HandleConnectionLost(NodeId peer, const absl::Status& why) override {
-    if (IsWorker(peer)) {
-      const uint32_t w = NodeRank(peer);
-      Rejoin connecting = Rejoin::kConnecting;
-      if (w < static_cast<uint32_t>(options_.num_workers) &&
-          rejoining_[w].compare_exchange_strong(connecting, Rejoin::kLossSetAside)) {
-        STEPMESH_LOG(kInfo, "server ", rank_, ": worker ", w,
-                     "'s connection ended while it rejoined (its previous process's, or a new "
-                     "one that left: the scheduler tells): ",
-                     why.ToString());
-        return;
-      }
-      // kLossSetAside: a second report in the same window is set aside too.
-      if (w < static_cast<uint32_t>(options_.num_workers) &&
-          rejoining_[w].load() == Rejoin::kLossSetAside) {
-        return;
-      }
+    if (IsWorker(peer) && rejoins_.SetAsideLoss(static_cast<int>(NodeRank(peer)))) {
+      STEPMESH_LOG(kInfo, "server ", rank_, ": worker ", NodeRank(peer),
+                   "'s connection ended while it rejoined (its previous process's, or a new "
+                   "one that left: the scheduler tells): ",
+                   why.ToString());
+      return;
     }
     HandlePeerLost(peer, why);
   }
@@ -578,9 +550,7 @@ class Server final : public ParticipantNode<AFTensorServer> {
   // was set aside while the worker rejoined: only then this counts it out.
   void HandlePeerLeft(NodeId peer) override {
     if (!IsWorker(peer)) return;
-    const int w = static_cast<int>(NodeRank(peer));
-    if (w >= options_.num_workers || !loss_ignored_[w]) return;
-    loss_ignored_[w] = false;
+    if (!rejoins_.TakeSetAsideLoss(static_cast<int>(NodeRank(peer)))) return;
     HandlePeerLost(peer, absl::CancelledError("left"));
   }
 
@@ -593,13 +563,12 @@ class Server final : public ParticipantNode<AFTensorServer> {
     if (w >= options_.num_workers) return;
     // A worker that never looked lost (its old connection still open) is superseded.
     HandlePeerLost(peer, absl::UnavailableError("worker restarted"));
-    worker_epochs_[w].fetch_add(1, std::memory_order_acq_rel);
-    rejoining_[w].store(Rejoin::kConnecting);
+    rejoins_.BeginRejoin(w);
     // Counted before its connection exists, so no batch forms without it meanwhile.
     lost_.MarkBack(w);
     absl::Status connected =
         transport_->Connect(self_, {PeerInfo{peer, endpoint}}, absl::Now() + options_.timeout);
-    loss_ignored_[w] = rejoining_[w].exchange(Rejoin::kNo) == Rejoin::kLossSetAside;
+    rejoins_.EndRejoin(w);
     if (!connected.ok()) {
       HandlePeerLost(peer, connected);
       STEPMESH_LOG(kWarning, "server ", rank_, ": rejoined worker ", w,
@@ -653,16 +622,7 @@ class Server final : public ParticipantNode<AFTensorServer> {
   absl::Time next_parked_check_ = absl::InfinitePast();
   std::atomic<bool> parked_any_{false};  // whether a registration should wake the receive thread
   std::atomic<bool> registered_{false};  // a registration since the receive thread last looked
-  // Bumped when a worker's new process rejoins; the receive thread compares.
-  std::unique_ptr<std::atomic<uint32_t>[]> worker_epochs_;
-  // While HandlePeerJoined connects a worker's new process: kConnecting, then
-  // kLossSetAside once HandleConnectionLost set a loss report aside.
-  enum class Rejoin : uint8_t { kNo, kConnecting, kLossSetAside };
-  std::unique_ptr<std::atomic<Rejoin>[]> rejoining_;
-  std::vector<uint32_t> seen_epochs_;  // receive thread only
-  // The last rejoin set a loss report aside; the scheduler's notice of an
-  // orderly leave then counts the worker out (rendezvous thread only).
-  std::vector<bool> loss_ignored_;
+  WorkerRejoins rejoins_;  // which process of each worker is served; the rejoin window
   base::RateLimiter violations_{10, absl::Seconds(10)};
 };
 
