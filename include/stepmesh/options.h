@@ -198,4 +198,10 @@ STEPMESH_EXPORT absl::StatusOr<int> CudaDeviceMaxConnectionsFromEnv();
 // set. Programs that run a whole mesh themselves unless told one role use it.
 STEPMESH_EXPORT absl::StatusOr<std::optional<Role>> RoleFromEnv();
 
+// The value of environment variable `name` (nullopt when unset), for layers
+// that parse their own variables (the Python connector's AFD_*): only names of
+// the one environment table, so each is documented; NOT_FOUND naming `name`
+// for any other.
+STEPMESH_EXPORT absl::StatusOr<std::optional<std::string>> EnvironmentValue(absl::string_view name);
+
 }  // namespace stepmesh

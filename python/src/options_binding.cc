@@ -238,6 +238,11 @@ rdma_gpudirect are names ("worker", "adaptive", "auto", ...).
         return ValueOrThrow(MeshOptions::FromEnv(base));
       },
       "The given fields with every set STEPMESH_* / DMLC_* variable applied on top.");
+  m.def(
+      "environment_value",
+      [](const std::string& name) { return ValueOrThrow(EnvironmentValue(name)); }, py::arg("name"),
+      "The value of a variable of the environment table (None when unset); raises "
+      "stepmesh.NotFound for a name the table does not document.");
   cls.def(
       "validate", [](const MeshOptions& o) { ThrowIfError(o.Validate()); },
       "Raises stepmesh.InvalidArgument naming the first bad field.");

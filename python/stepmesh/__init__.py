@@ -43,6 +43,7 @@ from ._stepmesh import (  # noqa: F401  (re-exported)
     Unimplemented,
     Unknown,
     Worker,
+    environment_value,
     copy_,
     describe,
     monotonic_ns,

@@ -30,7 +30,6 @@ through ``on_scheduler(address)`` and ``scheduler_address``.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
@@ -120,11 +119,12 @@ class Connector:
         for name, (env, parse, default) in _SETTINGS.items():
             if name in mapping:
                 value = mapping[name]
-            elif os.environ.get(env):
+            elif stepmesh.environment_value(env):
+                raw = stepmesh.environment_value(env)
                 try:
-                    value = parse(os.environ[env])
+                    value = parse(raw)
                 except ValueError:
-                    raise ValueError(f"{env}={os.environ[env]!r} is not a valid {name}") from None
+                    raise ValueError(f"{env}={raw!r} is not a valid {name}") from None
             elif default is not None:
                 value = default
             else:

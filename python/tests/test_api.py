@@ -394,6 +394,18 @@ def test_server_killed_raises_unavailable_within_the_timeout():
         sched.stop()
 
 
+def test_environment_value_reads_documented_names_only(monkeypatch):
+    # The Python layer's own variables (AFD_*) are rows of the one table and
+    # are read through it; a name the table does not document is refused.
+    monkeypatch.delenv("AFD_RANK", raising=False)
+    assert stepmesh.environment_value("AFD_RANK") is None
+    monkeypatch.setenv("AFD_RANK", "3")
+    assert stepmesh.environment_value("AFD_RANK") == "3"
+    monkeypatch.setenv("AFD_NOT_A_SETTING", "1")
+    with pytest.raises(stepmesh.NotFound, match="AFD_NOT_A_SETTING is not in the environment table"):
+        stepmesh.environment_value("AFD_NOT_A_SETTING")
+
+
 def test_options_from_kwargs_and_environment(monkeypatch):
     o = stepmesh.MeshOptions(num_workers=3, poll_mode="spin", timeout=2.5, send_cores=[1])
     assert (o.num_workers, o.poll_mode, o.timeout, o.send_cores) == (3, "spin", 2.5, [1])

@@ -56,15 +56,20 @@ absl::StatusOr<std::unique_ptr<core::Transport>> CreateTransport(const MeshOptio
   return absl::InvalidArgumentError(absl::StrCat("unknown transport '", options.transport, "'"));
 }
 
+// The one way a backend is made, from the mesh's options or from a name.
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const MeshOptions& options) {
-#ifdef STEPMESH_HAVE_CUDA
+  if (options.backend == "cpu_mock") return CreateCpuMockBackend();
   if (options.backend == "cuda") {
+#ifdef STEPMESH_HAVE_CUDA
     CudaBackendOptions cuda;
     cuda.device_max_connections = options.cuda_device_max_connections;
     return CreateCudaBackend(options.device, cuda);
-  }
+#else
+    return absl::UnimplementedError("this build of stepmesh has no CUDA backend");
 #endif
-  return ::stepmesh::CreateBackend(options.backend, options.device);
+  }
+  return absl::NotFoundError(
+      absl::StrCat("unknown backend '", options.backend, "' (cpu_mock or cuda)"));
 }
 
 namespace {
@@ -83,15 +88,10 @@ absl::StatusOr<std::shared_ptr<Backend>> BackendFor(const MeshOptions& options, 
 }  // namespace compose
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view name, int device) {
-  if (name == "cpu_mock") return CreateCpuMockBackend();
-  if (name == "cuda") {
-#ifdef STEPMESH_HAVE_CUDA
-    return CreateCudaBackend(device);
-#else
-    return absl::UnimplementedError("this build of stepmesh has no CUDA backend");
-#endif
-  }
-  return absl::NotFoundError(absl::StrCat("unknown backend '", name, "' (cpu_mock or cuda)"));
+  MeshOptions options;
+  options.backend = std::string(name);
+  options.device = device;
+  return compose::CreateBackend(options);
 }
 
 absl::StatusOr<std::unique_ptr<AFTensorWorker>> AFTensorWorker::Create(

@@ -170,6 +170,14 @@ void WarnIgnoredOnce(absl::string_view name, absl::string_view reason) {
 }
 
 // A StepMesh variable accepted (a launch script sets it) with no effect here.
+// A variable of the Python layer: a row of the table (documented, known to
+// the unknown-name check) that FromEnv leaves alone; the Python module reads
+// it through EnvironmentValue and parses it itself.
+EnvEntry ReadByPython(const char* name, const char* default_value, const char* meaning) {
+  return {name, "", default_value, meaning,
+          [](absl::string_view, MeshOptions&) -> absl::Status { return absl::OkStatus(); }};
+}
+
 EnvEntry Ignored(const char* name, const char* reason) {
   return {name,
           "",
@@ -519,6 +527,21 @@ const std::vector<EnvEntry>& EnvTable() {
       Ignored("STEPMESH_MEM_SYNC", "the cuda backend picks its ready events itself (docs/cuda.md)"),
       Ignored("STEPAF_QP_NUM", "`STEPMESH_RDMA_QPS_PER_PEER` sets the QPs per peer"),
       Ignored("STEPAF_BUSY_POLL_ENABLE", "`STEPMESH_POLL_MODE` says how threads wait"),
+      // stepmesh.afd.Connector's settings (python/stepmesh/afd.py reads them
+      // through EnvironmentValue; a keyword argument or config key wins).
+      ReadByPython("AFD_ROLE", "required", "stepmesh.afd: `attention` or `ffn`"),
+      ReadByPython("AFD_RANK", "required", "stepmesh.afd: this instance's rank in its role"),
+      ReadByPython("AFD_NUM_ATTENTION", "required", "stepmesh.afd: attention instances"),
+      ReadByPython("AFD_NUM_FFN", "required", "stepmesh.afd: FFN instances"),
+      ReadByPython("AFD_HIDDEN_SIZE", "required", "stepmesh.afd: the model's hidden size"),
+      ReadByPython("AFD_MAX_TOKENS", "required",
+                   "stepmesh.afd: tokens per attention rank and stage, at most"),
+      ReadByPython("AFD_NUM_STAGES", "3", "stepmesh.afd: pipeline stages (micro-batches)"),
+      ReadByPython("AFD_DTYPE", "`float32`", "stepmesh.afd: the hidden states' dtype"),
+      ReadByPython("AFD_ROUTER_LOGITS_DIM", "0",
+                   "stepmesh.afd: router logits per token sent with the hidden states (0: none)"),
+      ReadByPython("AFD_COMBINE", "`sum`", "stepmesh.afd: how FFN outputs combine"),
+      ReadByPython("AFD_ARRAY", "`numpy`", "stepmesh.afd: the array type handed back"),
   };
   return table;
 }
@@ -670,6 +693,17 @@ absl::StatusOr<int> CudaDeviceMaxConnectionsFromEnv() {
     return options.cuda_device_max_connections;
   }
   return 0;
+}
+
+absl::StatusOr<std::optional<std::string>> EnvironmentValue(absl::string_view name) {
+  for (const EnvEntry& entry : EnvTable()) {
+    if (absl::string_view(entry.name) != name) continue;
+    const char* value = std::getenv(entry.name);
+    if (value == nullptr) return std::optional<std::string>();
+    return std::optional<std::string>(value);
+  }
+  return absl::NotFoundError(absl::StrCat(
+      "environment variable ", name, " is not in the environment table (docs/configuration.md)"));
 }
 
 absl::StatusOr<std::optional<Role>> RoleFromEnv() {
