@@ -20,6 +20,15 @@ struct AdmissionCaps {
   size_t total;
 };
 
+// The caps of a listener that expects `peers` to handshake with it, maybe all
+// at once and from one address (every participant on one host, started
+// together on a loaded machine): at least `floor`, and room for every
+// expected peer plus floor.per_address strangers besides.
+inline AdmissionCaps CapsForPeers(size_t peers, AdmissionCaps floor) {
+  return {peers > floor.per_address ? peers : floor.per_address,
+          peers + floor.per_address > floor.total ? peers + floor.per_address : floor.total};
+}
+
 // The waiting entry to drop before admitting one more from `address` (null
 // when both caps leave room) and, through `*why`, the cap it exceeds.
 // `waiting(e)` says whether entry `e` of `entries` (oldest first) still

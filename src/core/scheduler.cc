@@ -48,7 +48,8 @@ constexpr char kControlAuthContext[] = "control";
 // A connection gets this long (or the mesh timeout, if shorter) from accept to
 // its join; participants need a round trip or two.
 constexpr absl::Duration kJoinTimeout = absl::Seconds(10);
-// Connections that have not joined yet, per source address and in total.
+// Connections that have not joined yet, per source address and in total: at
+// least these, and room for every participant of the mesh (CapsForPeers).
 constexpr size_t kMaxPendingPerAddress = 16;
 constexpr size_t kMaxPending = 64;
 // What a not-yet-joined connection may send in one message (a join is an
@@ -94,6 +95,9 @@ class SchedulerImpl final : public Scheduler {
         acceptor_(std::move(acceptor)),
         address_(std::move(address)),
         join_timeout_(std::min(options.timeout, kJoinTimeout)),
+        join_caps_(base::CapsForPeers(
+            static_cast<size_t>(options.num_workers) + static_cast<size_t>(options.num_servers),
+            {kMaxPendingPerAddress, kMaxPending})),
         workers_(options.num_workers),
         servers_(options.num_servers) {
     thread_ = base::StartNamedThread("sm-scheduler", {}, [this] { Run(); });
@@ -229,8 +233,7 @@ class SchedulerImpl final : public Scheduler {
     std::string why;
     Conn* evict = base::OldestOverCap(
         conns_, [](const Conn& c) { return c.fd.valid() && c.pending(); },
-        [](const Conn& c) -> const std::string& { return c.peer; }, peer,
-        {kMaxPendingPerAddress, kMaxPending}, &why);
+        [](const Conn& c) -> const std::string& { return c.peer; }, peer, join_caps_, &why);
     if (evict != nullptr) Drop(*evict, why);
   }
 
@@ -709,6 +712,7 @@ class SchedulerImpl final : public Scheduler {
   base::Acceptor acceptor_;
   const std::string address_;
   const absl::Duration join_timeout_;
+  const base::AdmissionCaps join_caps_;
   std::list<Conn> conns_;  // stable addresses: members point at theirs
   std::vector<Member> workers_;
   std::vector<Member> servers_;

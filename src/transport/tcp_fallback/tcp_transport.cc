@@ -57,8 +57,9 @@ using core::TransportSink;
 // A dialler gets this long from accept to the end of its handshake, so one
 // silent client costs a descriptor for a while, never a real peer's place.
 constexpr absl::Duration kHandshakeTimeout = absl::Seconds(5);
-// Connections still in their handshake, per source address and in total; the
-// oldest goes first when a new one would exceed either.
+// Connections still in their handshake, per source address and in total (at
+// least these, room for every participant: CapsForPeers); the oldest goes
+// first when a new one would exceed either.
 constexpr size_t kMaxPendingPerAddress = 32;
 constexpr size_t kMaxPending = 128;
 constexpr int kSocketBufferBytes = 8 << 20;
@@ -158,7 +159,10 @@ class TcpTransport final : public Transport {
   explicit TcpTransport(const MeshOptions& options)
       : options_(options),
         worker_slots_(static_cast<size_t>(options.num_workers)),
-        server_slots_(static_cast<size_t>(options.num_servers)) {}
+        server_slots_(static_cast<size_t>(options.num_servers)),
+        handshake_caps_(base::CapsForPeers(
+            static_cast<size_t>(options.num_workers) + static_cast<size_t>(options.num_servers),
+            {kMaxPendingPerAddress, kMaxPending})) {}
   ~TcpTransport() override {
     Shutdown();
     // Every connection and handshake closes its descriptor as it is destroyed.
@@ -685,7 +689,7 @@ class TcpTransport final : public Transport {
     std::unique_ptr<Pending>* evict = base::OldestOverCap(
         pending_, [](const std::unique_ptr<Pending>& p) { return !p->done; },
         [](const std::unique_ptr<Pending>& p) -> const std::string& { return p->address; }, address,
-        {kMaxPendingPerAddress, kMaxPending}, &why);
+        handshake_caps_, &why);
     if (evict != nullptr) Drop(**evict, why);
   }
 
@@ -1052,6 +1056,7 @@ class TcpTransport final : public Transport {
   // One slot per peer rank of each role; connections owned by connections_.
   std::vector<PeerSlot> worker_slots_;
   std::vector<PeerSlot> server_slots_;
+  const base::AdmissionCaps handshake_caps_;
   std::mutex connections_mu_;
   std::list<std::unique_ptr<Connection>> connections_;   // live and superseded-but-open
   std::list<std::unique_ptr<Connection>> retired_list_;  // closed at the next Reap
