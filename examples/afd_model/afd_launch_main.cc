@@ -10,7 +10,7 @@
 //              [--kill-ffn-after-ms N [--kill-ffn P] --expect-failure]
 //              [--emulate-compute PLAN.json]
 //              [--metrics-port P] [--metrics-file PREFIX]
-//              [--hosts NS,... --host-addrs A,... [--host-addrs1 B,...]]
+//              [--hosts NS,... --host-addrs A,...] [--lost-attention A]
 //
 // Starts the stepmesh scheduler (in this process on a free 127.0.0.1 port,
 // or the stepmesh_scheduler program), X afd_attention and Y afd_ffn
@@ -823,8 +823,6 @@ launcher:
                          attention a on host a, FFN p on host X + p, the
                          scheduler on host 0 (scripts/cluster.sh makes them)
   --host-addrs A0,...    each host's address (with --hosts)
-  --host-addrs1 B0,...   each host's second-rail address: the TCP transport
-                         stripes over both (STEPMESH_TCP_RAILS)
   --lost-attention A     attention A will be cut off by a network fault the
                          caller injects (scripts/cluster.sh fault): it must
                          fail, everyone else must finish, and the survivors'
@@ -1011,9 +1009,8 @@ int Main(int argc, char** argv) {
   if (f.metrics_port < 0 || f.metrics_port + f.shape.attention + f.shape.ffn > 65536) {
     return UsageError("--metrics-port: the ports P .. P + X + Y - 1 must be in [1, 65535]");
   }
-  absl::StatusOr<Placement> placement =
-      Placement::Open(flags->Str("hosts", ""), flags->Str("host-addrs", ""),
-                      flags->Str("host-addrs1", ""), f.shape.attention, f.shape.ffn);
+  absl::StatusOr<Placement> placement = Placement::Open(
+      flags->Str("hosts", ""), flags->Str("host-addrs", ""), f.shape.attention, f.shape.ffn);
   if (!placement.ok()) return UsageError(placement.status().message());
   f.placement = *std::move(placement);
   const bool keep = flags->Bool("keep-work-dir") || !f.work_dir.empty();

@@ -31,7 +31,6 @@ Placement::Placement(Placement&& other) noexcept
     : attention_(other.attention_),
       names_(std::move(other.names_)),
       addrs_(std::move(other.addrs_)),
-      addrs1_(std::move(other.addrs1_)),
       fds_(std::exchange(other.fds_, {})) {}
 
 Placement& Placement::operator=(Placement&& other) noexcept {
@@ -40,7 +39,6 @@ Placement& Placement::operator=(Placement&& other) noexcept {
     attention_ = other.attention_;
     names_ = std::move(other.names_);
     addrs_ = std::move(other.addrs_);
-    addrs1_ = std::move(other.addrs1_);
     fds_ = std::exchange(other.fds_, {});
   }
   return *this;
@@ -51,10 +49,10 @@ Placement::~Placement() {
 }
 
 absl::StatusOr<Placement> Placement::Open(const std::string& hosts, const std::string& addrs,
-                                          const std::string& addrs1, int attention, int ffn) {
+                                          int attention, int ffn) {
   Placement p;
   if (hosts.empty()) {
-    if (!addrs.empty() || !addrs1.empty()) {
+    if (!addrs.empty()) {
       return absl::InvalidArgumentError("--host-addrs needs --hosts");
     }
     return p;
@@ -62,7 +60,6 @@ absl::StatusOr<Placement> Placement::Open(const std::string& hosts, const std::s
   p.attention_ = attention;
   p.names_ = SplitList(hosts);
   p.addrs_ = SplitList(addrs);
-  p.addrs1_ = SplitList(addrs1);
   const size_t need = static_cast<size_t>(attention) + ffn;
   if (p.names_.size() < need) {
     return absl::InvalidArgumentError(absl::StrCat("--hosts names ", p.names_.size(),
@@ -73,15 +70,10 @@ absl::StatusOr<Placement> Placement::Open(const std::string& hosts, const std::s
     return absl::InvalidArgumentError(absl::StrCat("--host-addrs has ", p.addrs_.size(),
                                                    " addresses for ", p.names_.size(), " hosts"));
   }
-  if (!p.addrs1_.empty() && p.addrs1_.size() != p.names_.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("--host-addrs1 has ", p.addrs1_.size(),
-                                                   " addresses for ", p.names_.size(), " hosts"));
-  }
-  for (const auto* list : {&p.addrs_, &p.addrs1_}) {
-    for (const std::string& a : *list) {
-      if (!IsIpv4(a))
-        return absl::InvalidArgumentError(
-            absl::StrCat("--host-addrs: '", a, "' is not an IPv4 address"));
+  for (const std::string& a : p.addrs_) {
+    if (!IsIpv4(a)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--host-addrs: '", a, "' is not an IPv4 address"));
     }
   }
   for (const std::string& name : p.names_) {
@@ -103,10 +95,6 @@ std::string Placement::address(int host) const {
   return enabled() ? addrs_[host] : std::string("127.0.0.1");
 }
 
-std::string Placement::address1(int host) const {
-  return enabled() && !addrs1_.empty() ? addrs1_[host] : std::string();
-}
-
 absl::Status Placement::EnterSchedulerHost() const {
   if (!enabled()) return absl::OkStatus();
   if (::setns(fds_[0], CLONE_NEWNET) != 0) {
@@ -118,11 +106,7 @@ absl::Status Placement::EnterSchedulerHost() const {
 
 std::vector<std::string> Placement::Environment(int host) const {
   if (!enabled()) return {};
-  std::vector<std::string> env = {absl::StrCat("STEPMESH_BIND_HOST=", addrs_[host])};
-  if (!addrs1_.empty()) {
-    env.push_back(absl::StrCat("STEPMESH_TCP_RAILS=", addrs_[host], ",", addrs1_[host]));
-  }
-  return env;
+  return {absl::StrCat("STEPMESH_BIND_HOST=", addrs_[host])};
 }
 
 }  // namespace afd::example

@@ -7,8 +7,6 @@
 //                              least X + Y: attention a on host a, FFN p on
 //                              host X + p, the scheduler on host 0
 //   --host-addrs A0,A1,...     each host's address (bound and advertised)
-//   --host-addrs1 B0,B1,...    each host's second rail (optional): passed to
-//                              the TCP transport as its second rail
 
 #ifndef STEPMESH_EXAMPLES_AFD_MODEL_PLACEMENT_H_
 #define STEPMESH_EXAMPLES_AFD_MODEL_PLACEMENT_H_
@@ -34,7 +32,7 @@ class Placement {
   // unknown name is an error naming it), so a bad flag fails before any
   // process starts.
   static absl::StatusOr<Placement> Open(const std::string& hosts, const std::string& addrs,
-                                        const std::string& addrs1, int attention, int ffn);
+                                        int attention, int ffn);
 
   bool enabled() const { return !fds_.empty(); }
   int AttentionHost(int a) const { return a; }
@@ -43,8 +41,6 @@ class Placement {
   // The address processes on `host` bind and advertise ("127.0.0.1" when
   // not enabled).
   std::string address(int host) const;
-  // The second rail's address, or empty.
-  std::string address1(int host) const;
   // An open /run/netns/NAME descriptor for a child to setns(2) into between
   // fork and exec, or -1 when not enabled.
   int netns_fd(int host) const { return enabled() ? fds_[host] : -1; }
@@ -56,7 +52,7 @@ class Placement {
 
  private:
   int attention_ = 0;
-  std::vector<std::string> names_, addrs_, addrs1_;
+  std::vector<std::string> names_, addrs_;
   std::vector<int> fds_;
 };
 
