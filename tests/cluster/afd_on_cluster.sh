@@ -12,10 +12,11 @@
 #              passing.
 #   blackhole  2A2F; attention 1's host is black-holed mid-decode (the switch
 #              drops its packets: no RST, no ICMP). docs/reliability.md: lost
-#              after `timeout` + at most one heartbeat. So attention 1 must
-#              fail naming a lost server, FFN servers must drop worker 1 as
-#              "silent", within timeout + heartbeat (+ slack), and attention 0
-#              must keep decoding to the end with its own results correct.
+#              after `timeout` + at most one heartbeat. So the scheduler must
+#              report worker 1 lost within timeout + heartbeat (+ slack), the
+#              FFN servers then batch without it, attention 1 must fail (it
+#              hears nobody: its own deadline), and attention 0 must keep
+#              decoding to the end with its results passing Gate A.
 # Exit 77 only when cluster.sh cannot create namespaces here.
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
