@@ -158,7 +158,12 @@ shape_egress() {  # namespace, device, host side (1) or switch side (0)
 }
 
 setup() {
-  mkdir -p "$STATE_ROOT/$prefix"
+  # The state directory first: a namespace made before it could not be found
+  # again by the clean-up of a killed run.
+  if ! mkdir -p "$STATE_ROOT/$prefix" 2>/dev/null; then
+    echo "cluster: cannot create $STATE_ROOT (not root?), so no network namespaces here: skipping" >&2
+    exit 77
+  fi
   echo "$$" >"$STATE_ROOT/$prefix/owner"
   local sw h r ns
   sw="$(ns_switch)"
