@@ -58,7 +58,7 @@ case "$case_name" in
     [[ "$out" == *"reference check: PASS"* ]] || fail "no reference check PASS"
     ;;
   partition)
-    "$launch" "${common[@]}" --decode-steps 60 --timeout-ms 10000 --deadline-s 240 \
+    "$launch" "${common[@]}" --decode-steps 100 --timeout-ms 10000 --deadline-s 240 \
       >"$work/out" 2>&1 &
     pid=$!
     wait_step 0 3 || { cat "$work/out"; fail "decode never reached step 3"; }
@@ -75,6 +75,9 @@ case "$case_name" in
     t1=$(date +%s.%N)
     tail -6 "$work/out"
     [[ "$before" == "$during" ]] || fail "the decode moved while FFN 1's host was cut off"
+    # The cut must have hit a running decode (the last step is 100: prefill + 100).
+    read -r during_step _ <<<"$during"
+    ((during_step < 100)) || fail "the decode had finished before the link came back"
     ((rc == 0)) || fail "afd_launch exited $rc after a 2 s partition (timeout 10 s: must be held)"
     grep -q "reference check: PASS" "$work/out" || fail "no reference check PASS"
     awk -v a="$t0" -v b="$t1" 'BEGIN{printf "partition: run finished %.1f s after the link went down\n", b - a}'
