@@ -148,7 +148,7 @@ shape_egress() {  # namespace, device, host side (1) or switch side (0)
   if [[ "$3" == 1 && "$delay_method" == netem ]]; then
     ip netns exec "$ns" tc qdisc add dev "$dev" root handle 1: netem limit 100000 \
       delay "$((rtt_us / 2))us" "${jitter_us}us"
-    parent="parent 1:"
+    parent="parent 1:1"  # netem's one child
   fi
   [[ -n "$gbps" ]] || return 0
   # A burst of 256 KiB holds a whole GSO packet (64 KiB) with room; about
