@@ -12,6 +12,9 @@ packages=(
   python3 python3-numpy   # the example's independent float64 reference (tests/model)
   clang-14 libclang-rt-14-dev   # libFuzzer (scripts/run-fuzz.sh)
   clang-format-14 strace        # scripts/check-format.sh; tests/fuzz/capture_seeds.py
+  # scripts/cluster.sh (tests/cluster): namespaces, tc and ping; iptables for
+  # loss and the netfilter-queue delay (also provides ebtables for black holes)
+  iproute2 iputils-ping iptables libnetfilter-queue-dev
   # the Python package (python/) and its tests; torch is a test dependency;
   # python3-numpy also runs the independent numpy reference of tests/step5
   python3-dev pybind11-dev python3-numpy python3-pytest python3-setuptools python3-torch

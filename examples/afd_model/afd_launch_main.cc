@@ -10,6 +10,7 @@
 //              [--kill-ffn-after-ms N [--kill-ffn P] --expect-failure]
 //              [--emulate-compute PLAN.json]
 //              [--metrics-port P] [--metrics-file PREFIX]
+//              [--hosts NS,... --host-addrs A,...] [--lost-attention A]
 //
 // Starts the stepmesh scheduler (in this process on a free 127.0.0.1 port,
 // or the stepmesh_scheduler program), X afd_attention and Y afd_ffn
@@ -30,11 +31,15 @@
 // model's kernels; the bytes still move. The reference check is skipped; an
 // "emulated compute:" line gives the decode throughput in the plan's virtual
 // tokens.
+//
+// --hosts places every instance on its own emulated host (a network
+// namespace; placement.h, scripts/cluster.sh).
 
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -69,6 +74,7 @@
 #include "examples/afd_model/config.h"
 #include "examples/afd_model/emulated_compute.h"
 #include "examples/afd_model/example_model.h"
+#include "examples/afd_model/placement.h"
 #include "stepmesh/stepmesh.h"
 
 extern char** environ;
@@ -83,12 +89,11 @@ void OnSignal(int) { g_interrupted = 1; }
 // dropped while still running.
 class Child {
  public:
-  // `env`: the child's whole environment ("NAME=value" entries).
-  static absl::StatusOr<std::unique_ptr<Child>> Start(std::string name,
-                                                      const std::vector<std::string>& argv,
-                                                      const std::vector<std::string>& env,
-                                                      const std::string& out_path,
-                                                      const std::string& err_path) {
+  // `env`: the child's whole environment ("NAME=value" entries). `netns_fd`
+  // (>= 0): the network namespace the child runs in (--hosts).
+  static absl::StatusOr<std::unique_ptr<Child>> Start(
+      std::string name, const std::vector<std::string>& argv, const std::vector<std::string>& env,
+      const std::string& out_path, const std::string& err_path, int netns_fd = -1) {
     std::vector<char*> args;
     for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
@@ -115,6 +120,7 @@ class Child {
       // (a ctest timeout), so nothing is left behind.
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (::getppid() != parent) ::_exit(127);
+      if (netns_fd >= 0 && ::setns(netns_fd, CLONE_NEWNET) != 0) ::_exit(126);
       ::dup2(out, STDOUT_FILENO);
       ::dup2(err, STDERR_FILENO);
       ::execve(args[0], args.data(), envp.data());
@@ -236,6 +242,8 @@ struct LaunchFlags {
   std::string inject_wrong_layer;  // "STEP:LAYER" for attention 0's header
   int64_t metrics_port = 0;        // attention a serves on it + a, FFN p on it + X + p
   std::string metrics_file;        // each process writes PREFIX.worker<a> / PREFIX.server<p>
+  Placement placement;             // --hosts: one emulated host per instance
+  int lost_attention = -1;         // --lost-attention: cut off by the caller's network fault
 };
 
 int Fail(absl::string_view line) {
@@ -265,6 +273,10 @@ class Launcher {
   // --inject-wrong-layer: every FFN refuses the frame, naming the layer it
   // expected, and every attention instance fails on its own.
   int CheckWrongLayerRefused();
+  // --lost-attention: the instance the caller's network fault cuts off.
+  bool IsLostAttention(const Child& c) const {
+    return f_.lost_attention >= 0 && &c == attention_[f_.lost_attention].get();
+  }
   std::string ProgressPath(int a) const {
     return absl::StrCat(f_.work_dir, "/attention-", a, ".progress");
   }
@@ -332,7 +344,8 @@ absl::Status Launcher::StartScheduler() {
     o.role = stepmesh::Role::kScheduler;
     o.num_workers = f_.shape.attention;
     o.num_servers = f_.shape.ffn;
-    o.scheduler = "127.0.0.1:0";  // the kernel picks a free port
+    // The kernel picks a free port (on host 0 with --hosts).
+    o.scheduler = absl::StrCat(f_.placement.address(0), ":0");
     o.timeout = f_.shape.timeout;
     STEPMESH_ASSIGN_OR_RETURN(scheduler_, stepmesh::Scheduler::Start(o));
     scheduler_address_ = scheduler_->address();
@@ -343,7 +356,7 @@ absl::Status Launcher::StartScheduler() {
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::inet_pton(AF_INET, f_.placement.address(0).c_str(), &addr.sin_addr);
   socklen_t len = sizeof(addr);
   if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
       ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
@@ -351,14 +364,14 @@ absl::Status Launcher::StartScheduler() {
     return absl::UnavailableError("cannot find a free port");
   }
   ::close(fd);
-  scheduler_address_ = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  scheduler_address_ = absl::StrCat(f_.placement.address(0), ":", ntohs(addr.sin_port));
   STEPMESH_ASSIGN_OR_RETURN(
       scheduler_process_,
       Child::Start("scheduler",
                    {f_.scheduler_binary, "--address", scheduler_address_, "--workers",
                     absl::StrCat(f_.shape.attention), "--servers", absl::StrCat(f_.shape.ffn)},
                    ChildEnvironment(), f_.work_dir + "/scheduler.out",
-                   f_.work_dir + "/scheduler.err"));
+                   f_.work_dir + "/scheduler.err", f_.placement.netns_fd(0)));
   absl::SleepFor(absl::Milliseconds(200));  // let it bind before clients dial
   return absl::OkStatus();
 }
@@ -424,7 +437,13 @@ void Launcher::AppendMetricsFlags(stepmesh::Role role, int rank, int port_offset
 
 absl::Status Launcher::StartChildren() {
   const std::string dir = SelfDir();
-  const std::vector<std::string> env = ChildEnvironment();
+  const std::vector<std::string> common_env = ChildEnvironment();
+  // With --hosts each process binds its host's address.
+  auto env_on = [&](int host) {
+    std::vector<std::string> env = common_env;
+    for (std::string& e : f_.placement.Environment(host)) env.push_back(std::move(e));
+    return env;
+  };
   for (int p = 0; p < f_.shape.ffn; ++p) {
     std::vector<std::string> argv = {dir + "/afd_ffn", "--scheduler", scheduler_address_, "--rank",
                                      absl::StrCat(p)};
@@ -432,8 +451,10 @@ absl::Status Launcher::StartChildren() {
     AppendMetricsFlags(stepmesh::Role::kServer, p, f_.shape.attention + p, &argv);
     AppendTraceFlag(stepmesh::Role::kServer, p, &argv);
     const std::string base = absl::StrCat(f_.work_dir, "/ffn-", p);
+    const int host = f_.placement.FfnHost(p);
     STEPMESH_ASSIGN_OR_RETURN(
-        auto child, Child::Start(absl::StrCat("ffn ", p), argv, env, base + ".out", base + ".err"));
+        auto child, Child::Start(absl::StrCat("ffn ", p), argv, env_on(host), base + ".out",
+                                 base + ".err", f_.placement.netns_fd(host)));
     ffn_.push_back(std::move(child));
   }
   for (int a = 0; a < f_.shape.attention; ++a) {
@@ -456,8 +477,10 @@ absl::Status Launcher::StartChildren() {
     AppendMetricsFlags(stepmesh::Role::kWorker, a, a, &argv);
     AppendTraceFlag(stepmesh::Role::kWorker, a, &argv);
     const std::string base = absl::StrCat(f_.work_dir, "/attention-", a);
-    STEPMESH_ASSIGN_OR_RETURN(auto child, Child::Start(absl::StrCat("attention ", a), argv, env,
-                                                       base + ".out", base + ".err"));
+    const int host = f_.placement.AttentionHost(a);
+    STEPMESH_ASSIGN_OR_RETURN(
+        auto child, Child::Start(absl::StrCat("attention ", a), argv, env_on(host), base + ".out",
+                                 base + ".err", f_.placement.netns_fd(host)));
     attention_.push_back(std::move(child));
   }
   return absl::OkStatus();
@@ -507,7 +530,7 @@ bool Launcher::WaitChildren(absl::Time deadline, std::string* why) {
       for (auto& c : *group) {
         if (!c->Poll())
           all_done = false;
-        else if (c->exit_code() != 0)
+        else if (c->exit_code() != 0 && !IsLostAttention(*c))
           any_failed = true;
       }
     }
@@ -547,9 +570,18 @@ bool Launcher::WaitChildren(absl::Time deadline, std::string* why) {
     absl::SleepFor(absl::Milliseconds(10));
   }
   bool ok = why->empty();
+  if (f_.lost_attention >= 0) {
+    const Child& lost = *attention_[f_.lost_attention];
+    if (lost.exit_code() == 0 || lost.killed_by_launcher()) {
+      ok = false;
+      absl::StrAppend(why, why->empty() ? "" : "; ", lost.name(),
+                      lost.exit_code() == 0 ? " finished although it was cut off (--lost-attention)"
+                                            : " hung (killed)");
+    }
+  }
   for (auto* group : {&attention_, &ffn_}) {
     for (auto& c : *group) {
-      if (c->exit_code() == 0) continue;
+      if (c->exit_code() == 0 || IsLostAttention(*c)) continue;
       ok = false;
       if (!why->empty()) absl::StrAppend(why, "; ");
       absl::StrAppend(why, c->name(),
@@ -658,7 +690,7 @@ int Launcher::Run() {
   if (!ok) {
     for (auto* group : {&attention_, &ffn_}) {
       for (auto& c : *group) {
-        if (c->exit_code() == 0) continue;
+        if (c->exit_code() == 0 && !IsLostAttention(*c)) continue;
         std::printf("--- %s stderr (tail):\n%s", c->name().c_str(), Tail(c->Stderr(), 8).c_str());
       }
     }
@@ -668,8 +700,15 @@ int Launcher::Run() {
     for (auto& c : *group) std::printf("%s", c->Stdout().c_str());
   }
 
+  if (f_.lost_attention >= 0) {
+    const Child& lost = *attention_[f_.lost_attention];
+    std::printf("%s was lost as expected (exit %d, %.1f s into the run); its error:\n%s",
+                lost.name().c_str(), lost.exit_code(),
+                absl::ToDoubleSeconds(lost.exited_at() - started_), Tail(lost.Stderr(), 2).c_str());
+  }
   std::vector<AttentionResults> results;
   for (int a = 0; a < f_.shape.attention; ++a) {
+    if (a == f_.lost_attention) continue;  // the survivors are checked
     absl::StatusOr<AttentionResults> r =
         ReadResults(absl::StrCat(f_.work_dir, "/attention-", a, ".results"),
                     ExpectedResults{a, &f_.shape, config_.num_layers, config_.hidden_size,
@@ -677,7 +716,9 @@ int Launcher::Run() {
     if (!r.ok()) return Fail(r.status().ToString());
     results.push_back(std::move(*r));
   }
-  std::printf("\n%s", FormatReport(f_.shape, model_, results).c_str());
+  // The report describes whole runs (--lost-attention: the survivors are
+  // only checked).
+  if (f_.lost_attention < 0) std::printf("\n%s", FormatReport(f_.shape, model_, results).c_str());
   std::printf("(all processes done in %.2f s wall, including weight generation)\n", wall);
   if (!f_.chrome_trace.empty()) {
     if (absl::Status s = WriteMergedTrace(results); !s.ok()) {
@@ -778,6 +819,14 @@ launcher:
                          /tmp/afd_launch.* removed on success
   --keep-work-dir        keep the default work directory
   --scheduler-binary P   run the scheduler as that program instead of in process
+  --hosts NS0,NS1,...    one emulated host (network namespace) per instance:
+                         attention a on host a, FFN p on host X + p, the
+                         scheduler on host 0 (scripts/cluster.sh makes them)
+  --host-addrs A0,...    each host's address (with --hosts)
+  --lost-attention A     attention A will be cut off by a network fault the
+                         caller injects (scripts/cluster.sh fault): it must
+                         fail, everyone else must finish, and the survivors'
+                         results pass the reference check
   --no-reference         skip Gate A
   --no-layer-check       Gate A without the per-layer residual dumps
   --kill-ffn-after-ms N [--kill-ffn P] --expect-failure
@@ -932,7 +981,9 @@ int Main(int argc, char** argv) {
   absl::StatusOr<int64_t> kill_after = flags->Int("kill-ffn-after-ms", -1);
   absl::StatusOr<int64_t> kill_ffn = flags->Int("kill-ffn", -1);
   absl::StatusOr<int64_t> metrics_port = flags->Int("metrics-port", 0);
-  for (const auto* s : {&deadline, &progress, &kill_after, &kill_ffn, &metrics_port}) {
+  absl::StatusOr<int64_t> lost_attention = flags->Int("lost-attention", -1);
+  for (const auto* s :
+       {&deadline, &progress, &kill_after, &kill_ffn, &metrics_port, &lost_attention}) {
     if (!s->ok()) return UsageError(s->status().message());
   }
   f.deadline_s = *deadline;
@@ -948,9 +999,20 @@ int Main(int argc, char** argv) {
   f.inject_wrong_layer = flags->Str("inject-wrong-layer", "");
   f.metrics_port = *metrics_port;
   f.metrics_file = flags->Str("metrics-file", "");
+  f.lost_attention = static_cast<int>(*lost_attention);
+  if (f.lost_attention < -1 || f.lost_attention >= f.shape.attention ||
+      (f.lost_attention >= 0 && (f.shape.attention < 2 || f.expect_failure))) {
+    return UsageError(absl::StrCat("--lost-attention ", f.lost_attention,
+                                   ": want an attention instance in [0, ", f.shape.attention,
+                                   "), with at least one other and without --expect-failure"));
+  }
   if (f.metrics_port < 0 || f.metrics_port + f.shape.attention + f.shape.ffn > 65536) {
     return UsageError("--metrics-port: the ports P .. P + X + Y - 1 must be in [1, 65535]");
   }
+  absl::StatusOr<Placement> placement = Placement::Open(
+      flags->Str("hosts", ""), flags->Str("host-addrs", ""), f.shape.attention, f.shape.ffn);
+  if (!placement.ok()) return UsageError(placement.status().message());
+  f.placement = *std::move(placement);
   const bool keep = flags->Bool("keep-work-dir") || !f.work_dir.empty();
   if (absl::Status s = flags->CheckAllUsed(); !s.ok()) return UsageError(s.message());
   // The emulated engine runs no model: there is nothing to check against.
@@ -972,6 +1034,8 @@ int Main(int argc, char** argv) {
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
 
+  // Before any thread starts: the threads the scheduler creates inherit it.
+  if (absl::Status s = f.placement.EnterSchedulerHost(); !s.ok()) return Fail(s.message());
   const std::string work_dir = f.work_dir;
   const int rc = Launcher(std::move(f), std::move(model), std::move(emulation)).Run();
   if (!keep && rc == 0) RemoveWorkDir(work_dir);

@@ -481,8 +481,11 @@ ReferenceCheck CheckAgainstReference(const RunShape& shape, const ExampleModel& 
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-  const int64_t tokens = int64_t{total} * shape.steps();
-  const int64_t blocks = int64_t{shape.attention} * shape.steps() * config.num_layers;
+  // What was compared: every instance in `results` (afd_launch
+  // --lost-attention checks the survivors only).
+  const int64_t checked = static_cast<int64_t>(results.size());
+  const int64_t tokens = checked * shape.requests * shape.steps();
+  const int64_t blocks = checked * shape.steps() * config.num_layers;
   ReferenceCheck check;
   check.pass = token_mismatches == 0 && logits_differ == 0 && layers_differ == 0;
   auto verdict = [&](int64_t differ, int64_t of, double rel) {

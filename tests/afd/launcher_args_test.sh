@@ -78,6 +78,16 @@ fi
 if [[ ! -e /dev/nvidia0 ]]; then
   expect 2 "--backend cuda is not available here" --backend cuda
 fi
+# Placement on emulated hosts (--hosts; tests/cluster/ runs it for real).
+expect 2 "--hosts names 2 hosts; this run needs 4" --attention 2 --ffn 2 --hosts a,b \
+  --host-addrs 10.0.0.1,10.0.0.2
+expect 2 "--hosts: cannot open /run/netns/smcnosuchh0" --hosts smcnosuchh0,smcnosuchh1 \
+  --host-addrs 10.0.0.1,10.0.0.2
+expect 2 "--host-addrs has 1 addresses for 2 hosts" --hosts a,b --host-addrs 10.0.0.1
+expect 2 "'10.0.0' is not an IPv4 address" --hosts a,b --host-addrs 10.0.0,10.0.0.2
+expect 2 "--host-addrs needs --hosts" --host-addrs 10.0.0.1
+expect 2 "--lost-attention 0: want an attention instance" --lost-attention 0
+expect 2 "--lost-attention 2: want an attention instance" --attention 2 --lost-attention 2
 
 if ((fails)); then
   echo "$fails case(s) failed"
