@@ -14,15 +14,15 @@ const core::NodeId kWorker = core::WorkerId(0);
 const core::NodeId kServer = core::ServerId(0);
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<FabricPair>> FabricPair::Make(
-    const MeshOptions& options, libfabric::LibfabricHooks worker_hooks, size_t bytes,
-    Device device) {
+absl::StatusOr<std::unique_ptr<FabricPair>> FabricPair::Make(const MeshOptions& options,
+                                                             libfabric::LibfabricHooks worker_hooks,
+                                                             size_t bytes, Device device) {
   std::unique_ptr<FabricPair> p(new FabricPair(bytes));
   libfabric::LibfabricHooks server_hooks;
   server_hooks.api = worker_hooks.api;
-  STEPMESH_ASSIGN_OR_RETURN(
-      p->worker_,
-      libfabric::CreateLibfabricTransport(options, tcp::CreateTcpTransport, std::move(worker_hooks)));
+  STEPMESH_ASSIGN_OR_RETURN(p->worker_,
+                            libfabric::CreateLibfabricTransport(options, tcp::CreateTcpTransport,
+                                                                std::move(worker_hooks)));
   STEPMESH_ASSIGN_OR_RETURN(p->server_, libfabric::CreateLibfabricTransport(
                                             options, tcp::CreateTcpTransport, server_hooks));
   STEPMESH_ASSIGN_OR_RETURN(std::string wep, p->worker_->LocalEndpoint());

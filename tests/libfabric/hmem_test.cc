@@ -87,8 +87,7 @@ TEST_CASE(
     hints->ep_attr->type = FI_EP_RDM;
     hints->caps = FI_RMA | FI_HMEM;
     fi_info* info = nullptr;
-    CHECK(fabric.api().getinfo(FI_VERSION(1, 9), nullptr, nullptr, 0, hints, &info) ==
-          -FI_ENODATA);
+    CHECK(fabric.api().getinfo(FI_VERSION(1, 9), nullptr, nullptr, 0, hints, &info) == -FI_ENODATA);
     fabric.api().freeinfo(hints);
     auto e = libfabric::FabricEndpoint::Open(fabric.api(), {.provider = "shm", .hmem = true});
     REQUIRE_OK(e.status());
