@@ -4,8 +4,8 @@
 // tensor through pinned host memory -- the RDMA path's rule. CI has no GPU:
 // the provider is this machine's shm behind HmemFabric (hmem_fabric.h),
 // which advertises FI_HMEM or not and records every registration; "device"
-// memory is host memory that stands in for it. hmem_gpu_test.cc runs the
-// real thing where a GPU and a CUDA-enabled libfabric exist.
+// memory is host memory that stands in for it. Not run on a GPU (no GPU
+// program for this path yet: docs/libfabric.md, "Not done").
 
 #include <rdma/fi_domain.h>
 #include <rdma/fi_errno.h>
