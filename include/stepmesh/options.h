@@ -157,7 +157,13 @@ struct STEPMESH_EXPORT MeshOptions {
   // transport = "libfabric": the provider ("tcp", "shm", "efa", ...; empty:
   // the first with RMA and remote CQ data). docs/libfabric.md.
   std::string fi_provider;
-  std::string backend = "cpu_mock";  // "cpu_mock" or "cuda"
+  // transport = "libfabric": rails (one fabric domain + endpoint each) per
+  // process; payloads of at least fi_stripe_min_bytes are split across the
+  // rails a peer shares. 0: one per NIC (domain) the provider lists (EFA: every
+  // EFA device); N > the NICs listed: rails share NICs round-robin.
+  int fi_nics = 1;
+  int64_t fi_stripe_min_bytes = 64 << 10;  // >= 4096
+  std::string backend = "cpu_mock";        // "cpu_mock" or "cuda"
   int device = 0;
   // The process's CUDA_DEVICE_MAX_CONNECTIONS (0: not set). With 1 the cuda
   // backend never waits with stream memory operations (docs/cuda.md, rule 7).

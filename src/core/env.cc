@@ -236,6 +236,18 @@ const std::vector<EnvEntry>& EnvTable() {
        "libfabric provider of `transport = libfabric`: `tcp`, `shm`, `efa`, `tcp;ofi_rxm`, ...; "
        "one without RMA or remote CQ data is refused, naming what it lacks",
        STEPMESH_ENV_STR(fi_provider)},
+      {"STEPMESH_FI_NICS", "fi_nics", "1",
+       "libfabric rails (a domain and endpoint each, 0..32): 0 = one per NIC the provider lists "
+       "(EFA: every device); large payloads are striped across the rails both ends have",
+       STEPMESH_ENV_INT(fi_nics)},
+      {"STEPMESH_FI_STRIPE_MIN_BYTES", "fi_stripe_min_bytes", "65536",
+       "with 2+ libfabric rails, payloads at least this large are split across them (≥ 4096)",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         if (!absl::SimpleAtoi(v, &o.fi_stripe_min_bytes)) {
+           return absl::InvalidArgumentError("not an integer");
+         }
+         return absl::OkStatus();
+       }},
       {"STEPMESH_BACKEND", "backend", "`cpu_mock`", "`cpu_mock` or `cuda`",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
          // Whether this build has CUDA is decided when the backend is made;
@@ -764,6 +776,15 @@ absl::Status MeshOptions::Validate() const {
       transport != "libfabric") {
     return absl::InvalidArgumentError(
         absl::StrCat("transport '", transport, "' (tcp|rdma|auto|libfabric)"));
+  }
+  if (fi_nics < 0 || fi_nics > 32) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("fi_nics=", fi_nics, " (STEPMESH_FI_NICS): want 0..32"));
+  }
+  if (fi_stripe_min_bytes < 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("fi_stripe_min_bytes=", fi_stripe_min_bytes,
+                     " (STEPMESH_FI_STRIPE_MIN_BYTES): want >= 4096"));
   }
   if (fserver.group_size < 1) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -143,6 +143,11 @@ class Transport {
   virtual absl::Status Poll(TransportSink& sink, absl::Duration max_wait) = 0;
   // Wakes a Poll blocked in the kernel (from any thread).
   virtual void Wake() = 0;
+  // A descriptor that is readable while Poll has something to do (an epoll
+  // fd; Wake makes it readable too), for a transport that wraps this one and
+  // sleeps on more descriptors than its own (libfabric: its CQ wait fds and
+  // its control connection's). -1: none; a wrapper then sleeps in Poll.
+  virtual int WaitFd() const { return -1; }
 
   // Closes every connection. Orderly: first sends what is queued (bounded by
   // the options' timeout per peer), then a goodbye, so peers see a departure

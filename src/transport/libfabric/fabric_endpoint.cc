@@ -5,6 +5,7 @@
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_errno.h>
 
+#include <algorithm>
 #include <cstring>
 #include <set>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "stepmesh/status.h"
 
 namespace stepmesh::libfabric {
 namespace {
@@ -77,12 +79,16 @@ absl::StatusOr<const FabricApi*> LoadFabricApi() {
 }
 
 std::string FabricEndpoint::Error(absl::string_view what, int rc) const {
-  return absl::StrCat("libfabric ", provider_, ": ", what, " failed: ", api_.strerror(-rc), " (",
-                      rc, ")");
+  return absl::StrCat("libfabric ", provider_, rails_ > 1 ? absl::StrCat(" ", Name()) : "", ": ",
+                      what, " failed: ", api_.strerror(-rc), " (", rc, ")");
 }
 
-absl::StatusOr<std::unique_ptr<FabricEndpoint>> FabricEndpoint::Open(const FabricApi& api,
-                                                                     const EndpointConfig& config) {
+std::string FabricEndpoint::Name() const {
+  return absl::StrCat("rail ", rail_, " (", domain_name_, ")");
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<FabricEndpoint>>> FabricEndpoint::OpenRails(
+    const FabricApi& api, const EndpointConfig& config) {
   const std::string& want = config.provider;
   const std::string shown = want.empty() ? "(any)" : want;
   const bool local_only = absl::StartsWith(want, "shm");
@@ -121,73 +127,130 @@ absl::StatusOr<std::unique_ptr<FabricEndpoint>> FabricEndpoint::Open(const Fabri
   hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY;
   hints->domain_attr->threading = FI_THREAD_SAFE;
   InfoList found(api);
-  int rc = api.getinfo(kApiVersion, node, nullptr, flags, hints, found.out());
+  int rc = -FI_ENODATA;
+  if (config.hmem) {
+    // Device memory in place where the provider can (EFA with CUDA, shm);
+    // tcp has no FI_HMEM and is opened without it.
+    hints->caps |= FI_HMEM;
+    hints->domain_attr->mr_mode |= FI_MR_HMEM;
+    rc = api.getinfo(kApiVersion, node, nullptr, flags, hints, found.out());
+    hints->caps &= ~FI_HMEM;
+    hints->domain_attr->mr_mode &= ~FI_MR_HMEM;
+  }
+  if (rc != 0 || found.get() == nullptr) {
+    rc = api.getinfo(kApiVersion, node, nullptr, flags, hints, found.out());
+  }
   if (rc != 0 || found.get() == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
         "libfabric: provider '", shown,
         "' has RMA but not with a thread-safe domain and the memory-registration modes this "
         "transport handles (FI_MR_LOCAL|VIRT_ADDR|ALLOCATED|PROV_KEY)"));
   }
-  const fi_info* chosen = nullptr;
+  // The NICs: the first entry of each distinct domain that has enough CQ
+  // data, all of the first such entry's provider (one provider per transport).
+  std::vector<const fi_info*> nics;
+  std::set<std::string> domains;
   size_t best_cq_data = 0;
   for (const fi_info* i = found.get(); i != nullptr; i = i->next) {
     best_cq_data = std::max(best_cq_data, i->domain_attr->cq_data_size);
-    if (i->domain_attr->cq_data_size >= 4) {
-      chosen = i;
-      break;
+    if (i->domain_attr->cq_data_size < 4) continue;
+    if (!nics.empty() &&
+        std::strcmp(i->fabric_attr->prov_name, nics[0]->fabric_attr->prov_name) != 0) {
+      continue;
     }
+    const std::string domain = i->domain_attr->name != nullptr ? i->domain_attr->name : "";
+    if (domains.insert(domain).second) nics.push_back(i);
   }
-  if (chosen == nullptr) {
+  if (nics.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "libfabric: provider '", shown, "' lacks remote CQ data (FI_REMOTE_CQ_DATA: cq_data_size ",
         best_cq_data, " < 4 bytes), which counts a frame's writes"));
   }
-
-  std::unique_ptr<FabricEndpoint> e(new FabricEndpoint(api));
-  e->info_ = api.dupinfo(chosen);
-  if (e->info_ == nullptr) return absl::ResourceExhaustedError("libfabric: fi_dupinfo failed");
-  e->provider_ = e->info_->fabric_attr->prov_name;
-  e->virt_addr_ = (e->info_->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0;
-  e->prov_key_ = (e->info_->domain_attr->mr_mode & FI_MR_PROV_KEY) != 0;
-  e->hmem_ = (e->info_->caps & FI_HMEM) != 0;
-  e->max_msg_size_ = e->info_->ep_attr->max_msg_size;
-  e->cq_data_size_ = e->info_->domain_attr->cq_data_size;
-
-  if ((rc = api.fabric(e->info_->fabric_attr, e->fabric_.out(), nullptr)) != 0) {
-    return absl::UnavailableError(e->Error("fi_fabric", rc));
+  const int rails = config.nics <= 0 ? static_cast<int>(std::min<size_t>(nics.size(), kMaxRails))
+                                     : std::min(config.nics, kMaxRails);
+  std::vector<std::unique_ptr<FabricEndpoint>> out;
+  for (int r = 0; r < rails; ++r) {
+    std::unique_ptr<FabricEndpoint> e(new FabricEndpoint(api));
+    e->rail_ = r;
+    e->rails_ = rails;
+    STEPMESH_RETURN_IF_ERROR(e->OpenOn(nics[r % nics.size()], config.wait_fd));
+    out.push_back(std::move(e));
   }
-  if ((rc = fi_domain(e->fabric_.get(), e->info_, e->domain_.out(), nullptr)) != 0) {
-    return absl::UnavailableError(e->Error("fi_domain", rc));
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<FabricEndpoint>> FabricEndpoint::Open(const FabricApi& api,
+                                                                     const EndpointConfig& config) {
+  EndpointConfig one = config;
+  one.nics = 1;
+  STEPMESH_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<FabricEndpoint>> rails,
+                            OpenRails(api, one));
+  return std::move(rails.front());
+}
+
+absl::Status FabricEndpoint::OpenOn(const fi_info* chosen, bool wait_fd) {
+  info_ = api_.dupinfo(chosen);
+  if (info_ == nullptr) return absl::ResourceExhaustedError("libfabric: fi_dupinfo failed");
+  provider_ = info_->fabric_attr->prov_name;
+  domain_name_ = info_->domain_attr->name != nullptr ? info_->domain_attr->name : "";
+  virt_addr_ = (info_->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0;
+  prov_key_ = (info_->domain_attr->mr_mode & FI_MR_PROV_KEY) != 0;
+  hmem_ = (info_->caps & FI_HMEM) != 0;
+  max_msg_size_ = info_->ep_attr->max_msg_size;
+  cq_data_size_ = info_->domain_attr->cq_data_size;
+
+  int rc;
+  if ((rc = api_.fabric(info_->fabric_attr, fabric_.out(), nullptr)) != 0) {
+    return absl::UnavailableError(Error("fi_fabric", rc));
+  }
+  if ((rc = fi_domain(fabric_.get(), info_, domain_.out(), nullptr)) != 0) {
+    return absl::UnavailableError(Error("fi_domain", rc));
   }
   fi_av_attr av_attr{};
   av_attr.type = FI_AV_TABLE;
-  if ((rc = fi_av_open(e->domain_.get(), &av_attr, e->av_.out(), nullptr)) != 0) {
-    return absl::UnavailableError(e->Error("fi_av_open", rc));
+  if ((rc = fi_av_open(domain_.get(), &av_attr, av_.out(), nullptr)) != 0) {
+    return absl::UnavailableError(Error("fi_av_open", rc));
   }
   fi_cq_attr cq_attr{};
   cq_attr.format = FI_CQ_FORMAT_DATA;
   cq_attr.wait_obj = FI_WAIT_NONE;
-  if ((rc = fi_cq_open(e->domain_.get(), &cq_attr, e->tx_cq_.out(), nullptr)) != 0 ||
-      (rc = fi_cq_open(e->domain_.get(), &cq_attr, e->rx_cq_.out(), nullptr)) != 0) {
-    return absl::UnavailableError(e->Error("fi_cq_open", rc));
+  if ((rc = fi_cq_open(domain_.get(), &cq_attr, tx_cq_.out(), nullptr)) != 0) {
+    return absl::UnavailableError(Error("fi_cq_open", rc));
   }
-  if ((rc = fi_endpoint(e->domain_.get(), e->info_, e->ep_.out(), nullptr)) != 0) {
-    return absl::UnavailableError(e->Error("fi_endpoint", rc));
+  if (wait_fd) {
+    // Blocking progress where the provider has a wait object (tcp: its
+    // progress epoll); shm has none (-FI_ENOSYS) and is polled instead.
+    fi_cq_attr waitable = cq_attr;
+    waitable.wait_obj = FI_WAIT_FD;
+    int fd = -1;
+    if (fi_cq_open(domain_.get(), &waitable, rx_cq_.out(), nullptr) == 0 &&
+        fi_control(&rx_cq_.get()->fid, FI_GETWAIT, &fd) == 0 && fd >= 0) {
+      wait_fd_ = fd;
+    } else {
+      rx_cq_.Reset();
+    }
   }
-  if ((rc = fi_ep_bind(e->ep_.get(), &e->av_.get()->fid, 0)) != 0 ||
-      (rc = fi_ep_bind(e->ep_.get(), &e->tx_cq_.get()->fid, FI_TRANSMIT)) != 0 ||
-      (rc = fi_ep_bind(e->ep_.get(), &e->rx_cq_.get()->fid, FI_RECV)) != 0) {
-    return absl::UnavailableError(e->Error("fi_ep_bind", rc));
+  if (rx_cq_.get() == nullptr &&
+      (rc = fi_cq_open(domain_.get(), &cq_attr, rx_cq_.out(), nullptr)) != 0) {
+    return absl::UnavailableError(Error("fi_cq_open", rc));
   }
-  if ((rc = fi_enable(e->ep_.get())) != 0) return absl::UnavailableError(e->Error("fi_enable", rc));
+  if ((rc = fi_endpoint(domain_.get(), info_, ep_.out(), nullptr)) != 0) {
+    return absl::UnavailableError(Error("fi_endpoint", rc));
+  }
+  if ((rc = fi_ep_bind(ep_.get(), &av_.get()->fid, 0)) != 0 ||
+      (rc = fi_ep_bind(ep_.get(), &tx_cq_.get()->fid, FI_TRANSMIT)) != 0 ||
+      (rc = fi_ep_bind(ep_.get(), &rx_cq_.get()->fid, FI_RECV)) != 0) {
+    return absl::UnavailableError(Error("fi_ep_bind", rc));
+  }
+  if ((rc = fi_enable(ep_.get())) != 0) return absl::UnavailableError(Error("fi_enable", rc));
   std::string name(256, '\0');
   size_t len = name.size();
-  if ((rc = fi_getname(&e->ep_.get()->fid, name.data(), &len)) != 0) {
-    return absl::UnavailableError(e->Error("fi_getname", rc));
+  if ((rc = fi_getname(&ep_.get()->fid, name.data(), &len)) != 0) {
+    return absl::UnavailableError(Error("fi_getname", rc));
   }
   name.resize(len);
-  e->address_ = std::move(name);
-  return e;
+  address_ = std::move(name);
+  return absl::OkStatus();
 }
 
 FabricEndpoint::~FabricEndpoint() {

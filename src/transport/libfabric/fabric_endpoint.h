@@ -20,6 +20,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
@@ -69,20 +70,44 @@ class FidHandle {
   T* p_ = nullptr;
 };
 
+// The most rails (NICs) one transport drives: p5.48xlarge has 32 EFA devices.
+inline constexpr int kMaxRails = 32;
+
 struct EndpointConfig {
   std::string provider;  // "tcp", "shm", "efa", "tcp;ofi_rxm"; empty: the first that fits
   std::string host;      // the address a network provider binds (bind_host)
+  // Rails to open: 0 one per NIC (distinct domain) the provider lists; N
+  // more than it lists: the NICs again, round-robin (each rail still its own
+  // fabric, domain, MRs, CQs and endpoint).
+  int nics = 1;
+  // Ask for a file-descriptor wait object on the receive CQ (blocking
+  // progress); a provider without one (shm) gets FI_WAIT_NONE: wait_fd() -1.
+  bool wait_fd = false;
+  // Ask for FI_HMEM (device memory registered in place, FI_MR_HMEM); a
+  // provider without it is opened without: hmem() false, device tensors are
+  // staged through pinned host memory by the core.
+  bool hmem = false;
 };
 
+// One rail: a NIC's fabric, domain, address vector, CQs and endpoint.
 class FabricEndpoint {
  public:
-  // Chooses the provider and opens everything; errors name the provider and
-  // the capability it lacks (RMA, remote CQ data, ...), or list the
-  // providers this machine has when the name is unknown.
+  // Chooses the provider and opens one rail per NIC asked for; errors name
+  // the provider and the capability it lacks (RMA, remote CQ data, ...), or
+  // list the providers this machine has when the name is unknown.
+  static absl::StatusOr<std::vector<std::unique_ptr<FabricEndpoint>>> OpenRails(
+      const FabricApi& api, const EndpointConfig& config);
+  // The first rail only.
   static absl::StatusOr<std::unique_ptr<FabricEndpoint>> Open(const FabricApi& api,
                                                               const EndpointConfig& config);
   ~FabricEndpoint();
 
+  int rail() const { return rail_; }
+  // The NIC: the domain's name ("rdmap16s27-rdm", "lo", "shm").
+  const std::string& domain_name() const { return domain_name_; }
+  // The receive CQ's wait fd (fi_control FI_GETWAIT), -1 without one.
+  int wait_fd() const { return wait_fd_; }
+  fid_fabric* fabric() const { return fabric_.get(); }
   const std::string& provider() const { return provider_; }
   // fi_getname: this endpoint's address, raw bytes (published hex-encoded).
   const std::string& address() const { return address_; }
@@ -100,13 +125,21 @@ class FabricEndpoint {
 
   // The fi_addr_t of a peer's raw address (inserted once, then cached).
   absl::StatusOr<fi_addr_t> Resolve(const std::string& raw);
-  // "<provider>: <what> failed: <fi_strerror>".
+  // "<provider>: <what> failed: <fi_strerror>" (naming the rail when there
+  // are several).
   std::string Error(absl::string_view what, int rc) const;
+  // "rail 1 (lo)".
+  std::string Name() const;
 
  private:
   explicit FabricEndpoint(const FabricApi& api) : api_(api) {}
+  absl::Status OpenOn(const fi_info* info, bool wait_fd);
 
   const FabricApi& api_;
+  int rail_ = 0;
+  int rails_ = 1;
+  int wait_fd_ = -1;
+  std::string domain_name_;
   std::string provider_;
   std::string address_;
   bool virt_addr_ = false;

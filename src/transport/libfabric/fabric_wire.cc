@@ -35,7 +35,8 @@ std::string EncodeHello(const Hello& hello) {
   AppendLittleEndian(out, hello.epoch);
   AppendLittleEndian(out, hello.your_tag);
   AppendBytes(out, hello.provider);
-  AppendBytes(out, hello.address);
+  AppendLittleEndian<uint8_t>(out, static_cast<uint8_t>(hello.addresses.size()));
+  for (const std::string& a : hello.addresses) AppendBytes(out, a);
   return out;
 }
 
@@ -44,7 +45,8 @@ std::string EncodeAdvert(const Advert& advert) {
   AppendLittleEndian(out, advert.key);
   AppendLittleEndian(out, advert.addr);
   AppendLittleEndian(out, advert.bytes);
-  AppendLittleEndian(out, advert.mr_key);
+  AppendLittleEndian<uint8_t>(out, static_cast<uint8_t>(advert.mr_keys.size()));
+  for (uint64_t k : advert.mr_keys) AppendLittleEndian(out, k);
   return out;
 }
 
@@ -64,9 +66,10 @@ std::string EncodeFrame(const FrameDescriptor& frame) {
   return out;
 }
 
-std::string EncodeAbort(uint32_t seq) {
+std::string EncodeAbort(uint32_t seq, absl::string_view reason) {
   std::string out = Start(ControlType::kAbort);
   AppendLittleEndian(out, seq);
+  AppendBytes(out, reason.substr(0, 1024));
   return out;
 }
 
@@ -85,6 +88,7 @@ absl::StatusOr<ControlMessage> DecodeControl(absl::string_view bytes) {
   };
   if (!r.Get(raw_type)) return bad("empty");
   m.type = static_cast<ControlType>(raw_type);
+  uint8_t rails = 0;  // hello, advert
   switch (m.type) {
     case ControlType::kHello:
       if (!r.Get(m.hello.version)) return bad("hello");
@@ -93,21 +97,29 @@ absl::StatusOr<ControlMessage> DecodeControl(absl::string_view bytes) {
                                                           m.hello.version, ", not ", kWireVersion));
       }
       if (!r.Get(m.hello.epoch) || !r.Get(m.hello.your_tag) || !GetBytes(r, m.hello.provider) ||
-          !GetBytes(r, m.hello.address) || m.hello.your_tag >= kMaxTags) {
+          !r.Get(rails) || rails == 0 || rails > kMaxWireRails || m.hello.your_tag >= kMaxTags) {
         return bad("hello");
+      }
+      m.hello.addresses.resize(rails);
+      for (std::string& a : m.hello.addresses) {
+        if (!GetBytes(r, a) || a.empty()) return bad("hello address");
       }
       break;
     case ControlType::kAdvert:
       if (!r.Get(m.advert.key) || !r.Get(m.advert.addr) || !r.Get(m.advert.bytes) ||
-          !r.Get(m.advert.mr_key)) {
+          !r.Get(rails) || rails == 0 || rails > kMaxWireRails) {
         return bad("advert");
+      }
+      m.advert.mr_keys.resize(rails);
+      for (uint64_t& k : m.advert.mr_keys) {
+        if (!r.Get(k)) return bad("advert key");
       }
       break;
     case ControlType::kWithdraw:
       if (!r.Get(m.advert.key)) return bad("withdraw");
       break;
     case ControlType::kAbort:
-      if (!r.Get(m.frame.seq)) return bad("abort");
+      if (!r.Get(m.frame.seq) || !GetBytes(r, m.reason)) return bad("abort");
       break;
     case ControlType::kExpel:
       if (!GetBytes(r, m.reason)) return bad("expel");

@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -36,7 +37,9 @@ inline constexpr uint32_t ImmediateSeq(uint64_t data) {
 
 // The `key` of the control connection's carrier frames ("LIBFABRI").
 inline constexpr uint64_t kCarrierKey = 0x4952424146424C49ull;
-inline constexpr uint32_t kWireVersion = 1;
+// The most rails a hello or advert may list (kMaxRails, fabric_endpoint.h).
+inline constexpr uint8_t kMaxWireRails = 32;
+inline constexpr uint32_t kWireVersion = 2;  // 2: rails (a list of addresses, keys)
 // A carrier's body is an error frame's text, at most core::kMaxErrorTextBytes.
 inline constexpr size_t kMaxControlBytes = 4096;
 
@@ -54,14 +57,14 @@ struct Hello {
   uint64_t epoch = 0;     // random per transport instance: a restart is a new peer
   uint32_t your_tag = 0;  // the tag the receiver of this hello writes to the sender with
   std::string provider;
-  std::string address;  // raw fi_getname bytes
+  std::vector<std::string> addresses;  // raw fi_getname bytes, one per rail
 };
 
 struct Advert {
   uint64_t key = 0;
   uint64_t addr = 0;  // a virtual address (FI_MR_VIRT_ADDR) or 0 (offset into the MR)
   uint64_t bytes = 0;
-  uint64_t mr_key = 0;
+  std::vector<uint64_t> mr_keys;  // one per rail of the advertising node
 };
 
 struct FrameDescriptor {
@@ -78,14 +81,14 @@ struct ControlMessage {
   Hello hello;
   Advert advert;          // kAdvert; kWithdraw uses advert.key
   FrameDescriptor frame;  // kFrame; kAbort uses frame.seq
-  std::string reason;     // kExpel
+  std::string reason;     // kExpel, kAbort
 };
 
 std::string EncodeHello(const Hello& hello);
 std::string EncodeAdvert(const Advert& advert);
 std::string EncodeWithdraw(uint64_t key);
 std::string EncodeFrame(const FrameDescriptor& frame);
-std::string EncodeAbort(uint32_t seq);
+std::string EncodeAbort(uint32_t seq, absl::string_view reason);
 std::string EncodeExpel(absl::string_view reason);
 // Untrusted bytes: every field bounds checked, the header CRC-checked.
 absl::StatusOr<ControlMessage> DecodeControl(absl::string_view bytes);

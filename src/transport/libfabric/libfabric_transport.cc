@@ -5,12 +5,15 @@
 
 #include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
+#include <sys/epoll.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "src/base/logging.h"
@@ -37,6 +40,12 @@ constexpr absl::Duration kIdleSlice = absl::Milliseconds(1);
 constexpr absl::Duration kShutdownFlush = absl::Seconds(2);
 // A goodbye with frames still counting: their writes get this long to land.
 constexpr absl::Duration kDrainOnLoss = absl::Seconds(2);
+
+// The RDMA path's rule (docs/rdma.md, GPUDirect RDMA): device tensors in
+// place unless STEPMESH_RDMA_GPUDIRECT=off; only a CUDA participant asks.
+bool WantsHmem(const MeshOptions& options) {
+  return options.backend == "cuda" && options.rdma.gpudirect != GpuDirect::kOff;
+}
 
 uint64_t RandomEpoch() {
   std::random_device rd;
@@ -73,18 +82,42 @@ class ControlSink final : public core::TransportSink {
 
 LibfabricTransport::LibfabricTransport(const MeshOptions& options,
                                        std::unique_ptr<core::Transport> control,
-                                       std::unique_ptr<FabricEndpoint> endpoint,
+                                       std::vector<std::unique_ptr<FabricEndpoint>> rails,
                                        LibfabricHooks hooks)
     : options_(options),
       hooks_(std::move(hooks)),
       control_(std::move(control)),
-      endpoint_(std::move(endpoint)),
+      rails_(std::move(rails)),
       poster_(hooks_.poster ? hooks_.poster() : MakeDirectPoster()),
-      epoch_(RandomEpoch()) {
+      epoch_(RandomEpoch()),
+      stripe_min_bytes_(static_cast<size_t>(std::max<int64_t>(4096, options.fi_stripe_min_bytes))),
+      hmem_wanted_(WantsHmem(options)) {
   // Large chunks: every chunk is one completion at the receiver.
   chunk_bytes_ = hooks_.chunk_bytes > 0 ? hooks_.chunk_bytes : size_t{4} << 20;
-  if (endpoint_->max_msg_size() > 0)
-    chunk_bytes_ = std::min(chunk_bytes_, endpoint_->max_msg_size());
+  for (const auto& rail : rails_) {
+    if (rail->max_msg_size() > 0) chunk_bytes_ = std::min(chunk_bytes_, rail->max_msg_size());
+  }
+  SetUpWaitFds();
+}
+
+void LibfabricTransport::SetUpWaitFds() {
+  if (options_.threads.poll_mode == PollMode::kSpin || control_->WaitFd() < 0) return;
+  for (const auto& rail : rails_) {
+    if (rail->wait_fd() < 0) return;  // shm: polled (kIdleSlice)
+  }
+  base::UniqueFd ep(::epoll_create1(EPOLL_CLOEXEC));
+  if (!ep.valid()) return;
+  auto watch = [&](int fd) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = fd;
+    return ::epoll_ctl(ep.get(), EPOLL_CTL_ADD, fd, &ev) == 0;
+  };
+  if (!watch(control_->WaitFd())) return;
+  for (const auto& rail : rails_) {
+    if (!watch(rail->wait_fd())) return;
+  }
+  wait_epoll_ = std::move(ep);
 }
 
 LibfabricTransport::~LibfabricTransport() {
@@ -94,7 +127,7 @@ LibfabricTransport::~LibfabricTransport() {
     MutexLock lock(&regions_mu_);
     regions_.clear();  // MRs before the domain
   }
-  endpoint_.reset();  // closing the endpoint cancels what is still posted
+  rails_.clear();  // closing the endpoints cancels what is still posted
   MutexLock lock(&tx_mu_);
   for (OpContext* ctx : live_) delete ctx;
   live_.clear();
@@ -102,7 +135,9 @@ LibfabricTransport::~LibfabricTransport() {
 
 absl::StatusOr<std::string> LibfabricTransport::LocalEndpoint() {
   STEPMESH_ASSIGN_OR_RETURN(std::string control, control_->LocalEndpoint());
-  return absl::StrCat(control, "|", endpoint_->provider(), "|", HexEncode(endpoint_->address()));
+  std::vector<std::string> hex;
+  for (const auto& rail : rails_) hex.push_back(HexEncode(rail->address()));
+  return absl::StrCat(control, "|", first().provider(), "|", absl::StrJoin(hex, ","));
 }
 
 absl::Status LibfabricTransport::Connect(NodeId self, absl::Span<const core::PeerInfo> peers,
@@ -114,27 +149,32 @@ absl::Status LibfabricTransport::Connect(NodeId self, absl::Span<const core::Pee
     if (parts.size() != 3) {
       return absl::InvalidArgumentError(absl::StrCat(
           "libfabric: ", PeerName(peer.id), " published '", peer.endpoint,
-          "', not a libfabric endpoint (host:port|provider|address): every participant must "
-          "use the same transport"));
+          "', not a libfabric endpoint (host:port|provider|address,...): every participant "
+          "must use the same transport"));
     }
-    if (parts[1] != endpoint_->provider()) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("libfabric: ", PeerName(peer.id), " uses provider '", parts[1],
-                       "', this node '", endpoint_->provider(), "'"));
+    if (parts[1] != first().provider()) {
+      return absl::FailedPreconditionError(absl::StrCat("libfabric: ", PeerName(peer.id),
+                                                        " uses provider '", parts[1],
+                                                        "', this node '", first().provider(), "'"));
     }
     // The published address goes into the address vector when the peer's
     // hello confirms it over its live control connection (OnHello), not
     // here: a peer that dies before it connects is never inserted (libfabric
     // 1.17's shm provider faults inserting the name of an endpoint that its
     // process has closed meanwhile).
-    absl::StatusOr<std::string> raw = HexDecode(parts[2]);
-    if (!raw.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(raw.status().message(), " (", PeerName(peer.id), "'s endpoint)"));
+    std::vector<std::string> addresses;
+    for (absl::string_view hex : absl::StrSplit(parts[2], ',')) {
+      absl::StatusOr<std::string> raw = HexDecode(hex);
+      if (!raw.ok() || addresses.size() >= kMaxWireRails) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(raw.ok() ? "libfabric: more than 32 rails" : raw.status().message(), " (",
+                         PeerName(peer.id), "'s endpoint)"));
+      }
+      addresses.push_back(*std::move(raw));
     }
     {
       MutexLock lock(&av_mu_);
-      published_[peer.id] = *std::move(raw);
+      published_[peer.id] = std::move(addresses);
     }
     control_peers.push_back({peer.id, parts[0]});
   }
@@ -164,8 +204,8 @@ absl::Status LibfabricTransport::SendControl(NodeId peer, const std::string& bod
 std::string LibfabricTransport::HelloFor(NodeId peer) {
   Hello hello;
   hello.epoch = epoch_;
-  hello.provider = endpoint_->provider();
-  hello.address = endpoint_->address();
+  hello.provider = first().provider();
+  for (const auto& rail : rails_) hello.addresses.push_back(rail->address());
   MutexLock lock(&recv_mu_);
   RecvPeer& rp = recv_peers_[peer];  // may exist already: a frame came before any hello
   if (!rp.has_tag) {
@@ -188,27 +228,33 @@ std::string LibfabricTransport::HelloFor(NodeId peer) {
 }
 
 void LibfabricTransport::OnHello(NodeId peer, const Hello& hello) {
-  if (hello.provider != endpoint_->provider()) {
+  if (hello.provider != first().provider()) {
     STEPMESH_LOG_LIMITED(warnings_, kWarning, "libfabric: ", PeerName(peer), " uses provider '",
-                         hello.provider, "', this node '", endpoint_->provider(),
+                         hello.provider, "', this node '", first().provider(),
                          "'; ignoring its hello");
     return;
   }
-  absl::StatusOr<fi_addr_t> addr;
+  // Rail r writes to the peer's rail r, on the rails both ends have (a
+  // peer with fewer NICs is striped over fewer).
+  std::vector<fi_addr_t> addrs;
   {
     MutexLock lock(&av_mu_);
     auto published = published_.find(peer);
-    if (published != published_.end() && published->second != hello.address) {
+    if (published != published_.end() && published->second != hello.addresses) {
       // It restarted since the roster we were given: its hello is the live one.
       STEPMESH_LOG(kInfo, "libfabric: ", PeerName(peer),
                    " says hello from another fabric address than it published");
     }
-    addr = endpoint_->Resolve(hello.address);
-  }
-  if (!addr.ok()) {
-    STEPMESH_LOG_LIMITED(warnings_, kWarning, "libfabric: ", PeerName(peer), ": ",
-                         addr.status().ToString());
-    return;
+    const size_t shared = std::min(rails_.size(), hello.addresses.size());
+    for (size_t r = 0; r < shared; ++r) {
+      absl::StatusOr<fi_addr_t> addr = rails_[r]->Resolve(hello.addresses[r]);
+      if (!addr.ok()) {
+        STEPMESH_LOG_LIMITED(warnings_, kWarning, "libfabric: ", PeerName(peer), ": ",
+                             addr.status().ToString());
+        return;
+      }
+      addrs.push_back(*addr);
+    }
   }
   bool answer = false;
   {
@@ -240,7 +286,7 @@ void LibfabricTransport::OnHello(NodeId peer, const Hello& hello) {
       DropQueue(*sp);
     }
     sp->epoch = hello.epoch;
-    sp->addr = *addr;
+    sp->addrs = std::move(addrs);
     sp->tag = hello.your_tag;
     sp->hello = true;
     sp->expelled = false;
@@ -319,8 +365,9 @@ void LibfabricTransport::OnControl(NodeId peer, absl::string_view bytes,
       {
         MutexLock lock(&recv_mu_);
         recv_peers_[peer].frames.OnAbort(
-            msg->frame.seq, absl::DataLossError(absl::StrCat("libfabric: ", PeerName(peer),
-                                                             " could not write the payload")));
+            msg->frame.seq,
+            absl::DataLossError(absl::StrCat("libfabric: ", PeerName(peer),
+                                             " could not write the payload: ", msg->reason)));
       }
       DeliverReady(peer, sink);
       return;
@@ -377,23 +424,28 @@ void LibfabricTransport::OnPeerLost(NodeId peer, absl::Status why, core::Transpo
 }
 
 void LibfabricTransport::ReadReceives(core::TransportSink& sink) {
+  for (const auto& rail : rails_) ReadReceives(*rail, sink);
+}
+
+// A stripe's writes land on the receiver's rail of the same number; they all
+// carry the frame's immediate, so counting does not care which rail.
+void LibfabricTransport::ReadReceives(FabricEndpoint& rail, core::TransportSink& sink) {
   fi_cq_data_entry entries[32];
   for (int round = 0; round < 16; ++round) {
-    const ssize_t n = fi_cq_read(endpoint_->rx_cq(), entries, 32);
+    const ssize_t n = fi_cq_read(rail.rx_cq(), entries, 32);
     if (n == -FI_EAGAIN) return;
     if (n == -FI_EAVAIL) {
       fi_cq_err_entry err{};
-      if (fi_cq_readerr(endpoint_->rx_cq(), &err, 0) > 0) {
-        STEPMESH_LOG_LIMITED(
-            warnings_, kWarning, "libfabric ", endpoint_->provider(), ": receive completion error ",
-            err.err, " (",
-            fi_cq_strerror(endpoint_->rx_cq(), err.prov_errno, err.err_data, nullptr, 0), ")");
+      if (fi_cq_readerr(rail.rx_cq(), &err, 0) > 0) {
+        STEPMESH_LOG_LIMITED(warnings_, kWarning, "libfabric ", rail.provider(), " ", rail.Name(),
+                             ": receive completion error ", err.err, " (",
+                             fi_cq_strerror(rail.rx_cq(), err.prov_errno, err.err_data, nullptr, 0),
+                             ")");
       }
       continue;
     }
     if (n < 0) {
-      STEPMESH_LOG_LIMITED(warnings_, kWarning,
-                           endpoint_->Error("fi_cq_read", static_cast<int>(n)));
+      STEPMESH_LOG_LIMITED(warnings_, kWarning, rail.Error("fi_cq_read", static_cast<int>(n)));
       return;
     }
     absl::flat_hash_set<NodeId> touched;
@@ -508,11 +560,39 @@ absl::Status LibfabricTransport::Poll(core::TransportSink& sink, absl::Duration 
   Progress();
   ReadReceives(sink);
   ExpireWaiting(sink);
-  const bool busy = Busy() || poster_->Progress(endpoint_->ep());
-  absl::Status st =
-      control_->Poll(control, busy ? absl::ZeroDuration() : std::min(max_wait, kIdleSlice));
+  const bool busy = Busy() || poster_->Progress();
+  absl::Duration control_wait = absl::ZeroDuration();
+  if (!busy && max_wait > absl::ZeroDuration() && !SleepInWaitFds(max_wait)) {
+    control_wait = std::min(max_wait, kIdleSlice);  // no wait object: poll the CQs every slice
+  }
+  absl::Status st = control_->Poll(control, control_wait);
   ReadReceives(sink);
   return st;
+}
+
+// Sleeps until a CQ or the control connection has something, Wake, or
+// `max_wait` -- with libfabric's fi_trywait protocol: it says whether the
+// wait fds may be slept on (nothing already queued, the provider's progress
+// armed), so a completion cannot slip in between the last read and the sleep.
+bool LibfabricTransport::SleepInWaitFds(absl::Duration max_wait) {
+  if (!wait_epoll_.valid()) return false;
+  sleeping_.store(true);
+  // A write posted before `sleeping_` was set is seen here; one after it
+  // wakes this thread (WakeSleeper).
+  bool may_sleep = outstanding_.load() == 0;
+  for (const auto& rail : rails_) {
+    if (!may_sleep) break;
+    fid* cq = &rail->rx_cq()->fid;
+    may_sleep = fi_trywait(rail->fabric(), &cq, 1) == FI_SUCCESS;
+  }
+  if (may_sleep) {
+    epoll_event events[kMaxRails + 1];
+    const int timeout_ms =
+        static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(max_wait), 1, 1000));
+    (void)::epoll_wait(wait_epoll_.get(), events, kMaxRails + 1, timeout_ms);
+  }
+  sleeping_.store(false);
+  return true;
 }
 
 void LibfabricTransport::Shutdown() {
@@ -520,7 +600,7 @@ void LibfabricTransport::Shutdown() {
   const absl::Time until = absl::Now() + std::min(kShutdownFlush, options_.timeout);
   while (outstanding_.load() > 0 && absl::Now() < until) {
     Progress();
-    poster_->Progress(endpoint_->ep());
+    poster_->Progress();
     std::this_thread::yield();
   }
   control_->Shutdown();
@@ -528,16 +608,27 @@ void LibfabricTransport::Shutdown() {
 
 absl::StatusOr<std::unique_ptr<core::Transport>> CreateLibfabricTransport(
     const MeshOptions& options, core::TransportFactory control, LibfabricHooks hooks) {
-  STEPMESH_ASSIGN_OR_RETURN(const FabricApi* api, LoadFabricApi());
+  const FabricApi* api = hooks.api;
+  if (api == nullptr) {
+    STEPMESH_ASSIGN_OR_RETURN(api, LoadFabricApi());
+  }
   EndpointConfig config;
   config.provider = options.fi_provider;
   config.host = options.bind_host;
-  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<FabricEndpoint> endpoint,
-                            FabricEndpoint::Open(*api, config));
+  config.nics = options.fi_nics;
+  config.wait_fd = options.threads.poll_mode != PollMode::kSpin;
+  config.hmem = WantsHmem(options);
+  STEPMESH_ASSIGN_OR_RETURN(std::vector<std::unique_ptr<FabricEndpoint>> rails,
+                            FabricEndpoint::OpenRails(*api, config));
   STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<core::Transport> inner, control(options));
-  STEPMESH_LOG(kInfo, "libfabric: provider ", endpoint->provider(), ", cq data ",
-               endpoint->cq_data_size(), " bytes");
-  return std::make_unique<LibfabricTransport>(options, std::move(inner), std::move(endpoint),
+  std::vector<std::string> nics;
+  for (const auto& rail : rails) nics.push_back(rail->domain_name());
+  STEPMESH_LOG(kInfo, "libfabric: provider ", rails.front()->provider(), ", cq data ",
+               rails.front()->cq_data_size(), " bytes, ", rails.size(), " rail(s) on ",
+               absl::StrJoin(nics, ", "),
+               rails.front()->wait_fd() >= 0 ? ", CQ wait fd" : ", CQs polled",
+               rails.front()->hmem() ? ", FI_HMEM" : "");
+  return std::make_unique<LibfabricTransport>(options, std::move(inner), std::move(rails),
                                               std::move(hooks));
 }
 

@@ -29,6 +29,7 @@ struct WriteOp {
   uint64_t imm = 0;
   bool signal = true;  // carries FI_REMOTE_CQ_DATA
   void* context = nullptr;
+  uint32_t rail = 0;  // which rail (NIC) posts it: `ep` of Post is that rail's
 };
 
 // Where writes are posted: fi_writemsg, or (tests) a decorator that holds
@@ -39,7 +40,7 @@ class WritePoster {
   // 0, -FI_EAGAIN, or another negative libfabric error.
   virtual ssize_t Post(fid_ep* ep, const WriteOp& op) = 0;
   // Called from the progress loop; true while it still holds writes.
-  virtual bool Progress(fid_ep* ep) { return false; }
+  virtual bool Progress() { return false; }
 };
 
 std::unique_ptr<WritePoster> MakeDirectPoster();
@@ -47,7 +48,11 @@ std::unique_ptr<WritePoster> MakeDirectPoster();
 // last chunk lands first and its others after it, as on an unordered fabric.
 std::unique_ptr<WritePoster> MakeReorderingPoster(absl::Duration gap);
 
+struct FabricApi;
+
 struct LibfabricHooks {
+  // libfabric's entry points; null: libfabric.so.1 (tests: a fake in front of it).
+  const FabricApi* api = nullptr;
   std::function<std::unique_ptr<WritePoster>()> poster;  // null: fi_writemsg
   size_t chunk_bytes = 0;                                // 0: the default chunk
   // Test only, the order-dependent design this transport must not be: only a

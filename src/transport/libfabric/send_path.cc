@@ -6,6 +6,7 @@
 #include <rdma/fi_rma.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <thread>
 
@@ -53,19 +54,19 @@ class DirectPoster final : public WritePoster {
 class ReorderingPoster final : public WritePoster {
  public:
   explicit ReorderingPoster(absl::Duration gap) : gap_(gap) {}
-  ssize_t Post(fid_ep*, const WriteOp& op) override {
+  ssize_t Post(fid_ep* ep, const WriteOp& op) override {
     MutexLock lock(&mu_);
     if (held_.empty()) last_ = absl::Now();
-    held_.push_back(op);
+    held_.emplace_back(ep, op);
     return 0;
   }
-  bool Progress(fid_ep* ep) override {
+  bool Progress() override {
     MutexLock lock(&mu_);
     if (held_.empty()) return false;
     const absl::Time now = absl::Now();
     if (now - last_ < gap_) return true;
     // Newest first: a frame's last write lands before its earlier ones.
-    const ssize_t rc = direct_.Post(ep, held_.back());
+    const ssize_t rc = direct_.Post(held_.back().first, held_.back().second);
     if (rc == 0) {
       held_.pop_back();
       last_ = now;
@@ -77,7 +78,7 @@ class ReorderingPoster final : public WritePoster {
   const absl::Duration gap_;
   DirectPoster direct_;
   base::Mutex mu_;
-  std::deque<WriteOp> held_;
+  std::deque<std::pair<fid_ep*, WriteOp>> held_;
   absl::Time last_;
 };
 
@@ -95,37 +96,66 @@ std::shared_ptr<SendPeer> LibfabricTransport::PeerFor(NodeId peer) {
   return sp;
 }
 
+bool LibfabricTransport::CanAccess(const Device& device) const {
+  // hmem(): asked for (a CUDA backend, GPUDirect not off) and advertised.
+  return device.kind == DeviceKind::kCpu || (device.kind == DeviceKind::kCuda && first().hmem());
+}
+
 absl::Status LibfabricTransport::RegisterRegion(const RegionInfo& info) {
-  if (info.device.kind != DeviceKind::kCpu) {
+  const bool device = info.device.kind != DeviceKind::kCpu;
+  if (device && !CanAccess(info.device)) {
     // The core stages device memory through pinned host memory instead.
-    return absl::UnimplementedError(absl::StrCat(
-        "libfabric ", endpoint_->provider(), ": device memory needs FI_HMEM",
-        endpoint_->hmem() ? " registration, not implemented yet" : ", which this provider lacks"));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "libfabric ", first().provider(), ": ", DeviceName(info.device), " memory for key ",
+        info.key,
+        info.device.kind != DeviceKind::kCuda ? " is not CUDA memory"
+        : hmem_wanted_                        ? " needs FI_HMEM, which this provider lacks"
+                       : " is not registered in place: FI_HMEM was not asked for (a host "
+                         "backend, or STEPMESH_RDMA_GPUDIRECT=off)"));
   }
   auto region = std::make_unique<Region>();
   region->info = info;
-  auto reg = [&](void* base, size_t bytes, uint64_t access,
+  // fi_mr_regattr for every MR: host memory is FI_HMEM_SYSTEM, CUDA memory
+  // FI_HMEM_CUDA with its device (the provider fails it without CUDA support;
+  // the core then stages the tensor, as on the RDMA path).
+  auto reg = [&](FabricEndpoint& rail, void* base, size_t bytes, uint64_t access,
                  FidHandle<fid_mr>& out) -> absl::Status {
     uint64_t key;
     {
       MutexLock lock(&regions_mu_);
       key = next_mr_key_++;
     }
-    const int rc =
-        fi_mr_reg(endpoint_->domain(), base, bytes, access, 0, key, 0, out.out(), nullptr);
+    const iovec iov{base, bytes};
+    fi_mr_attr attr{};
+    attr.mr_iov = &iov;
+    attr.iov_count = 1;
+    attr.access = access;
+    attr.requested_key = key;
+    attr.iface = device ? FI_HMEM_CUDA : FI_HMEM_SYSTEM;
+    if (device) attr.device.cuda = info.device.index;
+    const int rc = fi_mr_regattr(rail.domain(), &attr, 0, out.out());
     if (rc != 0) {
-      return absl::ResourceExhaustedError(endpoint_->Error(
-          absl::StrCat("fi_mr_reg of key ", info.key, " (", bytes, " bytes)"), rc));
+      return absl::ResourceExhaustedError(
+          rail.Error(absl::StrCat("fi_mr_regattr of key ", info.key, " (", bytes, " bytes",
+                                  device ? absl::StrCat(", ", DeviceName(info.device)) : "", ")"),
+                     rc));
     }
     return absl::OkStatus();
   };
-  STEPMESH_RETURN_IF_ERROR(reg(info.base, info.bytes(), FI_WRITE | FI_READ, region->local));
-  if (info.remote_writable) {
-    region->slots.resize(info.num_slots);
+  // Every rail is a domain of its own: each registers the region.
+  region->local.resize(rails_.size());
+  if (info.remote_writable) region->slots.resize(rails_.size());
+  for (size_t r = 0; r < rails_.size(); ++r) {
+    FabricEndpoint& rail = *rails_[r];
+    STEPMESH_RETURN_IF_ERROR(
+        reg(rail, info.base, info.bytes(), FI_WRITE | FI_READ, region->local[r]));
+    region->descs[r] = fi_mr_desc(region->local[r].get());
+    if (!info.remote_writable) continue;
+    region->slots[r].resize(info.num_slots);
     for (uint32_t s = 0; s < info.num_slots; ++s) {
       // One MR per slot: a peer holds the key of its own slot only.
-      STEPMESH_RETURN_IF_ERROR(reg(static_cast<std::byte*>(info.base) + s * info.slot_bytes,
-                                   info.slot_bytes, FI_REMOTE_WRITE, region->slots[s]));
+      STEPMESH_RETURN_IF_ERROR(reg(rail, static_cast<std::byte*>(info.base) + s * info.slot_bytes,
+                                   info.slot_bytes, FI_REMOTE_WRITE, region->slots[r][s]));
     }
   }
   std::vector<NodeId> owners;
@@ -205,11 +235,11 @@ void LibfabricTransport::SendAdverts(NodeId peer) {
         if (info.slot_peers[s] != peer) continue;
         Advert a;
         a.key = info.key;
-        a.addr = endpoint_->virt_addr()
-                     ? reinterpret_cast<uintptr_t>(info.base) + s * info.slot_bytes
-                     : 0;
+        a.addr =
+            first().virt_addr() ? reinterpret_cast<uintptr_t>(info.base) + s * info.slot_bytes : 0;
         a.bytes = info.slot_bytes;
-        a.mr_key = fi_mr_key(region->slots[s].get());
+        for (const auto& rail_slots : region->slots)
+          a.mr_keys.push_back(fi_mr_key(rail_slots[s].get()));
         adverts.push_back(EncodeAdvert(a));
       }
     }
@@ -246,7 +276,7 @@ absl::Status LibfabricTransport::Send(NodeId peer, const FrameHeader& header, co
     MutexLock lock(&sp->mu);
     d.seq = sp->next_seq++ & kSeqMask;
   } else {
-    void* desc = nullptr;
+    std::array<void*, kMaxRails> descs;
     std::shared_ptr<std::atomic<int>> in_flight;
     {
       MutexLock lock(&regions_mu_);
@@ -261,7 +291,7 @@ absl::Status LibfabricTransport::Send(NodeId peer, const FrameHeader& header, co
       if (from < base || from + bytes > base + info.bytes()) {
         return absl::OutOfRangeError(absl::StrCat("libfabric: source outside region ", src_region));
       }
-      desc = fi_mr_desc(it->second->local.get());
+      descs = it->second->descs;
       in_flight = it->second->in_flight;
     }
     MutexLock lock(&sp->mu);
@@ -279,13 +309,25 @@ absl::Status LibfabricTransport::Send(NodeId peer, const FrameHeader& header, co
           absl::StrCat("libfabric: ", PeerName(peer), " never advertised a receive region for key ",
                        header.key, " (waited ", absl::FormatDuration(options_.timeout), ")"));
     }
-    const Advert a = advert->second;
+    const Advert& a = advert->second;
     if (bytes > a.bytes) {
       return absl::OutOfRangeError(absl::StrCat("libfabric: ", bytes, " bytes for key ", header.key,
                                                 " exceed ", PeerName(peer), "'s slot of ",
                                                 a.bytes));
     }
-    const uint32_t chunks = static_cast<uint32_t>((bytes + chunk_bytes_ - 1) / chunk_bytes_);
+    // Striping: a payload of at least stripe_min_bytes_ is split into one
+    // page-aligned piece per rail both ends have (and the advert keys);
+    // every chunk of every piece carries the frame's immediate and is counted.
+    const size_t rails = std::min(sp->addrs.size(), a.mr_keys.size());
+    const size_t stripes = bytes >= stripe_min_bytes_ && rails > 1 ? rails : 1;
+    constexpr size_t kPage = 4096;
+    const size_t piece =
+        stripes == 1 ? bytes : ((bytes + stripes - 1) / stripes + kPage - 1) / kPage * kPage;
+    uint32_t chunks = 0;
+    for (size_t off = 0; off < bytes; off += piece) {
+      chunks +=
+          static_cast<uint32_t>((std::min(piece, bytes - off) + chunk_bytes_ - 1) / chunk_bytes_);
+    }
     if (sp->queue.size() + chunks > kMaxQueuedWrites) {
       return absl::ResourceExhaustedError(
           absl::StrCat("libfabric: the write queue to ", PeerName(peer), " is full (",
@@ -293,33 +335,41 @@ absl::Status LibfabricTransport::Send(NodeId peer, const FrameHeader& header, co
     }
     d.seq = sp->next_seq++ & kSeqMask;
     d.chunks = hooks_.signal_last_chunk_only ? 1 : chunks;
-    for (uint32_t c = 0; c < chunks; ++c) {
-      const size_t off = size_t{c} * chunk_bytes_;
-      WriteOp op;
-      op.dest = sp->addr;
-      op.src = static_cast<const std::byte*>(src) + off;
-      op.len = std::min(chunk_bytes_, bytes - off);
-      op.desc = desc;
-      op.remote_addr = a.addr + off;
-      op.mr_key = a.mr_key;
-      op.imm = Immediate(sp->tag, d.seq);
-      op.signal = !hooks_.signal_last_chunk_only || c + 1 == chunks;
-      auto* ctx = new OpContext();
-      ctx->peer = peer;
-      ctx->seq = d.seq;
-      ctx->region_in_flight = in_flight;
-      op.context = ctx;
-      absl::Status st = PostOrQueue(peer, *sp, op, ctx);
-      if (!st.ok()) {
-        if (c == 0) return st;  // nothing posted: the send may be retried
-        // Some writes are out: the frame is announced and failed, so that
-        // the peer does not wait for the rest.
-        MutexLock abort(&abort_mu_);
-        aborts_.emplace_back(peer, d.seq);
-        break;
+    uint32_t c = 0;
+    bool failed = false;
+    for (size_t start = 0, rail = 0; start < bytes && !failed; start += piece, ++rail) {
+      const size_t end = std::min(bytes, start + piece);
+      for (size_t off = start; off < end; off += chunk_bytes_, ++c) {
+        WriteOp op;
+        op.rail = static_cast<uint32_t>(rail);
+        op.dest = sp->addrs[rail];
+        op.src = static_cast<const std::byte*>(src) + off;
+        op.len = std::min(chunk_bytes_, end - off);
+        op.desc = descs[rail];
+        op.remote_addr = a.addr + off;
+        op.mr_key = a.mr_keys[rail];
+        op.imm = Immediate(sp->tag, d.seq);
+        op.signal = !hooks_.signal_last_chunk_only || c + 1 == chunks;
+        auto* ctx = new OpContext();
+        ctx->peer = peer;
+        ctx->seq = d.seq;
+        ctx->rail = op.rail;
+        ctx->region_in_flight = in_flight;
+        op.context = ctx;
+        absl::Status st = PostOrQueue(peer, *sp, op, ctx);
+        if (!st.ok()) {
+          if (c == 0) return st;  // nothing posted: the send may be retried
+          // Some writes are out: the frame is announced and failed, so that
+          // the peer does not wait for the rest.
+          MutexLock abort(&abort_mu_);
+          aborts_.push_back({peer, d.seq, std::string(st.message())});
+          failed = true;
+          break;
+        }
       }
     }
   }
+  WakeSleeper();
   return SendControl(peer, EncodeFrame(d));
 }
 
@@ -332,16 +382,17 @@ absl::Status LibfabricTransport::PostOrQueue(NodeId peer, SendPeer& sp, const Wr
     live_.insert(ctx);
   }
   if (sp.queue.empty()) {
-    ssize_t rc = poster_->Post(endpoint_->ep(), op);
+    FabricEndpoint& rail = *rails_[op.rail];
+    ssize_t rc = poster_->Post(rail.ep(), op);
     if (rc == -FI_EAGAIN) {
-      ReapTransmits();  // progress may free room
-      rc = poster_->Post(endpoint_->ep(), op);
+      ReapTransmits(rail);  // progress may free room
+      rc = poster_->Post(rail.ep(), op);
     }
     if (rc == 0) return absl::OkStatus();
     if (rc != -FI_EAGAIN) {
       Finish(ctx, absl::OkStatus());
       return absl::UnavailableError(
-          endpoint_->Error(absl::StrCat("fi_writemsg to ", PeerName(peer)), static_cast<int>(rc)));
+          rail.Error(absl::StrCat("fi_writemsg to ", PeerName(peer)), static_cast<int>(rc)));
     }
   }
   sp.queue.emplace_back(op, ctx);
@@ -354,7 +405,7 @@ void LibfabricTransport::Finish(OpContext* ctx, absl::Status status) {
     STEPMESH_LOG_LIMITED(warnings_, kWarning, "libfabric: a write to ", PeerName(ctx->peer),
                          " failed: ", status.ToString());
     MutexLock lock(&abort_mu_);
-    aborts_.emplace_back(ctx->peer, ctx->seq);
+    aborts_.push_back({ctx->peer, ctx->seq, std::string(status.message())});
   }
   ctx->region_in_flight->fetch_sub(1);
   outstanding_.fetch_sub(1);
@@ -374,20 +425,26 @@ void LibfabricTransport::DropQueue(SendPeer& sp) {
 }
 
 void LibfabricTransport::ReapTransmits() {
+  for (const auto& rail : rails_) ReapTransmits(*rail);
+}
+
+void LibfabricTransport::ReapTransmits(FabricEndpoint& rail) {
   fi_cq_data_entry entries[32];
   for (int round = 0; round < 16; ++round) {
     std::vector<std::pair<OpContext*, absl::Status>> done;
     {
       MutexLock lock(&tx_mu_);
-      const ssize_t n = fi_cq_read(endpoint_->tx_cq(), entries, 32);
+      const ssize_t n = fi_cq_read(rail.tx_cq(), entries, 32);
       if (n == -FI_EAVAIL) {
         fi_cq_err_entry err{};
-        if (fi_cq_readerr(endpoint_->tx_cq(), &err, 0) > 0 && err.op_context != nullptr) {
+        if (fi_cq_readerr(rail.tx_cq(), &err, 0) > 0 && err.op_context != nullptr) {
+          // The rail (NIC) is named: a stripe failing says which.
           done.emplace_back(
               static_cast<OpContext*>(err.op_context),
               absl::UnavailableError(absl::StrCat(
-                  "libfabric ", endpoint_->provider(), ": ",
-                  fi_cq_strerror(endpoint_->tx_cq(), err.prov_errno, err.err_data, nullptr, 0))));
+                  "libfabric ", rail.provider(), " ", rail.Name(), ": ",
+                  fi_cq_strerror(rail.tx_cq(), err.prov_errno, err.err_data, nullptr, 0), " (err ",
+                  err.err, ")")));
         }
       } else if (n > 0) {
         for (ssize_t i = 0; i < n; ++i) {
@@ -415,24 +472,25 @@ void LibfabricTransport::Progress() {
       MutexLock lock(&sp->mu);
       while (!sp->queue.empty()) {
         auto [op, ctx] = sp->queue.front();
-        const ssize_t rc = poster_->Post(endpoint_->ep(), op);
+        FabricEndpoint& rail = *rails_[op.rail];
+        const ssize_t rc = poster_->Post(rail.ep(), op);
         if (rc == -FI_EAGAIN) break;
         sp->queue.pop_front();
         queued_.fetch_sub(1);
         if (rc != 0) {
-          Finish(ctx, absl::UnavailableError(endpoint_->Error(
+          Finish(ctx, absl::UnavailableError(rail.Error(
                           absl::StrCat("fi_writemsg to ", PeerName(id)), static_cast<int>(rc))));
         }
       }
     }
   }
-  poster_->Progress(endpoint_->ep());
-  std::vector<std::pair<NodeId, uint32_t>> aborts;
+  poster_->Progress();
+  std::vector<AbortNote> aborts;
   {
     MutexLock lock(&abort_mu_);
     aborts.swap(aborts_);
   }
-  for (auto [peer, seq] : aborts) (void)SendControl(peer, EncodeAbort(seq));
+  for (const AbortNote& a : aborts) (void)SendControl(a.peer, EncodeAbort(a.seq, a.reason));
 }
 
 }  // namespace stepmesh::libfabric

@@ -4,6 +4,7 @@
 //   send_path.cc            registration, adverts, sends, posting, TX completions
 // Internal to src/transport/libfabric/.
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <deque>
@@ -14,6 +15,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "src/base/net.h"
 #include "src/base/rate_limit.h"
 #include "src/base/sync.h"
 #include "src/core/transport.h"
@@ -29,6 +31,7 @@ struct OpContext {
   fi_context2 fi;  // first: FI_CONTEXT/FI_CONTEXT2 providers use it
   core::NodeId peer = core::kNoNode;
   uint32_t seq = 0;
+  uint32_t rail = 0;
   std::shared_ptr<std::atomic<int>> region_in_flight;
 };
 
@@ -38,7 +41,9 @@ struct SendPeer {
   bool hello = false;     // the peer's hello arrived: addr and tag are valid
   bool expelled = false;  // it dropped this node (kExpel): sends fail until its next hello
   uint64_t epoch = 0;
-  fi_addr_t addr = FI_ADDR_UNSPEC;
+  // The peer's address on each rail both ends have (rail r writes to the
+  // peer's rail r): min(our rails, its rails) entries.
+  std::vector<fi_addr_t> addrs;
   uint32_t tag = 0;
   uint32_t next_seq = 0;
   absl::flat_hash_map<uint64_t, Advert> adverts;
@@ -55,20 +60,33 @@ struct RecvPeer {
   FrameAssembler frames;
 };
 
+// Every MR exists once per rail (each rail is its own domain: EFA keys and
+// descriptors are per device).
 struct Region {
   core::RegionInfo info;
-  FidHandle<fid_mr> local;
-  std::vector<FidHandle<fid_mr>> slots;  // remote_writable: one per slot
+  std::vector<FidHandle<fid_mr>> local;               // [rail]
+  std::array<void*, kMaxRails> descs{};               // fi_mr_desc of local[rail]
+  std::vector<std::vector<FidHandle<fid_mr>>> slots;  // remote_writable: [rail][slot]
   std::shared_ptr<std::atomic<int>> in_flight = std::make_shared<std::atomic<int>>(0);
+};
+
+// A write that failed at this node: its frame's receiver is told (kAbort).
+struct AbortNote {
+  core::NodeId peer = core::kNoNode;
+  uint32_t seq = 0;
+  std::string reason;
 };
 
 class LibfabricTransport final : public core::Transport {
  public:
   LibfabricTransport(const MeshOptions& options, std::unique_ptr<core::Transport> control,
-                     std::unique_ptr<FabricEndpoint> endpoint, LibfabricHooks hooks);
+                     std::vector<std::unique_ptr<FabricEndpoint>> rails, LibfabricHooks hooks);
   ~LibfabricTransport() override;
 
   absl::string_view name() const override { return "libfabric"; }
+  // Device memory where the provider has FI_HMEM (send_path.cc); the core
+  // stages the rest, and a device region whose registration fails.
+  bool CanAccess(const Device& device) const override;
   absl::StatusOr<std::string> LocalEndpoint() override;
   absl::Status Connect(core::NodeId self, absl::Span<const core::PeerInfo> peers,
                        absl::Time deadline) override;
@@ -78,6 +96,7 @@ class LibfabricTransport final : public core::Transport {
                     core::RegionId src_region, size_t bytes) override;
   absl::Status Poll(core::TransportSink& sink, absl::Duration max_wait) override;
   void Wake() override { control_->Wake(); }
+  int WaitFd() const override { return wait_epoll_.get(); }
   void Shutdown() override;
 
   // From the control connection (libfabric_transport.cc).
@@ -91,12 +110,17 @@ class LibfabricTransport final : public core::Transport {
   void OnHello(core::NodeId peer, const Hello& hello);
   void Expel(core::NodeId peer, absl::Status why, core::TransportSink& sink);
   void ReadReceives(core::TransportSink& sink);
+  void ReadReceives(FabricEndpoint& rail, core::TransportSink& sink);
   void DeliverReady(core::NodeId peer, core::TransportSink& sink);
   void Deliver(core::NodeId peer, PendingFrame& frame, core::TransportSink& sink);
   absl::Status CheckLanding(core::NodeId writer, const core::FrameHeader& header,
                             const core::Destination& dest);
   void ExpireWaiting(core::TransportSink& sink);
   bool Busy();
+  // Blocks in the rails' CQ wait fds and the control connection's (at most
+  // `max_wait`); false where this transport cannot (shm: no wait object).
+  bool SleepInWaitFds(absl::Duration max_wait);
+  void SetUpWaitFds();
 
   // send_path.cc
   std::shared_ptr<SendPeer> PeerFor(core::NodeId peer);
@@ -104,23 +128,36 @@ class LibfabricTransport final : public core::Transport {
   absl::Status PostOrQueue(core::NodeId peer, SendPeer& sp, const WriteOp& op, OpContext* ctx);
   void Progress();
   void ReapTransmits();
+  void ReapTransmits(FabricEndpoint& rail);
   void Finish(OpContext* ctx, absl::Status status);
+  // Wakes a receive thread asleep in the wait fds: writes posted need progress.
+  void WakeSleeper() {
+    if (sleeping_.load()) control_->Wake();
+  }
   void DropQueue(SendPeer& sp);
 
   const MeshOptions options_;
   const LibfabricHooks hooks_;
   std::unique_ptr<core::Transport> control_;
-  std::unique_ptr<FabricEndpoint> endpoint_;
+  std::vector<std::unique_ptr<FabricEndpoint>> rails_;  // never empty; [0] is the first NIC
+  FabricEndpoint& first() const { return *rails_.front(); }
   std::unique_ptr<WritePoster> poster_;
   const uint64_t epoch_;
   size_t chunk_bytes_;
+  size_t stripe_min_bytes_;
+  const bool hmem_wanted_;  // a CUDA backend and GPUDirect not off: FI_HMEM asked for
+  // Blocking progress (docs/libfabric.md, "Progress"): an epoll over every
+  // rail's receive-CQ wait fd and the control connection's WaitFd; invalid
+  // when a rail has no wait fd, or in spin mode.
+  base::UniqueFd wait_epoll_;
+  std::atomic<bool> sleeping_{false};
   std::atomic<core::NodeId> self_{core::kNoNode};
   std::atomic<bool> shut_down_{false};
   base::RateLimiter warnings_{5, absl::Seconds(10)};
 
   base::Mutex ctl_mu_;  // one control send at a time
   base::Mutex av_mu_;   // the endpoint's address-vector cache, published_
-  absl::flat_hash_map<core::NodeId, std::string> published_;  // roster addresses (raw)
+  absl::flat_hash_map<core::NodeId, std::vector<std::string>> published_;  // roster (raw)
 
   base::Mutex peers_mu_;
   absl::flat_hash_map<core::NodeId, std::shared_ptr<SendPeer>> send_peers_;
@@ -144,7 +181,7 @@ class LibfabricTransport final : public core::Transport {
   std::atomic<int> outstanding_{0};  // posted or queued writes
   std::atomic<int> queued_{0};       // of which queued
   base::Mutex abort_mu_;
-  std::vector<std::pair<core::NodeId, uint32_t>> aborts_;  // to tell peers
+  std::vector<AbortNote> aborts_;  // to tell peers
 };
 
 }  // namespace stepmesh::libfabric

@@ -362,6 +362,7 @@ class TcpTransport final : public Transport {
     const uint64_t one = 1;
     if (wake_fd_.valid()) (void)!::write(wake_fd_.get(), &one, sizeof(one));
   }
+  int WaitFd() const override { return epoll_fd_.valid() ? epoll_fd_.get() : -1; }
 
   void Shutdown() override {
     if (shut_down_.exchange(true)) return;

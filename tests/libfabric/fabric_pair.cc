@@ -1,0 +1,103 @@
+#include "tests/libfabric/fabric_pair.h"
+
+#include <cstring>
+#include <utility>
+
+#include "src/transport/tcp_fallback/tcp_transport.h"
+#include "stepmesh/status.h"
+
+namespace stepmesh::testing {
+
+namespace {
+constexpr uint64_t kKey = 7;
+const core::NodeId kWorker = core::WorkerId(0);
+const core::NodeId kServer = core::ServerId(0);
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<FabricPair>> FabricPair::Make(const MeshOptions& options,
+                                                             libfabric::LibfabricHooks worker_hooks,
+                                                             size_t bytes, Device device) {
+  std::unique_ptr<FabricPair> p(new FabricPair(bytes));
+  libfabric::LibfabricHooks server_hooks;
+  server_hooks.api = worker_hooks.api;
+  STEPMESH_ASSIGN_OR_RETURN(p->worker_,
+                            libfabric::CreateLibfabricTransport(options, tcp::CreateTcpTransport,
+                                                                std::move(worker_hooks)));
+  STEPMESH_ASSIGN_OR_RETURN(p->server_, libfabric::CreateLibfabricTransport(
+                                            options, tcp::CreateTcpTransport, server_hooks));
+  STEPMESH_ASSIGN_OR_RETURN(std::string wep, p->worker_->LocalEndpoint());
+  STEPMESH_ASSIGN_OR_RETURN(std::string sep, p->server_->LocalEndpoint());
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  absl::Status server_connect;
+  std::thread accept([&] {
+    const core::PeerInfo peer{kWorker, wep};
+    server_connect = p->server_->Connect(kServer, absl::MakeConstSpan(&peer, 1), deadline);
+  });
+  const core::PeerInfo to_server{kServer, sep};
+  absl::Status worker_connect =
+      p->worker_->Connect(kWorker, absl::MakeConstSpan(&to_server, 1), deadline);
+  accept.join();
+  STEPMESH_RETURN_IF_ERROR(worker_connect);
+  STEPMESH_RETURN_IF_ERROR(server_connect);
+  for (size_t i = 0; i < bytes; ++i) p->src_[i] = static_cast<std::byte>(i * 7 + 3);
+  core::RegionInfo recv{.id = 1, .key = kKey, .base = p->slot_.data(), .slot_bytes = bytes};
+  recv.device = device;
+  recv.remote_writable = true;
+  recv.slot_peers = {kWorker};
+  core::RegionInfo send{.id = 1, .key = kKey, .base = p->src_.data(), .slot_bytes = bytes};
+  send.device = device;
+  STEPMESH_RETURN_IF_ERROR(p->server_->RegisterRegion(recv));
+  STEPMESH_RETURN_IF_ERROR(p->worker_->RegisterRegion(send));
+  return p;
+}
+
+FabricPair::~FabricPair() {
+  StopPolling();
+  if (worker_ != nullptr) worker_->Shutdown();
+  if (server_ != nullptr) server_->Shutdown();
+}
+
+void FabricPair::StartPolling(absl::Duration wait) {
+  stop_.store(false);
+  pollers_.emplace_back([this, wait] {
+    while (!stop_.load()) (void)server_->Poll(server_sink_, wait);
+  });
+  pollers_.emplace_back([this, wait] {
+    while (!stop_.load()) (void)worker_->Poll(worker_sink_, wait);
+  });
+}
+
+void FabricPair::StopPolling() {
+  stop_.store(true);
+  if (server_ != nullptr) server_->Wake();
+  if (worker_ != nullptr) worker_->Wake();
+  for (std::thread& t : pollers_) t.join();
+  pollers_.clear();
+}
+
+absl::Status FabricPair::Push(uint64_t id) {
+  core::FrameHeader h;
+  h.type = core::FrameType::kPush;
+  h.src = kWorker;
+  h.dst = kServer;
+  h.key = kKey;
+  h.request_id = id;
+  h.payload_bytes = src_.size();
+  h.part_count = 1;
+  return worker_->Send(kServer, h, src_.data(), 1, src_.size());
+}
+
+bool FabricPair::AwaitFrames(int n, absl::Duration within) {
+  const absl::Time until = absl::Now() + within;
+  while (server_sink_.delivered.load() + server_sink_.failed.load() < n) {
+    if (absl::Now() >= until) return false;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return true;
+}
+
+bool FabricPair::SlotMatchesSource() const {
+  return std::memcmp(slot_.data(), src_.data(), src_.size()) == 0;
+}
+
+}  // namespace stepmesh::testing
