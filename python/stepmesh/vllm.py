@@ -557,6 +557,14 @@ class StepMeshAFDConnector(AFDConnectorBase):
         self._id = 0
         self._plans: List[Any] = []
         self._requests: Dict[int, Any] = {}
+        # Graph mode (docs/python.md, "CUDA graphs"): the trigger posting the
+        # captured sends, the slots armed, the stage -> (slot, rows) captured
+        # but not yet received, the cpu_mock stream a capture records.
+        self._trigger: Any = None
+        self._graph_slots: List[int] = []
+        self._graph_pending: Dict[int, Any] = {}
+        self._capture_stream: Any = None
+        self._graph_stream_obj: Any = None
         self._rows: Dict[int, int] = {}
         self._stash: Dict[int, Deque[Any]] = collections.defaultdict(collections.deque)
         self._control_request: Any = None
@@ -620,12 +628,6 @@ class StepMeshAFDConnector(AFDConnectorBase):
         self._stream = options.backend == "cuda"
         self._device = (torch.device("cuda", int(self.local_rank)) if self._stream
                         else torch.device("cpu"))
-        if self._stream and not self.enforce_eager:
-            _log.warning(
-                "%s: CUDA graphs are on (model_config.enforce_eager is false), but a graph "
-                "replay does not run the host code that posts a send: capture the attention "
-                "layers without torch.ops.stepmesh.afd_send_attn/afd_recv_ffn inside (split "
-                "the graph there) or run eager (docs/python.md, vLLM AFD plugin)", NAME)
         try:
             if self.role == "ffn" and self.mesh_rank == 0:
                 self._scheduler = stepmesh.Scheduler(options.copy(role="scheduler"))
@@ -663,6 +665,16 @@ class StepMeshAFDConnector(AFDConnectorBase):
         self._plans = []
         self._control_plan = None
         self._requests.clear()
+        self._graph_pending.clear()
+        self._graph_slots = []
+        self._capture_stream = None
+        self._graph_stream_obj = None
+        trigger, self._trigger = self._trigger, None
+        if trigger is not None:
+            try:
+                trigger.close()  # waits (bounded) for sends in flight, releases every stream
+            except stepmesh.Error as e:
+                _log.warning("%s: a device-triggered send failed before close: %s", NAME, e)
         self._stash.clear()
         self._control_request = None
         self._peer_lost = False
@@ -705,6 +717,7 @@ class StepMeshAFDConnector(AFDConnectorBase):
     def _init_attention(self, options: Any) -> None:
         w = self._node = stepmesh.Worker(options)
         self._send_bufs, self._meta_bufs, self._logit_bufs, self._recv_bufs = [], [], [], []
+        self._meta_tensors = []
         self._plans = []
         for s in range(self.num_stages):
             send = self._empty((self.max_tokens, self.hidden_size), self.dtype)
@@ -723,6 +736,7 @@ class StepMeshAFDConnector(AFDConnectorBase):
                 w.register_pull(_key(s, _OUT), f, r)
                 recv.append(r)
             self._send_bufs.append(send)
+            self._meta_tensors.append(meta)
             words = memoryview(meta.numpy())  # element writes: ~20 ns each
             words[1] = s
             self._meta_bufs.append(words)
@@ -783,16 +797,19 @@ class StepMeshAFDConnector(AFDConnectorBase):
                         f"router_logits row of {nbytes} bytes exceeds the registered "
                         f"{self._logit_row_bytes} (connector_extra_config.router_logits_width="
                         f"{self.router_logits_width} x 4 bytes)")
-        if s in self._requests:
+        if self._trigger is not None:
+            self._check_trigger("send_attn_output")
+        if s in self._requests or s in self._graph_pending:
             raise RuntimeError(f"stage {s}: recv_ffn_output() of the previous send is pending")
-        if compiling or self._always_ops or (self._stream and
-                                             torch.cuda.is_current_stream_capturing()):
+        if compiling or self._always_ops or self._capturing():
             torch.ops.stepmesh.afd_send_attn(hidden_states, router_logits, self._id,
                                              int(metadata.layer_idx), s)
         else:
             self._send(hidden_states, router_logits, metadata.layer_idx, s)
 
     def _send(self, hidden_states, router_logits, layer_idx: int, s: int) -> None:
+        if self._capturing():
+            return self._send_graph(hidden_states, router_logits, layer_idx, s)
         n = hidden_states.shape[0]
         send = self._send_bufs[s]
         if hidden_states.data_ptr() != send.data_ptr():  # not computed in place: copy in
@@ -832,7 +849,11 @@ class StepMeshAFDConnector(AFDConnectorBase):
         s = ubatch_idx
         if type(s) is not int or not 0 <= s < self.num_stages:
             s = self._stage(s, "ubatch_idx")
+        if self._trigger is not None:
+            self._check_trigger("recv_ffn_output")
         n = self._rows.get(s) if s in self._requests else None
+        if s in self._graph_pending:
+            n = self._graph_pending[s][1]
         if n is None:
             raise RuntimeError(f"stage {s}: no send_attn_output() to receive for")
         compiling = _IS_COMPILING is not None and _IS_COMPILING()
@@ -843,14 +864,15 @@ class StepMeshAFDConnector(AFDConnectorBase):
             raise ValueError(f"ref_tensor {tuple(ref_tensor.shape)} "
                              f"{_dtype_name(ref_tensor.dtype)}: want ({n}, "
                              f"{self.hidden_size}) {_dtype_name(self.dtype)}")
-        if compiling or self._always_ops or (self._stream and
-                                             torch.cuda.is_current_stream_capturing()):
+        if compiling or self._always_ops or s in self._graph_pending:
             torch.ops.stepmesh.afd_recv_ffn(ref_tensor, self._id, s)
         else:
             self._recv(ref_tensor, s)
         return ref_tensor
 
     def _recv(self, out: torch.Tensor, s: int) -> None:
+        if s in self._graph_pending:
+            return self._recv_graph(out, s)
         req = self._requests.pop(s)
         try:
             self._node.wait(req, self._timeout)
@@ -865,9 +887,132 @@ class StepMeshAFDConnector(AFDConnectorBase):
             for p in parts[1:]:
                 out.add_(p[:n])
 
+    # ------------------------------------------------------------ graph mode
+    def _capturing(self) -> bool:
+        """Graph mode: a cpu_mock capture (graph_capture()) or a CUDA stream
+        capture (torch.cuda.graph, vLLM's cudagraph capture) is in progress."""
+        if self._capture_stream is not None:
+            return True
+        return self._stream and torch.cuda.is_current_stream_capturing()
+
+    def graph_stream(self) -> Any:
+        """The stepmesh.Stream a cpu_mock capture records (made once). On CUDA,
+        captures use torch's current stream."""
+        if self._graph_stream_obj is None:
+            self._graph_stream_obj = self._live("attention").create_stream()
+        return self._graph_stream_obj
+
+    def graph_capture(self) -> "StepMeshGraphCapture":
+        """``with conn.graph_capture() as g: ...`` records the sends and
+        receives made inside on ``graph_stream()`` (cpu_mock: CI's model of a
+        CUDA graph); ``g.graph.launch(conn.graph_stream())`` replays them, every
+        replay posting its sends again. On CUDA use torch.cuda.graph: the ops
+        detect the capture themselves."""
+        self._live("attention")
+        if self._stream:
+            raise RuntimeError(f"{NAME}: graph_capture() models graphs on cpu_mock; on CUDA "
+                               "capture with torch.cuda.graph")
+        return StepMeshGraphCapture(self)
+
+    def _graph_target_stream(self) -> Any:
+        if self._capture_stream is not None:
+            return self._capture_stream
+        return torch.cuda.current_stream(self._device).cuda_stream
+
+    def _ensure_trigger(self) -> Any:
+        if self._trigger is None:
+            self._trigger = self._live("attention").create_trigger(timeout=self._timeout)
+        return self._trigger
+
+    def _send_graph(self, hidden_states, router_logits, layer_idx: int, s: int) -> None:
+        """Captured send: the copy in and the go increment are stream work, the
+        post is the trigger's (once per replay, the layer index written
+        before each); the request is frozen now (token count, logits bytes)."""
+        n = hidden_states.shape[0]
+        stream = self._graph_target_stream()
+        on_stream = self._capture_stream is not None  # cpu_mock: our stream records
+        send = self._send_bufs[s]
+        plan = self._plans[s]
+        if hidden_states.data_ptr() != send.data_ptr():
+            if on_stream:
+                if not hidden_states.is_contiguous():
+                    raise ValueError("hidden_states: graph mode needs a contiguous tensor")
+                stream.copy_async(send.data_ptr(), hidden_states.data_ptr(),
+                                  n * self.hidden_size * send.element_size())
+            else:
+                send[:n].copy_(hidden_states)
+        nbytes = 0
+        if self._logit_row_bytes:
+            if router_logits is not None:
+                nbytes = router_logits.numel() * router_logits.element_size()
+                dst = self._logit_bufs[s]
+                if on_stream:
+                    if not router_logits.is_contiguous():
+                        raise ValueError("router_logits: graph mode needs a contiguous tensor")
+                    stream.copy_async(dst.data_ptr(), router_logits.data_ptr(), nbytes)
+                else:
+                    dst[:nbytes].copy_(router_logits.contiguous().view(-1).view(torch.uint8))
+            plan.set_bytes(2, nbytes)
+        elif router_logits is not None:
+            raise ValueError("router_logits given, but the connector has no router logits "
+                             "(connector_extra_config.router_logits_width is 0)")
+        words = self._meta_bufs[s]
+        if self._meta_flags[s] != self._flags:
+            words[2] = self._meta_flags[s] = self._flags
+        plan.set_rows(0, n)
+        self._plan_rows[s] = n
+        trigger = self._ensure_trigger()
+        try:
+            slot = trigger.arm(plan.trigger_target(),
+                               [(self._meta_tensors[s].data_ptr(), int(layer_idx))])
+            self._graph_slots.append(slot)
+            trigger.post_on(slot, stream)
+        except stepmesh.Error as e:
+            raise self._peer_error(f"stage {s}: send_attn_output (graph capture)", e) from e
+        self._graph_pending[s] = (slot, n)
+
+    def _recv_graph(self, out: torch.Tensor, s: int) -> None:
+        """Captured receive: the stream waits until the trigger completed the
+        replay's send (done >= go), then copies / sums on the stream."""
+        slot, n = self._graph_pending.pop(s)
+        stream = self._graph_target_stream()
+        self._trigger.wait_on(slot, stream)
+        parts = self._recv_bufs[s]
+        first = parts[0]
+        if self._capture_stream is None:  # CUDA: torch's captured kernels
+            if out.data_ptr() != first.data_ptr():
+                out.copy_(first[:n])
+            for p in parts[1:]:
+                out.add_(p[:n])
+            return
+        if out.data_ptr() != first.data_ptr():
+            if not out.is_contiguous():
+                raise ValueError("ref_tensor: graph mode needs a contiguous tensor")
+            stream.copy_async(out.data_ptr(), first.data_ptr(),
+                              n * self.hidden_size * out.element_size())
+        if len(parts) > 1:  # the partial sums: a host function, replayed like a kernel
+            rest = [p[:n] for p in parts[1:]]
+
+            def add_partials(out=out, rest=rest):
+                for p in rest:
+                    out.add_(p)
+
+            stream.launch_host_func(add_partials)
+
+    def _check_trigger(self, what: str) -> None:
+        """Raises a failure of a device-triggered send (recorded by the
+        trigger's thread since the last host call), naming the FFN rank."""
+        try:
+            self._trigger.check()
+        except stepmesh.Error as e:
+            raise self._peer_error(f"{what}: an earlier graph replay's send failed", e) from e
+
     def _peer_error(self, what: str, e: Exception) -> Exception:
         """A stepmesh error with the FFN rank(s) it concerns named."""
-        m = re.search(r"server (\d+)", str(e))
+        text = str(e)
+        if "device-triggered post of" in text:  # the library's words come after the target's
+            text = text.split("): ", 1)[-1]
+        m = re.search(r"server (\d+)", text)
         if m is not None:
             ranks = [self._ffn_rank_of_server(int(m.group(1)))]
         else:
@@ -1031,6 +1176,39 @@ class StepMeshAFDConnector(AFDConnectorBase):
         return _CONTROL_HEADER + self.num_stages * (1 + self.attn_size)
 
 
+class StepMeshGraphCapture:
+    """``with conn.graph_capture() as g``: begins a capture on the
+    connector's graph stream, ends it on exit; ``g.graph`` (a
+    stepmesh.StreamGraph) then replays it: ``g.replay()`` launches on the
+    graph stream, ``g.synchronize()`` waits for it."""
+
+    def __init__(self, connector: StepMeshAFDConnector) -> None:
+        self.connector = connector
+        self.stream = connector.graph_stream()
+        self.graph: Any = None
+
+    def __enter__(self) -> "StepMeshGraphCapture":
+        self.stream.begin_capture()
+        self.connector._capture_stream = self.stream
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.connector._capture_stream = None
+        graph = self.stream.end_capture()
+        if exc[0] is None:
+            if self.connector._graph_pending:
+                raise RuntimeError(f"graph capture ended with stage(s) "
+                                   f"{sorted(self.connector._graph_pending)} sent but not "
+                                   "received (recv_ffn_output inside the capture)")
+            self.graph = graph
+
+    def replay(self) -> None:
+        self.graph.launch(self.stream)
+
+    def synchronize(self, timeout: float = 30.0) -> None:
+        self.stream.synchronize(timeout)
+
+
 class StepMeshAFDControlPlane(AFDControlPlane):
     """The plugin's DP-metadata control plane over the connector's mesh, on
     its own key (``CONTROL_KEY``): int32 words ``[magic, flags, stages, width,
@@ -1062,6 +1240,8 @@ class StepMeshAFDControlPlane(AFDControlPlane):
     def send_dp_metadata_list(self, payload: Any) -> None:
         c = self.connector
         w = c._live("attention")
+        if c._trigger is not None:
+            c._check_trigger("send_dp_metadata_list")
         if c._control_request is not None:  # one in flight per key, and its words are read
             try:                            # until it completes: wait (it is long done)
                 w.wait(c._control_request, c.extra_info.timeout)

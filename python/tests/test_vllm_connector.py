@@ -288,3 +288,32 @@ def test_own_base_without_the_plugin(runner):
                 layers=0, mode="fallback", timeout=1.0, standin="")
     (r,) = runner([{"program": PEER, "env": {"VLLM_PEER_SPEC": json.dumps(spec)}}])
     assert r["rc"] == 0 and "fallback ok" in r["output"], r["output"]
+
+
+GRAPH_PEER = os.path.join(HERE, "programs", "vllm_graph_peer.py")
+
+
+@pytest.mark.parametrize("A,F,topology", [(2, 1, "subgroup"), (2, 2, "all_to_all")])
+def test_graph_capture_replays_post_every_send(runner, A, F, topology):
+    """Graph mode on cpu_mock: one captured step (2 layers x 2 stages of
+    send + receive), replayed 100 times; every replay's outputs checked against
+    numpy, and every FFN rank serves 100 x 4 batches. With the sends posted
+    from host code at capture (the ops' old path) a replay sends nothing."""
+    replays = 100
+    port = free_ports(F)
+    children = []
+    for role, n in (("ffn", F), ("attention", A)):
+        for r in range(n):
+            spec = dict(role=role, rank=r, A=A, F=F, topology=topology, port=port,
+                        replays=replays, standin=STANDIN)
+            children.append({"program": GRAPH_PEER, "env": {"VLLM_GRAPH_SPEC": json.dumps(spec)}})
+    results = runner(children, timeout_s=120)
+    report = "\n----\n".join(f"[{c['env']['VLLM_GRAPH_SPEC']}] rc={r['rc']}\n{r['output']}"
+                             for c, r in zip(children, results))
+    for r in results:
+        assert r["rc"] == 0 and "] ok" in r["output"], report
+    for r in results[:F]:
+        assert f"batches {replays * 4}" in r["output"], report
+    for r in results[F:]:
+        assert f"replays {replays} posts {replays * 4}" in r["output"], report
+
