@@ -121,7 +121,7 @@ TEST_CASE("cpu_mock memory is aligned and zeroed, unknown backends are errors", 
 }
 
 }  // namespace
-TEST_CASE("cpu_mock capture records stream ops; a launch replays exactly those, async",
+TEST_CASE("cpu_mock capture records stream ops, a launch replays exactly those, async",
           "[backend]") {
   auto backend = CreateCpuMockBackend({absl::Milliseconds(2)});
   auto capture = *backend->CreateStream();
