@@ -801,14 +801,16 @@ class StepMeshAFDConnector(AFDConnectorBase):
             self._check_trigger("send_attn_output")
         if s in self._requests or s in self._graph_pending:
             raise RuntimeError(f"stage {s}: recv_ffn_output() of the previous send is pending")
-        if compiling or self._always_ops or self._capturing():
+        if compiling or self._always_ops or self._capture_stream is not None or (
+                self._stream and torch.cuda.is_current_stream_capturing()):
             torch.ops.stepmesh.afd_send_attn(hidden_states, router_logits, self._id,
                                              int(metadata.layer_idx), s)
         else:
             self._send(hidden_states, router_logits, metadata.layer_idx, s)
 
     def _send(self, hidden_states, router_logits, layer_idx: int, s: int) -> None:
-        if self._capturing():
+        if self._capture_stream is not None or (self._stream and
+                                                torch.cuda.is_current_stream_capturing()):
             return self._send_graph(hidden_states, router_logits, layer_idx, s)
         n = hidden_states.shape[0]
         send = self._send_bufs[s]
@@ -888,13 +890,6 @@ class StepMeshAFDConnector(AFDConnectorBase):
                 out.add_(p[:n])
 
     # ------------------------------------------------------------ graph mode
-    def _capturing(self) -> bool:
-        """Graph mode: a cpu_mock capture (graph_capture()) or a CUDA stream
-        capture (torch.cuda.graph, vLLM's cudagraph capture) is in progress."""
-        if self._capture_stream is not None:
-            return True
-        return self._stream and torch.cuda.is_current_stream_capturing()
-
     def graph_stream(self) -> Any:
         """The stepmesh.Stream a cpu_mock capture records (made once). On CUDA,
         captures use torch's current stream."""

@@ -317,3 +317,28 @@ def test_graph_capture_replays_post_every_send(runner, A, F, topology):
     for r in results[F:]:
         assert f"replays {replays} posts {replays * 4}" in r["output"], report
 
+
+def test_graph_replay_send_to_a_lost_ffn_rank_is_raised_by_the_next_host_call(runner):
+    """FFN rank 1 killed at replay 10's control payload (2A2F all_to_all, graph
+    mode): the replay's sends fail on the trigger's thread, the replay is
+    released (not hung), and the next host call raises naming FFN rank 1."""
+    port = free_ports(2)
+    children = []
+    for role, n in (("ffn", 2), ("attention", 2)):
+        for r in range(n):
+            spec = dict(role=role, rank=r, A=2, F=2, topology="all_to_all", port=port,
+                        replays=100, standin=STANDIN, mode="lost")
+            children.append({"program": GRAPH_PEER, "env": {"VLLM_GRAPH_SPEC": json.dumps(spec)}})
+    t0 = time.monotonic()
+    results = runner(children, timeout_s=60)
+    took = time.monotonic() - t0
+    report = "\n----\n".join(f"[{c['env']['VLLM_GRAPH_SPEC']}] rc={r['rc']}\n{r['output']}"
+                             for c, r in zip(children, results))
+    ffn0, ffn1, att0, att1 = results
+    assert ffn1["rc"] == -signal.SIGKILL, report
+    for r in (ffn0, att0, att1):
+        assert r["rc"] == 0 and "] ok" in r["output"], report
+    for r in (att0, att1):
+        assert "lost detected" in r["output"] and "FFN rank 1" in r["output"], report
+    assert took < 30, report
+

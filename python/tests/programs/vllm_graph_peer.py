@@ -6,10 +6,15 @@ writing each replay's inputs into the captured input tensors between replays
 (as vLLM does) and checking every replay's outputs against a numpy reference.
 The FFN ranks run their usual host loop and check every batch's bytes and
 layer index; each reports how many batches it served.
-VLLM_GRAPH_SPEC: role, rank, A, F, topology, port, replays, standin."""
+VLLM_GRAPH_SPEC: role, rank, A, F, topology, port, replays, standin, mode
+("normal", or "lost": FFN rank 1 kills itself when replay LOST_AT's control
+payload arrives; the attention ranks' replay LOST_AT is released, not hung,
+and their next host call raises naming FFN rank 1)."""
 import json
 import os
+import signal
 import sys
+import time
 import types
 
 SPEC = json.loads(os.environ["VLLM_GRAPH_SPEC"])
@@ -25,6 +30,9 @@ TOPO, REPLAYS = SPEC["topology"], SPEC["replays"]
 H, MAX, STAGES, WIDTH, LAYERS = 16, 12, 2, 8, 2
 BF16 = torch.bfloat16
 RATIO = A // F if TOPO == "subgroup" else A
+MODE = SPEC.get("mode", "normal")
+LOST_AT = 10
+TIMEOUT = 3.0 if MODE == "lost" else 10.0
 
 
 def log(*a):
@@ -62,7 +70,7 @@ def reference(replay, stage, a):
 
 def connector():
     extra = {"topology": TOPO, "transport": "tcp", "backend": "cpu_mock", "max_tokens": MAX,
-             "num_stages": STAGES, "router_logits_width": WIDTH, "timeout": 10.0,
+             "num_stages": STAGES, "router_logits_width": WIDTH, "timeout": TIMEOUT,
              "poll_mode": "blocking"}
     vcfg = types.SimpleNamespace(
         model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(hidden_size=H),
@@ -101,6 +109,16 @@ def attention(conn):
     assert conn._trigger.posts == 0, "capturing posted a send"
     assert len(g.graph) > 0
     for r in range(REPLAYS):
+        if MODE == "lost" and r == LOST_AT + 1:
+            t0 = time.monotonic()
+            try:
+                cp.send_dp_metadata_list(payload())
+            except ConnectionError as e:  # replay LOST_AT's send failed: raised here
+                assert "FFN rank 1" in str(e) and "graph replay" in str(e), e
+                log(f"lost detected: {e}")
+                assert time.monotonic() - t0 < TIMEOUT
+                return
+            raise AssertionError("the failed device-triggered send was not raised")
         cp.send_dp_metadata_list(payload())  # host code per step, as vLLM's runner
         for s in range(STAGES):  # this replay's inputs into the captured tensors
             x, lg = inputs(r, s, RANK)
@@ -109,11 +127,15 @@ def attention(conn):
             for layer in range(LAYERS):
                 outs[layer][s].fill_(-99)
         g.replay()
-        g.synchronize(10.0)
+        g.synchronize(4 * TIMEOUT)  # never hangs: a failed send releases the stream
+        if MODE == "lost" and r >= LOST_AT:
+            continue
         for s in range(STAGES):
             want0, want1 = reference(r, s, RANK)
             np.testing.assert_array_equal(outs[0][s].float().numpy(), want0, f"replay {r}")
             np.testing.assert_array_equal(outs[1][s].float().numpy(), want1, f"replay {r}")
+    if MODE == "lost":
+        raise AssertionError("FFN rank 1's loss was not detected")
     posts = conn._trigger.posts
     assert posts == REPLAYS * LAYERS * STAGES, posts
     log(f"replays {REPLAYS} posts {posts}")
@@ -125,10 +147,26 @@ def ffn(conn):
     spec = sv.AFDExpertRoutingSpec(router_logits_width=WIDTH, router_logits_dtype=BF16)
     batches = 0
     for r in range(REPLAYS):
-        cp.update_state_from_dp_metadata(cp.recv_dp_metadata_list())
+        try:
+            p = cp.recv_dp_metadata_list()
+        except (ConnectionError, TimeoutError) as e:
+            if MODE == "lost" and r > LOST_AT:
+                log(f"peer gone: {e}")
+                return
+            raise
+        if MODE == "lost" and r == LOST_AT and RANK == 1:
+            log("dying")
+            os.kill(os.getpid(), signal.SIGKILL)
+        cp.update_state_from_dp_metadata(p)
         for layer in range(LAYERS):
             for s in range(STAGES):
-                got = conn.recv_attn_output(ubatch_idx=s, routing_spec=spec)
+                try:
+                    got = conn.recv_attn_output(ubatch_idx=s, routing_spec=spec)
+                except (ConnectionError, TimeoutError) as e:
+                    if MODE == "lost" and r >= LOST_AT:
+                        log(f"peer gone: {e}")
+                        return
+                    raise
                 md = got.context.metadata
                 assert md.layer_idx == layer and md.stage_idx == s, (r, md)
                 want = []
