@@ -398,12 +398,12 @@ OP_CALLS = collections.Counter()
 def _send_attn_impl(hidden_states, router_logits, connector_id: int, layer_idx: int,
                     stage_idx: int) -> None:
     OP_CALLS["afd_send_attn"] += 1
-    _connector(connector_id)._send(hidden_states, router_logits, layer_idx, stage_idx)
+    _connector(connector_id)._send_op(hidden_states, router_logits, layer_idx, stage_idx)
 
 
 def _recv_ffn_impl(out, connector_id: int, stage_idx: int) -> None:
     OP_CALLS["afd_recv_ffn"] += 1
-    _connector(connector_id)._recv(out, stage_idx)
+    _connector(connector_id)._recv_op(out, stage_idx)
 
 
 def _send_attn_fake(hidden_states, router_logits, connector_id, layer_idx, stage_idx) -> None:
@@ -797,10 +797,13 @@ class StepMeshAFDConnector(AFDConnectorBase):
                         f"router_logits row of {nbytes} bytes exceeds the registered "
                         f"{self._logit_row_bytes} (connector_extra_config.router_logits_width="
                         f"{self.router_logits_width} x 4 bytes)")
-        if self._trigger is not None:
-            self._check_trigger("send_attn_output")
-        if s in self._requests or s in self._graph_pending:
+        if s in self._requests:
             raise RuntimeError(f"stage {s}: recv_ffn_output() of the previous send is pending")
+        if self._trigger is not None:  # graph mode was used: its checks
+            self._check_trigger("send_attn_output")
+            if s in self._graph_pending:
+                raise RuntimeError(f"stage {s}: recv_ffn_output() of the previous (captured) "
+                                   "send is pending")
         if compiling or self._always_ops or self._capture_stream is not None or (
                 self._stream and torch.cuda.is_current_stream_capturing()):
             torch.ops.stepmesh.afd_send_attn(hidden_states, router_logits, self._id,
@@ -808,10 +811,21 @@ class StepMeshAFDConnector(AFDConnectorBase):
         else:
             self._send(hidden_states, router_logits, metadata.layer_idx, s)
 
-    def _send(self, hidden_states, router_logits, layer_idx: int, s: int) -> None:
+    def _send_op(self, hidden_states, router_logits, layer_idx: int, s: int) -> None:
+        """The op's kernel: the graph path while a capture is in progress."""
         if self._capture_stream is not None or (self._stream and
                                                 torch.cuda.is_current_stream_capturing()):
-            return self._send_graph(hidden_states, router_logits, layer_idx, s)
+            self._send_graph(hidden_states, router_logits, layer_idx, s)
+        else:
+            self._send(hidden_states, router_logits, layer_idx, s)
+
+    def _recv_op(self, out: torch.Tensor, s: int) -> None:
+        if s in self._graph_pending:
+            self._recv_graph(out, s)
+        else:
+            self._recv(out, s)
+
+    def _send(self, hidden_states, router_logits, layer_idx: int, s: int) -> None:
         n = hidden_states.shape[0]
         send = self._send_bufs[s]
         if hidden_states.data_ptr() != send.data_ptr():  # not computed in place: copy in
@@ -851,11 +865,12 @@ class StepMeshAFDConnector(AFDConnectorBase):
         s = ubatch_idx
         if type(s) is not int or not 0 <= s < self.num_stages:
             s = self._stage(s, "ubatch_idx")
-        if self._trigger is not None:
-            self._check_trigger("recv_ffn_output")
         n = self._rows.get(s) if s in self._requests else None
-        if s in self._graph_pending:
-            n = self._graph_pending[s][1]
+        graph = False
+        if self._trigger is not None:  # graph mode was used: its checks
+            self._check_trigger("recv_ffn_output")
+            if s in self._graph_pending:
+                n, graph = self._graph_pending[s][1], True
         if n is None:
             raise RuntimeError(f"stage {s}: no send_attn_output() to receive for")
         compiling = _IS_COMPILING is not None and _IS_COMPILING()
@@ -866,15 +881,13 @@ class StepMeshAFDConnector(AFDConnectorBase):
             raise ValueError(f"ref_tensor {tuple(ref_tensor.shape)} "
                              f"{_dtype_name(ref_tensor.dtype)}: want ({n}, "
                              f"{self.hidden_size}) {_dtype_name(self.dtype)}")
-        if compiling or self._always_ops or s in self._graph_pending:
+        if compiling or self._always_ops or graph:
             torch.ops.stepmesh.afd_recv_ffn(ref_tensor, self._id, s)
         else:
             self._recv(ref_tensor, s)
         return ref_tensor
 
     def _recv(self, out: torch.Tensor, s: int) -> None:
-        if s in self._graph_pending:
-            return self._recv_graph(out, s)
         req = self._requests.pop(s)
         try:
             self._node.wait(req, self._timeout)
