@@ -340,5 +340,5 @@ def test_graph_replay_send_to_a_lost_ffn_rank_is_raised_by_the_next_host_call(ru
         assert r["rc"] == 0 and "] ok" in r["output"], report
     for r in (att0, att1):
         assert "lost detected" in r["output"] and "FFN rank 1" in r["output"], report
-    assert took < 30, report
+    assert took < 40, report
 

@@ -32,7 +32,7 @@ BF16 = torch.bfloat16
 RATIO = A // F if TOPO == "subgroup" else A
 MODE = SPEC.get("mode", "normal")
 LOST_AT = 10
-TIMEOUT = 3.0 if MODE == "lost" else 10.0
+TIMEOUT = 5.0 if MODE == "lost" else 10.0
 
 
 def log(*a):

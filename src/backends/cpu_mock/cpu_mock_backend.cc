@@ -128,7 +128,7 @@ class MockStream final : public Stream {
         captured_.insert(captured_.end(), ops.begin(), ops.end());
         return absl::OkStatus();
       }
-      queue_.insert(queue_.end(), ops.begin(), ops.end());
+      for (const std::function<void()>& op : ops) queue_.push_back(std::function<void()>(op));
       enqueued_ += ops.size();
     }
     cv_.notify_all();
