@@ -26,7 +26,13 @@ module is that connector over stepmesh's Worker (attention) and Server (FFN):
   in FFN rank 0 at ``port``);
 * the attention-side data path runs through the torch custom ops
   ``torch.ops.stepmesh.afd_send_attn`` / ``afd_recv_ffn`` (with fake/meta
-  implementations), so ``torch.compile`` sees opaque ops.
+  implementations), so ``torch.compile`` sees opaque ops;
+* graph mode: while a CUDA stream capture (or a cpu_mock capture,
+  ``graph_capture()``) is in progress the ops enqueue a go increment and a
+  done wait on the stream instead of posting from host code, and the
+  library's ``stepmesh.Trigger`` posts the frozen request at every replay
+  (``_send_graph`` / ``_recv_graph``); a replay's failure is raised by the
+  next host call, naming the FFN rank.
 
 Wire layout, per micro-batch stage ``s`` (keys ``s * 8 + k``): ``HIDDEN``
 (``[n, hidden]`` rows of a ``[max_tokens, hidden]`` registered buffer),
