@@ -100,7 +100,7 @@ class STEPMESH_EXPORT Stream {
     return absl::UnimplementedError("this backend's streams cannot wait on an int64 counter");
   }
   // When the stream gets here, *counter += 1: one atomic add, a system-scope
-  // release, so the host (a trigger, src/core/trigger.h) that sees the new
+  // release, so the host (a trigger, stepmesh/trigger.h) that sees the new
   // value also sees the work enqueued before it. The address is captured, the
   // value is not: a replayed graph increments it again every time (a graph's
   // kernel arguments are frozen at capture, so thresholds built on this are

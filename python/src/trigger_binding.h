@@ -1,5 +1,5 @@
 #pragma once
-// stepmesh.Trigger (Trigger, src/core/trigger.h): device-triggered
+// stepmesh.Trigger (stepmesh/trigger.h): device-triggered
 // posting of a prepared request, so that a captured graph's replay sends
 // again. Worker.create_trigger() makes one; Plan.trigger_target() hands it the
 // request as it stands; arm() returns a slot whose go/done words the stream
