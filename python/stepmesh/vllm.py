@@ -25,8 +25,9 @@ module is that connector over stepmesh's Worker (attention) and Server (FFN):
   ``recv_ffn_output`` sums them in FFN rank order; one mesh, its scheduler
   in FFN rank 0 at ``port``);
 * the attention-side data path runs through the torch custom ops
-  ``torch.ops.stepmesh.afd_send_attn`` / ``afd_recv_ffn`` (with fake/meta
-  implementations), so ``torch.compile`` sees opaque ops;
+  ``torch.ops.stepmesh.afd_send_attn`` / ``afd_recv_ffn``, the FFN side's send
+  through ``afd_send_ffn`` (all with fake/meta implementations), so
+  ``torch.compile`` sees opaque ops;
 * graph mode: while a CUDA stream capture (or a cpu_mock capture,
   ``graph_capture()``) is in progress the ops enqueue a go increment and a
   done wait on the stream instead of posting from host code, and the
@@ -412,6 +413,20 @@ def _recv_ffn_impl(out, connector_id: int, stage_idx: int) -> None:
     _connector(connector_id)._recv_op(out, stage_idx)
 
 
+def _send_ffn_impl(ffn_output, connector_id: int, context_id: int) -> None:
+    OP_CALLS["afd_send_ffn"] += 1
+    conn = _connector(connector_id)
+    context = conn._ffn_contexts.pop(int(context_id), None)
+    if context is None:
+        raise RuntimeError(f"afd_send_ffn: context {context_id} is not pending (answered "
+                           "already, or not from this connector's recv_attn_output)")
+    conn._send_ffn(ffn_output, context)
+
+
+def _send_ffn_fake(ffn_output, connector_id, context_id) -> None:
+    return None
+
+
 def _send_attn_fake(hidden_states, router_logits, connector_id, layer_idx, stage_idx) -> None:
     return None
 
@@ -421,8 +436,9 @@ def _recv_ffn_fake(out, connector_id, stage_idx) -> None:
 
 
 def register_ops() -> None:
-    """Defines ``torch.ops.stepmesh.afd_send_attn`` and ``afd_recv_ffn`` once per
-    process (reused when already defined, e.g. after a module reload)."""
+    """Defines ``torch.ops.stepmesh.afd_send_attn``, ``afd_recv_ffn`` (attention
+    side) and ``afd_send_ffn`` (FFN side) once per process (reused when already
+    defined, e.g. after a module reload)."""
     global FAKE_REGISTRATION
     with _OPS_LOCK:
         if "lib" in _OPS:
@@ -435,18 +451,22 @@ def register_ops() -> None:
         lib.define("afd_send_attn(Tensor(a!) hidden_states, Tensor? router_logits, "
                    "int connector, int layer_idx, int stage_idx) -> ()")
         lib.define("afd_recv_ffn(Tensor(a!) out, int connector, int stage_idx) -> ()")
+        lib.define("afd_send_ffn(Tensor ffn_output, int connector, int context) -> ()")
         for key in ("CPU", "CUDA"):
             lib.impl("afd_send_attn", _send_attn_impl, key)
             lib.impl("afd_recv_ffn", _recv_ffn_impl, key)
+            lib.impl("afd_send_ffn", _send_ffn_impl, key)
         register_fake = getattr(torch.library, "register_fake", None)
         impl_abstract = getattr(torch.library, "impl_abstract", None)
         if register_fake is not None:
             register_fake("stepmesh::afd_send_attn", _send_attn_fake, lib=lib)
             register_fake("stepmesh::afd_recv_ffn", _recv_ffn_fake, lib=lib)
+            register_fake("stepmesh::afd_send_ffn", _send_ffn_fake, lib=lib)
             FAKE_REGISTRATION = "register_fake"
         elif impl_abstract is not None:
             impl_abstract("stepmesh::afd_send_attn", _send_attn_fake, lib=lib)
             impl_abstract("stepmesh::afd_recv_ffn", _recv_ffn_fake, lib=lib)
+            impl_abstract("stepmesh::afd_send_ffn", _send_ffn_fake, lib=lib)
             FAKE_REGISTRATION = "impl_abstract"
         else:
             keys = ["Meta"]
@@ -455,6 +475,7 @@ def register_ops() -> None:
             for key in keys:
                 lib.impl("afd_send_attn", _send_attn_fake, key)
                 lib.impl("afd_recv_ffn", _recv_ffn_fake, key)
+                lib.impl("afd_send_ffn", _send_ffn_fake, key)
             FAKE_REGISTRATION = "meta"
         _OPS["lib"] = lib
 
@@ -472,6 +493,7 @@ class StepMeshTransferState(AFDTransferState):
     workers: List[int] = dataclasses.field(default_factory=list)
     is_warmup: bool = False  # the sender's flags (from its last control payload)
     is_graph_capturing: bool = False
+    op_id: int = 0  # names the context to torch.ops.stepmesh.afd_send_ffn
 
 
 class StepMeshAFDConnector(AFDConnectorBase):
@@ -573,6 +595,8 @@ class StepMeshAFDConnector(AFDConnectorBase):
         self._graph_stream_obj: Any = None
         self._rows: Dict[int, int] = {}
         self._stash: Dict[int, Deque[Any]] = collections.defaultdict(collections.deque)
+        self._ffn_contexts: Dict[int, Any] = {}  # op_id -> context not yet answered
+        self._next_ffn_op = 0
         self._control_request: Any = None
         self._peer_lost = False
         self._device = torch.device("cpu")
@@ -672,6 +696,7 @@ class StepMeshAFDConnector(AFDConnectorBase):
         self._control_plan = None
         self._requests.clear()
         self._graph_pending.clear()
+        self._ffn_contexts.clear()
         self._graph_slots = []
         self._capture_stream = None
         self._graph_stream_obj = None
@@ -1131,6 +1156,8 @@ class StepMeshAFDConnector(AFDConnectorBase):
                                       is_warmup=bool(flags & FLAG_WARMUP),
                                       is_graph_capturing=bool(flags & FLAG_GRAPH_CAPTURE))
         context = AFDTransferContext(metadata=metadata, states=state)
+        state.op_id = self._next_ffn_op = self._next_ffn_op + 1
+        self._ffn_contexts[state.op_id] = context
         assert hidden.shape[0] == total
         return AFDA2FTransferPayload(hidden_states=hidden, context=context, router_logits=logits)
 
@@ -1175,6 +1202,14 @@ class StepMeshAFDConnector(AFDConnectorBase):
             raise ValueError(f"ffn_output {shape} {_dtype_name(ffn_output.dtype)}: want "
                              f"({total}, {self.hidden_size}) {_dtype_name(self.dtype)} "
                              "(context.metadata.total_tokens)")
+        if _is_compiling() or self._always_ops:
+            torch.ops.stepmesh.afd_send_ffn(ffn_output, self._id, state.op_id)
+        else:
+            self._ffn_contexts.pop(state.op_id, None)
+            self._send_ffn(ffn_output, context)
+
+    def _send_ffn(self, ffn_output: torch.Tensor, context: Any) -> None:
+        state = context.states
         reply = self._replies[state.stage]
         M = self.max_tokens
         row = 0
@@ -1183,7 +1218,7 @@ class StepMeshAFDConnector(AFDConnectorBase):
             reply[w * M: w * M + n].copy_(ffn_output[row: row + n])
             rows[w] = n
             row += n
-        srv.respond(state.batch, rows=rows, stream=self._current_stream())
+        self._node.respond(state.batch, rows=rows, stream=self._current_stream())
 
     # ------------------------------------------------------------ control plane
     def _control_words(self) -> int:

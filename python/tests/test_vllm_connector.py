@@ -179,6 +179,9 @@ def test_custom_ops_have_fake_implementations():
     # The fakes touch nothing (no connector with id 12345 exists).
     torch.ops.stepmesh.afd_send_attn(meta, None, 12345, 0, 0)
     torch.ops.stepmesh.afd_recv_ffn(meta, 12345, 0)
+    torch.ops.stepmesh.afd_send_ffn(meta, 12345, 7)
+    with pytest.raises(RuntimeError, match="id 12345 is not initialised"):
+        torch.ops.stepmesh.afd_send_ffn(torch.zeros(4, H, dtype=torch.bfloat16), 12345, 7)
     with pytest.raises(RuntimeError, match="id 12345 is not initialised"):
         torch.ops.stepmesh.afd_recv_ffn(torch.zeros(4, H, dtype=torch.bfloat16), 12345, 0)
 
