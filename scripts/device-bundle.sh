@@ -19,11 +19,12 @@ scripts/install-deps.sh
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DSTEPMESH_BUILD_TESTS=ON -DSTEPMESH_BUILD_BENCHMARKS=ON -DSTEPMESH_BUILD_EXAMPLES=ON \
   -DSTEPMESH_ENABLE_CUDA=ON -DSTEPMESH_ENABLE_RDMA=ON >/dev/null
-cmake --build "$build" -j "$jobs" --target cuda_gpu_tests cuda_latency cuda_probe stepmesh_doctor \
+cmake --build "$build" -j "$jobs" --target cuda_gpu_tests cuda_graph_trigger_gpu_test cuda_latency cuda_probe stepmesh_doctor \
   model_gpu_tests step5_gpu_tests afd_launch afd_attention afd_ffn
 
 # afd_launch starts afd_attention and afd_ffn from its own directory.
-programs=("$build/tests/cuda/cuda_gpu_tests" "$build/benchmarks/gpu/cuda_latency"
+programs=("$build/tests/cuda/cuda_gpu_tests" "$build/tests/cuda/cuda_graph_trigger_gpu_test"
+          "$build/benchmarks/gpu/cuda_latency"
           "$build/benchmarks/gpu/cuda_probe" "$build/src/tools/doctor/stepmesh_doctor"
           "$build/tests/model_gpu/model_gpu_tests" "$build/tests/step5/step5_gpu_tests"
           "$build/examples/afd_model/afd_launch"

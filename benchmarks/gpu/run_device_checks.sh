@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on a lent GPU machine, from the repository root, every GPU check of
-# issues 3, 5, 16, 19, 20 and 31 out of .device-bundle/ (made here by scripts/device-bundle.sh):
+# issues 3, 5, 16, 19, 20, 28 and 31 out of .device-bundle/ (made here by scripts/device-bundle.sh):
 #   cuda_gpu_issue16 the CUDA backend's hazards on the device (issue 16): a
 #                    blocking application stream waiting on the reply while the
 #                    send thread copies (10 s deadline), a device fault failing
@@ -36,10 +36,14 @@
 #   doctor           stepmesh_doctor --no-rdma (no NIC on the lent machine): the
 #                    CUDA attributes as an operator sees them
 #   cuda_latency_31  cuda_latency again, beside the probe's numbers
+#   issue 28:
+#   cuda_graph_trigger one captured CUDA graph [copy in, go increment, wait
+#                    done >= go, copy out] replayed 100 times, a stepmesh::Trigger
+#                    posting once per replay; bytes checked each replay
 # Logs go to $OUT (the device tool brings them back) or .device-bundle/out.
 # Each step has its own time limit; one failing does not stop the others.
 #
-# The limits add up to ~2050 s, more than one device call (600 s) and one
+# The limits add up to ~2110 s, more than one device call (600 s) and one
 # session's device time (900 s with the start), so the checks come in parts,
 # each under 600 s of limits; run the most important first:
 #   run_device_checks.sh backend   cuda_gpu_issue16, cuda_gpu_tests, cuda_latency,
@@ -48,13 +52,14 @@
 #   run_device_checks.sh gate-c    afd_gate_c                (420 s)
 #   run_device_checks.sh issue31   cuda_gpu_full, cuda_gpu_conn2, cuda_gpu_conn1,
 #                                  cuda_probe, doctor, cuda_latency_31 (530 s)
+#   run_device_checks.sh graph     cuda_graph_trigger        (60 s)
 #   run_device_checks.sh all       everything (default; only with a long lease)
 set -uo pipefail
 part=${1:-all}
 case $part in
-  all | backend | model | gate-c | issue31) ;;
+  all | backend | model | gate-c | issue31 | graph) ;;
   *)
-    echo "run_device_checks: unknown part '$part' (all|backend|model|gate-c|issue31)" >&2
+    echo "run_device_checks: unknown part '$part' (all|backend|model|gate-c|issue31|graph)" >&2
     exit 2
     ;;
 esac
@@ -112,6 +117,13 @@ if want issue31; then
   step cuda_probe 30 "$bundle/bin/cuda_probe" 0
   step doctor 30 "$bundle/bin/stepmesh_doctor" --no-rdma
   step cuda_latency_31 60 "$bundle/bin/cuda_latency" 2000 0
+fi
+if want graph; then
+  if [[ -x $bundle/bin/cuda_graph_trigger_gpu_test ]]; then
+    step cuda_graph_trigger 60 "$bundle/bin/cuda_graph_trigger_gpu_test" --durations yes
+  else
+    summary+=("cuda_graph_trigger: not in the bundle (rebuild it with scripts/device-bundle.sh)")
+  fi
 fi
 want model && step model_gpu_tests 300 "$bundle/bin/model_gpu_tests"
 # The CPU reference of full width needs ~56 GB of host memory and a few

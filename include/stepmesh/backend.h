@@ -21,6 +21,7 @@
 namespace stepmesh {
 
 class Stream;
+class StreamGraph;
 
 // An owned allocation; freed by its destructor.
 class STEPMESH_EXPORT Memory {
@@ -98,7 +99,48 @@ class STEPMESH_EXPORT Stream {
     (void)target;
     return absl::UnimplementedError("this backend's streams cannot wait on an int64 counter");
   }
+  // When the stream gets here, *counter += 1: one atomic add, a system-scope
+  // release, so the host (a trigger, stepmesh/trigger.h) that sees the new
+  // value also sees the work enqueued before it. The address is captured, the
+  // value is not: a replayed graph increments it again every time (a graph's
+  // kernel arguments are frozen at capture, so thresholds built on this are
+  // relative: WaitCounterAtLeast(done, go)). Host memory on cpu_mock; mapped
+  // pinned host memory on CUDA (a one-thread kernel). UNIMPLEMENTED where a
+  // backend has none.
+  virtual absl::Status IncrementCounter(int64_t* counter) {
+    (void)counter;
+    return absl::UnimplementedError("this backend's streams cannot increment a counter");
+  }
+  // Graph capture, as cudaStreamBeginCapture/EndCapture: from BeginCapture on,
+  // the stream's operations (copies, host functions, waits, signals,
+  // increments) are recorded instead of run, and host code between them is not
+  // part of the graph; EndCapture returns what was recorded. Events cannot be
+  // recorded and the stream cannot be synchronised while capturing
+  // (FAILED_PRECONDITION). cpu_mock models it; on CUDA capture with CUDA itself
+  // (torch.cuda.graph, cudaStreamBeginCapture on NativeCudaStream): these
+  // return UNIMPLEMENTED there.
+  virtual absl::Status BeginCapture() {
+    return absl::UnimplementedError("this backend's streams capture with the accelerator's API");
+  }
+  virtual absl::StatusOr<std::unique_ptr<StreamGraph>> EndCapture() {
+    return absl::UnimplementedError("this backend's streams capture with the accelerator's API");
+  }
+  virtual bool IsCapturing() const { return false; }
   virtual absl::Status Synchronize(absl::Duration timeout) = 0;
+};
+
+// The operations one capture recorded (Stream::EndCapture). Launch enqueues
+// exactly those, in order, on a stream of the same backend and returns at
+// once (cudaGraphLaunch): the work runs asynchronously there, and launches
+// queue behind each other. Addresses are the captured ones; values read
+// from memory (WaitCounterAtLeast, WaitHostFlagNext) are read when each
+// replay gets there.
+class STEPMESH_EXPORT StreamGraph {
+ public:
+  virtual ~StreamGraph() = default;
+  virtual absl::Status Launch(Stream& stream) = 0;
+  // The operations recorded, for tests and diagnostics.
+  virtual size_t size() const = 0;
 };
 
 // Where memory lives, for choosing a nearby NIC and cores.

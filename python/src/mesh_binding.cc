@@ -17,6 +17,7 @@
 #include "python/src/options_binding.h"
 #include "python/src/participant_binding.h"
 #include "python/src/stream_binding.h"
+#include "python/src/trigger_binding.h"
 #include "stepmesh/scheduler.h"
 #include "stepmesh/server.h"
 #include "stepmesh/stats.h"
@@ -390,6 +391,9 @@ class PyWorker : public PyParticipant {
     return out;
   }
 
+  // For stepmesh.Trigger (python/src/trigger_binding.h): the node and its backend.
+  AFTensorWorker& node() { return live(); }
+
  private:
   AFTensorWorker& live() {
     PyParticipant::live();  // raises once closed
@@ -628,6 +632,8 @@ class PyPlan {
   }
   size_t num_pushes() const { return pushes_.size(); }
   size_t num_pulls() const { return pulls_.size(); }
+  // Plan.trigger_target(): the request as it stands now, for Trigger.arm.
+  TriggerTarget TriggerTargetNow() { return PlanTriggerTarget(worker_.node(), pushes_, pulls_); }
 
  private:
   static constexpr long long kMaxRunMany = 10'000'000;
@@ -1118,6 +1124,12 @@ its contents are only meaningful until the batch is answered.)doc")
       .def("bytes", &PyPlan::bytes, py::arg("index"), "The bytes push `index` sends.")
       .def_property_readonly("last", &PyPlan::last,
                              "The Request of the last run() (for fetch_trace), or None.")
+      .def(
+          "trigger_target",
+          [](py::object self) {
+            return PyTriggerTarget{self.cast<PyPlan&>().TriggerTargetNow(), self};
+          },
+          "The request as it stands now (byte counts included), for Trigger.arm.")
       .def_property_readonly("num_pushes", &PyPlan::num_pushes)
       .def_property_readonly("num_pulls", &PyPlan::num_pulls);
 
@@ -1161,6 +1173,13 @@ connects to the scheduler and every server (blocking, GIL released).)doc");
       .def("stream_wait_next_pull", &PyWorker::StreamWaitNextPull, py::arg("key"),
            py::arg("server"), py::arg("stream"),
            "The stream waits for the next reply under (key, server), counted on the device.")
+      .def(
+          "create_trigger",
+          [](PyWorker& w, int capacity, double timeout) {
+            return new PyTrigger(w.node().backend(), capacity, timeout);
+          },
+          py::keep_alive<0, 1>(), py::arg("capacity") = 4096, py::arg("timeout") = 30.0,
+          "A stepmesh.Trigger posting this worker's plans from a stream (graph replays).")
       .def("create_stream", &PyWorker::CreateStream, py::keep_alive<0, 1>(),
            "A stream of this worker's backend (cpu_mock: a host thread).")
       .def("test", &PyWorker::Test, py::arg("request"))

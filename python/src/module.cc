@@ -6,6 +6,7 @@
 #include "python/src/mesh_binding.h"
 #include "python/src/options_binding.h"
 #include "python/src/stream_binding.h"
+#include "python/src/trigger_binding.h"
 #include "stepmesh/trace.h"
 
 PYBIND11_MODULE(_stepmesh, m) {
@@ -13,6 +14,7 @@ PYBIND11_MODULE(_stepmesh, m) {
   stepmesh::python::RegisterErrors(m);
   stepmesh::python::BindOptions(m);
   stepmesh::python::BindStream(m);
+  stepmesh::python::BindTrigger(m);
   stepmesh::python::BindMesh(m);
   stepmesh::python::BindHostTensor(m);
   m.def("monotonic_ns", &stepmesh::MonotonicNowNs,

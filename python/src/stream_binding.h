@@ -31,6 +31,17 @@ class PyStream {
   std::unique_ptr<Stream> stream_;
 };
 
+// What a capture recorded (Stream.end_capture / StreamGraph.launch).
+class PyStreamGraph {
+ public:
+  explicit PyStreamGraph(std::unique_ptr<StreamGraph> graph) : graph_(std::move(graph)) {}
+  ~PyStreamGraph();
+  StreamGraph& graph() { return *graph_; }
+
+ private:
+  std::unique_ptr<StreamGraph> graph_;
+};
+
 // Resolves `stream=` arguments for one node. Wrappers of raw cudaStream_t
 // values are made once per distinct value and kept for the node's life (a
 // recorded event needs its stream; prepare once, post many).

@@ -25,8 +25,15 @@ module is that connector over stepmesh's Worker (attention) and Server (FFN):
   ``recv_ffn_output`` sums them in FFN rank order; one mesh, its scheduler
   in FFN rank 0 at ``port``);
 * the attention-side data path runs through the torch custom ops
-  ``torch.ops.stepmesh.afd_send_attn`` / ``afd_recv_ffn`` (with fake/meta
-  implementations), so ``torch.compile`` sees opaque ops.
+  ``torch.ops.stepmesh.afd_send_attn`` / ``afd_recv_ffn``, the FFN side's send
+  through ``afd_send_ffn`` (all with fake/meta implementations), so
+  ``torch.compile`` sees opaque ops;
+* graph mode: while a CUDA stream capture (or a cpu_mock capture,
+  ``graph_capture()``) is in progress the ops enqueue a go increment and a
+  done wait on the stream instead of posting from host code, and the
+  library's ``stepmesh.Trigger`` posts the frozen request at every replay
+  (``_send_graph`` / ``_recv_graph``); a replay's failure is raised by the
+  next host call, naming the FFN rank.
 
 Wire layout, per micro-batch stage ``s`` (keys ``s * 8 + k``): ``HIDDEN``
 (``[n, hidden]`` rows of a ``[max_tokens, hidden]`` registered buffer),
@@ -398,12 +405,26 @@ OP_CALLS = collections.Counter()
 def _send_attn_impl(hidden_states, router_logits, connector_id: int, layer_idx: int,
                     stage_idx: int) -> None:
     OP_CALLS["afd_send_attn"] += 1
-    _connector(connector_id)._send(hidden_states, router_logits, layer_idx, stage_idx)
+    _connector(connector_id)._send_op(hidden_states, router_logits, layer_idx, stage_idx)
 
 
 def _recv_ffn_impl(out, connector_id: int, stage_idx: int) -> None:
     OP_CALLS["afd_recv_ffn"] += 1
-    _connector(connector_id)._recv(out, stage_idx)
+    _connector(connector_id)._recv_op(out, stage_idx)
+
+
+def _send_ffn_impl(ffn_output, connector_id: int, context_id: int) -> None:
+    OP_CALLS["afd_send_ffn"] += 1
+    conn = _connector(connector_id)
+    context = conn._ffn_contexts.pop(int(context_id), None)
+    if context is None:
+        raise RuntimeError(f"afd_send_ffn: context {context_id} is not pending (answered "
+                           "already, or not from this connector's recv_attn_output)")
+    conn._send_ffn(ffn_output, context)
+
+
+def _send_ffn_fake(ffn_output, connector_id, context_id) -> None:
+    return None
 
 
 def _send_attn_fake(hidden_states, router_logits, connector_id, layer_idx, stage_idx) -> None:
@@ -415,8 +436,9 @@ def _recv_ffn_fake(out, connector_id, stage_idx) -> None:
 
 
 def register_ops() -> None:
-    """Defines ``torch.ops.stepmesh.afd_send_attn`` and ``afd_recv_ffn`` once per
-    process (reused when already defined, e.g. after a module reload)."""
+    """Defines ``torch.ops.stepmesh.afd_send_attn``, ``afd_recv_ffn`` (attention
+    side) and ``afd_send_ffn`` (FFN side) once per process (reused when already
+    defined, e.g. after a module reload)."""
     global FAKE_REGISTRATION
     with _OPS_LOCK:
         if "lib" in _OPS:
@@ -429,18 +451,22 @@ def register_ops() -> None:
         lib.define("afd_send_attn(Tensor(a!) hidden_states, Tensor? router_logits, "
                    "int connector, int layer_idx, int stage_idx) -> ()")
         lib.define("afd_recv_ffn(Tensor(a!) out, int connector, int stage_idx) -> ()")
+        lib.define("afd_send_ffn(Tensor ffn_output, int connector, int context) -> ()")
         for key in ("CPU", "CUDA"):
             lib.impl("afd_send_attn", _send_attn_impl, key)
             lib.impl("afd_recv_ffn", _recv_ffn_impl, key)
+            lib.impl("afd_send_ffn", _send_ffn_impl, key)
         register_fake = getattr(torch.library, "register_fake", None)
         impl_abstract = getattr(torch.library, "impl_abstract", None)
         if register_fake is not None:
             register_fake("stepmesh::afd_send_attn", _send_attn_fake, lib=lib)
             register_fake("stepmesh::afd_recv_ffn", _recv_ffn_fake, lib=lib)
+            register_fake("stepmesh::afd_send_ffn", _send_ffn_fake, lib=lib)
             FAKE_REGISTRATION = "register_fake"
         elif impl_abstract is not None:
             impl_abstract("stepmesh::afd_send_attn", _send_attn_fake, lib=lib)
             impl_abstract("stepmesh::afd_recv_ffn", _recv_ffn_fake, lib=lib)
+            impl_abstract("stepmesh::afd_send_ffn", _send_ffn_fake, lib=lib)
             FAKE_REGISTRATION = "impl_abstract"
         else:
             keys = ["Meta"]
@@ -449,6 +475,7 @@ def register_ops() -> None:
             for key in keys:
                 lib.impl("afd_send_attn", _send_attn_fake, key)
                 lib.impl("afd_recv_ffn", _recv_ffn_fake, key)
+                lib.impl("afd_send_ffn", _send_ffn_fake, key)
             FAKE_REGISTRATION = "meta"
         _OPS["lib"] = lib
 
@@ -466,6 +493,7 @@ class StepMeshTransferState(AFDTransferState):
     workers: List[int] = dataclasses.field(default_factory=list)
     is_warmup: bool = False  # the sender's flags (from its last control payload)
     is_graph_capturing: bool = False
+    op_id: int = 0  # names the context to torch.ops.stepmesh.afd_send_ffn
 
 
 class StepMeshAFDConnector(AFDConnectorBase):
@@ -557,8 +585,18 @@ class StepMeshAFDConnector(AFDConnectorBase):
         self._id = 0
         self._plans: List[Any] = []
         self._requests: Dict[int, Any] = {}
+        # Graph mode (docs/python.md, "CUDA graphs"): the trigger posting the
+        # captured sends, the slots armed, the stage -> (slot, rows) captured
+        # but not yet received, the cpu_mock stream a capture records.
+        self._trigger: Any = None
+        self._graph_slots: List[int] = []
+        self._graph_pending: Dict[int, Any] = {}
+        self._capture_stream: Any = None
+        self._graph_stream_obj: Any = None
         self._rows: Dict[int, int] = {}
         self._stash: Dict[int, Deque[Any]] = collections.defaultdict(collections.deque)
+        self._ffn_contexts: Dict[int, Any] = {}  # op_id -> context not yet answered
+        self._next_ffn_op = 0
         self._control_request: Any = None
         self._peer_lost = False
         self._device = torch.device("cpu")
@@ -620,12 +658,6 @@ class StepMeshAFDConnector(AFDConnectorBase):
         self._stream = options.backend == "cuda"
         self._device = (torch.device("cuda", int(self.local_rank)) if self._stream
                         else torch.device("cpu"))
-        if self._stream and not self.enforce_eager:
-            _log.warning(
-                "%s: CUDA graphs are on (model_config.enforce_eager is false), but a graph "
-                "replay does not run the host code that posts a send: capture the attention "
-                "layers without torch.ops.stepmesh.afd_send_attn/afd_recv_ffn inside (split "
-                "the graph there) or run eager (docs/python.md, vLLM AFD plugin)", NAME)
         try:
             if self.role == "ffn" and self.mesh_rank == 0:
                 self._scheduler = stepmesh.Scheduler(options.copy(role="scheduler"))
@@ -663,6 +695,17 @@ class StepMeshAFDConnector(AFDConnectorBase):
         self._plans = []
         self._control_plan = None
         self._requests.clear()
+        self._graph_pending.clear()
+        self._ffn_contexts.clear()
+        self._graph_slots = []
+        self._capture_stream = None
+        self._graph_stream_obj = None
+        trigger, self._trigger = self._trigger, None
+        if trigger is not None:
+            try:
+                trigger.close()  # waits (bounded) for sends in flight, releases every stream
+            except stepmesh.Error as e:
+                _log.warning("%s: a device-triggered send failed before close: %s", NAME, e)
         self._stash.clear()
         self._control_request = None
         self._peer_lost = False
@@ -705,6 +748,7 @@ class StepMeshAFDConnector(AFDConnectorBase):
     def _init_attention(self, options: Any) -> None:
         w = self._node = stepmesh.Worker(options)
         self._send_bufs, self._meta_bufs, self._logit_bufs, self._recv_bufs = [], [], [], []
+        self._meta_tensors = []
         self._plans = []
         for s in range(self.num_stages):
             send = self._empty((self.max_tokens, self.hidden_size), self.dtype)
@@ -723,6 +767,7 @@ class StepMeshAFDConnector(AFDConnectorBase):
                 w.register_pull(_key(s, _OUT), f, r)
                 recv.append(r)
             self._send_bufs.append(send)
+            self._meta_tensors.append(meta)
             words = memoryview(meta.numpy())  # element writes: ~20 ns each
             words[1] = s
             self._meta_bufs.append(words)
@@ -785,12 +830,31 @@ class StepMeshAFDConnector(AFDConnectorBase):
                         f"{self.router_logits_width} x 4 bytes)")
         if s in self._requests:
             raise RuntimeError(f"stage {s}: recv_ffn_output() of the previous send is pending")
-        if compiling or self._always_ops or (self._stream and
-                                             torch.cuda.is_current_stream_capturing()):
+        if self._trigger is not None:  # graph mode was used: its checks
+            self._check_trigger("send_attn_output")
+            if s in self._graph_pending:
+                raise RuntimeError(f"stage {s}: recv_ffn_output() of the previous (captured) "
+                                   "send is pending")
+        if compiling or self._always_ops or self._capture_stream is not None or (
+                self._stream and torch.cuda.is_current_stream_capturing()):
             torch.ops.stepmesh.afd_send_attn(hidden_states, router_logits, self._id,
                                              int(metadata.layer_idx), s)
         else:
             self._send(hidden_states, router_logits, metadata.layer_idx, s)
+
+    def _send_op(self, hidden_states, router_logits, layer_idx: int, s: int) -> None:
+        """The op's kernel: the graph path while a capture is in progress."""
+        if self._capture_stream is not None or (self._stream and
+                                                torch.cuda.is_current_stream_capturing()):
+            self._send_graph(hidden_states, router_logits, layer_idx, s)
+        else:
+            self._send(hidden_states, router_logits, layer_idx, s)
+
+    def _recv_op(self, out: torch.Tensor, s: int) -> None:
+        if s in self._graph_pending:
+            self._recv_graph(out, s)
+        else:
+            self._recv(out, s)
 
     def _send(self, hidden_states, router_logits, layer_idx: int, s: int) -> None:
         n = hidden_states.shape[0]
@@ -833,6 +897,11 @@ class StepMeshAFDConnector(AFDConnectorBase):
         if type(s) is not int or not 0 <= s < self.num_stages:
             s = self._stage(s, "ubatch_idx")
         n = self._rows.get(s) if s in self._requests else None
+        graph = False
+        if self._trigger is not None:  # graph mode was used: its checks
+            self._check_trigger("recv_ffn_output")
+            if s in self._graph_pending:
+                n, graph = self._graph_pending[s][1], True
         if n is None:
             raise RuntimeError(f"stage {s}: no send_attn_output() to receive for")
         compiling = _IS_COMPILING is not None and _IS_COMPILING()
@@ -843,8 +912,7 @@ class StepMeshAFDConnector(AFDConnectorBase):
             raise ValueError(f"ref_tensor {tuple(ref_tensor.shape)} "
                              f"{_dtype_name(ref_tensor.dtype)}: want ({n}, "
                              f"{self.hidden_size}) {_dtype_name(self.dtype)}")
-        if compiling or self._always_ops or (self._stream and
-                                             torch.cuda.is_current_stream_capturing()):
+        if compiling or self._always_ops or graph:
             torch.ops.stepmesh.afd_recv_ffn(ref_tensor, self._id, s)
         else:
             self._recv(ref_tensor, s)
@@ -865,9 +933,125 @@ class StepMeshAFDConnector(AFDConnectorBase):
             for p in parts[1:]:
                 out.add_(p[:n])
 
+    # ------------------------------------------------------------ graph mode
+    def graph_stream(self) -> Any:
+        """The stepmesh.Stream a cpu_mock capture records (made once). On CUDA,
+        captures use torch's current stream."""
+        if self._graph_stream_obj is None:
+            self._graph_stream_obj = self._live("attention").create_stream()
+        return self._graph_stream_obj
+
+    def graph_capture(self) -> "StepMeshGraphCapture":
+        """``with conn.graph_capture() as g: ...`` records the sends and
+        receives made inside on ``graph_stream()`` (cpu_mock: CI's model of a
+        CUDA graph); ``g.graph.launch(conn.graph_stream())`` replays them, every
+        replay posting its sends again. On CUDA use torch.cuda.graph: the ops
+        detect the capture themselves."""
+        self._live("attention")
+        if self._stream:
+            raise RuntimeError(f"{NAME}: graph_capture() models graphs on cpu_mock; on CUDA "
+                               "capture with torch.cuda.graph")
+        return StepMeshGraphCapture(self)
+
+    def _graph_target_stream(self) -> Any:
+        if self._capture_stream is not None:
+            return self._capture_stream
+        return torch.cuda.current_stream(self._device).cuda_stream
+
+    def _ensure_trigger(self) -> Any:
+        if self._trigger is None:
+            self._trigger = self._live("attention").create_trigger(timeout=self._timeout)
+        return self._trigger
+
+    def _send_graph(self, hidden_states, router_logits, layer_idx: int, s: int) -> None:
+        """Captured send: the copy in and the go increment are stream work, the
+        post is the trigger's (once per replay, the layer index written
+        before each); the request is frozen now (token count, logits bytes)."""
+        n = hidden_states.shape[0]
+        stream = self._graph_target_stream()
+        on_stream = self._capture_stream is not None  # cpu_mock: our stream records
+        send = self._send_bufs[s]
+        plan = self._plans[s]
+        if hidden_states.data_ptr() != send.data_ptr():
+            if on_stream:
+                if not hidden_states.is_contiguous():
+                    raise ValueError("hidden_states: graph mode needs a contiguous tensor")
+                stream.copy_async(send.data_ptr(), hidden_states.data_ptr(),
+                                  n * self.hidden_size * send.element_size())
+            else:
+                send[:n].copy_(hidden_states)
+        nbytes = 0
+        if self._logit_row_bytes:
+            if router_logits is not None:
+                nbytes = router_logits.numel() * router_logits.element_size()
+                dst = self._logit_bufs[s]
+                if on_stream:
+                    if not router_logits.is_contiguous():
+                        raise ValueError("router_logits: graph mode needs a contiguous tensor")
+                    stream.copy_async(dst.data_ptr(), router_logits.data_ptr(), nbytes)
+                else:
+                    dst[:nbytes].copy_(router_logits.contiguous().view(-1).view(torch.uint8))
+            plan.set_bytes(2, nbytes)
+        elif router_logits is not None:
+            raise ValueError("router_logits given, but the connector has no router logits "
+                             "(connector_extra_config.router_logits_width is 0)")
+        words = self._meta_bufs[s]
+        if self._meta_flags[s] != self._flags:
+            words[2] = self._meta_flags[s] = self._flags
+        plan.set_rows(0, n)
+        self._plan_rows[s] = n
+        trigger = self._ensure_trigger()
+        try:
+            slot = trigger.arm(plan.trigger_target(),
+                               [(self._meta_tensors[s].data_ptr(), int(layer_idx))])
+            self._graph_slots.append(slot)
+            trigger.post_on(slot, stream)
+        except stepmesh.Error as e:
+            raise self._peer_error(f"stage {s}: send_attn_output (graph capture)", e) from e
+        self._graph_pending[s] = (slot, n)
+
+    def _recv_graph(self, out: torch.Tensor, s: int) -> None:
+        """Captured receive: the stream waits until the trigger completed the
+        replay's send (done >= go), then copies / sums on the stream."""
+        slot, n = self._graph_pending.pop(s)
+        stream = self._graph_target_stream()
+        self._trigger.wait_on(slot, stream)
+        parts = self._recv_bufs[s]
+        first = parts[0]
+        if self._capture_stream is None:  # CUDA: torch's captured kernels
+            if out.data_ptr() != first.data_ptr():
+                out.copy_(first[:n])
+            for p in parts[1:]:
+                out.add_(p[:n])
+            return
+        if out.data_ptr() != first.data_ptr():
+            if not out.is_contiguous():
+                raise ValueError("ref_tensor: graph mode needs a contiguous tensor")
+            stream.copy_async(out.data_ptr(), first.data_ptr(),
+                              n * self.hidden_size * out.element_size())
+        if len(parts) > 1:  # the partial sums: a host function, replayed like a kernel
+            rest = [p[:n] for p in parts[1:]]
+
+            def add_partials(out=out, rest=rest):
+                for p in rest:
+                    out.add_(p)
+
+            stream.launch_host_func(add_partials)
+
+    def _check_trigger(self, what: str) -> None:
+        """Raises a failure of a device-triggered send (recorded by the
+        trigger's thread since the last host call), naming the FFN rank."""
+        try:
+            self._trigger.check()
+        except stepmesh.Error as e:
+            raise self._peer_error(f"{what}: an earlier graph replay's send failed", e) from e
+
     def _peer_error(self, what: str, e: Exception) -> Exception:
         """A stepmesh error with the FFN rank(s) it concerns named."""
-        m = re.search(r"server (\d+)", str(e))
+        text = str(e)
+        if "device-triggered post of" in text:  # the library's words come after the target's
+            text = text.split("): ", 1)[-1]
+        m = re.search(r"server (\d+)", text)
         if m is not None:
             ranks = [self._ffn_rank_of_server(int(m.group(1)))]
         else:
@@ -972,6 +1156,8 @@ class StepMeshAFDConnector(AFDConnectorBase):
                                       is_warmup=bool(flags & FLAG_WARMUP),
                                       is_graph_capturing=bool(flags & FLAG_GRAPH_CAPTURE))
         context = AFDTransferContext(metadata=metadata, states=state)
+        state.op_id = self._next_ffn_op = self._next_ffn_op + 1
+        self._ffn_contexts[state.op_id] = context
         assert hidden.shape[0] == total
         return AFDA2FTransferPayload(hidden_states=hidden, context=context, router_logits=logits)
 
@@ -1016,6 +1202,14 @@ class StepMeshAFDConnector(AFDConnectorBase):
             raise ValueError(f"ffn_output {shape} {_dtype_name(ffn_output.dtype)}: want "
                              f"({total}, {self.hidden_size}) {_dtype_name(self.dtype)} "
                              "(context.metadata.total_tokens)")
+        if _is_compiling() or self._always_ops:
+            torch.ops.stepmesh.afd_send_ffn(ffn_output, self._id, state.op_id)
+        else:
+            self._ffn_contexts.pop(state.op_id, None)
+            self._send_ffn(ffn_output, context)
+
+    def _send_ffn(self, ffn_output: torch.Tensor, context: Any) -> None:
+        state = context.states
         reply = self._replies[state.stage]
         M = self.max_tokens
         row = 0
@@ -1024,11 +1218,44 @@ class StepMeshAFDConnector(AFDConnectorBase):
             reply[w * M: w * M + n].copy_(ffn_output[row: row + n])
             rows[w] = n
             row += n
-        srv.respond(state.batch, rows=rows, stream=self._current_stream())
+        self._node.respond(state.batch, rows=rows, stream=self._current_stream())
 
     # ------------------------------------------------------------ control plane
     def _control_words(self) -> int:
         return _CONTROL_HEADER + self.num_stages * (1 + self.attn_size)
+
+
+class StepMeshGraphCapture:
+    """``with conn.graph_capture() as g``: begins a capture on the
+    connector's graph stream, ends it on exit; ``g.graph`` (a
+    stepmesh.StreamGraph) then replays it: ``g.replay()`` launches on the
+    graph stream, ``g.synchronize()`` waits for it."""
+
+    def __init__(self, connector: StepMeshAFDConnector) -> None:
+        self.connector = connector
+        self.stream = connector.graph_stream()
+        self.graph: Any = None
+
+    def __enter__(self) -> "StepMeshGraphCapture":
+        self.stream.begin_capture()
+        self.connector._capture_stream = self.stream
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.connector._capture_stream = None
+        graph = self.stream.end_capture()
+        if exc[0] is None:
+            if self.connector._graph_pending:
+                raise RuntimeError(f"graph capture ended with stage(s) "
+                                   f"{sorted(self.connector._graph_pending)} sent but not "
+                                   "received (recv_ffn_output inside the capture)")
+            self.graph = graph
+
+    def replay(self) -> None:
+        self.graph.launch(self.stream)
+
+    def synchronize(self, timeout: float = 30.0) -> None:
+        self.stream.synchronize(timeout)
 
 
 class StepMeshAFDControlPlane(AFDControlPlane):
@@ -1062,6 +1289,8 @@ class StepMeshAFDControlPlane(AFDControlPlane):
     def send_dp_metadata_list(self, payload: Any) -> None:
         c = self.connector
         w = c._live("attention")
+        if c._trigger is not None:
+            c._check_trigger("send_dp_metadata_list")
         if c._control_request is not None:  # one in flight per key, and its words are read
             try:                            # until it completes: wait (it is long done)
                 w.wait(c._control_request, c.extra_info.timeout)

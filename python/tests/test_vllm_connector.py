@@ -179,6 +179,9 @@ def test_custom_ops_have_fake_implementations():
     # The fakes touch nothing (no connector with id 12345 exists).
     torch.ops.stepmesh.afd_send_attn(meta, None, 12345, 0, 0)
     torch.ops.stepmesh.afd_recv_ffn(meta, 12345, 0)
+    torch.ops.stepmesh.afd_send_ffn(meta, 12345, 7)
+    with pytest.raises(RuntimeError, match="id 12345 is not initialised"):
+        torch.ops.stepmesh.afd_send_ffn(torch.zeros(4, H, dtype=torch.bfloat16), 12345, 7)
     with pytest.raises(RuntimeError, match="id 12345 is not initialised"):
         torch.ops.stepmesh.afd_recv_ffn(torch.zeros(4, H, dtype=torch.bfloat16), 12345, 0)
 
@@ -288,3 +291,57 @@ def test_own_base_without_the_plugin(runner):
                 layers=0, mode="fallback", timeout=1.0, standin="")
     (r,) = runner([{"program": PEER, "env": {"VLLM_PEER_SPEC": json.dumps(spec)}}])
     assert r["rc"] == 0 and "fallback ok" in r["output"], r["output"]
+
+
+GRAPH_PEER = os.path.join(HERE, "programs", "vllm_graph_peer.py")
+
+
+@pytest.mark.parametrize("A,F,topology", [(2, 1, "subgroup"), (2, 2, "all_to_all")])
+def test_graph_capture_replays_post_every_send(runner, A, F, topology):
+    """Graph mode on cpu_mock: one captured step (2 layers x 2 stages of
+    send + receive), replayed 100 times; every replay's outputs checked against
+    numpy, and every FFN rank serves 100 x 4 batches. With the sends posted
+    from host code at capture (the ops' old path) a replay sends nothing."""
+    replays = 100
+    port = free_ports(F)
+    children = []
+    for role, n in (("ffn", F), ("attention", A)):
+        for r in range(n):
+            spec = dict(role=role, rank=r, A=A, F=F, topology=topology, port=port,
+                        replays=replays, standin=STANDIN)
+            children.append({"program": GRAPH_PEER, "env": {"VLLM_GRAPH_SPEC": json.dumps(spec)}})
+    results = runner(children, timeout_s=120)
+    report = "\n----\n".join(f"[{c['env']['VLLM_GRAPH_SPEC']}] rc={r['rc']}\n{r['output']}"
+                             for c, r in zip(children, results))
+    for r in results:
+        assert r["rc"] == 0 and "] ok" in r["output"], report
+    for r in results[:F]:
+        assert f"batches {replays * 4}" in r["output"], report
+    for r in results[F:]:
+        assert f"replays {replays} posts {replays * 4}" in r["output"], report
+
+
+def test_graph_replay_send_to_a_lost_ffn_rank_is_raised_by_the_next_host_call(runner):
+    """FFN rank 1 killed at replay 10's control payload (2A2F all_to_all, graph
+    mode): the replay's sends fail on the trigger's thread, the replay is
+    released (not hung), and the next host call raises naming FFN rank 1."""
+    port = free_ports(2)
+    children = []
+    for role, n in (("ffn", 2), ("attention", 2)):
+        for r in range(n):
+            spec = dict(role=role, rank=r, A=2, F=2, topology="all_to_all", port=port,
+                        replays=100, standin=STANDIN, mode="lost")
+            children.append({"program": GRAPH_PEER, "env": {"VLLM_GRAPH_SPEC": json.dumps(spec)}})
+    t0 = time.monotonic()
+    results = runner(children, timeout_s=60)
+    took = time.monotonic() - t0
+    report = "\n----\n".join(f"[{c['env']['VLLM_GRAPH_SPEC']}] rc={r['rc']}\n{r['output']}"
+                             for c, r in zip(children, results))
+    ffn0, ffn1, att0, att1 = results
+    assert ffn1["rc"] == -signal.SIGKILL, report
+    for r in (ffn0, att0, att1):
+        assert r["rc"] == 0 and "] ok" in r["output"], report
+    for r in (att0, att1):
+        assert "lost detected" in r["output"] and "FFN rank 1" in r["output"], report
+    assert took < 40, report
+

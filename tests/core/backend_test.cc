@@ -121,4 +121,82 @@ TEST_CASE("cpu_mock memory is aligned and zeroed, unknown backends are errors", 
 }
 
 }  // namespace
+TEST_CASE("cpu_mock capture records stream ops, a launch replays exactly those, async",
+          "[backend]") {
+  auto backend = CreateCpuMockBackend({absl::Milliseconds(2)});
+  auto capture = *backend->CreateStream();
+  auto replay = *backend->CreateStream();
+  auto event = *backend->CreateEvent();
+  std::vector<int> order;
+  int host_code_ran = 0;
+  int64_t go = 0;
+  int64_t src = 0, dst = 0;
+  REQUIRE(capture->BeginCapture().ok());
+  CHECK(capture->IsCapturing());
+  CHECK(absl::IsFailedPrecondition(capture->BeginCapture()));
+  REQUIRE(capture->LaunchHostFunc([&] { order.push_back(1); }).ok());
+  ++host_code_ran;  // host code between captured ops: not part of the graph
+  REQUIRE(capture->CopyAsync(&dst, &src, sizeof(src)).ok());
+  REQUIRE(capture->IncrementCounter(&go).ok());
+  REQUIRE(capture->LaunchHostFunc([&] { order.push_back(2); }).ok());
+  // Nothing ran, and what cannot be captured is refused.
+  absl::SleepFor(absl::Milliseconds(10));
+  CHECK(order.empty());
+  CHECK(go == 0);
+  CHECK(absl::IsFailedPrecondition(event->Record(*capture)));
+  CHECK(absl::IsFailedPrecondition(capture->Synchronize(absl::Seconds(1))));
+  auto graph = capture->EndCapture();
+  REQUIRE(graph.ok());
+  CHECK((*graph)->size() == 4);
+  CHECK_FALSE(capture->IsCapturing());
+  CHECK(absl::IsFailedPrecondition(capture->EndCapture().status()));
+  for (int64_t i = 1; i <= 100; ++i) {
+    src = i * 7;  // host code between replays: the graph reads the captured address
+    REQUIRE((*graph)->Launch(*replay).ok());
+    REQUIRE(event->Record(*replay).ok());
+    REQUIRE(event->Wait(absl::Seconds(5)).ok());
+    REQUIRE(std::atomic_ref<int64_t>(go).load() == i);  // one increment per replay
+    REQUIRE(dst == i * 7);
+  }
+  CHECK(host_code_ran == 1);
+  CHECK(order.size() == 200);
+  // Asynchronous like a real launch: back-to-back launches queue behind each other.
+  order.clear();
+  for (int i = 0; i < 5; ++i) REQUIRE((*graph)->Launch(*replay).ok());
+  CHECK(order.size() < 10);  // 2 ms per op: the launches returned before running
+  REQUIRE(replay->Synchronize(absl::Seconds(5)).ok());
+  CHECK(order.size() == 10);
+  for (size_t i = 0; i < order.size(); ++i) CHECK(order[i] == (i % 2 == 0 ? 1 : 2));
+  CHECK(absl::IsInvalidArgument(replay->IncrementCounter(nullptr)));
+}
+
+TEST_CASE("cpu_mock: a replayed WaitCounterAtLeast(done, go) waits for that replay's go",
+          "[backend]") {
+  auto backend = CreateCpuMockBackend();
+  auto capture = *backend->CreateStream();
+  auto replay = *backend->CreateStream();
+  int64_t go = 0, done = 0;
+  std::atomic<int> after{0};
+  REQUIRE(capture->BeginCapture().ok());
+  REQUIRE(capture->IncrementCounter(&go).ok());
+  REQUIRE(capture->WaitCounterAtLeast(&done, &go).ok());
+  REQUIRE(capture->LaunchHostFunc([&] { ++after; }).ok());
+  auto graph = *capture->EndCapture();
+  for (int i = 1; i <= 20; ++i) {
+    REQUIRE(graph->Launch(*replay).ok());
+    const absl::Time deadline = absl::Now() + absl::Seconds(5);
+    while (std::atomic_ref<int64_t>(go).load() < i && absl::Now() < deadline) {
+      std::this_thread::yield();
+    }
+    absl::SleepFor(absl::Milliseconds(2));
+    CHECK(after.load() == i - 1);  // done i-1 < go i: held
+    std::atomic_ref<int64_t>(done).store(i, std::memory_order_release);
+    REQUIRE(replay->Synchronize(absl::Seconds(5)).ok());
+    CHECK(after.load() == i);
+  }
+  // A stream destroyed while a replay waits does not hang.
+  REQUIRE(graph->Launch(*replay).ok());
+  replay.reset();
+}
+
 }  // namespace stepmesh

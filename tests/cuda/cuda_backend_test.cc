@@ -793,6 +793,43 @@ TEST_CASE("cuda: WaitCounterAtLeast in a captured graph reads both words at ever
   CHECK_THAT(std::string(refused.message()), Catch::Contains("counter is pageable"));
 }
 
+TEST_CASE("cuda: a captured go increment and done wait post once per replay", "[cuda]") {
+  // The device-triggered send of docs/cuda.md: the graph bumps `go` and then
+  // waits until a host trigger has made `done` catch up, at every replay.
+  Fixture f;
+  auto capture = f.NewStream();
+  auto replay = f.NewStream();
+  auto words = *f.backend->Allocate(2 * sizeof(int64_t), MemoryKind::kHostMapped);
+  auto* go = static_cast<int64_t*>(words->data());
+  auto* done = go + 1;
+  *go = *done = 0;  // the allocation starts with garbage
+  auto after = *f.backend->CreateHostFlag();
+  REQUIRE(f.fake->BeginCapture(f.Native(*capture), cudaStreamCaptureModeGlobal) == cudaSuccess);
+  REQUIRE(capture->IncrementCounter(go).ok());
+  REQUIRE(capture->WaitCounterAtLeast(done, go).ok());
+  REQUIRE(capture->SignalHostFlag(*after, 1).ok());
+  FakeCudaApi::Graph graph;
+  REQUIRE(f.fake->EndCapture(f.Native(*capture), &graph) == cudaSuccess);
+  CHECK(std::atomic_ref<int64_t>(*go).load() == 0);            // captured, not run
+  CHECK(f.fake->KernelLoaded(0, "increment_counter_kernel"));  // loaded with the backend
+  for (int64_t step = 1; step <= 100; ++step) {
+    after->Store(0);
+    REQUIRE(f.fake->LaunchGraph(graph, f.Native(*replay)) == cudaSuccess);
+    f.fake->RunAll();
+    REQUIRE(std::atomic_ref<int64_t>(*go).load() == step);  // one increment per replay
+    CHECK(after->Load() == 0);                    // done (step - 1) < go (step): the stream waits
+    std::atomic_ref<int64_t>(*done).store(step);  // the trigger posted and completed
+    f.fake->RunAll();
+    CHECK(after->Load() == 1);
+  }
+  int64_t on_stack = 0;
+  const absl::Status refused = replay->IncrementCounter(&on_stack);
+  CHECK(absl::IsInvalidArgument(refused));
+  CHECK_THAT(std::string(refused.message()), Catch::Contains("IncrementCounter: the counter"));
+  CHECK(absl::IsInvalidArgument(replay->IncrementCounter(nullptr)));
+  CHECK(absl::IsUnimplemented(replay->BeginCapture()));  // CUDA captures with CUDA itself
+}
+
 TEST_CASE("cuda: WaitHostFlagNext outside graphs, and released for shutdown", "[cuda]") {
   Fixture f(1, Options(ReadyEventMode::kCopyEngineFlag, StreamWaitMode::kKernel));
   auto stream = f.NewStream();

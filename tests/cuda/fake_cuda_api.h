@@ -825,14 +825,29 @@ class FakeCudaApi final : public CudaApi {
                 }});
     return cudaSuccess;
   }
+  cudaError_t LaunchIncrementCounterKernel(cudaStream_t stream, int64_t* counter) override {
+    Lock lock(this, "increment_counter_kernel");
+    if (cudaError_t e = lock.injected()) return e;
+    if (cudaError_t e = lock.context()) return e;
+    if (cudaError_t e = CheckLaunch(stream, counter, "increment_counter_kernel")) return e;
+    FakeStream* s = StreamForCall(stream, "increment counter kernel");
+    auto* word = static_cast<int64_t*>(Resolve(counter));
+    std::shared_ptr<Mapping> mapping = MappingOf(word);
+    Enqueue(s, {"increment_counter_kernel", [this, word, mapping] {
+                  Window window(this, mapping.get());
+                  std::atomic_ref<int64_t>(*word).fetch_add(1, std::memory_order_acq_rel);
+                  return true;
+                }});
+    return cudaSuccess;
+  }
   cudaError_t LoadFlagKernels() override {
     Lock lock(this, "LoadFlagKernels");
     if (cudaError_t e = lock.injected()) return e;
     if (cudaError_t e = lock.context()) return e;
     if (cudaError_t e = Unsafe("loading the flag kernels")) return e;
     const int device = Thread().current;
-    for (const char* kernel :
-         {"wait_kernel", "wait_next_kernel", "wait_counter_kernel", "signal_kernel"}) {
+    for (const char* kernel : {"wait_kernel", "wait_next_kernel", "wait_counter_kernel",
+                               "increment_counter_kernel", "signal_kernel"}) {
       if (cudaError_t e = Load(device, kernel)) return e;
     }
     return cudaSuccess;

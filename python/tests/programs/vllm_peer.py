@@ -274,6 +274,11 @@ def main():
         want = calls if SPEC.get("custom_ops") == "always" else 0
         assert sv.OP_CALLS["afd_send_attn"] == want, (sv.OP_CALLS, want)
         assert sv.OP_CALLS["afd_recv_ffn"] == want, (sv.OP_CALLS, want)
+    if ROLE == "ffn" and SPEC["mode"] == "normal":  # the FFN side's send, likewise
+        calls = STEPS * LAYERS * STAGES
+        want = calls if SPEC.get("custom_ops") == "always" else 0
+        assert sv.OP_CALLS["afd_send_ffn"] == want, (sv.OP_CALLS, want)
+        assert not conn._ffn_contexts, "contexts left pending"
     conn.close()
     conn.close()
     assert not conn.is_initialized

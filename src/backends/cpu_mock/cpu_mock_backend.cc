@@ -1,6 +1,10 @@
 // The CPU mock backend: host memory, and streams that run their work in order
 // on a thread of their own, so that event/ordering mistakes surface on a
 // laptop exactly as they would on a GPU (add injected_delay to widen windows).
+// Graph capture is modelled too: while a stream captures, its operations are
+// recorded instead of run (host code between them is not part of the graph),
+// and a launch re-enqueues exactly those operations on a stream, where they
+// run asynchronously like any other work.
 
 #include <atomic>
 #include <condition_variable>
@@ -10,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -36,6 +41,12 @@ class HostMemory final : public Memory {
 };
 
 bool Reached(uint32_t flag, uint32_t value) { return static_cast<int32_t>(flag - value) >= 0; }
+
+// The stopping flag of the stream whose thread runs the current item: an
+// operation recorded on one stream may be replayed on another, so waits ask
+// the stream they run on, never the one they were enqueued on.
+thread_local const std::atomic<bool>* tls_stopping = nullptr;
+bool Stopping() { return tls_stopping != nullptr && tls_stopping->load(std::memory_order_relaxed); }
 
 // The word lives in shared state that waiting stream items hold too, so a
 // flag destroyed while a stream still waits on it is not read after free.
@@ -95,6 +106,10 @@ class MockStream final : public Stream {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (stopping_) return absl::FailedPreconditionError("stream is being destroyed");
+      if (capturing_) {
+        captured_.push_back(std::move(fn));
+        return absl::OkStatus();
+      }
       queue_.push_back(std::move(fn));
       ++enqueued_;
     }
@@ -102,14 +117,50 @@ class MockStream final : public Stream {
     return absl::OkStatus();
   }
 
+  // A graph's operations, enqueued together (two launches never interleave),
+  // or recorded into this stream's own capture (a graph launched while
+  // capturing becomes part of that graph, as in CUDA).
+  absl::Status EnqueueAll(const std::vector<std::function<void()>>& ops) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return absl::FailedPreconditionError("stream is being destroyed");
+      if (capturing_) {
+        captured_.insert(captured_.end(), ops.begin(), ops.end());
+        return absl::OkStatus();
+      }
+      for (const std::function<void()>& op : ops) queue_.push_back(std::function<void()>(op));
+      enqueued_ += ops.size();
+    }
+    cv_.notify_all();
+    return absl::OkStatus();
+  }
+
+  absl::Status IncrementCounter(int64_t* counter) override {
+    if (counter == nullptr) return absl::InvalidArgumentError("IncrementCounter: a null counter");
+    return LaunchHostFunc(
+        [counter] { std::atomic_ref<int64_t>(*counter).fetch_add(1, std::memory_order_acq_rel); });
+  }
+
+  absl::Status BeginCapture() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (capturing_) return absl::FailedPreconditionError("BeginCapture: already capturing");
+    capturing_ = true;
+    captured_.clear();
+    return absl::OkStatus();
+  }
+  absl::StatusOr<std::unique_ptr<StreamGraph>> EndCapture() override;
+  bool IsCapturing() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return capturing_;
+  }
+
   absl::Status WaitHostFlag(HostFlag& flag, uint32_t value) override {
     auto* mock = dynamic_cast<MockHostFlag*>(&flag);
     if (mock == nullptr) return absl::InvalidArgumentError("WaitHostFlag: not a cpu_mock flag");
     mock->word()->NoteWait(value);
     // Like a GPU stream-wait: later work on this stream stalls, the host does not.
-    return LaunchHostFunc([this, word = mock->word(), value] {
-      while (!Reached(word->value.load(std::memory_order_acquire), value) &&
-             !stopping_.load(std::memory_order_relaxed)) {
+    return LaunchHostFunc([word = mock->word(), value] {
+      while (!Reached(word->value.load(std::memory_order_acquire), value) && !Stopping()) {
         std::this_thread::yield();
       }
     });
@@ -122,10 +173,9 @@ class MockStream final : public Stream {
       return absl::InvalidArgumentError("WaitHostFlagNext: not cpu_mock flags");
     }
     mock_counter->word()->next_waits.store(true, std::memory_order_release);
-    return LaunchHostFunc([this, counter = mock_counter->word(), cursor = mock_cursor->word()] {
+    return LaunchHostFunc([counter = mock_counter->word(), cursor = mock_cursor->word()] {
       const uint32_t target = cursor->value.load(std::memory_order_acquire) + 1;
-      while (!Reached(counter->value.load(std::memory_order_acquire), target) &&
-             !stopping_.load(std::memory_order_relaxed)) {
+      while (!Reached(counter->value.load(std::memory_order_acquire), target) && !Stopping()) {
         std::this_thread::yield();
       }
       cursor->value.store(target, std::memory_order_release);
@@ -136,10 +186,10 @@ class MockStream final : public Stream {
     if (counter == nullptr || target == nullptr) {
       return absl::InvalidArgumentError("WaitCounterAtLeast: a null counter or target");
     }
-    return LaunchHostFunc([this, counter, target] {
+    return LaunchHostFunc([counter, target] {
       const int64_t want = std::atomic_ref<const int64_t>(*target).load(std::memory_order_acquire);
       while (std::atomic_ref<const int64_t>(*counter).load(std::memory_order_acquire) < want &&
-             !stopping_.load(std::memory_order_relaxed)) {
+             !Stopping()) {
         std::this_thread::yield();
       }
     });
@@ -154,6 +204,9 @@ class MockStream final : public Stream {
 
   absl::Status Synchronize(absl::Duration timeout) override {
     std::unique_lock<std::mutex> lock(mu_);
+    if (capturing_) {
+      return absl::FailedPreconditionError("Synchronize: the stream is capturing a graph");
+    }
     const uint64_t target = enqueued_;
     if (!cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout),
                       [&] { return completed_ >= target; })) {
@@ -162,9 +215,13 @@ class MockStream final : public Stream {
     return absl::OkStatus();
   }
 
-  // The ticket of the last item enqueued so far (events record it).
-  uint64_t Ticket() {
+  // The ticket of the last item enqueued so far (events record it); none
+  // while capturing (an event cannot mark a point of a graph not yet run).
+  absl::StatusOr<uint64_t> Ticket() {
     std::lock_guard<std::mutex> lock(mu_);
+    if (capturing_) {
+      return absl::FailedPreconditionError("Event::Record: the stream is capturing a graph");
+    }
     return enqueued_;
   }
   uint64_t Completed() const { return completed_atomic_.load(std::memory_order_acquire); }
@@ -176,6 +233,7 @@ class MockStream final : public Stream {
 
  private:
   void Run() {
+    tls_stopping = &stopping_;
     for (;;) {
       std::function<void()> fn;
       {
@@ -197,9 +255,11 @@ class MockStream final : public Stream {
   }
 
   const absl::Duration injected_delay_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
+  bool capturing_ = false;
+  std::vector<std::function<void()>> captured_;
   uint64_t enqueued_ = 0;
   uint64_t completed_ = 0;
   std::atomic<uint64_t> completed_atomic_{0};
@@ -207,13 +267,42 @@ class MockStream final : public Stream {
   std::thread worker_;
 };
 
+class MockGraph final : public StreamGraph {
+ public:
+  explicit MockGraph(std::vector<std::function<void()>> ops) : ops_(std::move(ops)) {}
+  absl::Status Launch(Stream& stream) override {
+    auto* mock = dynamic_cast<MockStream*>(&stream);
+    if (mock == nullptr)
+      return absl::InvalidArgumentError("StreamGraph::Launch: not a cpu_mock stream");
+    return mock->EnqueueAll(ops_);
+  }
+  size_t size() const override { return ops_.size(); }
+
+ private:
+  const std::vector<std::function<void()>> ops_;
+};
+
+absl::StatusOr<std::unique_ptr<StreamGraph>> MockStream::EndCapture() {
+  std::vector<std::function<void()>> ops;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!capturing_)
+      return absl::FailedPreconditionError("EndCapture: the stream is not capturing");
+    capturing_ = false;
+    ops.swap(captured_);
+  }
+  return std::unique_ptr<StreamGraph>(std::make_unique<MockGraph>(std::move(ops)));
+}
+
 class MockEvent final : public Event {
  public:
   absl::Status Record(Stream& stream) override {
     auto* mock = dynamic_cast<MockStream*>(&stream);
     if (mock == nullptr) return absl::InvalidArgumentError("not a cpu_mock stream");
+    absl::StatusOr<uint64_t> ticket = mock->Ticket();
+    if (!ticket.ok()) return ticket.status();
     stream_ = mock;
-    ticket_ = mock->Ticket();
+    ticket_ = *ticket;
     return absl::OkStatus();
   }
   absl::StatusOr<bool> Query() override {

@@ -132,6 +132,9 @@ class RuntimeCudaApi final : public CudaApi {
                                       const int64_t* target) override {
     return cuda::LaunchWaitCounterKernel(stream, counter, target);
   }
+  cudaError_t LaunchIncrementCounterKernel(cudaStream_t stream, int64_t* counter) override {
+    return cuda::LaunchIncrementCounterKernel(stream, counter);
+  }
   cudaError_t LoadFlagKernels() override { return cuda::LoadFlagKernels(); }
   cudaError_t LoadKernel(const void* kernel) override {
     // Asking for a kernel's attributes loads it into the current context.

@@ -87,6 +87,9 @@ class CudaApi {
   // read when the kernel runs).
   virtual cudaError_t LaunchWaitCounterKernel(cudaStream_t stream, const int64_t* counter,
                                               const int64_t* target) = 0;
+  // *counter += 1 (system-scope atomic, after a release fence) when the stream
+  // gets there; `counter` is a device pointer (mapped pinned host memory).
+  virtual cudaError_t LaunchIncrementCounterKernel(cudaStream_t stream, int64_t* counter) = 0;
   // Loads the flag kernels into the current context now. Under lazy loading
   // (the default since CUDA 12.2) a kernel is loaded at its first launch, and
   // loading waits for the whole device: with a wait kernel spinning on a flag

@@ -863,10 +863,22 @@ class CudaStream final : public Stream {
                       "launching the counter-wait kernel");
   }
 
+  absl::Status IncrementCounter(int64_t* counter) override {
+    if (counter == nullptr) return absl::InvalidArgumentError("IncrementCounter: a null counter");
+    CudaApi& api = context_->api();
+    STEPMESH_RETURN_IF_ERROR(BindThread(api, context_->device()));
+    STEPMESH_ASSIGN_OR_RETURN(const int64_t* device_counter,
+                              DeviceWord(api, counter, "counter", "IncrementCounter"));
+    return CudaStatus(
+        api, api.LaunchIncrementCounterKernel(stream_, const_cast<int64_t*>(device_counter)),
+        "launching the counter-increment kernel");
+  }
+
   // The address a kernel reads `word` at: itself in device memory, the
   // mapping of pinned host memory, an error for pageable memory.
   static absl::StatusOr<const int64_t*> DeviceWord(CudaApi& api, const int64_t* word,
-                                                   absl::string_view name) {
+                                                   absl::string_view name,
+                                                   absl::string_view call = "WaitCounterAtLeast") {
     cudaPointerAttributes attributes{};
     STEPMESH_RETURN_IF_ERROR(CudaStatus(api, api.PointerGetAttributes(&attributes, word),
                                         absl::StrCat("cudaPointerGetAttributes of the ", name)));
@@ -875,7 +887,7 @@ class CudaStream final : public Stream {
     }
     if (attributes.type != cudaMemoryTypeHost) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "WaitCounterAtLeast: the ", name,
+          call, ": the ", name,
           " is pageable host memory, which the device cannot read (pin it: pin_memory=True)"));
     }
     if (attributes.devicePointer != nullptr) {

@@ -57,6 +57,15 @@ __global__ void WaitCounterKernel(const int64_t* counter, const int64_t* target)
   while (LoadAcquireSystem64(counter) < want) __nanosleep(128);
 }
 
+// Publishes the stream's earlier work, then bumps the counter the host polls:
+// a host that reads the new value (acquire) sees what the stream wrote before.
+// The address is the kernel's argument, the value lives in memory: a graph
+// replaying this node increments again each time.
+__global__ void IncrementCounterKernel(int64_t* counter) {
+  __threadfence_system();
+  atomicAdd_system(reinterpret_cast<unsigned long long*>(counter), 1ull);
+}
+
 }  // namespace
 
 // cudaLaunchKernel rather than <<<>>>: it returns the launch error itself,
@@ -88,6 +97,12 @@ cudaError_t LaunchWaitCounterKernel(cudaStream_t stream, const int64_t* counter,
                           0, stream);
 }
 
+cudaError_t LaunchIncrementCounterKernel(cudaStream_t stream, int64_t* counter) {
+  void* args[] = {&counter};
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&IncrementCounterKernel), dim3(1), dim3(1),
+                          args, 0, stream);
+}
+
 cudaError_t LoadFlagKernels() {
   // cudaFuncGetAttributes finishes loading a lazily loaded kernel, with any
   // device-wide wait that takes, here rather than at a first launch.
@@ -98,6 +113,9 @@ cudaError_t LoadFlagKernels() {
   error = cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&WaitNextFlagKernel));
   if (error != cudaSuccess) return error;
   error = cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&WaitCounterKernel));
+  if (error != cudaSuccess) return error;
+  error =
+      cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&IncrementCounterKernel));
   if (error != cudaSuccess) return error;
   return cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&SignalFlagKernel));
 }

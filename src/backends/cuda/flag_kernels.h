@@ -27,6 +27,10 @@ cudaError_t LaunchWaitNextFlagKernel(cudaStream_t stream, const uint32_t* counte
 cudaError_t LaunchWaitCounterKernel(cudaStream_t stream, const int64_t* counter,
                                     const int64_t* target);
 
+// *counter += 1 (an atomic add at system scope, after a release fence) when
+// the stream gets there: a device-side "go" for a host trigger.
+cudaError_t LaunchIncrementCounterKernel(cudaStream_t stream, int64_t* counter);
+
 // Loads the kernels into the current context (see CudaApi::LoadFlagKernels).
 cudaError_t LoadFlagKernels();
 

@@ -1,0 +1,195 @@
+"""One rank of the StepMeshAFDConnector graph-mode test, a child of
+fork_runner.py. The attention ranks capture one step (LAYERS layers x STAGES
+stages of send_attn_output + recv_ffn_output, layer 1 sending what layer 0
+received) on cpu_mock's model of a CUDA graph, then replay it REPLAYS times,
+writing each replay's inputs into the captured input tensors between replays
+(as vLLM does) and checking every replay's outputs against a numpy reference.
+The FFN ranks run their usual host loop and check every batch's bytes and
+layer index; each reports how many batches it served.
+VLLM_GRAPH_SPEC: role, rank, A, F, topology, port, replays, standin, mode
+("normal", or "lost": FFN rank 1 kills itself when replay LOST_AT's control
+payload arrives; the attention ranks' replay LOST_AT is released, not hung,
+and their next host call raises naming FFN rank 1)."""
+import json
+import os
+import signal
+import sys
+import time
+import types
+
+SPEC = json.loads(os.environ["VLLM_GRAPH_SPEC"])
+sys.path.insert(0, SPEC["standin"])
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import stepmesh.vllm as sv  # noqa: E402
+
+ROLE, RANK, A, F = SPEC["role"], SPEC["rank"], SPEC["A"], SPEC["F"]
+TOPO, REPLAYS = SPEC["topology"], SPEC["replays"]
+H, MAX, STAGES, WIDTH, LAYERS = 16, 12, 2, 8, 2
+BF16 = torch.bfloat16
+RATIO = A // F if TOPO == "subgroup" else A
+MODE = SPEC.get("mode", "normal")
+LOST_AT = 10
+TIMEOUT = 5.0 if MODE == "lost" else 10.0
+
+
+def log(*a):
+    print(f"[{ROLE} {RANK}]", *a, flush=True)
+
+
+def tokens(stage, a):
+    """Fixed per (stage, rank): a captured graph is for one batch shape."""
+    return 1 + (stage * 5 + a * 3) % MAX
+
+
+def inputs(replay, stage, a):
+    g = torch.Generator().manual_seed((replay * 7 + stage) * 101 + a)
+    n = tokens(stage, a)
+    return (torch.randint(-8, 9, (n, H), generator=g).to(BF16),
+            torch.randint(-4, 5, (n, WIDTH), generator=g).to(BF16))
+
+
+def ffn_fn(x, logits, f):
+    return 2 * x + (f + 1) + logits[:, :1]
+
+
+def ffn_ranks_of(a):
+    return [a // RATIO] if TOPO == "subgroup" else list(range(F))
+
+
+def reference(replay, stage, a):
+    """Layer 0's and layer 1's outputs (layer 1 sends layer 0's output)."""
+    x, lg = inputs(replay, stage, a)
+    xs, ls = x.float().numpy(), lg.float().numpy()
+    out0 = sum(2 * xs + (f + 1) + ls[:, :1] for f in ffn_ranks_of(a))
+    out1 = sum(2 * out0 + (f + 1) + ls[:, :1] for f in ffn_ranks_of(a))
+    return out0, out1
+
+
+def connector():
+    extra = {"topology": TOPO, "transport": "tcp", "backend": "cpu_mock", "max_tokens": MAX,
+             "num_stages": STAGES, "router_logits_width": WIDTH, "timeout": TIMEOUT,
+             "poll_mode": "blocking"}
+    vcfg = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(hidden_size=H),
+                                           dtype=BF16, enforce_eager=False),
+        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=4096),
+        compilation_config=types.SimpleNamespace(cudagraph_mode="FULL"),
+        additional_config={"afd": {"connector": sv.NAME, "connector_extra_config": extra}})
+    cfg = types.SimpleNamespace(connector=sv.NAME, role=ROLE, host="127.0.0.1",
+                                port=SPEC["port"], num_attention_ranks=A, num_ffn_ranks=F)
+    return sv.StepMeshAFDConnector(RANK, 0, vcfg, cfg, RANK)
+
+
+def payload():
+    dp = {s: sv.AFDDPMetadata(num_tokens_across_dp_cpu=torch.tensor(
+        [tokens(s, a) for a in range(A)], dtype=torch.int32)) for s in range(STAGES)}
+    return sv.AFDControlPayload(dp_metadata_list=dp, is_graph_capturing=False, is_warmup=False)
+
+
+def attention(conn):
+    Ctx, Meta = sv.AFDTransferContext, sv.AFDTransferMetadata
+    cp = conn.control_plane
+    # Static buffers, as a captured model has: inputs, logits, per-layer outputs.
+    x_in = [inputs(0, s, RANK)[0].clone() for s in range(STAGES)]
+    lg_in = [inputs(0, s, RANK)[1].clone() for s in range(STAGES)]
+    outs = [[torch.zeros(tokens(s, RANK), H, dtype=BF16) for s in range(STAGES)]
+            for _ in range(LAYERS)]
+    with conn.graph_capture() as g:
+        for layer in range(LAYERS):
+            for s in range(STAGES):
+                src = x_in[s] if layer == 0 else outs[layer - 1][s]
+                ctx = Ctx(metadata=Meta(layer_idx=layer, stage_idx=s, seq_lens=[tokens(s, RANK)]))
+                conn.send_attn_output(src, ctx, router_logits=lg_in[s])
+            for s in range(STAGES):
+                out = conn.recv_ffn_output(outs[layer][s], ubatch_idx=s)
+                assert out is outs[layer][s]
+    assert conn._trigger.posts == 0, "capturing posted a send"
+    assert len(g.graph) > 0
+    for r in range(REPLAYS):
+        if MODE == "lost" and r == LOST_AT + 1:
+            t0 = time.monotonic()
+            try:
+                cp.send_dp_metadata_list(payload())
+            except ConnectionError as e:  # replay LOST_AT's send failed: raised here
+                assert "FFN rank 1" in str(e) and "graph replay" in str(e), e
+                log(f"lost detected: {e}")
+                assert time.monotonic() - t0 < TIMEOUT
+                return
+            raise AssertionError("the failed device-triggered send was not raised")
+        cp.send_dp_metadata_list(payload())  # host code per step, as vLLM's runner
+        for s in range(STAGES):  # this replay's inputs into the captured tensors
+            x, lg = inputs(r, s, RANK)
+            x_in[s].copy_(x)
+            lg_in[s].copy_(lg)
+            for layer in range(LAYERS):
+                outs[layer][s].fill_(-99)
+        g.replay()
+        g.synchronize(4 * TIMEOUT)  # never hangs: a failed send releases the stream
+        if MODE == "lost" and r >= LOST_AT:
+            continue
+        for s in range(STAGES):
+            want0, want1 = reference(r, s, RANK)
+            np.testing.assert_array_equal(outs[0][s].float().numpy(), want0, f"replay {r}")
+            np.testing.assert_array_equal(outs[1][s].float().numpy(), want1, f"replay {r}")
+    if MODE == "lost":
+        raise AssertionError("FFN rank 1's loss was not detected")
+    posts = conn._trigger.posts
+    assert posts == REPLAYS * LAYERS * STAGES, posts
+    log(f"replays {REPLAYS} posts {posts}")
+
+
+def ffn(conn):
+    cp = conn.control_plane
+    served = list(range(RANK * RATIO, (RANK + 1) * RATIO)) if TOPO == "subgroup" else list(range(A))
+    spec = sv.AFDExpertRoutingSpec(router_logits_width=WIDTH, router_logits_dtype=BF16)
+    batches = 0
+    for r in range(REPLAYS):
+        try:
+            p = cp.recv_dp_metadata_list()
+        except (ConnectionError, TimeoutError) as e:
+            if MODE == "lost" and r > LOST_AT:
+                log(f"peer gone: {e}")
+                return
+            raise
+        if MODE == "lost" and r == LOST_AT and RANK == 1:
+            log("dying")
+            os.kill(os.getpid(), signal.SIGKILL)
+        cp.update_state_from_dp_metadata(p)
+        for layer in range(LAYERS):
+            for s in range(STAGES):
+                try:
+                    got = conn.recv_attn_output(ubatch_idx=s, routing_spec=spec)
+                except (ConnectionError, TimeoutError) as e:
+                    if MODE == "lost" and r >= LOST_AT:
+                        log(f"peer gone: {e}")
+                        return
+                    raise
+                md = got.context.metadata
+                assert md.layer_idx == layer and md.stage_idx == s, (r, md)
+                want = []
+                for a in served:
+                    x, lg = inputs(r, s, a)
+                    if layer == 1:
+                        x = torch.from_numpy(reference(r, s, a)[0]).to(BF16)
+                    want.append((x, lg))
+                assert torch.equal(got.hidden_states, torch.cat([w[0] for w in want])), \
+                    f"replay {r} layer {layer} stage {s}: wrong hidden states"
+                assert torch.equal(got.router_logits, torch.cat([w[1] for w in want]))
+                conn.send_ffn_output(ffn_fn(got.hidden_states, got.router_logits, RANK),
+                                     got.context)
+                batches += 1
+    log(f"batches {batches}")
+
+
+def main():
+    conn = connector()
+    conn.init_afd_connector()
+    (attention if ROLE == "attention" else ffn)(conn)
+    conn.close()
+    log("ok")
+
+
+main()
