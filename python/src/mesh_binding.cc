@@ -15,6 +15,7 @@
 #include "python/src/dlpack_tensor.h"
 #include "python/src/errors.h"
 #include "python/src/options_binding.h"
+#include "python/src/store_binding.h"
 #include "python/src/stream_binding.h"
 #include "stepmesh/scheduler.h"
 #include "stepmesh/server.h"
@@ -129,12 +130,14 @@ struct RequestRef {
 
 class PyWorker {
  public:
-  explicit PyWorker(MeshOptions options) : options_(std::move(options)) {
+  explicit PyWorker(MeshOptions options, std::shared_ptr<RendezvousStore> store = nullptr)
+      : options_(std::move(options)) {
     options_.role = Role::kWorker;
     absl::StatusOr<std::unique_ptr<AFTensorWorker>> worker;
     {
       py::gil_scoped_release release;
-      worker = AFTensorWorker::Create(options_);
+      worker = store != nullptr ? CreateWorkerWithStore(options_, std::move(store))
+                                : AFTensorWorker::Create(options_);
     }
     worker_ = ValueOrThrow(std::move(worker));
     streams_ = std::make_unique<StreamArgs>(worker_->backend());
@@ -763,12 +766,14 @@ struct PyBatch {
 
 class PyServer {
  public:
-  explicit PyServer(MeshOptions options) : options_(std::move(options)) {
+  explicit PyServer(MeshOptions options, std::shared_ptr<RendezvousStore> store = nullptr)
+      : options_(std::move(options)) {
     options_.role = Role::kServer;
     absl::StatusOr<std::unique_ptr<AFTensorServer>> server;
     {
       py::gil_scoped_release release;
-      server = AFTensorServer::Create(options_);
+      server = store != nullptr ? CreateServerWithStore(options_, std::move(store))
+                                : AFTensorServer::Create(options_);
     }
     server_ = ValueOrThrow(std::move(server));
     streams_ = std::make_unique<StreamArgs>(server_->backend());
@@ -1224,7 +1229,8 @@ The attention side (C++ AFTensorWorker). Worker(options=None, **fields)
 connects to the scheduler and every server (blocking, GIL released).)doc");
   worker
       .def(py::init([](py::handle options, const py::kwargs& kwargs) {
-             return std::make_unique<PyWorker>(OptionsFrom(options, kwargs));
+             auto [fields, store] = SplitStore(kwargs);
+             return std::make_unique<PyWorker>(OptionsFrom(options, fields), std::move(store));
            }),
            py::arg("options") = py::none())
       .def_property_readonly("rank", &PyWorker::rank)
@@ -1279,7 +1285,8 @@ The FFN side (C++ AFTensorServer). Server(options=None, **fields) joins the mesh
 (blocking, GIL released).)doc");
   server
       .def(py::init([](py::handle options, const py::kwargs& kwargs) {
-             return std::make_unique<PyServer>(OptionsFrom(options, kwargs));
+             auto [fields, store] = SplitStore(kwargs);
+             return std::make_unique<PyServer>(OptionsFrom(options, fields), std::move(store));
            }),
            py::arg("options") = py::none())
       .def_property_readonly("rank", &PyServer::rank)

@@ -116,6 +116,7 @@ const std::vector<Field>& Fields() {
       SM_INT(num_workers),
       SM_INT(num_servers),
       SM_STR(scheduler),
+      SM_STR(rendezvous),
       SM_STR(bind_host),
       SM_STR(node_host),
       SM_STR(interface),

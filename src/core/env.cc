@@ -199,6 +199,10 @@ const std::vector<EnvEntry>& EnvTable() {
        STEPMESH_ENV_INT(num_servers)},
       {"STEPMESH_SCHEDULER", "scheduler", "`127.0.0.1:9000`", "rendezvous `host:port`",
        STEPMESH_ENV_STR(scheduler)},
+      {"STEPMESH_RENDEZVOUS", "rendezvous", "empty (`scheduler://` + `scheduler`)",
+       "`scheduler://HOST:PORT` or `etcd://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...][/PREFIX]` "
+       "(docs/deployment.md)",
+       STEPMESH_ENV_STR(rendezvous)},
       {"STEPMESH_BIND_HOST", "bind_host", "`127.0.0.1`",
        "address the data listener binds (`0.0.0.0`: every interface); an `interface` overrides it",
        STEPMESH_ENV_STR(bind_host)},
@@ -725,6 +729,13 @@ absl::Status MeshOptions::Validate() const {
   }
   if (scheduler.rfind(':') == std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("scheduler '", scheduler, "' is not host:port"));
+  }
+  if (!rendezvous.empty() && !absl::StartsWith(rendezvous, "scheduler://") &&
+      !absl::StartsWith(rendezvous, "etcd://")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rendezvous '", rendezvous,
+                     "' (STEPMESH_RENDEZVOUS): want scheduler://HOST:PORT or "
+                     "etcd://HOST:PORT[,HOST:PORT...][/PREFIX]"));
   }
   if (transport != "tcp" && transport != "rdma" && transport != "auto" &&
       transport != "libfabric") {
