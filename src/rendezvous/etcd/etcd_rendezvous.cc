@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/random/random.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -185,16 +186,12 @@ class EtcdRendezvous final : public core::Rendezvous {
       seq = ++barrier_sent_;
     }
     const std::string key = absl::StrCat(prefix_, "/barriers/", seq);
-    // Compare-and-swap: read the counter, write count+1 if nobody wrote since.
+    // Compare-and-swap on the counter's mod_revision: a txn that loses the
+    // race returns the counter as it is now (its failure branch reads it), so
+    // the next attempt needs no separate read.
+    int64_t count = 0;
+    int64_t mod = 0;
     for (;;) {
-      absl::StatusOr<RangeResult> now = client_->Range(key, "", deadline);
-      if (!now.ok()) return Named(now.status(), key);
-      int64_t count = 0;
-      int64_t mod = 0;
-      if (!now->kvs.empty()) {
-        (void)absl::SimpleAtoi(now->kvs[0].value, &count);
-        mod = now->kvs[0].mod_revision;
-      }
       Json::Value txn;
       Json::Value compare;
       compare["target"] = "MOD";
@@ -206,6 +203,9 @@ class EtcdRendezvous final : public core::Rendezvous {
       put["request_put"]["value"] = EtcdClient::Encode(std::to_string(count + 1));
       put["request_put"]["lease"] = std::to_string(lease_);
       txn["success"].append(put);
+      Json::Value read;
+      read["request_range"]["key"] = EtcdClient::Encode(key);
+      txn["failure"].append(read);
       absl::StatusOr<TxnResult> done = client_->Txn(txn, deadline);
       if (!done.ok()) return Named(done.status(), key);
       if (done->succeeded) {
@@ -213,6 +213,12 @@ class EtcdRendezvous final : public core::Rendezvous {
         int64_t& seen = barrier_count_[seq];
         seen = std::max(seen, count + 1);
         break;
+      }
+      count = 0;
+      mod = 0;
+      if (!done->range.empty()) {
+        (void)absl::SimpleAtoi(done->range[0].value, &count);
+        mod = done->range[0].mod_revision;
       }
       if (absl::Now() >= deadline) break;
     }
@@ -278,7 +284,11 @@ class EtcdRendezvous final : public core::Rendezvous {
     if (options_.rank >= 0) {
       ranks.push_back(options_.rank);
     } else {
-      for (int r = 0; r < n; ++r) ranks.push_back(r);
+      // From a random rank on: N joiners at once collide in O(N) txns, not
+      // O(N^2) (ranks of rank -1 joiners are in no particular order).
+      const int start =
+          static_cast<int>(absl::Uniform<uint32_t>(bitgen_) % static_cast<uint32_t>(n));
+      for (int i = 0; i < n; ++i) ranks.push_back((start + i) % n);
     }
     for (;;) {
       KeyValue holder;
@@ -564,6 +574,7 @@ class EtcdRendezvous final : public core::Rendezvous {
   std::unique_ptr<EtcdClient> client_;
   const int64_t ttl_s_;
   int64_t lease_ = 0;
+  absl::BitGen bitgen_;
   bool joined_ = false;
   bool revoked_ = false;
   std::string proof_;
