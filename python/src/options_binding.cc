@@ -260,6 +260,11 @@ rdma_gpudirect are names ("worker", "adaptive", "auto", ...).
     bool first = true;
     for (const Field& f : Fields()) {
       if (std::string(f.name) == "auth_token") continue;  // a secret: never printed
+      if (std::string(f.name) == "rendezvous" && o.rendezvous.find('@') != std::string::npos) {
+        absl::StrAppend(&s, first ? "" : ", ", "rendezvous='<with credentials>'");
+        first = false;
+        continue;  // etcd://USER:PASSWORD@...: the password is a secret
+      }
       absl::StrAppend(&s, first ? "" : ", ", f.name, "=", std::string(py::repr(f.get(o))));
       first = false;
     }

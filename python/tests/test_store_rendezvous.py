@@ -131,6 +131,8 @@ def test_a_frozen_server_is_lost_by_heartbeat_and_the_worker_told():
     server = proc_util.spawn([os.path.join(HERE, "programs", "store_server.py"),
                               str(master.port)])
     try:
+        # The child (torch import and all) first: the worker's join waits only 3 s.
+        master.wait(["stepmesh/default/member/server/0"], datetime.timedelta(seconds=60))
         with stepmesh.Worker(store=client(master), num_workers=1, num_servers=1, rank=0,
                              transport="tcp", scheduler=NO_SCHEDULER,
                              timeout=3.0, heartbeat_interval=0.2) as w:

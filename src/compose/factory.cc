@@ -80,7 +80,7 @@ absl::StatusOr<std::unique_ptr<core::Rendezvous>> JoinRendezvous(const MeshOptio
     return etcd::JoinEtcd(options, endpoint);
 #else
     return absl::UnimplementedError(absl::StrCat(
-        "rendezvous '", options.rendezvous,
+        "rendezvous '", core::RedactedRendezvous(options.rendezvous),
         "' (STEPMESH_RENDEZVOUS): the etcd rendezvous is not built into this stepmesh (no "
         "libcurl4-openssl-dev / libjsoncpp-dev at configure time)"));
 #endif

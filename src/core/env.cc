@@ -733,8 +733,8 @@ absl::Status MeshOptions::Validate() const {
   if (!rendezvous.empty() && !absl::StartsWith(rendezvous, "scheduler://") &&
       !absl::StartsWith(rendezvous, "etcd://")) {
     return absl::InvalidArgumentError(
-        absl::StrCat("rendezvous '", rendezvous,
-                     "' (STEPMESH_RENDEZVOUS): want scheduler://HOST:PORT or "
+        absl::StrCat("rendezvous '", rendezvous.substr(0, rendezvous.find("://")),
+                     "...' (STEPMESH_RENDEZVOUS): want scheduler://HOST:PORT or "
                      "etcd://HOST:PORT[,HOST:PORT...][/PREFIX]"));
   }
   if (transport != "tcp" && transport != "rdma" && transport != "auto" &&

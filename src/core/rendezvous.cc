@@ -22,6 +22,15 @@ void Dispatch(const RendezvousEvents& events, const MembershipEvent& event) {
   }
 }
 
+std::string RedactedRendezvous(const std::string& url) {
+  const size_t at = url.find('@');
+  const size_t sep = url.find("://");
+  if (at == std::string::npos || sep == std::string::npos || at < sep) return url;
+  const size_t colon = url.find(':', sep + 3);
+  if (colon == std::string::npos || colon > at) return url;
+  return absl::StrCat(url.substr(0, colon + 1), "***", url.substr(at));
+}
+
 absl::StatusOr<RendezvousUrl> ParseRendezvousUrl(const MeshOptions& options) {
   if (options.rendezvous.empty()) return RendezvousUrl{"scheduler", options.scheduler};
   const size_t sep = options.rendezvous.find("://");
@@ -29,13 +38,14 @@ absl::StatusOr<RendezvousUrl> ParseRendezvousUrl(const MeshOptions& options) {
       sep == std::string::npos ? std::string() : options.rendezvous.substr(0, sep);
   if (scheme != "scheduler" && scheme != "etcd") {
     return absl::InvalidArgumentError(
-        absl::StrCat("rendezvous '", options.rendezvous,
+        absl::StrCat("rendezvous '", RedactedRendezvous(options.rendezvous),
                      "' (STEPMESH_RENDEZVOUS): want scheduler://HOST:PORT or "
                      "etcd://HOST:PORT[,HOST:PORT...][/PREFIX]"));
   }
   RendezvousUrl url{scheme, options.rendezvous.substr(sep + 3)};
   if (url.rest.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("rendezvous '", options.rendezvous,
+    return absl::InvalidArgumentError(absl::StrCat("rendezvous '",
+                                                   RedactedRendezvous(options.rendezvous),
                                                    "' (STEPMESH_RENDEZVOUS) names no address"));
   }
   return url;

@@ -109,6 +109,9 @@ struct RendezvousUrl {
 };
 absl::StatusOr<RendezvousUrl> ParseRendezvousUrl(const MeshOptions& options);
 
+// `url` with any USER:PASSWORD@ shown as USER:***@, for messages.
+std::string RedactedRendezvous(const std::string& url);
+
 // Our scheduler (src/core/scheduler_rendezvous.h); INVALID_ARGUMENT for any
 // other scheme: those need a RendezvousFactory from the composition root.
 absl::StatusOr<std::unique_ptr<Rendezvous>> JoinScheduler(const MeshOptions& options,

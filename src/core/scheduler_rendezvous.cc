@@ -387,7 +387,7 @@ absl::StatusOr<std::unique_ptr<Rendezvous>> JoinScheduler(const MeshOptions& opt
   STEPMESH_ASSIGN_OR_RETURN(RendezvousUrl url, ParseRendezvousUrl(options));
   if (url.scheme != "scheduler") {
     return absl::InvalidArgumentError(absl::StrCat(
-        "rendezvous '", options.rendezvous,
+        "rendezvous '", RedactedRendezvous(options.rendezvous),
         "' (STEPMESH_RENDEZVOUS): this participant was built without a rendezvous factory for ",
         url.scheme, ":// (create it through AFTensorWorker/AFTensorServer::Create)"));
   }

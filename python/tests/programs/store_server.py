@@ -13,7 +13,7 @@ import stepmesh
 port = int(sys.argv[1])
 store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
 with stepmesh.Server(store=store, num_workers=1, num_servers=1, rank=0, transport="tcp",
-                     scheduler="127.0.0.1:1", timeout=3.0,
+                     scheduler="127.0.0.1:1", timeout=10.0,
                      heartbeat_interval=0.2) as s:
     recv = np.zeros(8, np.float32)
     reply = np.zeros(8, np.float32)

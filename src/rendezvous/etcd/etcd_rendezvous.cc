@@ -601,8 +601,8 @@ absl::StatusOr<std::unique_ptr<core::Rendezvous>> JoinEtcd(const MeshOptions& op
                                                            const std::string& endpoint) {
   STEPMESH_ASSIGN_OR_RETURN(core::RendezvousUrl url, core::ParseRendezvousUrl(options));
   if (url.scheme != "etcd") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rendezvous '", options.rendezvous, "' is not etcd://"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rendezvous '", core::RedactedRendezvous(options.rendezvous), "' is not etcd://"));
   }
   STEPMESH_ASSIGN_OR_RETURN(EtcdUrl parsed, ParseEtcdUrl(url.rest));
   const std::string prefix =
