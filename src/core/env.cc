@@ -367,9 +367,11 @@ const std::vector<EnvEntry>& EnvTable() {
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
          return ApplyCores(v, o.threads.recv_cores, o);
        }},
-      {"STEPMESH_TIMEOUT", "timeout", "`30s`", "connect, barrier, peer silence, send stall",
+      {"STEPMESH_TIMEOUT", "timeout", "`30s`",
+       "connect, barrier, peer silence, send stall; the etcd lease TTL (at least 2 s)",
        STEPMESH_ENV_DURATION(timeout)},
-      {"STEPMESH_HEARTBEAT_INTERVAL", "heartbeat_interval", "`1s`", "scheduler liveness pings",
+      {"STEPMESH_HEARTBEAT_INTERVAL", "heartbeat_interval", "`1s`",
+       "scheduler liveness pings; the framework store's heartbeat",
        STEPMESH_ENV_DURATION(heartbeat_interval)},
       {"STEPMESH_MAX_INFLIGHT", "max_inflight_requests", "64", "worker request slots",
        STEPMESH_ENV_INT(max_inflight_requests)},
