@@ -28,6 +28,18 @@ if(STEPMESH_ENABLE_LIBFABRIC)
   endif()
 endif()
 
+# The etcd rendezvous (src/rendezvous/etcd): etcd's JSON gateway over libcurl.
+set(STEPMESH_HAVE_ETCD OFF)
+if(STEPMESH_ENABLE_ETCD)
+  pkg_check_modules(CURL IMPORTED_TARGET libcurl)
+  pkg_check_modules(JSONCPP IMPORTED_TARGET jsoncpp)
+  if(CURL_FOUND AND JSONCPP_FOUND)
+    set(STEPMESH_HAVE_ETCD ON)
+  else()
+    message(STATUS "stepmesh: libcurl or jsoncpp not found, etcd rendezvous disabled")
+  endif()
+endif()
+
 if(STEPMESH_BUILD_TESTS)
   find_package(Catch2 2 REQUIRED)
   include(Catch)

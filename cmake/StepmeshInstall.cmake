@@ -27,6 +27,11 @@ if(STEPMESH_HAVE_RDMA)
   list(APPEND STEPMESH_STATIC_DEPENDENCIES
        "    pkg_check_modules(IBVERBS REQUIRED IMPORTED_TARGET libibverbs)\n")
 endif()
+if(STEPMESH_HAVE_ETCD)
+  list(APPEND STEPMESH_STATIC_DEPENDENCIES
+       "    pkg_check_modules(CURL REQUIRED IMPORTED_TARGET libcurl)\n"
+       "    pkg_check_modules(JSONCPP REQUIRED IMPORTED_TARGET jsoncpp)\n")
+endif()
 if(STEPMESH_HAVE_CUDA)
   list(APPEND STEPMESH_STATIC_DEPENDENCIES "    find_dependency(CUDAToolkit)\n")
 endif()
@@ -61,6 +66,9 @@ if(STEPMESH_HAVE_CUDA)
   get_target_property(cudart_static CUDA::cudart_static IMPORTED_LOCATION)
   get_filename_component(cudart_dir "${cudart_static}" DIRECTORY)
   string(APPEND STEPMESH_PC_LIBS_PRIVATE " -L${cudart_dir} -lcudart_static -lrt -ldl")
+endif()
+if(STEPMESH_HAVE_ETCD)
+  string(APPEND STEPMESH_PC_LIBS_PRIVATE " -lcurl -ljsoncpp")
 endif()
 string(APPEND STEPMESH_PC_LIBS_PRIVATE " -pthread")
 # Relocatable: the prefix is found from the .pc file's own place, so the file

@@ -18,6 +18,9 @@ packages=(
   # the Python package (python/) and its tests; torch is a test dependency;
   # python3-numpy also runs the independent numpy reference of tests/step5
   python3-dev pybind11-dev python3-numpy python3-pytest python3-setuptools python3-torch
+  # the etcd rendezvous (src/rendezvous/etcd: JSON gateway over libcurl) and its
+  # tests (tests/etcd start a real 3-member cluster); python3-yaml parses deploy/
+  libcurl4-openssl-dev etcd-server etcd-client python3-yaml
 )
 
 missing=()

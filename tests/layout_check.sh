@@ -17,6 +17,7 @@ rules=(
   "src/transport/rdma/|src/base/ src/core/ src/transport/rdma/ stepmesh/"
   "src/backends/cpu_mock/|src/base/ src/backends/cpu_mock/ stepmesh/"
   "src/backends/cuda/|src/base/ src/backends/cuda/ stepmesh/"
+  "src/rendezvous/etcd/|src/base/ src/core/ src/rendezvous/etcd/ stepmesh/"
   "src/compose/|src/ stepmesh/"
   "src/tools/planner/|stepmesh/status.h"
   "src/tools/doctor/|src/ stepmesh/"

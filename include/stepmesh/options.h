@@ -142,7 +142,12 @@ struct STEPMESH_EXPORT MeshOptions {
   int num_workers = 1;
   int num_servers = 1;
   std::string scheduler = "127.0.0.1:9000";  // host:port of the rendezvous
-  std::string bind_host = "127.0.0.1";       // address the data listener binds
+  // Which rendezvous the mesh meets through (docs/deployment.md): empty or
+  // "scheduler://HOST:PORT" (our scheduler; empty: at `scheduler`), or
+  // "etcd://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...][/PREFIX]" (an etcd 3.4+
+  // cluster; keys under PREFIX, default /stepmesh/<mesh_id or "default">).
+  std::string rendezvous;
+  std::string bind_host = "127.0.0.1";  // address the data listener binds
   // The host other participants dial to reach this one; empty: bind_host.
   std::string node_host;
   // A network interface ("eth2"): its address (IPv4 first) is bound and

@@ -16,6 +16,7 @@
 #include "python/src/errors.h"
 #include "python/src/options_binding.h"
 #include "python/src/participant_binding.h"
+#include "python/src/store_binding.h"
 #include "python/src/stream_binding.h"
 #include "python/src/trigger_binding.h"
 #include "stepmesh/scheduler.h"
@@ -107,12 +108,14 @@ struct RequestRef {
 
 class PyWorker : public PyParticipant {
  public:
-  explicit PyWorker(MeshOptions options) : PyParticipant("worker"), options_(std::move(options)) {
+  explicit PyWorker(MeshOptions options, std::shared_ptr<RendezvousStore> store = nullptr)
+      : PyParticipant("worker"), options_(std::move(options)) {
     options_.role = Role::kWorker;
     absl::StatusOr<std::unique_ptr<AFTensorWorker>> worker;
     {
       py::gil_scoped_release release;
-      worker = AFTensorWorker::Create(options_);
+      worker = store != nullptr ? CreateWorkerWithStore(options_, std::move(store))
+                                : AFTensorWorker::Create(options_);
     }
     worker_ = ValueOrThrow(std::move(worker));
     Attach(worker_.get());
@@ -715,12 +718,14 @@ struct PyBatch {
 
 class PyServer : public PyParticipant {
  public:
-  explicit PyServer(MeshOptions options) : PyParticipant("server"), options_(std::move(options)) {
+  explicit PyServer(MeshOptions options, std::shared_ptr<RendezvousStore> store = nullptr)
+      : PyParticipant("server"), options_(std::move(options)) {
     options_.role = Role::kServer;
     absl::StatusOr<std::unique_ptr<AFTensorServer>> server;
     {
       py::gil_scoped_release release;
-      server = AFTensorServer::Create(options_);
+      server = store != nullptr ? CreateServerWithStore(options_, std::move(store))
+                                : AFTensorServer::Create(options_);
     }
     server_ = ValueOrThrow(std::move(server));
     Attach(server_.get());
@@ -1138,7 +1143,8 @@ The attention side (C++ AFTensorWorker). Worker(options=None, **fields)
 connects to the scheduler and every server (blocking, GIL released).)doc");
   worker
       .def(py::init([](py::handle options, const py::kwargs& kwargs) {
-             return std::make_unique<PyWorker>(OptionsFrom(options, kwargs));
+             auto [fields, store] = SplitStore(kwargs);
+             return std::make_unique<PyWorker>(OptionsFrom(options, fields), std::move(store));
            }),
            py::arg("options") = py::none())
       .def_property_readonly("num_servers", &PyWorker::num_servers)
@@ -1191,7 +1197,8 @@ The FFN side (C++ AFTensorServer). Server(options=None, **fields) joins the mesh
 (blocking, GIL released).)doc");
   server
       .def(py::init([](py::handle options, const py::kwargs& kwargs) {
-             return std::make_unique<PyServer>(OptionsFrom(options, kwargs));
+             auto [fields, store] = SplitStore(kwargs);
+             return std::make_unique<PyServer>(OptionsFrom(options, fields), std::move(store));
            }),
            py::arg("options") = py::none())
       .def_property_readonly("num_workers", &PyServer::num_workers)

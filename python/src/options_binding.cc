@@ -116,6 +116,7 @@ const std::vector<Field>& Fields() {
       SM_INT(num_workers),
       SM_INT(num_servers),
       SM_STR(scheduler),
+      SM_STR(rendezvous),
       SM_STR(bind_host),
       SM_STR(node_host),
       SM_STR(interface),
@@ -264,6 +265,11 @@ rdma_gpudirect are names ("worker", "adaptive", "auto", ...).
     bool first = true;
     for (const Field& f : Fields()) {
       if (std::string(f.name) == "auth_token") continue;  // a secret: never printed
+      if (std::string(f.name) == "rendezvous" && o.rendezvous.find('@') != std::string::npos) {
+        absl::StrAppend(&s, first ? "" : ", ", "rendezvous='<with credentials>'");
+        first = false;
+        continue;  // etcd://USER:PASSWORD@...: the password is a secret
+      }
       absl::StrAppend(&s, first ? "" : ", ", f.name, "=", std::string(py::repr(f.get(o))));
       first = false;
     }

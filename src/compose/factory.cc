@@ -7,8 +7,10 @@
 #include "src/base/logging.h"
 #include "src/compose/transports.h"
 #include "src/core/mesh.h"
+#include "src/core/store_rendezvous.h"
 #include "src/transport/tcp_fallback/tcp_transport.h"
 #include "stepmesh/backend.h"
+#include "stepmesh/rendezvous_store.h"
 #include "stepmesh/server.h"
 #include "stepmesh/status.h"
 #include "stepmesh/worker.h"
@@ -21,6 +23,9 @@
 #endif
 #ifdef STEPMESH_HAVE_CUDA
 #include "src/backends/cuda/cuda_backend.h"
+#endif
+#ifdef STEPMESH_HAVE_ETCD
+#include "src/rendezvous/etcd/etcd_rendezvous.h"
 #endif
 
 namespace stepmesh {
@@ -72,6 +77,22 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const MeshOptions& option
       absl::StrCat("unknown backend '", options.backend, "' (cpu_mock or cuda)"));
 }
 
+absl::StatusOr<std::unique_ptr<core::Rendezvous>> JoinRendezvous(const MeshOptions& options,
+                                                                 const std::string& endpoint) {
+  STEPMESH_ASSIGN_OR_RETURN(core::RendezvousUrl url, core::ParseRendezvousUrl(options));
+  if (url.scheme == "etcd") {
+#ifdef STEPMESH_HAVE_ETCD
+    return etcd::JoinEtcd(options, endpoint);
+#else
+    return absl::UnimplementedError(absl::StrCat(
+        "rendezvous '", core::RedactedRendezvous(options.rendezvous),
+        "' (STEPMESH_RENDEZVOUS): the etcd rendezvous is not built into this stepmesh (no "
+        "libcurl4-openssl-dev / libjsoncpp-dev at configure time)"));
+#endif
+  }
+  return core::JoinScheduler(options, endpoint);
+}
+
 namespace {
 
 // The caller's backend, or the one the options name. The options are checked
@@ -98,14 +119,46 @@ absl::StatusOr<std::unique_ptr<AFTensorWorker>> AFTensorWorker::Create(
     const MeshOptions& options, std::shared_ptr<Backend> backend) {
   STEPMESH_ASSIGN_OR_RETURN(backend,
                             compose::BackendFor(options, Role::kWorker, std::move(backend)));
-  return core::CreateWorker(options, std::move(backend), compose::CreateTransport);
+  return core::CreateWorker(options, std::move(backend), compose::CreateTransport,
+                            compose::JoinRendezvous);
 }
 
 absl::StatusOr<std::unique_ptr<AFTensorServer>> AFTensorServer::Create(
     const MeshOptions& options, std::shared_ptr<Backend> backend) {
   STEPMESH_ASSIGN_OR_RETURN(backend,
                             compose::BackendFor(options, Role::kServer, std::move(backend)));
-  return core::CreateServer(options, std::move(backend), compose::CreateTransport);
+  return core::CreateServer(options, std::move(backend), compose::CreateTransport,
+                            compose::JoinRendezvous);
+}
+
+namespace {
+
+core::RendezvousFactory StoreFactory(std::shared_ptr<RendezvousStore> store) {
+  return [store = std::move(store)](const MeshOptions& options, const std::string& endpoint) {
+    return core::JoinStore(store, options, endpoint);
+  };
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<AFTensorWorker>> CreateWorkerWithStore(
+    const MeshOptions& options, std::shared_ptr<RendezvousStore> store,
+    std::shared_ptr<Backend> backend) {
+  if (store == nullptr) return absl::InvalidArgumentError("CreateWorkerWithStore: no store");
+  STEPMESH_ASSIGN_OR_RETURN(backend,
+                            compose::BackendFor(options, Role::kWorker, std::move(backend)));
+  return core::CreateWorker(options, std::move(backend), compose::CreateTransport,
+                            StoreFactory(std::move(store)));
+}
+
+absl::StatusOr<std::unique_ptr<AFTensorServer>> CreateServerWithStore(
+    const MeshOptions& options, std::shared_ptr<RendezvousStore> store,
+    std::shared_ptr<Backend> backend) {
+  if (store == nullptr) return absl::InvalidArgumentError("CreateServerWithStore: no store");
+  STEPMESH_ASSIGN_OR_RETURN(backend,
+                            compose::BackendFor(options, Role::kServer, std::move(backend)));
+  return core::CreateServer(options, std::move(backend), compose::CreateTransport,
+                            StoreFactory(std::move(store)));
 }
 
 }  // namespace stepmesh

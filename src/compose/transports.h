@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "src/core/rendezvous.h"
 #include "src/core/transport.h"
 #include "stepmesh/backend.h"
 #include "stepmesh/options.h"
@@ -21,5 +22,10 @@ absl::StatusOr<std::unique_ptr<core::Transport>> CreateTransport(const MeshOptio
 // options.device, configured from the rest of the options
 // (cuda_device_max_connections).
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const MeshOptions& options);
+
+// Joins the rendezvous options.rendezvous names (scheduler:// or etcd://). A
+// core::RendezvousFactory.
+absl::StatusOr<std::unique_ptr<core::Rendezvous>> JoinRendezvous(const MeshOptions& options,
+                                                                 const std::string& endpoint);
 
 }  // namespace stepmesh::compose

@@ -207,6 +207,10 @@ const std::vector<EnvEntry>& EnvTable() {
        STEPMESH_ENV_INT(num_servers)},
       {"STEPMESH_SCHEDULER", "scheduler", "`127.0.0.1:9000`", "rendezvous `host:port`",
        STEPMESH_ENV_STR(scheduler)},
+      {"STEPMESH_RENDEZVOUS", "rendezvous", "empty (`scheduler://` + `scheduler`)",
+       "`scheduler://HOST:PORT` or `etcd://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...][/PREFIX]` "
+       "(docs/deployment.md)",
+       STEPMESH_ENV_STR(rendezvous)},
       {"STEPMESH_BIND_HOST", "bind_host", "`127.0.0.1`",
        "address the data listener binds (`0.0.0.0`: every interface); an `interface` overrides it",
        STEPMESH_ENV_STR(bind_host)},
@@ -383,9 +387,11 @@ const std::vector<EnvEntry>& EnvTable() {
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
          return ApplyCores(v, o.threads.recv_cores, o);
        }},
-      {"STEPMESH_TIMEOUT", "timeout", "`30s`", "connect, barrier, peer silence, send stall",
+      {"STEPMESH_TIMEOUT", "timeout", "`30s`",
+       "connect, barrier, peer silence, send stall; the etcd lease TTL (at least 2 s)",
        STEPMESH_ENV_DURATION(timeout)},
-      {"STEPMESH_HEARTBEAT_INTERVAL", "heartbeat_interval", "`1s`", "scheduler liveness pings",
+      {"STEPMESH_HEARTBEAT_INTERVAL", "heartbeat_interval", "`1s`",
+       "scheduler liveness pings; the framework store's heartbeat",
        STEPMESH_ENV_DURATION(heartbeat_interval)},
       {"STEPMESH_MAX_INFLIGHT", "max_inflight_requests", "64", "worker request slots",
        STEPMESH_ENV_INT(max_inflight_requests)},
@@ -771,6 +777,13 @@ absl::Status MeshOptions::Validate() const {
   }
   if (scheduler.rfind(':') == std::string::npos) {
     return absl::InvalidArgumentError(absl::StrCat("scheduler '", scheduler, "' is not host:port"));
+  }
+  if (!rendezvous.empty() && !absl::StartsWith(rendezvous, "scheduler://") &&
+      !absl::StartsWith(rendezvous, "etcd://")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rendezvous '", rendezvous.substr(0, rendezvous.find("://")),
+                     "...' (STEPMESH_RENDEZVOUS): want scheduler://HOST:PORT or "
+                     "etcd://HOST:PORT[,HOST:PORT...][/PREFIX]"));
   }
   if (transport != "tcp" && transport != "rdma" && transport != "auto" &&
       transport != "libfabric") {

@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
+#include "src/core/rendezvous.h"
 #include "src/core/transport.h"
 #include "stepmesh/backend.h"
 #include "stepmesh/options.h"
@@ -17,12 +18,15 @@ namespace stepmesh::core {
 // `options` as a participant of `role` runs with it, checked.
 absl::StatusOr<MeshOptions> OptionsForRole(const MeshOptions& options, Role role);
 
-// `backend` must not be null.
+// `backend` must not be null. `rendezvous` joins the mesh (unset: our
+// scheduler, src/core/rendezvous.h).
 absl::StatusOr<std::unique_ptr<AFTensorWorker>> CreateWorker(const MeshOptions& options,
                                                              std::shared_ptr<Backend> backend,
-                                                             const TransportFactory& transport);
+                                                             const TransportFactory& transport,
+                                                             RendezvousFactory rendezvous = {});
 absl::StatusOr<std::unique_ptr<AFTensorServer>> CreateServer(const MeshOptions& options,
                                                              std::shared_ptr<Backend> backend,
-                                                             const TransportFactory& transport);
+                                                             const TransportFactory& transport,
+                                                             RendezvousFactory rendezvous = {});
 
 }  // namespace stepmesh::core

@@ -83,7 +83,9 @@ absl::Status MeshNode::Start(const TransportFactory& factory) {
   }
   STEPMESH_ASSIGN_OR_RETURN(transport_, factory(transport_options));
   STEPMESH_ASSIGN_OR_RETURN(std::string endpoint, transport_->LocalEndpoint());
-  STEPMESH_ASSIGN_OR_RETURN(rendezvous_, RendezvousClient::Join(options_, endpoint));
+  STEPMESH_ASSIGN_OR_RETURN(rendezvous_, rendezvous_factory_
+                                             ? rendezvous_factory_(options_, endpoint)
+                                             : JoinScheduler(options_, endpoint));
   rank_ = rendezvous_->rank();
   self_ = rendezvous_->self();
 

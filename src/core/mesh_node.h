@@ -68,6 +68,10 @@ class MeshNode : public TransportSink {
   MeshNode(const MeshNode&) = delete;
   MeshNode& operator=(const MeshNode&) = delete;
 
+  // How Start() joins (the composition root's choice per options.rendezvous);
+  // unset: our scheduler (JoinScheduler). Before Start().
+  void SetRendezvousFactory(RendezvousFactory factory) { rendezvous_factory_ = std::move(factory); }
+
  protected:
   // Creates the transport, joins the rendezvous, connects to the other role's
   // nodes and starts the progress threads.
@@ -127,7 +131,8 @@ class MeshNode : public TransportSink {
   const PayloadIo io_;  // staging and checksums of payloads, any thread
   LostPeers lost_;      // the other role's ranks that are gone
   std::unique_ptr<Transport> transport_;
-  std::unique_ptr<RendezvousClient> rendezvous_;
+  RendezvousFactory rendezvous_factory_;
+  std::unique_ptr<Rendezvous> rendezvous_;
   NodeId self_ = kNoNode;
   int rank_ = -1;
   StatsRecorder stats_;  // always on: relaxed atomic adds (src/core/stats_recorder.h)

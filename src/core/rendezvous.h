@@ -1,113 +1,125 @@
 #pragma once
-// A participant's side of the rendezvous: join, receive the roster, barriers,
-// and two threads once the mesh formed: a monitor that answers liveness pings
-// (and nothing slower, so a peer event can never make this node look silent)
-// and an event thread that runs the handlers of peers the scheduler saw leave
-// or come back (they may connect, which takes a round trip or a timeout).
+// The rendezvous seam: how a participant meets the rest of its mesh. One
+// interface, several implementations chosen by MeshOptions::rendezvous
+// (STEPMESH_RENDEZVOUS, docs/deployment.md):
+//   scheduler://H:P  our scheduler process (src/core/scheduler_rendezvous.h), the default
+//   etcd://H:P,...   an etcd cluster (src/rendezvous/etcd/), picked by the composition root
 //
-// Losing the scheduler after rendezvous is not fatal: the data plane never
-// needs it. The monitor logs one warning and redials the same address; a
-// scheduler restarted there rebuilds its roster from the participants that
-// reconnect (kJoin with kJoinResume, carrying rank, endpoint and barriers).
-// Meanwhile a barrier already entered keeps waiting (it is re-sent with the
-// resume), and a new one fails UNAVAILABLE at once.
+// What every implementation provides, in order of use:
+//   join     a rank (the one asked for, or one assigned) and this node's id;
+//   roster   every member's endpoint, complete when Join returns;
+//   events   membership changes after the roster (a peer lost, left, or a new
+//            process under an old rank), each numbered by a membership epoch;
+//   barriers all live members, each barrier once;
+//   liveness the rendezvous notices a dead participant and tells the others
+//            (scheduler: heartbeats; etcd: lease expiry);
+//   leave    an orderly goodbye: peers see "left", not "lost".
+//
+// Membership epochs (for the elastic-membership work, notes issue 34): every
+// change a participant is told of carries an epoch that strictly increases
+// along the events one participant sees; the roster Join returned is epoch
+// 0 for the scheduler, and the store revision it was read at for etcd. With
+// etcd the epoch is the store revision of the change, so every participant
+// gives the same change the same number; the scheduler numbers changes as
+// this participant receives them (until it stamps them itself). A later join
+// into a running mesh is a kJoined event of a node the roster did not hold.
 
-#include <atomic>
-#include <deque>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "src/base/net.h"
-#include "src/base/sync.h"
+#include "absl/time/time.h"
 #include "src/core/control_message.h"
 #include "stepmesh/options.h"
 #include "stepmesh/trace.h"
 
 namespace stepmesh::core {
 
+struct MembershipEvent {
+  enum class Kind : uint8_t {
+    kJoined,  // a (new) process holds `node` at `endpoint`
+    kLeft,    // `node` left in order
+    kLost,    // `node` is gone without a goodbye (`why` says how it was noticed)
+  };
+  Kind kind = Kind::kJoined;
+  NodeId node = kNoNode;
+  std::string endpoint;  // kJoined
+  absl::Status why;      // kLost
+  uint64_t epoch = 0;
+};
+
+// What the participant does about the events (run in order, one at a time,
+// on a thread of the rendezvous that is not its liveness thread: a handler
+// may connect, which takes a round trip or a timeout).
 struct RendezvousEvents {
   std::function<void(NodeId, absl::Status)> on_peer_lost;
   std::function<void(NodeId, const std::string& endpoint)> on_peer_joined;
-  // `node` left in order (the scheduler saw its leave).
+  // `node` left in order (the rendezvous saw its leave).
   std::function<void(NodeId)> on_peer_left;
+  // Every event above, with its epoch, before its own handler (optional).
+  std::function<void(const MembershipEvent&)> on_membership;
 };
 
-// One clock exchange: sent and received on this host's clock, `scheduler`
-// stamped by the scheduler in between. Assumes the two one-way delays equal:
-// the error is at most half the round trip.
-ClockSync ClockFromExchange(uint64_t sent_ns, uint64_t scheduler_ns, uint64_t received_ns);
+// Calls the handler(s) `event` is for.
+void Dispatch(const RendezvousEvents& events, const MembershipEvent& event);
 
-class RendezvousClient {
+class Rendezvous {
  public:
-  // Joins and blocks until the roster arrives (options.timeout).
-  static absl::StatusOr<std::unique_ptr<RendezvousClient>> Join(const MeshOptions& options,
-                                                                const std::string& endpoint);
-  ~RendezvousClient();
+  virtual ~Rendezvous() = default;
 
   int rank() const { return rank_; }
   NodeId self() const { return self_; }
+  // Every member, this one included, as of epoch `roster_epoch()`.
   const std::vector<RosterEntry>& roster() const { return roster_; }
+  uint64_t roster_epoch() const { return roster_epoch_; }
 
-  // Starts the monitor and event threads; events run on the latter, in order.
-  void StartMonitor(RendezvousEvents events);
-  absl::Status Barrier(absl::Duration timeout);
-  // Orderly leave: the scheduler will not report this node as lost.
-  void Leave();
-  // The scheduler's clock against this host's: `samples` exchanges (one at a
-  // time, each bounded by `timeout`), the one with the shortest round trip kept.
-  absl::StatusOr<ClockSync> EstimateClock(int samples, absl::Duration timeout);
+  // Starts the threads that watch liveness and membership; events run on
+  // their own thread, in order.
+  virtual void StartMonitor(RendezvousEvents events) = 0;
+  // Returns once every live member entered the same barrier (`timeout`).
+  virtual absl::Status Barrier(absl::Duration timeout) = 0;
+  // Orderly leave: no member reports this node as lost. Idempotent.
+  virtual void Leave() = 0;
+  // The mesh's reference clock against this host's monotonic clock (traces
+  // of several processes are merged on it): `samples` exchanges, each
+  // bounded by `timeout`, the shortest round trip kept.
+  virtual absl::StatusOr<ClockSync> EstimateClock(int samples, absl::Duration timeout) = 0;
 
- private:
-  RendezvousClient(const MeshOptions& options, std::string endpoint)
-      : options_(options), endpoint_(std::move(endpoint)) {}
-  // Connects, authenticates and sends a join (a resume when `resume`).
-  absl::Status Dial(absl::Time deadline, bool resume);
-  // Challenge-response with the scheduler (options.auth_token set).
-  absl::Status Authenticate(absl::Time deadline);
-  absl::Status Send(const ControlMessage& message);
-  void MonitorLoop();
-  void EventLoop();
-  void Post(std::function<void()> event);
-  void Disconnected(const absl::Status& why);
-  // One attempt to get the scheduler back; true when reconnected.
-  bool Reconnect();
-
-  const MeshOptions options_;
-  const std::string endpoint_;
+ protected:
   int rank_ = -1;
   NodeId self_ = kNoNode;
   std::vector<RosterEntry> roster_;
-  RendezvousEvents events_;
-  std::thread monitor_;
-  std::thread event_thread_;
-  std::atomic<bool> stop_{false};
-  std::atomic<bool> left_{false};
-
-  // The control connection: replaced by the monitor (under write_mu_) when it
-  // reconnects; written by the monitor (pongs) and callers (barriers, leave).
-  base::Mutex write_mu_;
-  base::UniqueFd fd_;
-
-  base::Mutex mu_;
-  bool connected_ ABSL_GUARDED_BY(mu_) = false;
-  bool gave_up_ ABSL_GUARDED_BY(mu_) = false;           // a restarted scheduler refused us
-  absl::Status scheduler_status_ ABSL_GUARDED_BY(mu_);  // why not connected
-  absl::Time disconnected_at_ ABSL_GUARDED_BY(mu_);
-  uint64_t barrier_sent_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t barrier_released_ ABSL_GUARDED_BY(mu_) = 0;
-  // EstimateClock: the send time of the exchange in flight, and its answer.
-  uint64_t clock_sent_ns_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t clock_scheduler_ns_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t clock_received_ns_ ABSL_GUARDED_BY(mu_) = 0;
-  base::Mutex clock_mu_;  // one EstimateClock at a time
-
-  base::Mutex events_mu_;
-  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(events_mu_);
+  uint64_t roster_epoch_ = 0;
 };
+
+// Joins the mesh as `options` say, advertising `endpoint` (the transport's),
+// and returns once the roster is complete (options.timeout).
+using RendezvousFactory = std::function<absl::StatusOr<std::unique_ptr<Rendezvous>>(
+    const MeshOptions& options, const std::string& endpoint)>;
+
+// What STEPMESH_RENDEZVOUS names, split: "scheduler" or "etcd", and the rest
+// after "://". An empty option is the scheduler at options.scheduler.
+struct RendezvousUrl {
+  std::string scheme;
+  std::string rest;
+};
+absl::StatusOr<RendezvousUrl> ParseRendezvousUrl(const MeshOptions& options);
+
+// `url` with any USER:PASSWORD@ shown as USER:***@, for messages.
+std::string RedactedRendezvous(const std::string& url);
+
+// Our scheduler (src/core/scheduler_rendezvous.h); INVALID_ARGUMENT for any
+// other scheme: those need a RendezvousFactory from the composition root.
+absl::StatusOr<std::unique_ptr<Rendezvous>> JoinScheduler(const MeshOptions& options,
+                                                          const std::string& endpoint);
+
+// This host's wall clock (CLOCK_REALTIME, NTP-disciplined across hosts)
+// against its monotonic clock: the reference clock of rendezvous without a
+// process to ask (etcd, a framework store). Round trip: the read's span.
+ClockSync WallClockAgainstMonotonic();
 
 }  // namespace stepmesh::core

@@ -630,10 +630,12 @@ class Server final : public ParticipantNode<AFTensorServer> {
 
 absl::StatusOr<std::unique_ptr<AFTensorServer>> CreateServer(const MeshOptions& options,
                                                              std::shared_ptr<Backend> backend,
-                                                             const TransportFactory& transport) {
+                                                             const TransportFactory& transport,
+                                                             RendezvousFactory rendezvous) {
   STEPMESH_ASSIGN_OR_RETURN(MeshOptions server_options, OptionsForRole(options, Role::kServer));
   if (backend == nullptr) return absl::InvalidArgumentError("CreateServer: no backend");
   auto server = std::make_unique<Server>(server_options, std::move(backend));
+  server->SetRendezvousFactory(std::move(rendezvous));
   STEPMESH_RETURN_IF_ERROR(server->Init(transport));
   return server;
 }

@@ -596,10 +596,12 @@ class Worker final : public ParticipantNode<AFTensorWorker> {
 
 absl::StatusOr<std::unique_ptr<AFTensorWorker>> CreateWorker(const MeshOptions& options,
                                                              std::shared_ptr<Backend> backend,
-                                                             const TransportFactory& transport) {
+                                                             const TransportFactory& transport,
+                                                             RendezvousFactory rendezvous) {
   STEPMESH_ASSIGN_OR_RETURN(MeshOptions worker_options, OptionsForRole(options, Role::kWorker));
   if (backend == nullptr) return absl::InvalidArgumentError("CreateWorker: no backend");
   auto worker = std::make_unique<Worker>(worker_options, std::move(backend));
+  worker->SetRendezvousFactory(std::move(rendezvous));
   STEPMESH_RETURN_IF_ERROR(worker->Init(transport));
   return worker;
 }

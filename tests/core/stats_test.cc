@@ -20,7 +20,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "src/compose/transports.h"
-#include "src/core/rendezvous.h"
+#include "src/core/scheduler_rendezvous.h"
 #include "src/core/stats_recorder.h"
 #include "stepmesh/server.h"
 #include "stepmesh/worker.h"
