@@ -20,7 +20,7 @@ packages=(
   python3-dev pybind11-dev python3-numpy python3-pytest python3-setuptools python3-torch
   # the etcd rendezvous (src/rendezvous/etcd: JSON gateway over libcurl) and its
   # tests (tests/etcd start a real 3-member cluster); python3-yaml parses deploy/
-  libcurl4-openssl-dev etcd-server etcd-client python3-yaml
+  libcurl4-openssl-dev libjsoncpp-dev etcd-server etcd-client python3-yaml
 )
 
 missing=()
