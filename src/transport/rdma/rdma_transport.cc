@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -73,6 +74,11 @@ constexpr int kPollBatch = 32;
 constexpr size_t kPageBytes = 4096;
 constexpr int kMaxChain = 16;               // work requests per ibv_post_send
 constexpr uint64_t kMaxWrBytes = 1u << 30;  // and never more than the port's max_msg_sz
+// Frames waiting for one peer's credits or adverts. A healthy peer needs none
+// (the credit window covers what is in flight); the outbox grows on demand up
+// to this, then Send fails RESOURCE_EXHAUSTED naming the peer.
+constexpr size_t kMaxQueuedFrames = 4096;
+constexpr size_t kInitialQueuedFrames = 16;
 
 bool IsDataFrame(FrameType type) { return type == FrameType::kPush || type == FrameType::kReply; }
 
@@ -333,10 +339,25 @@ class RdmaTransport final : public Transport {
       MutexLock lock(&regions_mu_);
       auto it = regions_.find(id);
       if (it == regions_.end()) return absl::NotFoundError(absl::StrCat("rdma: no region ", id));
+      // Sends that looked the source up before this abort at their post (or
+      // are queued, and seen below).
+      regions_version_.fetch_add(1, std::memory_order_acq_rel);
+      // Frames still queued read their payload from the region when their
+      // peer returns credits: it must stay until they are out.
+      const size_t count = peer_count_.load(std::memory_order_acquire);
+      for (size_t i = 0; i < count; ++i) {
+        Peer& peer = *peers_[i];
+        MutexLock box(&peer.outbox.mu);
+        for (size_t f = 0; f < peer.outbox.size; ++f) {
+          if (peer.outbox.at(f).region == id) {
+            return absl::FailedPreconditionError(
+                absl::StrCat("rdma: region ", id, " still has frames queued to ", PeerName(peer.id),
+                             " (slow to return credits); try again"));
+          }
+        }
+      }
       region = std::move(it->second);
       regions_.erase(it);
-      // Sends that looked the source up before this abort at their post.
-      regions_version_.fetch_add(1, std::memory_order_acq_rel);
       MutexLock slots(&recv_mu_);
       for (NodeId writer : region->info.slot_peers)
         receive_slots_.erase({region->info.key, writer});
@@ -347,52 +368,59 @@ class RdmaTransport final : public Transport {
     return absl::OkStatus();  // the MRs are deregistered as `region` goes
   }
 
+  // Posts the frame now when nothing to `peer_id` waits and the peer has
+  // what a post needs (its advert, a credit, send-queue room); otherwise
+  // queues it behind the others to that peer, for the receive thread to post
+  // as the peer's credits return. Never waits.
   absl::Status Send(NodeId peer_id, const FrameHeader& header, const void* src, RegionId src_region,
                     size_t bytes) override {
-    const absl::Time deadline = absl::Now() + options_.timeout;
     const auto* source = static_cast<const std::byte*>(src);
+    QueuedFrame& frame = scratch_;
+    frame.header = header;
+    frame.src = source;
+    frame.route = nullptr;
+    frame.region = src_region;
+    frame.lkey = 0;
+    frame.started = false;
     if (!IsDataFrame(header.type)) {
       STEPMESH_ASSIGN_OR_RETURN(Peer * peer, PeerFor(peer_id));
-      FrameHeader frame = header;
-      frame.payload_bytes = std::min(bytes, kSmallPayloadMax);  // error text beyond this is cut
-      return PostFrame(*peer, frame, source, frame.payload_bytes, deadline, [] { return true; });
+      frame.bytes = std::min(bytes, kSmallPayloadMax);  // error text beyond this is cut
+      frame.header.payload_bytes = frame.bytes;
+      return Submit(*peer, frame, std::nullopt);
     }
     if (header.payload_bytes != bytes) {
       return absl::InvalidArgumentError("rdma: header.payload_bytes differs from the payload");
     }
+    frame.bytes = bytes;
     if (bytes == 0) {  // an acknowledgement: no advert, no payload write
       STEPMESH_ASSIGN_OR_RETURN(Peer * peer, PeerFor(peer_id));
-      return PostFrame(*peer, header, nullptr, 0, deadline, [] { return true; });
+      return Submit(*peer, frame, std::nullopt);
     }
-    // A route or source that changes between the lookup and the post (a
-    // withdrawal, a deregistration) aborts the post; look once more.
+    // A source that changes between the lookup and the post (a
+    // deregistration) aborts the post; look once more.
     for (int attempt = 0;; ++attempt) {
       STEPMESH_ASSIGN_OR_RETURN(const CachedRoute* cached, RouteFor(peer_id, header.key));
       Peer& peer = *cached->peer;
       if (!peer.usable()) return Gone(peer);
-      RouteView view = ReadRoute(*cached->route);
-      if (!view.live) {
-        STEPMESH_ASSIGN_OR_RETURN(view, WaitForAdvert(peer, *cached->route, header.key, deadline));
-      }
-      if (bytes > view.bytes) {
+      const RouteView view = ReadRoute(*cached->route);
+      if (view.live && bytes > view.bytes) {
         return absl::OutOfRangeError(absl::StrCat("rdma: ", bytes, " bytes for key ", header.key,
                                                   " exceed the peer's slot of ", view.bytes));
       }
       STEPMESH_ASSIGN_OR_RETURN(const CachedSource source_info,
                                 SourceFor(src_region, source, bytes));
-      const Route& route = *cached->route;
-      auto valid = [&] {
-        return route.seq.load(std::memory_order_acquire) == view.seq &&
-               regions_version_.load(std::memory_order_acquire) == source_info.version;
-      };
-      absl::Status sent =
-          PostData(peer, header, source, bytes, view, source_info.lkey, deadline, valid);
+      frame.route = cached->route;
+      frame.lkey = source_info.lkey;
+      absl::Status sent = Submit(peer, frame, source_info.version);
       if (!absl::IsAborted(sent) || attempt == 2) return sent;
     }
   }
 
   absl::Status Poll(TransportSink& sink, absl::Duration max_wait) override {
     int work = DrainCompletions(sink);
+    // Credits come back by RDMA into the mailboxes, which wake nobody.
+    const bool backlogged = backlogged_.load(std::memory_order_acquire) > 0;
+    if (backlogged) ServiceOutboxes(sink);
     // Busy, or spinning (no wait): sockets, events and send CQs every 64th call.
     const bool may_block = work == 0 && max_wait > absl::ZeroDuration();
     if (!may_block && (++busy_polls_ & 63) != 0) return absl::OkStatus();
@@ -405,8 +433,9 @@ class RdmaTransport final : public Transport {
       work = DrainCompletions(sink);
       if (work == 0) {
         timeout_ms = static_cast<int>(std::max<int64_t>(1, absl::ToInt64Milliseconds(max_wait)));
-        // Fences behind a withdrawal complete on send CQs, which wake nobody.
-        if (pending_acks_.load(std::memory_order_relaxed) > 0) timeout_ms = 1;
+        // Fences behind a withdrawal complete on send CQs, which wake nobody;
+        // returned credits neither.
+        if (pending_acks_.load(std::memory_order_relaxed) > 0 || backlogged) timeout_ms = 1;
       }
     }
     epoll_event events[16];
@@ -448,24 +477,34 @@ class RdmaTransport final : public Transport {
   void Shutdown() override {
     if (shut_down_.exchange(true)) return;
     WakeAckWaiters();
-    const std::vector<Drain> drained = DrainAll(absl::Now() + options_.timeout);
+    const absl::Time deadline = absl::Now() + options_.timeout;
+    FlushOutboxes(deadline);
+    const std::vector<Drain> drained = DrainAll(deadline);
     const size_t count = drained.size();
     std::byte bye[rdma::kBootHeaderBytes];
     const size_t n = rdma::EncodeEmpty(rdma::BootType::kGoodbye, bye);
     for (size_t i = 0; i < count; ++i) {
       Peer& peer = *peers_[i];
       if (peer.lost.exchange(true)) continue;
+      bool queued;
+      {
+        MutexLock box(&peer.outbox.mu);
+        queued = peer.outbox.size > 0;
+      }
       {
         MutexLock lock(&peer.write_mu);
-        (void)::send(peer.socket.get(), bye, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+        // A goodbye only behind everything queued: a peer whose frames did
+        // not all go sees a loss.
+        if (!queued) (void)::send(peer.socket.get(), bye, n, MSG_NOSIGNAL | MSG_DONTWAIT);
         ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, peer.socket.get(), nullptr);
         ::shutdown(peer.socket.get(), SHUT_RDWR);
       }
-      if (drained[i] == Drain::kTimedOut) {
+      if (drained[i] == Drain::kTimedOut || queued) {
         STEPMESH_LOG(kWarning, "rdma: ", PeerName(peer.id), " did not acknowledge everything sent ",
                      "within ", absl::FormatDuration(options_.timeout), " before shutdown");
       }
-      if (drained[i] != Drain::kDone) ErrorQps(peer);
+      if (drained[i] != Drain::kDone || queued) ErrorQps(peer);
+      ClearOutbox(peer);
       WakeRouteWaiters(peer);
     }
   }
@@ -617,6 +656,7 @@ class RdmaTransport final : public Transport {
         // set too: a closed socket would keep it readable forever.
         Peer& old = *it->second;
         ErrorQps(old);
+        ClearOutbox(old);
         ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, old.socket.get(), nullptr);
         ::shutdown(old.socket.get(), SHUT_RDWR);
         WakeRouteWaiters(old);
@@ -723,96 +763,280 @@ class RdmaTransport final : public Transport {
     return source;
   }
 
-  absl::StatusOr<RouteView> WaitForAdvert(Peer& peer, const Route& route, uint64_t key,
-                                          absl::Time deadline) {
-    MutexLock lock(&peer.route_mu);
-    peer.route_mu.AwaitWithDeadline(
-        [&] { return route.live.load() || !peer.usable() || shut_down_.load(); }, deadline);
-    const RouteView view = ReadRoute(route);
-    if (view.live) return view;
+  // ---- Posting and the per-peer outbox ----
+
+  static bool HasCredit(const Peer& peer, const QueuePair& qp) {
+    const uint64_t returned =
+        std::atomic_ref<uint64_t>(*qp.mailbox).load(std::memory_order_acquire);
+    return qp.frames_sent - returned < peer.depth;
+  }
+
+  // Posts `frame` (it may be partly posted already) or the part of it that
+  // has room; nothing waits. `version`: the regions_version_ the source was
+  // looked up under (a frame not yet queued), which must still hold.
+  absl::Status Submit(Peer& peer, QueuedFrame& frame, std::optional<uint64_t> version) {
+    Outbox& box = peer.outbox;
+    MutexLock lock(&peer.outbox.mu);
+    // UnregisterRegion bumps the version before it looks for queued frames
+    // under this lock: a frame checked here is either seen there or aborted.
+    if (version.has_value() && regions_version_.load(std::memory_order_acquire) != *version) {
+      return absl::AbortedError("rdma: the source region changed");
+    }
     if (!peer.usable()) return Gone(peer);
-    return absl::DeadlineExceededError(
-        absl::StrCat("rdma: ", PeerName(peer.id), " never advertised a receive region for key ",
-                     key, " (waited ", absl::FormatDuration(options_.timeout), ")"));
-  }
-
-  // Waits until the peer has a free receive for one more WRITE_WITH_IMM on
-  // `qp`. Credits arrive in the mailbox by RDMA; nothing here takes a lock the
-  // receive thread takes.
-  absl::Status AwaitCredit(Peer& peer, QueuePair& qp, absl::Time deadline) {
-    for (int spins = 0;; ++spins) {
-      const uint64_t returned =
-          std::atomic_ref<uint64_t>(*qp.mailbox).load(std::memory_order_acquire);
-      if (qp.frames_sent - returned < peer.depth) return absl::OkStatus();
-      if (!peer.usable()) return Gone(peer);
-      if ((spins & 1023) == 1023 && absl::Now() > deadline) {
-        return absl::DeadlineExceededError(absl::StrCat("rdma: ", PeerName(peer.id),
-                                                        " returned no receive credits within ",
-                                                        absl::FormatDuration(options_.timeout)));
-      }
-      std::this_thread::yield();
+    if (box.size == 0) {
+      STEPMESH_ASSIGN_OR_RETURN(const Blocked blocked, Advance(peer, frame));
+      if (blocked == Blocked::kNothing) return absl::OkStatus();
+      box.blocked = blocked;
     }
-  }
-
-  // Posts through `sq`, waking the receive thread when the connection failed
-  // so that it reports the loss now.
-  template <typename Valid>
-  absl::Status PostChain(Peer& peer, QueuePair& qp, ibv_send_wr* chain, int count,
-                         absl::Time deadline, Valid& valid) {
-    absl::Status st = qp.sq.Post(chain, count, deadline, peer.failure, valid);
-    if (!st.ok() && peer.failure.failed()) {
-      Wake();
-      return Gone(peer);
+    if (box.size == kMaxQueuedFrames) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "rdma: the send queue to ", PeerName(peer.id), " is full (", kMaxQueuedFrames,
+          " frames waiting for ", BlockedOn(box.blocked, box.at(0).header.key), " for ",
+          absl::FormatDuration(
+              absl::Trunc(absl::Nanoseconds(absl::GetCurrentTimeNanos() - box.head_since_ns),
+                          absl::Milliseconds(1))),
+          ")"));
     }
-    if (absl::IsDeadlineExceeded(st)) {  // the Send contract: a wait's error names the peer
-      return absl::DeadlineExceededError(absl::StrCat(st.message(), " (to ", PeerName(peer.id),
-                                                      " within ",
-                                                      absl::FormatDuration(options_.timeout), ")"));
+    if (box.size == box.ring.size()) Grow(box);
+    QueuedFrame& queued = box.at(box.size);
+    queued = frame;
+    if (frame.route == nullptr && frame.bytes > 0) {
+      // An error frame's text (small, rare): the caller's buffer is not kept.
+      queued.copy.assign(reinterpret_cast<const char*>(frame.src), frame.bytes);
+      queued.src = nullptr;
     }
-    return st;
-  }
-
-  // A payload's pieces (each at most max_msg_sz) go out in chains of at most
-  // kMaxChain; the last chain ends with `tail` (a WRITE_WITH_IMM) when given.
-  template <typename Valid>
-  absl::Status PostPayload(Peer& peer, QueuePair& qp, const std::byte* src, uint64_t remote,
-                           uint32_t rkey, uint32_t lkey, size_t bytes, ibv_send_wr* tail,
-                           ibv_sge* tail_sge, absl::Time deadline, Valid& valid) {
-    ibv_sge sges[kMaxChain];
-    ibv_send_wr wrs[kMaxChain];
-    size_t done = 0;
-    do {
-      const int room = tail != nullptr ? kMaxChain - 1 : kMaxChain;
-      const int n = FillPieces(src + done, remote + done, rkey, lkey, bytes - done, max_wr_bytes_,
-                               sges, wrs, room);
-      for (int i = 0; i < n; ++i) done += sges[i].length;
-      int count = n;
-      const bool last = done == bytes;
-      if (last && tail != nullptr) {
-        wrs[count] = *tail;
-        sges[count] = *tail_sge;
-        ++count;
-      }
-      if (count == 0) break;
-      Link(sges, wrs, count);
-      STEPMESH_RETURN_IF_ERROR(PostChain(peer, qp, wrs, count, deadline, valid));
-    } while (done < bytes);
+    queued.queued_ns = absl::GetCurrentTimeNanos();
+    if (box.size++ == 0) {
+      box.head_since_ns = queued.queued_ns;
+      box.backlogged.store(true, std::memory_order_release);
+      backlogged_.fetch_add(1, std::memory_order_acq_rel);
+      Wake();  // its Poll now looks at the peer's credits every millisecond
+    }
     return absl::OkStatus();
   }
 
-  // The frame itself: a WRITE_WITH_IMM of the header (and a small payload)
-  // into the peer's ring on QP 0, after `bytes` of payload when given.
-  template <typename Valid>
-  absl::Status PostFrame(Peer& peer, const FrameHeader& frame, const std::byte* small,
-                         size_t small_bytes, absl::Time deadline, Valid valid,
-                         const std::byte* payload = nullptr, size_t payload_bytes = 0,
-                         uint64_t remote = 0, uint32_t rkey = 0, uint32_t lkey = 0) {
+  // Doubles a full outbox (only while a peer is slow: steady state never grows it).
+  static void Grow(Outbox& box) ABSL_EXCLUSIVE_LOCKS_REQUIRED(box.mu) {
+    std::vector<QueuedFrame> bigger(
+        std::min(kMaxQueuedFrames, std::max<size_t>(box.ring.size() * 2, kInitialQueuedFrames)));
+    for (size_t i = 0; i < box.size; ++i) bigger[i] = std::move(box.at(i));
+    box.ring = std::move(bigger);
+    box.head = 0;
+  }
+
+  static void Pop(Outbox& box) ABSL_EXCLUSIVE_LOCKS_REQUIRED(box.mu) {
+    QueuedFrame& done = box.at(0);
+    done.copy.clear();
+    done.src = nullptr;
+    box.head = (box.head + 1) % box.ring.size();
+    --box.size;
+    box.head_since_ns = absl::GetCurrentTimeNanos();
+    box.blocked = Blocked::kNothing;
+  }
+
+  static std::string BlockedOn(Blocked blocked, uint64_t key) {
+    switch (blocked) {
+      case Blocked::kAdvert:
+        return absl::StrCat("its advert of a receive region for key ", key);
+      case Blocked::kCredit:
+        return "its receive credits";
+      case Blocked::kSendQueue:
+        return "room in the send queue";
+      default:
+        return "the head frame";
+    }
+  }
+
+  // Posts queued frames while the peer has what they need (outbox lock held).
+  void DrainOutbox(Peer& peer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer.outbox.mu) {
+    Outbox& box = peer.outbox;
+    while (box.size > 0 && box.blocked != Blocked::kFailed) {
+      absl::StatusOr<Blocked> blocked = Advance(peer, box.at(0));
+      if (!blocked.ok()) {
+        box.blocked = Blocked::kFailed;
+        box.failed = blocked.status();
+        return;
+      }
+      if (*blocked != Blocked::kNothing) {
+        box.blocked = *blocked;
+        return;
+      }
+      Pop(box);
+    }
+    if (box.size == 0 && box.backlogged.exchange(false, std::memory_order_acq_rel)) {
+      backlogged_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  // Receive thread: drains every backlogged outbox, and settles heads that
+  // cannot go: a frame the peer never advertised a slot for within the
+  // timeout (or whose slot is now too small) is dropped and reported to the
+  // sink as an error frame of that peer's; a peer whose credits or send
+  // queue have not moved for the timeout is lost.
+  void ServiceOutboxes(TransportSink& sink) {
+    const size_t count = peer_count_.load(std::memory_order_acquire);
+    const int64_t timeout_ns = absl::ToInt64Nanoseconds(options_.timeout);
+    for (size_t i = 0; i < count; ++i) {
+      Peer& peer = *peers_[i];
+      if (!peer.outbox.backlogged.load(std::memory_order_acquire) || peer.lost) continue;
+      for (;;) {
+        FrameHeader dropped;
+        absl::Status why;
+        {
+          Outbox& box = peer.outbox;
+          MutexLock lock(&peer.outbox.mu);
+          DrainOutbox(peer);
+          if (box.size == 0) break;
+          const int64_t waited = absl::GetCurrentTimeNanos() - box.head_since_ns;
+          if (box.blocked == Blocked::kFailed) {
+            why = box.failed;
+          } else if (waited <= timeout_ns) {
+            break;
+          } else if (box.blocked == Blocked::kAdvert) {
+            why = absl::DeadlineExceededError(absl::StrCat(
+                "rdma: ", PeerName(peer.id), " never advertised a receive region for key ",
+                box.at(0).header.key, " (waited ", absl::FormatDuration(options_.timeout),
+                "); the frame was not sent"));
+          } else {
+            peer.failure.Record(
+                absl::DeadlineExceededError(absl::StrCat(
+                    "rdma: ", PeerName(peer.id), " returned no receive credits within ",
+                    absl::FormatDuration(options_.timeout), " (", box.size,
+                    " frames queued, waiting for ", BlockedOn(box.blocked, 0), ")")),
+                FailureRecord::kCause);
+            break;
+          }
+          if (!peer.usable()) break;
+          dropped = box.at(0).header;
+          box.failed = absl::OkStatus();
+          Pop(box);
+        }
+        // Outside the lock: the sink may queue work of its own.
+        dropped.type = FrameType::kError;
+        dropped.src = peer.id;
+        dropped.dst = self_;
+        dropped.payload_bytes = 0;
+        dropped.status_code = static_cast<uint32_t>(why.code());
+        sink.OnFrame(peer.id, dropped, nullptr, std::move(why));
+      }
+    }
+    ReportFailures(sink);
+  }
+
+  // Frames still queued when the connection goes are dropped with it.
+  void ClearOutbox(Peer& peer) {
+    Outbox& box = peer.outbox;
+    MutexLock lock(&box.mu);
+    while (box.size > 0) Pop(box);
+    box.failed = absl::OkStatus();
+    if (box.backlogged.exchange(false, std::memory_order_acq_rel)) {
+      backlogged_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  // Shutdown: queued frames go out first, while the peers return credits,
+  // until `deadline`.
+  void FlushOutboxes(absl::Time deadline) {
+    while (backlogged_.load(std::memory_order_acquire) > 0 && absl::Now() < deadline) {
+      const size_t count = peer_count_.load(std::memory_order_acquire);
+      for (size_t i = 0; i < count; ++i) {
+        Peer& peer = *peers_[i];
+        if (!peer.outbox.backlogged.load(std::memory_order_acquire)) continue;
+        if (!peer.usable()) {
+          ClearOutbox(peer);
+          continue;
+        }
+        for (uint32_t q = 0; q < peer.num_qps; ++q) peer.qps[q].sq.Reap(peer.failure);
+        MutexLock lock(&peer.outbox.mu);
+        DrainOutbox(peer);
+      }
+      absl::SleepFor(absl::Microseconds(50));
+    }
+  }
+
+  // Moves `frame` on as far as the peer allows: Blocked::kNothing once it is
+  // wholly posted. Errors: the frame can never go (OUT_OF_RANGE), or the peer
+  // is gone.
+  absl::StatusOr<Blocked> Advance(Peer& peer, QueuedFrame& frame)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer.outbox.mu) {
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      if (!peer.usable()) return Gone(peer);
+      if (!frame.started) {
+        frame.dst = RouteView{};
+        if (frame.route != nullptr) {
+          frame.dst = ReadRoute(*frame.route);
+          if (!frame.dst.live) return Blocked::kAdvert;
+          if (frame.bytes > frame.dst.bytes) {
+            return absl::OutOfRangeError(absl::StrCat(
+                "rdma: ", frame.bytes, " bytes for key ", frame.header.key,
+                " exceed the peer's slot of ", frame.dst.bytes, "; the frame was not sent"));
+          }
+        }
+        frame.chunk = 0;
+        if (frame.route != nullptr && peer.num_qps > 1 &&
+            frame.bytes >= static_cast<size_t>(rdma_.stripe_min_bytes)) {
+          frame.chunk = (frame.bytes / 2) & ~(kPageBytes - 1);
+        }
+        if (!HasCredit(peer, peer.qps[0]) || (frame.chunk > 0 && !HasCredit(peer, peer.qps[1]))) {
+          return Blocked::kCredit;
+        }
+        frame.started = true;
+        frame.chunk_posted = 0;
+        frame.chunk_sent = false;
+        frame.payload_posted = 0;
+      }
+      absl::StatusOr<bool> posted = PostStarted(peer, frame);
+      if (posted.ok()) return *posted ? Blocked::kNothing : Blocked::kSendQueue;
+      if (!absl::IsAborted(posted.status())) return posted.status();
+      frame.started = false;  // the route changed under it: again, at the new place
+    }
+    return Blocked::kSendQueue;  // the route keeps changing: try again later
+  }
+
+  // Posts what is left of a started frame: the striped chunk (QP 1) with
+  // its immediate, then the payload and the frame itself, a WRITE_WITH_IMM of
+  // the header (and a small payload) into the peer's ring on QP 0. RC
+  // ordering within a QP makes the payload visible before the frame's
+  // completion. False: a send queue is full (the progress is kept).
+  absl::StatusOr<bool> PostStarted(Peer& peer, QueuedFrame& frame)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer.outbox.mu) {
+    const Route* route = frame.route;
+    const uint32_t seq = frame.dst.seq;
+    auto valid = [route, seq] {
+      return route == nullptr || route->seq.load(std::memory_order_acquire) == seq;
+    };
+    const RouteView& dst = frame.dst;
+    if (frame.chunk > 0 && !frame.chunk_sent) {
+      QueuePair& qp = peer.qps[1];
+      const size_t chunk = frame.chunk;
+      // The chunk's last piece carries the immediate that counts it.
+      const size_t head = chunk > max_wr_bytes_ ? chunk - (chunk - 1) % max_wr_bytes_ - 1 : 0;
+      const std::byte* chunk_src = frame.src + frame.bytes - chunk;
+      const uint64_t chunk_remote = dst.addr + frame.bytes - chunk;
+      ibv_sge sge{reinterpret_cast<uintptr_t>(chunk_src + head),
+                  static_cast<uint32_t>(chunk - head), frame.lkey};
+      ibv_send_wr wr{};
+      wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+      wr.imm_data = htonl(rdma::ChunkImm(peer.stripes_sent));
+      wr.wr.rdma.remote_addr = chunk_remote + head;
+      wr.wr.rdma.rkey = dst.rkey;
+      STEPMESH_ASSIGN_OR_RETURN(
+          const bool all, PostPieces(peer, qp, chunk_src, chunk_remote, dst.rkey, frame.lkey, head,
+                                     &frame.chunk_posted, &wr, &sge, valid));
+      if (!all) return false;
+      ++qp.frames_sent;
+      ++peer.stripes_sent;
+      frame.chunk_sent = true;
+    }
     QueuePair& qp = peer.qps[0];
-    STEPMESH_RETURN_IF_ERROR(AwaitCredit(peer, qp, deadline));
+    const bool small = frame.route == nullptr;  // error text (or nothing) rides in the ring
+    const std::byte* small_src =
+        frame.src != nullptr ? frame.src : reinterpret_cast<const std::byte*>(frame.copy.data());
+    const size_t small_bytes = small ? frame.bytes : 0;
     const uint32_t ring_slot = static_cast<uint32_t>(qp.frames_sent % peer.depth);
     std::byte* staged = qp.send_ring + ring_slot * kRingStride;
-    EncodeFrame(frame, staged);
-    if (small_bytes > 0) std::memcpy(staged + kFrameBytes, small, small_bytes);
+    EncodeFrame(frame.header, staged);
+    if (small_bytes > 0) std::memcpy(staged + kFrameBytes, small_src, small_bytes);
     const uint32_t frame_len = static_cast<uint32_t>(kFrameBytes + small_bytes);
     ibv_sge sge{reinterpret_cast<uintptr_t>(staged), frame_len, peer.local_mr->lkey};
     ibv_send_wr wr{};
@@ -821,43 +1045,49 @@ class RdmaTransport final : public Transport {
     wr.wr.rdma.remote_addr = qp.remote_ring + ring_slot * kRingStride;
     wr.wr.rdma.rkey = peer.remote_rkey;
     if (frame_len <= qp.max_inline) wr.send_flags = IBV_SEND_INLINE;
-    STEPMESH_RETURN_IF_ERROR(PostPayload(peer, qp, payload, remote, rkey, lkey, payload_bytes, &wr,
-                                         &sge, deadline, valid));
+    const size_t payload = small ? 0 : frame.bytes - frame.chunk;
+    STEPMESH_ASSIGN_OR_RETURN(
+        const bool all, PostPieces(peer, qp, frame.src, dst.addr, dst.rkey, frame.lkey, payload,
+                                   &frame.payload_posted, &wr, &sge, valid));
+    if (!all) return false;
     ++qp.frames_sent;
-    return absl::OkStatus();
+    return true;
   }
 
-  // Payload by RDMA_WRITE into the advertised slot (with two QPs, the second
-  // half on QP 1 as a stripe chunk), then the frame. RC ordering within a QP
-  // makes the payload visible before the frame's completion.
+  // A payload's pieces (each at most max_msg_sz) from `*done` on, in chains
+  // of at most kMaxChain (and never more than the queue holds); the last
+  // chain ends with `tail` (a WRITE_WITH_IMM). True once the tail is posted;
+  // false when the send queue is full (`*done` says how far it got).
   template <typename Valid>
-  absl::Status PostData(Peer& peer, const FrameHeader& frame, const std::byte* source, size_t bytes,
-                        const RouteView& dst, uint32_t lkey, absl::Time deadline, Valid& valid) {
-    size_t chunk = 0;
-    if (peer.num_qps > 1 && bytes >= static_cast<size_t>(rdma_.stripe_min_bytes)) {
-      chunk = (bytes / 2) & ~(kPageBytes - 1);
+  absl::StatusOr<bool> PostPieces(Peer& peer, QueuePair& qp, const std::byte* src, uint64_t remote,
+                                  uint32_t rkey, uint32_t lkey, size_t bytes, size_t* done,
+                                  ibv_send_wr* tail, ibv_sge* tail_sge, Valid& valid) {
+    ibv_sge sges[kMaxChain];
+    ibv_send_wr wrs[kMaxChain];
+    const int room =
+        static_cast<int>(std::min<uint32_t>(kMaxChain, std::max(qp.sq.data_slots(), 2u))) - 1;
+    for (;;) {
+      const int n = FillPieces(src + *done, remote + *done, rkey, lkey, bytes - *done,
+                               max_wr_bytes_, sges, wrs, room);
+      size_t filled = 0;
+      for (int i = 0; i < n; ++i) filled += sges[i].length;
+      int count = n;
+      const bool last = *done + filled == bytes;
+      if (last) {
+        wrs[count] = *tail;
+        sges[count] = *tail_sge;
+        ++count;
+      }
+      Link(sges, wrs, count);
+      absl::StatusOr<bool> posted = qp.sq.TryPost(wrs, count, peer.failure, valid);
+      if (!posted.ok() && peer.failure.failed()) {
+        Wake();  // the receive thread reports the loss now
+        return Gone(peer);
+      }
+      if (!posted.ok() || !*posted) return posted;
+      *done += filled;
+      if (last) return true;
     }
-    if (chunk > 0) {
-      QueuePair& qp = peer.qps[1];
-      STEPMESH_RETURN_IF_ERROR(AwaitCredit(peer, qp, deadline));
-      // The chunk's last piece carries the immediate that counts it.
-      const size_t head = chunk > max_wr_bytes_ ? chunk - (chunk - 1) % max_wr_bytes_ - 1 : 0;
-      const std::byte* chunk_src = source + bytes - chunk;
-      const uint64_t chunk_remote = dst.addr + bytes - chunk;
-      ibv_sge sge{reinterpret_cast<uintptr_t>(chunk_src + head),
-                  static_cast<uint32_t>(chunk - head), lkey};
-      ibv_send_wr wr{};
-      wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
-      wr.imm_data = htonl(rdma::ChunkImm(peer.stripes_sent));
-      wr.wr.rdma.remote_addr = chunk_remote + head;
-      wr.wr.rdma.rkey = dst.rkey;
-      STEPMESH_RETURN_IF_ERROR(PostPayload(peer, qp, chunk_src, chunk_remote, dst.rkey, lkey, head,
-                                           &wr, &sge, deadline, valid));
-      ++qp.frames_sent;
-      ++peer.stripes_sent;
-    }
-    return PostFrame(peer, frame, nullptr, 0, deadline, valid, source, bytes - chunk, dst.addr,
-                     dst.rkey, lkey);
   }
 
   enum class Drain { kDone, kPeerGone, kTimedOut };
@@ -1322,6 +1552,7 @@ class RdmaTransport final : public Transport {
     ::shutdown(peer.socket.get(), SHUT_RDWR);
     pending_acks_.fetch_sub(peer.pending_acks.size(), std::memory_order_relaxed);
     peer.pending_acks.clear();
+    ClearOutbox(peer);
     WakeRouteWaiters(peer);
     WakeAckWaiters();
     sink.OnPeerLost(peer.id, std::move(why));
@@ -1484,6 +1715,8 @@ class RdmaTransport final : public Transport {
   std::atomic<bool> shut_down_{false};
   uint64_t busy_polls_ = 0;
   std::atomic<size_t> pending_acks_{0};  // withdrawals still to acknowledge, all peers
+  std::atomic<size_t> backlogged_{0};    // peers with frames queued
+  QueuedFrame scratch_;                  // Send's frame (send thread only)
 
   Mutex regions_mu_;  // before peers_mu_, recv_mu_ and any peer's write_mu
   absl::flat_hash_map<RegionId, std::unique_ptr<LocalRegion>> regions_ ABSL_GUARDED_BY(regions_mu_);
