@@ -13,7 +13,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "src/base/net.h"
+#include "src/transport/rdma/verbs_api.h"
 #include "src/transport/rdma/verbs_resources.h"
+#include "src/transport/tcp_fallback/tcp_transport.h"
 #include "tests/rdma/rdma_pair.h"
 
 namespace stepmesh::core {
@@ -553,6 +555,39 @@ TEST_CASE("rdma: silent connections to the bootstrap port do not keep a real pee
   CHECK(Same(buf.WorkerSlot(), 256, 3));
   worker.StopPolling();
   server.StopPolling();
+}
+
+// libibverbs is opened at run time (#29): a machine without rdma-core runs the
+// same library, and asking for RDMA there names what is missing.
+TEST_CASE("rdma: without libibverbs the verbs API names the missing library, TCP still works",
+          "[rdma][transport]") {
+  auto missing = rdma::MakeRealVerbsApi("libstepmesh_no_such_verbs.so.1");
+  REQUIRE_FALSE(missing.ok());
+  INFO(missing.status().ToString());
+  CHECK(missing.status().code() == absl::StatusCode::kUnavailable);
+  CHECK(absl::StrContains(missing.status().message(), "libstepmesh_no_such_verbs.so.1"));
+  CHECK(absl::StrContains(missing.status().message(), "libibverbs"));
+  // A library that is there but is not libibverbs: the entry point it lacks.
+  auto wrong = rdma::MakeRealVerbsApi("libc.so.6");
+  REQUIRE_FALSE(wrong.ok());
+  INFO(wrong.status().ToString());
+  CHECK(wrong.status().code() == absl::StatusCode::kUnavailable);
+  CHECK(absl::StrContains(wrong.status().message(), "has no ibv_fork_init"));
+  // The library this build names opens here (rdma-core is installed), and
+  // without a device it lists none rather than failing.
+  auto real = rdma::MakeRealVerbsApi();
+  REQUIRE(real.ok());
+  int count = -1;
+  if (ibv_device** list = (*real)->GetDeviceList(&count); list != nullptr) {
+    (*real)->FreeDeviceList(list);
+  }
+  CHECK(count >= 0);
+  // TCP needs none of it.
+  MeshOptions options;
+  options.bind_host = "127.0.0.1";
+  auto tcp = tcp::CreateTcpTransport(options);
+  REQUIRE(tcp.ok());
+  CHECK((*tcp)->LocalEndpoint().ok());
 }
 
 }  // namespace

@@ -1750,15 +1750,17 @@ class RdmaTransport final : public Transport {
 
 absl::StatusOr<std::unique_ptr<Transport>> CreateRdmaTransport(const MeshOptions& options,
                                                                std::shared_ptr<VerbsApi> verbs) {
-  if (verbs == nullptr) verbs = MakeRealVerbsApi();
+  if (verbs == nullptr) {
+    STEPMESH_ASSIGN_OR_RETURN(verbs, MakeRealVerbsApi());
+  }
   auto transport = std::make_unique<RdmaTransport>(options, std::move(verbs));
   STEPMESH_RETURN_IF_ERROR(transport->Open());
   return transport;
 }
 
 bool RdmaDeviceAvailable() {
-  std::shared_ptr<VerbsApi> verbs = MakeRealVerbsApi();
-  return OpenPort(*verbs, MeshOptions()).ok();
+  absl::StatusOr<std::shared_ptr<VerbsApi>> verbs = MakeRealVerbsApi();
+  return verbs.ok() && OpenPort(**verbs, MeshOptions()).ok();
 }
 
 }  // namespace stepmesh::rdma
