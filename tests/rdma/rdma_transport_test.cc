@@ -195,8 +195,14 @@ TEST_CASE("rdma: credits bound what is in flight, no RNR ever", "[rdma][transpor
   const absl::Time before = absl::Now();
   for (uint64_t r = 9; r <= 200; ++r) REQUIRE(send(r).ok());
   CHECK(absl::Now() - before < absl::Seconds(1));
-  absl::SleepFor(absl::Milliseconds(200));  // the fabric executes what was posted
-  // Nothing past the credits: a payload write and a frame for each of 8.
+  // The window goes out (once the server's advert is in, and the fabric
+  // executed it), and nothing past the credits: a payload write and a frame
+  // for each of 8.
+  const absl::Time until = absl::Now() + absl::Seconds(5);
+  while (pair.fabric.stats().writes - writes_before < 16 && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  absl::SleepFor(absl::Milliseconds(100));
   CHECK(pair.fabric.stats().writes - writes_before == 16);
   CHECK(pair.fabric.stats().rnr_errors == 0);
   pair.server.StartPolling();  // credits come back: the outbox drains

@@ -118,7 +118,7 @@ absl::Status RdmaTransport::Publish(std::unique_ptr<Peer> peer, Peer** reporting
       Peer& old = *it->second;
       ErrorQps(old);
       ClearOutbox(old);
-      ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, old.socket.get(), nullptr);
+      loop_.Unwatch(old.socket.get());
       ::shutdown(old.socket.get(), SHUT_RDWR);
       WakeRouteWaiters(old);
     }

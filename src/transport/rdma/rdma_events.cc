@@ -103,7 +103,7 @@ void RdmaTransport::ErrorQps(Peer& peer) {
 void RdmaTransport::Lose(Peer& peer, TransportSink& sink, absl::Status why) {
   if (peer.lost.exchange(true)) return;
   ErrorQps(peer);
-  ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, peer.socket.get(), nullptr);
+  loop_.Unwatch(peer.socket.get());
   ::shutdown(peer.socket.get(), SHUT_RDWR);
   pending_acks_.fetch_sub(peer.pending_acks.size(), std::memory_order_relaxed);
   peer.pending_acks.clear();

@@ -59,12 +59,9 @@ absl::Status RdmaTransport::Open() {
   setup_.max_cqe = static_cast<uint32_t>(std::max(device.max_cqe, 1));
   STEPMESH_RETURN_IF_ERROR(SetNonBlocking(channel_->fd, true));
   STEPMESH_RETURN_IF_ERROR(SetNonBlocking(port_.context->async_fd, true));
-  epoll_fd_.Reset(::epoll_create1(EPOLL_CLOEXEC));
-  wake_fd_.Reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
-  if (!epoll_fd_.valid() || !wake_fd_.valid()) {
-    return absl::InternalError(ErrnoMessage("rdma: epoll/eventfd", errno));
-  }
-  STEPMESH_RETURN_IF_ERROR(Watch(wake_fd_.get(), kWakeToken));
+  absl::StatusOr<base::EventLoop> loop = base::EventLoop::Create();
+  if (!loop.ok()) return absl::InternalError(absl::StrCat("rdma: ", loop.status().message()));
+  loop_ = *std::move(loop);
   STEPMESH_RETURN_IF_ERROR(Watch(channel_->fd, kChannelToken));
   STEPMESH_RETURN_IF_ERROR(Watch(port_.context->async_fd, kAsyncToken));
   STEPMESH_ASSIGN_OR_RETURN(listener_, BootstrapListener::Listen(options_.bind_host));
@@ -106,17 +103,13 @@ absl::Status RdmaTransport::Poll(TransportSink& sink, absl::Duration max_wait) {
     }
   }
   epoll_event events[16];
-  const int n = ::epoll_wait(epoll_fd_.get(), events, 16, work > 0 ? 0 : timeout_ms);
-  if (n < 0) {
-    if (errno == EINTR) return absl::OkStatus();
-    return absl::InternalError(ErrnoMessage("rdma: epoll_wait", errno));
-  }
+  bool woken = false;
+  absl::StatusOr<int> ready = loop_.Wait(events, 16, work > 0 ? 0 : timeout_ms, &woken);
+  if (!ready.ok()) return absl::InternalError(absl::StrCat("rdma: ", ready.status().message()));
+  const int n = *ready;
   for (int i = 0; i < n; ++i) {
     const uint64_t token = events[i].data.u64;
-    if (token == kWakeToken) {
-      uint64_t drain;
-      (void)!::read(wake_fd_.get(), &drain, sizeof(drain));
-    } else if (token == kChannelToken) {
+    if (token == kChannelToken) {
       ConsumeCqEvents();
     } else if (token == kAsyncToken) {
       HandleAsyncEvents(sink);
@@ -125,7 +118,7 @@ absl::Status RdmaTransport::Poll(TransportSink& sink, absl::Duration max_wait) {
       if (peer != nullptr && !peer->lost) ReadControl(*peer, sink);
     }
   }
-  if (n > 0) {
+  if (n > 0 || woken) {
     DrainCompletions(sink);
     ReportFailures(sink);
   }
@@ -154,7 +147,7 @@ void RdmaTransport::Shutdown() {
       // A goodbye only behind everything queued: a peer whose frames did
       // not all go sees a loss.
       if (!queued) (void)::send(peer.socket.get(), bye, n, MSG_NOSIGNAL | MSG_DONTWAIT);
-      ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, peer.socket.get(), nullptr);
+      loop_.Unwatch(peer.socket.get());
       ::shutdown(peer.socket.get(), SHUT_RDWR);
     }
     if (drained[i] == Drain::kTimedOut || queued) {
@@ -165,16 +158,6 @@ void RdmaTransport::Shutdown() {
     ClearOutbox(peer);
     WakeRouteWaiters(peer);
   }
-}
-
-absl::Status RdmaTransport::Watch(int fd, uint64_t token) {
-  epoll_event ev{};
-  ev.events = EPOLLIN;
-  ev.data.u64 = token;
-  if (::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, fd, &ev) != 0) {
-    return absl::InternalError(ErrnoMessage("rdma: epoll_ctl", errno));
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace stepmesh::rdma::impl

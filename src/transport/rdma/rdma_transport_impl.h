@@ -15,7 +15,6 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/epoll.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -34,6 +33,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "src/base/event_loop.h"
 #include "src/base/logging.h"
 #include "src/base/net.h"
 #include "src/base/sync.h"
@@ -163,10 +163,7 @@ class RdmaTransport final : public Transport {
 
   absl::Status Poll(TransportSink& sink, absl::Duration max_wait) override;
 
-  void Wake() override {
-    const uint64_t one = 1;
-    if (wake_fd_.valid()) (void)!::write(wake_fd_.get(), &one, sizeof(one));
-  }
+  void Wake() override { loop_.Wake(); }
 
   // Frames already posted are delivered before the peer hears the goodbye:
   // the goodbye travels over TCP, which can overtake RDMA, so every QP first
@@ -175,11 +172,11 @@ class RdmaTransport final : public Transport {
   void Shutdown() override;
 
  private:
-  static constexpr uint64_t kWakeToken = ~uint64_t{0};
+  // Event-loop tokens besides peer tokens (base::EventLoop reserves ~0).
   static constexpr uint64_t kChannelToken = ~uint64_t{1};
   static constexpr uint64_t kAsyncToken = ~uint64_t{2};
 
-  absl::Status Watch(int fd, uint64_t token);
+  absl::Status Watch(int fd, uint64_t token) { return loop_.Watch(fd, EPOLLIN, token); }
 
   // [addr, addr + bytes) inside `region`. Device memory goes by its dma-buf
   // when the core exported one, mapped at its own address (the iova) so work
@@ -420,8 +417,7 @@ class RdmaTransport final : public Transport {
   SetupContext setup_;
   uint64_t max_wr_bytes_ = kMaxWrBytes;
   BootstrapListener listener_;
-  UniqueFd epoll_fd_;
-  UniqueFd wake_fd_;
+  base::EventLoop loop_;  // the peers' sockets, the CQ channel, async events
   NodeId self_ = kNoNode;
   std::mt19937 rng_{std::random_device{}()};
   std::atomic<bool> shut_down_{false};
