@@ -3,8 +3,9 @@
 #
 # Two export sets, so that find_package(stepmesh) asks a consumer of the shared
 # library for nothing but Abseil: stepmesh::stepmesh (shared) needs no more,
-# while stepmesh::stepmesh_static carries hwloc, libibverbs and the static CUDA
-# runtime as link dependencies and is loaded only for COMPONENTS static.
+# while stepmesh::stepmesh_static carries hwloc and the static CUDA runtime as
+# link dependencies (libibverbs is opened at run time, never linked) and is
+# loaded only for COMPONENTS static.
 include(CMakePackageConfigHelpers)
 
 set(stepmesh_cmake_dir ${CMAKE_INSTALL_LIBDIR}/cmake/stepmesh)
@@ -23,10 +24,6 @@ install(EXPORT stepmeshStaticTargets NAMESPACE stepmesh:: DESTINATION ${stepmesh
 set(STEPMESH_STATIC_DEPENDENCIES
     "    find_dependency(Threads)\n    find_dependency(PkgConfig)\n"
     "    pkg_check_modules(HWLOC REQUIRED IMPORTED_TARGET hwloc)\n")
-if(STEPMESH_HAVE_RDMA)
-  list(APPEND STEPMESH_STATIC_DEPENDENCIES
-       "    pkg_check_modules(IBVERBS REQUIRED IMPORTED_TARGET libibverbs)\n")
-endif()
 if(STEPMESH_HAVE_ETCD)
   list(APPEND STEPMESH_STATIC_DEPENDENCIES
        "    pkg_check_modules(CURL REQUIRED IMPORTED_TARGET libcurl)\n"
@@ -50,14 +47,13 @@ install(FILES ${CMAKE_CURRENT_BINARY_DIR}/stepmeshConfig.cmake
 # (pkg-config --static). Cflags carry -std=c++20: the headers need it and a
 # plain `c++ $(pkg-config --cflags --libs stepmesh)` must work (g++ 12
 # defaults to C++17); a later -std= on the command line still wins.
-# hwloc and libibverbs are plain -l flags, not Requires.private: pkg-config
+# hwloc is a plain -l flag, not Requires.private: pkg-config
 # reads the Cflags of every Requires.private module even without --static, so
-# naming them would make their .pc files (the -dev packages) a requirement of
+# naming it would make its .pc file (the -dev packages) a requirement of
 # every consumer of the shared library.
 set(STEPMESH_PC_REQUIRES_PRIVATE "absl_synchronization absl_flat_hash_map")
 set(STEPMESH_PC_LIBS_PRIVATE "-lhwloc")
-if(STEPMESH_HAVE_RDMA)
-  string(APPEND STEPMESH_PC_LIBS_PRIVATE " -libverbs")
+if(STEPMESH_HAVE_RDMA)  # libibverbs itself is opened at run time (dlopen)
   foreach(lib IN LISTS CMAKE_DL_LIBS)
     string(APPEND STEPMESH_PC_LIBS_PRIVATE " -l${lib}")
   endforeach()

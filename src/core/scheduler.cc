@@ -18,7 +18,7 @@
 
 #include "stepmesh/scheduler.h"
 
-#include <poll.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -29,7 +29,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "src/base/admission.h"
+#include "src/base/event_loop.h"
 #include "src/base/logging.h"
 #include "src/base/net.h"
 #include "src/base/rate_limit.h"
@@ -73,7 +73,9 @@ struct Conn {
   absl::Time deadline;  // not joined by then (or, closing, not drained): closed
   AuthNonce dialer_nonce{};
   AuthNonce acceptor_nonce{};
-  NodeId node = kNoNode;  // kMember
+  NodeId node = kNoNode;   // kMember
+  bool watched = false;    // in the scheduler's event loop
+  bool out_armed = false;  // watched for writability
   bool pending() const { return stage != Stage::kMember && stage != Stage::kClosing; }
 };
 
@@ -90,8 +92,10 @@ struct Member {
 
 class SchedulerImpl final : public Scheduler {
  public:
-  SchedulerImpl(const MeshOptions& options, base::Acceptor acceptor, std::string address)
+  SchedulerImpl(const MeshOptions& options, base::EventLoop loop, base::Acceptor acceptor,
+                std::string address)
       : options_(options),
+        loop_(std::move(loop)),
         acceptor_(std::move(acceptor)),
         address_(std::move(address)),
         join_timeout_(std::min(options.timeout, kJoinTimeout)),
@@ -131,6 +135,7 @@ class SchedulerImpl final : public Scheduler {
 
   void Stop() override {
     stop_.store(true);
+    loop_.Wake();
     if (thread_.joinable()) thread_.join();
   }
 
@@ -199,42 +204,26 @@ class SchedulerImpl final : public Scheduler {
   }
 
   void Close(Conn& c) {
+    if (c.watched) loop_.Unwatch(c.fd.get());
     c.fd.Reset();
     if (c.node != kNoNode && At(c.node).conn == &c) At(c.node).conn = nullptr;
     c.node = kNoNode;
   }
 
   void Accept(absl::Time now) {
-    for (int i = 0; i < 64; ++i) {
-      base::Acceptor::Accepted a;
-      switch (acceptor_.Accept(&a)) {
-        case base::Acceptor::Outcome::kNone:
-          return;
-        case base::Acceptor::Outcome::kExhausted:
-          STEPMESH_LOG_LIMITED(exhausted_, kWarning, "scheduler: out of file descriptors (",
-                               base::ErrnoMessage("accept", acceptor_.exhausted_errno()),
-                               "): closed a new connection unserved; accepting again in 100 ms");
-          return;
-        case base::Acceptor::Outcome::kAccepted:
-          break;
-      }
-      MakeRoomFor(a.peer);
-      conns_.emplace_back();
-      Conn& c = conns_.back();
-      c.fd = std::move(a.fd);
-      c.peer = std::move(a.peer);
-      c.accepted = now;
-      c.deadline = now + join_timeout_;
-    }
-  }
-
-  // Makes room for one more connection from `peer` (base/admission.h).
-  void MakeRoomFor(const std::string& peer) {
-    std::string why;
-    Conn* evict = base::OldestOverCap(
-        conns_, [](const Conn& c) { return c.fd.valid() && c.pending(); },
-        [](const Conn& c) -> const std::string& { return c.peer; }, peer, join_caps_, &why);
-    if (evict != nullptr) Drop(*evict, why);
+    base::AcceptAndAdmit(
+        acceptor_, exhausted_, "scheduler", conns_,
+        [](const Conn& c) { return c.fd.valid() && c.pending(); },
+        [](const Conn& c) -> const std::string& { return c.peer; }, join_caps_,
+        [this](Conn& c, const std::string& why) { Drop(c, why); },
+        [&](base::Acceptor::Accepted accepted) {
+          conns_.emplace_back();
+          Conn& c = conns_.back();
+          c.fd = std::move(accepted.fd);
+          c.peer = std::move(accepted.peer);
+          c.accepted = now;
+          c.deadline = now + join_timeout_;
+        });
   }
 
   // Reads what arrived and handles complete messages; bounded per call, so
@@ -654,49 +643,62 @@ class SchedulerImpl final : public Scheduler {
   }
 
   void Run() {
-    std::vector<pollfd> fds;
-    std::vector<Conn*> owners;  // parallel to fds; null for the listener
+    // The loop watches the listener (while not paused) and every connection,
+    // for writability too while it has bytes to write.
+    bool listening = false;
+    epoll_event events[64];
     while (!stop_.load()) {
       absl::Time now = absl::Now();
-      fds.clear();
-      owners.clear();
-      if (now >= acceptor_.paused_until()) {
-        fds.push_back({acceptor_.fd(), POLLIN, 0});
-        owners.push_back(nullptr);
+      if (const bool listen = now >= acceptor_.paused_until(); listen != listening) {
+        if (listen) {
+          listening = loop_.Watch(acceptor_.fd(), EPOLLIN, kListenerToken).ok();
+        } else {
+          loop_.Unwatch(acceptor_.fd());
+          listening = false;
+        }
       }
       absl::Time wake = now + absl::Milliseconds(50);
       for (Conn& c : conns_) {
         if (!c.fd.valid()) continue;
-        const short events = static_cast<short>(POLLIN | (c.out_sent < c.out.size() ? POLLOUT : 0));
-        fds.push_back({c.fd.get(), events, 0});
-        owners.push_back(&c);
+        const bool out = c.out_sent < c.out.size();
+        const uint32_t wanted = EPOLLIN | (out ? uint32_t{EPOLLOUT} : 0u);
+        const uint64_t token = reinterpret_cast<uintptr_t>(&c);
+        if (!c.watched) {
+          c.watched = loop_.Watch(c.fd.get(), wanted, token).ok();
+          c.out_armed = out;
+        } else if (out != c.out_armed && loop_.Modify(c.fd.get(), wanted, token).ok()) {
+          c.out_armed = out;
+        }
         wake = std::min(wake, c.deadline);
       }
       const int timeout_ms =
           static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(wake - now) + 1, 0, 50));
-      const int ready = ::poll(fds.data(), fds.size(), timeout_ms);
+      absl::StatusOr<int> ready = loop_.Wait(events, 64, timeout_ms);
+      if (!ready.ok()) {
+        STEPMESH_LOG_LIMITED(violations_, kWarning, "scheduler: ", ready.status().message());
+      }
       now = absl::Now();
-      if (ready > 0) {
-        for (size_t i = 0; i < fds.size(); ++i) {
-          if (fds[i].revents == 0) continue;
-          if (owners[i] == nullptr) {
-            Accept(now);
-            continue;
-          }
-          Conn& c = *owners[i];
-          if (!c.fd.valid()) continue;  // closed while handling an earlier one
-          // Reads first: a participant that leaves sends its kLeave and closes
-          // with our messages unread, which resets the connection; its leave
-          // is still in the receive queue, and must be read before a write
-          // that fails on the reset declares it lost.
-          if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) Read(c);
-          if (!c.fd.valid()) continue;
-          if ((fds[i].revents & POLLOUT) && !Flush(c)) {
-            Broken(c, "connection reset while writing");
-            continue;
-          }
-          if (c.stage == Conn::Stage::kClosing && c.out_sent == c.out.size()) Close(c);
+      for (int i = 0; i < (ready.ok() ? *ready : 0); ++i) {
+        if (events[i].data.u64 == kListenerToken) {
+          Accept(now);
+          continue;
         }
+        // Connections leave the loop before they close, and the list only in
+        // Expire below: the pointer is valid.
+        Conn& c = *reinterpret_cast<Conn*>(static_cast<uintptr_t>(events[i].data.u64));
+        if (!c.fd.valid()) continue;  // closed while handling an earlier one
+        const uint32_t revents = events[i].events;
+        // Reads first: a participant that leaves sends its kLeave and closes
+        // with our messages unread, which resets the connection; its leave
+        // is still in the receive queue, and must be read before a write
+        // that fails on the reset declares it lost.
+        if (revents & (EPOLLIN | EPOLLHUP | EPOLLERR)) Read(c);
+        if (!c.fd.valid()) continue;
+        if ((revents & EPOLLOUT) && !Flush(c)) {
+          Broken(c, "connection reset while writing");
+          continue;
+        }
+        if (c.stage == Conn::Stage::kClosing && c.out_sent == c.out.size()) Close(c);
       }
       Expire(now);
       if (formed_) {
@@ -708,7 +710,10 @@ class SchedulerImpl final : public Scheduler {
     }
   }
 
+  static constexpr uint64_t kListenerToken = 0;  // connections: their Conn*
+
   const MeshOptions options_;
+  base::EventLoop loop_;
   base::Acceptor acceptor_;
   const std::string address_;
   const absl::Duration join_timeout_;
@@ -750,7 +755,9 @@ absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Start(const MeshOptions& o
                  ": no auth token, so any local process can join this mesh (set "
                  "STEPMESH_AUTH_TOKEN on every process, or STEPMESH_AUTH=off to silence this)");
   }
-  return std::unique_ptr<Scheduler>(new core::SchedulerImpl(options, std::move(acceptor), address));
+  STEPMESH_ASSIGN_OR_RETURN(base::EventLoop loop, base::EventLoop::Create());
+  return std::unique_ptr<Scheduler>(
+      new core::SchedulerImpl(options, std::move(loop), std::move(acceptor), address));
 }
 
 }  // namespace stepmesh

@@ -123,17 +123,18 @@ class Transport {
   //     one whose queue has not moved for the timeout is reported lost by
   //     Poll. UnregisterRegion fails (FAILED_PRECONDITION) while queued frames
   //     read it.
-  //   RDMA: a bounded wait, at most options.timeout, for what the peer must
-  //     provide before anything can be posted -- its advert for the key, a
-  //     receive credit (it has `recv_depth` frames undelivered), room in the
-  //     QP's send queue -- then DEADLINE_EXCEEDED naming the peer (and the
-  //     key, for an advert); nothing was posted, so the send may be retried.
-  //     The wait holds the calling send thread: frames to other peers queue
-  //     behind it. A peer that stops polling fills its credit window within
-  //     `recv_depth` frames, so this is the RDMA form of TCP's full queue; it
-  //     is not a software queue because a post needs the peer's receive
-  //     first. UnregisterRegion waits (fences) until posted frames that read
-  //     the region completed (docs/rdma.md).
+  //   RDMA: never either. A frame that cannot be posted yet -- the peer has
+  //     not advertised the key, has `recv_depth` frames undelivered (no
+  //     receive credit), or the QP's send queue is full -- waits in that
+  //     peer's outbox, in order, and the receive thread posts it as the peer
+  //     returns credits. A full outbox: RESOURCE_EXHAUSTED naming the peer.
+  //     An outbox whose head has not moved for the timeout: the peer is
+  //     reported lost by Poll, except when the head waits for an advert: that
+  //     frame is dropped and reported to the sink as an error frame from the
+  //     peer (DEADLINE_EXCEEDED naming the key), as a server refuses a push
+  //     it cannot place. UnregisterRegion fails (FAILED_PRECONDITION) while
+  //     queued frames read the region, and waits (fences) until posted
+  //     frames that read it completed (docs/rdma.md).
   // The remote destination is the peer's region for (header.key, this node's slot).
   virtual absl::Status Send(NodeId peer, const FrameHeader& header, const void* src,
                             RegionId src_region, size_t bytes) = 0;

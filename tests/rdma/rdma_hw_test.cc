@@ -64,7 +64,17 @@ int main(int argc, char** argv) {
     return 1;
   }
   const bool asked = !env->rdma.device.empty() || env->transport == "rdma";
-  auto verbs = stepmesh::rdma::MakeRealVerbsApi();
+  absl::StatusOr<std::shared_ptr<stepmesh::rdma::VerbsApi>> loaded =
+      stepmesh::rdma::MakeRealVerbsApi();
+  if (!loaded.ok()) {
+    if (asked) {
+      std::fprintf(stderr, "rdma_hw_tests: FAILED: %s\n", loaded.status().ToString().c_str());
+      return 1;
+    }
+    std::fprintf(stderr, "rdma_hw_tests: %s; skipping\n", loaded.status().ToString().c_str());
+    return 77;
+  }
+  auto verbs = *std::move(loaded);
   int count = 0;
   int ib_transport = 0;  // InfiniBand-transport devices (IB, RoCE); iWARP does not count
   if (ibv_device** list = verbs->GetDeviceList(&count); list != nullptr) {

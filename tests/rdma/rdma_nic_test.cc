@@ -38,6 +38,7 @@ TEST_CASE("rdma nic: a source region is deregistered only once the sends reading
   Buffers buf;
   Pair pair;
   Serve(pair, buf);
+  PushChecked(pair, buf, 100, 4);  // the advert is in: the next push is posted at once
   Fill(buf.src.data(), 4096, 5);
   const uint32_t qp0 = pair.WorkerQps().at(0);
   pair.fabric.HoldQp(qp0, true);  // the push is posted, not yet executed
@@ -45,11 +46,11 @@ TEST_CASE("rdma nic: a source region is deregistered only once the sends reading
   auto release = ReleaseLater(pair.fabric, qp0, absl::Milliseconds(50));
   CHECK(pair.worker.transport->UnregisterRegion(2).ok());
   release.get();
-  auto events = pair.server.sink.WaitFor(1);
-  REQUIRE(events.size() >= 1);
-  INFO(events[0].status.ToString());
-  CHECK_FALSE(events[0].lost);
-  CHECK(events[0].status.ok());
+  auto events = pair.server.sink.WaitFor(2);
+  REQUIRE(events.size() >= 2);
+  INFO(events[1].status.ToString());
+  CHECK_FALSE(events[1].lost);
+  CHECK(events[1].status.ok());
   CHECK(Same(buf.WorkerSlot(), 4096, 5));
   CHECK(pair.fabric.stats().access_errors == 0);
   CHECK_FALSE(pair.worker.sink.AnyLoss());
@@ -62,6 +63,7 @@ TEST_CASE("rdma nic: a withdrawn receive slot stays registered until the writer 
   Buffers buf;
   Pair pair(config);
   Serve(pair, buf);
+  PushChecked(pair, buf, 100, 4);  // the advert is in: the next push is posted at once
   const uint32_t qp0 = pair.WorkerQps().at(0);
   pair.fabric.HoldQp(qp0, true);
   REQUIRE(Push(pair, buf, 4096, 1).ok());  // the writer holds the slot's rkey in flight
@@ -72,17 +74,24 @@ TEST_CASE("rdma nic: a withdrawn receive slot stays registered until the writer 
   CHECK(pair.fabric.stats().access_errors == 0);
   CHECK_FALSE(pair.worker.sink.AnyLoss());
   CHECK_FALSE(pair.server.sink.AnyLoss());
-  // The key is gone for the worker: the next push waits for an advert.
+  // The key is gone for the worker: the next push waits for an advert, and
+  // is refused once the timeout passed (the connection stays).
   CHECK(pair.worker.transport
             ->Send(kServer, Header(FrameType::kPush, kWorker, kServer, 7, 64, 2), buf.src.data(), 2,
                    64)
-            .code() == absl::StatusCode::kDeadlineExceeded);
+            .ok());
+  auto refused = pair.worker.sink.WaitFor(1);
+  REQUIRE(refused.size() == 1);
+  CHECK_FALSE(refused[0].lost);
+  CHECK(refused[0].status.code() == absl::StatusCode::kDeadlineExceeded);
+  CHECK(Mentions(refused[0].status, "key 7"));
 }
 
 TEST_CASE("rdma nic: frames posted before Shutdown arrive before the goodbye", "[rdma][nic]") {
   Buffers buf;
   Pair pair;
   Serve(pair, buf);
+  ReplyChecked(pair, buf, 100, 4);  // the advert is in: the replies below are posted at once
   Fill(buf.reply.data(), 1000, 3);
   const uint32_t qp0 = pair.ServerQps().at(0);
   pair.fabric.HoldQp(qp0, true);
@@ -91,15 +100,15 @@ TEST_CASE("rdma nic: frames posted before Shutdown arrive before the goodbye", "
   pair.server.StopPolling();
   pair.server.transport->Shutdown();
   release.get();
-  auto events = pair.worker.sink.WaitFor(6);
-  REQUIRE(events.size() == 6);
+  auto events = pair.worker.sink.WaitFor(7);
+  REQUIRE(events.size() == 7);
   for (uint64_t r = 1; r <= 5; ++r) {
-    INFO("reply " << r << ": " << events[r - 1].status.ToString());
-    CHECK_FALSE(events[r - 1].lost);
-    CHECK(events[r - 1].status.ok());
-    CHECK(events[r - 1].header.request_id == r);
+    INFO("reply " << r << ": " << events[r].status.ToString());
+    CHECK_FALSE(events[r].lost);
+    CHECK(events[r].status.ok());
+    CHECK(events[r].header.request_id == r);
   }
-  CHECK(events[5].lost);
+  CHECK(events[6].lost);
   CHECK(Same(buf.pull.data(), 1000, 3));
 }
 

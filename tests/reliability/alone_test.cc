@@ -73,10 +73,10 @@ TEST_CASE("alone: a push to a key no server registered is parked, not waited for
         // registration wait (before: the first one took the whole timeout, 2 s).
         CHECK(slowest < kTimeout / 4);
       }
-      // Over RDMA the push never leaves worker 1: its send thread waits for the
-      // servers' advertisement of the key (the Transport contract; worker 1's
-      // own cost, shared by batches that need its next pushes) -- the
-      // per-peer send queue that lifts this is issue 29's.
+      // Over RDMA the push never leaves worker 1: it waits in worker 1's outbox
+      // to that server for the key's advertisement (the send thread does not
+      // wait; worker 1's later frames to that server wait behind it), and is
+      // refused after the timeout naming the key (docs/rdma.md).
       const absl::Status refused = mesh.worker(1).Wait(*wrong, kTimeout * 3);
       INFO(refused.ToString());
       if (row.transport == "tcp") {

@@ -11,7 +11,9 @@
 
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <utility>
 
 #include "src/tools/doctor/doctor.h"
 #include "stepmesh/options.h"
@@ -44,7 +46,13 @@ int main(int argc, char** argv) {
   in.options = *options;
   if (in.options.transport == "tcp") in.need_rdma = false;
 #ifdef STEPMESH_HAVE_RDMA
-  in.verbs = stepmesh::rdma::MakeRealVerbsApi();
+  absl::StatusOr<std::shared_ptr<stepmesh::rdma::VerbsApi>> verbs =
+      stepmesh::rdma::MakeRealVerbsApi();
+  if (verbs.ok()) {
+    in.verbs = *std::move(verbs);
+  } else {  // libibverbs is opened at run time: without rdma-core there is no RDMA
+    std::printf("%s\n", std::string(verbs.status().message()).c_str());
+  }
 #endif
 #ifdef STEPMESH_HAVE_CUDA
   in.cuda = stepmesh::cuda::CreateRuntimeCudaApi();

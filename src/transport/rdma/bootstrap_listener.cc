@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "src/base/admission.h"
+#include "src/base/event_loop.h"
 #include "src/base/logging.h"
 #include "src/core/handshake.h"
 #include "src/core/protocol.h"
@@ -51,33 +52,20 @@ void BootstrapListener::Drop(Pending& p, const std::string& why) {
   p.done = true;
 }
 
-void BootstrapListener::AcceptAll(const std::string& secret) {
-  for (int i = 0; i < 64; ++i) {
-    base::Acceptor::Accepted a;
-    switch (acceptor_.Accept(&a)) {
-      case base::Acceptor::Outcome::kNone:
-        return;
-      case base::Acceptor::Outcome::kExhausted:
-        STEPMESH_LOG_LIMITED(
-            *log_limit_, kWarning, "rdma: out of file descriptors (",
-            base::ErrnoMessage("accept", acceptor_.exhausted_errno()),
-            "): closed a bootstrap connection unserved; accepting again in 100 ms");
-        return;
-      case base::Acceptor::Outcome::kAccepted:
-        break;
-    }
-    std::string why;
-    std::unique_ptr<Pending>* evict = base::OldestOverCap(
-        pending_, [](const std::unique_ptr<Pending>& p) { return !p->done; },
-        [](const std::unique_ptr<Pending>& p) -> const std::string& { return p->address; }, a.peer,
-        {kMaxPendingPerAddress, kMaxPending}, &why);
-    if (evict != nullptr) Drop(**evict, why);
-    auto p = std::make_unique<Pending>(secret);
-    p->fd = std::move(a.fd);
-    p->address = std::move(a.peer);
-    p->deadline = absl::Now() + kHandshakeTimeout;
-    pending_.push_back(std::move(p));
-  }
+void BootstrapListener::AcceptAll(const std::string& secret, size_t expected) {
+  base::AcceptAndAdmit(
+      acceptor_, *log_limit_, "rdma (bootstrap listener)", pending_,
+      [](const std::unique_ptr<Pending>& p) { return !p->done; },
+      [](const std::unique_ptr<Pending>& p) -> const std::string& { return p->address; },
+      base::CapsForPeers(expected, {kMaxPendingPerAddress, kMaxPending}),
+      [this](std::unique_ptr<Pending>& p, const std::string& why) { Drop(*p, why); },
+      [&](base::Acceptor::Accepted accepted) {
+        auto p = std::make_unique<Pending>(secret);
+        p->fd = std::move(accepted.fd);
+        p->address = std::move(accepted.peer);
+        p->deadline = absl::Now() + kHandshakeTimeout;
+        pending_.push_back(std::move(p));
+      });
 }
 
 NodeId BootstrapListener::Advance(Pending& p, NodeId self, absl::Span<const NodeId> expected) {
@@ -174,7 +162,7 @@ absl::StatusOr<std::pair<NodeId, base::UniqueFd>> BootstrapListener::AcceptOne(
           [](const std::unique_ptr<Pending>& q) { return q->done && !q->fd.valid(); });
       return std::make_pair(from, std::move(fd));
     }
-    if (fds[0].revents != 0) AcceptAll(secret);
+    if (fds[0].revents != 0) AcceptAll(secret, expected.size());
   }
 }
 

@@ -24,8 +24,9 @@ namespace stepmesh::rdma {
 
 class BootstrapListener {
  public:
-  // Unfinished handshakes: at most this many from one address, and in all;
-  // a newcomer over a cap evicts the oldest. Each gets this long.
+  // Unfinished handshakes: at most this many from one address, and in all
+  // (raised to room for every expected peer: base::CapsForPeers); a newcomer
+  // over a cap evicts the oldest. Each gets this long.
   static constexpr size_t kMaxPendingPerAddress = 32;
   static constexpr size_t kMaxPending = 128;
   static constexpr absl::Duration kHandshakeTimeout = absl::Seconds(5);
@@ -52,7 +53,8 @@ class BootstrapListener {
 
  private:
   struct Pending;
-  void AcceptAll(const std::string& secret);
+  // Accepts what is waiting; `expected` peers may all be mid-handshake at once.
+  void AcceptAll(const std::string& secret, size_t expected);
   // Reads what `p` sent and answers; its NodeId once it proved to be expected.
   core::NodeId Advance(Pending& p, core::NodeId self, absl::Span<const core::NodeId> expected);
   void Drop(Pending& p, const std::string& why);

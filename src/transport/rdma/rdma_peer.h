@@ -1,7 +1,9 @@
 #pragma once
 // A connection to one peer: its queue pairs and control block, the prepared
 // routes to its receive slots, and receive-side state. Each field says which
-// thread owns it: the send thread (Send), the receive thread (Poll), or a lock.
+// thread owns it: the receive thread (Poll), or a lock -- the outbox's lock for
+// everything a post changes (the send thread's Send and the receive thread's
+// drain both post).
 
 #include <array>
 #include <atomic>
@@ -9,12 +11,15 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
 #include "src/base/net.h"
 #include "src/base/sync.h"
 #include "src/core/frame.h"
+#include "src/core/transport.h"
 #include "src/transport/rdma/rdma_wire.h"
 #include "src/transport/rdma/send_queue.h"
 #include "src/transport/rdma/verbs_resources.h"
@@ -78,7 +83,7 @@ struct QueuePair {
   SendQueue sq;
   uint32_t max_inline = 0;
 
-  uint64_t frames_sent = 0;  // send thread: WRITE_WITH_IMMs sent (credits used)
+  uint64_t frames_sent = 0;  // under the outbox's lock: WRITE_WITH_IMMs sent (credits used)
 
   // Receive thread.
   uint64_t frames_received = 0;   // WRITE_WITH_IMM arrivals
@@ -111,6 +116,50 @@ struct PendingAck {
   std::array<uint64_t, rdma::kMaxQpsPerPeer> watermarks{};
 };
 
+// A frame waiting for what the peer must provide before it can be posted:
+// its advert for the key, a receive credit, room in a QP's send queue. The
+// source stays where the core put it (registered memory, untouched until the
+// request completes); only an error frame's small text is copied.
+struct QueuedFrame {
+  core::FrameHeader header;
+  const std::byte* src = nullptr;  // the payload; null: `copy` holds it
+  size_t bytes = 0;
+  core::RegionId region = 0;
+  uint32_t lkey = 0;
+  Route* route = nullptr;  // a data frame with a payload: where it goes
+  std::string copy;        // a queued error frame's text
+  int64_t queued_ns = 0;
+
+  // A frame partly posted (a send queue filled mid-frame) goes on from here;
+  // a route that changes under it starts it again at its new place.
+  bool started = false;
+  RouteView dst;
+  size_t chunk = 0;           // the striped tail of the payload, on QP 1
+  size_t chunk_posted = 0;    // of the chunk's pieces before its last
+  bool chunk_sent = false;    // the chunk's WRITE_WITH_IMM too
+  size_t payload_posted = 0;  // of the payload before the chunk, on QP 0
+};
+
+// What stops an outbox's head.
+enum class Blocked { kNothing, kAdvert, kCredit, kSendQueue, kFailed };
+
+// Frames to one peer that could not be posted when sent, in order. Send never
+// waits for them: the receive thread posts them as the peer's credits come
+// back, and reports a peer whose head has not moved for options.timeout.
+struct Outbox {
+  base::Mutex mu;
+  std::vector<QueuedFrame> ring ABSL_GUARDED_BY(mu);  // grows on demand, never shrinks
+  size_t head ABSL_GUARDED_BY(mu) = 0;
+  size_t size ABSL_GUARDED_BY(mu) = 0;
+  int64_t head_since_ns ABSL_GUARDED_BY(mu) = 0;  // the head was queued or last moved
+  Blocked blocked ABSL_GUARDED_BY(mu) = Blocked::kNothing;
+  absl::Status failed ABSL_GUARDED_BY(mu);  // Blocked::kFailed: why the head cannot go
+  std::atomic<bool> backlogged{false};      // size > 0
+  QueuedFrame& at(size_t i) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return ring[(head + i) % ring.size()];
+  }
+};
+
 struct Peer {
   core::NodeId id = core::kNoNode;
   uint64_t token = 0;  // index in the transport's peer table
@@ -137,7 +186,8 @@ struct Peer {
   std::atomic<bool> loss_reported{false};  // the sink's OnPeerLost for it returned
   FailureRecord failure;                   // waits for the receive thread to report it
 
-  uint64_t stripes_sent = 0;  // send thread
+  uint64_t stripes_sent = 0;  // under outbox.mu
+  Outbox outbox;
 
   // Receive thread.
   std::array<std::byte, rdma::kBootHeaderBytes + rdma::kMaxBootBody> rx{};

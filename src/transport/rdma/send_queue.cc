@@ -74,19 +74,32 @@ void SendQueue::Init(VerbsApi* verbs, ibv_qp* qp, ibv_cq* cq, uint32_t granted,
   signal_interval_ = std::max<uint32_t>(1, data_slots_ / 4);
 }
 
-absl::Status SendQueue::Post(ibv_send_wr* chain, int count, absl::Time deadline,
-                             FailureRecord& failure, absl::FunctionRef<bool()> valid) {
+absl::StatusOr<bool> SendQueue::TryPost(ibv_send_wr* chain, int count, FailureRecord& failure,
+                                        absl::FunctionRef<bool()> valid) {
   MutexLock lock(&mu_);
-  for (int spins = 0; posted_ - completed_.load(std::memory_order_acquire) + count > data_slots_;
-       ++spins) {
+  if (posted_ - completed_.load(std::memory_order_acquire) + count > data_slots_) {
     Reap(failure);
     if (failure.failed()) return failure.status();
+    if (posted_ - completed_.load(std::memory_order_acquire) + count > data_slots_) return false;
+  }
+  if (!valid()) return absl::AbortedError("rdma: route changed while posting");
+  STEPMESH_RETURN_IF_ERROR(PostLocked(chain, count, failure));
+  return true;
+}
+
+absl::Status SendQueue::Post(ibv_send_wr* chain, int count, absl::Time deadline,
+                             FailureRecord& failure, absl::FunctionRef<bool()> valid) {
+  for (int spins = 0;; ++spins) {
+    STEPMESH_ASSIGN_OR_RETURN(const bool posted, TryPost(chain, count, failure, valid));
+    if (posted) return absl::OkStatus();
     if ((spins & 63) == 63 && absl::Now() > deadline) {
       return absl::DeadlineExceededError("rdma: the send queue did not drain");
     }
     std::this_thread::yield();
   }
-  if (!valid()) return absl::AbortedError("rdma: route changed while posting");
+}
+
+absl::Status SendQueue::PostLocked(ibv_send_wr* chain, int count, FailureRecord& failure) {
   ibv_send_wr* wr = chain;
   for (int i = 0; i < count; ++i, wr = wr->next) {
     wr->wr_id = posted_ + i + 1;

@@ -2,7 +2,8 @@
 // The send side of one RC queue pair, and the record of why a connection
 // failed.
 //
-// Who posts: the send thread (frames, payloads) and, rarely, control paths
+// Who posts: whoever drains a peer's outbox (the send thread's Send, or the
+// receive thread once credits came back: frames, payloads) and, rarely, control paths
 // (fences for UnregisterRegion, withdrawals and Shutdown) post data requests
 // under `mu`; the receive thread posts credit returns from a reserved share of
 // the queue without taking `mu`, so the two threads never wait for each other.
@@ -69,9 +70,14 @@ class SendQueue {
   uint32_t data_slots() const { return data_slots_; }
 
   // Posts a chain of `count` data requests (wr_id and signalling are assigned
-  // here), waiting for queue slots until `deadline`. `valid` is called under
-  // the post lock right before posting; false aborts with ABORTED (the route or
-  // source changed under the caller). Failures are recorded in `failure`.
+  // here) if the queue has room for all of them now: false (nothing posted)
+  // when it has not, even after reaping. `valid` is called under the post lock
+  // right before posting; false aborts with ABORTED (the route changed under
+  // the caller). Failures are recorded in `failure`. Never waits.
+  absl::StatusOr<bool> TryPost(ibv_send_wr* chain, int count, FailureRecord& failure,
+                               absl::FunctionRef<bool()> valid);
+  // The same, waiting for queue slots until `deadline` (control paths only:
+  // fences).
   absl::Status Post(ibv_send_wr* chain, int count, absl::Time deadline, FailureRecord& failure,
                     absl::FunctionRef<bool()> valid);
 
@@ -97,7 +103,11 @@ class SendQueue {
   void Reap(FailureRecord& failure);
 
  private:
-  base::Mutex mu_;  // data posts; never taken by the receive thread's hot path
+  // Posts `chain` (room already checked).
+  absl::Status PostLocked(ibv_send_wr* chain, int count, FailureRecord& failure)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  base::Mutex mu_;  // data posts; the receive thread's credit writes never take it
   VerbsApi* verbs_ = nullptr;
   ibv_qp* qp_ = nullptr;
   ibv_cq* cq_ = nullptr;

@@ -1,6 +1,7 @@
 #pragma once
 // The only door to ibverbs. Every verbs call the RDMA transport makes goes
-// through a VerbsApi, so the transport runs in CI over an in-process fake
+// through a VerbsApi (the headers are compiled against; the library is
+// opened at run time), so the transport runs in CI over an in-process fake
 // (tests/rdma/fake_verbs.h) and on hardware over RealVerbsApi. The methods
 // keep libibverbs' names, arguments and return conventions (pointers or null
 // with errno; int 0 or an errno value) so the real implementation is a
@@ -11,6 +12,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+
+#include "absl/status/statusor.h"
 
 namespace stepmesh::rdma {
 
@@ -87,7 +90,13 @@ class VerbsApi {
   virtual void AckAsyncEvent(ibv_async_event* event) = 0;
 };
 
-// Pass-through to libibverbs.
-std::shared_ptr<VerbsApi> MakeRealVerbsApi();
+// The library RealVerbsApi opens.
+inline constexpr char kVerbsLibrary[] = "libibverbs.so.1";
+
+// Pass-through to libibverbs, opened at run time with dlopen and never linked,
+// so that a library built with RDMA loads (and runs TCP) on a machine without
+// rdma-core. UNAVAILABLE naming the library when it cannot be opened, or the
+// entry point it lacks. `library`: another soname (tests).
+absl::StatusOr<std::shared_ptr<VerbsApi>> MakeRealVerbsApi(const char* library = kVerbsLibrary);
 
 }  // namespace stepmesh::rdma
