@@ -53,8 +53,8 @@ void ReservePlan(PreparedPlan& plan, int num_servers) {
   plan.addressed.reserve(num_servers);
 }
 
-absl::Status BuildPlan(absl::Span<const Push> pushes, absl::Span<const Pull> pulls,
-                       int num_servers, absl::FunctionRef<TensorRegistration*(Key)> find_push,
+absl::Status BuildPlan(absl::Span<const Push> pushes, absl::Span<const Pull> pulls, int num_servers,
+                       absl::FunctionRef<TensorRegistration*(Key)> find_push,
                        absl::FunctionRef<TensorRegistration*(Key, int)> find_pull,
                        PreparedPlan& plan) {
   if (pushes.empty()) return absl::InvalidArgumentError("a request needs at least one push");
@@ -103,8 +103,8 @@ absl::Status BuildPlan(absl::Span<const Push> pushes, absl::Span<const Pull> pul
     }
     TensorRegistration* reg = find_pull(pull.key, pull.server);
     if (reg == nullptr) {
-      return absl::NotFoundError(absl::StrCat("pull key ", pull.key, " from server ", pull.server,
-                                              " is not registered"));
+      return absl::NotFoundError(
+          absl::StrCat("pull key ", pull.key, " from server ", pull.server, " is not registered"));
     }
     for (const PreparedPlan::PullPart& other : plan.pulls) {
       if (other.server == pull.server) {
@@ -125,8 +125,8 @@ absl::Status BuildPlan(absl::Span<const Push> pushes, absl::Span<const Pull> pul
 absl::Status CheckPlanPostable(const PreparedPlan& plan) {
   for (const PreparedPlan::PushPart& p : plan.pushes) {
     if (p.reg->generation != p.generation) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "push key ", p.key, " was unregistered after this request was prepared"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("push key ", p.key, " was unregistered after this request was prepared"));
     }
     if (p.reg->in_flight) {
       return absl::FailedPreconditionError(

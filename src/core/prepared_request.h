@@ -63,8 +63,7 @@ void ReservePlan(PreparedPlan& plan, int num_servers);
 
 // Validates `pushes` and `pulls` into `plan` (cleared first), looking each key
 // up once. Errors name the key or server; `plan` is then unusable.
-absl::Status BuildPlan(absl::Span<const Push> pushes, absl::Span<const Pull> pulls,
-                       int num_servers,
+absl::Status BuildPlan(absl::Span<const Push> pushes, absl::Span<const Pull> pulls, int num_servers,
                        absl::FunctionRef<TensorRegistration*(Key)> find_push,
                        absl::FunctionRef<TensorRegistration*(Key, int)> find_pull,
                        PreparedPlan& plan);

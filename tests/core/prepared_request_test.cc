@@ -97,7 +97,8 @@ TEST_CASE("Prepare refuses bad requests naming the key, and changes nothing",
   absl::StatusOr<RequestHandle> h = worker.Post(*plan);
   REQUIRE_OK(h);
   // Its keys are in flight: a second post of it (or PushPull on them) waits its turn.
-  CheckMessage(worker.Post(*plan).status(), C::kFailedPrecondition, "push key 1 is still in flight");
+  CheckMessage(worker.Post(*plan).status(), C::kFailedPrecondition,
+               "push key 1 is still in flight");
   Answer(mesh->server(0), recv, reply, 1);
   REQUIRE_OK(worker.Wait(*h, absl::Seconds(20)));
   CHECK(pull[0] == 2);
