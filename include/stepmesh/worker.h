@@ -96,7 +96,8 @@ class STEPMESH_EXPORT AFTensorWorker {
   // Broadcasts the prepared pushes and expects one reply per server
   // addressed (a reply carries the pull for that server, if any). Returns at
   // once; the send happens on the send thread once `options.ready`
-  // completes. A key may be in one request at a time (FAILED_PRECONDITION
+  // completes (with no ready event, an idle send thread and a transport
+  // whose send never waits, TCP, on the calling thread before returning). A key may be in one request at a time (FAILED_PRECONDITION
   // otherwise). No lookup and no allocation: the checks left are the
   // prepared registrations' generations, their in-flight flags and the
   // servers' liveness.
