@@ -97,10 +97,11 @@ class STEPMESH_EXPORT AFTensorWorker {
   // addressed (a reply carries the pull for that server, if any). Returns at
   // once; the send happens on the send thread once `options.ready`
   // completes (with no ready event, an idle send thread and a transport
-  // whose send never waits, TCP, on the calling thread before returning). A key may be in one request at a time (FAILED_PRECONDITION
-  // otherwise). No lookup and no allocation: the checks left are the
-  // prepared registrations' generations, their in-flight flags and the
-  // servers' liveness.
+  // whose send never waits, TCP, on the calling thread before returning).
+  // A key may be in one request at a time (FAILED_PRECONDITION otherwise).
+  // No lookup and no allocation: the checks left are the prepared
+  // registrations' generations, their in-flight flags and the servers'
+  // liveness.
   virtual absl::StatusOr<RequestHandle> Post(const PreparedRequest& request,
                                              const SendOptions& options = {}) = 0;
   // Prepare + Post in one call (into storage of the worker's: no allocation).
