@@ -33,7 +33,7 @@ cores the threads land on, the other processes' load) dominate: the per-rep
 differences above spread over +-100 us, so a median of 15 of them cannot
 resolve 15 us. The paired mode runs, in each rep, ONE Python worker process on
 ONE mesh connection (against stepmesh_perf --role server) that alternates
-short blocks of --block-iters round trips: "C++" (plan.run_many(n): PushPull +
+short blocks of --block-iters round trips: "C++" (plan.run_many(n): Post +
 Wait n times in C++ under one GIL release, latencies taken in C++ on the clock
 stepmesh.monotonic_ns reads), "call" and "plan" (the Python loops above), the
 order of the three rotating through all 6 permutations. Each block's median is

@@ -17,13 +17,15 @@
 // Pipeline: the instance's requests are split into micro-batches, each with
 // its own pre-registered wire tensors, StepState and backend stream. The main
 // thread only enqueues: micro-batch m's attention for layer l runs on m's
-// stream, an event is recorded after it, and PushPull is gated on that event
-// (the send thread waits, not the caller). The main thread then moves on to
+// stream, an event is recorded after it, and a Post of the micro-batch's
+// request (prepared once at Init) is gated on that event (the send thread
+// waits, not the caller). The main thread then moves on to
 // micro-batch m+1, whose attention overlaps m's A2F / FFN / F2A, and only
 // blocks on m's reply right before enqueueing m's next layer.
 
 #include <atomic>
 #include <cstdio>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -55,6 +57,10 @@ struct MicroBatch {
   int end = 0;
   int count() const { return end - begin; }
   std::unique_ptr<stepmesh::Event> ready;  // the engine's stage of the current layer is done
+  // Its request, prepared once (keys checked, servers routed) and posted at
+  // every layer; only the byte counts change, per step.
+  stepmesh::PreparedRequest request;
+  int prepared_step = -1;  // the step whose byte counts `request` holds
   stepmesh::RequestHandle handle;
   bool in_flight = false;
   size_t in_flight_stage = 0;  // StageIndex of the request in flight
@@ -206,6 +212,18 @@ absl::Status AttentionInstance::Init(const std::string& scheduler, int device) {
       STEPMESH_RETURN_IF_ERROR(worker_->RegisterPullTensor(
           PullKey(m), s, w.partials[s]->View(DType::kBFloat16, Shape{slot, h})));
     }
+    // Every layer of every step sends the same keys: one prepared request per
+    // micro-batch, its push sizes set per step (Launch).
+    const stepmesh::Push pushes[kA2FTensors] = {
+        {PushKey(m, A2FTensor::kCodes)},
+        {PushKey(m, A2FTensor::kScales)},
+        {PushKey(m, A2FTensor::kTopkIds)},
+        {PushKey(m, A2FTensor::kTopkWeights)},
+        {PushKey(m, A2FTensor::kHeader), sizeof(int32_t) * kWireHeaderInts},
+    };
+    std::vector<stepmesh::Pull> pulls;
+    for (int s = 0; s < shape_.ffn; ++s) pulls.push_back({PullKey(m), s});
+    STEPMESH_ASSIGN_OR_RETURN(micro_batches_[m].request, worker_->Prepare(pushes, pulls));
   }
   return absl::OkStatus();
 }
@@ -247,23 +265,23 @@ absl::Status AttentionInstance::Launch(int step, int layer, MicroBatch& mb) {
                     static_cast<int32_t>(config_.hidden_size)};
   if (wrong_layer_.step == step && wrong_layer_.layer == layer) header.layer = layer + 1;
   WriteWireHeader(header, static_cast<int32_t*>(engine_->wire(m).header->data()));
-  const A2FSizes sizes{n, config_.hidden_size, config_.top_k, config_.fp8_group};
-  // Only the rows of this step travel: a prefix of each registered tensor.
-  const stepmesh::Push pushes[kA2FTensors] = {
-      {PushKey(m, A2FTensor::kCodes), sizes.codes_bytes()},
-      {PushKey(m, A2FTensor::kScales), sizes.scales_bytes()},
-      {PushKey(m, A2FTensor::kTopkIds), sizes.topk_ids_bytes()},
-      {PushKey(m, A2FTensor::kTopkWeights), sizes.topk_weights_bytes()},
-      {PushKey(m, A2FTensor::kHeader), sizeof(int32_t) * kWireHeaderInts},
-  };
-  std::vector<stepmesh::Pull> pulls;
-  for (int s = 0; s < shape_.ffn; ++s) pulls.push_back({PullKey(m), s});
+  if (mb.prepared_step != step) {
+    // Only the rows of this step travel: a prefix of each registered tensor
+    // (the push order of Init's Prepare).
+    const A2FSizes sizes{n, config_.hidden_size, config_.top_k, config_.fp8_group};
+    const size_t bytes[] = {sizes.codes_bytes(), sizes.scales_bytes(), sizes.topk_ids_bytes(),
+                            sizes.topk_weights_bytes()};
+    for (size_t i = 0; i < std::size(bytes); ++i) {
+      STEPMESH_RETURN_IF_ERROR(mb.request.SetBytes(i, bytes[i]));
+    }
+    mb.prepared_step = step;
+  }
   absl::StatusOr<stepmesh::RequestHandle> handle =
-      worker_->PushPull(pushes, pulls, stepmesh::SendOptions{.ready = mb.ready.get(), .stage = {}});
+      worker_->Post(mb.request, stepmesh::SendOptions{.ready = mb.ready.get(), .stage = {}});
   if (!handle.ok()) {
     return absl::Status(handle.status().code(),
-                        absl::StrCat("attention ", rank_, ": PushPull step ", step, " layer ",
-                                     layer, ": ", handle.status().message()));
+                        absl::StrCat("attention ", rank_, ": Post step ", step, " layer ", layer,
+                                     ": ", handle.status().message()));
   }
   mb.handle = *handle;
   mb.in_flight = true;

@@ -33,6 +33,43 @@ struct Pull {
   int server = 0;
 };
 
+// A PushPull validated once (AFTensorWorker::Prepare) and posted many times
+// (Post): its keys looked up, byte counts checked, servers routed. It names
+// registrations by generation, so a key unregistered (or registered again)
+// after Prepare makes it stale: Post then fails FAILED_PRECONDITION naming
+// the key, and never reads the old tensor. Movable; post it only on the
+// worker that prepared it, while that worker lives. Not thread-safe to
+// SetBytes while another thread posts it; posting it from several threads is
+// safe (the second post of a request still in flight is refused).
+class STEPMESH_EXPORT PreparedRequest {
+ public:
+  PreparedRequest();  // empty: Post refuses it
+  PreparedRequest(PreparedRequest&&) noexcept;
+  PreparedRequest& operator=(PreparedRequest&&) noexcept;
+  ~PreparedRequest();
+
+  bool valid() const { return plan_ != nullptr; }
+  size_t num_pushes() const;
+  size_t num_pulls() const;
+  // Push `push` (in Prepare's order): its key, the bytes it sends, and the
+  // bytes of the tensor registered under that key when it was prepared.
+  Key push_key(size_t push) const;
+  size_t bytes(size_t push) const;
+  size_t registered_bytes(size_t push) const;
+  // The tensor registered under push `push`'s key at Prepare (empty out of range).
+  TensorView push_tensor(size_t push) const;
+  // Push `push` sends its first `bytes` bytes from the next Post on (posted
+  // requests keep theirs). OUT_OF_RANGE above registered_bytes(push),
+  // INVALID_ARGUMENT for an index out of range; nothing changes then.
+  absl::Status SetBytes(size_t push, size_t bytes);
+
+  struct Plan;  // what Prepare found: defined by the library (src/core/prepared_request.h)
+
+ private:
+  friend struct Plan;
+  std::unique_ptr<Plan> plan_;
+};
+
 // Rank, backend, stats, traces, Barrier and Shutdown: stepmesh/participant.h.
 class STEPMESH_EXPORT AFTensorWorker : public Participant {
  public:
@@ -50,10 +87,24 @@ class STEPMESH_EXPORT AFTensorWorker : public Participant {
   virtual absl::Status RegisterPullTensor(Key key, int server, TensorView tensor) = 0;
   virtual absl::Status Unregister(Key key) = 0;
 
-  // Broadcasts the pushes and expects one reply per server addressed (a reply
-  // carries the pull for that server, if any). Returns at once; the send happens
-  // on the send thread once `options.ready` completes. A key may be in one
-  // request at a time.
+  // Validates a request once: every key registered, no key repeated, byte
+  // counts within the registered tensors, servers in range, at most one pull
+  // per server and only from a server pushed to. Errors name the key or
+  // server. Allocates; the result is posted any number of times.
+  virtual absl::StatusOr<PreparedRequest> Prepare(absl::Span<const Push> pushes,
+                                                  absl::Span<const Pull> pulls) = 0;
+  // Broadcasts the prepared pushes and expects one reply per server
+  // addressed (a reply carries the pull for that server, if any). Returns at
+  // once; the send happens on the send thread once `options.ready`
+  // completes (with no ready event, an idle send thread and a transport
+  // whose send never waits, TCP, on the calling thread before returning).
+  // A key may be in one request at a time (FAILED_PRECONDITION otherwise).
+  // No lookup and no allocation: the checks left are the prepared
+  // registrations' generations, their in-flight flags and the servers'
+  // liveness.
+  virtual absl::StatusOr<RequestHandle> Post(const PreparedRequest& request,
+                                             const SendOptions& options = {}) = 0;
+  // Prepare + Post in one call (into storage of the worker's: no allocation).
   virtual absl::StatusOr<RequestHandle> PushPull(absl::Span<const Push> pushes,
                                                  absl::Span<const Pull> pulls,
                                                  const SendOptions& options = {}) = 0;

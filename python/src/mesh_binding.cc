@@ -208,7 +208,12 @@ class PyWorker : public PyParticipant {
     if (!pulls.is_none()) {
       ForEachItem(pulls, [&](py::handle item) { pull_items.push_back(ParsePull(item)); });
     }
-    return Submit(push_items, pull_items, stream, "push_pull", stage);
+    return Submit(
+        stream, "push_pull",
+        [&](AFTensorWorker& node, const SendOptions& options) {
+          return node.PushPull(push_items, pull_items, options);
+        },
+        stage);
   }
 
   // stream=None: blocks (GIL released) until done and releases the handle.
@@ -248,45 +253,40 @@ class PyWorker : public PyParticipant {
 
   bool Test(const RequestRef& request) { return ValueOrThrow(live().Test(request.handle)); }
 
-  // Parses a request once for PyPlan: keys checked, rows turned into bytes,
-  // the registered tensors it touches kept alive by the plan.
-  void Prepare(py::handle pushes, py::handle pulls, std::vector<Push>& push_items,
-               std::vector<std::vector<int>>& push_servers, std::vector<Pull>& pull_items,
-               std::vector<Registered>& keep) {
-    live();
+  // Parses a request once for PyPlan (rows turned into bytes) and prepares it
+  // in the library, which checks every key once and names the bad one.
+  PreparedRequest Prepare(py::handle pushes, py::handle pulls) {
+    auto& node = live();  // may raise: do it holding the GIL
+    std::vector<Push> push_items;
+    std::vector<std::vector<int>> push_servers;
+    std::vector<Pull> pull_items;
     for (py::handle item : pushes) {
       push_servers.emplace_back();
       push_items.push_back(ParsePush(item, push_servers.back()));
-      auto it = push_regs_.find(push_items.back().key);
-      if (it == push_regs_.end()) {
-        ThrowStatus(absl::NotFoundError(
-            absl::StrCat("prepare: push key ", push_items.back().key, " is not registered")));
-      }
-      keep.push_back(it->second);
     }
     for (size_t i = 0; i < push_items.size(); ++i) push_items[i].servers = push_servers[i];
     if (!pulls.is_none()) {
-      for (py::handle item : pulls) {
-        pull_items.push_back(ParsePull(item));
-        auto it = pull_regs_.find({pull_items.back().key, pull_items.back().server});
-        if (it == pull_regs_.end()) {
-          ThrowStatus(absl::NotFoundError(absl::StrCat("prepare: pull key ", pull_items.back().key,
-                                                       " from server ", pull_items.back().server,
-                                                       " is not registered")));
-        }
-        keep.push_back(it->second);
-      }
+      for (py::handle item : pulls) pull_items.push_back(ParsePull(item));
     }
-    if (push_items.empty()) ThrowInvalidArgument("prepare: a request needs at least one push");
+    absl::StatusOr<PreparedRequest> prepared;
+    {
+      py::gil_scoped_release release;
+      prepared = node.Prepare(push_items, pull_items);
+    }
+    if (!prepared.ok()) {
+      const absl::Status& s = prepared.status();
+      ThrowStatus(absl::Status(s.code(), absl::StrCat("prepare: ", s.message())));
+    }
+    return *std::move(prepared);
   }
 
-  // PushPull + Wait with the GIL released once, for PyPlan. `last` receives
-  // the handle (kept pending when the wait timed out).
-  void RunPlan(absl::Span<const Push> pushes, absl::Span<const Pull> pulls, absl::Duration timeout,
-               py::handle stream, RequestHandle& last) {
+  // Post + Wait with the GIL released once, for PyPlan. `last` receives the
+  // handle (kept pending when the wait timed out).
+  void RunPrepared(const PreparedRequest& prepared, absl::Duration timeout, py::handle stream,
+                   RequestHandle& last) {
     auto& node = live();      // may raise: do it holding the GIL
     if (!stream.is_none()) {  // ordered after the stream's work: the same, with an event
-      last = Submit(pushes, pulls, stream, "run").handle;
+      last = SubmitPrepared(prepared, stream, "run").handle;
       absl::Status s;
       {
         py::gil_scoped_release release;
@@ -299,7 +299,7 @@ class PyWorker : public PyParticipant {
     absl::Status s;
     {
       py::gil_scoped_release release;
-      absl::StatusOr<RequestHandle> h = node.PushPull(pushes, pulls);
+      absl::StatusOr<RequestHandle> h = node.Post(prepared);
       if (h.ok()) {
         last = *h;
         s = node.Wait(*h, timeout);
@@ -310,14 +310,14 @@ class PyWorker : public PyParticipant {
     ThrowIfError(s);
   }
 
-  // PushPull + Wait `lat.size()` times in C++ under one GIL release (the
+  // Post + Wait `lat.size()` times in C++ under one GIL release (the
   // benchmark hook behind Plan.run_many): lat[i] is iteration i's round trip,
-  // PushPull() entry to Wait() return on MonotonicNowNs's clock, as
+  // Post() entry to Wait() return on MonotonicNowNs's clock, as
   // stepmesh_perf's worker measures it. Stops at the first failure, whose
   // status names the iteration; `last` is the latest request (pending when its
   // wait timed out).
-  void RunPlanMany(absl::Span<const Push> pushes, absl::Span<const Pull> pulls,
-                   absl::Duration timeout, std::vector<int64_t>& lat, RequestHandle& last) {
+  void RunPreparedMany(const PreparedRequest& prepared, absl::Duration timeout,
+                       std::vector<int64_t>& lat, RequestHandle& last) {
     auto& node = live();  // may raise: do it holding the GIL
     absl::Status s;
     size_t i = 0;
@@ -325,7 +325,7 @@ class PyWorker : public PyParticipant {
       py::gil_scoped_release release;
       for (; i < lat.size(); ++i) {
         const uint64_t t0 = MonotonicNowNs();
-        absl::StatusOr<RequestHandle> h = node.PushPull(pushes, pulls);
+        absl::StatusOr<RequestHandle> h = node.Post(prepared);
         if (!h.ok()) {
           s = h.status();
           break;
@@ -342,10 +342,18 @@ class PyWorker : public PyParticipant {
     }
   }
 
-  // Submits a request; with a stream, its send waits for a ready event
-  // recorded on that stream now (the producing kernels enqueued so far).
-  RequestRef Submit(absl::Span<const Push> pushes, absl::Span<const Pull> pulls, py::handle stream,
-                    const char* what, std::optional<uint32_t> stage = std::nullopt) {
+  RequestRef SubmitPrepared(const PreparedRequest& prepared, py::handle stream, const char* what) {
+    return Submit(stream, what, [&](AFTensorWorker& node, const SendOptions& options) {
+      return node.Post(prepared, options);
+    });
+  }
+
+  // Submits a request through `post(node, options)` (PushPull or Post);
+  // with a stream, its send waits for a ready event recorded on that stream
+  // now (the producing kernels enqueued so far).
+  template <typename PostFn>
+  RequestRef Submit(py::handle stream, const char* what, PostFn&& post,
+                    std::optional<uint32_t> stage = std::nullopt) {
     auto& node = live();  // may raise: do it holding the GIL
     py::object keep;
     Stream* s = streams_->Resolve(stream, what, keep);
@@ -354,11 +362,11 @@ class PyWorker : public PyParticipant {
     {
       py::gil_scoped_release release;
       if (ready == nullptr) {
-        handle = node.PushPull(pushes, pulls, SendOptions{.ready = nullptr, .stage = stage});
+        handle = post(node, SendOptions{.ready = nullptr, .stage = stage});
       } else if (absl::Status r = ready->Record(*s); !r.ok()) {
         handle = r;
       } else {
-        handle = node.PushPull(pushes, pulls, SendOptions{.ready = ready, .stage = stage});
+        handle = post(node, SendOptions{.ready = ready, .stage = stage});
       }
     }
     if (!handle.ok()) {
@@ -549,28 +557,33 @@ class PyWorker : public PyParticipant {
 };
 
 // A request prepared once and posted many times (Worker.prepare): the item
-// lists are parsed, the keys checked and the tensors pinned at preparation, so
-// a post does no Python parsing, and run() submits and waits under a single
-// GIL release without creating a Python object.
+// lists are parsed here once and the request prepared in the library
+// (AFTensorWorker::Prepare), so a post does no Python parsing and no lookup,
+// and run() posts and waits under a single GIL release without creating a
+// Python object. The plan holds no tensor: a key unregistered since makes it
+// stale, and the library refuses to post it (FailedPrecondition).
 class PyPlan {
  public:
-  PyPlan(PyWorker& worker, py::handle pushes, py::handle pulls) : worker_(worker) {
-    worker.Prepare(pushes, pulls, pushes_, servers_, pulls_, keep_);
+  PyPlan(PyWorker& worker, py::handle pushes, py::handle pulls)
+      : worker_(worker),
+        prepared_(worker.Prepare(pushes, pulls)),
+        pushes_arg_(py::reinterpret_borrow<py::object>(pushes)),
+        pulls_arg_(py::reinterpret_borrow<py::object>(pulls)) {
     default_timeout_ = worker.options().timeout;
   }
 
   RequestRef Post(py::handle stream) {
     Posting posting(*this);
-    return worker_.Submit(pushes_, pulls_, stream, "post");
+    return worker_.SubmitPrepared(prepared_, stream, "post");
   }
 
   void Run(py::handle timeout, py::handle stream) {
     const absl::Duration t = timeout.is_none() ? default_timeout_ : TimeoutArg(timeout, {});
     Posting posting(*this);
-    worker_.RunPlan(pushes_, pulls_, t, stream, last_);
+    worker_.RunPrepared(prepared_, t, stream, last_);
   }
 
-  // Plan.run_many(n, timeout): see PyWorker::RunPlanMany.
+  // Plan.run_many(n, timeout): see PyWorker::RunPreparedMany.
   std::vector<int64_t> RunMany(py::handle n_arg, py::handle timeout) {
     if (PyBool_Check(n_arg.ptr()) || !PyLong_Check(n_arg.ptr())) {
       ThrowInvalidArgument(absl::StrCat("run_many: n: expected an int, got ",
@@ -585,20 +598,20 @@ class PyPlan {
     const absl::Duration t = timeout.is_none() ? default_timeout_ : TimeoutArg(timeout, {});
     std::vector<int64_t> lat(static_cast<size_t>(n));
     Posting posting(*this);
-    worker_.RunPlanMany(pushes_, pulls_, t, lat, last_);
+    worker_.RunPreparedMany(prepared_, t, lat, last_);
     return lat;
   }
 
   // Plan.set_bytes / set_rows: push i's byte count changed in place (no
   // re-parsing, no lookup by key), for requests whose keys stay and whose
-  // sizes follow the step's token count. Checked here against the registered
-  // tensor, so a bad count fails at the call that set it. A request already
-  // posted is unaffected (PushPull copies the counts).
+  // sizes follow the step's token count. Checked here against the tensor
+  // registered at preparation, so a bad count fails at the call that set it.
+  // A request already posted is unaffected (Post copies the counts).
   void SetBytes(size_t i, py::handle bytes_arg) {
     CheckWritable("set_bytes");
     CheckPushIndex(i, "set_bytes");
     if (PyBool_Check(bytes_arg.ptr()) || !PyLong_Check(bytes_arg.ptr())) {
-      ThrowInvalidArgument(absl::StrCat("set_bytes: push ", i, " (key ", pushes_[i].key,
+      ThrowInvalidArgument(absl::StrCat("set_bytes: push ", i, " (key ", prepared_.push_key(i),
                                         "): bytes: expected an int"));
     }
     const long long b = PyLong_AsLongLong(bytes_arg.ptr());
@@ -609,41 +622,50 @@ class PyPlan {
     CheckWritable("set_rows");
     CheckPushIndex(i, "set_rows");
     if (PyBool_Check(rows_arg.ptr()) || !PyLong_Check(rows_arg.ptr())) {
-      ThrowInvalidArgument(
-          absl::StrCat("set_rows: push ", i, " (key ", pushes_[i].key, "): rows: expected an int"));
+      ThrowInvalidArgument(absl::StrCat("set_rows: push ", i, " (key ", prepared_.push_key(i),
+                                        "): rows: expected an int"));
     }
     const long long r = PyLong_AsLongLong(rows_arg.ptr());
     if (PyErr_Occurred()) PyErr_Clear();
-    const size_t row_bytes = keep_[i]->row_bytes();
-    const long long max_rows =
-        row_bytes == 0 ? 0 : static_cast<long long>(keep_[i]->view().bytes() / row_bytes);
+    const TensorView tensor = prepared_.push_tensor(i);
+    const int64_t rows = tensor.shape.rank() > 0 ? tensor.shape[0] : 1;
+    const size_t row_bytes = rows > 0 ? tensor.bytes() / static_cast<size_t>(rows) : 0;
+    const long long max_rows = row_bytes == 0 ? 0 : static_cast<long long>(rows);
     if (r < 0 || r > max_rows) {
-      ThrowInvalidArgument(absl::StrCat("set_rows: push ", i, " (key ", pushes_[i].key,
+      ThrowInvalidArgument(absl::StrCat("set_rows: push ", i, " (key ", prepared_.push_key(i),
                                         "): rows = ", std::string(py::str(rows_arg)),
                                         " is not in [0, ", max_rows, "]"));
     }
-    pushes_[i].bytes = static_cast<size_t>(r) * row_bytes;
+    ThrowIfError(prepared_.SetBytes(i, static_cast<size_t>(r) * row_bytes));
   }
   size_t bytes(size_t i) const {
     CheckPushIndex(i, "bytes");
-    return pushes_[i].bytes == kWholeTensor ? keep_[i]->view().bytes() : pushes_[i].bytes;
+    return prepared_.bytes(i);
   }
 
   std::optional<RequestRef> last() const {
     if (!last_.valid()) return std::nullopt;
     return RequestRef{last_};
   }
-  size_t num_pushes() const { return pushes_.size(); }
-  size_t num_pulls() const { return pulls_.size(); }
-  // Plan.trigger_target(): the request as it stands now, for Trigger.arm.
-  TriggerTarget TriggerTargetNow() { return PlanTriggerTarget(worker_.node(), pushes_, pulls_); }
+  size_t num_pushes() const { return prepared_.num_pushes(); }
+  size_t num_pulls() const { return prepared_.num_pulls(); }
+  // Plan.trigger_target(): the request as it stands now (its byte counts
+  // included), prepared afresh for the trigger's thread to post, so later
+  // set_bytes/set_rows on this plan do not race the trigger.
+  TriggerTarget TriggerTargetNow() {
+    auto frozen = std::make_shared<PreparedRequest>(worker_.Prepare(pushes_arg_, pulls_arg_));
+    for (size_t i = 0; i < prepared_.num_pushes(); ++i) {
+      ThrowIfError(frozen->SetBytes(i, prepared_.bytes(i)));
+    }
+    return PreparedTriggerTarget(worker_.node(), std::move(frozen));
+  }
 
  private:
   static constexpr long long kMaxRunMany = 10'000'000;
 
-  // Counts the calls that read pushes_ with the GIL released (post, run,
-  // run_many, from any thread); set_rows/set_bytes, which hold the GIL, refuse
-  // to write it meanwhile.
+  // Counts the calls that read the prepared request with the GIL released
+  // (post, run, run_many, from any thread); set_rows/set_bytes, which hold
+  // the GIL, refuse to write it meanwhile.
   struct Posting {
     explicit Posting(PyPlan& p) : plan(p) { ++plan.posting_; }
     ~Posting() { --plan.posting_; }
@@ -657,27 +679,26 @@ class PyPlan {
     }
   }
   void CheckPushIndex(size_t i, const char* what) const {
-    if (i >= pushes_.size()) {
+    if (i >= prepared_.num_pushes()) {
       ThrowInvalidArgument(
-          absl::StrCat(what, ": push index ", i, " is not in [0, ", pushes_.size(), ")"));
+          absl::StrCat(what, ": push index ", i, " is not in [0, ", prepared_.num_pushes(), ")"));
     }
   }
   void SetPushBytes(size_t i, long long b, const std::string& shown, const char* what,
                     const char* name) {
-    const size_t registered = keep_[i]->view().bytes();
+    const size_t registered = prepared_.registered_bytes(i);
     if (b < 0 || static_cast<unsigned long long>(b) > registered) {
-      ThrowInvalidArgument(absl::StrCat(what, ": push ", i, " (key ", pushes_[i].key, "): ", name,
-                                        " = ", shown, " is not in [0, ", registered,
+      ThrowInvalidArgument(absl::StrCat(what, ": push ", i, " (key ", prepared_.push_key(i),
+                                        "): ", name, " = ", shown, " is not in [0, ", registered,
                                         "] (the registered tensor)"));
     }
-    pushes_[i].bytes = static_cast<size_t>(b);
+    ThrowIfError(prepared_.SetBytes(i, static_cast<size_t>(b)));
   }
 
   PyWorker& worker_;  // kept alive by the Python plan object (keep_alive)
-  std::vector<Push> pushes_;
-  std::vector<std::vector<int>> servers_;  // what pushes_[i].servers points into
-  std::vector<Pull> pulls_;
-  std::vector<Registered> keep_;
+  PreparedRequest prepared_;
+  py::object pushes_arg_;  // as given: trigger_target prepares them again
+  py::object pulls_arg_;
   absl::Duration default_timeout_;
   RequestHandle last_;
   int posting_ = 0;  // Posting scopes in progress (read and written holding the GIL)
@@ -1165,8 +1186,10 @@ connects to the scheduler and every server (blocking, GIL released).)doc");
             return std::make_unique<PyPlan>(w, pushes, pulls);
           },
           py::arg("pushes"), py::arg("pulls") = py::tuple(), py::keep_alive<0, 1>(),
-          "A PushPull parsed once (keys checked, tensors pinned): plan.post() -> Request,\n"
-          "plan.run(timeout) = post + wait under one GIL release (no Python object made).")
+          "A PushPull parsed and prepared once (AFTensorWorker::Prepare: keys checked,\n"
+          "servers routed): plan.post() -> Request, plan.run(timeout) = post + wait under\n"
+          "one GIL release (no Python object made). Unregistering a key it uses makes it\n"
+          "stale: posting it then raises FailedPrecondition naming the key.")
       .def("wait", &PyWorker::Wait, py::arg("request"), py::arg("timeout") = py::none(),
            py::arg("stream") = py::none(),
            "Host wait (GIL released), or with stream=: the stream waits on the device for\n"

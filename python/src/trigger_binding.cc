@@ -11,12 +11,17 @@
 namespace stepmesh::python {
 namespace py = pybind11;
 
-TriggerTarget PlanTriggerTarget(AFTensorWorker& node, absl::Span<const Push> pushes,
-                                absl::Span<const Pull> pulls) {
-  auto push_items = std::make_shared<const std::vector<Push>>(pushes.begin(), pushes.end());
-  auto pull_items = std::make_shared<const std::vector<Pull>>(pulls.begin(), pulls.end());
+TriggerTarget PreparedTriggerTarget(AFTensorWorker& node,
+                                    std::shared_ptr<const PreparedRequest> prepared) {
   TriggerTarget t;
-  t.post = [&node, push_items, pull_items]() { return node.PushPull(*push_items, *pull_items); };
+  std::vector<std::string> keys;
+  for (size_t i = 0; i < prepared->num_pushes(); ++i) {
+    keys.push_back(absl::StrCat(prepared->push_key(i)));
+  }
+  t.name = absl::StrCat(
+      "push keys ", absl::StrJoin(keys, ","),
+      prepared->num_pulls() == 0 ? "" : absl::StrCat(" (", prepared->num_pulls(), " pulls)"));
+  t.post = [&node, prepared = std::move(prepared)]() { return node.Post(*prepared); };
   t.poll = [&node](RequestHandle h) -> absl::StatusOr<bool> {
     absl::StatusOr<bool> done = node.Test(h);
     if (!done.ok()) return done.status();
@@ -25,12 +30,6 @@ TriggerTarget PlanTriggerTarget(AFTensorWorker& node, absl::Span<const Push> pus
     if (!s.ok()) return s;
     return true;
   };
-  std::vector<std::string> keys;
-  for (const Push& p : pushes) keys.push_back(absl::StrCat(p.key));
-  std::vector<std::string> from;
-  for (const Pull& p : pulls) from.push_back(absl::StrCat(p.key, " from server ", p.server));
-  t.name = absl::StrCat("push keys ", absl::StrJoin(keys, ","),
-                        from.empty() ? "" : absl::StrCat(", pull ", absl::StrJoin(from, ", ")));
   return t;
 }
 

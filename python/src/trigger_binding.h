@@ -24,11 +24,10 @@ struct PyTriggerTarget {
   pybind11::object keep;
 };
 
-// The callbacks posting `pushes`/`pulls` on `node` from the trigger's thread
-// (no GIL, no Python). The items are copied; the servers their spans point at
-// must outlive the target (the plan's own vectors: keep the plan).
-TriggerTarget PlanTriggerTarget(AFTensorWorker& node, absl::Span<const Push> pushes,
-                                absl::Span<const Pull> pulls);
+// The callbacks posting `prepared` on `node` from the trigger's thread (no
+// GIL, no Python, no lookup: AFTensorWorker::Post), and checking it.
+TriggerTarget PreparedTriggerTarget(AFTensorWorker& node,
+                                    std::shared_ptr<const PreparedRequest> prepared);
 
 class PyTrigger {
  public:

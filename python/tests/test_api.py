@@ -506,10 +506,12 @@ def test_tensor_slices_outlive_their_batch_safely():
     assert holder["alive"]() is None
 
 
-def test_prepared_plan_round_trips_pins_tensors_and_names_bad_keys():
+def test_prepared_plan_round_trips_goes_stale_and_names_bad_keys():
     """Worker.prepare: keys checked once (an unregistered key is a LookupError
     naming it), rows resolved at preparation, run() = post + wait, post() a
-    Request, and the plan keeps its tensors alive after the user drops them."""
+    Request; the plan holds no tensor: once its keys are unregistered it is
+    stale (posting it raises FailedPrecondition naming the key, even after the
+    key is registered again) and the tensors go with the worker's hold."""
     rows, cols, steps = 4, 3, 3
     mesh = Mesh(echo_server(1, 2, steps, lambda: np.zeros((rows, cols), np.float32), times2=True))
     try:
@@ -520,24 +522,30 @@ def test_prepared_plan_round_trips_pins_tensors_and_names_bad_keys():
             w.register_pull(2, 0, y)
             with pytest.raises(stepmesh.NotFound, match="push key 9"):
                 w.prepare([9], [(2, 0)])
-            with pytest.raises(stepmesh.NotFound, match="pull key 2 from server 1"):
+            with pytest.raises(stepmesh.NotFound, match="pull key 3 from server 0"):
+                w.prepare([1], [(3, 0)])
+            with pytest.raises(ValueError, match="pull of key 2 from unknown server 1"):
                 w.prepare([1], [(2, 1)])
+            with pytest.raises(ValueError, match="push key 1 repeated"):
+                w.prepare([1, 1], [(2, 0)])
             with pytest.raises(ValueError, match="at least one push"):
                 w.prepare([], [(2, 0)])
             plan = w.prepare([1], [(2, 0)])
             xr, yr = weakref.ref(x), weakref.ref(y)
-            w.unregister(1)  # the worker lets go: only the plan holds the tensors now
+            w.unregister(1)  # the worker lets go, and the plan holds nothing
             w.unregister(2)
             del x, y
             gc.collect()
-            assert xr() is not None and yr() is not None
-            del plan
-            gc.collect()
             assert xr() is None and yr() is None
+            with pytest.raises(stepmesh.FailedPrecondition, match="push key 1 was unregistered"):
+                plan.run(20)
             x = np.zeros((rows, cols), np.float32)
             y = np.zeros((rows, cols), np.float32)
             w.register_push(1, x)
             w.register_pull(2, 0, y)
+            with pytest.raises(stepmesh.FailedPrecondition, match="push key 1 was unregistered"):
+                plan.post()  # the same key over new memory: still stale, never silently reused
+            del plan
             plan = w.prepare([stepmesh.Push(1, rows=2)], [(2, 0)])
             assert (plan.num_pushes, plan.num_pulls, plan.last) == (1, 1, None)
             w.barrier()

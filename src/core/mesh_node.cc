@@ -153,6 +153,8 @@ void MeshNode::Stop() {
   send_wake_.Bump();
   if (transport_ != nullptr) transport_->Wake();
   if (send_thread_.joinable()) send_thread_.join();
+  // An inline send that saw the node running finishes before the transport goes.
+  { std::lock_guard<std::mutex> lock(send_mu_); }
   if (transport_ != nullptr) transport_->Shutdown();
   if (recv_thread_.joinable()) recv_thread_.join();
   CancelAll(absl::CancelledError("the mesh participant shut down"));
@@ -297,6 +299,18 @@ absl::Status MeshNode::EnqueueSend(SendItem item) {
   return absl::OkStatus();
 }
 
+bool MeshNode::TrySendInline(const SendItem& item) {
+  if (item.ready != nullptr || !transport_->SendNeverWaits()) return false;
+  if (unsent_.load(std::memory_order_acquire) != 0) return false;
+  std::unique_lock<std::mutex> lock(send_mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return false;
+  // Under the lock: the send thread holds it from before it executes an item
+  // until after it counted it sent, so none is in progress or waiting now.
+  if (unsent_.load(std::memory_order_acquire) != 0 || stopped()) return false;
+  ExecuteSend(item, absl::OkStatus());
+  return true;
+}
+
 void MeshNode::WaitForSendWork() {
   const PollMode mode = options_.threads.poll_mode;
   const absl::Time start = absl::Now();
@@ -354,8 +368,11 @@ void MeshNode::SendLoop() {
         }
         ready = reached.status();
       }
-      ExecuteSend(item, ready);
-      unsent_.fetch_sub(1, std::memory_order_release);
+      {
+        std::lock_guard<std::mutex> lock(send_mu_);
+        ExecuteSend(item, ready);
+        unsent_.fetch_sub(1, std::memory_order_release);
+      }
       progressed = true;
     }
     waiting.resize(kept);

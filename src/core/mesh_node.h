@@ -6,6 +6,7 @@
 #include <bit>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -81,7 +82,13 @@ class MeshNode : public TransportSink {
   bool stopped() const { return stopping_.load(std::memory_order_acquire); }
 
   absl::Status EnqueueSend(SendItem item);
-  // Runs on the send thread once `item.ready` completed (or failed: `ready`).
+  // Runs ExecuteSend(item) on the calling thread instead, when that cannot
+  // reorder or hold anything: no ready event, a transport whose Send never
+  // waits, nothing queued or being sent. False: the caller enqueues. Call
+  // holding no lock ExecuteSend takes.
+  bool TrySendInline(const SendItem& item);
+  // Runs on the send thread once `item.ready` completed (or failed: `ready`),
+  // or on the caller's thread through TrySendInline; one at a time.
   virtual void ExecuteSend(const SendItem& item, const absl::Status& ready) = 0;
   // A peer is gone. Called from the receive or the rendezvous thread, maybe twice.
   virtual void HandlePeerLost(NodeId peer, const absl::Status& why) = 0;
@@ -178,6 +185,9 @@ class MeshNode : public TransportSink {
   // their ready event): Stop() lets them go out before leaving.
   std::atomic<size_t> unsent_{0};
   std::atomic<bool> send_sleeping_{false};
+  // Held around every ExecuteSend (send thread or TrySendInline): one sender
+  // at a time, as Transport::Send requires. A std::mutex for try_lock.
+  std::mutex send_mu_;
   base::WakeWord send_wake_;  // the send thread sleeps on it (WaitForSendWork)
 
   base::Mutex clock_mu_;  // ExportChromeTrace against Stop()

@@ -31,10 +31,16 @@
 
 namespace stepmesh::core {
 
-// A worker tensor registered with the transport: a push source or a pull destination.
+// A worker tensor registered with the transport: a push source or a pull
+// destination. The worker keeps these in slots it reuses and never frees while
+// it lives; `generation` tells a prepared request (src/core/prepared_request.h)
+// whether the slot still holds the registration it was prepared against.
 struct TensorRegistration {
   TensorView view;
   WireTensor wire;
+  // Bumped when the registration goes (never 0); guarded by the worker's
+  // registration lock, like in_flight.
+  uint32_t generation = 1;
   bool in_flight = false;  // in a pending request; guarded by the worker's registration lock
   // Pull registrations: replies settled so far (success or failure), and the
   // device-side cursor of StreamWaitNextPull. `arrived` changes once per

@@ -114,7 +114,9 @@ class Transport {
   // Sends header + `bytes` from `src` (inside registered region `src_region`)
   // to `peer`. `src_region == 0` marks a small unregistered payload (an error
   // frame's text, at most 4 KiB) that the transport must copy (RDMA: into its
-  // own registered bounce buffer). Send-thread only. Returns once the frame
+  // own registered bounce buffer). One call at a time: the core's send
+  // thread, or (SendNeverWaits) an application thread the core lets send
+  // inline while its send thread is idle, serialized with it. Returns once the frame
   // is written or queued for that peer alone (TCP: the rest goes out when its
   // socket drains; RDMA: posted), so the source may still be read afterwards
   // — the core keeps sources untouched until the request completes (worker)
@@ -138,6 +140,9 @@ class Transport {
   // The remote destination is the peer's region for (header.key, this node's slot).
   virtual absl::Status Send(NodeId peer, const FrameHeader& header, const void* src,
                             RegionId src_region, size_t bytes) = 0;
+  // True when Send never waits for a peer (TCP): then a worker's Post with no
+  // ready event may send on the caller's thread (MeshNode::TrySendInline).
+  virtual bool SendNeverWaits() const { return false; }
 
   // Receive-thread only: makes progress, calling `sink`, waiting at most `max_wait`
   // when idle (zero: never blocks).

@@ -1,5 +1,6 @@
-// AFTensorWorker: registrations, PushPull's validation, and the worker's send
-// and receive paths around the request table (src/core/request_table.h).
+// AFTensorWorker: registrations, prepared requests and their posts, and the
+// worker's send and receive paths around the request table
+// (src/core/request_table.h, src/core/prepared_request.h).
 
 #include "stepmesh/worker.h"
 
@@ -16,6 +17,7 @@
 #include "src/core/mesh.h"
 #include "src/core/mesh_node.h"
 #include "src/core/participant_node.h"
+#include "src/core/prepared_request.h"
 #include "src/core/request_table.h"
 #include "stepmesh/status.h"
 
@@ -31,7 +33,10 @@ class Worker final : public ParticipantNode<AFTensorWorker> {
         // Generations start at a random point per process: a reply addressed to
         // a previous process under this rank (a server answering a batch from
         // before a restart) then matches no request of this one.
-        requests_(options.max_inflight_requests, options.num_servers, std::random_device{}() | 1) {}
+        requests_(options.max_inflight_requests, options.num_servers, std::random_device{}() | 1) {
+    ReservePlan(scratch_, options.num_servers);
+    scratch_.owner = this;
+  }
   ~Worker() override { Stop(); }
 
   absl::Status Init(const TransportFactory& factory) {
@@ -47,10 +52,12 @@ class Worker final : public ParticipantNode<AFTensorWorker> {
     if (push_regs_.contains(key)) {
       return absl::AlreadyExistsError(absl::StrCat("push key ", key, " already registered"));
     }
-    auto reg = std::make_unique<TensorRegistration>();
+    absl::StatusOr<WireTensor> wire = RegisterTensor(key, tensor, 1, {});
+    if (!wire.ok()) return wire.status();
+    TensorRegistration* reg = NewRegistration();
     reg->view = tensor;
-    STEPMESH_ASSIGN_OR_RETURN(reg->wire, RegisterTensor(key, tensor, 1, {}));
-    push_regs_[key] = std::move(reg);
+    reg->wire = *wire;
+    push_regs_[key] = reg;
     return absl::OkStatus();
   }
 
@@ -65,12 +72,16 @@ class Worker final : public ParticipantNode<AFTensorWorker> {
       return absl::AlreadyExistsError(
           absl::StrCat("pull key ", key, " from server ", server, " already registered"));
     }
-    auto reg = std::make_unique<TensorRegistration>();
+    STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<HostFlag> arrivals, backend_->CreateHostFlag());
+    STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<HostFlag> cursor, backend_->CreateHostFlag());
+    STEPMESH_ASSIGN_OR_RETURN(const WireTensor wire,
+                              RegisterTensor(key, tensor, 1, {PeerId(server)}));
+    TensorRegistration* reg = NewRegistration();
     reg->view = tensor;
-    STEPMESH_ASSIGN_OR_RETURN(reg->arrivals, backend_->CreateHostFlag());
-    STEPMESH_ASSIGN_OR_RETURN(reg->cursor, backend_->CreateHostFlag());
-    STEPMESH_ASSIGN_OR_RETURN(reg->wire, RegisterTensor(key, tensor, 1, {PeerId(server)}));
-    pull_regs_[{key, server}] = std::move(reg);
+    reg->wire = wire;
+    reg->arrivals = std::move(arrivals);
+    reg->cursor = std::move(cursor);
+    pull_regs_[{key, server}] = reg;
     return absl::OkStatus();
   }
 
@@ -92,16 +103,46 @@ class Worker final : public ParticipantNode<AFTensorWorker> {
       return absl::NotFoundError(absl::StrCat("key ", key, " is not registered"));
     }
     if (push != push_regs_.end()) {
-      STEPMESH_RETURN_IF_ERROR(
-          UnregisterTensor(push->second->wire.region, push->second->view.data, key));
+      TensorRegistration* reg = push->second;
+      STEPMESH_RETURN_IF_ERROR(UnregisterTensor(reg->wire.region, reg->view.data, key));
       push_regs_.erase(push);
+      FreeRegistration(reg);
     }
     for (const auto& id : pulls) {
-      const TensorRegistration& reg = *pull_regs_[id];
-      STEPMESH_RETURN_IF_ERROR(UnregisterTensor(reg.wire.region, reg.view.data, key));
+      TensorRegistration* reg = pull_regs_[id];
+      STEPMESH_RETURN_IF_ERROR(UnregisterTensor(reg->wire.region, reg->view.data, key));
       pull_regs_.erase(id);
+      FreeRegistration(reg);
     }
     return absl::OkStatus();
+  }
+
+  absl::StatusOr<PreparedRequest> Prepare(absl::Span<const Push> pushes,
+                                          absl::Span<const Pull> pulls) override {
+    if (stopped()) return absl::FailedPreconditionError("worker is shut down");
+    auto plan = std::make_unique<PreparedPlan>();
+    plan->owner = this;
+    base::MutexLock lock(&reg_mu_);
+    STEPMESH_RETURN_IF_ERROR(BuildLocked(pushes, pulls, *plan));
+    return PreparedPlan::Wrap(std::move(plan));
+  }
+
+  absl::StatusOr<RequestHandle> Post(const PreparedRequest& prepared,
+                                     const SendOptions& send_options) override {
+    const uint64_t enqueue_ns = options_.trace.enabled ? MonotonicNowNs() : 0;
+    const PreparedPlan* plan = PreparedPlan::Of(prepared);
+    if (plan == nullptr) return absl::InvalidArgumentError("an empty PreparedRequest");
+    if (plan->owner != this) {
+      return absl::InvalidArgumentError("a PreparedRequest of another worker");
+    }
+    if (stopped()) return absl::FailedPreconditionError("worker is shut down");
+    RequestHandle handle;
+    bool staged = false;
+    {
+      base::MutexLock lock(&reg_mu_);
+      STEPMESH_ASSIGN_OR_RETURN(handle, CommitLocked(*plan, send_options, enqueue_ns, &staged));
+    }
+    return Enqueue(handle, send_options, staged);
   }
 
   absl::StatusOr<RequestHandle> PushPull(absl::Span<const Push> pushes,
@@ -109,36 +150,16 @@ class Worker final : public ParticipantNode<AFTensorWorker> {
                                          const SendOptions& send_options) override {
     const uint64_t enqueue_ns = options_.trace.enabled ? MonotonicNowNs() : 0;
     if (stopped()) return absl::FailedPreconditionError("worker is shut down");
-    if (pushes.empty()) return absl::InvalidArgumentError("a request needs at least one push");
-    if (pushes.size() > kMaxPushesPerRequest) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(pushes.size(), " pushes; at most ", kMaxPushesPerRequest, " per request"));
-    }
     RequestHandle handle;
+    bool staged = false;
     {
+      // Prepared into the worker's own plan (reserved: no allocation) and
+      // posted from it before the lock is let go.
       base::MutexLock lock(&reg_mu_);
-      Request* r = requests_.NextFree();
-      if (r == nullptr) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "all ", requests_.size(), " request slots in flight (max_inflight_requests)"));
-      }
-      // Everything is validated before any state changes.
-      STEPMESH_RETURN_IF_ERROR(PlanPushes(*r, pushes));
-      STEPMESH_RETURN_IF_ERROR(PlanPulls(*r, pulls));
-      STEPMESH_ASSIGN_OR_RETURN(const int addressed, CountLiveAddressed(*r));
-      for (size_t i = 0; i < pushes.size(); ++i) r->pushes[i].reg->in_flight = true;
-      for (const Pull& pull : pulls) r->pull_reg[pull.server]->in_flight = true;
-      r->num_pushes = static_cast<int>(pushes.size());
-      r->stage = send_options.stage;
-      handle = requests_.Commit(addressed, enqueue_ns);
+      STEPMESH_RETURN_IF_ERROR(BuildLocked(pushes, pulls, scratch_));
+      STEPMESH_ASSIGN_OR_RETURN(handle, CommitLocked(scratch_, send_options, enqueue_ns, &staged));
     }
-    absl::Status queued =
-        EnqueueSend({kSendRequest, handle.index(), handle.generation(), send_options.ready});
-    if (!queued.ok()) {
-      Fail(handle.index(), queued);
-      return queued;
-    }
-    return handle;
+    return Enqueue(handle, send_options, staged);
   }
 
   absl::Status Wait(RequestHandle handle, absl::Duration timeout) override {
@@ -203,76 +224,78 @@ class Worker final : public ParticipantNode<AFTensorWorker> {
     return requests_.in_use();
   }
 
-  // --- PushPull's validation, into the free slot `r` ---
-  absl::Status PlanPushes(Request& r, absl::Span<const Push> pushes)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(reg_mu_) {
-    const int num_servers = options_.num_servers;
-    std::fill(r.targets.begin(), r.targets.end(), 0);
-    std::fill(r.addressed.begin(), r.addressed.end(), 0);
-    for (size_t i = 0; i < pushes.size(); ++i) {
-      const Push& push = pushes[i];
-      auto it = push_regs_.find(push.key);
-      if (it == push_regs_.end()) {
-        return absl::NotFoundError(absl::StrCat("push key ", push.key, " is not registered"));
-      }
-      TensorRegistration& reg = *it->second;
-      const size_t registered = reg.view.bytes();
-      const size_t bytes = push.bytes == kWholeTensor ? registered : push.bytes;
-      if (bytes > registered) {
-        return absl::OutOfRangeError(absl::StrCat("push of ", bytes, " bytes under key ", push.key,
-                                                  " exceeds the registered ", registered));
-      }
-      if (reg.in_flight) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("push key ", push.key, " is still in flight in another request"));
-      }
-      for (size_t j = 0; j < i; ++j) {
-        if (pushes[j].key == push.key) {
-          return absl::InvalidArgumentError(absl::StrCat("push key ", push.key, " repeated"));
-        }
-      }
-      uint8_t* targets = &r.targets[i * num_servers];
-      if (push.servers.empty()) std::fill(targets, targets + num_servers, 1);
-      for (int s : push.servers) {
-        if (s < 0 || s >= num_servers) {
-          return absl::InvalidArgumentError(absl::StrCat("push to unknown server ", s));
-        }
-        targets[s] = 1;
-      }
-      for (int s = 0; s < num_servers; ++s) r.addressed[s] |= targets[s];
-      r.pushes[i] = {push.key, reg.wire.wire, bytes, reg.view.dtype, reg.wire.region, &reg};
+  // --- registrations and posts ---
+  // A slot for a new registration: reused when one is free (its generation
+  // already bumped past every plan that named it), else a new one.
+  TensorRegistration* NewRegistration() ABSL_EXCLUSIVE_LOCKS_REQUIRED(reg_mu_) {
+    if (!free_regs_.empty()) {
+      TensorRegistration* reg = free_regs_.back();
+      free_regs_.pop_back();
+      return reg;
     }
-    return absl::OkStatus();
+    reg_slots_.push_back(std::make_unique<TensorRegistration>());
+    return reg_slots_.back().get();
+  }
+  // The slot of a registration just gone: emptied, and stale to every plan
+  // that named it. Not freed: a plan may still hold its address.
+  void FreeRegistration(TensorRegistration* reg) ABSL_EXCLUSIVE_LOCKS_REQUIRED(reg_mu_) {
+    const uint32_t generation = reg->generation == UINT32_MAX ? 1 : reg->generation + 1;
+    *reg = TensorRegistration();
+    reg->generation = generation;
+    free_regs_.push_back(reg);
   }
 
-  absl::Status PlanPulls(Request& r, absl::Span<const Pull> pulls)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(reg_mu_) {
-    std::fill(r.pull_key.begin(), r.pull_key.end(), kNoPull);
-    for (const Pull& pull : pulls) {
-      if (pull.server < 0 || pull.server >= options_.num_servers) {
-        return absl::InvalidArgumentError(absl::StrCat("pull from unknown server ", pull.server));
-      }
-      auto it = pull_regs_.find({pull.key, pull.server});
-      if (it == pull_regs_.end()) {
-        return absl::NotFoundError(absl::StrCat("pull key ", pull.key, " from server ", pull.server,
-                                                " is not registered"));
-      }
-      if (it->second->in_flight) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("pull key ", pull.key, " is still in flight in another request"));
-      }
-      if (r.pull_key[pull.server] != kNoPull) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("two pulls from server ", pull.server, " in one request"));
-      }
-      if (!r.addressed[pull.server]) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "pull from server ", pull.server, " without a push to it in the same request"));
-      }
-      r.pull_key[pull.server] = pull.key;
-      r.pull_reg[pull.server] = it->second.get();
+  absl::Status BuildLocked(absl::Span<const Push> pushes, absl::Span<const Pull> pulls,
+                           PreparedPlan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(reg_mu_) {
+    return BuildPlan(
+        pushes, pulls, options_.num_servers,
+        [this](Key key) ABSL_NO_THREAD_SAFETY_ANALYSIS -> TensorRegistration* {
+          auto it = push_regs_.find(key);
+          return it == push_regs_.end() ? nullptr : it->second;
+        },
+        [this](Key key, int server) ABSL_NO_THREAD_SAFETY_ANALYSIS -> TensorRegistration* {
+          auto it = pull_regs_.find({key, server});
+          return it == pull_regs_.end() ? nullptr : it->second;
+        },
+        plan);
+  }
+
+  // Takes a free slot for `plan`: everything checked before any state
+  // changes. `staged`: whether a push is staged through host memory.
+  absl::StatusOr<RequestHandle> CommitLocked(const PreparedPlan& plan,
+                                             const SendOptions& send_options, uint64_t enqueue_ns,
+                                             bool* staged) ABSL_EXCLUSIVE_LOCKS_REQUIRED(reg_mu_) {
+    Request* r = requests_.NextFree();
+    if (r == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "all ", requests_.size(), " request slots in flight (max_inflight_requests)"));
     }
-    return absl::OkStatus();
+    STEPMESH_RETURN_IF_ERROR(CheckPlanPostable(plan));
+    FillRequest(plan, *r);
+    STEPMESH_ASSIGN_OR_RETURN(const int addressed, CountLiveAddressed(*r));
+    for (const PreparedPlan::PushPart& p : plan.pushes) {
+      p.reg->in_flight = true;
+      *staged |= p.reg->wire.staged;
+    }
+    for (const PreparedPlan::PullPart& p : plan.pulls) p.reg->in_flight = true;
+    r->stage = send_options.stage;
+    return requests_.Commit(addressed, enqueue_ns);
+  }
+
+  // Hands the request to the send thread, or, when the send thread is idle
+  // and there is nothing to wait for (no ready event, no staging copy, a
+  // transport whose Send never waits), sends it on this thread: one
+  // hand-off fewer per round trip.
+  absl::StatusOr<RequestHandle> Enqueue(RequestHandle handle, const SendOptions& send_options,
+                                        bool staged) {
+    const SendItem item{kSendRequest, handle.index(), handle.generation(), send_options.ready};
+    if (!staged && TrySendInline(item)) return handle;
+    absl::Status queued = EnqueueSend(item);
+    if (!queued.ok()) {
+      Fail(handle.index(), queued);
+      return queued;
+    }
+    return handle;
   }
 
   // How many servers `r` addresses; UNAVAILABLE when one of them is gone.
@@ -585,9 +608,13 @@ class Worker final : public ParticipantNode<AFTensorWorker> {
   }
 
   base::Mutex reg_mu_;  // the registrations, their in_flight flags, the free request slots
-  absl::flat_hash_map<Key, std::unique_ptr<TensorRegistration>> push_regs_ ABSL_GUARDED_BY(reg_mu_);
-  absl::flat_hash_map<std::pair<Key, int>, std::unique_ptr<TensorRegistration>> pull_regs_
-      ABSL_GUARDED_BY(reg_mu_);
+  // Registration slots: never freed while the worker lives (prepared
+  // requests hold their addresses), reused through free_regs_.
+  std::vector<std::unique_ptr<TensorRegistration>> reg_slots_ ABSL_GUARDED_BY(reg_mu_);
+  std::vector<TensorRegistration*> free_regs_ ABSL_GUARDED_BY(reg_mu_);
+  absl::flat_hash_map<Key, TensorRegistration*> push_regs_ ABSL_GUARDED_BY(reg_mu_);
+  absl::flat_hash_map<std::pair<Key, int>, TensorRegistration*> pull_regs_ ABSL_GUARDED_BY(reg_mu_);
+  PreparedPlan scratch_ ABSL_GUARDED_BY(reg_mu_);  // PushPull's
   RequestTable requests_;
   base::RateLimiter violations_{10, absl::Seconds(10)};
 };

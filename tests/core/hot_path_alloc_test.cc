@@ -1,8 +1,8 @@
-// The hot path allocates nothing: once a 2A2F mesh is warm, PushPull, Wait,
-// GetBatch and Respond, and the send and receive threads behind them, run
-// without a single call to operator new. Counted by replacing the global
-// operator new of this test program; sanitizer builds keep their own
-// allocator, so there the case only reports that it cannot count.
+// The hot path allocates nothing: once a 2A2F mesh is warm, PushPull (or Post
+// of a request prepared before), Wait, GetBatch and Respond, and the send and
+// receive threads behind them, run without a single call to operator new. Counted by replacing the
+// global operator new of this test program; sanitizer builds keep their own allocator, so there the
+// case only reports that it cannot count.
 
 #include <atomic>
 #include <catch2/catch.hpp>
@@ -54,7 +54,9 @@ constexpr int64_t kBytes = 64 << 10;
 constexpr int kWarmup = 300;
 constexpr int kMeasured = 1000;
 
-TEST_CASE("steady-state 2A2F exchanges over TCP allocate nothing", "[mesh][tcp][alloc]") {
+// `prepared`: each worker posts one PreparedRequest (made before the
+// window); otherwise it calls PushPull each round.
+void CheckNoAllocations(bool prepared) {
 #if !STEPMESH_COUNT_ALLOCATIONS
   WARN("sanitizer build: allocations are not counted here (the normal build checks them)");
 #else
@@ -103,9 +105,11 @@ TEST_CASE("steady-state 2A2F exchanges over TCP allocate nothing", "[mesh][tcp][
     STEPMESH_RETURN_IF_ERROR(worker.Barrier());
     const Push p{1};
     const Pull pull_from[kServers] = {{2, 0}, {2, 1}};
+    STEPMESH_ASSIGN_OR_RETURN(const PreparedRequest plan, worker.Prepare({&p, 1}, pull_from));
     auto round = [&](int i) {
       push[0] = static_cast<uint8_t>(i);
-      absl::StatusOr<RequestHandle> h = worker.PushPull({&p, 1}, pull_from);
+      absl::StatusOr<RequestHandle> h =
+          prepared ? worker.Post(plan) : worker.PushPull({&p, 1}, pull_from);
       if (!h.ok() || !worker.Wait(*h, absl::Seconds(30)).ok() || pull0[0] != (push[0] ^ 0x5A) ||
           pull1[0] != (push[0] ^ 0x5A)) {
         failures.fetch_add(1);
@@ -135,6 +139,15 @@ TEST_CASE("steady-state 2A2F exchanges over TCP allocate nothing", "[mesh][tcp][
   INFO(during << " allocations in " << kMeasured << " round trips of " << kWorkers << " workers");
   CHECK(during == 0);
 #endif
+}
+
+TEST_CASE("steady-state 2A2F exchanges over TCP allocate nothing", "[mesh][tcp][alloc]") {
+  CheckNoAllocations(/*prepared=*/false);
+}
+
+TEST_CASE("steady-state 2A2F posts of prepared requests over TCP allocate nothing",
+          "[mesh][tcp][alloc][prepared]") {
+  CheckNoAllocations(/*prepared=*/true);
 }
 
 }  // namespace

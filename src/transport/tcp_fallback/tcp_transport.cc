@@ -264,6 +264,8 @@ class TcpTransport final : public Transport {
     return absl::OkStatus();
   }
 
+  bool SendNeverWaits() const override { return true; }  // a full queue is RESOURCE_EXHAUSTED
+
   absl::Status Send(NodeId peer, const FrameHeader& header, const void* src, RegionId region,
                     size_t bytes) override {
     PeerSlot* slot = SlotOf(peer);
