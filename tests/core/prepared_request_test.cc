@@ -7,6 +7,7 @@
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -198,6 +199,22 @@ TEST_CASE("posting a prepared request many times sends the bytes PushPull sends"
     CHECK(pull == by_push_pull);
     CHECK(pull[0] == static_cast<uint8_t>(push[0] + 1));
   }
+}
+
+TEST_CASE("a prepared request posts only on the worker that prepared it", "[mesh][prepared]") {
+  std::vector<uint8_t> push0(kBytes), push1(kBytes);
+  MeshOptions o = TcpOptions();
+  o.num_workers = 2;
+  absl::StatusOr<std::unique_ptr<testing::LoopbackMesh>> mesh =
+      testing::LoopbackMesh::Start(o, compose::CreateTransport);
+  REQUIRE_OK(mesh);
+  REQUIRE_OK((*mesh)->worker(0).RegisterPushTensor(1, BytesView(push0.data(), kBytes)));
+  REQUIRE_OK((*mesh)->worker(1).RegisterPushTensor(1, BytesView(push1.data(), kBytes)));
+  const Push p{1};
+  absl::StatusOr<PreparedRequest> plan = (*mesh)->worker(0).Prepare({&p, 1}, {});
+  REQUIRE_OK(plan);
+  CheckMessage((*mesh)->worker(1).Post(*plan).status(), absl::StatusCode::kInvalidArgument,
+               "another worker");
 }
 
 TEST_CASE("different prepared requests post concurrently from several threads",
