@@ -127,13 +127,13 @@ absl::Status SchedulerRendezvous::Authenticate(absl::Time deadline) {
 SchedulerRendezvous::~SchedulerRendezvous() {
   Leave();
   stop_.store(true);
+  peer_events_.Stop();  // the node is stopping: pending events no longer matter
   if (monitor_.joinable()) monitor_.join();
-  if (event_thread_.joinable()) event_thread_.join();
 }
 
 void SchedulerRendezvous::StartMonitor(RendezvousEvents events) {
   events_ = std::move(events);
-  event_thread_ = base::StartNamedThread("sm-peer-events", {}, [this] { EventLoop(); });
+  peer_events_.Start();
   monitor_ = base::StartNamedThread("sm-rendezvous", {}, [this] { MonitorLoop(); });
 }
 
@@ -141,28 +141,6 @@ absl::Status SchedulerRendezvous::Send(const ControlMessage& message) {
   base::MutexLock lock(&write_mu_);
   if (!fd_.valid()) return absl::UnavailableError("no scheduler connection");
   return SendControl(fd_.get(), message, absl::Now() + options_.timeout);
-}
-
-void SchedulerRendezvous::Post(std::function<void()> event) {
-  base::MutexLock lock(&events_mu_);
-  queue_.push_back(std::move(event));
-}
-
-void SchedulerRendezvous::EventLoop() {
-  for (;;) {
-    std::function<void()> event;
-    {
-      base::MutexLock lock(&events_mu_);
-      events_mu_.AwaitWithTimeout([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(
-                                      events_mu_) { return !queue_.empty() || stop_.load(); },
-                                  absl::Milliseconds(50));
-      if (stop_.load()) return;  // the node is stopping: pending events no longer matter
-      if (queue_.empty()) continue;
-      event = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    event();
-  }
 }
 
 void SchedulerRendezvous::MonitorLoop() {

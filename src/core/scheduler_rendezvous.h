@@ -14,7 +14,6 @@
 // resume), and a new one fails UNAVAILABLE at once.
 
 #include <atomic>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -26,6 +25,7 @@
 #include "src/base/net.h"
 #include "src/base/sync.h"
 #include "src/core/control_message.h"
+#include "src/core/peer_event_thread.h"
 #include "src/core/rendezvous.h"
 #include "stepmesh/options.h"
 #include "stepmesh/trace.h"
@@ -62,8 +62,7 @@ class SchedulerRendezvous final : public Rendezvous {
   absl::Status Authenticate(absl::Time deadline);
   absl::Status Send(const ControlMessage& message);
   void MonitorLoop();
-  void EventLoop();
-  void Post(std::function<void()> event);
+  void Post(std::function<void()> event) { peer_events_.Post(std::move(event)); }
   void Disconnected(const absl::Status& why);
   // One attempt to get the scheduler back; true when reconnected.
   bool Reconnect();
@@ -73,7 +72,7 @@ class SchedulerRendezvous final : public Rendezvous {
   RendezvousEvents events_;
   uint64_t epoch_ = 0;  // membership changes received (monitor thread)
   std::thread monitor_;
-  std::thread event_thread_;
+  PeerEventThread peer_events_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> left_{false};
 
@@ -94,9 +93,6 @@ class SchedulerRendezvous final : public Rendezvous {
   uint64_t clock_scheduler_ns_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t clock_received_ns_ ABSL_GUARDED_BY(mu_) = 0;
   base::Mutex clock_mu_;  // one EstimateClock at a time
-
-  base::Mutex events_mu_;
-  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(events_mu_);
 };
 
 }  // namespace stepmesh::core

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <deque>
 #include <map>
 #include <thread>
 #include <vector>
@@ -16,6 +15,7 @@
 #include "src/base/sync.h"
 #include "src/base/thread_util.h"
 #include "src/core/auth.h"
+#include "src/core/peer_event_thread.h"
 #include "src/core/protocol.h"
 #include "stepmesh/status.h"
 
@@ -53,7 +53,7 @@ class StoreRendezvous final : public Rendezvous {
     stop_.store(true);
     { base::MutexLock lock(&mu_); }
     if (monitor_.joinable()) monitor_.join();
-    if (event_thread_.joinable()) event_thread_.join();
+    peer_events_.Stop();
   }
 
   absl::Status Join(absl::Time deadline) {
@@ -72,7 +72,7 @@ class StoreRendezvous final : public Rendezvous {
 
   void StartMonitor(RendezvousEvents events) override {
     events_ = std::move(events);
-    event_thread_ = base::StartNamedThread("sm-peer-events", {}, [this] { EventLoop(); });
+    peer_events_.Start();
     monitor_ = base::StartNamedThread("sm-store-beat", {}, [this] { MonitorLoop(); });
   }
 
@@ -277,25 +277,8 @@ class StoreRendezvous final : public Rendezvous {
           continue;
         }
         e.epoch = ++epoch_;
-        queue_.push_back(std::move(e));
+        peer_events_.Post([this, e = std::move(e)] { Dispatch(events_, e); });
       }
-    }
-  }
-
-  void EventLoop() {
-    for (;;) {
-      MembershipEvent event;
-      {
-        base::MutexLock lock(&mu_);
-        mu_.AwaitWithTimeout(
-            [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !queue_.empty() || stop_.load(); },
-            absl::Milliseconds(50));
-        if (stop_.load()) return;
-        if (queue_.empty()) continue;
-        event = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      Dispatch(events_, event);
     }
   }
 
@@ -315,13 +298,12 @@ class StoreRendezvous final : public Rendezvous {
   std::atomic<bool> stop_{false};
   std::atomic<bool> left_{false};
   std::thread monitor_;
-  std::thread event_thread_;
+  PeerEventThread peer_events_;
 
   base::Mutex mu_;
   std::map<NodeId, Peer> peers_ ABSL_GUARDED_BY(mu_);
   uint64_t barrier_sent_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
-  std::deque<MembershipEvent> queue_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <deque>
 #include <map>
 #include <optional>
 #include <thread>
@@ -24,6 +23,7 @@
 #include "src/base/sync.h"
 #include "src/base/thread_util.h"
 #include "src/core/auth.h"
+#include "src/core/peer_event_thread.h"
 #include "src/core/protocol.h"
 #include "src/rendezvous/etcd/etcd_client.h"
 #include "stepmesh/status.h"
@@ -157,7 +157,7 @@ class EtcdRendezvous final : public core::Rendezvous {
     }
     if (watcher_.joinable()) watcher_.join();
     if (keeper_.joinable()) keeper_.join();
-    if (event_thread_.joinable()) event_thread_.join();
+    peer_events_.Stop();
     if (lease_ != 0 && !revoked_) {
       (void)client_->Revoke(lease_, absl::Now() + kLeaveBound);  // a failed join's keys
     }
@@ -172,7 +172,7 @@ class EtcdRendezvous final : public core::Rendezvous {
 
   void StartMonitor(core::RendezvousEvents events) override {
     events_ = std::move(events);
-    event_thread_ = base::StartNamedThread("sm-peer-events", {}, [this] { EventLoop(); });
+    peer_events_.Start();
     keeper_ = base::StartNamedThread("sm-etcd-lease", {}, [this] { KeepAliveLoop(); });
     watcher_ = base::StartNamedThread("sm-etcd-watch", {}, [this] { WatchLoop(); });
   }
@@ -501,8 +501,11 @@ class EtcdRendezvous final : public core::Rendezvous {
                              }
                              continue;
                            }
-                           if (std::optional<MembershipEvent> event = Apply(e))
-                             queue_.push_back(*std::move(event));
+                           if (std::optional<MembershipEvent> event = Apply(e)) {
+                             peer_events_.Post([this, event = *std::move(event)] {
+                               core::Dispatch(events_, event);
+                             });
+                           }
                          }
                          return !stop_.load();
                        });
@@ -511,23 +514,6 @@ class EtcdRendezvous final : public core::Rendezvous {
       if (fatal_.ok()) fatal_ = s;
       STEPMESH_LOG(kWarning, "etcd membership watch ended: ", s.message(),
                    "; the data plane carries on, no more membership events or barriers");
-    }
-  }
-
-  void EventLoop() {
-    for (;;) {
-      MembershipEvent event;
-      {
-        base::MutexLock lock(&mu_);
-        mu_.AwaitWithTimeout(
-            [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !queue_.empty() || stop_.load(); },
-            absl::Milliseconds(50));
-        if (stop_.load()) return;
-        if (queue_.empty()) continue;
-        event = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      core::Dispatch(events_, event);
     }
   }
 
@@ -583,7 +569,7 @@ class EtcdRendezvous final : public core::Rendezvous {
   std::atomic<bool> left_{false};
   std::thread watcher_;
   std::thread keeper_;
-  std::thread event_thread_;
+  core::PeerEventThread peer_events_;
 
   mutable base::Mutex mu_;
   std::map<NodeId, State> state_ ABSL_GUARDED_BY(mu_);
@@ -592,7 +578,6 @@ class EtcdRendezvous final : public core::Rendezvous {
   uint64_t barrier_sent_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t watch_from_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status fatal_ ABSL_GUARDED_BY(mu_);
-  std::deque<MembershipEvent> queue_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
