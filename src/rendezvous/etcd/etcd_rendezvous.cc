@@ -53,6 +53,9 @@ std::string MemberKey(const std::string& prefix, Role role, int rank) {
 
 std::string Hex(absl::string_view bytes) { return absl::BytesToHexString(bytes); }
 
+// A lease ID as etcdctl prints (and an operator pastes) it: 16 hex digits.
+std::string LeaseId(int64_t lease) { return absl::StrCat(absl::Hex(lease, absl::kZeroPad16)); }
+
 // The member value's signature with the mesh token: binds key, endpoint and shape.
 std::string Proof(const std::string& token, const std::string& key, const std::string& endpoint,
                   const std::string& shape) {
@@ -328,11 +331,11 @@ class EtcdRendezvous final : public core::Rendezvous {
           options_.rank >= 0 ? ""
                              : absl::StrCat("every ", RoleDir(options_.role), " rank is taken; "),
           "etcd key ", holder.key, " at ", client_->url().Endpoints(), " is held by lease ",
-          absl::Hex(holder.lease), m.ok() ? absl::StrCat(" (endpoint ", m->endpoint, ")") : "",
+          LeaseId(holder.lease), m.ok() ? absl::StrCat(" (endpoint ", m->endpoint, ")") : "",
           ", still alive after ", absl::FormatDuration(options_.timeout),
           ": another participant of this rank, or a crashed run's lease",
           ttl.ok() && *ttl >= 0 ? absl::StrCat(" that expires in ", *ttl, " s") : std::string(),
-          " (etcdctl lease revoke ", absl::Hex(holder.lease), " clears it)"));
+          " (etcdctl lease revoke ", LeaseId(holder.lease), " clears it)"));
     }
   }
 
@@ -530,7 +533,7 @@ class EtcdRendezvous final : public core::Rendezvous {
       next = absl::Now() + every;
       if (ttl.ok() && *ttl > 0) {
         if (warned)
-          STEPMESH_LOG(kInfo, "etcd keep-alive of lease ", absl::Hex(lease_), " works again");
+          STEPMESH_LOG(kInfo, "etcd keep-alive of lease ", LeaseId(lease_), " works again");
         warned = false;
         continue;
       }
@@ -538,13 +541,13 @@ class EtcdRendezvous final : public core::Rendezvous {
         base::MutexLock lock(&mu_);
         if (fatal_.ok()) {
           fatal_ = absl::UnavailableError(
-              absl::StrCat("this participant's etcd lease ", absl::Hex(lease_), " expired"));
+              absl::StrCat("this participant's etcd lease ", LeaseId(lease_), " expired"));
           STEPMESH_LOG(kError, fatal_.message(), "; the mesh counts it as lost");
         }
         return;
       }
       if (!warned && !stop_.load() && !left_.load()) {
-        STEPMESH_LOG(kWarning, "etcd keep-alive of lease ", absl::Hex(lease_), ": ",
+        STEPMESH_LOG(kWarning, "etcd keep-alive of lease ", LeaseId(lease_), ": ",
                      ttl.status().message(), " (retrying; the data plane carries on)");
       }
       warned = true;
