@@ -45,9 +45,9 @@ trap cleanup EXIT
   --metrics-port "$port" --deadline-s 240 > "$work/launch.log" 2>&1 &
 launch_pid=$!
 
-# Bounded: 180 s at most; it ends at the first failed scrape after the run is gone.
+# Bounded: 90 s at most; it ends at the first failed scrape after the run is gone.
 rc=0
-"$plan_bin" "$plan" --watch "$urls" --watch-interval-ms 100 --watch-seconds 180 \
+"$plan_bin" "$plan" --watch "$urls" --watch-interval-ms 100 --watch-seconds 90 \
   --watch-until-gone > "$work/watch.log" 2> "$work/watch.err" || rc=$?
 launch_rc=0
 wait "$launch_pid" || launch_rc=$?
