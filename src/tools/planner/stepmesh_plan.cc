@@ -249,6 +249,17 @@ absl::StatusOr<Args> ParseArgs(int argc, char** argv) {
   if (a.perf_stat != "p50_us" && a.perf_stat != "mean_us") {
     return absl::InvalidArgumentError("--perf-stat must be p50_us or mean_us");
   }
+  const bool autoscale_flags = a.as_attention || a.as_ffn || a.as_max_instances ||
+                               !a.batch_policy.empty() || a.as_tpot || a.as_gain ||
+                               a.as_confirmations;
+  if (autoscale_flags && a.autoscale_out.empty() && a.watch.empty()) {
+    return absl::InvalidArgumentError("--autoscale-* options need --autoscale-out or --watch");
+  }
+  const bool watch_flags = a.watch_count > 0 || a.watch_seconds > 0 || a.watch_until_gone ||
+                           a.current || a.watch_interval_ms != 1000 || a.watch_timeout_ms != 2000;
+  if (watch_flags && a.watch.empty()) {
+    return absl::InvalidArgumentError("--watch-* and --current options need --watch URL[,URL...]");
+  }
   if (!a.watch.empty() && a.watch_count == 0 && a.watch_seconds == 0) {
     return absl::InvalidArgumentError("--watch needs --watch-count N or --watch-seconds S");
   }
