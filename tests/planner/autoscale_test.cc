@@ -300,3 +300,39 @@ TEST_CASE("autoscale: the plan file round-trips and names every mistake",
 
 }  // namespace
 }  // namespace stepmesh::planner
+
+namespace stepmesh::planner {
+namespace {
+
+TEST_CASE("autoscale: the emulated Step-3 file goes 2A2F to 4A2F as the context grows 1K to 8K",
+          "[planner][autoscale]") {
+  // configs/autoscale_step3_emulated.json, for afd_launch --autoscale: the
+  // global batch (2 x 1024 slots per micro-batch) held, the TPOT of 2A2F at
+  // 4K (5.06 ms at 6 layers) the target. The context climbs in 256-token
+  // steps; each observation reports the slots per instance of the shape the
+  // controller last announced.
+  absl::StatusOr<AutoscalePlan> plan =
+      ReadAutoscalePlan(STEPMESH_PLANNER_CONFIG_DIR "/autoscale_step3_emulated.json");
+  REQUIRE(plan.ok());
+  AutoscaleController ctl(*plan, 2, 2);
+  std::vector<std::pair<double, std::string>> changes;
+  for (double context = 1024; context <= 8192; context += 256) {
+    const int x = ctl.current_attention();
+    absl::StatusOr<Recommendation> r = ctl.Observe({context, 2048.0 / x, 0});
+    REQUIRE(r.ok());
+    CHECK(r->recommended.attention * r->recommended.batch == Approx(2048).margin(2));
+    if (context <= 4096) CHECK(!r->favours_change);  // 2A2F meets 5.12 ms up to 4K
+    if (r->changed) changes.emplace_back(context, Best(*r));
+  }
+  REQUIRE(changes.size() == 2);
+  CHECK(changes[0].second == "3A2F");
+  CHECK(changes[1].second == "4A2F");
+  // Each change is confirmed 3 observations (768 tokens) after 2A2F or 3A2F
+  // first missed the target: 4352 and 6400.
+  CHECK(changes[0].first == 4864);
+  CHECK(changes[1].first == 6912);
+  CHECK(ctl.current_attention() == 4);
+}
+
+}  // namespace
+}  // namespace stepmesh::planner
