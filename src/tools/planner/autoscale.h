@@ -17,8 +17,9 @@
 // the hysteresis: it moves only when a better shape beats the current one by
 // at least min_gain for `confirmations` consecutive observations.
 //
-// stepmesh_plan --autoscale-out writes the file; stepmesh_plan --watch and
-// afd_launch --autoscale read it. No dependency on libstepmesh.
+// stepmesh_plan --autoscale-out writes the file and stepmesh_plan --watch
+// reads it; it is also the input written for afd_launch --autoscale. No
+// dependency on libstepmesh.
 
 #include <string>
 

@@ -75,7 +75,7 @@ constexpr char kUsage[] =
     "  --autoscale-batch-policy per_instance|global  slots per attention instance kept, or the "
     "global batch\n"
     "  --autoscale-tpot-ms T    only shapes within this TPOT compete (default: workload.tpot_ms)\n"
-    "  --autoscale-gain PCT     change when the best beats the current by PCT %% (default 5)\n"
+    "  --autoscale-gain PCT     change when the best beats the current by PCT % (default 5)\n"
     "  --autoscale-confirmations K  ... in K consecutive observations (default 3)\n"
     "  --watch URL[,URL...]     scrape these metrics endpoints (afd_launch --metrics-port) and\n"
     "                           print one line per observation, and a recommendation line when\n"
@@ -83,7 +83,7 @@ constexpr char kUsage[] =
     "  --watch-interval-ms N    between observations (default 1000)\n"
     "  --watch-count N          stop after N observations\n"
     "  --watch-seconds S        stop after S seconds (one of the two is needed)\n"
-    "  --watch-timeout-ms N     per scrape of all endpoints' each (default 2000)\n"
+    "  --watch-timeout-ms N     deadline of each endpoint's scrape (default 2000)\n"
     "  --watch-until-gone       stop at the first failed scrape after a successful one\n"
     "  --current xAyF           the running shape, when the endpoints cannot tell it\n";
 
