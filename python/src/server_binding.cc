@@ -15,6 +15,7 @@
 #include "python/src/binding_args.h"
 #include "python/src/dlpack_tensor.h"
 #include "python/src/errors.h"
+#include "python/src/gil.h"
 #include "python/src/options_binding.h"
 #include "python/src/participant_binding.h"
 #include "python/src/store_binding.h"
@@ -34,13 +35,10 @@ class PyServer : public PyParticipant {
   explicit PyServer(MeshOptions options, std::shared_ptr<RendezvousStore> store = nullptr)
       : PyParticipant("server"), options_(std::move(options)) {
     options_.role = Role::kServer;
-    absl::StatusOr<std::unique_ptr<AFTensorServer>> server;
-    {
-      py::gil_scoped_release release;
-      server = store != nullptr ? CreateServerWithStore(options_, std::move(store))
-                                : AFTensorServer::Create(options_);
-    }
-    server_ = ValueOrThrow(std::move(server));
+    server_ = MakeReleased([&] {
+      return store != nullptr ? CreateServerWithStore(options_, std::move(store))
+                              : AFTensorServer::Create(options_);
+    });
     Attach(server_.get());
     streams_ = std::make_unique<StreamArgs>(server_->backend());
     events_ = std::make_unique<EventPool>(server_->backend());
@@ -68,38 +66,23 @@ class PyServer : public PyParticipant {
   void RegisterRecv(py::handle key_arg, py::handle tensor) {
     const Key key = KeyArg(key_arg, "register_recv");
     Registered t = ImportTensor(tensor, absl::StrCat("receive tensor for key ", key));
-    absl::Status s;
     auto& node = live();  // may raise: do it holding the GIL
-    {
-      py::gil_scoped_release release;
-      s = node.RegisterRecvTensor(key, t->view());
-    }
-    ThrowIfError(s);
+    CallReleased([&] { return node.RegisterRecvTensor(key, t->view()); });
     recv_regs_[key] = std::move(t);
   }
 
   void RegisterReply(py::handle key_arg, py::handle tensor) {
     const Key key = KeyArg(key_arg, "register_reply");
     Registered t = ImportTensor(tensor, absl::StrCat("reply tensor for key ", key));
-    absl::Status s;
     auto& node = live();  // may raise: do it holding the GIL
-    {
-      py::gil_scoped_release release;
-      s = node.RegisterReplyTensor(key, t->view());
-    }
-    ThrowIfError(s);
+    CallReleased([&] { return node.RegisterReplyTensor(key, t->view()); });
     reply_regs_[key] = std::move(t);
   }
 
   void Unregister(py::handle key_arg) {
     const Key key = KeyArg(key_arg, "unregister");
-    absl::Status s;
     auto& node = live();  // may raise: do it holding the GIL
-    {
-      py::gil_scoped_release release;
-      s = node.Unregister(key);
-    }
-    ThrowIfError(s);
+    CallReleased([&] { return node.Unregister(key); });
     recv_regs_.erase(key);
     reply_regs_.erase(key);
   }
