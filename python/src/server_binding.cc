@@ -63,20 +63,17 @@ class PyServer : public PyParticipant {
   int num_workers() { return live().num_workers(); }
   const MeshOptions& options() const { return options_; }
 
-  void RegisterRecv(py::handle key_arg, py::handle tensor) {
-    const Key key = KeyArg(key_arg, "register_recv");
-    Registered t = ImportTensor(tensor, absl::StrCat("receive tensor for key ", key));
+  // register_recv (reply = false) / register_reply (reply = true).
+  void Register(py::handle key_arg, py::handle tensor, bool reply) {
+    const Key key = KeyArg(key_arg, reply ? "register_reply" : "register_recv");
+    Registered t =
+        ImportTensor(tensor, absl::StrCat(reply ? "reply" : "receive", " tensor for key ", key));
     auto& node = live();  // may raise: do it holding the GIL
-    CallReleased([&] { return node.RegisterRecvTensor(key, t->view()); });
-    recv_regs_[key] = std::move(t);
-  }
-
-  void RegisterReply(py::handle key_arg, py::handle tensor) {
-    const Key key = KeyArg(key_arg, "register_reply");
-    Registered t = ImportTensor(tensor, absl::StrCat("reply tensor for key ", key));
-    auto& node = live();  // may raise: do it holding the GIL
-    CallReleased([&] { return node.RegisterReplyTensor(key, t->view()); });
-    reply_regs_[key] = std::move(t);
+    CallReleased([&] {
+      return reply ? node.RegisterReplyTensor(key, t->view())
+                   : node.RegisterRecvTensor(key, t->view());
+    });
+    (reply ? reply_regs_ : recv_regs_)[key] = std::move(t);
   }
 
   void Unregister(py::handle key_arg) {
@@ -288,8 +285,14 @@ The FFN side (C++ AFTensorServer). Server(options=None, **fields) joins the mesh
            py::arg("options") = py::none())
       .def_property_readonly("num_workers", &PyServer::num_workers)
       .def_property_readonly("options", &PyServer::options)
-      .def("register_recv", &PyServer::RegisterRecv, py::arg("key"), py::arg("tensor"))
-      .def("register_reply", &PyServer::RegisterReply, py::arg("key"), py::arg("tensor"))
+      .def(
+          "register_recv",
+          [](PyServer& s, py::handle key, py::handle t) { s.Register(key, t, false); },
+          py::arg("key"), py::arg("tensor"))
+      .def(
+          "register_reply",
+          [](PyServer& s, py::handle key, py::handle t) { s.Register(key, t, true); },
+          py::arg("key"), py::arg("tensor"))
       .def("unregister", &PyServer::Unregister, py::arg("key"))
       .def("get_batch", &PyServer::GetBatch, py::arg("timeout") = py::none(),
            py::arg("policy") = py::none())

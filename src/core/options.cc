@@ -106,14 +106,18 @@ absl::Status Refuse(const OptionInfo& info, absl::string_view shown) {
       absl::StrCat(info.member, "=", shown, VariableOf(info), ": want ", info.check.Describe()));
 }
 
+// Whether `shown` is one of a kOneOf check's values.
+bool Listed(const OptionCheck& c, absl::string_view shown) {
+  return absl::c_linear_search(std::vector<absl::string_view>(absl::StrSplit(c.values, '|')),
+                               shown);
+}
+
 absl::Status CheckField(const OptionInfo& info, int64_t value) {
   const OptionCheck& c = info.check;
   if (c.kind == OptionCheck::Kind::kRange && (value < c.lo || value > c.hi)) {
     return Refuse(info, absl::StrCat(value));
   }
-  if (c.kind == OptionCheck::Kind::kOneOf &&
-      !absl::c_linear_search(std::vector<absl::string_view>(absl::StrSplit(c.values, '|')),
-                             absl::StrCat(value))) {
+  if (c.kind == OptionCheck::Kind::kOneOf && !Listed(c, absl::StrCat(value))) {
     return Refuse(info, absl::StrCat(value));
   }
   return absl::OkStatus();
@@ -123,9 +127,7 @@ absl::Status CheckField(const OptionInfo& info, int value) {
 }
 absl::Status CheckField(const OptionInfo& info, const std::string& value) {
   const OptionCheck& c = info.check;
-  if (c.kind == OptionCheck::Kind::kOneOf &&
-      !absl::c_linear_search(std::vector<absl::string_view>(absl::StrSplit(c.values, '|')),
-                             value)) {
+  if (c.kind == OptionCheck::Kind::kOneOf && !Listed(c, value)) {
     return Refuse(info, absl::StrCat("'", value, "'"));
   }
   return absl::OkStatus();
