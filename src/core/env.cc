@@ -252,6 +252,19 @@ const std::vector<EnvEntry>& EnvTable() {
          }
          return absl::OkStatus();
        }},
+      {"STEPMESH_TCP_RAILS", "tcp_rails", "empty (one connection per peer)",
+       "TCP rails: this host's addresses or interface names, comma-separated, rail 0 first "
+       "(≤ 4); one connection per rail per peer, large payloads striped across the rails "
+       "both ends have, a failed rail's bytes re-sent on the others (docs/tcp.md)",
+       STEPMESH_ENV_STR(tcp_rails)},
+      {"STEPMESH_TCP_STRIPE_MIN_BYTES", "tcp_stripe_min_bytes", "262144",
+       "with 2+ TCP rails, payloads at least this large are split across them (≥ 4096)",
+       [](absl::string_view v, MeshOptions& o) -> absl::Status {
+         if (!absl::SimpleAtoi(v, &o.tcp_stripe_min_bytes)) {
+           return absl::InvalidArgumentError("not an integer");
+         }
+         return absl::OkStatus();
+       }},
       {"STEPMESH_BACKEND", "backend", "`cpu_mock`", "`cpu_mock` or `cuda`",
        [](absl::string_view v, MeshOptions& o) -> absl::Status {
          // Whether this build has CUDA is decided when the backend is made;
@@ -798,6 +811,11 @@ absl::Status MeshOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("fi_stripe_min_bytes=", fi_stripe_min_bytes,
                      " (STEPMESH_FI_STRIPE_MIN_BYTES): want >= 4096"));
+  }
+  if (tcp_stripe_min_bytes < 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tcp_stripe_min_bytes=", tcp_stripe_min_bytes,
+                     " (STEPMESH_TCP_STRIPE_MIN_BYTES): want >= 4096"));
   }
   if (fserver.group_size < 1) {
     return absl::InvalidArgumentError(absl::StrCat(

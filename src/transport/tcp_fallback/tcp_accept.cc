@@ -21,21 +21,31 @@
 namespace stepmesh::tcp::internal {
 
 void TcpTransport::Pump(absl::Duration max_wait) {
-  if (!acceptor_.valid()) return;
+  if (acceptors_.empty()) return;
   const absl::Time now_before = absl::Now();
-  if (accept_paused_.load() && now_before >= acceptor_.paused_until()) {
-    epoll_event ev{};
-    ev.events = EPOLLIN;
-    ev.data.u64 = kListenerToken;
-    ::epoll_ctl(accept_epoll_fd_.get(), EPOLL_CTL_MOD, acceptor_.fd(), &ev);
-    accept_paused_.store(false);
+  if (accept_paused_.load()) {
+    bool still = false;
+    for (size_t r = 0; r < acceptors_.size(); ++r) {
+      if (!acceptor_paused_[r]) continue;
+      if (now_before < acceptors_[r].paused_until()) {
+        still = true;
+        continue;
+      }
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.u64 = kListenerToken - r;
+      ::epoll_ctl(accept_epoll_fd_.get(), EPOLL_CTL_MOD, acceptors_[r].fd(), &ev);
+      acceptor_paused_[r] = false;
+    }
+    accept_paused_.store(still);
   }
   epoll_event events[64];
   const int n = ::epoll_wait(accept_epoll_fd_.get(), events, 64,
                              static_cast<int>(absl::ToInt64Milliseconds(max_wait)));
   for (int i = 0; i < n; ++i) {
-    if (events[i].data.u64 == kListenerToken) {
-      AcceptAll();
+    const uint64_t token = events[i].data.u64;
+    if (token <= kListenerToken && token > kListenerToken - acceptors_.size()) {
+      AcceptAll(static_cast<int>(kListenerToken - token));
       continue;
     }
     auto* p = static_cast<Pending*>(events[i].data.ptr);
@@ -61,20 +71,22 @@ void TcpTransport::Pump(absl::Duration max_wait) {
   pending_count_.store(pending_.size(), std::memory_order_relaxed);
 }
 
-void TcpTransport::AcceptAll() {
+void TcpTransport::AcceptAll(int rail) {
+  base::Acceptor& acceptor = acceptors_[static_cast<size_t>(rail)];
   for (int i = 0; i < 64; ++i) {
     base::Acceptor::Accepted a;
-    switch (acceptor_.Accept(&a)) {
+    switch (acceptor.Accept(&a)) {
       case base::Acceptor::Outcome::kNone:
         return;
       case base::Acceptor::Outcome::kExhausted: {
         STEPMESH_LOG_LIMITED(exhausted_, kWarning, "tcp: out of file descriptors (",
-                             base::ErrnoMessage("accept", acceptor_.exhausted_errno()),
+                             base::ErrnoMessage("accept", acceptor.exhausted_errno()),
                              "): closed a new data connection unserved; accepting again in 100 ms");
         epoll_event ev{};
         ev.events = 0;  // unwatched until paused_until (level-triggered: it would spin)
-        ev.data.u64 = kListenerToken;
-        ::epoll_ctl(accept_epoll_fd_.get(), EPOLL_CTL_MOD, acceptor_.fd(), &ev);
+        ev.data.u64 = kListenerToken - static_cast<uint64_t>(rail);
+        ::epoll_ctl(accept_epoll_fd_.get(), EPOLL_CTL_MOD, acceptor.fd(), &ev);
+        acceptor_paused_[static_cast<size_t>(rail)] = true;
         accept_paused_.store(true);
         return;
       }
@@ -85,6 +97,7 @@ void TcpTransport::AcceptAll() {
     auto p = std::make_unique<Pending>(options_.auth_token);
     p->fd = std::move(a.fd);
     p->address = std::move(a.peer);
+    p->rail = rail;
     p->deadline = absl::Now() + kHandshakeTimeout;
     epoll_event ev{};
     ev.events = EPOLLIN | EPOLLRDHUP;
@@ -136,7 +149,7 @@ void TcpTransport::Decide(Pending& p) {
         self, absl::PermissionDeniedError(absl::StrCat(
                   "its hello claims node 0x", absl::Hex(from), ", which is not one of the ",
                   worker_slots_.size(), " workers of this mesh")));
-  } else if (self != kNoNode && expected_.contains(from)) {
+  } else if (self != kNoNode && expected_.contains(ExpectKey(from, p.rail))) {
     p.handshake.Decide(self, absl::OkStatus());
   } else {
     p.parked = true;
@@ -154,7 +167,7 @@ bool TcpTransport::Answer(Pending& p) {
   if (p.done) return false;
   if (p.handshake.step() == HandshakeAcceptor::Step::kDone) {
     const NodeId from = p.handshake.claimed();
-    if (!expected_.contains(from)) {
+    if (!expected_.contains(ExpectKey(from, p.rail))) {
       // Another connection claiming the same peer finished first.
       p.handshake.Withdraw(absl::AlreadyExistsError(
           absl::StrCat("its hello claims ", PeerName(from), ", which is ", ConnectedFrom(from))));
@@ -180,8 +193,8 @@ bool TcpTransport::Answer(Pending& p) {
   }
   const NodeId from = p.handshake.claimed();
   ::epoll_ctl(accept_epoll_fd_.get(), EPOLL_CTL_DEL, p.fd.get(), nullptr);
-  expected_.erase(from);
-  absl::Status adopted = Adopt(from, std::move(p.fd), p.address);
+  expected_.erase(ExpectKey(from, p.rail));
+  absl::Status adopted = Adopt(from, std::move(p.fd), p.address, p.rail);
   if (!adopted.ok()) {
     STEPMESH_LOG(kWarning, "tcp: cannot adopt the connection of ", PeerName(from), ": ",
                  adopted.ToString());

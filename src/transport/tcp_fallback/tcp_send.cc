@@ -26,14 +26,26 @@ absl::Status TcpTransport::UnregisterRegion(RegionId id) {
   for (auto* slots : {&worker_slots_, &server_slots_}) {
     for (PeerSlot& slot : *slots) {
       std::lock_guard<std::mutex> lock(slot.mu);
-      Connection* c = slot.conn;
-      if (c == nullptr) continue;
-      for (size_t i = 0; i < c->queued; ++i) {
-        if (c->at(i).region == id) {
-          return absl::FailedPreconditionError(
-              absl::StrCat("region ", id, " still has frames queued to ", PeerName(c->peer),
-                           " (slow to read); try again"));
+      for (Connection* c : {slot.conn, slot.rail[0], slot.rail[1], slot.rail[2], slot.rail[3]}) {
+        if (c == nullptr) continue;
+        for (size_t i = 0; i < c->queued; ++i) {
+          if (c->at(i).region == id) {
+            return absl::FailedPreconditionError(
+                absl::StrCat("region ", id, " still has frames queued to ", PeerName(c->peer),
+                             " (slow to read); try again"));
+          }
         }
+      }
+    }
+  }
+  // Written but not yet acknowledged over rails: out, so kept only to be sent
+  // again should their rail fail; the region goes, and such a frame can no
+  // longer be re-sent (the peer is then lost, see ResendRail).
+  for (auto* slots : {&worker_slots_, &server_slots_}) {
+    for (PeerSlot& slot : *slots) {
+      std::lock_guard<std::mutex> lock(slot.mu);
+      for (size_t i = 0; i < slot.sent_count; ++i) {
+        if (slot.sent_at(i).region == id) slot.sent_at(i).payload = nullptr;
       }
     }
   }
@@ -47,44 +59,57 @@ absl::Status TcpTransport::Send(NodeId peer, const FrameHeader& header, const vo
     return absl::NotFoundError(absl::StrCat("tcp: no connection to ", PeerName(peer)));
   }
   std::lock_guard<std::mutex> lock(slot->mu);
+  if (slot->rails > 1) return SendRails(*slot, header, src, region, bytes);
   Connection* c = slot->conn;
   if (c == nullptr || !c->alive.load(std::memory_order_relaxed) || !c->broken.ok()) {
     return absl::UnavailableError(
         absl::StrCat("tcp: the connection to ", PeerName(peer), " is closed"));
   }
   FrameBytes frame = EncodeFrame(header);
+  return WriteOrQueue(*c, frame.data(), frame.size(), static_cast<const std::byte*>(src), bytes,
+                      region, /*copy=*/region == 0 && bytes > 0);
+}
+
+absl::Status TcpTransport::WriteOrQueue(Connection& c, const std::byte* prefix, size_t prefix_bytes,
+                                        const std::byte* payload, size_t bytes, RegionId region,
+                                        bool copy) {
   size_t sent = 0;
-  if (c->queued == 0) {
+  if (c.queued == 0) {
     // Nothing waiting: write now. A socket with room takes the whole frame
     // (the usual case, no queueing at all); what it does not take waits in
     // the queue for writability, so this thread moves on to other peers.
-    iovec iov[2] = {{frame.data(), frame.size()}, {const_cast<void*>(src), bytes}};
-    absl::Status written = WriteSome(*c, iov, bytes > 0 ? 2 : 1, &sent);
+    iovec iov[2] = {{const_cast<std::byte*>(prefix), prefix_bytes},
+                    {const_cast<std::byte*>(payload), bytes}};
+    absl::Status written = WriteSome(c, iov, bytes > 0 ? 2 : 1, &sent);
     if (!written.ok()) return written;
-    if (sent == kFrameBytes + bytes) return absl::OkStatus();
+    if (sent == prefix_bytes + bytes) {
+      c.payload_sent += bytes;
+      return absl::OkStatus();
+    }
   }
-  if (c->queued == kMaxQueuedFrames) {
+  if (c.queued == kMaxQueuedFrames) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "tcp: the send queue to ", PeerName(peer), " is full (", kMaxQueuedFrames,
+        "tcp: the send queue to ", PeerName(c.peer), " is full (", kMaxQueuedFrames,
         " frames waiting: it has not read its socket for ",
-        absl::FormatDuration(absl::Trunc(absl::Now() - c->last_progress, absl::Milliseconds(1))),
+        absl::FormatDuration(absl::Trunc(absl::Now() - c.last_progress, absl::Milliseconds(1))),
         ")"));
   }
-  if (c->queued == c->ring.size()) Grow(*c);
-  OutFrame& out = c->at(c->queued);
-  out.header = frame;
+  if (c.queued == c.ring.size()) Grow(c);
+  OutFrame& out = c.at(c.queued);
+  std::copy(prefix, prefix + prefix_bytes, out.prefix.begin());
+  out.prefix_bytes = prefix_bytes;
   out.sent = sent;
   out.bytes = bytes;
   out.region = region;
-  if (region == 0 && bytes > 0) {
-    out.copy.assign(static_cast<const char*>(src), bytes);  // error texts: small, rare
+  if (copy) {
+    out.copy.assign(reinterpret_cast<const char*>(payload), bytes);  // error texts: small, rare
     out.payload = reinterpret_cast<const std::byte*>(out.copy.data());
   } else {
-    out.payload = static_cast<const std::byte*>(src);
+    out.payload = payload;
   }
-  if (c->queued++ == 0) {
-    c->last_progress = absl::Now();
-    ArmWritable(*c, true);
+  if (c.queued++ == 0) {
+    c.last_progress = absl::Now();
+    ArmWritable(c, true);
     backlogged_.fetch_add(1, std::memory_order_relaxed);
   }
   return absl::OkStatus();
@@ -120,17 +145,18 @@ void TcpTransport::DrainQueue(Connection& c) {
     OutFrame& f = c.at(0);
     iovec iov[2];
     int iovcnt = 0;
-    if (f.sent < kFrameBytes) {
-      iov[iovcnt++] = {f.header.data() + f.sent, kFrameBytes - f.sent};
+    if (f.sent < f.prefix_bytes) {
+      iov[iovcnt++] = {f.prefix.data() + f.sent, f.prefix_bytes - f.sent};
       if (f.bytes > 0) iov[iovcnt++] = {const_cast<std::byte*>(f.payload), f.bytes};
     } else {
-      iov[iovcnt++] = {const_cast<std::byte*>(f.payload) + (f.sent - kFrameBytes),
-                       kFrameBytes + f.bytes - f.sent};
+      iov[iovcnt++] = {const_cast<std::byte*>(f.payload) + (f.sent - f.prefix_bytes),
+                       f.prefix_bytes + f.bytes - f.sent};
     }
     const size_t before = f.sent;
     if (!WriteSome(c, iov, iovcnt, &f.sent).ok()) return;
     if (f.sent != before) c.last_progress = absl::Now();
-    if (f.sent < kFrameBytes + f.bytes) return;  // the socket is full again
+    if (f.sent < f.prefix_bytes + f.bytes) return;  // the socket is full again
+    c.payload_sent += f.bytes;
     f.copy.clear();
     f.payload = nullptr;
     c.head = (c.head + 1) % c.ring.size();
@@ -145,7 +171,7 @@ void TcpTransport::DrainQueue(Connection& c) {
 void TcpTransport::Flush(Connection& conn, TransportSink& sink) {
   {
     std::lock_guard<std::mutex> lock(conn.slot->mu);
-    if (conn.slot->conn != &conn) return;
+    if (!IsCurrent(conn)) return;
     DrainQueue(conn);
     if (conn.broken.ok()) return;
   }
@@ -154,7 +180,8 @@ void TcpTransport::Flush(Connection& conn, TransportSink& sink) {
 
 void TcpTransport::ArmWritable(Connection& c, bool on) {
   epoll_event ev{};
-  ev.events = EPOLLIN | EPOLLRDHUP | (on ? uint32_t{EPOLLOUT} : 0u);
+  // A rail that waits for another is not read (see kParkAfter).
+  ev.events = (c.blocked ? 0u : uint32_t{EPOLLIN | EPOLLRDHUP}) | (on ? uint32_t{EPOLLOUT} : 0u);
   ev.data.ptr = &c;
   ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_MOD, c.fd.get(), &ev);
   c.out_armed = on;
@@ -163,7 +190,13 @@ void TcpTransport::ArmWritable(Connection& c, bool on) {
 void TcpTransport::Grow(Connection& c) {
   std::vector<OutFrame> bigger(
       std::min(kMaxQueuedFrames, std::max<size_t>(c.ring.size() * 2, kInitialQueueFrames)));
-  for (size_t i = 0; i < c.queued; ++i) bigger[i] = std::move(c.at(i));
+  for (size_t i = 0; i < c.queued; ++i) {
+    bigger[i] = std::move(c.at(i));
+    // A short copy lives inside the string: it moved with it.
+    if (!bigger[i].copy.empty()) {
+      bigger[i].payload = reinterpret_cast<const std::byte*>(bigger[i].copy.data());
+    }
+  }
   c.ring = std::move(bigger);
   c.head = 0;
 }

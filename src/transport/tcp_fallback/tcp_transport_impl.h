@@ -8,6 +8,8 @@
 #include <sys/epoll.h>
 #include <sys/uio.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -30,6 +32,7 @@
 #include "src/core/handshake.h"
 #include "src/core/protocol.h"
 #include "src/core/transport.h"
+#include "src/transport/tcp_fallback/tcp_rail_wire.h"
 #include "stepmesh/options.h"
 
 namespace stepmesh::tcp::internal {
@@ -81,18 +84,53 @@ inline constexpr absl::Duration kShutdownFlush = absl::Seconds(2);
 // epoll tokens besides Connection pointers.
 inline constexpr uint64_t kWakeToken = ~uint64_t{0};
 inline constexpr uint64_t kAcceptToken = ~uint64_t{0} - 1;
+// Listener of rail r: kListenerToken - r.
 inline constexpr uint64_t kListenerToken = ~uint64_t{0} - 2;
+// A rail whose next message must wait for another rail's (its frame is not
+// the next to deliver) stops being read; one that waited this long reads
+// ahead into memory instead (a rail failed and its bytes were re-sent behind
+// later ones, or a rail is much slower than the others).
+inline constexpr absl::Duration kParkAfter = absl::Milliseconds(200);
+// Read-ahead bytes one peer may hold before it is lost.
+inline constexpr size_t kMaxParkedBytes = 256 << 20;
+// A receiver acknowledges at least every this many frames when it sends
+// nothing back meanwhile (every message it sends carries its ack).
+inline constexpr uint64_t kAckEvery = 32;
+// The most bytes a message's prefix has: rail header + frame header.
+inline constexpr size_t kMaxPrefixBytes = kRailHeaderBytes + core::kFrameBytes;
 
 // One frame waiting for its peer's socket: the encoded header, then the
 // payload straight from registered memory (or `copy`, for the small
 // unregistered payloads of error frames).
+// With rails the prefix is the rail header, then (heads) the frame header.
 struct OutFrame {
-  FrameBytes header{};
+  std::array<std::byte, kMaxPrefixBytes> prefix{};
+  size_t prefix_bytes = core::kFrameBytes;
   const std::byte* payload = nullptr;
   size_t bytes = 0;
-  size_t sent = 0;  // of kFrameBytes + bytes
+  size_t sent = 0;  // of prefix_bytes + bytes
   RegionId region = 0;
   std::string copy;
+};
+
+// A frame sent to a peer over rails, kept until the peer acknowledges it so
+// that the pieces of a rail that fails can be sent again on another.
+struct SentFrame {
+  uint64_t seq = 0;
+  FrameBytes header{};
+  const std::byte* payload = nullptr;  // null once its region is unregistered
+  size_t bytes = 0;
+  RegionId region = 0;
+  std::vector<std::byte> copy;  // region 0 (a moved vector keeps its buffer)
+  Stripes stripes;
+  uint8_t rail_of[kMaxRails] = {};  // the rail each piece went on
+};
+
+// A message read ahead of its turn (see kParkAfter).
+struct Parked {
+  RailHeader msg;
+  FrameHeader frame;  // heads
+  std::vector<std::byte> body;
 };
 
 struct PeerSlot;
@@ -112,6 +150,10 @@ struct Connection {
   std::atomic<bool> alive{true};
   bool superseded = false;  // replaced by a newer connection to the same peer
   bool said_goodbye = false;
+  // Rails: which rail (0 without), and whether the peer pair uses the rail
+  // messages of tcp_rail_wire.h (it shares 2+ rails).
+  int rail = 0;
+  bool railed = false;
 
   Stage stage = Stage::kHeader;
   FrameBytes header_bytes{};
@@ -124,13 +166,33 @@ struct Connection {
   std::string error_text;  // kError payloads are read here
   int lowat = 1;           // the socket's SO_RCVLOWAT (receive thread only)
 
+  // Rails, receive thread only: the message being read. Its body goes to
+  // `into` (a destination, scratch or a read-ahead buffer) as `sink_as` says.
+  enum class Body { kPlace, kDiscard, kErrorText, kPark };
+  enum class RailStage { kRailHeader, kFrameHeader, kRoute, kBody };
+  RailStage rail_stage = RailStage::kRailHeader;
+  std::array<std::byte, kRailHeaderBytes> rail_bytes{};
+  size_t rail_got = 0;
+  RailHeader msg;
+  FrameHeader msg_frame;  // heads
+  Body body = Body::kDiscard;
+  std::byte* into = nullptr;
+  size_t body_got = 0;
+  Parked parking;            // kPark: the message being read ahead
+  bool blocked = false;      // waits for another rail (EPOLLIN off)
+  absl::Time blocked_since;  //
+  bool read_ahead = false;   // blocked too long: reads ahead into memory
+  bool counts = false;       // the body is a piece of the frame being delivered
+  uint32_t generation = 0;   // the slot's when adopted
+
   // Send side, under slot->mu.
   std::vector<OutFrame> ring;
   size_t head = 0;
   size_t queued = 0;
-  bool out_armed = false;    // EPOLLOUT requested
-  absl::Time last_progress;  // the queue last moved (or started)
-  absl::Status broken;       // a send failed: the receive thread loses it
+  bool out_armed = false;     // EPOLLOUT requested
+  absl::Time last_progress;   // the queue last moved (or started)
+  absl::Status broken;        // a send failed: the receive thread loses it
+  uint64_t payload_sent = 0;  // payload bytes of fully written messages (tests)
   OutFrame& at(size_t i) { return ring[(head + i) % ring.size()]; }
 };
 
@@ -140,7 +202,44 @@ struct Connection {
 struct PeerSlot {
   std::mutex mu;
   Connection* conn = nullptr;  // owned by the transport's connections_ list
+  // Rails (the peer shares 2+; `conn` is then null): one connection per rail,
+  // null once that rail failed. Set at Connect (rails), under mu.
+  NodeId peer = kNoNode;
+  int rails = 1;
+  Connection* rail[kMaxRails] = {};
+  bool lost = false;  // every rail failed and the loss was reported
+  // Send side, under mu: frames not yet acknowledged, oldest first.
+  uint64_t next_seq = 1;
+  std::vector<SentFrame> sent;
+  size_t sent_head = 0;
+  size_t sent_count = 0;
+  SentFrame& sent_at(size_t i) { return sent[(sent_head + i) % sent.size()]; }
+  std::atomic<uint64_t> peer_acked{0};  // the peer delivered every frame up to this
+  std::atomic<uint64_t> delivered{0};   // this node delivered every frame up to this
+  uint64_t ack_sent = 0;                // the highest ack a message carried (under mu)
+  // Receive side, receive thread only: the frame to deliver next.
+  uint64_t next_deliver = 1;
+  bool resolved = false;  // its head was read (and resolved)
+  FrameHeader header;
+  std::byte* dest = nullptr;
+  core::FrameContext context = nullptr;
+  absl::Status rejection;
+  std::string error_text;
+  uint8_t pieces = 1;
+  uint8_t pieces_got = 0;  // bit per piece
+  std::vector<Parked> parked;
+  size_t parked_bytes = 0;
+  bool said_goodbye = false;
+  // Bumped when the peer (re)connects with rails; the receive thread starts
+  // the numbering again when it first reads a connection of a newer one.
+  std::atomic<uint32_t> generation{0};
+  uint32_t rx_generation = 0;
 };
+
+// (peer, rail) as a Connect waits for it.
+inline uint64_t ExpectKey(NodeId peer, int rail) {
+  return (uint64_t{peer} << 8) | static_cast<uint64_t>(rail);
+}
 
 // A connection in its handshake (accepted, not yet a peer's).
 struct Pending {
@@ -150,6 +249,7 @@ struct Pending {
   absl::Time deadline;
   bool parked = false;  // its hello names a peer not expected (yet)
   bool done = false;    // adopted, refused or dropped: freed at the end of the pump
+  int rail = 0;         // the listener that accepted it
   explicit Pending(std::string secret) : handshake(std::move(secret)) {}
 };
 
@@ -191,6 +291,10 @@ class TcpTransport final : public Transport {
 
   void Shutdown() override;
 
+  // The test seams of tcp_transport.h.
+  absl::Status ShutdownRail(NodeId peer, int rail);
+  absl::StatusOr<std::vector<uint64_t>> RailBytes(NodeId peer);
+
  private:
   static absl::Status Watch(int epoll_fd, int fd, uint32_t events, uint64_t token);
 
@@ -201,6 +305,11 @@ class TcpTransport final : public Transport {
   // sendmsg without blocking until the iovecs are out or the socket is full;
   // adds what went out to *sent. A failure marks the connection broken.
   absl::Status WriteSome(Connection& c, iovec* iov, int iovcnt, size_t* sent);
+
+  // Writes prefix + payload now, queueing what the socket does not take
+  // (`copy`: the payload is copied, for region 0); slot lock held.
+  absl::Status WriteOrQueue(Connection& c, const std::byte* prefix, size_t prefix_bytes,
+                            const std::byte* payload, size_t bytes, RegionId region, bool copy);
 
   // Writes queued frames while the socket takes them (slot lock held).
   void DrainQueue(Connection& c);
@@ -241,7 +350,7 @@ class TcpTransport final : public Transport {
   // blocks longer than `max_wait`. accept_mu_ held.
   void Pump(absl::Duration max_wait);
 
-  void AcceptAll();
+  void AcceptAll(int rail);
 
   // Makes room for one more handshake from `address` (base/admission.h).
   void MakeRoomFor(const std::string& address);
@@ -270,7 +379,7 @@ class TcpTransport final : public Transport {
 
   absl::Status Dial(NodeId self, const PeerInfo& peer, absl::Time deadline);
 
-  absl::Status Adopt(NodeId peer, base::UniqueFd fd, std::string address);
+  absl::Status Adopt(NodeId peer, base::UniqueFd fd, std::string address, int rail);
 
   // --- receiving ---
 
@@ -293,6 +402,70 @@ class TcpTransport final : public Transport {
 
   void FinishFrame(Connection& conn, TransportSink& sink);
 
+  // --- rails (tcp_rails.cc: set-up, sending, failover; tcp_rail_receive.cc) ---
+
+  // How long a rail may go without progress (its queue, or the kernel's
+  // unacknowledged bytes: TCP_USER_TIMEOUT) before it is given up: a quarter
+  // of the timeout (at least 250 ms), so that its frames are sent again on the
+  // other rails before the requests they carry time out.
+  absl::Duration RailTimeout() const {
+    return std::max(options_.timeout / 4, absl::Milliseconds(250));
+  }
+  // Whether `c` is its slot's connection (or one of its rails).
+  static bool IsCurrent(const Connection& c);
+  // How many rails the pair uses with `peer` (both ends compute the same: the
+  // fewer of the two); with 2+ a fresh numbering, old connections superseded.
+  int PrepareRails(const PeerInfo& peer);
+  // The rails of `slot` still up (indices into slot.rail); slot lock held.
+  static int LiveRails(const PeerSlot& slot, int* live);
+  absl::Status SendRails(PeerSlot& slot, const FrameHeader& header, const void* src,
+                         RegionId region, size_t bytes);
+  // Writes (or queues) piece `piece` of `f` on `conn`; slot lock held.
+  absl::Status SendPiece(PeerSlot& slot, const SentFrame& f, uint8_t piece, Connection& conn);
+  // Forgets frames the peer acknowledged; slot lock held.
+  static void ReleaseAcked(PeerSlot& slot);
+  static void GrowSent(PeerSlot& slot);
+  // Sends an ack alone (nothing else went back); slot lock held.
+  void SendAck(PeerSlot& slot);
+  // `conn` (retired) was a rail of `slot`: its pieces not yet acknowledged go
+  // on the other rails. False when none is left (or a piece cannot be sent
+  // again): the peer is lost. Slot lock held.
+  bool RailDown(PeerSlot& slot, Connection& conn, const absl::Status& why);
+  // Closes every rail of `slot` and reports the peer lost (once).
+  void LosePeer(PeerSlot& slot, TransportSink& sink, absl::Status why);
+  // Receive thread, every housekeeping round: rails waiting too long read
+  // ahead; acks owed go out.
+  void RailHousekeeping(absl::Time now);
+
+  // Reads rail messages (tcp_rail_receive.cc).
+  void ReadRails(Connection& conn, TransportSink& sink);
+  // What becomes of the body of conn's message: false when the rail waits
+  // (or the peer was lost).
+  bool RouteBody(Connection& conn, TransportSink& sink);
+  enum class Fate { kPlace, kDiscard, kErrorText, kWait };
+  // Where a message of the peer's goes; `*counts`: it is a piece of the frame
+  // being delivered; `*into` where to place it (kPlace). An error: the peer
+  // broke the protocol.
+  absl::StatusOr<Fate> Route(PeerSlot& slot, const RailHeader& msg, const FrameHeader* head,
+                             TransportSink& sink, bool* counts, std::byte** into);
+  void BodyDone(Connection& conn, TransportSink& sink);
+  // A piece of the frame being delivered is in: delivers it when it was the
+  // last, then what was read ahead, then wakes the rails that waited.
+  void CompletePiece(PeerSlot& slot, uint8_t piece, TransportSink& sink);
+  // Hands the frame being delivered to the sink; true when it was.
+  bool DeliverIfComplete(PeerSlot& slot, TransportSink& sink);
+  void DrainParked(PeerSlot& slot, TransportSink& sink);
+  // Unblocks the rails of `slot` that wait (their message may be next now).
+  void WakeWaiting(PeerSlot& slot);
+  void Block(Connection& conn);
+  void Unblock(Connection& conn);
+  // A waiting rail reads ahead into memory from now on.
+  void ReadAhead(Connection& conn);
+  // Receive thread: reads the rails Unblock woke.
+  void RunUnblocked(TransportSink& sink);
+  void SetRailLowWater(Connection& conn);
+  void RailViolation(Connection& conn, TransportSink& sink, absl::Status why);
+
   const MeshOptions options_;
   std::atomic<NodeId> self_{kNoNode};
   std::atomic<bool> shut_down_{false};
@@ -308,15 +481,23 @@ class TcpTransport final : public Transport {
   std::list<std::unique_ptr<Connection>> connections_;   // live and superseded-but-open
   std::list<std::unique_ptr<Connection>> retired_list_;  // closed at the next Reap
   std::atomic<bool> retired_{false};
-  std::atomic<bool> attention_{false};                   // a send found a connection broken
-  std::atomic<int> backlogged_{0};                       // connections with frames waiting
+  std::atomic<bool> attention_{false};  // a send found a connection broken
+  std::atomic<int> backlogged_{0};      // connections with frames waiting
+  // Rails: this host's rail addresses (empty: none), the stripe threshold,
+  // peers using rails, rails waiting for another, rails to read again.
+  std::vector<std::string> rail_hosts_;
+  size_t stripe_min_bytes_ = 0;
+  std::atomic<int> railed_peers_{0};
+  std::atomic<int> blocked_count_{0};
+  std::vector<Connection*> runnable_;                    // receive thread only
   absl::Time next_housekeeping_ = absl::InfinitePast();  // receive thread only
 
   // The listener and the handshakes, run by whoever holds accept_mu_.
   std::mutex accept_mu_;
-  base::Acceptor acceptor_;
+  std::vector<base::Acceptor> acceptors_;  // one per rail (one without rails)
+  std::vector<bool> acceptor_paused_;
   std::list<std::unique_ptr<Pending>> pending_;
-  absl::flat_hash_set<NodeId> expected_;  // peers a Connect waits for
+  absl::flat_hash_set<uint64_t> expected_;  // (peer, rail)s a Connect waits for (ExpectKey)
   std::atomic<size_t> pending_count_{0};
   std::atomic<bool> accept_paused_{false};
 
