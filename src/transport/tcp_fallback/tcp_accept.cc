@@ -207,6 +207,11 @@ std::string TcpTransport::ConnectedFrom(NodeId peer) {
   PeerSlot* slot = SlotOf(peer);
   if (slot == nullptr) return "not a peer";
   std::lock_guard<std::mutex> lock(slot->mu);
+  if (slot->rails > 1) {
+    for (const Connection* c : slot->rail) {
+      if (c != nullptr) return absl::StrCat("already connected from ", c->address, " (rails)");
+    }
+  }
   if (slot->conn == nullptr) return "not connected";
   return absl::StrCat("already connected from ", slot->conn->address);
 }
