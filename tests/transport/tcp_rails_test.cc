@@ -78,8 +78,7 @@ struct RailPair {
   NodeId w = core::WorkerId(0);
 };
 
-absl::StatusOr<RailPair> Connect(const std::string& server_rails,
-                                 const std::string& worker_rails) {
+absl::StatusOr<RailPair> Connect(const std::string& server_rails, const std::string& worker_rails) {
   RailPair p;
   STEPMESH_ASSIGN_OR_RETURN(p.server, tcp::CreateTcpTransport(RailOptions(server_rails)));
   STEPMESH_ASSIGN_OR_RETURN(p.worker, tcp::CreateTcpTransport(RailOptions(worker_rails)));
@@ -137,8 +136,8 @@ TEST_CASE("tcp rails: frames around the stripe threshold and 1.75 MiB are byte-e
   absl::StatusOr<RailPair> pair = Connect("127.0.0.1,127.0.0.2", "127.0.0.1,127.0.0.2");
   REQUIRE_OK(pair.status());
   RailPair& p = *pair;
-  const std::vector<size_t> sizes = {0,          1,          4095,       kStripeMin - 1,
-                                     kStripeMin, kStripeMin + 1, kReply, kReply + 3};
+  const std::vector<size_t> sizes = {
+      0, 1, 4095, kStripeMin - 1, kStripeMin, kStripeMin + 1, kReply, kReply + 3};
   std::vector<std::vector<std::byte>> sources;
   std::vector<std::vector<std::byte>> landed;
   for (size_t i = 0; i < sizes.size(); ++i) {
@@ -192,9 +191,10 @@ TEST_CASE("tcp rails: a peer with one rail meets one with two on the common coun
   CHECK(tcp::RailBytesForTesting(*p.worker, p.s)->size() == 1);
 }
 
-TEST_CASE("tcp rails: a rail shut mid-transfer moves its traffic to the other rail and every "
-          "frame arrives once",
-          "[rails]") {
+TEST_CASE(
+    "tcp rails: a rail shut mid-transfer moves its traffic to the other rail and every "
+    "frame arrives once",
+    "[rails]") {
   const int dead = GENERATE(0, 1);
   INFO("rail " << dead << " is shut");
   absl::StatusOr<RailPair> pair = Connect("127.0.0.1,127.0.0.2", "127.0.0.1,127.0.0.2");

@@ -74,8 +74,8 @@ void TcpTransport::ReadRails(Connection& conn, TransportSink& sink) {
     if (n == 0) {
       Lose(conn, sink,
            conn.said_goodbye ? absl::CancelledError("left")
-                             : absl::UnavailableError(absl::StrCat(
-                                   "closed its connection (rail ", conn.rail, ")")));
+                             : absl::UnavailableError(
+                                   absl::StrCat("closed its connection (rail ", conn.rail, ")")));
       return;
     }
     if (n < 0) {
@@ -85,8 +85,8 @@ void TcpTransport::ReadRails(Connection& conn, TransportSink& sink) {
         return;
       }
       Lose(conn, sink,
-           absl::UnavailableError(absl::StrCat(base::ErrnoMessage("recv", errno), " (rail ",
-                                               conn.rail, ")")));
+           absl::UnavailableError(
+               absl::StrCat(base::ErrnoMessage("recv", errno), " (rail ", conn.rail, ")")));
       return;
     }
     const auto got = static_cast<size_t>(n);
@@ -173,8 +173,8 @@ bool TcpTransport::RouteBody(Connection& conn, TransportSink& sink) {
       if (slot.parked_bytes + conn.msg.length > kMaxParkedBytes) {
         LosePeer(slot, sink,
                  absl::ResourceExhaustedError(absl::StrCat(
-                     "its rails are ", kMaxParkedBytes, " bytes ahead of frame ",
-                     slot.next_deliver, ", which does not arrive (rail ", conn.rail, ")")));
+                     "its rails are ", kMaxParkedBytes, " bytes ahead of frame ", slot.next_deliver,
+                     ", which does not arrive (rail ", conn.rail, ")")));
         return false;
       }
       // Read ahead (a rail failed and its pieces came again behind later
@@ -191,9 +191,8 @@ bool TcpTransport::RouteBody(Connection& conn, TransportSink& sink) {
 }
 
 absl::StatusOr<TcpTransport::Fate> TcpTransport::Route(PeerSlot& slot, const RailHeader& msg,
-                                                       const FrameHeader* head,
-                                                       TransportSink& sink, bool* counts,
-                                                       std::byte** into) {
+                                                       const FrameHeader* head, TransportSink& sink,
+                                                       bool* counts, std::byte** into) {
   *counts = false;
   if (msg.seq < slot.next_deliver) return Fate::kDiscard;  // delivered: a copy sent again
   if (msg.seq > slot.next_deliver) return Fate::kWait;
@@ -252,10 +251,9 @@ absl::StatusOr<TcpTransport::Fate> TcpTransport::Route(PeerSlot& slot, const Rai
   }
   if (msg.pieces != slot.pieces || msg.offset + msg.length > slot.header.payload_bytes ||
       (msg.piece + 1 == msg.pieces && msg.offset + msg.length != slot.header.payload_bytes)) {
-    return absl::DataLossError(absl::StrCat("piece ", msg.piece, " of ", msg.pieces, " (",
-                                            msg.length, " bytes at ", msg.offset,
-                                            ") does not fit frame ", msg.seq, " of ",
-                                            slot.header.payload_bytes, " bytes"));
+    return absl::DataLossError(absl::StrCat(
+        "piece ", msg.piece, " of ", msg.pieces, " (", msg.length, " bytes at ", msg.offset,
+        ") does not fit frame ", msg.seq, " of ", slot.header.payload_bytes, " bytes"));
   }
   if (slot.pieces_got & (1u << msg.piece)) return Fate::kDiscard;  // a copy sent again
   *counts = true;

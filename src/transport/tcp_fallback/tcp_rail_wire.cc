@@ -92,8 +92,8 @@ absl::StatusOr<std::vector<std::string>> ResolveRails(const std::string& list) {
       address = *of;
     }
     if (!seen.insert(address).second) {
-      return absl::InvalidArgumentError(absl::StrCat("tcp_rails (STEPMESH_TCP_RAILS) names ",
-                                                     address, " twice ('", list, "')"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tcp_rails (STEPMESH_TCP_RAILS) names ", address, " twice ('", list, "')"));
     }
     out.push_back(address);
   }

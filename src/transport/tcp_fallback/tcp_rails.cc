@@ -32,8 +32,7 @@ int TcpTransport::PrepareRails(const PeerInfo& peer) {
   if (absl::StatusOr<std::vector<std::string>> at = SplitRailEndpoint(peer.endpoint); at.ok()) {
     theirs = at->size();
   }
-  const int rails =
-      static_cast<int>(std::min(theirs, std::max<size_t>(1, rail_hosts_.size())));
+  const int rails = static_cast<int>(std::min(theirs, std::max<size_t>(1, rail_hosts_.size())));
   std::lock_guard<std::mutex> lock(slot->mu);
   const bool was_railed = slot->rails > 1;
   // A peer that connects again is a new process (or came back): its rails and
@@ -86,8 +85,8 @@ void TcpTransport::ReleaseAcked(PeerSlot& slot) {
 }
 
 void TcpTransport::GrowSent(PeerSlot& slot) {
-  std::vector<SentFrame> bigger(std::min(
-      kMaxUnacknowledged, std::max<size_t>(slot.sent.size() * 2, kInitialQueueFrames)));
+  std::vector<SentFrame> bigger(
+      std::min(kMaxUnacknowledged, std::max<size_t>(slot.sent.size() * 2, kInitialQueueFrames)));
   for (size_t i = 0; i < slot.sent_count; ++i) bigger[i] = std::move(slot.sent_at(i));
   slot.sent = std::move(bigger);
   slot.sent_head = 0;
@@ -190,8 +189,8 @@ bool TcpTransport::RailDown(PeerSlot& slot, Connection& conn, const absl::Status
     return n > 0;
   }
   if (n == 0) {
-    STEPMESH_LOG(kWarning, "tcp: rail ", conn.rail, " to ", PeerName(conn.peer), " (",
-                 conn.address, ") is down (", why.message(), "), and it was the last");
+    STEPMESH_LOG(kWarning, "tcp: rail ", conn.rail, " to ", PeerName(conn.peer), " (", conn.address,
+                 ") is down (", why.message(), "), and it was the last");
     return false;
   }
   ReleaseAcked(slot);
