@@ -172,7 +172,14 @@ struct STEPMESH_EXPORT MeshOptions {
   // EFA device); N > the NICs listed: rails share NICs round-robin.
   int fi_nics = 1;
   int64_t fi_stripe_min_bytes = 64 << 10;  // >= 4096
-  std::string backend = "cpu_mock";        // "cpu_mock" or "cuda"
+  // transport = "tcp": rails, one connection each per peer (docs/tcp.md): a
+  // comma-separated list of this host's addresses or interface names, rail 0
+  // first (at most 4); empty: one connection per peer, on bind_host. Payloads
+  // of at least tcp_stripe_min_bytes are split across the rails both ends
+  // have; a rail that fails hands its unacknowledged bytes to the others.
+  std::string tcp_rails;
+  int64_t tcp_stripe_min_bytes = 256 << 10;  // >= 4096
+  std::string backend = "cpu_mock";          // "cpu_mock" or "cuda"
   int device = 0;
   // The process's CUDA_DEVICE_MAX_CONNECTIONS (0: not set). With 1 the cuda
   // backend never waits with stream memory operations (docs/cuda.md, rule 7).

@@ -41,6 +41,8 @@ class MeshOptions:
     fi_provider: str
     fi_nics: int
     fi_stripe_min_bytes: int
+    tcp_rails: str
+    tcp_stripe_min_bytes: int
     backend: str
     device: int
     cuda_device_max_connections: int
