@@ -25,7 +25,8 @@ BatchAssembler::BatchAssembler(int num_workers, const LostPeers& lost, bool trac
       lost_(lost),
       trace_(trace),
       assemblies_(num_workers, std::vector<Assembly>(kAssembliesPerWorker)),
-      excuses_(num_workers) {
+      excuses_(num_workers),
+      awaited_after_(num_workers, 0) {
   for (int i = 0; i < kBatchSlots; ++i) {
     slots_.push_back(std::make_unique<BatchSlot>(num_workers));
     free_slots_.push_back(kBatchSlots - 1 - i);
@@ -155,6 +156,8 @@ absl::Status BatchAssembler::Commit(int w, Assembly& a, bool* ready) {
   // `w` is back in this group: an excuse of its still pending is spent.
   TakePendingExcuse(w, a.group);
   if (slot == nullptr) slot = OpenSlot(a.group, w, &index);
+  // A joiner's first request: batches opened from now on wait for it.
+  if (awaited_after_[w] == kAwaitAfterFirst) awaited_after_[w] = opened_sequence_;
   if (slot == nullptr) {
     for (int i = 0; i < a.num_keys; ++i) a.regs[i]->busy[w].store(false);
     a.used = false;
@@ -213,7 +216,9 @@ bool BatchAssembler::MaybeReady(uint32_t index) {
   if (slot.state != BatchState::kCollecting) return false;
   for (int w = 0; w < num_workers_; ++w) {
     const WorkerEntry& e = slot.entries[w];
-    if (!e.present && !e.excused && !lost_.lost(w)) return false;
+    if (!e.present && !e.excused && !lost_.lost(w) && awaited_after_[w] < slot.opened_sequence) {
+      return false;
+    }
   }
   slot.state = BatchState::kReady;
   ready_.push_back(index);
@@ -339,6 +344,32 @@ void BatchAssembler::DropWorker(int w) {
     }
     MaybeReady(i);
   }
+}
+
+void BatchAssembler::AwaitAfterFirstRequest(int w) {
+  base::MutexLock lock(&mu_);
+  awaited_after_[w] = kAwaitAfterFirst;
+}
+
+bool BatchAssembler::StopAwaiting(int w) {
+  base::MutexLock lock(&mu_);
+  awaited_after_[w] = kAwaitNever;
+  bool ready = false;
+  for (uint32_t i = 0; i < slots_.size(); ++i) ready |= MaybeReady(i);
+  return ready;
+}
+
+bool BatchAssembler::NothingToHandOut() {
+  base::MutexLock lock(&mu_);
+  for (const auto& slot : slots_) {
+    if (slot->state == BatchState::kCollecting || slot->state == BatchState::kReady) return false;
+  }
+  return true;
+}
+
+bool BatchAssembler::Idle() {
+  base::MutexLock lock(&mu_);
+  return free_slots_.size() == slots_.size();
 }
 
 void BatchAssembler::ClearReady() {

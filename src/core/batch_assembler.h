@@ -17,6 +17,13 @@
 // bad size, a failed part) is excused from the batch that request would have
 // joined: the batch forms without it, as if it were lost for that batch alone,
 // so one worker's mistake costs the others at most one batch.
+//
+// Membership (docs/elastic.md): a batch waits for a worker that is live and
+// was awaited when the batch opened. The start shape's workers are awaited
+// from the first batch; a worker that joins (or rejoins) the running mesh
+// only by batches opened after its first request arrived, so a joiner never
+// stalls the others; a worker whose fence arrived (this server drains) by
+// none. Read once per batch under the lock; nothing per frame.
 
 #include <array>
 #include <atomic>
@@ -154,6 +161,18 @@ class BatchAssembler {
   // waiting for one are released).
   void ClearReady();
 
+  // ---- membership (any thread) ----
+  // `w` joined the running mesh: batches wait for it once its first request
+  // arrived (those opened after that).
+  void AwaitAfterFirstRequest(int w);
+  // `w` sends nothing more (its fence): no batch waits for it; true when one
+  // became ready.
+  bool StopAwaiting(int w);
+  // No batch collecting or ready: nothing received is left to hand out.
+  bool NothingToHandOut();
+  // Every slot free: everything received was answered and its replies sent.
+  bool Idle();
+
  private:
   Assembly* FindAssembly(int w, const FrameHeader& h);
   BatchSlot* OpenSlot(Key group, int opener, uint32_t* index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -187,6 +206,12 @@ class BatchAssembler {
   std::vector<PendingExcuses> excuses_ ABSL_GUARDED_BY(mu_);
   HostFlag* ready_counter_ = nullptr;
   uint32_t batches_counted_ ABSL_GUARDED_BY(mu_) = 0;
+  // Per worker: batches opened after this sequence wait for it (0: every
+  // batch; kAwaitAfterFirst: none until its first request sets it; kNever:
+  // none).
+  static constexpr uint64_t kAwaitNever = ~uint64_t{0};
+  static constexpr uint64_t kAwaitAfterFirst = ~uint64_t{0} - 1;
+  std::vector<uint64_t> awaited_after_ ABSL_GUARDED_BY(mu_);
 };
 
 template <typename Answer>

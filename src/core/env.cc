@@ -205,6 +205,14 @@ const std::vector<EnvEntry>& EnvTable() {
        STEPMESH_ENV_INT(num_workers)},
       {"STEPMESH_NUM_SERVERS", "num_servers", "1", "FFN instances in the mesh",
        STEPMESH_ENV_INT(num_servers)},
+      {"STEPMESH_MAX_WORKERS", "max_workers", "0 (`num_workers`)",
+       "capacity: attention ranks [0, max_workers) may join the running mesh (`elastic.md`); "
+       "the same on every process",
+       STEPMESH_ENV_INT(max_workers)},
+      {"STEPMESH_MAX_SERVERS", "max_servers", "0 (`num_servers`)",
+       "capacity: FFN ranks [0, max_servers) may join the running mesh (`elastic.md`); "
+       "the same on every process",
+       STEPMESH_ENV_INT(max_servers)},
       {"STEPMESH_SCHEDULER", "scheduler", "`127.0.0.1:9000`", "rendezvous `host:port`",
        STEPMESH_ENV_STR(scheduler)},
       {"STEPMESH_RENDEZVOUS", "rendezvous", "empty (`scheduler://` + `scheduler`)",
@@ -411,7 +419,8 @@ const std::vector<EnvEntry>& EnvTable() {
        }},
       {"STEPMESH_MESH_ID", "mesh_id", "empty",
        "names the mesh; the scheduler refuses a participant whose id (or "
-       "`num_workers`/`num_servers`) differs from its own, naming both",
+       "`num_workers`/`num_servers`, or capacity `max_workers`/`max_servers`) differs from its "
+       "own, naming both",
        STEPMESH_ENV_STR(mesh_id)},
       {"STEPMESH_TRACE", "trace.enabled", "`true`", "per-request stamps",
        STEPMESH_ENV_BOOL(trace.enabled)},
@@ -770,7 +779,17 @@ absl::Status MeshOptions::Validate() const {
   if (num_servers < 1 || num_servers > 4096) {
     return absl::InvalidArgumentError(absl::StrCat("num_servers=", num_servers, " (1..4096)"));
   }
-  const int peers = role == Role::kWorker ? num_workers : num_servers;
+  if (max_workers != 0 && (max_workers < num_workers || max_workers > 4096)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_workers=", max_workers,
+                     " (STEPMESH_MAX_WORKERS): want 0 or num_workers=", num_workers, "..4096"));
+  }
+  if (max_servers != 0 && (max_servers < num_servers || max_servers > 4096)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_servers=", max_servers,
+                     " (STEPMESH_MAX_SERVERS): want 0 or num_servers=", num_servers, "..4096"));
+  }
+  const int peers = role == Role::kWorker ? WorkerCapacity() : ServerCapacity();
   if (role != Role::kScheduler && (rank < -1 || rank >= peers)) {
     return absl::InvalidArgumentError(
         absl::StrCat(RoleName(role), " rank ", rank, " out of range [0, ", peers, ")"));
