@@ -23,7 +23,12 @@
 // from the first batch; a worker that joins (or rejoins) the running mesh
 // only by batches opened after its first request arrived, so a joiner never
 // stalls the others; a worker whose fence arrived (this server drains) by
-// none. Read once per batch under the lock; nothing per frame.
+// none. A batch that formed without a joiner it did not await is noted as
+// the joiner's "late" group: the joiner's request for it, when it comes, is
+// handed out alone instead of waiting for the others' next one (which, in a
+// step-locked application, wait for the joiner). Its first request keeps the
+// notes of batches opened after the one it belongs to (the rest of its step)
+// and drops older ones. Read once per batch under the lock; nothing per frame.
 
 #include <array>
 #include <atomic>
@@ -179,6 +184,11 @@ class BatchAssembler {
   // Consumes one of `w`'s pending excuses for `group`; false when it has none.
   bool TakePendingExcuse(int w, Key group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool MaybeReady(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `slot` goes without the joiners it did not await: note it for them.
+  void NoteLate(const BatchSlot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes the note of `w` for `group` (the newest when `newest`, else the
+  // oldest); false when there is none. `*seq`: the batch's opened sequence.
+  bool TakeLate(int w, Key group, bool newest, uint64_t* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Batch HandOut(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeSlot(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -212,6 +222,16 @@ class BatchAssembler {
   static constexpr uint64_t kAwaitNever = ~uint64_t{0};
   static constexpr uint64_t kAwaitAfterFirst = ~uint64_t{0} - 1;
   std::vector<uint64_t> awaited_after_ ABSL_GUARDED_BY(mu_);
+  struct LateNote {
+    Key group = 0;
+    uint64_t seq = 0;
+  };
+  static constexpr int kLateNotes = 16;
+  struct LateNotes {
+    std::array<LateNote, kLateNotes> notes{};
+    int count = 0;
+  };
+  std::vector<LateNotes> late_ ABSL_GUARDED_BY(mu_);  // per worker, oldest first
 };
 
 template <typename Answer>

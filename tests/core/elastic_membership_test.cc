@@ -496,8 +496,7 @@ TEST_CASE("membership: a server leaving with requests in flight answers them fir
   CHECK(s0->CurrentMembership().servers == std::vector<int>{0});
 }
 
-TEST_CASE("membership: a worker's Leave drains its requests and refuses new ones",
-          "[membership]") {
+TEST_CASE("membership: a worker's Leave drains its requests and refuses new ones", "[membership]") {
   InProcessMesh mesh(ElasticOptions(2, 1, 2, 1));
   std::unique_ptr<AFTensorWorker> w0, w1;
   std::unique_ptr<AFTensorServer> s;

@@ -20,10 +20,10 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/match.h"
 #include "stepmesh/server.h"
 #include "stepmesh/worker.h"
 
@@ -96,8 +96,8 @@ int RunWorker(stepmesh::AFTensorWorker& worker, size_t bytes, int max_servers,
     for (int s : m.servers) {
       for (size_t i = 0; i < bytes; ++i) {
         if (pulls[s][i] != (push[i] ^ Mask(s))) {
-          std::fprintf(stderr, "worker %d: byte %zu from server %d is %d, want %d\n",
-                       worker.rank(), i, s, pulls[s][i], push[i] ^ Mask(s));
+          std::fprintf(stderr, "worker %d: byte %zu from server %d is %d, want %d\n", worker.rank(),
+                       i, s, pulls[s][i], push[i] ^ Mask(s));
           return 1;
         }
       }
@@ -146,9 +146,9 @@ int RunServer(stepmesh::AFTensorServer& server, size_t bytes, const std::string&
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
         continue;
       }
-      if (leaving.load() && (absl::IsUnavailable(batch.status()) ||
-                             absl::IsCancelled(batch.status()) ||
-                             absl::IsFailedPrecondition(batch.status()))) {
+      if (leaving.load() &&
+          (absl::IsUnavailable(batch.status()) || absl::IsCancelled(batch.status()) ||
+           absl::IsFailedPrecondition(batch.status()))) {
         break;
       }
       std::fprintf(stderr, "server %d: %s\n", server.rank(), batch.status().ToString().c_str());
