@@ -40,6 +40,7 @@
 #include "examples/afd_model/example_model.h"
 #include "examples/afd_model/model_weights.h"
 #include "examples/afd_model/wire.h"
+#include "examples/afd_model/workload_metrics.h"
 #include "src/tools/metrics/metrics_http.h"
 #include "stepmesh/stepmesh.h"
 
@@ -87,7 +88,7 @@ class AttentionInstance {
   absl::Status ServeMetrics(int port) {
     STEPMESH_ASSIGN_OR_RETURN(
         metrics_, stepmesh::tools::MetricsHttpServer::Start(static_cast<uint16_t>(port), [this] {
-          return stepmesh::PrometheusText(worker_->Stats());
+          return stepmesh::PrometheusText(worker_->Stats()) + workload_.PrometheusText(rank_);
         }));
     std::printf("afd_attention[%d]: metrics at http://127.0.0.1:%u/metrics\n", rank_,
                 metrics_->port());
@@ -128,6 +129,7 @@ class AttentionInstance {
   // The worker reads the registered memory the engine owns, so it is
   // declared last and destroyed first.
   std::unique_ptr<stepmesh::AFTensorWorker> worker_;
+  WorkloadMetrics workload_;  // stepmesh_plan --watch reads it from metrics_
   std::unique_ptr<stepmesh::tools::MetricsHttpServer> metrics_;  // reads worker_
 };
 
@@ -295,6 +297,9 @@ absl::Status AttentionInstance::Run() {
   STEPMESH_RETURN_IF_ERROR(worker_->Barrier());
   results_.start_ns = stepmesh::MonotonicNowNs();
   for (int step = 0; step < shape_.steps(); ++step) {
+    // Every request attends over its prompt and the `step` tokens decoded so far.
+    workload_.Observe(shape_.requests, int64_t{shape_.requests} * (shape_.prompt_len + step),
+                      shape_.micro_batches, int64_t{shape_.requests} * step);
     for (int layer = 0; layer < config_.num_layers; ++layer) {
       progress_.Update(step, layer);
       for (MicroBatch& mb : micro_batches_) {
