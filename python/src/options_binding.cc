@@ -115,6 +115,8 @@ const std::vector<Field>& Fields() {
       SM_INT(rank),
       SM_INT(num_workers),
       SM_INT(num_servers),
+      SM_INT(max_workers),
+      SM_INT(max_servers),
       SM_STR(scheduler),
       SM_STR(rendezvous),
       SM_STR(bind_host),
