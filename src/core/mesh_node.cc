@@ -78,7 +78,7 @@ absl::StatusOr<std::string> MeshNode::ExportChromeTrace() {
     }
     clock = *last_clock_;
   }
-  return FormatChromeTrace(options_.role, rank_, PeerCount(), records, clock);
+  return FormatChromeTrace(options_.role, rank_, PeerCount(), records, clock, membership_.epoch());
 }
 
 MeshNode::~MeshNode() { STEPMESH_CHECK(!started_ || stopped()); }
