@@ -1,7 +1,9 @@
 #pragma once
 // Configuration of one mesh participant. Build it explicitly, or start from
 // MeshOptions::FromEnv() which overlays STEPMESH_* (and StepMesh's DMLC_*)
-// variables on a base; docs/configuration.md lists every name.
+// variables on a base; docs/configuration.md lists every name. Every field
+// has one row in stepmesh/option_table.inc (its Python name, variable, check,
+// default and meaning): a new field needs one there too.
 
 #include <cstdint>
 #include <optional>
@@ -18,6 +20,8 @@ namespace stepmesh {
 
 enum class Role : uint8_t { kScheduler = 0, kWorker = 1, kServer = 2 };
 STEPMESH_EXPORT absl::string_view RoleName(Role role);
+// "worker", "server" or "scheduler"; INVALID_ARGUMENT naming `name` otherwise.
+STEPMESH_EXPORT absl::StatusOr<Role> ParseRole(absl::string_view name);
 
 // How the progress threads and Wait() look for work.
 enum class PollMode : uint8_t {
@@ -212,6 +216,8 @@ struct STEPMESH_EXPORT MeshOptions {
   // `base` with every set STEPMESH_* / DMLC_* variable applied. Bad values are errors.
   static absl::StatusOr<MeshOptions> FromEnv(const MeshOptions& base);
   static absl::StatusOr<MeshOptions> FromEnv();
+  // Each field against its row's check (option_table.inc), then the checks
+  // across fields; INVALID_ARGUMENT naming the field and its variable.
   absl::Status Validate() const;
 };
 

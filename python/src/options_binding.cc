@@ -2,12 +2,14 @@
 
 #include <pybind11/stl.h>
 
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "python/src/errors.h"
+#include "stepmesh/option_table.h"
 
 namespace stepmesh::python {
 namespace py = pybind11;
@@ -26,13 +28,16 @@ struct Field {
                                     std::string(py::str(value.get_type().attr("__name__")))));
 }
 
-int CastInt(py::handle v, const char* f) {
+// An int (not a bool) that fits `Int`.
+template <typename Int>
+Int CastInteger(py::handle v, const char* f) {
   if (PyBool_Check(v.ptr()) || !PyLong_Check(v.ptr())) WrongType(v, f, "int");
   try {
-    return v.cast<int>();
+    return v.cast<Int>();
   } catch (const py::cast_error&) {
     ThrowInvalidArgument(
-        absl::StrCat("MeshOptions.", f, ": ", std::string(py::str(v)), " does not fit an int"));
+        absl::StrCat("MeshOptions.", f, ": ", std::string(py::str(v)),
+                     sizeof(Int) == 4 ? " does not fit an int" : " does not fit an int64"));
   }
 }
 bool CastBool(py::handle v, const char* f) {
@@ -60,134 +65,58 @@ std::vector<int> CastCores(py::handle v, const char* f) {
   }
 }
 
-Role ParseRoleName(const std::string& name) {
-  if (name == "worker") return Role::kWorker;
-  if (name == "server") return Role::kServer;
-  if (name == "scheduler") return Role::kScheduler;
-  ThrowInvalidArgument(
-      absl::StrCat("MeshOptions.role: '", name, "' (want worker, server or scheduler)"));
+// A field's value as Python sees it, by the field's C++ type: durations in
+// seconds, enumerations by name.
+py::object ToPy(int v) { return py::int_(v); }
+py::object ToPy(int64_t v) { return py::int_(v); }
+py::object ToPy(bool v) { return py::bool_(v); }
+py::object ToPy(const std::string& v) { return py::str(v); }
+py::object ToPy(absl::Duration v) { return py::float_(absl::ToDoubleSeconds(v)); }
+py::object ToPy(const std::vector<int>& v) { return py::cast(v); }
+py::object ToPy(Role v) { return py::str(std::string(RoleName(v))); }
+py::object ToPy(PollMode v) { return py::str(std::string(PollModeName(v))); }
+py::object ToPy(GpuDirect v) { return py::str(std::string(GpuDirectName(v))); }
+py::object ToPy(AuthMode v) { return py::str(std::string(AuthModeName(v))); }
+
+// Sets a field from Python, refusing another type (a bool for an int, ...);
+// `f` names the attribute in errors. Ranges are Validate()'s.
+void FromPy(py::handle v, const char* f, int& field) { field = CastInteger<int>(v, f); }
+void FromPy(py::handle v, const char* f, int64_t& field) { field = CastInteger<int64_t>(v, f); }
+void FromPy(py::handle v, const char* f, bool& field) { field = CastBool(v, f); }
+void FromPy(py::handle v, const char* f, std::string& field) { field = CastStr(v, f); }
+void FromPy(py::handle v, const char* f, absl::Duration& field) { field = CastSeconds(v, f); }
+void FromPy(py::handle v, const char* f, std::vector<int>& field) { field = CastCores(v, f); }
+template <typename Enum>
+void FromPyEnum(py::handle v, const char* f, Enum& field,
+                absl::StatusOr<Enum> (*parse)(absl::string_view)) {
+  absl::StatusOr<Enum> parsed = parse(CastStr(v, f));
+  if (!parsed.ok())
+    ThrowInvalidArgument(absl::StrCat("MeshOptions.", f, ": ", parsed.status().message()));
+  field = *parsed;
+}
+void FromPy(py::handle v, const char* f, Role& field) { FromPyEnum(v, f, field, &ParseRole); }
+void FromPy(py::handle v, const char* f, PollMode& field) {
+  FromPyEnum(v, f, field, &ParsePollMode);
+}
+void FromPy(py::handle v, const char* f, GpuDirect& field) {
+  FromPyEnum(v, f, field, &ParseGpuDirect);
+}
+void FromPy(py::handle v, const char* f, AuthMode& field) {
+  FromPyEnum(v, f, field, &ParseAuthMode);
 }
 
-#define SM_INT(field)                                                                                 \
-  Field {                                                                                             \
-#field,                                                                                           \
-        [](const MeshOptions&                                                                         \
-               o) { return py::object(py::int_(o.field)); },                                          \
-                                                          [](MeshOptions & o,                         \
-                                                             py::handle                               \
-                                                                 v) { o.field =                       \
-                                                                          CastInt(v, #field); } \
-  }
-#define SM_STR(field)                                                                                \
-  Field {                                                                                            \
-#field,                                                                                          \
-        [](const MeshOptions&                                                                        \
-               o) { return py::object(py::str(o.field)); },                                          \
-                                                         [](MeshOptions & o,                         \
-                                                            py::handle                               \
-                                                                v) { o.field = CastStr(v, #field); } \
-  }
-// Python attributes are flat (rdma_port); the C++ field may be nested (rdma.port).
-#define SM_INT_AS(name, member)                                                \
-  Field {                                                                      \
-    name, [](const MeshOptions& o) { return py::object(py::int_(o.member)); }, \
-        [](MeshOptions& o, py::handle v) { o.member = CastInt(v, name); }      \
-  }
-#define SM_STR_AS(name, member)                                               \
-  Field {                                                                     \
-    name, [](const MeshOptions& o) { return py::object(py::str(o.member)); }, \
-        [](MeshOptions& o, py::handle v) { o.member = CastStr(v, name); }     \
-  }
-#define SM_SECONDS(name, member)                                              \
-  Field {                                                                     \
-    name,                                                                     \
-        [](const MeshOptions& o) {                                            \
-          return py::object(py::float_(absl::ToDoubleSeconds(o.member)));     \
-        },                                                                    \
-        [](MeshOptions& o, py::handle v) { o.member = CastSeconds(v, name); } \
-  }
-
+// One property per row of the option table (stepmesh/option_table.inc), in
+// its order; Fields()[i] is OptionTable()[i].
 const std::vector<Field>& Fields() {
   static const std::vector<Field>* fields = new std::vector<Field>{
-      {"role",
-       [](const MeshOptions& o) { return py::object(py::str(std::string(RoleName(o.role)))); },
-       [](MeshOptions& o, py::handle v) { o.role = ParseRoleName(CastStr(v, "role")); }},
-      SM_INT(rank),
-      SM_INT(num_workers),
-      SM_INT(num_servers),
-      SM_INT(max_workers),
-      SM_INT(max_servers),
-      SM_STR(scheduler),
-      SM_STR(rendezvous),
-      SM_STR(bind_host),
-      SM_STR(node_host),
-      SM_STR(interface),
-      SM_STR(transport),
-      SM_STR(backend),
-      SM_INT(device),
-      SM_STR_AS("rdma_device", rdma.device),
-      SM_INT_AS("rdma_port", rdma.port),
-      SM_INT_AS("rdma_gid_index", rdma.gid_index),
-      SM_STR_AS("rdma_interface", rdma.interface),
-      SM_INT_AS("rdma_traffic_class", rdma.traffic_class),
-      SM_INT_AS("rdma_service_level", rdma.service_level),
-      SM_INT_AS("rdma_path_mtu", rdma.path_mtu),
-      SM_INT_AS("rdma_ack_timeout", rdma.ack_timeout),
-      SM_INT_AS("rdma_retry_count", rdma.retry_count),
-      SM_INT_AS("rdma_rnr_retry", rdma.rnr_retry),
-      SM_INT_AS("rdma_min_rnr_timer", rdma.min_rnr_timer),
-      SM_INT_AS("rdma_recv_depth", rdma.recv_depth),
-      SM_INT_AS("rdma_qps_per_peer", rdma.qps_per_peer),
-      SM_INT_AS("rdma_stripe_min_bytes", rdma.stripe_min_bytes),
-      {"rdma_gpudirect",
-       [](const MeshOptions& o) {
-         return py::object(py::str(std::string(GpuDirectName(o.rdma.gpudirect))));
-       },
-       [](MeshOptions& o, py::handle v) {
-         o.rdma.gpudirect = ValueOrThrow(ParseGpuDirect(CastStr(v, "rdma_gpudirect")));
-       }},
-      {"poll_mode",
-       [](const MeshOptions& o) {
-         return py::object(py::str(std::string(PollModeName(o.threads.poll_mode))));
-       },
-       [](MeshOptions& o, py::handle v) {
-         o.threads.poll_mode = ValueOrThrow(ParsePollMode(CastStr(v, "poll_mode")));
-       }},
-      SM_SECONDS("spin_budget", threads.spin_budget),
-      {"send_cores",
-       [](const MeshOptions& o) { return py::object(py::cast(o.threads.send_cores)); },
-       [](MeshOptions& o, py::handle v) { o.threads.send_cores = CastCores(v, "send_cores"); }},
-      {"recv_cores",
-       [](const MeshOptions& o) { return py::object(py::cast(o.threads.recv_cores)); },
-       [](MeshOptions& o, py::handle v) { o.threads.recv_cores = CastCores(v, "recv_cores"); }},
-      {"auto_pin", [](const MeshOptions& o) { return py::object(py::bool_(o.threads.auto_pin)); },
-       [](MeshOptions& o, py::handle v) { o.threads.auto_pin = CastBool(v, "auto_pin"); }},
-      SM_SECONDS("timeout", timeout),
-      SM_SECONDS("heartbeat_interval", heartbeat_interval),
-      SM_INT(max_inflight_requests),
-      SM_INT(max_registrations),
-      SM_STR(auth_token),
-      {"payload_checksum",
-       [](const MeshOptions& o) { return py::object(py::bool_(o.payload_checksum)); },
-       [](MeshOptions& o, py::handle v) { o.payload_checksum = CastBool(v, "payload_checksum"); }},
-      {"trace", [](const MeshOptions& o) { return py::object(py::bool_(o.trace.enabled)); },
-       [](MeshOptions& o, py::handle v) { o.trace.enabled = CastBool(v, "trace"); }},
-      {"trace_events", [](const MeshOptions& o) { return py::object(py::int_(o.trace.events)); },
-       [](MeshOptions& o, py::handle v) { o.trace.events = CastInt(v, "trace_events"); }},
-      // fserver_lib's launch settings (FserverOptions), for python/stepmesh/fserver.py.
-      SM_STR_AS("fserver_role", fserver.role),
-      SM_INT_AS("fserver_group_size", fserver.group_size),
-      SM_INT_AS("fserver_node_rank", fserver.node_rank),
-      SM_INT_AS("fserver_rank_offset", fserver.rank_offset),
-      SM_INT_AS("fserver_instance_id", fserver.instance_id),
-      SM_INT_AS("fserver_gpu", fserver.gpu),
+#define STEPMESH_OPTION(name, member, variable, check, parse, default_value, meaning) \
+  Field{#name, [](const MeshOptions& o) { return ToPy(o.member); },                   \
+        [](MeshOptions& o, py::handle v) { FromPy(v, #name, o.member); }},
+#include "stepmesh/option_table.inc"
+#undef STEPMESH_OPTION
   };
   return *fields;
 }
-
-#undef SM_INT
-#undef SM_STR
-#undef SM_SECONDS
 
 void Apply(MeshOptions& options, const py::kwargs& kwargs) {
   for (const auto& [key, value] : kwargs) {
@@ -225,15 +154,40 @@ Configuration of one mesh participant (mirrors the C++ stepmesh::MeshOptions).
 
 MeshOptions(**fields) sets any field by name; MeshOptions.from_env(**fields)
 starts from those fields and overlays every set STEPMESH_* / DMLC_* variable
-(docs/configuration.md). Durations are seconds (float); role, poll_mode and
-rdma_gpudirect are names ("worker", "adaptive", "auto", ...).
+(docs/configuration.md). Durations are seconds (float); role, poll_mode,
+rdma_gpudirect and auth are names ("worker", "adaptive", "auto", ...).
+One property per row of the option table (stepmesh.option_table()).
 )doc");
   cls.def(py::init([](const py::kwargs& kwargs) { return OptionsFrom(py::none(), kwargs); }));
-  for (const Field& f : Fields()) {
+  const absl::Span<const OptionInfo> table = OptionTable();
+  for (size_t i = 0; i < table.size(); ++i) {
+    const Field& f = Fields()[i];
+    const OptionInfo& row = table[i];
+    const std::string doc =
+        absl::StrCat(row.meaning, " (C++ ", row.member,
+                     row.variable.empty() ? "" : absl::StrCat("; ", row.variable), ")");
     cls.def_property(
         f.name, [get = f.get](const MeshOptions& o) { return get(o); },
-        [set = f.set](MeshOptions& o, py::handle v) { set(o, v); });
+        [set = f.set](MeshOptions& o, py::handle v) { set(o, v); }, doc.c_str());
   }
+  m.def(
+      "option_table",
+      [] {
+        py::list rows;
+        for (const OptionInfo& row : OptionTable()) {
+          py::dict d;
+          d["name"] = std::string(row.name);
+          d["member"] = std::string(row.member);
+          d["variable"] = std::string(row.variable);
+          d["accepts"] = row.check.Describe();
+          d["default"] = std::string(row.default_value);
+          d["meaning"] = std::string(row.meaning);
+          rows.append(std::move(d));
+        }
+        return rows;
+      },
+      "The option table (stepmesh/option_table.inc): one dict per MeshOptions field, in order\n"
+      "(name, member, variable, accepts, default, meaning).");
   cls.def_static(
       "from_env",
       [](const py::kwargs& kwargs) {

@@ -6,6 +6,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "python/src/errors.h"
+#include "python/src/gil.h"
 #include "stepmesh/stats.h"
 
 namespace stepmesh::python {
@@ -30,33 +31,18 @@ std::string PyParticipant::ChromeTraceJson() {
 
 void PyParticipant::WriteChromeTrace(const std::string& path) {
   Participant& node = live();
-  absl::Status s;
-  {
-    py::gil_scoped_release release;
-    s = node.WriteChromeTrace(path);
-  }
-  ThrowIfError(s);
+  CallReleased([&] { return node.WriteChromeTrace(path); });
 }
 
 void PyParticipant::Barrier() {
   Participant& node = live();
-  absl::Status s;
-  {
-    py::gil_scoped_release release;
-    s = node.Barrier();
-  }
-  ThrowIfError(s);
+  CallReleased([&] { return node.Barrier(); });
 }
 
 void PyParticipant::Close() {
   if (closed_) return;
   closed_ = true;
-  absl::Status s;
-  {
-    py::gil_scoped_release release;
-    s = participant_->Shutdown();
-  }
-  ThrowIfError(s);
+  CallReleased([&] { return participant_->Shutdown(); });
 }
 
 }  // namespace stepmesh::python

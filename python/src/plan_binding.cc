@@ -47,27 +47,25 @@ std::vector<int64_t> PyPlan::RunMany(py::handle n_arg, py::handle timeout) {
   return lat;
 }
 
-void PyPlan::SetBytes(size_t i, py::handle bytes_arg) {
-  CheckWritable("set_bytes");
-  CheckPushIndex(i, "set_bytes");
-  if (PyBool_Check(bytes_arg.ptr()) || !PyLong_Check(bytes_arg.ptr())) {
-    ThrowInvalidArgument(absl::StrCat("set_bytes: push ", i, " (key ", prepared_.push_key(i),
-                                      "): bytes: expected an int"));
+long long PyPlan::CountArg(size_t i, py::handle arg, const char* what, const char* name) const {
+  CheckWritable(what);
+  CheckPushIndex(i, what);
+  if (PyBool_Check(arg.ptr()) || !PyLong_Check(arg.ptr())) {
+    ThrowInvalidArgument(absl::StrCat(what, ": push ", i, " (key ", prepared_.push_key(i),
+                                      "): ", name, ": expected an int"));
   }
-  const long long b = PyLong_AsLongLong(bytes_arg.ptr());
-  if (PyErr_Occurred()) PyErr_Clear();
+  const long long n = PyLong_AsLongLong(arg.ptr());
+  if (PyErr_Occurred()) PyErr_Clear();  // out of long long: -1, refused as out of range
+  return n;
+}
+
+void PyPlan::SetBytes(size_t i, py::handle bytes_arg) {
+  const long long b = CountArg(i, bytes_arg, "set_bytes", "bytes");
   SetPushBytes(i, b, std::string(py::str(bytes_arg)), "set_bytes", "bytes");
 }
 
 void PyPlan::SetRows(size_t i, py::handle rows_arg) {
-  CheckWritable("set_rows");
-  CheckPushIndex(i, "set_rows");
-  if (PyBool_Check(rows_arg.ptr()) || !PyLong_Check(rows_arg.ptr())) {
-    ThrowInvalidArgument(absl::StrCat("set_rows: push ", i, " (key ", prepared_.push_key(i),
-                                      "): rows: expected an int"));
-  }
-  const long long r = PyLong_AsLongLong(rows_arg.ptr());
-  if (PyErr_Occurred()) PyErr_Clear();
+  const long long r = CountArg(i, rows_arg, "set_rows", "rows");
   const TensorView tensor = prepared_.push_tensor(i);
   const int64_t rows = tensor.shape.rank() > 0 ? tensor.shape[0] : 1;
   const size_t row_bytes = rows > 0 ? tensor.bytes() / static_cast<size_t>(rows) : 0;

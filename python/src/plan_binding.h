@@ -67,6 +67,9 @@ class PyPlan {
 
   void CheckWritable(const char* what) const;
   void CheckPushIndex(size_t i, const char* what) const;
+  // set_bytes / set_rows' argument: an int (not a bool) for push `i`, once the
+  // plan may be written and `i` is a push; `name` names it in errors.
+  long long CountArg(size_t i, pybind11::handle arg, const char* what, const char* name) const;
   void SetPushBytes(size_t i, long long b, const std::string& shown, const char* what,
                     const char* name);
 

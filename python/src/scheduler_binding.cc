@@ -6,6 +6,7 @@
 
 #include "python/src/binding_args.h"
 #include "python/src/errors.h"
+#include "python/src/gil.h"
 #include "python/src/options_binding.h"
 #include "stepmesh/options.h"
 #include "stepmesh/scheduler.h"
@@ -19,12 +20,7 @@ class PyScheduler {
  public:
   explicit PyScheduler(MeshOptions options) {
     options.role = Role::kScheduler;
-    absl::StatusOr<std::unique_ptr<Scheduler>> started;
-    {
-      py::gil_scoped_release release;
-      started = Scheduler::Start(options);
-    }
-    scheduler_ = ValueOrThrow(std::move(started));
+    scheduler_ = MakeReleased([&] { return Scheduler::Start(options); });
     timeout_ = options.timeout;
   }
   ~PyScheduler() {
@@ -34,20 +30,10 @@ class PyScheduler {
   std::string address() const { return scheduler_->address(); }
   void WaitUntilDone(py::handle timeout) {
     const absl::Duration t = TimeoutArg(timeout, timeout_);
-    absl::Status s;
-    {
-      py::gil_scoped_release release;
-      s = scheduler_->WaitUntilDone(t);
-    }
-    ThrowIfError(s);
+    CallReleased([&] { return scheduler_->WaitUntilDone(t); });
   }
   void WaitForParticipants() {
-    absl::Status s;
-    {
-      py::gil_scoped_release release;
-      s = scheduler_->WaitForParticipants();
-    }
-    ThrowIfError(s);
+    CallReleased([&] { return scheduler_->WaitForParticipants(); });
   }
   void Stop() {
     py::gil_scoped_release release;

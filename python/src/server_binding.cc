@@ -15,6 +15,7 @@
 #include "python/src/binding_args.h"
 #include "python/src/dlpack_tensor.h"
 #include "python/src/errors.h"
+#include "python/src/gil.h"
 #include "python/src/options_binding.h"
 #include "python/src/participant_binding.h"
 #include "python/src/store_binding.h"
@@ -34,13 +35,10 @@ class PyServer : public PyParticipant {
   explicit PyServer(MeshOptions options, std::shared_ptr<RendezvousStore> store = nullptr)
       : PyParticipant("server"), options_(std::move(options)) {
     options_.role = Role::kServer;
-    absl::StatusOr<std::unique_ptr<AFTensorServer>> server;
-    {
-      py::gil_scoped_release release;
-      server = store != nullptr ? CreateServerWithStore(options_, std::move(store))
-                                : AFTensorServer::Create(options_);
-    }
-    server_ = ValueOrThrow(std::move(server));
+    server_ = MakeReleased([&] {
+      return store != nullptr ? CreateServerWithStore(options_, std::move(store))
+                              : AFTensorServer::Create(options_);
+    });
     Attach(server_.get());
     streams_ = std::make_unique<StreamArgs>(server_->backend());
     events_ = std::make_unique<EventPool>(server_->backend());
@@ -65,41 +63,23 @@ class PyServer : public PyParticipant {
   int num_workers() { return live().num_workers(); }
   const MeshOptions& options() const { return options_; }
 
-  void RegisterRecv(py::handle key_arg, py::handle tensor) {
-    const Key key = KeyArg(key_arg, "register_recv");
-    Registered t = ImportTensor(tensor, absl::StrCat("receive tensor for key ", key));
-    absl::Status s;
+  // register_recv (reply = false) / register_reply (reply = true).
+  void Register(py::handle key_arg, py::handle tensor, bool reply) {
+    const Key key = KeyArg(key_arg, reply ? "register_reply" : "register_recv");
+    Registered t =
+        ImportTensor(tensor, absl::StrCat(reply ? "reply" : "receive", " tensor for key ", key));
     auto& node = live();  // may raise: do it holding the GIL
-    {
-      py::gil_scoped_release release;
-      s = node.RegisterRecvTensor(key, t->view());
-    }
-    ThrowIfError(s);
-    recv_regs_[key] = std::move(t);
-  }
-
-  void RegisterReply(py::handle key_arg, py::handle tensor) {
-    const Key key = KeyArg(key_arg, "register_reply");
-    Registered t = ImportTensor(tensor, absl::StrCat("reply tensor for key ", key));
-    absl::Status s;
-    auto& node = live();  // may raise: do it holding the GIL
-    {
-      py::gil_scoped_release release;
-      s = node.RegisterReplyTensor(key, t->view());
-    }
-    ThrowIfError(s);
-    reply_regs_[key] = std::move(t);
+    CallReleased([&] {
+      return reply ? node.RegisterReplyTensor(key, t->view())
+                   : node.RegisterRecvTensor(key, t->view());
+    });
+    (reply ? reply_regs_ : recv_regs_)[key] = std::move(t);
   }
 
   void Unregister(py::handle key_arg) {
     const Key key = KeyArg(key_arg, "unregister");
-    absl::Status s;
     auto& node = live();  // may raise: do it holding the GIL
-    {
-      py::gil_scoped_release release;
-      s = node.Unregister(key);
-    }
-    ThrowIfError(s);
+    CallReleased([&] { return node.Unregister(key); });
     recv_regs_.erase(key);
     reply_regs_.erase(key);
   }
@@ -305,8 +285,14 @@ The FFN side (C++ AFTensorServer). Server(options=None, **fields) joins the mesh
            py::arg("options") = py::none())
       .def_property_readonly("num_workers", &PyServer::num_workers)
       .def_property_readonly("options", &PyServer::options)
-      .def("register_recv", &PyServer::RegisterRecv, py::arg("key"), py::arg("tensor"))
-      .def("register_reply", &PyServer::RegisterReply, py::arg("key"), py::arg("tensor"))
+      .def(
+          "register_recv",
+          [](PyServer& s, py::handle key, py::handle t) { s.Register(key, t, false); },
+          py::arg("key"), py::arg("tensor"))
+      .def(
+          "register_reply",
+          [](PyServer& s, py::handle key, py::handle t) { s.Register(key, t, true); },
+          py::arg("key"), py::arg("tensor"))
       .def("unregister", &PyServer::Unregister, py::arg("key"))
       .def("get_batch", &PyServer::GetBatch, py::arg("timeout") = py::none(),
            py::arg("policy") = py::none())

@@ -7,6 +7,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "python/src/errors.h"
+#include "python/src/gil.h"
 
 namespace stepmesh::python {
 namespace py = pybind11;
@@ -98,12 +99,7 @@ void PyTrigger::WaitOn(int slot, py::handle stream) {
 void PyTrigger::Disarm(int slot, double timeout) {
   armed(slot);
   Trigger& t = trigger();
-  absl::Status s;
-  {
-    py::gil_scoped_release release;
-    s = t.Disarm(slot, absl::Seconds(timeout));
-  }
-  ThrowIfError(s);
+  CallReleased([&] { return t.Disarm(slot, absl::Seconds(timeout)); });
   armed_.erase(slot);
   keep_.erase(slot);
 }

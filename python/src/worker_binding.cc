@@ -8,6 +8,7 @@
 #include "python/src/binding_args.h"
 #include "python/src/dlpack_tensor.h"
 #include "python/src/errors.h"
+#include "python/src/gil.h"
 #include "python/src/options_binding.h"
 #include "python/src/plan_binding.h"
 #include "python/src/request_items.h"
@@ -21,13 +22,10 @@ namespace py = pybind11;
 PyWorker::PyWorker(MeshOptions options, std::shared_ptr<RendezvousStore> store)
     : PyParticipant("worker"), options_(std::move(options)) {
   options_.role = Role::kWorker;
-  absl::StatusOr<std::unique_ptr<AFTensorWorker>> worker;
-  {
-    py::gil_scoped_release release;
-    worker = store != nullptr ? CreateWorkerWithStore(options_, std::move(store))
-                              : AFTensorWorker::Create(options_);
-  }
-  worker_ = ValueOrThrow(std::move(worker));
+  worker_ = MakeReleased([&] {
+    return store != nullptr ? CreateWorkerWithStore(options_, std::move(store))
+                            : AFTensorWorker::Create(options_);
+  });
   Attach(worker_.get());
   streams_ = std::make_unique<StreamArgs>(worker_->backend());
   events_ = std::make_unique<EventPool>(worker_->backend());
@@ -82,13 +80,8 @@ RequestRef PyWorker::Submit(py::handle stream, const char* what, PostFn&& post,
 void PyWorker::RegisterPush(py::handle key_arg, py::handle tensor) {
   const Key key = KeyArg(key_arg, "register_push");
   Registered t = ImportTensor(tensor, absl::StrCat("push tensor for key ", key));
-  absl::Status s;
   auto& node = live();  // may raise: do it holding the GIL
-  {
-    py::gil_scoped_release release;
-    s = node.RegisterPushTensor(key, t->view());
-  }
-  ThrowIfError(s);
+  CallReleased([&] { return node.RegisterPushTensor(key, t->view()); });
   push_regs_[key] = std::move(t);
 }
 
@@ -96,25 +89,15 @@ void PyWorker::RegisterPull(py::handle key_arg, int server, py::handle tensor) {
   const Key key = KeyArg(key_arg, "register_pull");
   Registered t =
       ImportTensor(tensor, absl::StrCat("pull tensor for key ", key, " from server ", server));
-  absl::Status s;
   auto& node = live();  // may raise: do it holding the GIL
-  {
-    py::gil_scoped_release release;
-    s = node.RegisterPullTensor(key, server, t->view());
-  }
-  ThrowIfError(s);
+  CallReleased([&] { return node.RegisterPullTensor(key, server, t->view()); });
   pull_regs_[{key, server}] = std::move(t);
 }
 
 void PyWorker::Unregister(py::handle key_arg) {
   const Key key = KeyArg(key_arg, "unregister");
-  absl::Status s;
   auto& node = live();  // may raise: do it holding the GIL
-  {
-    py::gil_scoped_release release;
-    s = node.Unregister(key);
-  }
-  ThrowIfError(s);
+  CallReleased([&] { return node.Unregister(key); });
   push_regs_.erase(key);
   for (auto it = pull_regs_.lower_bound({key, INT32_MIN});
        it != pull_regs_.end() && it->first.first == key;) {

@@ -48,6 +48,7 @@ from ._stepmesh import (  # noqa: F401  (re-exported)
     Unknown,
     Worker,
     environment_value,
+    option_table,
     copy_,
     describe,
     monotonic_ns,

@@ -26,6 +26,8 @@ class DataLoss(Error): ...
 class Unauthenticated(Error): ...
 
 class MeshOptions:
+    # One attribute per row of the option table (stepmesh.option_table());
+    # python/tests/test_option_table.py holds these lines to it.
     role: str
     rank: int
     num_workers: int
@@ -38,14 +40,19 @@ class MeshOptions:
     node_host: str
     interface: str
     transport: str
+    fi_provider: str
+    fi_nics: int
+    fi_stripe_min_bytes: int
     backend: str
     device: int
+    cuda_device_max_connections: int
     rdma_device: str
     rdma_port: int
     rdma_gid_index: int
     rdma_interface: str
     rdma_traffic_class: int
     rdma_service_level: int
+    rdma_pkey: int
     rdma_path_mtu: int
     rdma_ack_timeout: int
     rdma_retry_count: int
@@ -55,6 +62,10 @@ class MeshOptions:
     rdma_qps_per_peer: int
     rdma_stripe_min_bytes: int
     rdma_gpudirect: str
+    rdma_relaxed_ordering: str
+    rdma_fork_init: str
+    rdma_gpu_pci_bus_id: str
+    rdma_sysfs_root: str
     poll_mode: str
     spin_budget: float
     send_cores: List[int]
@@ -65,6 +76,8 @@ class MeshOptions:
     max_inflight_requests: int
     max_registrations: int
     auth_token: str
+    auth: str
+    mesh_id: str
     payload_checksum: bool
     trace: bool
     trace_events: int
@@ -82,6 +95,7 @@ class MeshOptions:
     def to_dict(self) -> Dict[str, Any]: ...
 
 def environment_value(name: str) -> Optional[str]: ...
+def option_table() -> List[Dict[str, str]]: ...
 
 class Request:
     index: int

@@ -415,7 +415,7 @@ def test_options_from_kwargs_and_environment(monkeypatch):
         stepmesh.MeshOptions(num_servers="2")
     with pytest.raises(ValueError, match="poll mode 'fast'"):
         stepmesh.MeshOptions(poll_mode="fast")
-    with pytest.raises(ValueError, match="role: 'ffn'"):
+    with pytest.raises(ValueError, match="MeshOptions.role: role 'ffn'"):
         stepmesh.MeshOptions(role="ffn")
     monkeypatch.setenv("DMLC_NUM_WORKER", "4")
     monkeypatch.setenv("DMLC_PS_ROOT_URI", "127.0.0.2")

@@ -48,6 +48,20 @@ class ABSL_LOCKABLE Mutex {
     lock.release();
     return condition();
   }
+  // With the lock held: waits (releasing it) until `condition()` is true, in
+  // one sleep rather than 5 ms slices. Only for conditions on state this
+  // mutex guards: every change of it then ends in Unlock(), which wakes the
+  // waiter (it counted itself in awaiters_ under the lock, before it slept).
+  // A thread parked here costs no wake-ups; with slices, 128 idle processes
+  // woke 200 times a second per waiting thread (docs/benchmarks.md, "Scale").
+  template <typename Condition>
+  void Await(Condition condition) ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
+    std::unique_lock<std::mutex> lock(mu_, std::adopt_lock);
+    ++awaiters_;
+    changed_.wait(lock, condition);
+    --awaiters_;
+    lock.release();
+  }
   template <typename Condition>
   bool AwaitWithTimeout(Condition condition, absl::Duration timeout)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
@@ -117,8 +131,7 @@ class Notification {
   }
   void WaitForNotification() {
     MutexLock lock(&mu_);
-    mu_.AwaitWithDeadline([this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return notified_; },
-                          absl::InfiniteFuture());
+    mu_.Await([this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return notified_; });
   }
   bool WaitForNotificationWithTimeout(absl::Duration timeout) {
     MutexLock lock(&mu_);

@@ -1,13 +1,38 @@
 #pragma once
-// The environment table as documentation: each variable FromEnv reads, the
-// MeshOptions field it sets, its default and meaning. stepmesh_env_doc prints
-// docs/configuration.md's tables from it; a test checks the two agree.
+// The environment table: each variable FromEnv reads, the MeshOptions field it
+// sets, its default and meaning, and how a value is applied. Most rows are
+// generated from the option table (stepmesh/option_table.inc); the rest
+// (other programs' names, variables that set two fields, ignored StepMesh
+// knobs, the Python layer's names) are written in src/core/env_table.cc.
+// stepmesh_env_doc prints docs/configuration.md's tables from it; a test
+// checks the two agree.
 
+#include <functional>
+#include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "stepmesh/options.h"
 
 namespace stepmesh::core {
+
+// One row of the environment table.
+struct EnvEntry {
+  const char* name;
+  const char* field;          // the MeshOptions field, "" when none
+  const char* default_value;  // as the docs show it
+  std::string meaning;        // markdown, one line
+  std::function<absl::Status(absl::string_view, MeshOptions&)> apply;
+  bool stepmesh = false;  // one of StepMesh's own names: the StepMesh section of the docs
+  // Another program's name for one of our fields (FI_PROVIDER): applied in
+  // the first pass with the DMLC_* and StepMesh names, so our own name wins.
+  bool alias = false;
+};
+
+// The rows in table order: FromEnv applies them in two passes (DMLC_*,
+// StepMesh and alias rows first), a later row winning within a pass.
+const std::vector<EnvEntry>& EnvTable();
 
 struct EnvVariableDoc {
   absl::string_view name;

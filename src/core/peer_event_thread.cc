@@ -35,9 +35,8 @@ void PeerEventThread::Loop() {
     std::function<void()> work;
     {
       base::MutexLock lock(&mu_);
-      mu_.AwaitWithDeadline(
-          [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !queue_.empty() || stop_; },
-          absl::InfiniteFuture());
+      // queue_ and stop_ change only under mu_: one sleep, no slices.
+      mu_.Await([this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return !queue_.empty() || stop_; });
       if (stop_) return;
       work = std::move(queue_.front());
       queue_.pop_front();

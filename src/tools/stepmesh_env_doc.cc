@@ -1,8 +1,10 @@
 // Prints the variable tables of docs/configuration.md from the one
-// environment table (src/core/env.cc), so the docs cannot drift from the code.
+// environment table (src/core/env_table.cc, its rows mostly generated from
+// stepmesh/option_table.inc) and the field table from the option table, so the
+// docs cannot drift from the code.
 // scripts/gen-config-doc.sh pastes the output into the page; the
 // config_doc_check test fails when the page and this output differ.
-//   stepmesh_env_doc
+//   stepmesh_env_doc main|rdma|stepmesh|elsewhere|fields
 
 #include <cstdio>
 #include <string>
@@ -12,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "src/core/env_table.h"
+#include "stepmesh/option_table.h"
 
 namespace {
 
@@ -58,6 +61,19 @@ std::string ReadElsewhere() {
                       "which therefore does not warn about them.\n");
 }
 
+// Every MeshOptions field (the option table): its Python attribute, the
+// variable that sets it, what Validate() accepts and its default.
+std::string Fields() {
+  std::string out = "| field | Python | variable | accepts | default |\n|---|---|---|---|---|\n";
+  for (const stepmesh::OptionInfo& o : stepmesh::OptionTable()) {
+    const std::string accepts = o.check.Describe();
+    absl::StrAppend(&out, "| `", o.member, "` | `", o.name, "` | ",
+                    o.variable.empty() ? "—" : absl::StrCat("`", o.variable, "`"), " | ",
+                    accepts.empty() ? "—" : accepts, " | ", o.default_value, " |\n");
+  }
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -69,10 +85,12 @@ int main(int argc, char** argv) {
     out = Table(Section::kRdma);
   } else if (which == "stepmesh") {
     out = Table(Section::kStepMesh);
+  } else if (which == "fields") {
+    out = Fields();
   } else if (which == "elsewhere") {
     out = ReadElsewhere();
   } else {
-    std::fprintf(stderr, "usage: stepmesh_env_doc main|rdma|stepmesh|elsewhere\n");
+    std::fprintf(stderr, "usage: stepmesh_env_doc main|rdma|stepmesh|elsewhere|fields\n");
     return 2;
   }
   std::fputs(out.c_str(), stdout);

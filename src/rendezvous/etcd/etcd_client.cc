@@ -1,6 +1,5 @@
 #include "src/rendezvous/etcd/etcd_client.h"
 
-#include <curl/curl.h>
 #include <json/json.h>
 
 #include <algorithm>
@@ -14,6 +13,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "src/base/logging.h"
+#include "src/rendezvous/etcd/curl_library.h"
 #include "stepmesh/status.h"
 
 namespace stepmesh::etcd {
@@ -142,16 +142,15 @@ std::string EtcdClient::Decode(absl::string_view text) {
   return absl::Base64Unescape(text, &out) ? out : std::string();
 }
 
-EtcdClient::EtcdClient(EtcdUrl url) : url_(std::move(url)) { curl_global_init(CURL_GLOBAL_ALL); }
+EtcdClient::EtcdClient(EtcdUrl url, std::unique_ptr<CurlLibrary> lib)
+    : url_(std::move(url)), lib_(std::move(lib)) {}
 
-EtcdClient::~EtcdClient() {
-  Cancel();
-  curl_global_cleanup();
-}
+EtcdClient::~EtcdClient() { Cancel(); }
 
 absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Connect(const EtcdUrl& url,
                                                                 absl::Time deadline) {
-  std::unique_ptr<EtcdClient> client(new EtcdClient(url));
+  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<CurlLibrary> lib, CurlLibrary::Load());
+  std::unique_ptr<EtcdClient> client(new EtcdClient(url, std::move(lib)));
   if (!url.user.empty()) {
     STEPMESH_RETURN_IF_ERROR(client->Authenticate(deadline));
   } else {
@@ -197,33 +196,33 @@ absl::StatusOr<Json::Value> EtcdClient::Call(const std::string& path, const Json
                                                           : absl::StatusCode::kDeadlineExceeded,
             absl::StrCat("etcd at ", url_.Endpoints(), ": POST ", path, ": ", last.message()));
       }
-      std::unique_ptr<CURL, void (*)(CURL*)> curl(curl_easy_init(), curl_easy_cleanup);
+      std::unique_ptr<CURL, void (*)(CURL*)> curl(lib_->easy_init(), lib_->easy_cleanup);
       if (curl == nullptr) return absl::ResourceExhaustedError("curl_easy_init failed");
       const std::string target = absl::StrCat("http://", endpoint, path);
       std::string response;
-      curl_slist* headers = curl_slist_append(nullptr, "Content-Type: application/json");
+      curl_slist* headers = lib_->slist_append(nullptr, "Content-Type: application/json");
       const std::string token = Token();
       if (!token.empty() && path != "/v3/auth/authenticate") {
-        headers = curl_slist_append(headers, absl::StrCat("Authorization: ", token).c_str());
+        headers = lib_->slist_append(headers, absl::StrCat("Authorization: ", token).c_str());
       }
       const long attempt_ms = static_cast<long>(std::clamp(
           absl::ToInt64Milliseconds(std::min(left, kAttemptTimeout)), int64_t{50}, int64_t{2000}));
-      curl_easy_setopt(curl.get(), CURLOPT_URL, target.c_str());
-      curl_easy_setopt(curl.get(), CURLOPT_HTTPHEADER, headers);
-      curl_easy_setopt(curl.get(), CURLOPT_POSTFIELDS, payload.c_str());
-      curl_easy_setopt(curl.get(), CURLOPT_POSTFIELDSIZE, static_cast<long>(payload.size()));
-      curl_easy_setopt(curl.get(), CURLOPT_WRITEFUNCTION, AppendToString);
-      curl_easy_setopt(curl.get(), CURLOPT_WRITEDATA, &response);
-      curl_easy_setopt(curl.get(), CURLOPT_NOSIGNAL, 1L);
-      curl_easy_setopt(curl.get(), CURLOPT_CONNECTTIMEOUT_MS,
-                       static_cast<long>(absl::ToInt64Milliseconds(kConnectTimeout)));
-      curl_easy_setopt(curl.get(), CURLOPT_TIMEOUT_MS, attempt_ms);
-      const CURLcode rc = curl_easy_perform(curl.get());
+      lib_->easy_setopt(curl.get(), CURLOPT_URL, target.c_str());
+      lib_->easy_setopt(curl.get(), CURLOPT_HTTPHEADER, headers);
+      lib_->easy_setopt(curl.get(), CURLOPT_POSTFIELDS, payload.c_str());
+      lib_->easy_setopt(curl.get(), CURLOPT_POSTFIELDSIZE, static_cast<long>(payload.size()));
+      lib_->easy_setopt(curl.get(), CURLOPT_WRITEFUNCTION, AppendToString);
+      lib_->easy_setopt(curl.get(), CURLOPT_WRITEDATA, &response);
+      lib_->easy_setopt(curl.get(), CURLOPT_NOSIGNAL, 1L);
+      lib_->easy_setopt(curl.get(), CURLOPT_CONNECTTIMEOUT_MS,
+                        static_cast<long>(absl::ToInt64Milliseconds(kConnectTimeout)));
+      lib_->easy_setopt(curl.get(), CURLOPT_TIMEOUT_MS, attempt_ms);
+      const CURLcode rc = lib_->easy_perform(curl.get());
       long http = 0;
-      curl_easy_getinfo(curl.get(), CURLINFO_RESPONSE_CODE, &http);
-      curl_slist_free_all(headers);
+      lib_->easy_getinfo(curl.get(), CURLINFO_RESPONSE_CODE, &http);
+      lib_->slist_free_all(headers);
       if (rc != CURLE_OK) {
-        last = absl::UnavailableError(absl::StrCat(endpoint, ": ", curl_easy_strerror(rc)));
+        last = absl::UnavailableError(absl::StrCat(endpoint, ": ", lib_->easy_strerror(rc)));
         current_.store((at + 1) % n, std::memory_order_relaxed);
         continue;
       }
@@ -338,7 +337,7 @@ absl::StatusOr<TxnResult> EtcdClient::Txn(const Json::Value& request, absl::Time
 void EtcdClient::Cancel() {
   cancelled_.store(true);
   base::MutexLock lock(&mu_);
-  if (watch_multi_ != nullptr) curl_multi_wakeup(static_cast<CURLM*>(watch_multi_));
+  if (watch_multi_ != nullptr) lib_->multi_wakeup(static_cast<CURLM*>(watch_multi_));
 }
 
 namespace {
@@ -373,14 +372,14 @@ absl::Status EtcdClient::WatchOnce(
   Json::Value create = *ParseJson(body_prefix);
   create["create_request"]["start_revision"] = std::to_string(*next_revision);
   const std::string payload = Compact(create);
-  std::unique_ptr<CURL, void (*)(CURL*)> curl(curl_easy_init(), curl_easy_cleanup);
-  std::unique_ptr<CURLM, CURLMcode (*)(CURLM*)> multi(curl_multi_init(), curl_multi_cleanup);
+  std::unique_ptr<CURL, void (*)(CURL*)> curl(lib_->easy_init(), lib_->easy_cleanup);
+  std::unique_ptr<CURLM, CURLMcode (*)(CURLM*)> multi(lib_->multi_init(), lib_->multi_cleanup);
   if (curl == nullptr || multi == nullptr) return absl::ResourceExhaustedError("curl init failed");
   const std::string target = absl::StrCat("http://", endpoint, "/v3/watch");
-  curl_slist* headers = curl_slist_append(nullptr, "Content-Type: application/json");
+  curl_slist* headers = lib_->slist_append(nullptr, "Content-Type: application/json");
   const std::string token = Token();
   if (!token.empty()) {
-    headers = curl_slist_append(headers, absl::StrCat("Authorization: ", token).c_str());
+    headers = lib_->slist_append(headers, absl::StrCat("Authorization: ", token).c_str());
   }
   absl::Status stream_error;
   WatchStream stream;
@@ -421,17 +420,17 @@ absl::Status EtcdClient::WatchOnce(
     *delivered_any = true;
     return cb(revision, events);
   };
-  curl_easy_setopt(curl.get(), CURLOPT_URL, target.c_str());
-  curl_easy_setopt(curl.get(), CURLOPT_HTTPHEADER, headers);
-  curl_easy_setopt(curl.get(), CURLOPT_POSTFIELDS, payload.c_str());
-  curl_easy_setopt(curl.get(), CURLOPT_POSTFIELDSIZE, static_cast<long>(payload.size()));
-  curl_easy_setopt(curl.get(), CURLOPT_WRITEFUNCTION, WatchWrite);
-  curl_easy_setopt(curl.get(), CURLOPT_WRITEDATA, &stream);
-  curl_easy_setopt(curl.get(), CURLOPT_NOSIGNAL, 1L);
-  curl_easy_setopt(curl.get(), CURLOPT_TCP_KEEPALIVE, 1L);
-  curl_easy_setopt(curl.get(), CURLOPT_CONNECTTIMEOUT_MS,
-                   static_cast<long>(absl::ToInt64Milliseconds(kConnectTimeout)));
-  curl_multi_add_handle(multi.get(), curl.get());
+  lib_->easy_setopt(curl.get(), CURLOPT_URL, target.c_str());
+  lib_->easy_setopt(curl.get(), CURLOPT_HTTPHEADER, headers);
+  lib_->easy_setopt(curl.get(), CURLOPT_POSTFIELDS, payload.c_str());
+  lib_->easy_setopt(curl.get(), CURLOPT_POSTFIELDSIZE, static_cast<long>(payload.size()));
+  lib_->easy_setopt(curl.get(), CURLOPT_WRITEFUNCTION, WatchWrite);
+  lib_->easy_setopt(curl.get(), CURLOPT_WRITEDATA, &stream);
+  lib_->easy_setopt(curl.get(), CURLOPT_NOSIGNAL, 1L);
+  lib_->easy_setopt(curl.get(), CURLOPT_TCP_KEEPALIVE, 1L);
+  lib_->easy_setopt(curl.get(), CURLOPT_CONNECTTIMEOUT_MS,
+                    static_cast<long>(absl::ToInt64Milliseconds(kConnectTimeout)));
+  lib_->multi_add_handle(multi.get(), curl.get());
   {
     base::MutexLock lock(&mu_);
     watch_multi_ = multi.get();
@@ -444,20 +443,20 @@ absl::Status EtcdClient::WatchOnce(
       break;
     }
     int running = 0;
-    curl_multi_perform(multi.get(), &running);
+    lib_->multi_perform(multi.get(), &running);
     if (stream.stopped && stream_error.ok()) break;  // the callback is done
     if (running == 0) {
       int queued = 0;
       CURLcode rc = CURLE_OK;
-      while (CURLMsg* msg = curl_multi_info_read(multi.get(), &queued)) {
+      while (CURLMsg* msg = lib_->multi_info_read(multi.get(), &queued)) {
         if (msg->msg == CURLMSG_DONE) rc = msg->data.result;
       }
       long http = 0;
-      curl_easy_getinfo(curl.get(), CURLINFO_RESPONSE_CODE, &http);
+      lib_->easy_getinfo(curl.get(), CURLINFO_RESPONSE_CODE, &http);
       if (!stream_error.ok()) {
         out = stream_error;
       } else if (rc != CURLE_OK) {
-        out = absl::UnavailableError(absl::StrCat(endpoint, ": ", curl_easy_strerror(rc)));
+        out = absl::UnavailableError(absl::StrCat(endpoint, ": ", lib_->easy_strerror(rc)));
       } else if (http != 200) {
         out = absl::UnavailableError(absl::StrCat(endpoint, ": watch answered HTTP ", http));
       } else {
@@ -467,14 +466,14 @@ absl::Status EtcdClient::WatchOnce(
     }
     const int64_t wait_ms =
         std::clamp<int64_t>(absl::ToInt64Milliseconds(deadline - absl::Now()) + 1, 1, 1000);
-    curl_multi_poll(multi.get(), nullptr, 0, static_cast<int>(wait_ms), nullptr);
+    lib_->multi_poll(multi.get(), nullptr, 0, static_cast<int>(wait_ms), nullptr);
   }
   {
     base::MutexLock lock(&mu_);
     watch_multi_ = nullptr;
   }
-  curl_multi_remove_handle(multi.get(), curl.get());
-  curl_slist_free_all(headers);
+  lib_->multi_remove_handle(multi.get(), curl.get());
+  lib_->slist_free_all(headers);
   return out;
 }
 

@@ -29,6 +29,8 @@ class Value;
 
 namespace stepmesh::etcd {
 
+class CurlLibrary;  // curl_library.h: libcurl, loaded when a client is made
+
 // etcd://[USER:PASSWORD@]HOST:PORT[,HOST:PORT...][/PREFIX], after "etcd://".
 struct EtcdUrl {
   std::vector<std::string> endpoints;  // host:port each
@@ -112,7 +114,7 @@ class EtcdClient {
   static std::string Decode(absl::string_view text);
 
  private:
-  explicit EtcdClient(EtcdUrl url);
+  EtcdClient(EtcdUrl url, std::unique_ptr<CurlLibrary> lib);
   // One POST to `path` on whichever member answers; the parsed JSON reply.
   absl::StatusOr<Json::Value> Call(const std::string& path, const Json::Value& body,
                                    absl::Time deadline);
@@ -124,7 +126,8 @@ class EtcdClient {
   std::string Token() const;
 
   const EtcdUrl url_;
-  std::atomic<size_t> current_{0};  // the member requests go to first
+  const std::unique_ptr<CurlLibrary> lib_;  // declared before what uses it
+  std::atomic<size_t> current_{0};          // the member requests go to first
   std::atomic<bool> cancelled_{false};
   mutable base::Mutex mu_;
   std::string token_ ABSL_GUARDED_BY(mu_);
