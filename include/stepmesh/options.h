@@ -143,8 +143,23 @@ struct FserverOptions {
 struct STEPMESH_EXPORT MeshOptions {
   Role role = Role::kWorker;
   int rank = -1;  // -1: the scheduler assigns one in arrival order
+  // The start shape: the mesh forms once ranks [0, num_workers) and
+  // [0, num_servers) joined.
   int num_workers = 1;
   int num_servers = 1;
+  // The capacity (docs/elastic.md): ranks [0, max_workers) and
+  // [0, max_servers) may be members of the running mesh, joining and leaving
+  // while it decodes. 0: the start shape (nothing joins beyond it, as before
+  // elastic membership). Every participant of a mesh gives the same; the
+  // scheduler refuses one whose capacity differs. Per-peer state is sized for
+  // it at creation: a server's receive and reply regions hold max_workers
+  // slots, a worker addresses server ranks [0, max_servers); so a join
+  // registers nothing new. Only the scheduler rendezvous changes membership;
+  // etcd and the framework store refuse a capacity above the start shape.
+  int max_workers = 0;
+  int max_servers = 0;
+  int WorkerCapacity() const { return max_workers > 0 ? max_workers : num_workers; }
+  int ServerCapacity() const { return max_servers > 0 ? max_servers : num_servers; }
   std::string scheduler = "127.0.0.1:9000";  // host:port of the rendezvous
   // Which rendezvous the mesh meets through (docs/deployment.md): empty or
   // "scheduler://HOST:PORT" (our scheduler; empty: at `scheduler`), or

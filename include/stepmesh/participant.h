@@ -4,16 +4,29 @@
 // add their data path (stepmesh/worker.h, stepmesh/server.h) and declare none
 // of these again.
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "stepmesh/backend.h"
 #include "stepmesh/export.h"
 #include "stepmesh/stats.h"
 #include "stepmesh/trace.h"
 
 namespace stepmesh {
+
+// Who is in the mesh at one membership epoch (docs/elastic.md). The start
+// shape is epoch 0 with the scheduler rendezvous; every join, orderly leave
+// and loss after it is the next epoch, numbered by the rendezvous, so every
+// participant gives one change the same number.
+struct Membership {
+  uint64_t epoch = 0;
+  std::vector<int> workers;  // attention ranks, ascending, each in [0, max_workers)
+  std::vector<int> servers;  // FFN ranks, ascending, each in [0, max_servers)
+};
 
 class STEPMESH_EXPORT Participant {
  public:
@@ -45,11 +58,37 @@ class STEPMESH_EXPORT Participant {
   // ChromeTraceJson() written to `path`.
   virtual absl::Status WriteChromeTrace(const std::string& path) = 0;
 
-  // Waits (options.timeout) for every worker and server to reach the same barrier.
+  // Waits (options.timeout) for every worker and server to reach the same
+  // barrier: the members of the current epoch (a participant that joins
+  // takes part from its join on; one leaving, from its Leave on, does not).
   virtual absl::Status Barrier() = 0;
   // Leaves the mesh in order; what is pending fails with CANCELLED. Also run
   // by the destructor; idempotent.
   virtual absl::Status Shutdown() = 0;
+
+  // --- elastic membership (docs/elastic.md) ---
+  // The membership as this participant last heard it: the roster it joined
+  // with, then every change the rendezvous announced. Any thread; allocates.
+  virtual Membership CurrentMembership() const = 0;
+  // The poll for changes: returns the membership once its epoch is past
+  // `after_epoch` (at once when it already is; several changes heard
+  // meanwhile come as one answer, the newest). DEADLINE_EXCEEDED after
+  // `timeout`; CANCELLED once this participant shut down or left. Any thread,
+  // any number of waiters at once; the data path never waits for them.
+  virtual absl::StatusOr<Membership> WaitMembershipChange(uint64_t after_epoch,
+                                                          absl::Duration timeout) = 0;
+  // Drains, then leaves in order: the others see "left" (not "lost"), as a
+  // new epoch. A worker stops accepting requests (Post/PushPull fail
+  // FAILED_PRECONDITION naming it), waits until every request it posted is
+  // complete, then leaves. A server is announced as left at once, so workers
+  // address it no more (their new pushes to it fail UNAVAILABLE naming it); it
+  // answers every request that arrived -- the application keeps calling
+  // GetBatch/Respond, on another thread than Leave's, until GetBatch returns
+  // UNAVAILABLE "drained" -- then leaves. Past `timeout` it leaves anyway
+  // (what is pending then fails CANCELLED, as with Shutdown) and returns
+  // DEADLINE_EXCEEDED saying what was left. Afterwards the participant is
+  // shut down. Once; a second call (or one after Shutdown) returns OK.
+  virtual absl::Status Leave(absl::Duration timeout) = 0;
 };
 
 }  // namespace stepmesh

@@ -53,22 +53,32 @@ struct Reply {
   size_t bytes = kWholeTensor;  // of the worker's slot in the reply region
 };
 
-// Rank, backend, stats, traces, Barrier and Shutdown: stepmesh/participant.h.
+// Rank, backend, stats, traces, Barrier, Shutdown, the membership and Leave:
+// stepmesh/participant.h.
 class STEPMESH_EXPORT AFTensorServer : public Participant {
  public:
   static absl::StatusOr<std::unique_ptr<AFTensorServer>> Create(
       const MeshOptions& options, std::shared_ptr<Backend> backend = nullptr);
   ~AFTensorServer() override = default;
 
+  // The worker rank range, [0, num_workers()): the capacity (max_workers, or
+  // the start shape), the slots of every region. Which of them are members:
+  // CurrentMembership().workers.
   virtual int num_workers() const = 0;
 
-  // `region` holds num_workers equal slots (its first dimension must divide
+  // `region` holds num_workers() equal slots (its first dimension must divide
   // evenly); worker w's pushes under `key` land in slot w.
   virtual absl::Status RegisterRecvTensor(Key key, TensorView region) = 0;
   // The source of replies under `key` (a worker's pull key): slot w goes to worker w.
   virtual absl::Status RegisterReplyTensor(Key key, TensorView region) = 0;
   virtual absl::Status Unregister(Key key) = 0;
 
+  // The next batch. kAllWorkers waits for every worker that is a member and
+  // already sent this server a request of its membership: a worker that
+  // joined (or rejoined) is waited for only by batches opened after its first
+  // request here, a worker that left or was lost by none (docs/elastic.md).
+  // While this server drains (Leave), batches of what arrived are still handed
+  // out; once nothing more can arrive and none is left, UNAVAILABLE "drained".
   virtual absl::StatusOr<Batch> GetBatch(absl::Duration timeout,
                                          BatchPolicy policy = BatchPolicy::kAllWorkers) = 0;
   // Arrival on the GPU timeline: work enqueued on `stream` after this call

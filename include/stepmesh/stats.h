@@ -68,6 +68,11 @@ struct MeshStats {
   // Server: batches answered by Respond(), [0] only.
   std::array<uint64_t, kNumStatusCodes> requests{};
   uint64_t sends_queued = 0;  // items on the send queue now
+  // The membership epoch this participant last heard of (Membership::epoch),
+  // and how many members each role has at it.
+  uint64_t membership_epoch = 0;
+  int member_workers = 0;
+  int member_servers = 0;
   uint64_t in_flight = 0;  // worker: requests not yet collected; server: batches ready, not taken
   std::array<LatencyHistogram, kNumStages> stages{};
   const LatencyHistogram& stage(Stage s) const { return stages[static_cast<int>(s)]; }

@@ -24,8 +24,11 @@ namespace stepmesh {
 
 struct Push {
   Key key = 0;
-  size_t bytes = kWholeTensor;         // a prefix of the registered tensor
-  absl::Span<const int> servers = {};  // empty: every server
+  size_t bytes = kWholeTensor;  // a prefix of the registered tensor
+  // Empty: every server of the membership current at each Post (the worker's
+  // view, CurrentMembership()); else these ranks, each of which must be a
+  // member when posted (UNAVAILABLE naming it otherwise).
+  absl::Span<const int> servers = {};
 };
 
 struct Pull {
@@ -70,7 +73,8 @@ class STEPMESH_EXPORT PreparedRequest {
   std::unique_ptr<Plan> plan_;
 };
 
-// Rank, backend, stats, traces, Barrier and Shutdown: stepmesh/participant.h.
+// Rank, backend, stats, traces, Barrier, Shutdown, the membership and Leave:
+// stepmesh/participant.h.
 class STEPMESH_EXPORT AFTensorWorker : public Participant {
  public:
   // Connects to the scheduler and every server. `backend` may be null: one is
@@ -79,6 +83,8 @@ class STEPMESH_EXPORT AFTensorWorker : public Participant {
       const MeshOptions& options, std::shared_ptr<Backend> backend = nullptr);
   ~AFTensorWorker() override = default;
 
+  // The server rank range, [0, num_servers()): the capacity (max_servers, or
+  // the start shape). Which of them are members: CurrentMembership().servers.
   virtual int num_servers() const = 0;
 
   // `tensor` is the largest push under `key`; its memory must outlive the worker.
@@ -101,7 +107,9 @@ class STEPMESH_EXPORT AFTensorWorker : public Participant {
   // A key may be in one request at a time (FAILED_PRECONDITION otherwise).
   // No lookup and no allocation: the checks left are the prepared
   // registrations' generations, their in-flight flags and the servers'
-  // liveness.
+  // membership (a flag per server). A server that left (or drains) fails the
+  // post at once with UNAVAILABLE naming it; a request already sent to a
+  // server that starts draining completes with its reply.
   virtual absl::StatusOr<RequestHandle> Post(const PreparedRequest& request,
                                              const SendOptions& options = {}) = 0;
   // Prepare + Post in one call (into storage of the worker's: no allocation).

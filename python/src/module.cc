@@ -3,6 +3,7 @@
 
 #include "python/src/errors.h"
 #include "python/src/host_tensor_binding.h"
+#include "python/src/membership_binding.h"
 #include "python/src/mesh_binding.h"
 #include "python/src/options_binding.h"
 #include "python/src/stream_binding.h"
@@ -15,6 +16,7 @@ PYBIND11_MODULE(_stepmesh, m) {
   stepmesh::python::BindOptions(m);
   stepmesh::python::BindStream(m);
   stepmesh::python::BindTrigger(m);
+  stepmesh::python::BindMembership(m);
   stepmesh::python::BindMesh(m);
   stepmesh::python::BindHostTensor(m);
   m.def("monotonic_ns", &stepmesh::MonotonicNowNs,

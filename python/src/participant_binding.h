@@ -9,6 +9,7 @@
 
 #include <string>
 
+#include "python/src/membership_binding.h"
 #include "stepmesh/participant.h"
 
 namespace stepmesh::python {
@@ -31,6 +32,7 @@ class PyParticipant {
   // the object goes.
   void Close();
   bool closed() const { return closed_; }
+  Participant& live_participant() { return live(); }  // membership_binding.h
 
  protected:
   ~PyParticipant() = default;
@@ -73,6 +75,7 @@ void DefParticipant(pybind11::class_<Py>& cls) {
         }
         return false;
       });
+  DefMembership(cls);
 }
 
 }  // namespace stepmesh::python

@@ -27,6 +27,7 @@ from ._stepmesh import (  # noqa: F401  (re-exported)
     HostTensor,
     Internal,
     InvalidArgument,
+    Membership,
     MeshOptions,
     NotFound,
     OutOfRange,
@@ -81,7 +82,7 @@ class Pull:
 __all__ = [
     "Aborted", "AlreadyExists", "Batch", "BatchTensor", "Cancelled", "DataLoss",
     "DeadlineExceeded", "DTYPES", "Error", "FailedPrecondition", "HostTensor", "Internal",
-    "InvalidArgument", "MeshOptions", "NotFound", "OutOfRange", "PermissionDenied", "Plan", "Pull",
+    "InvalidArgument", "Membership", "MeshOptions", "NotFound", "OutOfRange", "PermissionDenied", "Plan", "Pull",
     "Push", "Request", "ResourceExhausted", "Scheduler", "Server", "Stream", "StreamGraph",
     "TensorSlice", "Trigger", "TriggerTarget", "Unauthenticated", "Unavailable", "Unimplemented", "Unknown", "Worker", "copy_", "describe", "monotonic_ns",
 ]

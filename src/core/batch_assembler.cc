@@ -25,7 +25,9 @@ BatchAssembler::BatchAssembler(int num_workers, const LostPeers& lost, bool trac
       lost_(lost),
       trace_(trace),
       assemblies_(num_workers, std::vector<Assembly>(kAssembliesPerWorker)),
-      excuses_(num_workers) {
+      excuses_(num_workers),
+      awaited_after_(num_workers, 0),
+      late_(num_workers) {
   for (int i = 0; i < kBatchSlots; ++i) {
     slots_.push_back(std::make_unique<BatchSlot>(num_workers));
     free_slots_.push_back(kBatchSlots - 1 - i);
@@ -154,7 +156,28 @@ absl::Status BatchAssembler::Commit(int w, Assembly& a, bool* ready) {
   }
   // `w` is back in this group: an excuse of its still pending is spent.
   TakePendingExcuse(w, a.group);
+  // A joiner's request whose batch already went without it: handed out alone.
+  const bool first = awaited_after_[w] == kAwaitAfterFirst;
+  uint64_t late_seq = 0;
+  const bool late = awaited_after_[w] != 0 && awaited_after_[w] != kAwaitNever &&
+                    TakeLate(w, a.group, /*newest=*/first, &late_seq);
+  if (late) slot = nullptr;
   if (slot == nullptr) slot = OpenSlot(a.group, w, &index);
+  if (slot != nullptr && late) {
+    for (int o = 0; o < num_workers_; ++o) slot->entries[o].excused = o != w;
+  }
+  if (first && slot != nullptr) {
+    // Batches opened from now on wait for it; notes of batches older than
+    // the one this request belongs to are of steps it did not take part in.
+    const uint64_t anchor = late ? late_seq : slot->opened_sequence;
+    LateNotes& notes = late_[w];
+    int kept = 0;
+    for (int i = 0; i < notes.count; ++i) {
+      if (notes.notes[i].seq > anchor) notes.notes[kept++] = notes.notes[i];
+    }
+    notes.count = kept;
+    awaited_after_[w] = opened_sequence_;
+  }
   if (slot == nullptr) {
     for (int i = 0; i < a.num_keys; ++i) a.regs[i]->busy[w].store(false);
     a.used = false;
@@ -213,9 +236,12 @@ bool BatchAssembler::MaybeReady(uint32_t index) {
   if (slot.state != BatchState::kCollecting) return false;
   for (int w = 0; w < num_workers_; ++w) {
     const WorkerEntry& e = slot.entries[w];
-    if (!e.present && !e.excused && !lost_.lost(w)) return false;
+    if (!e.present && !e.excused && !lost_.lost(w) && awaited_after_[w] < slot.opened_sequence) {
+      return false;
+    }
   }
   slot.state = BatchState::kReady;
+  NoteLate(slot);
   ready_.push_back(index);
   ready_count_.fetch_add(1, std::memory_order_seq_cst);
   // Its data is in the receive tensors (staged in, or flushed): a stream
@@ -262,6 +288,7 @@ std::optional<Batch> BatchAssembler::TakeOldestPartial() {
     }
   }
   if (oldest == nullptr) return std::nullopt;
+  NoteLate(*slots_[index]);
   return HandOut(index);
 }
 
@@ -320,6 +347,7 @@ bool BatchAssembler::PullKeyAwaited(Key key) {
 void BatchAssembler::DropWorker(int w) {
   base::MutexLock lock(&mu_);
   excuses_[w] = PendingExcuses{};
+  late_[w] = LateNotes{};
   for (uint32_t i = 0; i < slots_.size(); ++i) {
     BatchSlot& slot = *slots_[i];
     if (slot.state != BatchState::kCollecting) continue;
@@ -339,6 +367,64 @@ void BatchAssembler::DropWorker(int w) {
     }
     MaybeReady(i);
   }
+}
+
+void BatchAssembler::NoteLate(const BatchSlot& slot) {
+  for (int w = 0; w < num_workers_; ++w) {
+    const uint64_t after = awaited_after_[w];
+    // Only joiners: live, not awaited by this batch, and not gone for good.
+    if (after == 0 || after == kAwaitNever || after < slot.opened_sequence) continue;
+    if (slot.entries[w].present || lost_.lost(w)) continue;
+    LateNotes& notes = late_[w];
+    if (notes.count == kLateNotes) {
+      std::move(notes.notes.begin() + 1, notes.notes.end(), notes.notes.begin());
+      --notes.count;
+    }
+    notes.notes[notes.count++] = LateNote{slot.group, slot.opened_sequence};
+  }
+}
+
+bool BatchAssembler::TakeLate(int w, Key group, bool newest, uint64_t* seq) {
+  LateNotes& notes = late_[w];
+  int at = -1;
+  for (int i = 0; i < notes.count; ++i) {
+    if (notes.notes[i].group != group) continue;
+    at = i;
+    if (!newest) break;
+  }
+  if (at < 0) return false;
+  *seq = notes.notes[at].seq;
+  std::move(notes.notes.begin() + at + 1, notes.notes.begin() + notes.count,
+            notes.notes.begin() + at);
+  --notes.count;
+  return true;
+}
+
+void BatchAssembler::AwaitAfterFirstRequest(int w) {
+  base::MutexLock lock(&mu_);
+  awaited_after_[w] = kAwaitAfterFirst;
+  late_[w] = LateNotes{};
+}
+
+bool BatchAssembler::StopAwaiting(int w) {
+  base::MutexLock lock(&mu_);
+  awaited_after_[w] = kAwaitNever;
+  bool ready = false;
+  for (uint32_t i = 0; i < slots_.size(); ++i) ready |= MaybeReady(i);
+  return ready;
+}
+
+bool BatchAssembler::NothingToHandOut() {
+  base::MutexLock lock(&mu_);
+  for (const auto& slot : slots_) {
+    if (slot->state == BatchState::kCollecting || slot->state == BatchState::kReady) return false;
+  }
+  return true;
+}
+
+bool BatchAssembler::Idle() {
+  base::MutexLock lock(&mu_);
+  return free_slots_.size() == slots_.size();
 }
 
 void BatchAssembler::ClearReady() {

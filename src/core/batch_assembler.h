@@ -17,6 +17,18 @@
 // bad size, a failed part) is excused from the batch that request would have
 // joined: the batch forms without it, as if it were lost for that batch alone,
 // so one worker's mistake costs the others at most one batch.
+//
+// Membership (docs/elastic.md): a batch waits for a worker that is live and
+// was awaited when the batch opened. The start shape's workers are awaited
+// from the first batch; a worker that joins (or rejoins) the running mesh
+// only by batches opened after its first request arrived, so a joiner never
+// stalls the others; a worker whose fence arrived (this server drains) by
+// none. A batch that formed without a joiner it did not await is noted as
+// the joiner's "late" group: the joiner's request for it, when it comes, is
+// handed out alone instead of waiting for the others' next one (which, in a
+// step-locked application, wait for the joiner). Its first request keeps the
+// notes of batches opened after the one it belongs to (the rest of its step)
+// and drops older ones. Read once per batch under the lock; nothing per frame.
 
 #include <array>
 #include <atomic>
@@ -154,12 +166,29 @@ class BatchAssembler {
   // waiting for one are released).
   void ClearReady();
 
+  // ---- membership (any thread) ----
+  // `w` joined the running mesh: batches wait for it once its first request
+  // arrived (those opened after that).
+  void AwaitAfterFirstRequest(int w);
+  // `w` sends nothing more (its fence): no batch waits for it; true when one
+  // became ready.
+  bool StopAwaiting(int w);
+  // No batch collecting or ready: nothing received is left to hand out.
+  bool NothingToHandOut();
+  // Every slot free: everything received was answered and its replies sent.
+  bool Idle();
+
  private:
   Assembly* FindAssembly(int w, const FrameHeader& h);
   BatchSlot* OpenSlot(Key group, int opener, uint32_t* index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Consumes one of `w`'s pending excuses for `group`; false when it has none.
   bool TakePendingExcuse(int w, Key group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool MaybeReady(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `slot` goes without the joiners it did not await: note it for them.
+  void NoteLate(const BatchSlot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes the note of `w` for `group` (the newest when `newest`, else the
+  // oldest); false when there is none. `*seq`: the batch's opened sequence.
+  bool TakeLate(int w, Key group, bool newest, uint64_t* seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Batch HandOut(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeSlot(uint32_t index) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -187,6 +216,22 @@ class BatchAssembler {
   std::vector<PendingExcuses> excuses_ ABSL_GUARDED_BY(mu_);
   HostFlag* ready_counter_ = nullptr;
   uint32_t batches_counted_ ABSL_GUARDED_BY(mu_) = 0;
+  // Per worker: batches opened after this sequence wait for it (0: every
+  // batch; kAwaitAfterFirst: none until its first request sets it; kNever:
+  // none).
+  static constexpr uint64_t kAwaitNever = ~uint64_t{0};
+  static constexpr uint64_t kAwaitAfterFirst = ~uint64_t{0} - 1;
+  std::vector<uint64_t> awaited_after_ ABSL_GUARDED_BY(mu_);
+  struct LateNote {
+    Key group = 0;
+    uint64_t seq = 0;
+  };
+  static constexpr int kLateNotes = 16;
+  struct LateNotes {
+    std::array<LateNote, kLateNotes> notes{};
+    int count = 0;
+  };
+  std::vector<LateNotes> late_ ABSL_GUARDED_BY(mu_);  // per worker, oldest first
 };
 
 template <typename Answer>

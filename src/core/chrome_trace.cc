@@ -123,7 +123,8 @@ void ServerSpans(const TraceRing::Snapshot& records, int rank, std::vector<Span>
 }  // namespace
 
 std::string FormatChromeTrace(Role role, int rank, int num_peers,
-                              const TraceRing::Snapshot& records, const ClockSync& clock) {
+                              const TraceRing::Snapshot& records, const ClockSync& clock,
+                              uint64_t membership_epoch) {
   const int pid = ChromeTraceProcessId(role, rank);
   const std::string participant = absl::StrCat(RoleName(role), " ", rank);
   std::string json = absl::StrCat(
@@ -131,9 +132,10 @@ std::string FormatChromeTrace(Role role, int rank, int num_peers,
       "\",\"pid\":", pid, ",\"clock_offset_ns\":", clock.offset_ns,
       ",\"clock_uncertainty_ns\":", clock.round_trip_ns / 2, ",\"capacity\":", records.capacity,
       ",\"recorded\":", records.recorded, ",\"exported\":", records.size(),
-      ",\"dropped\":", records.dropped, "},\n\"traceEvents\":[\n",
-      "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":", pid, ",\"args\":{\"name\":\"",
-      participant, "\"}},\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":", pid,
+      ",\"dropped\":", records.dropped, ",\"membership_epoch\":", membership_epoch,
+      "},\n\"traceEvents\":[\n", "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":", pid,
+      ",\"args\":{\"name\":\"", participant,
+      "\"}},\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":", pid,
       ",\"args\":{\"sort_index\":", pid, "}}");
   std::vector<Span> spans;
   spans.reserve(records.size() * 3);

@@ -48,9 +48,11 @@ struct ServerTraceWords {
 // The Chrome trace-event JSON of one participant's records: one process
 // ("worker 0", "server 1"), a thread per stage (more lanes when requests
 // overlap), timestamps in the scheduler's clock (`clock`), and the ring's
-// counts and the clock's uncertainty under "otherData".
+// counts, the clock's uncertainty and the membership epoch at the export
+// (docs/elastic.md) under "otherData".
 std::string FormatChromeTrace(Role role, int rank, int num_peers,
-                              const TraceRing::Snapshot& records, const ClockSync& clock);
+                              const TraceRing::Snapshot& records, const ClockSync& clock,
+                              uint64_t membership_epoch = 0);
 
 // Writes `text` to `path` (replacing it); errors name the path.
 absl::Status WriteTextFile(const std::string& path, absl::string_view text);

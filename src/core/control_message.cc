@@ -64,13 +64,18 @@ std::string EncodeControl(const ControlMessage& m) {
       payload.Text(m.text);
       payload.Int<uint32_t>(m.num_workers);
       payload.Int<uint32_t>(m.num_servers);
+      payload.Int<uint32_t>(m.max_workers);
+      payload.Int<uint32_t>(m.max_servers);
       payload.Text(m.mesh_id);
       payload.Int<uint8_t>(m.join_flags);
       payload.Int<uint64_t>(m.sequence);
       payload.Int<uint64_t>(m.barrier_released);
+      payload.Int<uint64_t>(m.epoch);
       break;
     case ControlType::kRoster:
       payload.Int<int32_t>(m.rank);
+      payload.Int<uint64_t>(m.epoch);
+      payload.Int<uint64_t>(m.sequence);
       payload.Int<uint32_t>(static_cast<uint32_t>(m.roster.size()));
       for (const RosterEntry& e : m.roster) {
         payload.Int<uint32_t>(e.node);
@@ -84,12 +89,14 @@ std::string EncodeControl(const ControlMessage& m) {
       payload.Int<uint64_t>(m.sequence);
       break;
     case ControlType::kLeave:
+    case ControlType::kDrain:
       break;
     case ControlType::kPeerLost:
     case ControlType::kPeerJoined:
     case ControlType::kPeerLeft:
       payload.Int<uint32_t>(m.node);
       payload.Text(m.text);
+      payload.Int<uint64_t>(m.epoch);
       break;
     case ControlType::kReject:
     case ControlType::kChallenge:
@@ -119,7 +126,7 @@ absl::StatusOr<std::pair<ControlType, uint32_t>> DecodeControlHeader(
     return absl::FailedPreconditionError(absl::StrCat("control protocol version ", version));
   }
   STEPMESH_ASSIGN_OR_RETURN(uint16_t type, r.Int<uint16_t>());
-  if (type < 1 || type > static_cast<uint16_t>(ControlType::kPeerLeft)) {
+  if (type < 1 || type > static_cast<uint16_t>(ControlType::kDrain)) {
     return absl::DataLossError(absl::StrCat("unknown control message type ", type));
   }
   STEPMESH_ASSIGN_OR_RETURN(uint32_t length, r.Int<uint32_t>());
@@ -141,10 +148,13 @@ absl::StatusOr<ControlMessage> DecodeControlPayload(ControlType type,
       STEPMESH_ASSIGN_OR_RETURN(m.text, r.Text());
       STEPMESH_ASSIGN_OR_RETURN(m.num_workers, r.Int<uint32_t>());
       STEPMESH_ASSIGN_OR_RETURN(m.num_servers, r.Int<uint32_t>());
+      STEPMESH_ASSIGN_OR_RETURN(m.max_workers, r.Int<uint32_t>());
+      STEPMESH_ASSIGN_OR_RETURN(m.max_servers, r.Int<uint32_t>());
       STEPMESH_ASSIGN_OR_RETURN(m.mesh_id, r.Text());
       STEPMESH_ASSIGN_OR_RETURN(m.join_flags, r.Int<uint8_t>());
       STEPMESH_ASSIGN_OR_RETURN(m.sequence, r.Int<uint64_t>());
       STEPMESH_ASSIGN_OR_RETURN(m.barrier_released, r.Int<uint64_t>());
+      STEPMESH_ASSIGN_OR_RETURN(m.epoch, r.Int<uint64_t>());
       if (m.role != static_cast<uint8_t>(Role::kWorker) &&
           m.role != static_cast<uint8_t>(Role::kServer)) {
         return absl::DataLossError("join with invalid role");
@@ -154,6 +164,8 @@ absl::StatusOr<ControlMessage> DecodeControlPayload(ControlType type,
     }
     case ControlType::kRoster: {
       STEPMESH_ASSIGN_OR_RETURN(m.rank, r.Int<int32_t>());
+      STEPMESH_ASSIGN_OR_RETURN(m.epoch, r.Int<uint64_t>());
+      STEPMESH_ASSIGN_OR_RETURN(m.sequence, r.Int<uint64_t>());
       STEPMESH_ASSIGN_OR_RETURN(uint32_t n, r.Int<uint32_t>());
       if (n > kMaxRosterEntries) return absl::DataLossError("roster too large");
       m.roster.reserve(n);
@@ -173,12 +185,14 @@ absl::StatusOr<ControlMessage> DecodeControlPayload(ControlType type,
       break;
     }
     case ControlType::kLeave:
+    case ControlType::kDrain:
       break;
     case ControlType::kPeerLost:
     case ControlType::kPeerJoined:
     case ControlType::kPeerLeft: {
       STEPMESH_ASSIGN_OR_RETURN(m.node, r.Int<uint32_t>());
       STEPMESH_ASSIGN_OR_RETURN(m.text, r.Text());
+      STEPMESH_ASSIGN_OR_RETURN(m.epoch, r.Int<uint64_t>());
       break;
     }
     case ControlType::kReject:

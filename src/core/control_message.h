@@ -15,7 +15,9 @@
 namespace stepmesh::core {
 
 inline constexpr uint32_t kControlMagic = 0x54434D53;  // "SMCT"
-inline constexpr uint16_t kControlVersion = 3;  // 2: the join carries the mesh shape; 3: kPeerLeft
+// 2: the join carries the mesh shape; 3: kPeerLeft; 4: membership epochs,
+// the capacity and kDrain (elastic membership, docs/elastic.md).
+inline constexpr uint16_t kControlVersion = 4;
 inline constexpr size_t kControlHeaderBytes = 12;
 inline constexpr uint32_t kMaxControlPayload = 1 << 20;
 
@@ -35,7 +37,9 @@ enum class ControlType : uint16_t {
   kProof = 12,       // either way: auth proof
   kClock = 13,       // participant -> scheduler: `sequence` = its send time; the scheduler
                      // echoes it with `clock_ns` = its own clock (ClockOffset)
-  kPeerLeft = 14,    // scheduler -> participant: `node` left in order (its kLeave)
+  kPeerLeft = 14,    // scheduler -> participant: `node` left in order (its kLeave), or
+                     // began to drain (its kDrain): either way no longer a member
+  kDrain = 15,       // participant -> scheduler: count me out now, I leave once drained
 };
 
 struct RosterEntry {
@@ -52,13 +56,21 @@ struct ControlMessage {
   uint8_t role = 0;
   int32_t rank = -1;
   NodeId node = kNoNode;
-  uint64_t sequence = 0;  // kJoin: the last barrier this participant entered
-  std::string text;       // endpoint, reason, nonce or proof
+  // kJoin: the last barrier this participant entered; kRoster: the barrier
+  // count a participant joining a running mesh starts from.
+  uint64_t sequence = 0;
+  // kRoster, kPeerLost/Joined/Left: the membership epoch (the scheduler's
+  // count of changes since the mesh formed at 0); kJoin with kJoinResume: the
+  // last one this participant heard.
+  uint64_t epoch = 0;
+  std::string text;  // endpoint, reason, nonce or proof
   std::vector<RosterEntry> roster;
   // kJoin only: the mesh as this participant was configured, so the scheduler
   // refuses a participant of another mesh instead of running a wrong one.
   uint32_t num_workers = 0;
   uint32_t num_servers = 0;
+  uint32_t max_workers = 0;  // the capacity (MeshOptions::WorkerCapacity())
+  uint32_t max_servers = 0;
   std::string mesh_id;
   uint8_t join_flags = 0;
   uint64_t barrier_released = 0;  // kJoin with kJoinResume: the last barrier released to it

@@ -16,21 +16,37 @@ namespace stepmesh::core {
 // How long Stop() lets already accepted sends go out (at most options.timeout).
 constexpr absl::Duration kSendDrain = absl::Seconds(2);
 
+namespace {
+
+// `options` with the per-peer rank ranges at the capacity.
+MeshOptions AtCapacity(const MeshOptions& options) {
+  MeshOptions out = options;
+  out.num_workers = out.max_workers = options.WorkerCapacity();
+  out.num_servers = out.max_servers = options.ServerCapacity();
+  return out;
+}
+
+}  // namespace
+
 MeshNode::MeshNode(const MeshOptions& options, std::shared_ptr<Backend> backend)
-    : options_(options),
+    : mesh_options_(options),
+      options_(AtCapacity(options)),
       backend_(std::move(backend)),
       io_(*backend_, options.payload_checksum),
       lost_(PeerCount()),
       stats_(options.role, options.role == Role::kWorker ? Role::kServer : Role::kWorker,
              PeerCount()),
       trace_ring_(static_cast<size_t>(std::max(options.trace.events, 0)),
-                  options.role == Role::kWorker ? WorkerTraceWords::Words(options.num_servers)
+                  options.role == Role::kWorker ? WorkerTraceWords::Words(options_.num_servers)
                                                 : ServerTraceWords::kWords) {}
 
 MeshStats MeshNode::BaseStats() const {
   MeshStats s = stats_.Snapshot();
   s.rank = rank_;
   s.sends_queued = queued_.load(std::memory_order_relaxed);
+  s.membership_epoch = membership_.epoch();
+  s.member_workers = membership_.workers();
+  s.member_servers = membership_.servers();
   return s;
 }
 
@@ -62,7 +78,7 @@ absl::StatusOr<std::string> MeshNode::ExportChromeTrace() {
     }
     clock = *last_clock_;
   }
-  return FormatChromeTrace(options_.role, rank_, PeerCount(), records, clock);
+  return FormatChromeTrace(options_.role, rank_, PeerCount(), records, clock, membership_.epoch());
 }
 
 MeshNode::~MeshNode() { STEPMESH_CHECK(!started_ || stopped()); }
@@ -84,16 +100,31 @@ absl::Status MeshNode::Start(const TransportFactory& factory) {
   STEPMESH_ASSIGN_OR_RETURN(transport_, factory(transport_options));
   STEPMESH_ASSIGN_OR_RETURN(std::string endpoint, transport_->LocalEndpoint());
   STEPMESH_ASSIGN_OR_RETURN(rendezvous_, rendezvous_factory_
-                                             ? rendezvous_factory_(options_, endpoint)
-                                             : JoinScheduler(options_, endpoint));
+                                             ? rendezvous_factory_(mesh_options_, endpoint)
+                                             : JoinScheduler(mesh_options_, endpoint));
   rank_ = rendezvous_->rank();
   self_ = rendezvous_->self();
 
+  // The roster is the membership of its epoch: ranks of the other role it
+  // does not hold are not members (yet), so nothing addresses or awaits them.
   const Role other = PeerRole(options_.role);
   std::vector<PeerInfo> peers;
+  std::vector<bool> member(static_cast<size_t>(PeerCount()), false);
   for (const RosterEntry& entry : rendezvous_->roster()) {
-    if (NodeRole(entry.node) == other) peers.push_back({entry.node, entry.endpoint});
+    if (NodeRole(entry.node) != other) continue;
+    if (NodeRank(entry.node) >= static_cast<uint32_t>(PeerCount())) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the roster names ", PeerName(entry.node), ", beyond this node's capacity of ",
+          PeerCount(), " (max_workers/max_servers differ across the mesh?)"));
+    }
+    member[NodeRank(entry.node)] = true;
+    peers.push_back({entry.node, entry.endpoint});
   }
+  for (int r = 0; r < PeerCount(); ++r) {
+    if (!member[static_cast<size_t>(r)]) lost_.MarkLost(r);
+  }
+  membership_.Reset(rendezvous_->roster(), rendezvous_->roster_epoch());
+  OnRoster(rendezvous_->joined_running());
   STEPMESH_RETURN_IF_ERROR(transport_->Connect(self_, peers, absl::Now() + options_.timeout));
 
   {
@@ -124,6 +155,7 @@ absl::Status MeshNode::Start(const TransportFactory& factory) {
       .on_peer_joined = [this](NodeId peer,
                                const std::string& endpoint) { HandlePeerJoined(peer, endpoint); },
       .on_peer_left = [this](NodeId peer) { HandlePeerLeft(peer); },
+      .on_membership = [this](const MembershipEvent& event) { membership_.Apply(event); },
   });
   return absl::OkStatus();
 }
@@ -158,6 +190,7 @@ void MeshNode::Stop() {
   if (transport_ != nullptr) transport_->Shutdown();
   if (recv_thread_.joinable()) recv_thread_.join();
   CancelAll(absl::CancelledError("the mesh participant shut down"));
+  membership_.Close();
   NotifyWaiters();
   base::MutexLock lock(&clock_mu_);  // not while an export uses it
   rendezvous_.reset();
@@ -353,6 +386,10 @@ void MeshNode::SendLoop() {
     int64_t now_ns = 0;  // read once per pass, only when an event is pending
     for (const SendItem& item : waiting) {
       absl::Status ready;
+      if (item.ordered && kept > 0) {
+        waiting[kept++] = item;  // behind an item still waiting for its event
+        continue;
+      }
       if (item.ready != nullptr) {
         absl::StatusOr<bool> reached = item.ready->Query();
         if (reached.ok() && !*reached) {

@@ -20,6 +20,7 @@
 #include "src/base/sync.h"
 #include "src/base/thread_util.h"
 #include "src/core/lost_peers.h"
+#include "src/core/membership_view.h"
 #include "src/core/payload_io.h"
 #include "src/core/region_table.h"
 #include "src/core/rendezvous.h"
@@ -39,6 +40,9 @@ struct SendItem {
   uint32_t generation = 0;
   Event* ready = nullptr;  // sent once this completes
   int64_t queued_ns = 0;  // set by EnqueueSend: a ready event pending past options.timeout fails it
+  // Sent only after every item queued before it (one waiting for its ready
+  // event included): a marker that must follow what was queued ahead.
+  bool ordered = false;
 };
 
 // Whether one wait site should spin before it blocks (adaptive poll mode). A
@@ -80,6 +84,8 @@ class MeshNode : public TransportSink {
   // Leaves the mesh and stops the threads; idempotent. Derived destructors call it.
   void Stop();
   bool stopped() const { return stopping_.load(std::memory_order_acquire); }
+  // Held around every ExecuteSend: taken to change what ExecuteSend reads.
+  std::mutex& send_lock() { return send_mu_; }
 
   absl::Status EnqueueSend(SendItem item);
   // Runs ExecuteSend(item) on the calling thread instead, when that cannot
@@ -98,6 +104,9 @@ class MeshNode : public TransportSink {
   // events before it). Usually nothing to do: the transport reports the
   // goodbye after the peer's last frames, which this notice may overtake.
   virtual void HandlePeerLeft(NodeId /*peer*/) {}
+  // Start(), once the roster is in and before the progress threads run:
+  // `joined_running` when this node joined a mesh that already ran.
+  virtual void OnRoster(bool /*joined_running*/) {}
   // Fails everything still pending (Stop() calls it after the threads ended).
   virtual void CancelAll(const absl::Status& why) = 0;
   // Receive thread, after every Poll (and so at least every 50 ms): work the
@@ -133,10 +142,15 @@ class MeshNode : public TransportSink {
   NodeId PeerId(int rank) const;  // a node of the other role
   int PeerCount() const;
 
+  // As given (the start shape and the capacity): what the rendezvous joins with.
+  const MeshOptions mesh_options_;
+  // The node's own: num_workers/num_servers are the capacity, the rank range
+  // every per-peer table is sized for (ranks that are not members are lost_).
   const MeshOptions options_;
   std::shared_ptr<Backend> backend_;
-  const PayloadIo io_;  // staging and checksums of payloads, any thread
-  LostPeers lost_;      // the other role's ranks that are gone
+  const PayloadIo io_;         // staging and checksums of payloads, any thread
+  LostPeers lost_;             // the other role's ranks that are gone (or not yet members)
+  MembershipView membership_;  // who is in the mesh, by epoch (docs/elastic.md)
   std::unique_ptr<Transport> transport_;
   RendezvousFactory rendezvous_factory_;
   std::unique_ptr<Rendezvous> rendezvous_;
@@ -148,7 +162,7 @@ class MeshNode : public TransportSink {
   // (src/core/chrome_trace.h says what a record holds); off when 0.
   TraceRing trace_ring_;
 
-  // The recorder's counters plus this node's rank and send queue depth.
+  // The recorder's counters plus this node's rank, send queue depth and membership epoch.
   MeshStats BaseStats() const;
   // The trace ring as Chrome trace JSON on the scheduler's clock, estimated
   // now (or, after Stop(), the estimate Stop() took before leaving).

@@ -164,7 +164,20 @@ absl::Span<const OptionInfo> OptionTable() { return kOptionTable; }
 absl::Status MeshOptions::Validate() const {
   STEPMESH_RETURN_IF_ERROR(CheckFields(*this, ""));
   // What one field's row cannot say: checks across fields, and formats.
-  const int peers = role == Role::kWorker ? num_workers : num_servers;
+  if (max_workers != 0 && max_workers < num_workers) {
+    return absl::InvalidArgumentError(absl::StrCat("max_workers=", max_workers,
+                                                   " (STEPMESH_MAX_WORKERS): want 0 or at least "
+                                                   "num_workers=",
+                                                   num_workers));
+  }
+  if (max_servers != 0 && max_servers < num_servers) {
+    return absl::InvalidArgumentError(absl::StrCat("max_servers=", max_servers,
+                                                   " (STEPMESH_MAX_SERVERS): want 0 or at least "
+                                                   "num_servers=",
+                                                   num_servers));
+  }
+  // Ranks run over the capacity (the start shape unless max_* is set).
+  const int peers = role == Role::kWorker ? WorkerCapacity() : ServerCapacity();
   if (role != Role::kScheduler && (rank < -1 || rank >= peers)) {
     return absl::InvalidArgumentError(absl::StrCat(
         RoleName(role), " rank ", rank, " (STEPMESH_RANK) out of range [0, ", peers, ")"));

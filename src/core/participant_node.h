@@ -3,6 +3,7 @@
 // node: a role (Worker, Server) derives from ParticipantNode<its API> and adds
 // its data path and its own in-flight count, nothing else of these.
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -51,9 +52,30 @@ class ParticipantNode : public RoleApi, public MeshNode {
     return absl::OkStatus();
   }
 
+  Membership CurrentMembership() const final { return membership_.Current(); }
+  absl::StatusOr<Membership> WaitMembershipChange(uint64_t after_epoch,
+                                                  absl::Duration timeout) final {
+    return membership_.WaitChange(after_epoch, timeout);
+  }
+
+  absl::Status Leave(absl::Duration timeout) final {
+    if (stopped() || leaving_.exchange(true)) return absl::OkStatus();
+    absl::Status drained = Drain(absl::Now() + timeout);
+    Stop();
+    return drained;
+  }
+
  protected:
+  // The role's drain (Participant::Leave), until `deadline`; Stop() follows.
+  virtual absl::Status Drain(absl::Time deadline) = 0;
+  // Set once Leave began (any thread).
+  bool leaving() const { return leaving_.load(std::memory_order_relaxed); }
+
   // The role's MeshStats::in_flight (any thread).
   virtual uint64_t InFlight() = 0;
+
+ private:
+  std::atomic<bool> leaving_{false};
 };
 
 }  // namespace stepmesh::core

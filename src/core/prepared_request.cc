@@ -51,6 +51,7 @@ void ReservePlan(PreparedPlan& plan, int num_servers) {
   plan.pulls.reserve(num_servers);
   plan.targets.reserve(size_t{kMaxPushesPerRequest} * num_servers);
   plan.addressed.reserve(num_servers);
+  plan.named.reserve(num_servers);
 }
 
 absl::Status BuildPlan(absl::Span<const Push> pushes, absl::Span<const Pull> pulls, int num_servers,
@@ -67,6 +68,7 @@ absl::Status BuildPlan(absl::Span<const Push> pushes, absl::Span<const Pull> pul
   plan.pulls.clear();
   plan.targets.assign(pushes.size() * num_servers, 0);
   plan.addressed.assign(num_servers, 0);
+  plan.named.assign(num_servers, 0);
   for (size_t i = 0; i < pushes.size(); ++i) {
     const Push& push = pushes[i];
     TensorRegistration* reg = find_push(push.key);
@@ -92,6 +94,7 @@ absl::Status BuildPlan(absl::Span<const Push> pushes, absl::Span<const Pull> pul
             absl::StrCat("push of key ", push.key, " to unknown server ", s));
       }
       targets[s] = 1;
+      plan.named[s] = 1;
     }
     for (int s = 0; s < num_servers; ++s) plan.addressed[s] |= targets[s];
     plan.pushes.push_back({push.key, bytes, registered, reg->view, reg, reg->generation});
@@ -117,6 +120,7 @@ absl::Status BuildPlan(absl::Span<const Push> pushes, absl::Span<const Pull> pul
                                                      pull.server,
                                                      " without a push to it in the same request"));
     }
+    plan.named[pull.server] = 1;
     plan.pulls.push_back({pull.key, pull.server, reg, reg->generation});
   }
   return absl::OkStatus();

@@ -44,6 +44,9 @@ struct PreparedRequest::Plan {
   std::vector<PullPart> pulls;
   std::vector<uint8_t> targets;    // [push][server]: push goes to server
   std::vector<uint8_t> addressed;  // per server: some push goes there
+  // Per server: a push lists it or a pull names it (a post fails UNAVAILABLE
+  // when it is not a member); the others are addressed as "every server".
+  std::vector<uint8_t> named;
 
   static PreparedRequest Wrap(std::unique_ptr<Plan> plan) {
     PreparedRequest r;

@@ -41,6 +41,10 @@ std::string PeerLossMessage(NodeId id, absl::string_view reason);
 inline constexpr int kMaxPushesPerRequest = 16;
 // The pull key of a worker that only pushed (the public Batch::kNoPull).
 inline constexpr Key kNoPull = Batch::kNoPull;
+// The key of a worker's fence: a kError frame (status CANCELLED, no text)
+// after its last push to a server that drains (docs/elastic.md); no request
+// uses it.
+inline constexpr Key kFenceKey = ~Key{0} - 1;
 // The longest error text a kError frame carries; longer messages are cut.
 inline constexpr size_t kMaxErrorTextBytes = 4096;
 

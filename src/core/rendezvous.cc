@@ -8,7 +8,6 @@
 namespace stepmesh::core {
 
 void Dispatch(const RendezvousEvents& events, const MembershipEvent& event) {
-  if (events.on_membership) events.on_membership(event);
   switch (event.kind) {
     case MembershipEvent::Kind::kJoined:
       if (events.on_peer_joined) events.on_peer_joined(event.node, event.endpoint);
@@ -20,6 +19,7 @@ void Dispatch(const RendezvousEvents& events, const MembershipEvent& event) {
       if (events.on_peer_lost) events.on_peer_lost(event.node, event.why);
       break;
   }
+  if (events.on_membership) events.on_membership(event);
 }
 
 std::string RedactedRendezvous(const std::string& url) {
@@ -49,6 +49,20 @@ absl::StatusOr<RendezvousUrl> ParseRendezvousUrl(const MeshOptions& options) {
                                                    "' (STEPMESH_RENDEZVOUS) names no address"));
   }
   return url;
+}
+
+absl::Status RequireFixedShape(const MeshOptions& options, absl::string_view rendezvous) {
+  if (options.WorkerCapacity() == options.num_workers &&
+      options.ServerCapacity() == options.num_servers) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "a capacity above the start shape (max_workers=", options.WorkerCapacity(),
+      " for num_workers=", options.num_workers, ", max_servers=", options.ServerCapacity(),
+      " for num_servers=", options.num_servers,
+      ": STEPMESH_MAX_WORKERS/STEPMESH_MAX_SERVERS) "
+      "needs the scheduler rendezvous; ",
+      rendezvous, " runs fixed shapes only"));
 }
 
 ClockSync WallClockAgainstMonotonic() {

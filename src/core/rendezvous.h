@@ -15,14 +15,15 @@
 //            (scheduler: heartbeats; etcd: lease expiry);
 //   leave    an orderly goodbye: peers see "left", not "lost".
 //
-// Membership epochs (for the elastic-membership work, notes issue 34): every
-// change a participant is told of carries an epoch that strictly increases
-// along the events one participant sees; the roster Join returned is epoch
-// 0 for the scheduler, and the store revision it was read at for etcd. With
-// etcd the epoch is the store revision of the change, so every participant
-// gives the same change the same number; the scheduler numbers changes as
-// this participant receives them (until it stamps them itself). A later join
-// into a running mesh is a kJoined event of a node the roster did not hold.
+// Membership epochs (elastic membership, docs/elastic.md): every change a
+// participant is told of carries an epoch that strictly increases along the
+// events one participant sees, and every participant gives one change the
+// same number. The scheduler stamps them: the roster the mesh formed with is
+// epoch 0, each join, leave (or start of a drain) and loss after it the
+// next; a participant joining the running mesh gets the roster of the epoch
+// it joined at. With etcd the epoch is the store revision of the change, and
+// the roster's the revision it was read at. A join into a running mesh is a
+// kJoined event of a node the roster did not hold.
 
 #include <cstdint>
 #include <functional>
@@ -60,7 +61,8 @@ struct RendezvousEvents {
   std::function<void(NodeId, const std::string& endpoint)> on_peer_joined;
   // `node` left in order (the rendezvous saw its leave).
   std::function<void(NodeId)> on_peer_left;
-  // Every event above, with its epoch, before its own handler (optional).
+  // Every event above, with its epoch, after its own handler (optional): a
+  // participant publishes the new membership once it acted on it.
   std::function<void(const MembershipEvent&)> on_membership;
 };
 
@@ -84,6 +86,18 @@ class Rendezvous {
   virtual absl::Status Barrier(absl::Duration timeout) = 0;
   // Orderly leave: no member reports this node as lost. Idempotent.
   virtual void Leave() = 0;
+  // The first step of a drain (Participant::Leave): the others count this
+  // node out now ("left", a new epoch) while it stays connected to answer
+  // what it received; Leave() follows once it did. FAILED_PRECONDITION where
+  // the rendezvous has no such step (etcd, the framework store: not yet).
+  virtual absl::Status AnnounceLeaving() {
+    return absl::FailedPreconditionError(
+        "draining before leaving needs the scheduler rendezvous (this mesh meets through "
+        "another; use Shutdown)");
+  }
+  // Whether this node joined a mesh that was already running (its roster is
+  // not the one the mesh formed with).
+  bool joined_running() const { return joined_running_; }
   // The mesh's reference clock against this host's monotonic clock (traces
   // of several processes are merged on it): `samples` exchanges, each
   // bounded by `timeout`, the shortest round trip kept.
@@ -94,6 +108,7 @@ class Rendezvous {
   NodeId self_ = kNoNode;
   std::vector<RosterEntry> roster_;
   uint64_t roster_epoch_ = 0;
+  bool joined_running_ = false;
 };
 
 // Joins the mesh as `options` say, advertising `endpoint` (the transport's),
@@ -116,6 +131,11 @@ std::string RedactedRendezvous(const std::string& url);
 // other scheme: those need a RendezvousFactory from the composition root.
 absl::StatusOr<std::unique_ptr<Rendezvous>> JoinScheduler(const MeshOptions& options,
                                                           const std::string& endpoint);
+
+// INVALID_ARGUMENT naming the options when `options` give a capacity above
+// the start shape: `rendezvous` ("etcd", "the framework store") cannot add
+// members to a running mesh yet (docs/elastic.md), only the scheduler does.
+absl::Status RequireFixedShape(const MeshOptions& options, absl::string_view rendezvous);
 
 // This host's wall clock (CLOCK_REALTIME, NTP-disciplined across hosts)
 // against its monotonic clock: the reference clock of rendezvous without a

@@ -85,6 +85,7 @@ struct Member {
   bool joined = false;
   bool left = false;
   bool lost = false;
+  bool draining = false;  // counted out (kDrain); still connected until it leaves
   uint64_t barrier = 0;
   absl::Time last_heard;
   bool live() const { return joined && !left && !lost; }
@@ -99,11 +100,13 @@ class SchedulerImpl final : public Scheduler {
         acceptor_(std::move(acceptor)),
         address_(std::move(address)),
         join_timeout_(std::min(options.timeout, kJoinTimeout)),
-        join_caps_(base::CapsForPeers(
-            static_cast<size_t>(options.num_workers) + static_cast<size_t>(options.num_servers),
-            {kMaxPendingPerAddress, kMaxPending})),
-        workers_(options.num_workers),
-        servers_(options.num_servers) {
+        join_caps_(base::CapsForPeers(static_cast<size_t>(options.WorkerCapacity()) +
+                                          static_cast<size_t>(options.ServerCapacity()),
+                                      {kMaxPendingPerAddress, kMaxPending})),
+        workers_(options.WorkerCapacity()),
+        servers_(options.ServerCapacity()),
+        start_workers_(options.num_workers),
+        start_servers_(options.num_servers) {
     thread_ = base::StartNamedThread("sm-scheduler", {}, [this] { Run(); });
   }
   ~SchedulerImpl() override { Stop(); }
@@ -346,6 +349,13 @@ class SchedulerImpl final : public Scheduler {
                           " servers (num_workers/num_servers: STEPMESH_NUM_WORKERS/"
                           "STEPMESH_NUM_SERVERS or the program's flags)");
     }
+    if (join.max_workers != static_cast<uint32_t>(options_.WorkerCapacity()) ||
+        join.max_servers != static_cast<uint32_t>(options_.ServerCapacity())) {
+      return absl::StrCat(who, " was configured for a capacity of ", join.max_workers,
+                          " workers and ", join.max_servers, " servers, but this mesh has ",
+                          options_.WorkerCapacity(), " and ", options_.ServerCapacity(),
+                          " (max_workers/max_servers: STEPMESH_MAX_WORKERS/STEPMESH_MAX_SERVERS)");
+    }
     if (join.mesh_id != options_.mesh_id) {
       return absl::StrCat(who, " names mesh '", join.mesh_id, "' but this scheduler runs mesh '",
                           options_.mesh_id, "' (mesh_id: STEPMESH_MESH_ID)");
@@ -360,21 +370,29 @@ class SchedulerImpl final : public Scheduler {
     if (join.join_flags & kJoinResume) return HandleResume(c, join);
     const Role role = static_cast<Role>(join.role);  // the decoder admits workers and servers
     auto& group = Group(role);
+    const int start = role == Role::kWorker ? start_workers_ : start_servers_;
     // Once the mesh formed, a rank whose process was lost or left may be taken
-    // by a new process (a restart); before that, every rank is joined once.
+    // by a new process (a restart, or a join into the running mesh); before
+    // that, every rank is joined once, and an unasked rank comes from the
+    // start shape.
     auto replaceable = [&](const Member& m) { return formed_ && m.joined && (m.lost || m.left); };
     int rank = join.rank;
     if (rank < 0) {
-      for (size_t r = 0; r < group.size() && rank < 0; ++r) {
-        if (!group[r].joined) rank = static_cast<int>(r);
-      }
-      for (size_t r = 0; r < group.size() && rank < 0; ++r) {
-        if (replaceable(group[r])) rank = static_cast<int>(r);
+      const size_t limit = formed_ ? group.size() : static_cast<size_t>(start);
+      for (size_t r = 0; r < limit && rank < 0; ++r) {
+        if (!group[r].joined || replaceable(group[r])) rank = static_cast<int>(r);
       }
     }
     if (rank < 0 || rank >= static_cast<int>(group.size())) {
+      const char* option = role == Role::kWorker ? "max_workers, STEPMESH_MAX_WORKERS"
+                                                 : "max_servers, STEPMESH_MAX_SERVERS";
+      if (join.rank < 0 && formed_) {
+        return Refuse(c, absl::StrCat("no free ", RoleName(role), " rank: all ", group.size(),
+                                      " of the mesh's capacity (", option, ") are members"));
+      }
       return Refuse(c, absl::StrCat("no free ", RoleName(role), " rank (wanted ", join.rank,
-                                    ", mesh has ", group.size(), ")"));
+                                    ", mesh has ", start, " at the start and a capacity of ",
+                                    group.size(), " (", option, "))"));
     }
     Member& member = group[rank];
     const NodeId node = MakeNodeId(role, rank);
@@ -387,20 +405,33 @@ class SchedulerImpl final : public Scheduler {
     }
     Admit(c, node, join.text);
     member.barrier = 0;
-    if (rejoin) {
-      STEPMESH_LOG(kInfo, "scheduler: ", PeerName(node), " rejoined from ", c.peer);
-      SendRoster(node);
+    member.draining = false;
+    if (formed_) {
+      // A join into the running mesh: a restarted process under its old
+      // rank, or a new member. It counts in barriers from the next one on (a
+      // barrier in progress passes without it), and everyone hears of it as
+      // the next epoch.
+      member.barrier = BarrierInProgress();
+      STEPMESH_LOG(kInfo, "scheduler: ", PeerName(node), rejoin ? " rejoined" : " joined",
+                   " the running mesh from ", c.peer, " (epoch ", epoch_ + 1, ")");
       ControlMessage m;
       m.type = ControlType::kPeerJoined;
       m.node = node;
       m.text = member.endpoint;
+      m.epoch = ++epoch_;
+      SendRoster(node);
       ForEachMember([&](NodeId other, Member& o) {
         if (other != node && o.live()) Send(other, m);
       });
       return;
     }
     bool all = true;
-    ForEachMember([&](NodeId, Member& o) { all = all && o.joined; });
+    ForEachMember([&](NodeId n, Member& o) {
+      if (static_cast<int>(NodeRank(n)) <
+          (NodeRole(n) == Role::kWorker ? start_workers_ : start_servers_)) {
+        all = all && o.joined;
+      }
+    });
     if (all) {
       formed_ = true;
       if (!formed_note_.HasBeenNotified()) formed_note_.Notify();
@@ -437,10 +468,21 @@ class SchedulerImpl final : public Scheduler {
       formed_ = true;
       if (!formed_note_.HasBeenNotified()) formed_note_.Notify();
       const absl::Time now = absl::Now();
-      ForEachMember([&](NodeId, Member& o) {
+      ForEachMember([&](NodeId n, Member& o) {
+        // The start shape; members beyond it are known once they reconnect.
+        if (static_cast<int>(NodeRank(n)) >=
+            (NodeRole(n) == Role::kWorker ? start_workers_ : start_servers_)) {
+          return;
+        }
         o.joined = true;
         o.last_heard = now;
       });
+    }
+    epoch_ = std::max(epoch_, join.epoch);
+    if (!member.joined) {
+      // A member that joined the running mesh beyond the start shape.
+      member.joined = true;
+      joined_count_.fetch_add(1);
     }
     if (!member.live()) {
       return Refuse(c, absl::StrCat(PeerName(node),
@@ -501,10 +543,18 @@ class SchedulerImpl final : public Scheduler {
     if (!formed_) return Unjoin(node, reason);
     member.lost = true;
     if (member.conn != nullptr) Close(*member.conn);
+    if (member.draining) {
+      // Counted out when it began to drain: the peers learn of the rest from
+      // their data connections.
+      STEPMESH_LOG(kWarning, "scheduler: ", PeerName(node), " lost while draining: ", reason);
+      MaybeReleaseBarrier();
+      return;
+    }
     STEPMESH_LOG(kWarning, "scheduler: ", PeerName(node), " lost: ", reason);
     ControlMessage m;
     m.type = ControlType::kPeerLost;
     m.node = node;
+    m.epoch = ++epoch_;
     m.text = reason;  // the reason only: receivers name the peer themselves
     ForEachMember([&](NodeId other, Member& o) {
       if (o.live()) Send(other, m);
@@ -529,19 +579,36 @@ class SchedulerImpl final : public Scheduler {
     member = Member{};
   }
 
+  // The members of the current epoch (live, not draining), with their
+  // endpoints, the epoch, and the barrier count `node` starts from.
   void SendRoster(NodeId node) {
     ControlMessage m;
     m.type = ControlType::kRoster;
     m.rank = static_cast<int32_t>(NodeRank(node));
-    ForEachMember([&](NodeId n, Member& o) { m.roster.push_back({n, o.endpoint}); });
+    m.epoch = epoch_;
+    m.sequence = At(node).barrier;
+    ForEachMember([&](NodeId n, Member& o) {
+      if (o.live() && !o.draining) m.roster.push_back({n, o.endpoint});
+    });
     Send(node, m);
+  }
+
+  // The barrier the members have entered and not yet passed (the highest
+  // entered), else the last released: a member joining now counts as
+  // having entered it.
+  uint64_t BarrierInProgress() {
+    uint64_t entered = released_;
+    ForEachMember([&](NodeId, Member& o) {
+      if (o.live() && !o.draining) entered = std::max(entered, o.barrier);
+    });
+    return entered;
   }
 
   void MaybeReleaseBarrier() {
     uint64_t lowest = ~uint64_t{0};
     bool any = false;
     ForEachMember([&](NodeId, Member& o) {
-      if (!o.live()) return;
+      if (!o.live() || o.draining) return;
       any = true;
       lowest = std::min(lowest, o.barrier);
     });
@@ -572,6 +639,23 @@ class SchedulerImpl final : public Scheduler {
         member.barrier = m.sequence;
         MaybeReleaseBarrier();
         break;
+      case ControlType::kDrain: {
+        if (!formed_ || member.draining) break;
+        // Counted out now (a new epoch, "left" to the others), still
+        // connected while it answers what it received.
+        member.draining = true;
+        STEPMESH_LOG(kInfo, "scheduler: ", PeerName(node), " drains before leaving (epoch ",
+                     epoch_ + 1, ")");
+        ControlMessage left;
+        left.type = ControlType::kPeerLeft;
+        left.node = node;
+        left.epoch = ++epoch_;
+        ForEachMember([&](NodeId other, Member& o) {
+          if (other != node && o.live()) Send(other, left);
+        });
+        MaybeReleaseBarrier();
+        break;
+      }
       case ControlType::kLeave: {
         if (!formed_) {
           Unjoin(node, "left", /*orderly=*/true);
@@ -579,6 +663,11 @@ class SchedulerImpl final : public Scheduler {
         }
         member.left = true;
         if (member.conn != nullptr) Close(*member.conn);
+        if (member.draining) {
+          STEPMESH_LOG(kInfo, "scheduler: ", PeerName(node), " drained and left");
+          MaybeReleaseBarrier();
+          break;
+        }
         // The peers learn of a departure from its data connection's goodbye,
         // which follows the departing node's last frames. This notice is for
         // the one peer that cannot tell that goodbye from a previous process's
@@ -586,6 +675,7 @@ class SchedulerImpl final : public Scheduler {
         ControlMessage left;
         left.type = ControlType::kPeerLeft;
         left.node = node;
+        left.epoch = ++epoch_;
         ForEachMember([&](NodeId other, Member& o) {
           if (other != node && o.live()) Send(other, left);
         });
@@ -718,9 +808,14 @@ class SchedulerImpl final : public Scheduler {
   const std::string address_;
   const absl::Duration join_timeout_;
   const base::AdmissionCaps join_caps_;
-  std::list<Conn> conns_;  // stable addresses: members point at theirs
-  std::vector<Member> workers_;
+  std::list<Conn> conns_;        // stable addresses: members point at theirs
+  std::vector<Member> workers_;  // the capacity; ranks below start_* form the mesh
   std::vector<Member> servers_;
+  const int start_workers_;
+  const int start_servers_;
+  // Membership changes since the mesh formed (epoch 0), each announced with
+  // its number; a restarted scheduler takes the highest a member resumes with.
+  uint64_t epoch_ = 0;
   bool formed_ = false;  // every rank joined once (or the mesh resumed here)
   uint64_t released_ = 0;
   uint64_t ping_sequence_ = 0;

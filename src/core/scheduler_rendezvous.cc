@@ -50,7 +50,14 @@ absl::StatusOr<std::unique_ptr<SchedulerRendezvous>> SchedulerRendezvous::Join(
     client->rank_ = reply->rank;
     client->self_ = MakeNodeId(options.role, reply->rank);
     client->roster_ = std::move(reply->roster);
+    // Epoch 0 is the roster the mesh formed with; a later one, a join into
+    // the running mesh.
+    client->roster_epoch_ = reply->epoch;
+    client->joined_running_ = reply->epoch > 0;
+    client->epoch_ = reply->epoch;
     base::MutexLock lock(&client->mu_);
+    // A joiner counts barriers from the mesh's (the one in progress passes without it).
+    client->barrier_sent_ = client->barrier_released_ = reply->sequence;
     client->connected_ = true;
     return client;
   }
@@ -75,9 +82,12 @@ absl::Status SchedulerRendezvous::Dial(absl::Time deadline, bool resume) {
   join.text = endpoint_;
   join.num_workers = static_cast<uint32_t>(options_.num_workers);
   join.num_servers = static_cast<uint32_t>(options_.num_servers);
+  join.max_workers = static_cast<uint32_t>(options_.WorkerCapacity());
+  join.max_servers = static_cast<uint32_t>(options_.ServerCapacity());
   join.mesh_id = options_.mesh_id;
   if (resume) {
     join.join_flags = kJoinResume;
+    join.epoch = epoch_.load();
     base::MutexLock lock(&mu_);
     join.sequence = barrier_sent_;
     join.barrier_released = barrier_released_;
@@ -207,7 +217,9 @@ void SchedulerRendezvous::MonitorLoop() {
         event.node = m->node;
         if (m->type == ControlType::kPeerLost) event.why = absl::UnavailableError(m->text);
         if (m->type == ControlType::kPeerJoined) event.endpoint = m->text;
-        event.epoch = ++epoch_;
+        // Stamped by the scheduler: every participant numbers a change alike.
+        event.epoch = m->epoch;
+        epoch_.store(std::max(epoch_.load(), m->epoch));
         Post([this, event = std::move(event)] { Dispatch(events_, event); });
         break;
       }
@@ -347,6 +359,20 @@ absl::Status SchedulerRendezvous::Barrier(absl::Duration timeout) {
   }
   if (barrier_released_ >= sequence) return absl::OkStatus();
   return scheduler_status_;
+}
+
+absl::Status SchedulerRendezvous::AnnounceLeaving() {
+  {
+    base::MutexLock lock(&mu_);
+    if (!connected_ || gave_up_) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot announce the drain: ", scheduler_status_.message(),
+                       gave_up_ ? "" : " (redialling; the scheduler must hear of a drain)"));
+    }
+  }
+  ControlMessage m;
+  m.type = ControlType::kDrain;
+  return Send(m);
 }
 
 void SchedulerRendezvous::Leave() {

@@ -49,6 +49,8 @@ class SchedulerRendezvous final : public Rendezvous {
   absl::Status Barrier(absl::Duration timeout) override;
   // Orderly leave: the scheduler will not report this node as lost.
   void Leave() override;
+  // kDrain: the scheduler counts this node out now (the others hear "left").
+  absl::Status AnnounceLeaving() override;
   // The scheduler's clock against this host's: `samples` exchanges (one at a
   // time, each bounded by `timeout`), the one with the shortest round trip kept.
   absl::StatusOr<ClockSync> EstimateClock(int samples, absl::Duration timeout) override;
@@ -70,7 +72,9 @@ class SchedulerRendezvous final : public Rendezvous {
   const MeshOptions options_;
   const std::string endpoint_;
   RendezvousEvents events_;
-  uint64_t epoch_ = 0;  // membership changes received (monitor thread)
+  // The newest membership epoch heard (written by the monitor thread; read
+  // when redialling a restarted scheduler, which resumes from it).
+  std::atomic<uint64_t> epoch_{0};
   std::thread monitor_;
   PeerEventThread peer_events_;
   std::atomic<bool> stop_{false};

@@ -72,13 +72,17 @@ class Server final : public ParticipantNode<AFTensorServer> {
  public:
   Server(const MeshOptions& options, std::shared_ptr<Backend> backend)
       : ParticipantNode(options, std::move(backend)),
-        assembler_(options.num_workers, lost_, options.trace.enabled),
+        assembler_(options_.num_workers, lost_, options.trace.enabled),
         replies_(options_, io_, lost_, stats_, trace_ring_),
-        notes_(options.num_workers),
-        parked_(options.num_workers),
-        parked_bytes_(options.num_workers, 0),
-        rejoins_(options.num_workers) {
-    for (int w = 0; w < options.num_workers; ++w) notes_[w].worker = w;
+        notes_(options_.num_workers),
+        parked_(options_.num_workers),
+        parked_bytes_(options_.num_workers, 0),
+        rejoins_(options_.num_workers),
+        fenced_(new std::atomic<bool>[options_.num_workers]) {
+    for (int w = 0; w < options_.num_workers; ++w) {
+      notes_[w].worker = w;
+      fenced_[w].store(false);
+    }
   }
   ~Server() override { Stop(); }
 
@@ -170,10 +174,17 @@ class Server final : public ParticipantNode<AFTensorServer> {
     if (stopped()) return absl::FailedPreconditionError("server is shut down");
     const absl::Time deadline = absl::Now() + timeout;
     // Also wakes when the last worker is gone: nothing can arrive any more.
-    AwaitUntil([this] { return assembler_.HasReady() || stopped() || lost_.live() == 0; },
-               deadline);
+    AwaitUntil(
+        [this] { return assembler_.HasReady() || stopped() || lost_.live() == 0 || DrainedOut(); },
+        deadline);
     if (std::optional<Batch> batch = assembler_.TakeReady()) return *batch;
     if (stopped()) return absl::CancelledError("server shut down while waiting for a batch");
+    if (DrainedOut()) {
+      return absl::UnavailableError(
+          absl::StrCat("server ", rank_,
+                       " drained: it left the mesh (Leave) and every request that reached "
+                       "it was handed out"));
+    }
     if (lost_.live() == 0) return absl::UnavailableError("every worker is gone");
     if (policy == BatchPolicy::kReadyByDeadline) {
       // The oldest partial batch, if any worker arrived.
@@ -208,6 +219,39 @@ class Server final : public ParticipantNode<AFTensorServer> {
     return static_cast<uint64_t>(std::max(assembler_.ready_count(), 0));
   }
 
+  // --- draining (Participant::Leave) ---
+  // Every worker sent its fence (or is gone): nothing more can arrive.
+  bool AllFenced() const {
+    for (int w = 0; w < options_.num_workers; ++w) {
+      if (!lost_.lost(w) && !fenced_[w].load(std::memory_order_acquire)) return false;
+    }
+    return !parked_any_.load(std::memory_order_acquire);
+  }
+  // Draining, nothing more arrives and nothing is left to hand out (GetBatch).
+  bool DrainedOut() {
+    return draining_.load(std::memory_order_acquire) && AllFenced() &&
+           assembler_.NothingToHandOut();
+  }
+  // Counted out now; answers what arrived (the application keeps serving);
+  // done once every reply went out.
+  absl::Status Drain(absl::Time deadline) override {
+    const absl::Time start = absl::Now();
+    draining_.store(true, std::memory_order_release);
+    STEPMESH_RETURN_IF_ERROR(rendezvous_->AnnounceLeaving());
+    NotifyWaiters();
+    if (AwaitUntil([this] { return AllFenced() && assembler_.Idle(); }, deadline)) {
+      return absl::OkStatus();
+    }
+    int unfenced = 0;
+    for (int w = 0; w < options_.num_workers; ++w) {
+      unfenced += !lost_.lost(w) && !fenced_[w].load(std::memory_order_acquire);
+    }
+    return absl::DeadlineExceededError(absl::StrCat(
+        "server ", rank_, " left after ", absl::FormatDuration(absl::Now() - start),
+        " without draining: ", unfenced, " worker(s) had not confirmed their last push, and ",
+        assembler_.Idle() ? "no batch" : "batches", " were still unanswered"));
+  }
+
   // --- send thread ---
   void ExecuteSend(const SendItem& item, const absl::Status& ready) override {
     if (item.kind == kSendError) {
@@ -236,6 +280,12 @@ class Server final : public ParticipantNode<AFTensorServer> {
           absl::StrCat("a server receives pushes, not frame type ", static_cast<int>(h.type)));
     }
     ForgetPreviousProcess(static_cast<int>(w));
+    if (fenced_[w].load(std::memory_order_relaxed)) {
+      return absl::UnavailableError(absl::StrCat("server ", rank_,
+                                                 " left the mesh (it drains) and takes nothing "
+                                                 "after worker ",
+                                                 w, "'s last push"));
+    }
     PushNote& note = notes_[w];
     note.reg = nullptr;
     note.duplicate = false;
@@ -344,6 +394,10 @@ class Server final : public ParticipantNode<AFTensorServer> {
     if (context == nullptr) {
       // Refused by Resolve before it claimed anything (a frame of another
       // type, a sender outside the mesh), or an error frame from a worker.
+      if (h.type == FrameType::kError && h.key == kFenceKey && absl::IsCancelled(status) &&
+          IsWorker(peer) && NodeRank(peer) < static_cast<uint32_t>(options_.num_workers)) {
+        return Fenced(static_cast<int>(NodeRank(peer)));
+      }
       if (h.type == FrameType::kError) {
         STEPMESH_LOG_LIMITED(violations_, kWarning, "server ", rank_, ": ", PeerName(peer),
                              " sent an error frame: ", status.ToString());
@@ -376,6 +430,15 @@ class Server final : public ParticipantNode<AFTensorServer> {
     }
     note.park.reset();
     Deliver(peer, w, h, reg, std::move(status));
+  }
+
+  // Receive thread: worker `w` pushes nothing more here (its fence, after its
+  // last push, sent once it heard this server drains).
+  void Fenced(int w) {
+    if (!draining_.load(std::memory_order_acquire)) return;  // a previous drain's, late
+    fenced_[w].store(true, std::memory_order_release);
+    assembler_.StopAwaiting(w);
+    NotifyWaiters();
   }
 
   // A push of worker `w` resolved (`reg`, its slot reserved) or refused
@@ -561,9 +624,13 @@ class Server final : public ParticipantNode<AFTensorServer> {
     if (!IsWorker(peer) || stopped()) return;
     const int w = static_cast<int>(NodeRank(peer));
     if (w >= options_.num_workers) return;
+    // Draining: the newcomer's roster does not hold this server.
+    if (draining_.load(std::memory_order_acquire)) return;
     // A worker that never looked lost (its old connection still open) is superseded.
     HandlePeerLost(peer, absl::UnavailableError("worker restarted"));
     rejoins_.BeginRejoin(w);
+    // Batches wait for it once its first request arrived (docs/elastic.md).
+    assembler_.AwaitAfterFirstRequest(w);
     // Counted before its connection exists, so no batch forms without it meanwhile.
     lost_.MarkBack(w);
     absl::Status connected =
@@ -577,6 +644,13 @@ class Server final : public ParticipantNode<AFTensorServer> {
     }
     stats_.Rejoined(w);
     STEPMESH_LOG(kInfo, "server ", rank_, ": worker ", w, " rejoined at ", endpoint);
+  }
+
+  // Joining a running mesh: every worker is new to this server, so none is
+  // awaited before its first request here.
+  void OnRoster(bool joined_running) override {
+    if (!joined_running) return;
+    for (int w = 0; w < options_.num_workers; ++w) assembler_.AwaitAfterFirstRequest(w);
   }
 
   void CancelAll(const absl::Status&) override { assembler_.ClearReady(); }
@@ -622,7 +696,10 @@ class Server final : public ParticipantNode<AFTensorServer> {
   absl::Time next_parked_check_ = absl::InfinitePast();
   std::atomic<bool> parked_any_{false};  // whether a registration should wake the receive thread
   std::atomic<bool> registered_{false};  // a registration since the receive thread last looked
-  WorkerRejoins rejoins_;  // which process of each worker is served; the rejoin window
+  WorkerRejoins rejoins_;              // which process of each worker is served; the rejoin window
+  std::atomic<bool> draining_{false};  // Leave began: counted out, answering what arrived
+  // Per worker: its fence arrived (receive thread sets, any thread reads).
+  std::unique_ptr<std::atomic<bool>[]> fenced_;
   base::RateLimiter violations_{10, absl::Seconds(10)};
 };
 

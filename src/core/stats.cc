@@ -103,6 +103,14 @@ std::string PrometheusText(const MeshStats& stats) {
          stats.role == Role::kWorker ? "Requests not yet collected by Wait()."
                                      : "Batches ready and not yet taken by GetBatch().");
   absl::StrAppend(&out, "stepmesh_in_flight{", node, "} ", stats.in_flight, "\n");
+  Family(out, "stepmesh_membership_epoch", "gauge",
+         "The membership epoch this participant last heard of (docs/elastic.md).");
+  absl::StrAppend(&out, "stepmesh_membership_epoch{", node, "} ", stats.membership_epoch, "\n");
+  Family(out, "stepmesh_members", "gauge", "Members of the mesh at that epoch, by role.");
+  absl::StrAppend(&out, "stepmesh_members{", node, ",members=\"worker\"} ", stats.member_workers,
+                  "\n");
+  absl::StrAppend(&out, "stepmesh_members{", node, ",members=\"server\"} ", stats.member_servers,
+                  "\n");
   Family(out, "stepmesh_stage_seconds", "histogram",
          "Time a request spends in each stage (docs/metrics.md).");
   for (int s = 0; s < kNumStages; ++s) {

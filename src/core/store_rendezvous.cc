@@ -312,6 +312,7 @@ absl::StatusOr<std::unique_ptr<Rendezvous>> JoinStore(std::shared_ptr<Rendezvous
                                                       const MeshOptions& options,
                                                       const std::string& endpoint) {
   if (store == nullptr) return absl::InvalidArgumentError("JoinStore: no store");
+  STEPMESH_RETURN_IF_ERROR(RequireFixedShape(options, "the framework store"));
   auto rendezvous = std::make_unique<StoreRendezvous>(std::move(store), options, endpoint);
   STEPMESH_RETURN_IF_ERROR(rendezvous->Join(absl::Now() + options.timeout));
   return std::unique_ptr<Rendezvous>(std::move(rendezvous));

@@ -25,6 +25,9 @@ namespace stepmesh::core {
 namespace {
 
 constexpr uint32_t kSendRequest = 1;
+// The marker after a worker's last push to a draining server (SendItem.index:
+// the server): a kError frame under kFenceKey, status CANCELLED, no text.
+constexpr uint32_t kSendFence = 2;
 
 class Worker final : public ParticipantNode<AFTensorWorker> {
  public:
@@ -33,9 +36,12 @@ class Worker final : public ParticipantNode<AFTensorWorker> {
         // Generations start at a random point per process: a reply addressed to
         // a previous process under this rank (a server answering a batch from
         // before a restart) then matches no request of this one.
-        requests_(options.max_inflight_requests, options.num_servers, std::random_device{}() | 1) {
-    ReservePlan(scratch_, options.num_servers);
+        requests_(options.max_inflight_requests, options_.num_servers, std::random_device{}() | 1),
+        draining_(new std::atomic<bool>[options_.num_servers]),
+        fence_sent_(options_.num_servers, 0) {
+    ReservePlan(scratch_, options_.num_servers);
     scratch_.owner = this;
+    for (int s = 0; s < options_.num_servers; ++s) draining_[s].store(false);
   }
   ~Worker() override { Stop(); }
 
@@ -136,6 +142,7 @@ class Worker final : public ParticipantNode<AFTensorWorker> {
       return absl::InvalidArgumentError("a PreparedRequest of another worker");
     }
     if (stopped()) return absl::FailedPreconditionError("worker is shut down");
+    if (leaving()) return LeavingError();
     RequestHandle handle;
     bool staged = false;
     {
@@ -150,6 +157,7 @@ class Worker final : public ParticipantNode<AFTensorWorker> {
                                          const SendOptions& send_options) override {
     const uint64_t enqueue_ns = options_.trace.enabled ? MonotonicNowNs() : 0;
     if (stopped()) return absl::FailedPreconditionError("worker is shut down");
+    if (leaving()) return LeavingError();
     RequestHandle handle;
     bool staged = false;
     {
@@ -211,7 +219,7 @@ class Worker final : public ParticipantNode<AFTensorWorker> {
       return absl::FailedPreconditionError("no trace: request pending or its slot was reused");
     }
     TraceRecord record;
-    for (int s = 0; s < options_.num_servers; ++s) {
+    for (int s = 0; s < options_.num_servers; ++s) {  // the capacity
       if (r.addressed[s]) record.servers.push_back({s, r.stamps[s]});
     }
     record.complete_ns = r.complete_ns;
@@ -222,6 +230,28 @@ class Worker final : public ParticipantNode<AFTensorWorker> {
   uint64_t InFlight() override {
     base::MutexLock lock(&reg_mu_);
     return requests_.in_use();
+  }
+
+  // --- leaving (Participant::Leave) ---
+  absl::Status LeavingError() const {
+    return absl::FailedPreconditionError(
+        absl::StrCat("worker ", rank_, " is leaving the mesh (Leave): it takes no new requests"));
+  }
+  // Requests posted and not complete (any thread; reads each slot's state).
+  size_t Pending() const {
+    size_t n = 0;
+    for (uint32_t i = 0; i < requests_.size(); ++i) {
+      n += requests_.at(i).state.load(std::memory_order_acquire) == RequestState::kPending;
+    }
+    return n;
+  }
+  // No new requests (leaving() is set); every posted one completes first.
+  absl::Status Drain(absl::Time deadline) override {
+    const absl::Time start = absl::Now();
+    if (AwaitUntil([this] { return Pending() == 0; }, deadline)) return absl::OkStatus();
+    return absl::DeadlineExceededError(
+        absl::StrCat("worker ", rank_, " left with ", Pending(), " request(s) still pending after ",
+                     absl::FormatDuration(absl::Now() - start), " (they fail CANCELLED)"));
   }
 
   // --- registrations and posts ---
@@ -272,7 +302,7 @@ class Worker final : public ParticipantNode<AFTensorWorker> {
     }
     STEPMESH_RETURN_IF_ERROR(CheckPlanPostable(plan));
     FillRequest(plan, *r);
-    STEPMESH_ASSIGN_OR_RETURN(const int addressed, CountLiveAddressed(*r));
+    STEPMESH_ASSIGN_OR_RETURN(const int addressed, CountLiveAddressed(plan, *r));
     for (const PreparedPlan::PushPart& p : plan.pushes) {
       p.reg->in_flight = true;
       *staged |= p.reg->wire.staged;
@@ -298,19 +328,39 @@ class Worker final : public ParticipantNode<AFTensorWorker> {
     return handle;
   }
 
-  // How many servers `r` addresses; UNAVAILABLE when one of them is gone.
-  absl::StatusOr<int> CountLiveAddressed(const Request& r) const {
+  // How many servers `r` addresses; UNAVAILABLE when one it names is not a
+  // member. Pushes to every server (Push::servers empty) skip the servers
+  // that are not: the membership current at this post. A flag per server,
+  // no lookup; the masking runs only while some rank is not a member.
+  absl::StatusOr<int> CountLiveAddressed(const PreparedPlan& plan, Request& r) const {
     int addressed = 0;
-    for (int s = 0; s < options_.num_servers; ++s) {
+    const int num_servers = options_.num_servers;
+    for (int s = 0; s < num_servers; ++s) {
       if (!r.addressed[s]) continue;
-      if (lost_.lost(s)) return absl::UnavailableError(absl::StrCat("server ", s, " is gone"));
+      if (lost_.lost(s)) {
+        if (plan.named[s]) return GoneError(s);
+        r.addressed[s] = 0;
+        for (int i = 0; i < r.num_pushes; ++i) r.targets[i * num_servers + s] = 0;
+        continue;
+      }
       ++addressed;
     }
+    if (addressed == 0) {
+      return absl::UnavailableError(
+          "no server is a member of the mesh now (every one left or was lost)");
+    }
     return addressed;
+  }
+  absl::Status GoneError(int s) const {
+    return absl::UnavailableError(absl::StrCat(
+        "server ", s,
+        draining_[s].load(std::memory_order_relaxed) ? " left the mesh (it drains)" : " is gone",
+        " (membership epoch ", membership_.epoch(), ")"));
   }
 
   // --- send thread ---
   void ExecuteSend(const SendItem& item, const absl::Status& ready) override {
+    if (item.kind == kSendFence) return SendFence(static_cast<int>(item.index));
     Request& r = requests_.at(item.index);
     absl::Status failed =
         ready.ok()
@@ -327,13 +377,33 @@ class Worker final : public ParticipantNode<AFTensorWorker> {
       if (!r.addressed[s]) continue;
       if (!failed.ok()) {
         Settle(r, s, failed);
-      } else if (lost_.lost(s)) {
-        Settle(r, s, absl::UnavailableError(absl::StrCat("server ", s, " is gone")));
+      } else if (lost_.lost(s) && !(draining_[s].load() && !fence_sent_[s])) {
+        // Gone; or draining with its fence already sent (a post that raced
+        // the drain notice): it takes nothing after the fence.
+        Settle(r, s, GoneError(s));
       } else {
         SendPushes(r, RequestId(item.index, item.generation), s);
       }
     }
     Release(r);  // the send thread's reference
+  }
+
+  // Send thread (or inline, under the send lock): the fence after the last
+  // push to draining server `s`; every item queued before it went first.
+  void SendFence(int s) {
+    fence_sent_[s] = 1;
+    FrameHeader h;
+    h.type = FrameType::kError;
+    h.src = self_;
+    h.dst = PeerId(s);
+    h.key = kFenceKey;
+    h.status_code = static_cast<uint32_t>(absl::StatusCode::kCancelled);
+    h.payload_bytes = 0;
+    if (absl::Status sent = transport_->Send(h.dst, h, nullptr, 0, 0); !sent.ok()) {
+      // Its connection is gone already (a server that simply shut down).
+      STEPMESH_LOG(kInfo, "worker ", rank_, ": no fence to departing server ", s, ": ",
+                   sent.message());
+    }
   }
 
   // Every push of `r` addressed to server `s`, as one multi-part request.
@@ -481,8 +551,12 @@ class Worker final : public ParticipantNode<AFTensorWorker> {
   void HandlePeerLost(NodeId peer, const absl::Status& why) override {
     if (!IsServer(peer)) return;
     const int s = static_cast<int>(NodeRank(peer));
-    if (s >= options_.num_servers || !lost_.MarkLost(s)) return;
-    stats_.Lost(s);
+    if (s >= options_.num_servers) return;
+    // A draining server was counted out already (HandlePeerLeft); its
+    // connection ending now fails what it did not answer.
+    const bool newly = lost_.MarkLost(s);
+    if (!newly && !draining_[s].exchange(false)) return;
+    if (newly) stats_.Lost(s);
     const absl::Status failure = absl::UnavailableError(PeerLossMessage(peer, why.message()));
     std::vector<RequestHandle> pending;
     {
@@ -506,6 +580,30 @@ class Worker final : public ParticipantNode<AFTensorWorker> {
     }
   }
 
+  // Server `peer` left in order or began to drain (the scheduler's notice):
+  // new posts to it fail at once; what was posted before goes out, then a
+  // fence telling it nothing more comes; requests it holds complete with its
+  // replies (or fail when its connection ends first).
+  void HandlePeerLeft(NodeId peer) override {
+    if (!IsServer(peer) || stopped()) return;
+    const int s = static_cast<int>(NodeRank(peer));
+    if (s >= options_.num_servers || lost_.lost(s)) return;
+    {
+      std::lock_guard<std::mutex> lock(send_lock());
+      fence_sent_[s] = 0;
+    }
+    draining_[s].store(true);
+    if (lost_.MarkLost(s)) stats_.Lost(s);
+    STEPMESH_LOG(kInfo, "worker ", rank_, ": server ", s, " left the mesh (epoch ",
+                 membership_.epoch() + 1, "); requests it holds complete first");
+    SendItem fence{kSendFence, static_cast<uint32_t>(s), 0, nullptr};
+    fence.ordered = true;
+    if (absl::Status queued = EnqueueSend(fence); !queued.ok()) {
+      STEPMESH_LOG(kWarning, "worker ", rank_, ": cannot queue the fence to server ", s, ": ",
+                   queued.ToString());
+    }
+  }
+
   // A restarted server rejoined: dial it again and let requests address it.
   // Requests that were in flight when it was lost already failed (UNAVAILABLE);
   // the new process starts empty, so its registrations are the app's to redo.
@@ -523,6 +621,7 @@ class Worker final : public ParticipantNode<AFTensorWorker> {
                    connected.ToString());
       return;
     }
+    draining_[s].store(false);
     lost_.MarkBack(s);
     stats_.Rejoined(s);
     STEPMESH_LOG(kInfo, "worker ", rank_, ": server ", s, " rejoined at ", endpoint);
@@ -616,6 +715,11 @@ class Worker final : public ParticipantNode<AFTensorWorker> {
   absl::flat_hash_map<std::pair<Key, int>, TensorRegistration*> pull_regs_ ABSL_GUARDED_BY(reg_mu_);
   PreparedPlan scratch_ ABSL_GUARDED_BY(reg_mu_);  // PushPull's
   RequestTable requests_;
+  // Per server: it left by draining (set by the rendezvous thread): new posts
+  // to it fail, the ones queued before go out ahead of its fence.
+  std::unique_ptr<std::atomic<bool>[]> draining_;
+  // Per server: the fence went (send lock held: send thread or inline send).
+  std::vector<uint8_t> fence_sent_;
   base::RateLimiter violations_{10, absl::Seconds(10)};
 };
 

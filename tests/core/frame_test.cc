@@ -141,6 +141,8 @@ TEST_CASE("control messages round trip and reject garbage", "[control]") {
   ControlMessage roster;
   roster.type = ControlType::kRoster;
   roster.rank = 1;
+  roster.epoch = 3;
+  roster.sequence = 2;
   roster.roster = {{WorkerId(0), "127.0.0.1:5000"}, {ServerId(0), "127.0.0.1:5001"}};
   const std::string bytes = EncodeControl(roster);
   auto span = absl::MakeConstSpan(reinterpret_cast<const std::byte*>(bytes.data()), bytes.size());
@@ -149,6 +151,8 @@ TEST_CASE("control messages round trip and reject garbage", "[control]") {
   auto decoded = DecodeControlPayload(header->first, span.subspan(kControlHeaderBytes));
   REQUIRE(decoded.ok());
   CHECK(decoded->rank == 1);
+  CHECK(decoded->epoch == 3);
+  CHECK(decoded->sequence == 2);
   REQUIRE(decoded->roster.size() == 2);
   CHECK(decoded->roster[1].endpoint == "127.0.0.1:5001");
 
@@ -159,7 +163,8 @@ TEST_CASE("control messages round trip and reject garbage", "[control]") {
       absl::MakeConstSpan(reinterpret_cast<const std::byte*>(longer.data()), longer.size());
   CHECK_FALSE(DecodeControlPayload(header->first, longer_span.subspan(kControlHeaderBytes)).ok());
   std::string bad = bytes;
-  bad[kControlHeaderBytes + 12] = '\x7f';  // first endpoint length
+  // first endpoint length: after rank, epoch, barrier count, entries, node
+  bad[kControlHeaderBytes + 28] = '\x7f';
   auto bad_span = absl::MakeConstSpan(reinterpret_cast<const std::byte*>(bad.data()), bad.size());
   CHECK_FALSE(DecodeControlPayload(header->first, bad_span.subspan(kControlHeaderBytes)).ok());
   std::string wrong_magic = bytes;
@@ -180,7 +185,7 @@ TEST_CASE("kPeerLeft needs control protocol 3: a version-2 header is refused by 
       absl::MakeConstSpan(reinterpret_cast<const std::byte*>(bytes.data()), kControlHeaderBytes));
   REQUIRE(header.ok());
   CHECK(header->first == ControlType::kPeerLeft);
-  CHECK(kControlVersion == 3);
+  CHECK(kControlVersion >= 3);
   // A participant built before kPeerLeft speaks version 2 (bytes 4-5, little endian).
   bytes[4] = '\x02';
   bytes[5] = '\x00';

@@ -318,8 +318,8 @@ def read_roster(sock):
         sock.sendall(wire.pong_message(struct.unpack("<Q", payload)[0]))
         kind, payload = wire.read_control(sock)
     check(kind == wire.ROSTER, "expected the roster, got %d %r" % (kind, payload))
-    rank, n = struct.unpack_from("<iI", payload)
-    at = 8
+    rank, n = wire.roster_header(payload)
+    at = wire.ROSTER_ENTRIES_AT
     roster = {}
     for _ in range(n):
         (node,) = struct.unpack_from("<I", payload, at)

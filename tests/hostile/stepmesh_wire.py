@@ -56,11 +56,12 @@ def server_id(rank):
 # --- control messages ------------------------------------------------------------
 
 CONTROL_MAGIC = 0x54434D53
-# The version src/core/control_message.h speaks (3: the scheduler also sends
-# PEER_LEFT; the join is protocol 2's). HOSTILE_CONTROL_VERSION=1 or 2 speaks
-# an older protocol (1: the join before the mesh shape): only to run these
-# tests against a build from before it.
-CONTROL_VERSION = int(os.environ.get("HOSTILE_CONTROL_VERSION", "3"))
+# The version src/core/control_message.h speaks (4: the join carries the
+# capacity and an epoch, the roster its epoch and barrier count; 3: the
+# scheduler also sends PEER_LEFT). HOSTILE_CONTROL_VERSION=1, 2 or 3 speaks an
+# older protocol (1: the join before the mesh shape): only to run these tests
+# against a build from before it.
+CONTROL_VERSION = int(os.environ.get("HOSTILE_CONTROL_VERSION", "4"))
 (JOIN, ROSTER, BARRIER, RELEASE, LEAVE, PEER_LOST, PING, PONG, REJECT, PEER_JOINED, CHALLENGE,
  PROOF) = range(1, 13)
 JOIN_RESUME = 1
@@ -76,12 +77,28 @@ def control(kind, payload=b""):
 
 
 def join_message(role, rank, endpoint, workers, servers, mesh_id="", flags=0, barrier=0,
-                 released=0):
+                 released=0, max_workers=None, max_servers=None, epoch=0):
     payload = struct.pack("<Bi", role, rank) + _text(endpoint)
-    if CONTROL_VERSION >= 2:
+    if CONTROL_VERSION >= 4:
+        payload += (struct.pack("<IIII", workers, servers, max_workers or workers,
+                                max_servers or servers) + _text(mesh_id) +
+                    struct.pack("<BQQQ", flags, barrier, released, epoch))
+    elif CONTROL_VERSION >= 2:
         payload += (struct.pack("<II", workers, servers) + _text(mesh_id) +
                     struct.pack("<BQQ", flags, barrier, released))
     return control(JOIN, payload)
+
+
+# Where the roster's entries start: after rank and count (4: also the epoch
+# and the barrier count, between them).
+ROSTER_ENTRIES_AT = 24 if CONTROL_VERSION >= 4 else 8
+
+
+def roster_header(payload):
+    """(rank, entries) of a ROSTER payload."""
+    (rank,) = struct.unpack_from("<i", payload)
+    (n,) = struct.unpack_from("<I", payload, ROSTER_ENTRIES_AT - 4)
+    return rank, n
 
 
 def pong_message(sequence):

@@ -588,6 +588,7 @@ class EtcdRendezvous final : public core::Rendezvous {
 absl::StatusOr<std::unique_ptr<core::Rendezvous>> JoinEtcd(const MeshOptions& options,
                                                            const std::string& endpoint) {
   STEPMESH_ASSIGN_OR_RETURN(core::RendezvousUrl url, core::ParseRendezvousUrl(options));
+  STEPMESH_RETURN_IF_ERROR(core::RequireFixedShape(options, "etcd"));
   if (url.scheme != "etcd") {
     return absl::InvalidArgumentError(absl::StrCat(
         "rendezvous '", core::RedactedRendezvous(options.rendezvous), "' is not etcd://"));
