@@ -83,7 +83,12 @@ class AttentionInstance {
         dump_layers_(dump_layers),
         schedule_(run.Schedule()),
         span_(schedule_.AttentionSpan(rank)),
-        change_steps_(ChangeStepsOf(schedule_, span_)) {}
+        change_steps_(ChangeStepsOf(schedule_, span_)) {
+    // F of each of its steps, so a Launch looks nothing up.
+    for (int local = 0; local < shape_.steps(); ++local) {
+      partitions_.push_back(schedule_.empty() ? shape_.ffn : schedule_.At(Global(local)).ffn);
+    }
+  }
 
   ~AttentionInstance() { StopEpochLog(); }
 
@@ -130,7 +135,7 @@ class AttentionInstance {
   // Global step of this instance's step `local`.
   int Global(int local) const { return span_.begin + local; }
   // --resize: the FFN partitions of the instance's step `local`.
-  int PartitionsAt(int local) const { return schedule_.At(Global(local)).ffn; }
+  int PartitionsAt(int local) const { return partitions_[local]; }
   // The change at global step `step` (elastic_sync.h): a member at step - 1
   // drains its replies first; a joiner posts its first requests between the
   // barriers.
@@ -149,6 +154,7 @@ class AttentionInstance {
   const ResizeSchedule schedule_;
   const MemberSpan span_;  // global steps this instance is a member for
   const std::vector<int> change_steps_;
+  std::vector<int> partitions_;  // F of each step of the instance
   std::vector<int> server_ranks_;  // 0 .. capacity - 1 (Push::servers)
   std::string resize_log_;
   std::unique_ptr<std::thread> epoch_log_;
@@ -262,7 +268,7 @@ absl::Status AttentionInstance::Init(const std::string& scheduler, int device) {
     mb.request.resize(shape_.ffn + 1);
     mb.prepared_step.assign(shape_.ffn + 1, -1);
     for (int local = 0; local < shape_.steps(); ++local) {
-      const int f = schedule_.empty() ? shape_.ffn : PartitionsAt(local);
+      const int f = PartitionsAt(local);
       if (mb.prepared_step[f] != -1) continue;
       mb.prepared_step[f] = -2;  // prepared, no byte counts yet
       // A fixed run addresses every server (empty); an elastic one names them.
@@ -324,7 +330,7 @@ absl::Status AttentionInstance::Launch(int step, int layer, MicroBatch& mb) {
                     static_cast<int32_t>(config_.hidden_size)};
   if (wrong_layer_.step == global && wrong_layer_.layer == layer) header.layer = layer + 1;
   WriteWireHeader(header, static_cast<int32_t*>(engine_->wire(m).header->data()));
-  const int f = schedule_.empty() ? shape_.ffn : PartitionsAt(step);
+  const int f = PartitionsAt(step);
   stepmesh::PreparedRequest& request = mb.request[f];
   if (mb.prepared_step[f] != step) {
     // Only the rows of this step travel: a prefix of each registered tensor

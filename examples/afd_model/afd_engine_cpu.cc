@@ -233,7 +233,12 @@ class CpuFfnEngine final : public FfnEngine {
       return absl::InvalidArgumentError(
           absl::StrCat("ffn ", p_.rank, ": no partition ", p_.rank, " of ", partitions));
     }
-    const FfnSide* ffn = Layout(partitions);
+    // A map lookup only when F changes (a resize), not per batch.
+    if (partitions != current_partitions_) {
+      current_ = Layout(partitions);
+      current_partitions_ = partitions;
+    }
+    const FfnSide* ffn = current_;
     std::vector<WorkerRows> copy(rows.begin(), rows.end());
     return stream_->LaunchHostFunc([this, mb, layer, ffn, copy = std::move(copy)] {
       Compute(*ffn, regions_[mb], layer, copy);
@@ -318,6 +323,8 @@ class CpuFfnEngine final : public FfnEngine {
   const RunShape& shape_;
   const ModelConfig& config_;
   std::map<int, FfnSide> layouts_;  // by partition count F
+  const FfnSide* current_ = nullptr;  // the layout of the last batch
+  int current_partitions_ = 0;
   FfnWorkspace workspace_;          // one stream runs every Compute, so one suffices
   std::vector<Regions> regions_;
   // Declared last, destroyed first: it drains queued Computes that touch the

@@ -48,7 +48,16 @@ class FfnInstance {
         config_(config),
         rank_(rank),
         schedule_(shape.Schedule()),
-        span_(schedule_.FfnSpan(rank)) {}
+        span_(schedule_.FfnSpan(rank)) {
+    // The schedule's answers per step and rank, so a batch looks nothing up.
+    for (int s = 0; s < shape.steps(); ++s) {
+      partitions_.push_back(schedule_.At(s).ffn);
+      workers_at_.push_back(schedule_.At(s).attention);
+    }
+    for (int w = 0; w < regions_.attention; ++w) {
+      attention_spans_.push_back(schedule_.AttentionSpan(w));
+    }
+  }
 
   absl::Status Init(const std::string& scheduler, int device);
   // --metrics-port / --metrics-file (either may be unset: 0, empty).
@@ -80,6 +89,9 @@ class FfnInstance {
   const int rank_;
   const ResizeSchedule schedule_;
   const MemberSpan span_;  // the steps this rank serves
+  std::vector<int> partitions_;              // F of each global step
+  std::vector<int> workers_at_;              // attention instances of each global step
+  std::vector<MemberSpan> attention_spans_;  // by attention rank
   std::shared_ptr<stepmesh::Backend> backend_;
   std::vector<std::unique_ptr<stepmesh::Event>> done_;  // per micro-batch
   int64_t requests_served_ = 0;                         // (worker, stage) pairs
@@ -167,7 +179,7 @@ absl::Status FfnInstance::Serve(const stepmesh::Batch& batch) {
   }
   // The schedule says who may send this stage: this rank only in its span,
   // the attention instances of the step.
-  const int partitions = schedule_.At(step).ffn;
+  const int partitions = partitions_[step];
   if (!span_.Contains(step)) {
     return absl::FailedPreconditionError(
         absl::StrCat("ffn ", rank_, ": a batch of step ", step, " layer ", layer, " micro-batch ",
@@ -181,7 +193,8 @@ absl::Status FfnInstance::Serve(const stepmesh::Batch& batch) {
   std::vector<stepmesh::Reply> replies;
   for (size_t i = 0; i < batch.workers.size(); ++i) {
     const int w = batch.workers[i];
-    if (!schedule_.AttentionSpan(w).Contains(step)) {
+    if (w < 0 || w >= static_cast<int>(attention_spans_.size()) ||
+        !attention_spans_[w].Contains(step)) {
       return absl::FailedPreconditionError(absl::StrCat("ffn ", rank_, ": attention ", w,
                                                         " sent step ", step,
                                                         ", where the schedule has it no member"));
@@ -249,7 +262,7 @@ int64_t FfnInstance::RequestsBefore(int step) const {
   // micro-batch).
   int64_t n = 0;
   for (int s = span_.begin; s < step; ++s) {
-    n += int64_t{schedule_.At(s).attention} * config_.num_layers * shape_.micro_batches;
+    n += int64_t{workers_at_[s]} * config_.num_layers * shape_.micro_batches;
   }
   return n;
 }
