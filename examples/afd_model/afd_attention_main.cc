@@ -43,6 +43,7 @@
 #include "examples/afd_model/example_model.h"
 #include "examples/afd_model/model_weights.h"
 #include "examples/afd_model/wire.h"
+#include "examples/afd_model/workload_metrics.h"
 #include "src/tools/metrics/metrics_http.h"
 #include "stepmesh/stepmesh.h"
 
@@ -107,7 +108,7 @@ class AttentionInstance {
   absl::Status ServeMetrics(int port) {
     STEPMESH_ASSIGN_OR_RETURN(
         metrics_, stepmesh::tools::MetricsHttpServer::Start(static_cast<uint16_t>(port), [this] {
-          return stepmesh::PrometheusText(worker_->Stats());
+          return stepmesh::PrometheusText(worker_->Stats()) + workload_.PrometheusText(rank_);
         }));
     std::printf("afd_attention[%d]: metrics at http://127.0.0.1:%u/metrics\n", rank_,
                 metrics_->port());
@@ -170,6 +171,7 @@ class AttentionInstance {
   // The worker reads the registered memory the engine owns, so it is
   // declared last and destroyed first.
   std::unique_ptr<stepmesh::AFTensorWorker> worker_;
+  WorkloadMetrics workload_;  // stepmesh_plan --watch reads it from metrics_
   std::unique_ptr<stepmesh::tools::MetricsHttpServer> metrics_;  // reads worker_
 };
 
@@ -451,6 +453,9 @@ absl::Status AttentionInstance::Run() {
       joined_now = step == 0;  // its layer 0 went out between the barriers
       ++next_change;
     }
+    // Every request attends over its prompt and the `step` tokens decoded so far.
+    workload_.Observe(shape_.requests, int64_t{shape_.requests} * (shape_.prompt_len + step),
+                      shape_.micro_batches, int64_t{shape_.requests} * step);
     for (int layer = 0; layer < config_.num_layers; ++layer) {
       progress_.Update(Global(step), layer);
       if (joined_now && layer == 0) continue;

@@ -1,0 +1,24 @@
+#pragma once
+// Arguments every mesh class parses the same way: a timeout in seconds, an
+// int key, and a request or batch handle packed into one Python int.
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+
+#include "absl/time/time.h"
+#include "stepmesh/types.h"
+
+namespace stepmesh::python {
+
+// None -> `fallback`; otherwise non-negative seconds (float or int, not bool).
+absl::Duration TimeoutArg(pybind11::handle timeout, absl::Duration fallback);
+
+// An int (not a bool) in [0, 2**64); `what` names the call in errors.
+Key KeyArg(pybind11::handle key, const char* what);
+
+inline uint64_t PackHandle(uint32_t index, uint32_t generation) {
+  return (uint64_t{index} << 32) | generation;
+}
+
+}  // namespace stepmesh::python
