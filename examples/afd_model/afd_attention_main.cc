@@ -155,7 +155,7 @@ class AttentionInstance {
   const ResizeSchedule schedule_;
   const MemberSpan span_;  // global steps this instance is a member for
   const std::vector<int> change_steps_;
-  std::vector<int> partitions_;  // F of each step of the instance
+  std::vector<int> partitions_;    // F of each step of the instance
   std::vector<int> server_ranks_;  // 0 .. capacity - 1 (Push::servers)
   std::string resize_log_;
   std::unique_ptr<std::thread> epoch_log_;

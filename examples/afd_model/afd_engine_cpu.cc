@@ -322,10 +322,10 @@ class CpuFfnEngine final : public FfnEngine {
   const FfnEngineParams p_;
   const RunShape& shape_;
   const ModelConfig& config_;
-  std::map<int, FfnSide> layouts_;  // by partition count F
+  std::map<int, FfnSide> layouts_;    // by partition count F
   const FfnSide* current_ = nullptr;  // the layout of the last batch
   int current_partitions_ = 0;
-  FfnWorkspace workspace_;          // one stream runs every Compute, so one suffices
+  FfnWorkspace workspace_;  // one stream runs every Compute, so one suffices
   std::vector<Regions> regions_;
   // Declared last, destroyed first: it drains queued Computes that touch the
   // members above.

@@ -88,7 +88,7 @@ class FfnInstance {
   const ModelConfig config_;
   const int rank_;
   const ResizeSchedule schedule_;
-  const MemberSpan span_;  // the steps this rank serves
+  const MemberSpan span_;                    // the steps this rank serves
   std::vector<int> partitions_;              // F of each global step
   std::vector<int> workers_at_;              // attention instances of each global step
   std::vector<MemberSpan> attention_spans_;  // by attention rank

@@ -32,11 +32,11 @@ absl::StatusOr<uint64_t> WaitForShape(stepmesh::Participant& p, MeshShape shape,
     absl::StatusOr<stepmesh::Membership> next =
         p.WaitMembershipChange(m.epoch, std::max(left, absl::ZeroDuration()));
     if (!next.ok()) {
-      return absl::Status(next.status().code(),
-                          absl::StrCat("waiting for the membership of ", shape.Name(),
-                                       " (epoch ", m.epoch, " has ", m.workers.size(),
-                                       " attention and ", m.servers.size(),
-                                       " FFN instances): ", next.status().message()));
+      return absl::Status(
+          next.status().code(),
+          absl::StrCat("waiting for the membership of ", shape.Name(), " (epoch ", m.epoch, " has ",
+                       m.workers.size(), " attention and ", m.servers.size(),
+                       " FFN instances): ", next.status().message()));
     }
     m = *std::move(next);
   }
@@ -65,8 +65,7 @@ std::vector<EpochRecord> ReadEpochLog(const std::string& path) {
   std::ifstream in(path);
   std::string epoch, at, workers, servers;
   EpochRecord r;
-  while (in >> epoch >> r.epoch >> at >> r.at_ns >> workers >> r.workers >> servers >>
-         r.servers) {
+  while (in >> epoch >> r.epoch >> at >> r.at_ns >> workers >> r.workers >> servers >> r.servers) {
     out.push_back(r);
   }
   return out;

@@ -49,14 +49,14 @@ absl::StatusOr<std::string> FormatResizeLines(const ResizeSchedule& schedule,
     if (epoch == nullptr || !timed) {
       return absl::NotFoundError(absl::StrCat(
           "resize at step ", c.step, " (", c.from.Name(), " -> ", c.to.Name(), "): ",
-          epoch == nullptr ? absl::StrCat("no membership epoch of ", c.to.Name(), " in ",
-                                          epoch_log)
+          epoch == nullptr ? absl::StrCat("no membership epoch of ", c.to.Name(), " in ", epoch_log)
                            : "no attention instance recorded crossing it"));
     }
     after_epoch = epoch->epoch;
-    absl::StrAppend(&out, FormatResizeLine(c, static_cast<int64_t>(epoch->epoch),
-                                           static_cast<double>(took) * 1e-6),
-                    "\n");
+    absl::StrAppend(
+        &out,
+        FormatResizeLine(c, static_cast<int64_t>(epoch->epoch), static_cast<double>(took) * 1e-6),
+        "\n");
   }
   return out;
 }

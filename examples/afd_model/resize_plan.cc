@@ -51,13 +51,15 @@ absl::StatusOr<ResizeSchedule> ResizeSchedule::Parse(MeshShape start, int steps,
           absl::StrCat("--resize ", spec, ": want STEP:xAyF (e.g. 6:3A2F)"));
     }
     absl::StatusOr<MeshShape> to = ParseMeshShape(spec.substr(colon + 1));
-    if (!to.ok()) return absl::InvalidArgumentError(absl::StrCat("--resize ", spec, ": ", to.status().message()));
+    if (!to.ok())
+      return absl::InvalidArgumentError(
+          absl::StrCat("--resize ", spec, ": ", to.status().message()));
     const int previous = schedule.changes_.empty() ? 0 : schedule.changes_.back().step;
     if (step <= previous || step >= steps) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--resize ", spec, ": step ", step, " must be after ", previous,
-          previous == 0 ? " (the prefill)" : " (the previous --resize)", " and before ", steps,
-          " (the run's steps: prefill + --decode-steps)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--resize ", spec, ": step ", step, " must be after ", previous,
+                       previous == 0 ? " (the prefill)" : " (the previous --resize)",
+                       " and before ", steps, " (the run's steps: prefill + --decode-steps)"));
     }
     if (*to == current) {
       return absl::InvalidArgumentError(
@@ -76,9 +78,8 @@ absl::StatusOr<ResizeSchedule> ResizeSchedule::Parse(MeshShape start, int steps,
         const MeshShape at = schedule.At(s);
         if ((side == 0 ? at.attention : at.ffn) > r) {
           return absl::InvalidArgumentError(absl::StrCat(
-              "--resize: ", side == 0 ? "attention " : "FFN ", r, " would leave at step ",
-              span.end, " and come back at step ", s,
-              "; a rank is a member for one span of steps"));
+              "--resize: ", side == 0 ? "attention " : "FFN ", r, " would leave at step ", span.end,
+              " and come back at step ", s, "; a rank is a member for one span of steps"));
         }
       }
     }

@@ -86,7 +86,10 @@ TEST_CASE("resize lines: the exact format with epochs and times from the logs", 
         "resize at step 6: 2A2F -> 3A2F (epoch 1, 7 ms)\n"
         "resize at step 11: 3A2F -> 3A3F (epoch 2, 3 ms)\n");
   // A change nobody recorded is an error, not a made-up line.
-  { std::ofstream e(epochs); e << FormatEpochRecord({0, 100, 2, 2}) << FormatEpochRecord({1, 200, 3, 2}); }
+  {
+    std::ofstream e(epochs);
+    e << FormatEpochRecord({0, 100, 2, 2}) << FormatEpochRecord({1, 200, 3, 2});
+  }
   lines = FormatResizeLines(s, epochs, {log0, log2});
   REQUIRE_FALSE(lines.ok());
   CHECK_THAT(std::string(lines.status().message()),
@@ -170,10 +173,10 @@ TEST_CASE("resize: gate A replays the expert layout schedule", "[afd][resize][ga
   for (int a = 0; a < 2; ++a) {
     const RunShape shape = run.ForAttention(a);
     INFO("attention " << a);
-    REQUIRE(ValidateResults(results[a], ExpectedResults{a, &shape, config.num_layers,
-                                                        config.hidden_size, config.vocab_size,
-                                                        true})
-                .ok());
+    REQUIRE(
+        ValidateResults(results[a], ExpectedResults{a, &shape, config.num_layers,
+                                                    config.hidden_size, config.vocab_size, true})
+            .ok());
   }
   CHECK(results[1].steps == 3);
 
