@@ -336,18 +336,29 @@ absl::Status FfnInstance::Run() {
   if (span_.begin == 0) STEPMESH_RETURN_IF_ERROR(server_->Barrier());
   const std::vector<int> changes = ChangeStepsOf(schedule_, span_);
   size_t next_change = 0;
+  // A fixed shape counts batches: one per (step, layer, micro-batch),
+  // whoever is in it, so a lost attention instance (--lost-attention) does
+  // not leave the FFN waiting for its requests. An elastic run counts the
+  // schedule's (worker, stage) requests: a joining FFN's first step may
+  // hand out a stage in more than one batch (NextBatch).
+  const bool by_batches = schedule_.empty();
+  const int64_t expected_batches =
+      int64_t{shape_.steps()} * config_.num_layers * shape_.micro_batches;
   const int64_t expected = RequestsBefore(span_.end);
   for (;;) {
     while (next_change < changes.size() &&
            requests_served_ == RequestsBefore(changes[next_change])) {
       STEPMESH_RETURN_IF_ERROR(CrossChange(changes[next_change++]));
     }
-    if (requests_served_ >= expected) break;
+    if (by_batches ? batches_served_ >= expected_batches : requests_served_ >= expected) break;
     absl::StatusOr<stepmesh::Batch> batch = NextBatch();
     if (!batch.ok()) {
       return absl::Status(batch.status().code(),
-                          absl::StrCat("ffn ", rank_, ": GetBatch (", requests_served_, " of ",
-                                       expected, " requests served): ", batch.status().message()));
+                          absl::StrCat("ffn ", rank_, ": GetBatch (",
+                                       by_batches ? batches_served_ : requests_served_, " of ",
+                                       by_batches ? expected_batches : expected,
+                                       by_batches ? " batches" : " requests",
+                                       " served): ", batch.status().message()));
     }
     STEPMESH_RETURN_IF_ERROR(Serve(*batch));
   }
