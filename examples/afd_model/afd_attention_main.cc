@@ -25,9 +25,11 @@
 
 #include <atomic>
 #include <cstdio>
+#include <fstream>
 #include <iterator>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -37,6 +39,7 @@
 #include "examples/afd_model/afd_common.h"
 #include "examples/afd_model/afd_engine.h"
 #include "examples/afd_model/config.h"
+#include "examples/afd_model/elastic_sync.h"
 #include "examples/afd_model/example_model.h"
 #include "examples/afd_model/model_weights.h"
 #include "examples/afd_model/wire.h"
@@ -60,8 +63,10 @@ struct MicroBatch {
   std::unique_ptr<stepmesh::Event> ready;  // the engine's stage of the current layer is done
   // Its request, prepared once (keys checked, servers routed) and posted at
   // every layer; only the byte counts change, per step.
-  stepmesh::PreparedRequest request;
-  int prepared_step = -1;  // the step whose byte counts `request` holds
+  // Indexed by the number of FFN partitions F the request goes to (--resize:
+  // one per F of the instance's span; else only shape.ffn).
+  std::vector<stepmesh::PreparedRequest> request;
+  std::vector<int> prepared_step;  // the step whose byte counts request[F] holds
   stepmesh::RequestHandle handle;
   bool in_flight = false;
   size_t in_flight_stage = 0;  // StageIndex of the request in flight
@@ -70,12 +75,23 @@ struct MicroBatch {
 
 class AttentionInstance {
  public:
-  AttentionInstance(const RunShape& shape, const ExampleModel& model, int rank, bool dump_layers)
-      : shape_(shape),
+  AttentionInstance(const RunShape& run, const ExampleModel& model, int rank, bool dump_layers)
+      : run_(run),
+        shape_(run.ForAttention(rank)),
         model_(model),
         config_(model.config),
         rank_(rank),
-        dump_layers_(dump_layers) {}
+        dump_layers_(dump_layers),
+        schedule_(run.Schedule()),
+        span_(schedule_.AttentionSpan(rank)),
+        change_steps_(ChangeStepsOf(schedule_, span_)) {
+    // F of each of its steps, so a Launch looks nothing up.
+    for (int local = 0; local < shape_.steps(); ++local) {
+      partitions_.push_back(schedule_.empty() ? shape_.ffn : schedule_.At(Global(local)).ffn);
+    }
+  }
+
+  ~AttentionInstance() { StopEpochLog(); }
 
   // Creates the engine, joins the mesh and registers every micro-batch's tensors.
   absl::Status Init(const std::string& scheduler, int device);
@@ -84,6 +100,10 @@ class AttentionInstance {
   // Test hook: the header of (step, layer) names layer + 1 (the FFN must refuse it).
   void InjectWrongLayer(int step, int layer) { wrong_layer_ = {step, layer}; }
   const AttentionResults& results() const { return results_; }
+  // --resize: "resize S took NS" per change this instance crossed.
+  void SetResizeLog(std::string path) { resize_log_ = std::move(path); }
+  // --resize (attention 0): every membership epoch heard, until Finish.
+  absl::Status StartEpochLog(const std::string& path);
   // --metrics-port: the worker's Stats() over HTTP until Finish.
   absl::Status ServeMetrics(int port) {
     STEPMESH_ASSIGN_OR_RETURN(
@@ -98,26 +118,48 @@ class AttentionInstance {
   // `metrics_file` (may be empty): the final Stats() in Prometheus text;
   // `trace_file` (may be empty): the worker's Chrome trace.
   absl::Status Finish(const std::string& metrics_file, const std::string& trace_file) {
-    if (absl::Status s = worker_->Barrier(); !s.ok()) return s;
+    const bool leaves = span_.end < run_.steps();
+    // A leaving instance crosses its last change (the barriers) and drains.
+    if (leaves) STEPMESH_RETURN_IF_ERROR(CrossChange(span_.end));
+    if (!leaves) STEPMESH_RETURN_IF_ERROR(worker_->Barrier());
+    StopEpochLog();
     if (!metrics_file.empty()) {
       STEPMESH_RETURN_IF_ERROR(stepmesh::tools::WriteMetricsFile(
           metrics_file, stepmesh::PrometheusText(worker_->Stats())));
     }
     if (!trace_file.empty()) STEPMESH_RETURN_IF_ERROR(worker_->WriteChromeTrace(trace_file));
     metrics_.reset();
-    return worker_->Shutdown();
+    return leaves ? worker_->Leave(shape_.timeout) : worker_->Shutdown();
   }
 
  private:
+  // Global step of this instance's step `local`.
+  int Global(int local) const { return span_.begin + local; }
+  // --resize: the FFN partitions of the instance's step `local`.
+  int PartitionsAt(int local) const { return partitions_[local]; }
+  // The change at global step `step` (elastic_sync.h): a member at step - 1
+  // drains its replies first; a joiner posts its first requests between the
+  // barriers.
+  absl::Status CrossChange(int step);
+  void StopEpochLog();
   absl::Status WaitReply(MicroBatch& mb);
   absl::Status Launch(int step, int layer, MicroBatch& mb);
   void SizeResults();
 
-  const RunShape shape_;
+  const RunShape run_;    // the run: global steps, the start shape
+  const RunShape shape_;  // this instance's (RunShape::ForAttention)
   const ExampleModel model_;
   const ModelConfig& config_;  // model_.config
   const int rank_;
   const bool dump_layers_;
+  const ResizeSchedule schedule_;
+  const MemberSpan span_;  // global steps this instance is a member for
+  const std::vector<int> change_steps_;
+  std::vector<int> partitions_;    // F of each step of the instance
+  std::vector<int> server_ranks_;  // 0 .. capacity - 1 (Push::servers)
+  std::string resize_log_;
+  std::unique_ptr<std::thread> epoch_log_;
+  std::atomic<bool> epoch_log_stop_{false};
   Progress wrong_layer_;
   std::shared_ptr<stepmesh::Backend> backend_;
   AttentionResults results_;
@@ -172,6 +214,11 @@ absl::Status AttentionInstance::Init(const std::string& scheduler, int device) {
   params.dump_layers = dump_layers_;
   params.backend = backend_;
   params.results = &results_;
+  if (!schedule_.empty()) {
+    for (int local = 0; local < shape_.steps(); ++local) {
+      params.partitions_per_step.push_back(PartitionsAt(local));
+    }
+  }
   const std::vector<int32_t> all =
       GeneratePromptTokens(config_, shape_.attention * shape_.requests, shape_.prompt_len);
   for (int r = 0; r < shape_.requests; ++r) {
@@ -190,12 +237,14 @@ absl::Status AttentionInstance::Init(const std::string& scheduler, int device) {
     STEPMESH_ASSIGN_OR_RETURN(mb.ready, backend_->CreateEvent());
   }
 
+  // The run's options: the start shape, and with --resize the capacity.
   STEPMESH_ASSIGN_OR_RETURN(stepmesh::MeshOptions options,
-                            MeshOptionsFor(shape_, stepmesh::Role::kWorker, rank_, scheduler));
+                            MeshOptionsFor(run_, stepmesh::Role::kWorker, rank_, scheduler));
   options.device = device;
   STEPMESH_ASSIGN_OR_RETURN(worker_, stepmesh::AFTensorWorker::Create(options, backend_));
 
   const int64_t groups = h / config_.fp8_group;
+  for (int s = 0; s < shape_.ffn; ++s) server_ranks_.push_back(s);
   for (int m = 0; m < shape_.micro_batches; ++m) {
     AttentionWire& w = engine_->wire(m);
     STEPMESH_RETURN_IF_ERROR(worker_->RegisterPushTensor(
@@ -215,17 +264,30 @@ absl::Status AttentionInstance::Init(const std::string& scheduler, int device) {
           PullKey(m), s, w.partials[s]->View(DType::kBFloat16, Shape{slot, h})));
     }
     // Every layer of every step sends the same keys: one prepared request per
-    // micro-batch, its push sizes set per step (Launch).
-    const stepmesh::Push pushes[kA2FTensors] = {
-        {PushKey(m, A2FTensor::kCodes)},
-        {PushKey(m, A2FTensor::kScales)},
-        {PushKey(m, A2FTensor::kTopkIds)},
-        {PushKey(m, A2FTensor::kTopkWeights)},
-        {PushKey(m, A2FTensor::kHeader), sizeof(int32_t) * kWireHeaderInts},
-    };
-    std::vector<stepmesh::Pull> pulls;
-    for (int s = 0; s < shape_.ffn; ++s) pulls.push_back({PullKey(m), s});
-    STEPMESH_ASSIGN_OR_RETURN(micro_batches_[m].request, worker_->Prepare(pushes, pulls));
+    // micro-batch (and, with --resize, per FFN partition count F of the
+    // span: it goes to FFN ranks [0, F)), its push sizes set per step (Launch).
+    MicroBatch& mb = micro_batches_[m];
+    mb.request.resize(shape_.ffn + 1);
+    mb.prepared_step.assign(shape_.ffn + 1, -1);
+    for (int local = 0; local < shape_.steps(); ++local) {
+      const int f = PartitionsAt(local);
+      if (mb.prepared_step[f] != -1) continue;
+      mb.prepared_step[f] = -2;  // prepared, no byte counts yet
+      // A fixed run addresses every server (empty); an elastic one names them.
+      const absl::Span<const int> servers = schedule_.empty()
+                                                ? absl::Span<const int>()
+                                                : absl::Span<const int>(server_ranks_).first(f);
+      const stepmesh::Push pushes[kA2FTensors] = {
+          {PushKey(m, A2FTensor::kCodes), stepmesh::kWholeTensor, servers},
+          {PushKey(m, A2FTensor::kScales), stepmesh::kWholeTensor, servers},
+          {PushKey(m, A2FTensor::kTopkIds), stepmesh::kWholeTensor, servers},
+          {PushKey(m, A2FTensor::kTopkWeights), stepmesh::kWholeTensor, servers},
+          {PushKey(m, A2FTensor::kHeader), sizeof(int32_t) * kWireHeaderInts, servers},
+      };
+      std::vector<stepmesh::Pull> pulls;
+      for (int s = 0; s < f; ++s) pulls.push_back({PullKey(m), s});
+      STEPMESH_ASSIGN_OR_RETURN(mb.request[f], worker_->Prepare(pushes, pulls));
+    }
   }
   return absl::OkStatus();
 }
@@ -255,53 +317,148 @@ absl::Status AttentionInstance::Launch(int step, int layer, MicroBatch& mb) {
   STEPMESH_RETURN_IF_ERROR(engine_->EnqueueStage(m, step, layer));
   STEPMESH_RETURN_IF_ERROR(mb.ready->Record(engine_->stream(m)));
   const int64_t n = int64_t{mb.count()} * shape_.TokensPerRequest(step);
+  // The wire names global steps (an instance that joined at step S counts
+  // its own from S).
+  const int global = Global(step);
   // The header is written here, not on the stream: the previous request of
   // this micro-batch has completed (WaitReply), so nothing reads it now, and
   // the send thread reads it only after `ready`.
-  WireHeader header{step,
+  WireHeader header{global,
                     layer,
                     m,
                     static_cast<int32_t>(n),
                     rank_,
                     config_.is_moe_layer[layer] ? WireHeader::kMoeLayer : 0,
                     static_cast<int32_t>(config_.hidden_size)};
-  if (wrong_layer_.step == step && wrong_layer_.layer == layer) header.layer = layer + 1;
+  if (wrong_layer_.step == global && wrong_layer_.layer == layer) header.layer = layer + 1;
   WriteWireHeader(header, static_cast<int32_t*>(engine_->wire(m).header->data()));
-  if (mb.prepared_step != step) {
+  const int f = PartitionsAt(step);
+  stepmesh::PreparedRequest& request = mb.request[f];
+  if (mb.prepared_step[f] != step) {
     // Only the rows of this step travel: a prefix of each registered tensor
     // (the push order of Init's Prepare).
     const A2FSizes sizes{n, config_.hidden_size, config_.top_k, config_.fp8_group};
     const size_t bytes[] = {sizes.codes_bytes(), sizes.scales_bytes(), sizes.topk_ids_bytes(),
                             sizes.topk_weights_bytes()};
     for (size_t i = 0; i < std::size(bytes); ++i) {
-      STEPMESH_RETURN_IF_ERROR(mb.request.SetBytes(i, bytes[i]));
+      STEPMESH_RETURN_IF_ERROR(request.SetBytes(i, bytes[i]));
     }
-    mb.prepared_step = step;
+    mb.prepared_step[f] = step;
   }
-  absl::StatusOr<stepmesh::RequestHandle> handle =
-      worker_->Post(mb.request, stepmesh::SendOptions{.ready = mb.ready.get(), .stage = {}});
+  // The stage batches this request with the other instances' of the same
+  // (step, layer, micro-batch) on every server.
+  absl::StatusOr<stepmesh::RequestHandle> handle = worker_->Post(
+      request,
+      stepmesh::SendOptions{.ready = mb.ready.get(),
+                            .stage = StageOf(run_, config_.num_layers, {global, layer, m})});
   if (!handle.ok()) {
     return absl::Status(handle.status().code(),
-                        absl::StrCat("attention ", rank_, ": Post step ", step, " layer ", layer,
+                        absl::StrCat("attention ", rank_, ": Post step ", global, " layer ", layer,
                                      ": ", handle.status().message()));
   }
   mb.handle = *handle;
   mb.in_flight = true;
   mb.in_flight_stage = results_.StageIndex(step, layer, m);
-  mb.in_flight_step = step;
+  mb.in_flight_step = global;
   mb.in_flight_layer = layer;
   return absl::OkStatus();
 }
 
+absl::Status AttentionInstance::CrossChange(int step) {
+  const absl::Time start = absl::Now();
+  const uint64_t start_ns = stepmesh::MonotonicNowNs();
+  const bool joins = step == span_.begin;
+  // A member finishes step - 1 first: every reply in, so no batch of it is
+  // still open anywhere when a joiner's first request arrives.
+  if (!joins) {
+    for (MicroBatch& mb : micro_batches_) STEPMESH_RETURN_IF_ERROR(WaitReply(mb));
+  }
+  const MeshShape target = schedule_.At(step);
+  absl::StatusOr<uint64_t> epoch = WaitForShape(*worker_, target, shape_.timeout);
+  if (!epoch.ok()) {
+    return absl::Status(epoch.status().code(),
+                        absl::StrCat("attention ", rank_, ": resize at step ", step, ": ",
+                                     epoch.status().message()));
+  }
+  STEPMESH_RETURN_IF_ERROR(worker_->Barrier());  // A
+  if (joins) {
+    // The first requests: the prefill's layer 0 of every micro-batch.
+    for (MicroBatch& mb : micro_batches_) STEPMESH_RETURN_IF_ERROR(Launch(0, 0, mb));
+    const absl::Time deadline = absl::Now() + shape_.timeout;
+    while (worker_->Stats().sends_queued > 0) {
+      if (absl::Now() > deadline) {
+        return absl::DeadlineExceededError(absl::StrCat("attention ", rank_,
+                                                        ": its first requests (step ", step,
+                                                        ") still queued after the mesh timeout"));
+      }
+      absl::SleepFor(absl::Microseconds(200));
+    }
+  }
+  STEPMESH_RETURN_IF_ERROR(worker_->Barrier());  // B
+  if (!resize_log_.empty()) {
+    std::ofstream log(resize_log_, std::ios::app);
+    log << "resize " << step << " took " << stepmesh::MonotonicNowNs() - start_ns << "\n";
+    if (!log) return absl::UnavailableError(absl::StrCat("cannot write ", resize_log_));
+  }
+  (void)start;
+  return absl::OkStatus();
+}
+
+absl::Status AttentionInstance::StartEpochLog(const std::string& path) {
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) return absl::UnavailableError(absl::StrCat("cannot create ", path));
+  auto write = [f](const stepmesh::Membership& m) {
+    const std::string line =
+        FormatEpochRecord({m.epoch, stepmesh::MonotonicNowNs(), static_cast<int>(m.workers.size()),
+                           static_cast<int>(m.servers.size())});
+    std::fputs(line.c_str(), f);
+    std::fflush(f);
+  };
+  stepmesh::Membership first = worker_->CurrentMembership();
+  write(first);
+  epoch_log_ = std::make_unique<std::thread>([this, f, write, epoch = first.epoch]() mutable {
+    // Bounded waits, so StopEpochLog is seen within one.
+    while (!epoch_log_stop_.load()) {
+      absl::StatusOr<stepmesh::Membership> m =
+          worker_->WaitMembershipChange(epoch, absl::Milliseconds(100));
+      if (m.ok()) {
+        write(*m);
+        epoch = m->epoch;
+      } else if (!absl::IsDeadlineExceeded(m.status())) {
+        break;
+      }
+    }
+    std::fclose(f);
+  });
+  return absl::OkStatus();
+}
+
+void AttentionInstance::StopEpochLog() {
+  if (epoch_log_ == nullptr) return;
+  epoch_log_stop_.store(true);
+  epoch_log_->join();
+  epoch_log_.reset();
+}
+
 absl::Status AttentionInstance::Run() {
-  STEPMESH_RETURN_IF_ERROR(worker_->Barrier());
+  // The start members meet at the start barrier; a joiner crosses its first
+  // change instead.
+  if (span_.begin == 0) STEPMESH_RETURN_IF_ERROR(worker_->Barrier());
   results_.start_ns = stepmesh::MonotonicNowNs();
+  size_t next_change = 0;
   for (int step = 0; step < shape_.steps(); ++step) {
+    bool joined_now = false;
+    if (next_change < change_steps_.size() && change_steps_[next_change] == Global(step)) {
+      STEPMESH_RETURN_IF_ERROR(CrossChange(Global(step)));
+      joined_now = step == 0;  // its layer 0 went out between the barriers
+      ++next_change;
+    }
     // Every request attends over its prompt and the `step` tokens decoded so far.
     workload_.Observe(shape_.requests, int64_t{shape_.requests} * (shape_.prompt_len + step),
                       shape_.micro_batches, int64_t{shape_.requests} * step);
     for (int layer = 0; layer < config_.num_layers; ++layer) {
-      progress_.Update(step, layer);
+      progress_.Update(Global(step), layer);
+      if (joined_now && layer == 0) continue;
       for (MicroBatch& mb : micro_batches_) {
         // The previous layer's partials must have landed before this
         // micro-batch's stage reduces them.
@@ -337,6 +494,8 @@ int Main(int argc, char** argv) {
   const std::string progress_path = flags->Str("progress", "");
   const std::string metrics_file = flags->Str("metrics-file", "");
   const std::string trace_file = flags->Str("chrome-trace", "");
+  const std::string resize_log = flags->Str("resize-log", "");
+  const std::string epoch_log = flags->Str("epoch-log", "");
   absl::StatusOr<int64_t> metrics_port = flags->Int("metrics-port", 0);
   Progress wrong_layer;
   if (const std::string inject = flags->Str("inject-wrong-layer", ""); !inject.empty()) {
@@ -355,9 +514,10 @@ int Main(int argc, char** argv) {
   if (st.ok() && (!metrics_port.ok() || *metrics_port < 0 || *metrics_port > 65535)) {
     st = absl::InvalidArgumentError("--metrics-port wants a port in [0, 65535]");
   }
-  if (st.ok() && (scheduler.empty() || *rank < 0 || *rank >= shape->attention)) {
+  if (st.ok() && (scheduler.empty() || *rank < 0 || *rank >= shape->ForFfn().attention)) {
     st = absl::InvalidArgumentError(
-        "need --scheduler and --rank (or STEPMESH_RANK) in [0, --attention)");
+        "need --scheduler and --rank (or STEPMESH_RANK) in [0, --attention) (with --resize: the "
+        "most attention instances of the schedule)");
   }
   if (!st.ok()) {
     std::fprintf(stderr, "afd_attention: %s\n", st.ToString().c_str());
@@ -379,7 +539,9 @@ int Main(int argc, char** argv) {
   AttentionInstance instance(*shape, *model, a, dump_layers);
   if (wrong_layer.step >= 0) instance.InjectWrongLayer(wrong_layer.step, wrong_layer.layer);
   if (!progress_path.empty()) st = instance.OpenProgress(progress_path);
+  instance.SetResizeLog(resize_log);
   if (st.ok()) st = instance.Init(scheduler, static_cast<int>(*device));
+  if (st.ok() && !epoch_log.empty()) st = instance.StartEpochLog(epoch_log);
   if (st.ok() && *metrics_port > 0) st = instance.ServeMetrics(static_cast<int>(*metrics_port));
   if (st.ok()) st = instance.Run();
   if (st.ok() && !results_path.empty()) st = WriteResults(results_path, instance.results());
@@ -389,7 +551,7 @@ int Main(int argc, char** argv) {
     return 1;
   }
   std::printf("afd_attention[%d]: %d requests, %d steps done\n", a, shape->requests,
-              shape->steps());
+              shape->ForAttention(a).steps());
   return 0;
 }
 

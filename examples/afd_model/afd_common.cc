@@ -43,7 +43,7 @@ absl::StatusOr<Flags> Flags::Parse(int argc, char** argv,
       if (i + 1 >= argc) return absl::InvalidArgumentError(absl::StrCat("missing value for ", arg));
       value = argv[++i];
     }
-    flags.values_[name] = value;
+    flags.values_[name].push_back(value);
     flags.used_[name] = false;
   }
   return flags;
@@ -54,8 +54,9 @@ absl::StatusOr<int64_t> Flags::Int(absl::string_view name, int64_t fallback) {
   if (it == values_.end()) return fallback;
   used_[it->first] = true;
   int64_t value = 0;
-  if (!absl::SimpleAtoi(it->second, &value)) {
-    return absl::InvalidArgumentError(absl::StrCat("--", name, ": not an integer: ", it->second));
+  if (!absl::SimpleAtoi(it->second.back(), &value)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--", name, ": not an integer: ", it->second.back()));
   }
   return value;
 }
@@ -64,6 +65,13 @@ std::string Flags::Str(absl::string_view name, absl::string_view fallback) {
   auto it = values_.find(std::string(name));
   if (it == values_.end()) return std::string(fallback);
   used_[it->first] = true;
+  return it->second.back();
+}
+
+std::vector<std::string> Flags::All(absl::string_view name) {
+  auto it = values_.find(std::string(name));
+  if (it == values_.end()) return {};
+  used_[it->first] = true;
   return it->second;
 }
 
@@ -71,7 +79,7 @@ bool Flags::Bool(absl::string_view name) {
   auto it = values_.find(std::string(name));
   if (it == values_.end()) return false;
   used_[it->first] = true;
-  return it->second == "true" || it->second == "1";
+  return it->second.back() == "true" || it->second.back() == "1";
 }
 
 absl::Status Flags::CheckAllUsed() const {
@@ -131,7 +139,40 @@ absl::Status RunShape::Validate() const {
   }
   if (timeout <= absl::ZeroDuration())
     return absl::InvalidArgumentError("--timeout-ms must be > 0");
+  if (!resize.empty()) {
+    STEPMESH_RETURN_IF_ERROR(ResizeSchedule::Parse({attention, ffn}, steps(), resize).status());
+    // Re-sharding and per-step partition counts are the host-function
+    // engines' (the device engines keep their FFN weights and F fixed).
+    if (ResolvedEngine() != "cpu" && ResolvedEngine() != "emulated") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--resize needs the cpu or the emulated engine (--engine cpu, --emulate-compute); the ",
+          ResolvedEngine(), " engine does not re-shard its FFN"));
+    }
+  }
   return absl::OkStatus();
+}
+
+ResizeSchedule RunShape::Schedule() const {
+  absl::StatusOr<ResizeSchedule> s = ResizeSchedule::Parse({attention, ffn}, steps(), resize);
+  return s.ok() ? *std::move(s) : ResizeSchedule({attention, ffn}, steps());
+}
+
+RunShape RunShape::ForAttention(int rank) const {
+  if (resize.empty()) return *this;
+  const ResizeSchedule schedule = Schedule();
+  RunShape s = *this;
+  s.attention = schedule.Capacity().attention;
+  s.ffn = schedule.Capacity().ffn;
+  s.decode_steps = schedule.AttentionSpan(rank).steps() - 1;
+  return s;
+}
+
+RunShape RunShape::ForFfn() const {
+  if (resize.empty()) return *this;
+  RunShape s = *this;
+  s.attention = Schedule().Capacity().attention;
+  s.ffn = Schedule().Capacity().ffn;
+  return s;
 }
 
 int64_t LayerDumpRow(const RunShape& shape, const ModelConfig& config, int step, int layer,
@@ -176,10 +217,12 @@ absl::Status ValidateRunForModel(const RunShape& shape, const ExampleModel& mode
   // expert and the dense FFN: each must get at least one of each.
   const int64_t max_ffn = std::min<int64_t>(
       {config.num_experts, config.shared_intermediate, config.dense_intermediate});
-  if (shape.ffn > max_ffn) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--ffn ", shape.ffn, ": at most ", max_ffn, " FFN instances for ", config.name,
-                     " (", config.num_experts, " experts; every instance owns at least one)"));
+  const int most_ffn = shape.Schedule().Capacity().ffn;
+  if (most_ffn > max_ffn) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        shape.ffn == most_ffn ? "--ffn " : "--resize to ", most_ffn,
+        shape.ffn == most_ffn ? ": at most " : "F: at most ", max_ffn, " FFN instances for ",
+        config.name, " (", config.num_experts, " experts; every instance owns at least one)"));
   }
   const int64_t positions = int64_t{shape.prompt_len} + shape.decode_steps;
   if (positions > config.max_positions) {
@@ -322,6 +365,7 @@ absl::StatusOr<RunShape> ParseRunFlags(Flags& flags) {
   s.engine = flags.Str("engine", s.engine);
   s.kv_cache = flags.Str("kv-cache", s.kv_cache);
   s.emulate_compute = flags.Str("emulate-compute", "");
+  s.resize = flags.All("resize");
   absl::StatusOr<int64_t> timeout_ms =
       flags.Int("timeout-ms", absl::ToInt64Milliseconds(s.timeout));
   if (!timeout_ms.ok()) return timeout_ms.status();
@@ -349,6 +393,7 @@ void AppendRunFlags(const RunShape& s, std::vector<std::string>* argv) {
   add("kv-cache", s.kv_cache);
   add("timeout-ms", absl::StrCat(absl::ToInt64Milliseconds(s.timeout)));
   if (!s.emulate_compute.empty()) add("emulate-compute", s.emulate_compute);
+  for (const std::string& spec : s.resize) add("resize", spec);
 }
 
 absl::StatusOr<stepmesh::MeshOptions> MeshOptionsFor(const RunShape& shape, stepmesh::Role role,
@@ -362,6 +407,13 @@ absl::StatusOr<stepmesh::MeshOptions> MeshOptionsFor(const RunShape& shape, step
   o.rank = rank;
   o.num_workers = shape.attention;
   o.num_servers = shape.ffn;
+  if (!shape.resize.empty()) {
+    // Elastic (--resize): the start shape forms the mesh; the capacity is
+    // the most of each the schedule ever has, so no region is re-registered.
+    const MeshShape cap = shape.Schedule().Capacity();
+    o.max_workers = cap.attention;
+    o.max_servers = cap.ffn;
+  }
   o.scheduler = scheduler;
   o.transport = shape.transport;
   o.backend = shape.backend;
@@ -381,6 +433,23 @@ int MicroBatchOfGroup(stepmesh::Key group, int micro_batches) {
     if (group == PushKey(m, A2FTensor::kCodes)) return m;
   }
   return -1;
+}
+
+uint32_t StageOf(const RunShape& shape, int layers, StageId id) {
+  // 0 is left unused; push keys (1000 + ...) never name a group here: every
+  // request of the example carries a stage.
+  return 1 + static_cast<uint32_t>((int64_t{id.step} * layers + id.layer) * shape.micro_batches +
+                                   id.micro_batch);
+}
+
+bool DecodeStage(const RunShape& shape, int layers, stepmesh::Key group, StageId* id) {
+  const int64_t total = int64_t{shape.steps()} * layers * shape.micro_batches;
+  if (group < 1 || static_cast<int64_t>(group) > total) return false;
+  const int64_t index = static_cast<int64_t>(group) - 1;
+  id->micro_batch = static_cast<int>(index % shape.micro_batches);
+  id->layer = static_cast<int>(index / shape.micro_batches % layers);
+  id->step = static_cast<int>(index / shape.micro_batches / layers);
+  return true;
 }
 
 void WriteWireHeader(const WireHeader& h, int32_t* out) {

@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "examples/afd_model/config.h"
 #include "examples/afd_model/example_model.h"
+#include "examples/afd_model/resize_plan.h"
 #include "stepmesh/options.h"
 #include "stepmesh/trace.h"
 #include "stepmesh/worker.h"
@@ -24,7 +25,9 @@ namespace afd::example {
 
 // "--name value" pairs (and bare "--name" switches, value "true"). Every
 // program parses into this and then reads typed values, so a typo in a flag
-// name is reported instead of silently ignored.
+// name is reported instead of silently ignored. A flag given twice: Int, Str
+// and Bool read the last value (a later flag overrides a default put
+// before it), All every value in order (repeatable flags: --resize).
 class Flags {
  public:
   static absl::StatusOr<Flags> Parse(int argc, char** argv,
@@ -32,11 +35,12 @@ class Flags {
   absl::StatusOr<int64_t> Int(absl::string_view name, int64_t fallback);
   std::string Str(absl::string_view name, absl::string_view fallback);
   bool Bool(absl::string_view name);
+  std::vector<std::string> All(absl::string_view name);
   // Fails on any flag not read through Int/Str/Bool.
   absl::Status CheckAllUsed() const;
 
  private:
-  std::map<std::string, std::string> values_;
+  std::map<std::string, std::vector<std::string>> values_;
   std::map<std::string, bool> used_;
 };
 
@@ -63,6 +67,20 @@ struct RunShape {
   // the plan's latency model instead of the model's kernels
   // (emulated_compute.h); --engine stays auto.
   std::string emulate_compute;
+  // --resize STEP:xAyF, in order (resize_plan.h): attention and ffn above
+  // are the start shape. Validate checks the schedule.
+  std::vector<std::string> resize;
+
+  // The shape schedule (never failing after Validate).
+  ResizeSchedule Schedule() const;
+  // What attention instance `rank` of an elastic run runs: its own steps
+  // (its span of the schedule: decode_steps = span - 1, its step 0 the
+  // prefill of the requests that arrive with it), attention and ffn the
+  // capacity (prompts are drawn for every rank; regions sized for every
+  // peer). Without --resize, this shape.
+  RunShape ForAttention(int rank) const;
+  // An FFN instance's: the capacity, the run's steps.
+  RunShape ForFfn() const;
 
   int steps() const { return decode_steps + 1; }  // prefill + decode
   // Requests [begin, end) of micro-batch m (sizes differ by at most one).
@@ -153,6 +171,19 @@ inline stepmesh::Key PushKey(int micro_batch, A2FTensor t) {
 inline stepmesh::Key PullKey(int micro_batch) { return 1000 + 16 * micro_batch + 8; }
 // The micro-batch a group key names, or -1.
 int MicroBatchOfGroup(stepmesh::Key group, int micro_batches);
+
+// The stage (SendOptions::stage) of a request: servers batch the requests of
+// one (step, layer, micro-batch) together, whichever workers sent them, so
+// an attention instance that joins at a step (--resize) lands in that step's
+// batches, and a batch names its step, layer and micro-batch. Global steps.
+struct StageId {
+  int step = 0;
+  int layer = 0;
+  int micro_batch = 0;
+};
+uint32_t StageOf(const RunShape& shape, int layers, StageId id);
+// The stage a batch's group names; false when it is none of the run's.
+bool DecodeStage(const RunShape& shape, int layers, stepmesh::Key group, StageId* id);
 
 // The A2F header: what a push is, so the FFN checks it instead of trusting
 // its own count of batches (a frame for the wrong layer or step is an error,

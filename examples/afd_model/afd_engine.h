@@ -77,6 +77,10 @@ struct AttentionEngineParams {
   std::shared_ptr<stepmesh::Backend> backend;
   // This instance's prompts, request-major [requests][prompt_len].
   std::vector<std::vector<int32_t>> prompts;
+  // FFN partitions whose partials each step reduces, per step of the
+  // instance (--resize: the expert layout schedule over its span); empty:
+  // shape->ffn at every step. The wire holds shape->ffn partial slots.
+  std::vector<int> partitions_per_step;
   // Written by the stages; sized by the caller (tokens, logits, layer_hidden,
   // attention, step_end_ns).
   AttentionResults* results = nullptr;
@@ -117,8 +121,12 @@ class FfnEngine {
   // Enqueues this partition's partial of `layer` for the rows the workers
   // sent in micro-batch mb's recv regions (slot w's first rows), written as
   // bf16 into their reply slots. All workers' rows go through the FFN at
-  // once (one pass over the expert weights).
-  virtual absl::Status EnqueueForward(int mb, int layer, std::span<const WorkerRows> rows) = 0;
+  // once (one pass over the expert weights). `partitions`: the F this batch
+  // is computed for (partition rank of F); a new F re-shards: the cpu and
+  // emulated engines load the expert weights the rank owns under it at its
+  // first batch (--resize), the device engines have only FfnEngineParams'.
+  virtual absl::Status EnqueueForward(int mb, int layer, int partitions,
+                                      std::span<const WorkerRows> rows) = 0;
   // After the stream drained: the first error a forward hit.
   virtual absl::Status Finish() = 0;
 };
@@ -126,7 +134,8 @@ class FfnEngine {
 struct FfnEngineParams {
   const RunShape* shape = nullptr;
   const ModelConfig* config = nullptr;
-  int rank = 0;  // partition rank of shape->ffn
+  int rank = 0;        // partition rank of `partitions`
+  int partitions = 0;  // the first F this rank serves; 0: shape->ffn
   std::shared_ptr<stepmesh::Backend> backend;
 };
 

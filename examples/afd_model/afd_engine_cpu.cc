@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -142,8 +144,15 @@ class CpuAttentionEngine final : public AttentionEngine {
               p_.results->layer_hidden.begin() + row * config_.hidden_size);
   }
 
+  // The partials of `step`'s FFN: the first F(step) slots.
+  std::span<const uint16_t* const> Partials(int step, const MicroBatch& mb) const {
+    const size_t f = p_.partitions_per_step.empty() ? mb.partial_ptrs.size()
+                                                    : size_t(p_.partitions_per_step[step]);
+    return std::span<const uint16_t* const>(mb.partial_ptrs).first(f);
+  }
+
   void FinishStep(int step, MicroBatch& mb) {
-    side_->ApplyF2A(mb.partial_ptrs, mb.state.get());
+    side_->ApplyF2A(Partials(step, mb), mb.state.get());
     DumpLayer(step, config_.num_layers - 1, mb);
     const SelectionStats selection = side_->TakeSelectionStats(mb.state.get());
     SelectionStats& sum = step == 0 ? mb.prefill_selection : mb.decode_selection;
@@ -172,7 +181,7 @@ class CpuAttentionEngine final : public AttentionEngine {
       if (step > 0) FinishStep(step - 1, mb);
       BeginStep(step, mb);
     } else {
-      side_->ApplyF2A(mb.partial_ptrs, mb.state.get());
+      side_->ApplyF2A(Partials(step, mb), mb.state.get());
       DumpLayer(step, layer - 1, mb);
     }
     side_->Attention(layer, mb.state.get());
@@ -202,12 +211,10 @@ class CpuAttentionEngine final : public AttentionEngine {
 class CpuFfnEngine final : public FfnEngine {
  public:
   explicit CpuFfnEngine(FfnEngineParams p)
-      : p_(std::move(p)),
-        shape_(*p_.shape),
-        config_(*p_.config),
-        ffn_(config_, FfnPartition{p_.rank, shape_.ffn}) {}
+      : p_(std::move(p)), shape_(*p_.shape), config_(*p_.config) {}
 
   absl::Status Init() {
+    Layout(p_.partitions > 0 ? p_.partitions : shape_.ffn);
     STEPMESH_ASSIGN_OR_RETURN(stream_, p_.backend->CreateStream());
     regions_.resize(shape_.micro_batches);
     for (Regions& r : regions_) {
@@ -220,10 +227,22 @@ class CpuFfnEngine final : public FfnEngine {
   FfnWire& wire(int mb) override { return regions_[mb].wire; }
   stepmesh::Stream& stream() override { return *stream_; }
 
-  absl::Status EnqueueForward(int mb, int layer, std::span<const WorkerRows> rows) override {
+  absl::Status EnqueueForward(int mb, int layer, int partitions,
+                              std::span<const WorkerRows> rows) override {
+    if (partitions < 1 || p_.rank >= partitions) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ffn ", p_.rank, ": no partition ", p_.rank, " of ", partitions));
+    }
+    // A map lookup only when F changes (a resize), not per batch.
+    if (partitions != current_partitions_) {
+      current_ = Layout(partitions);
+      current_partitions_ = partitions;
+    }
+    const FfnSide* ffn = current_;
     std::vector<WorkerRows> copy(rows.begin(), rows.end());
-    return stream_->LaunchHostFunc(
-        [this, mb, layer, copy = std::move(copy)] { Compute(regions_[mb], layer, copy); });
+    return stream_->LaunchHostFunc([this, mb, layer, ffn, copy = std::move(copy)] {
+      Compute(*ffn, regions_[mb], layer, copy);
+    });
   }
 
   absl::Status Finish() override { return absl::OkStatus(); }
@@ -240,7 +259,20 @@ class CpuFfnEngine final : public FfnEngine {
     std::vector<uint16_t> partial_stage;
   };
 
-  void Compute(Regions& r, int layer, const std::vector<WorkerRows>& rows) {
+  // This rank's partition of F: its weights generated at the first batch
+  // under F (a re-shard), kept while batches of the previous layout may
+  // still be queued (micro-batches cross a resize step one by one). Only
+  // the main thread inserts; queued Computes hold their FfnSide by pointer
+  // (map nodes never move).
+  const FfnSide* Layout(int partitions) {
+    auto it = layouts_.find(partitions);
+    if (it == layouts_.end()) {
+      it = layouts_.try_emplace(partitions, config_, FfnPartition{p_.rank, partitions}).first;
+    }
+    return &it->second;
+  }
+
+  void Compute(const FfnSide& ffn_, Regions& r, int layer, const std::vector<WorkerRows>& rows) {
     const int64_t slot = shape_.SlotRows();
     const int64_t h = config_.hidden_size;
     const int64_t k = config_.top_k;
@@ -290,7 +322,9 @@ class CpuFfnEngine final : public FfnEngine {
   const FfnEngineParams p_;
   const RunShape& shape_;
   const ModelConfig& config_;
-  FfnSide ffn_;
+  std::map<int, FfnSide> layouts_;    // by partition count F
+  const FfnSide* current_ = nullptr;  // the layout of the last batch
+  int current_partitions_ = 0;
   FfnWorkspace workspace_;  // one stream runs every Compute, so one suffices
   std::vector<Regions> regions_;
   // Declared last, destroyed first: it drains queued Computes that touch the

@@ -480,7 +480,8 @@ class DeviceFfnEngine final : public FfnEngine {
   std::string name() const override { return absl::StrCat("device (", ops_->name(), " ops)"); }
   FfnWire& wire(int mb) override { return wires_[mb]; }
   stepmesh::Stream& stream() override { return *stream_; }
-  absl::Status EnqueueForward(int mb, int layer, std::span<const WorkerRows> rows) override;
+  absl::Status EnqueueForward(int mb, int layer, int partitions,
+                              std::span<const WorkerRows> rows) override;
   absl::Status Finish() override { return absl::OkStatus(); }
 
  private:
@@ -627,7 +628,15 @@ absl::Status DeviceFfnEngine::Init() {
   return absl::OkStatus();
 }
 
-absl::Status DeviceFfnEngine::EnqueueForward(int m, int layer, std::span<const WorkerRows> rows) {
+absl::Status DeviceFfnEngine::EnqueueForward(int m, int layer, int partitions,
+                                             std::span<const WorkerRows> rows) {
+  if (partitions != partition_.count) {
+    // The device weights are generated once, for one layout (RunShape::Validate
+    // keeps --resize off the device engines).
+    return absl::InvalidArgumentError(
+        absl::StrCat("ffn ", p_.rank, ": the ", name(), " engine holds partition ",
+                     partition_.index, " of ", partition_.count, ", not of ", partitions));
+  }
   const int64_t slot = shape_.SlotRows();
   const int64_t h = config_.hidden_size;
   const int64_t k = config_.top_k;

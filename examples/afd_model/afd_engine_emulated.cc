@@ -79,7 +79,7 @@ class EmulatedFfnEngine final : public FfnEngine {
   absl::Status Init() {
     STEPMESH_ASSIGN_OR_RETURN(const stepmesh::planner::Plan plan,
                               LoadEmulationPlan(shape_.emulate_compute));
-    emulated_ = std::make_unique<EmulatedFfn>(plan, shape_.ffn);
+    emulated_ = std::make_unique<EmulatedFfn>(plan);
     for (int m = 0; m < shape_.micro_batches; ++m) {
       STEPMESH_ASSIGN_OR_RETURN(FfnWire wire, HostFfnWire(*p_.backend, shape_, *p_.config));
       wires_.push_back(std::move(wire));
@@ -95,9 +95,11 @@ class EmulatedFfnEngine final : public FfnEngine {
   // A batch holding micro-batch mb of rows.size() attention instances: one
   // sleep (the plan's FFN time for that many instances' virtual slots); the
   // reply region goes back as it is.
-  absl::Status EnqueueForward(int mb, int layer, std::span<const WorkerRows> rows) override {
+  absl::Status EnqueueForward(int mb, int layer, int partitions,
+                              std::span<const WorkerRows> rows) override {
     const int workers = static_cast<int>(rows.size());
-    return stream_->LaunchHostFunc([this, workers] { emulated_->RunBatch(workers); });
+    return stream_->LaunchHostFunc(
+        [this, workers, partitions] { emulated_->RunBatch(workers, partitions); });
   }
 
   absl::Status Finish() override { return absl::OkStatus(); }

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -27,6 +28,7 @@
 #include "examples/afd_model/afd_common.h"
 #include "examples/afd_model/afd_engine.h"
 #include "examples/afd_model/config.h"
+#include "examples/afd_model/elastic_sync.h"
 #include "examples/afd_model/example_model.h"
 #include "examples/afd_model/wire.h"
 #include "src/tools/metrics/metrics_http.h"
@@ -41,7 +43,21 @@ using stepmesh::Shape;
 class FfnInstance {
  public:
   FfnInstance(const RunShape& shape, const ModelConfig& config, int rank)
-      : shape_(shape), config_(config), rank_(rank) {}
+      : shape_(shape),
+        regions_(shape.ForFfn()),
+        config_(config),
+        rank_(rank),
+        schedule_(shape.Schedule()),
+        span_(schedule_.FfnSpan(rank)) {
+    // The schedule's answers per step and rank, so a batch looks nothing up.
+    for (int s = 0; s < shape.steps(); ++s) {
+      partitions_.push_back(schedule_.At(s).ffn);
+      workers_at_.push_back(schedule_.At(s).attention);
+    }
+    for (int w = 0; w < regions_.attention; ++w) {
+      attention_spans_.push_back(schedule_.AttentionSpan(w));
+    }
+  }
 
   absl::Status Init(const std::string& scheduler, int device);
   // --metrics-port / --metrics-file (either may be unset: 0, empty).
@@ -54,16 +70,32 @@ class FfnInstance {
   absl::Status Run();
 
  private:
-  // Checks a batch (keys, sizes, every worker's header against this FFN's
-  // count of the micro-batch's batches) and enqueues its forward.
+  // Checks a batch (its stage, keys, sizes, every worker's header against
+  // the stage and the schedule's members) and enqueues its forward under
+  // the stage's expert layout.
   absl::Status Serve(const stepmesh::Batch& batch);
+  // --resize, a rank whose span ends before the run: drains and leaves.
+  absl::Status LeaveMesh();
+  // The change at global step `step` (elastic_sync.h), once every request
+  // before it is served.
+  absl::Status CrossChange(int step);
+  // Requests (worker, stage) of this rank's steps before `step`.
+  int64_t RequestsBefore(int step) const;
+  absl::StatusOr<stepmesh::Batch> NextBatch();
 
-  const RunShape shape_;
+  const RunShape shape_;    // the run (global steps, the start shape)
+  const RunShape regions_;  // region sizes: the capacity (ForFfn)
   const ModelConfig config_;
   const int rank_;
+  const ResizeSchedule schedule_;
+  const MemberSpan span_;                    // the steps this rank serves
+  std::vector<int> partitions_;              // F of each global step
+  std::vector<int> workers_at_;              // attention instances of each global step
+  std::vector<MemberSpan> attention_spans_;  // by attention rank
   std::shared_ptr<stepmesh::Backend> backend_;
   std::vector<std::unique_ptr<stepmesh::Event>> done_;  // per micro-batch
-  std::vector<int64_t> batches_;                        // served so far per micro-batch
+  int64_t requests_served_ = 0;                         // (worker, stage) pairs
+  int64_t batches_served_ = 0;
   int64_t tokens_served_ = 0;
   std::unique_ptr<FfnEngine> engine_;
   // Destroyed first: it reads the engine's regions.
@@ -80,22 +112,23 @@ absl::Status FfnInstance::Init(const std::string& scheduler, int device) {
   if (!backend.ok()) return backend.status();
   backend_ = std::move(*backend);
   FfnEngineParams params;
-  params.shape = &shape_;
+  params.shape = &regions_;  // the capacity's regions; steps are the run's
   params.config = &config_;
   params.rank = rank_;
+  params.partitions = schedule_.At(span_.begin).ffn;
   params.backend = backend_;
   STEPMESH_ASSIGN_OR_RETURN(engine_, CreateFfnEngine(std::move(params)));
   for (int m = 0; m < shape_.micro_batches; ++m) {
     STEPMESH_ASSIGN_OR_RETURN(auto event, backend_->CreateEvent());
     done_.push_back(std::move(event));
   }
-  batches_.assign(shape_.micro_batches, 0);
 
-  const int64_t w = shape_.attention;
-  const int64_t slot = shape_.SlotRows();
+  const int64_t w = regions_.attention;
+  const int64_t slot = regions_.SlotRows();
   const int64_t h = config_.hidden_size;
   const int64_t k = config_.top_k;
   const int64_t groups = h / config_.fp8_group;
+  // The run's options: the start shape, and with --resize the capacity.
   STEPMESH_ASSIGN_OR_RETURN(stepmesh::MeshOptions options,
                             MeshOptionsFor(shape_, stepmesh::Role::kServer, rank_, scheduler));
   options.device = device;
@@ -128,23 +161,31 @@ absl::Status FfnInstance::Init(const std::string& scheduler, int device) {
 }
 
 absl::Status FfnInstance::Serve(const stepmesh::Batch& batch) {
-  const int m = MicroBatchOfGroup(batch.group, shape_.micro_batches);
-  if (m < 0 || batch.tensors.size() != kA2FTensors) {
+  StageId stage;
+  if (!DecodeStage(shape_, config_.num_layers, batch.group, &stage) ||
+      batch.tensors.size() != kA2FTensors) {
     return absl::InternalError(absl::StrCat("ffn ", rank_, ": unexpected batch: group ",
                                             batch.group, " with ", batch.tensors.size(),
                                             " tensors"));
   }
+  const int m = stage.micro_batch;
+  const int step = stage.step;
+  const int layer = stage.layer;
   for (int t = 0; t < kA2FTensors; ++t) {
     if (batch.tensors[t].key != PushKey(m, static_cast<A2FTensor>(t))) {
       return absl::InternalError(
           absl::StrCat("ffn ", rank_, ": tensor ", t, " has key ", batch.tensors[t].key));
     }
   }
-  // What this micro-batch's next batch must be: the FFN counts them (the
-  // requests of one key are strictly ordered) and every header must agree.
-  const int layer = static_cast<int>(batches_[m] % config_.num_layers);
-  const int step = static_cast<int>(batches_[m] / config_.num_layers);
-  ++batches_[m];
+  // The schedule says who may send this stage: this rank only in its span,
+  // the attention instances of the step.
+  const int partitions = partitions_[step];
+  if (!span_.Contains(step)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("ffn ", rank_, ": a batch of step ", step, " layer ", layer, " micro-batch ",
+                     m, ", outside this FFN's steps [", span_.begin, ", ", span_.end, ") (",
+                     partitions, " FFN partitions then)"));
+  }
   const auto* headers = static_cast<const int32_t*>(engine_->wire(m).header->data());
 
   const int64_t h = config_.hidden_size;
@@ -152,6 +193,12 @@ absl::Status FfnInstance::Serve(const stepmesh::Batch& batch) {
   std::vector<stepmesh::Reply> replies;
   for (size_t i = 0; i < batch.workers.size(); ++i) {
     const int w = batch.workers[i];
+    if (w < 0 || w >= static_cast<int>(attention_spans_.size()) ||
+        !attention_spans_[w].Contains(step)) {
+      return absl::FailedPreconditionError(absl::StrCat("ffn ", rank_, ": attention ", w,
+                                                        " sent step ", step,
+                                                        ", where the schedule has it no member"));
+    }
     const size_t code_bytes = batch.tensors[0].valid_bytes[w];
     const int64_t n = static_cast<int64_t>(code_bytes) / h;
     const A2FSizes sizes{n, h, config_.top_k, config_.fp8_group};
@@ -180,37 +227,164 @@ absl::Status FfnInstance::Serve(const stepmesh::Batch& batch) {
     tokens_served_ += n;
   }
   if (rows.empty()) return absl::InternalError("empty batch");
-  STEPMESH_RETURN_IF_ERROR(engine_->EnqueueForward(m, layer, rows));
+  requests_served_ += static_cast<int64_t>(rows.size());
+  ++batches_served_;
+  STEPMESH_RETURN_IF_ERROR(engine_->EnqueueForward(m, layer, partitions, rows));
   STEPMESH_RETURN_IF_ERROR(done_[m]->Record(engine_->stream()));
   return server_->Respond(batch, replies,
                           stepmesh::SendOptions{.ready = done_[m].get(), .stage = {}});
 }
 
+absl::StatusOr<stepmesh::Batch> FfnInstance::NextBatch() {
+  // A rank that joined a running mesh awaits each worker only in batches
+  // opened after that worker's first request here (the library's rule for
+  // a joining server: every worker is new to it). So in its first step a
+  // batch may wait for a worker that already sent that stage, in a batch
+  // handed out before; such a batch goes out with the workers it has after
+  // a short wait (kReadyByDeadline: every worker still gets its reply, the
+  // FFN computes the rows it has). From its second step every batch opened
+  // waits for every worker.
+  if (span_.begin == 0 || requests_served_ >= RequestsBefore(span_.begin + 1)) {
+    return server_->GetBatch(shape_.timeout);
+  }
+  const absl::Time deadline = absl::Now() + shape_.timeout;
+  for (;;) {
+    absl::StatusOr<stepmesh::Batch> batch =
+        server_->GetBatch(absl::Milliseconds(20), stepmesh::BatchPolicy::kReadyByDeadline);
+    if (batch.ok() || !absl::IsDeadlineExceeded(batch.status()) || absl::Now() > deadline) {
+      return batch;
+    }
+  }
+}
+
+int64_t FfnInstance::RequestsBefore(int step) const {
+  // Every member attention instance sends one request per (step, layer,
+  // micro-batch).
+  int64_t n = 0;
+  for (int s = span_.begin; s < step; ++s) {
+    n += int64_t{workers_at_[s]} * config_.num_layers * shape_.micro_batches;
+  }
+  return n;
+}
+
+absl::Status FfnInstance::CrossChange(int step) {
+  auto named = [&](const absl::Status& s) {
+    return absl::Status(s.code(),
+                        absl::StrCat("ffn ", rank_, ": resize at step ", step, ": ", s.message()));
+  };
+  if (absl::StatusOr<uint64_t> e = WaitForShape(*server_, schedule_.At(step), shape_.timeout);
+      !e.ok()) {
+    return named(e.status());
+  }
+  if (absl::Status s = server_->Barrier(); !s.ok()) return named(s);  // A
+  if (span_.Contains(step)) {
+    // Every attention instance joining now sends this rank its first
+    // requests between the barriers: they must be here before B.
+    const absl::Time deadline = absl::Now() + shape_.timeout;
+    for (int w = 0; w < regions_.attention; ++w) {
+      if (schedule_.AttentionSpan(w).begin != step) continue;
+      const uint64_t need = FirstRequestBytes(shape_.ForAttention(w), config_);
+      for (;;) {
+        uint64_t got = 0;
+        for (const stepmesh::PeerStats& peer : server_->Stats().peers) {
+          if (peer.role == stepmesh::Role::kWorker && peer.rank == w) got = peer.bytes_received;
+        }
+        if (got >= need) break;
+        if (absl::Now() > deadline) {
+          return named(absl::DeadlineExceededError(
+              absl::StrCat("attention ", w, "'s first requests: ", got, " of ", need,
+                           " bytes arrived within the mesh timeout")));
+        }
+        absl::SleepFor(absl::Microseconds(200));
+      }
+    }
+  }
+  if (absl::Status s = server_->Barrier(); !s.ok()) return named(s);  // B
+  return absl::OkStatus();
+}
+
+absl::Status FfnInstance::LeaveMesh() {
+  // Leave answers what still arrives while GetBatch is called on another
+  // thread; the schedule says nothing more is addressed to this rank, so any
+  // batch there is an error.
+  absl::Status drain_status;
+  std::thread drain([&] {
+    for (;;) {
+      absl::StatusOr<stepmesh::Batch> batch = server_->GetBatch(shape_.timeout);
+      if (batch.ok()) {
+        drain_status = absl::FailedPreconditionError(
+            absl::StrCat("ffn ", rank_, ": a batch (group ", batch->group, ") after its last step ",
+                         span_.end - 1));
+        continue;
+      }
+      if (absl::IsUnavailable(batch.status()) || absl::IsCancelled(batch.status())) return;
+      if (!absl::IsDeadlineExceeded(batch.status())) {
+        drain_status = batch.status();
+        return;
+      }
+    }
+  });
+  const absl::Status left = server_->Leave(shape_.timeout);
+  drain.join();
+  STEPMESH_RETURN_IF_ERROR(left);
+  return drain_status;
+}
+
 absl::Status FfnInstance::Run() {
-  STEPMESH_RETURN_IF_ERROR(server_->Barrier());
-  const int64_t expected = int64_t{shape_.steps()} * config_.num_layers * shape_.micro_batches;
-  for (int64_t b = 0; b < expected; ++b) {
-    absl::StatusOr<stepmesh::Batch> batch = server_->GetBatch(shape_.timeout);
+  // The start members meet at the start barrier; a rank that joins later
+  // (--resize) comes into a mesh already decoding, at its first change.
+  if (span_.begin == 0) STEPMESH_RETURN_IF_ERROR(server_->Barrier());
+  const std::vector<int> changes = ChangeStepsOf(schedule_, span_);
+  size_t next_change = 0;
+  // A fixed shape counts batches: one per (step, layer, micro-batch),
+  // whoever is in it, so a lost attention instance (--lost-attention) does
+  // not leave the FFN waiting for its requests. An elastic run counts the
+  // schedule's (worker, stage) requests: a joining FFN's first step may
+  // hand out a stage in more than one batch (NextBatch).
+  const bool by_batches = schedule_.empty();
+  const int64_t expected_batches =
+      int64_t{shape_.steps()} * config_.num_layers * shape_.micro_batches;
+  const int64_t expected = RequestsBefore(span_.end);
+  for (;;) {
+    while (next_change < changes.size() &&
+           requests_served_ == RequestsBefore(changes[next_change])) {
+      STEPMESH_RETURN_IF_ERROR(CrossChange(changes[next_change++]));
+    }
+    if (by_batches ? batches_served_ >= expected_batches : requests_served_ >= expected) break;
+    absl::StatusOr<stepmesh::Batch> batch = NextBatch();
     if (!batch.ok()) {
       return absl::Status(batch.status().code(),
-                          absl::StrCat("ffn ", rank_, ": GetBatch (batch ", b, " of ", expected,
-                                       "): ", batch.status().message()));
+                          absl::StrCat("ffn ", rank_, ": GetBatch (",
+                                       by_batches ? batches_served_ : requests_served_, " of ",
+                                       by_batches ? expected_batches : expected,
+                                       by_batches ? " batches" : " requests",
+                                       " served): ", batch.status().message()));
     }
     STEPMESH_RETURN_IF_ERROR(Serve(*batch));
   }
   STEPMESH_RETURN_IF_ERROR(engine_->stream().Synchronize(shape_.timeout));
   STEPMESH_RETURN_IF_ERROR(engine_->Finish());
-  STEPMESH_RETURN_IF_ERROR(server_->Barrier());
+  const bool leaves = span_.end < shape_.steps();
+  if (!leaves) STEPMESH_RETURN_IF_ERROR(server_->Barrier());
   if (!metrics_file_.empty()) {
     STEPMESH_RETURN_IF_ERROR(stepmesh::tools::WriteMetricsFile(
         metrics_file_, stepmesh::PrometheusText(server_->Stats())));
   }
   if (!trace_file_.empty()) STEPMESH_RETURN_IF_ERROR(server_->WriteChromeTrace(trace_file_));
   metrics_.reset();
-  STEPMESH_RETURN_IF_ERROR(server_->Shutdown());
-  std::printf("afd_ffn[%d]: partition %d of %d served %lld batches, %lld tokens (%s engine)\n",
-              rank_, rank_, shape_.ffn, static_cast<long long>(expected),
-              static_cast<long long>(tokens_served_), engine_->name().c_str());
+  STEPMESH_RETURN_IF_ERROR(leaves ? LeaveMesh() : server_->Shutdown());
+  if (schedule_.empty()) {
+    std::printf("afd_ffn[%d]: partition %d of %d served %lld batches, %lld tokens (%s engine)\n",
+                rank_, rank_, shape_.ffn, static_cast<long long>(batches_served_),
+                static_cast<long long>(tokens_served_), engine_->name().c_str());
+  } else {
+    std::printf(
+        "afd_ffn[%d]: steps %d-%d (partition %d of %d at its first step, %d at its last) served "
+        "%lld batches, %lld tokens (%s engine)%s\n",
+        rank_, span_.begin, span_.end - 1, rank_, schedule_.At(span_.begin).ffn,
+        schedule_.At(span_.end - 1).ffn, static_cast<long long>(batches_served_),
+        static_cast<long long>(tokens_served_), engine_->name().c_str(), leaves ? ", left" : "");
+  }
   return absl::OkStatus();
 }
 
@@ -239,8 +413,10 @@ int Main(int argc, char** argv) {
   if (st.ok() && (!metrics_port.ok() || *metrics_port < 0 || *metrics_port > 65535)) {
     st = absl::InvalidArgumentError("--metrics-port wants a port in [0, 65535]");
   }
-  if (st.ok() && (scheduler.empty() || *rank < 0 || *rank >= shape->ffn)) {
-    st = absl::InvalidArgumentError("need --scheduler and --rank (or STEPMESH_RANK) in [0, --ffn)");
+  if (st.ok() && (scheduler.empty() || *rank < 0 || *rank >= shape->ForFfn().ffn)) {
+    st = absl::InvalidArgumentError(
+        "need --scheduler and --rank (or STEPMESH_RANK) in [0, --ffn) (with --resize: the most "
+        "FFN instances of the schedule)");
   }
   if (!st.ok()) {
     std::fprintf(stderr, "afd_ffn: %s\n", st.ToString().c_str());

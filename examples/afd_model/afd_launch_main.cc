@@ -11,6 +11,7 @@
 //              [--emulate-compute PLAN.json]
 //              [--metrics-port P] [--metrics-file PREFIX]
 //              [--hosts NS,... --host-addrs A,...] [--lost-attention A]
+//              [--resize STEP:xAyF ...]
 //
 // Starts the stepmesh scheduler (in this process on a free 127.0.0.1 port,
 // or the stepmesh_scheduler program), X afd_attention and Y afd_ffn
@@ -34,6 +35,11 @@
 //
 // --hosts places every instance on its own emulated host (a network
 // namespace; placement.h, scripts/cluster.sh).
+//
+// --resize STEP:xAyF (repeatable) changes the shape while decoding
+// (resize_plan.h, elastic_sync.h, docs/elastic.md): the launcher starts the
+// joiners of a change as the run approaches it, and the report gets one
+// "resize at step S: xAyF -> x'Ay'F (epoch E, T ms)" line per change.
 
 #include <arpa/inet.h>
 #include <dirent.h>
@@ -75,6 +81,7 @@
 #include "examples/afd_model/emulated_compute.h"
 #include "examples/afd_model/example_model.h"
 #include "examples/afd_model/placement.h"
+#include "examples/afd_model/resize_launch.h"
 #include "stepmesh/stepmesh.h"
 
 extern char** environ;
@@ -258,12 +265,21 @@ class Launcher {
       : f_(std::move(flags)),
         model_(std::move(model)),
         config_(model_.config),
-        emulation_(std::move(emulation)) {}
+        emulation_(std::move(emulation)),
+        joins_(f_.shape.Schedule()) {}
   int Run();
 
  private:
   absl::Status StartScheduler();
   absl::Status StartChildren();
+  absl::Status StartFfn(int p);
+  absl::Status StartAttention(int a);
+  // --resize: starts the joiners of the changes the run approaches.
+  absl::Status StartJoiners();
+  std::string ResizeLogPath(int a) const {
+    return absl::StrCat(f_.work_dir, "/attention-", a, ".resize");
+  }
+  std::string EpochLogPath() const { return absl::StrCat(f_.work_dir, "/attention-0.epochs"); }
   // --metrics-port / --metrics-file for the child of `role` and `rank`.
   void AppendMetricsFlags(stepmesh::Role role, int rank, int port_offset,
                           std::vector<std::string>* argv) const;
@@ -306,6 +322,7 @@ class Launcher {
   absl::Time next_progress_ = absl::InfiniteFuture();
   absl::Time ffn_killed_at_;
   std::optional<absl::Time> decode_started_;  // every attention instance past the barrier
+  JoinPlanner joins_;  // --resize: who starts when (the ranks of attention_, ffn_ in order)
 };
 
 std::vector<std::string> Launcher::ChildEnvironment() const {
@@ -344,6 +361,10 @@ absl::Status Launcher::StartScheduler() {
     o.role = stepmesh::Role::kScheduler;
     o.num_workers = f_.shape.attention;
     o.num_servers = f_.shape.ffn;
+    if (!f_.shape.resize.empty()) {
+      o.max_workers = f_.shape.Schedule().Capacity().attention;
+      o.max_servers = f_.shape.Schedule().Capacity().ffn;
+    }
     // The kernel picks a free port (on host 0 with --hosts).
     o.scheduler = absl::StrCat(f_.placement.address(0), ":0");
     o.timeout = f_.shape.timeout;
@@ -435,53 +456,90 @@ void Launcher::AppendMetricsFlags(stepmesh::Role role, int rank, int port_offset
   }
 }
 
-absl::Status Launcher::StartChildren() {
-  const std::string dir = SelfDir();
-  const std::vector<std::string> common_env = ChildEnvironment();
+absl::Status Launcher::StartFfn(int p) {
+  std::vector<std::string> env = ChildEnvironment();
   // With --hosts each process binds its host's address.
-  auto env_on = [&](int host) {
-    std::vector<std::string> env = common_env;
-    for (std::string& e : f_.placement.Environment(host)) env.push_back(std::move(e));
-    return env;
-  };
-  for (int p = 0; p < f_.shape.ffn; ++p) {
-    std::vector<std::string> argv = {dir + "/afd_ffn", "--scheduler", scheduler_address_, "--rank",
-                                     absl::StrCat(p)};
-    AppendRunFlags(f_.shape, &argv);
-    AppendMetricsFlags(stepmesh::Role::kServer, p, f_.shape.attention + p, &argv);
-    AppendTraceFlag(stepmesh::Role::kServer, p, &argv);
-    const std::string base = absl::StrCat(f_.work_dir, "/ffn-", p);
-    const int host = f_.placement.FfnHost(p);
-    STEPMESH_ASSIGN_OR_RETURN(
-        auto child, Child::Start(absl::StrCat("ffn ", p), argv, env_on(host), base + ".out",
-                                 base + ".err", f_.placement.netns_fd(host)));
-    ffn_.push_back(std::move(child));
+  const int host = f_.placement.FfnHost(p);
+  for (std::string& e : f_.placement.Environment(host)) env.push_back(std::move(e));
+  std::vector<std::string> argv = {SelfDir() + "/afd_ffn", "--scheduler", scheduler_address_,
+                                   "--rank", absl::StrCat(p)};
+  AppendRunFlags(f_.shape, &argv);
+  AppendMetricsFlags(stepmesh::Role::kServer, p, f_.shape.attention + p, &argv);
+  AppendTraceFlag(stepmesh::Role::kServer, p, &argv);
+  const std::string base = absl::StrCat(f_.work_dir, "/ffn-", p);
+  STEPMESH_ASSIGN_OR_RETURN(
+      auto child, Child::Start(absl::StrCat("ffn ", p), argv, env, base + ".out", base + ".err",
+                               f_.placement.netns_fd(host)));
+  ffn_.push_back(std::move(child));
+  return absl::OkStatus();
+}
+
+absl::Status Launcher::StartAttention(int a) {
+  std::vector<std::string> env = ChildEnvironment();
+  const int host = f_.placement.AttentionHost(a);
+  for (std::string& e : f_.placement.Environment(host)) env.push_back(std::move(e));
+  std::vector<std::string> argv = {SelfDir() + "/afd_attention",
+                                   "--scheduler",
+                                   scheduler_address_,
+                                   "--rank",
+                                   absl::StrCat(a),
+                                   "--results",
+                                   absl::StrCat(f_.work_dir, "/attention-", a, ".results")};
+  if (f_.reference && f_.layer_check) argv.push_back("--dump-layers");
+  if (a == 0 && !f_.inject_wrong_layer.empty()) {
+    argv.push_back("--inject-wrong-layer");
+    argv.push_back(f_.inject_wrong_layer);
   }
-  for (int a = 0; a < f_.shape.attention; ++a) {
-    std::vector<std::string> argv = {dir + "/afd_attention",
-                                     "--scheduler",
-                                     scheduler_address_,
-                                     "--rank",
-                                     absl::StrCat(a),
-                                     "--results",
-                                     absl::StrCat(f_.work_dir, "/attention-", a, ".results")};
-    if (f_.reference && f_.layer_check) argv.push_back("--dump-layers");
-    if (a == 0 && !f_.inject_wrong_layer.empty()) {
-      argv.push_back("--inject-wrong-layer");
-      argv.push_back(f_.inject_wrong_layer);
+  // Progress feeds the progress lines and starts the kill test's clock.
+  argv.push_back("--progress");
+  argv.push_back(ProgressPath(a));
+  if (!f_.shape.resize.empty()) {
+    // What each change cost it, and (attention 0, a member throughout) the
+    // epochs: the resize lines of the report.
+    argv.push_back("--resize-log");
+    argv.push_back(ResizeLogPath(a));
+    if (a == 0) {
+      argv.push_back("--epoch-log");
+      argv.push_back(EpochLogPath());
     }
-    // Progress feeds the progress lines and starts the kill test's clock.
-    argv.push_back("--progress");
-    argv.push_back(ProgressPath(a));
-    AppendRunFlags(f_.shape, &argv);
-    AppendMetricsFlags(stepmesh::Role::kWorker, a, a, &argv);
-    AppendTraceFlag(stepmesh::Role::kWorker, a, &argv);
-    const std::string base = absl::StrCat(f_.work_dir, "/attention-", a);
-    const int host = f_.placement.AttentionHost(a);
-    STEPMESH_ASSIGN_OR_RETURN(
-        auto child, Child::Start(absl::StrCat("attention ", a), argv, env_on(host), base + ".out",
-                                 base + ".err", f_.placement.netns_fd(host)));
-    attention_.push_back(std::move(child));
+  }
+  AppendRunFlags(f_.shape, &argv);
+  AppendMetricsFlags(stepmesh::Role::kWorker, a, a, &argv);
+  AppendTraceFlag(stepmesh::Role::kWorker, a, &argv);
+  const std::string base = absl::StrCat(f_.work_dir, "/attention-", a);
+  STEPMESH_ASSIGN_OR_RETURN(auto child,
+                            Child::Start(absl::StrCat("attention ", a), argv, env, base + ".out",
+                                         base + ".err", f_.placement.netns_fd(host)));
+  attention_.push_back(std::move(child));
+  return absl::OkStatus();
+}
+
+absl::Status Launcher::StartChildren() {
+  // With --resize only the start shape; the joiners come with their changes.
+  for (int p = 0; p < joins_.start().ffn; ++p) STEPMESH_RETURN_IF_ERROR(StartFfn(p));
+  for (int a = 0; a < joins_.start().attention; ++a) STEPMESH_RETURN_IF_ERROR(StartAttention(a));
+  return absl::OkStatus();
+}
+
+absl::Status Launcher::StartJoiners() {
+  if (!joins_.pending()) return absl::OkStatus();
+  int furthest = -1;
+  bool decoding = true;
+  for (size_t a = 0; a < attention_.size(); ++a) {
+    const int step = ReadProgress(ProgressPath(static_cast<int>(a))).step;
+    furthest = std::max(furthest, step);
+    if (static_cast<int>(a) < joins_.start().attention) decoding = decoding && step >= 0;
+  }
+  for (const JoinPlanner::Joiner& j : joins_.Due(furthest, decoding)) {
+    // Ranks join in order, so attention_[a] and ffn_[p] stay rank-indexed.
+    const size_t have = j.attention ? attention_.size() : ffn_.size();
+    if (static_cast<int>(have) != j.rank) {
+      return absl::InternalError(absl::StrCat("joiner rank ", j.rank, " out of order"));
+    }
+    STEPMESH_RETURN_IF_ERROR(j.attention ? StartAttention(j.rank) : StartFfn(j.rank));
+    std::printf("afd_launch: started %s %d to join at step %d\n", j.attention ? "attention" : "ffn",
+                j.rank, j.step);
+    std::fflush(stdout);
   }
   return absl::OkStatus();
 }
@@ -496,7 +554,7 @@ void Launcher::PrintProgress(absl::Time now) {
   // The slowest attention instance sets the pace.
   Progress slowest{f_.shape.steps(), 0};
   int slowest_instance = 0;
-  for (int a = 0; a < f_.shape.attention; ++a) {
+  for (int a = 0; a < static_cast<int>(attention_.size()); ++a) {
     const Progress p = ReadProgress(ProgressPath(a));
     if (p.step < slowest.step || (p.step == slowest.step && p.layer < slowest.layer)) {
       slowest = p;
@@ -512,7 +570,7 @@ void Launcher::PrintProgress(absl::Time now) {
   }
   std::printf("afd_launch: %.0f s: %s; %d of %d processes running\n",
               absl::ToDoubleSeconds(now - started_), where.c_str(), running,
-              f_.shape.attention + f_.shape.ffn);
+              static_cast<int>(attention_.size() + ffn_.size()));
   std::fflush(stdout);
 }
 
@@ -536,6 +594,13 @@ bool Launcher::WaitChildren(absl::Time deadline, std::string* why) {
     }
     if (all_done) break;
     const absl::Time now = absl::Now();
+    if (absl::Status s = StartJoiners(); !s.ok()) {
+      *why = s.ToString();
+      for (auto* group : {&attention_, &ffn_}) {
+        for (auto& c : *group) c->Kill();
+      }
+      break;
+    }
     // The kill test's premise is a running decode: its clock starts when
     // every attention instance has passed the start barrier (weights
     // generated, mesh connected), however long a loaded machine takes.
@@ -570,6 +635,10 @@ bool Launcher::WaitChildren(absl::Time deadline, std::string* why) {
     absl::SleepFor(absl::Milliseconds(10));
   }
   bool ok = why->empty();
+  if (ok && joins_.pending()) {
+    ok = false;
+    *why = "the run ended before every --resize was reached";
+  }
   if (f_.lost_attention >= 0) {
     const Child& lost = *attention_[f_.lost_attention];
     if (lost.exit_code() == 0 || lost.killed_by_launcher()) {
@@ -707,11 +776,13 @@ int Launcher::Run() {
                 absl::ToDoubleSeconds(lost.exited_at() - started_), Tail(lost.Stderr(), 2).c_str());
   }
   std::vector<AttentionResults> results;
-  for (int a = 0; a < f_.shape.attention; ++a) {
+  for (int a = 0; a < static_cast<int>(attention_.size()); ++a) {
     if (a == f_.lost_attention) continue;  // the survivors are checked
+    // With --resize each instance ran its own span of steps.
+    const RunShape shape = f_.shape.ForAttention(a);
     absl::StatusOr<AttentionResults> r =
         ReadResults(absl::StrCat(f_.work_dir, "/attention-", a, ".results"),
-                    ExpectedResults{a, &f_.shape, config_.num_layers, config_.hidden_size,
+                    ExpectedResults{a, &shape, config_.num_layers, config_.hidden_size,
                                     config_.vocab_size, f_.reference && f_.layer_check});
     if (!r.ok()) return Fail(r.status().ToString());
     results.push_back(std::move(*r));
@@ -719,6 +790,14 @@ int Launcher::Run() {
   // The report describes whole runs (--lost-attention: the survivors are
   // only checked).
   if (f_.lost_attention < 0) std::printf("\n%s", FormatReport(f_.shape, model_, results).c_str());
+  if (!f_.shape.resize.empty()) {
+    std::vector<std::string> logs;
+    for (size_t a = 0; a < attention_.size(); ++a) logs.push_back(ResizeLogPath(int(a)));
+    absl::StatusOr<std::string> lines =
+        FormatResizeLines(f_.shape.Schedule(), EpochLogPath(), logs);
+    if (!lines.ok()) return Fail(lines.status().ToString());
+    std::printf("%s", lines->c_str());
+  }
   std::printf("(all processes done in %.2f s wall, including weight generation)\n", wall);
   if (!f_.chrome_trace.empty()) {
     if (absl::Status s = WriteMergedTrace(results); !s.ok()) {
@@ -803,6 +882,12 @@ run shape (passed to every process):
                          with a Step-5 --model
   --poll-mode adaptive|spin|blocking  default adaptive
   --timeout-ms N         mesh timeout (connect, barrier, every wait), default 30000
+  --resize STEP:xAyF     (repeatable) from decode step STEP on, the run is xAyF:
+                         new attention instances join the running mesh with
+                         the requests that arrive then, new FFN instances join
+                         and every FFN re-shards the experts; the highest
+                         ranks leave (their requests end before STEP, then
+                         they drain). The cpu engine (docs/elastic.md)
 
 launcher:
   --deadline-s N         kill everything after N s, default 300
@@ -894,6 +979,24 @@ absl::Status Preflight(const LaunchFlags& f, ExampleModel* model,
     }
     if (!f.expect_failure) {
       return absl::InvalidArgumentError("--inject-wrong-layer needs --expect-failure");
+    }
+  }
+  if (!f.shape.resize.empty()) {
+    // What a resize run does not combine with (yet): the per-step report
+    // tables, traces and emulated summaries assume every instance spans the
+    // run; the fault tests and the placement assume a fixed shape.
+    const std::pair<bool, const char*> refused[] = {
+        {!f.chrome_trace.empty(), "--chrome-trace"},
+        {f.kill_ffn_after_ms >= 0, "--kill-ffn-after-ms"},
+        {f.lost_attention >= 0, "--lost-attention"},
+        {f.placement.enabled(), "--hosts"},
+        {!f.scheduler_binary.empty(), "--scheduler-binary"},
+        {f.metrics_port > 0, "--metrics-port"},
+        {!f.shape.emulate_compute.empty(), "--emulate-compute"},
+    };
+    for (const auto& [given, flag] : refused) {
+      if (given)
+        return absl::InvalidArgumentError(absl::StrCat("--resize with ", flag, ": not supported"));
     }
   }
   if (f.kill_ffn_after_ms >= 0 && (f.kill_ffn < -1 || f.kill_ffn >= f.shape.ffn)) {

@@ -5,12 +5,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <span>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "examples/afd_model/kernels/cpu_kernels.h"
 #include "examples/afd_model/model_weights.h"
 #include "examples/afd_model/reference.h"
@@ -126,8 +128,19 @@ std::string FormatReport(const RunShape& shape, const ExampleModel& model,
   std::string out;
   const int layers = config.num_layers;
   const int mbs = shape.micro_batches;
-  const int servers = shape.ffn;
+  // An elastic run (--resize): every instance has its own span of steps
+  // (r.steps), its traces one slot per server of the capacity (r.servers).
+  const int servers = results.empty() ? shape.ffn : results.front().servers;
   const int64_t total_requests = int64_t{shape.attention} * shape.requests;
+  int64_t elastic_tokens = 0, elastic_requests = 0, elastic_decode_tokens = 0;
+  uint64_t elastic_decode_begin = ~uint64_t{0}, elastic_decode_end = 0;
+  for (const AttentionResults& r : results) {
+    elastic_requests += r.requests;
+    elastic_tokens += int64_t{r.requests} * r.steps;
+    elastic_decode_tokens += int64_t{r.requests} * (r.steps - 1);
+    elastic_decode_begin = std::min(elastic_decode_begin, StepEnd(r, 0));
+    elastic_decode_end = std::max(elastic_decode_end, StepEnd(r, r.steps - 1));
+  }
   absl::StrAppendFormat(
       &out,
       "AFD run: %s (%d layers, hidden %d, %d experts top-%d), %dA%dF over %s, backend %s\n"
@@ -146,6 +159,18 @@ std::string FormatReport(const RunShape& shape, const ExampleModel& model,
     if (shape.decode_steps > 0) {
       decode_s = std::max(decode_s, Ms(StepEnd(r, shape.decode_steps) - StepEnd(r, 0)) * 1e-3);
     }
+  }
+  if (!shape.resize.empty()) {
+    // Instances join and leave: tokens over the union of their decodes.
+    const double window = Ms(elastic_decode_end - elastic_decode_begin) * 1e-3;
+    absl::StrAppendFormat(&out,
+                          "tokens generated: %d (%d requests over the run's shapes, each from its "
+                          "instance's first step to its last)\n",
+                          elastic_tokens, elastic_requests);
+    absl::StrAppendFormat(&out, "decode: %d tokens in %.1f ms, %.0f tokens/s\n",
+                          elastic_decode_tokens, window * 1e3,
+                          window > 0 ? elastic_decode_tokens / window : 0.0);
+    return out;
   }
   absl::StrAppendFormat(&out, "tokens generated: %d (%d requests x %d)\n",
                         total_requests * shape.steps(), total_requests, shape.steps());
@@ -358,6 +383,20 @@ float Margin(const float* row, int64_t v) {
   return first - second;
 }
 
+// "2" for a fixed shape; "2 (steps 0-5), 3 (steps 6-16)" for an expert
+// layout schedule.
+std::string PartitionText(const ResizeSchedule& schedule) {
+  std::vector<std::string> parts;
+  int begin = 0;
+  for (int s = 1; s <= schedule.steps(); ++s) {
+    if (s < schedule.steps() && schedule.At(s).ffn == schedule.At(begin).ffn) continue;
+    parts.push_back(absl::StrCat(schedule.At(begin).ffn, " (steps ", begin, "-", s - 1, ")"));
+    begin = s;
+  }
+  if (parts.size() == 1) return absl::StrCat(schedule.start().ffn);
+  return absl::StrJoin(parts, ", ");
+}
+
 }  // namespace
 
 ReferenceCheck CheckAgainstReference(const RunShape& shape, const ExampleModel& model,
@@ -365,7 +404,6 @@ ReferenceCheck CheckAgainstReference(const RunShape& shape, const ExampleModel& 
                                      bool layers_expected,
                                      const std::function<void(int step)>& progress, GateMode mode) {
   const ModelConfig& config = model.config;
-  const int total = shape.attention * shape.requests;
   const int64_t h = config.hidden_size;
   const int64_t v = config.vocab_size;
   const bool bitwise = mode == GateMode::kBitwise;
@@ -380,6 +418,12 @@ ReferenceCheck CheckAgainstReference(const RunShape& shape, const ExampleModel& 
   }
 
   const auto start = std::chrono::steady_clock::now();
+  // An elastic run (--resize): instance a's requests exist in its span of
+  // steps, and step s's FFN is F(s) partitions (the expert layout schedule).
+  // Without --resize every instance spans the run and F is --ffn.
+  const ResizeSchedule schedule = shape.Schedule();
+  const int ranks = schedule.Capacity().attention;
+  const int total = ranks * shape.requests;
   // The model's own attention side and the wire emulated in process: the
   // same units the disaggregated run used, in one process.
   KvCacheFormat kv_format = KvCacheFormat::kFp32;
@@ -388,76 +432,124 @@ ReferenceCheck CheckAgainstReference(const RunShape& shape, const ExampleModel& 
   const std::unique_ptr<AttentionModel> side =
       model.NewAttention(total, int64_t{shape.prompt_len} + shape.decode_steps, kv_format, &error);
   if (side == nullptr) return {false, absl::StrCat("no reference: ", error)};
-  AfdWireEmulation wire(config, shape.ffn);
+  std::map<int, std::unique_ptr<AfdWireEmulation>> wires;  // by partition count
+  for (int step = 0; step < shape.steps(); ++step) {
+    const int f = schedule.At(step).ffn;
+    if (!wires.contains(f)) wires[f] = std::make_unique<AfdWireEmulation>(config, f);
+  }
   const std::vector<int32_t> prompts = GeneratePromptTokens(config, total, shape.prompt_len);
+  std::vector<const AttentionResults*> by_rank(ranks, nullptr);
+  for (const AttentionResults& r : results) {
+    if (r.instance >= 0 && r.instance < ranks) by_rank[r.instance] = &r;
+  }
 
   // Step by hand so the residual stream after every layer can be compared.
   const StepStatePtr state_ptr = side->NewStepState();
   StepState& state = *state_ptr;
-  std::vector<SequenceChunk> chunks;
-  std::vector<int32_t> inputs = prompts;
-  for (int g = 0; g < total; ++g) {
-    side->ResetSequence(g);
-    chunks.push_back({g, shape.prompt_len});
-  }
-  std::vector<int32_t> next(total);
+  for (int g = 0; g < total; ++g) side->ResetSequence(g);
+  std::vector<int32_t> next(total);  // the reference's greedy tokens
+  std::vector<int32_t> fed(total);   // what each request is fed next
   int64_t token_mismatches = 0;
   int64_t near_ties = 0;      // bounded: differing tokens within the reference's margin
   int64_t logits_differ = 0;  // (request, step) pairs not bitwise equal / over the bound
   int64_t layers_differ = 0;  // (instance, step, layer) blocks likewise
+  int64_t tokens = 0;         // (request, step) pairs compared
+  int64_t blocks = 0;         // (instance, step, layer) blocks compared
   double worst_logits = 0.0;
   double worst_layer = 0.0;
   std::string first_mismatch;
   auto note = [&](std::string what) {
     if (first_mismatch.empty()) first_mismatch = absl::StrCat("; first difference: ", what);
   };
+  std::vector<SequenceChunk> chunks;
+  std::vector<int32_t> inputs;
   for (int step = 0; step < shape.steps(); ++step) {
+    // The members of this step, in rank order; each one's requests are
+    // contiguous rows of the step (request-major), as in the instance.
+    struct Member {
+      int rank;
+      int local_step;     // its own step: 0 is its requests' prefill
+      int64_t first_row;  // in the reference's rows of this step
+    };
+    std::vector<Member> members;
+    chunks.clear();
+    inputs.clear();
+    int64_t rows = 0;
+    for (int a = 0; a < ranks; ++a) {
+      const MemberSpan span = schedule.AttentionSpan(a);
+      if (!span.Contains(step)) continue;
+      const int local = step - span.begin;
+      members.push_back({a, local, rows});
+      for (int i = 0; i < shape.requests; ++i) {
+        const int g = a * shape.requests + i;
+        if (local == 0) {
+          chunks.push_back({g, shape.prompt_len});
+          inputs.insert(inputs.end(), prompts.begin() + int64_t{g} * shape.prompt_len,
+                        prompts.begin() + int64_t{g + 1} * shape.prompt_len);
+        } else {
+          chunks.push_back({g, 1});
+          inputs.push_back(fed[g]);
+        }
+        rows += chunks.back().num_tokens;
+      }
+    }
     if (!side->BeginStep(chunks, inputs, &state)) {
       return {false, "the reference could not start a step (KV cache overflow)"};
     }
-    const int64_t per_request = shape.TokensPerRequest(step);
+    AfdWireEmulation& wire = *wires[schedule.At(step).ffn];
     for (int l = 0; l < config.num_layers; ++l) {
       side->Attention(l, &state);
       wire.ComputeFfnOutput(l, *side, &state);
       side->AddFfnOutput(&state);
       if (!layers_expected) continue;
-      // Instance a's rows of this step are the reference's rows of its
-      // requests [a*R, (a+1)*R): the same request-major order.
-      const int64_t instance_rows = per_request * shape.requests;
-      for (const AttentionResults& r : results) {
-        const int64_t row = LayerDumpRow(shape, config, step, l, 0);
-        std::span<const float> got(r.layer_hidden.data() + row * h, instance_rows * h);
-        std::span<const float> want(state.hidden.data() + r.instance * instance_rows * h,
-                                    instance_rows * h);
+      for (const Member& m : members) {
+        const AttentionResults* r = by_rank[m.rank];
+        if (r == nullptr) continue;
+        const RunShape local = shape.ForAttention(m.rank);
+        const int64_t instance_rows = local.TokensPerRequest(m.local_step) * shape.requests;
+        const int64_t row = LayerDumpRow(local, config, m.local_step, l, 0);
+        std::span<const float> got(r->layer_hidden.data() + row * h, instance_rows * h);
+        std::span<const float> want(state.hidden.data() + m.first_row * h, instance_rows * h);
         const double rel = RelativeL2(got, want);
         worst_layer = std::max(worst_layer, rel);
+        ++blocks;
         const bool differs = bitwise ? std::memcmp(got.data(), want.data(), got.size_bytes()) != 0
                                      : !(rel <= kGateCBound);
         if (differs && layers_differ++ == 0) {
-          note(absl::StrCat("residual after layer ", l, ", step ", step, ", attention ",
-                            r.instance));
+          note(absl::StrCat("residual after layer ", l, ", step ", step, ", attention ", m.rank));
         }
       }
     }
     std::vector<float> logits;
     side->LastTokenLogits(state, nullptr, &logits);
-    cpu::ArgmaxRows(logits.data(), total, v, next.data());
-    std::vector<int32_t> run_tokens(total);
-    for (const AttentionResults& r : results) {
-      for (int i = 0; i < shape.requests; ++i) {
-        const int g = r.instance * shape.requests + i;
-        const int32_t got = r.tokens[size_t(i) * r.steps + step];
-        run_tokens[g] = got;
+    std::vector<int32_t> step_tokens(chunks.size());
+    cpu::ArgmaxRows(logits.data(), static_cast<int64_t>(chunks.size()), v, step_tokens.data());
+    for (size_t c = 0; c < chunks.size(); ++c) next[chunks[c].sequence] = step_tokens[c];
+    size_t c = 0;  // the chunk of (member, request)
+    for (const Member& m : members) {
+      const AttentionResults* r = by_rank[m.rank];
+      for (int i = 0; i < shape.requests; ++i, ++c) {
+        const int g = m.rank * shape.requests + i;
+        fed[g] = next[g];
+        if (r == nullptr) continue;
+        ++tokens;
+        const int32_t got = r->tokens[size_t(i) * r->steps + m.local_step];
+        // Bounded: the reference is fed the run's tokens (teacher forcing),
+        // so a legitimate near-tie flip does not make every later step
+        // incomparable. Bitwise: it decodes its own greedy tokens, so a
+        // divergence shows up as mismatches instead of being masked.
+        if (!bitwise) fed[g] = got;
         if (got != next[g]) {
           // Bounded: a near tie in the reference may go either way.
-          if (!bitwise && Margin(logits.data() + g * v, v) <= kTokenMargin) {
+          if (!bitwise && Margin(logits.data() + c * v, v) <= kTokenMargin) {
             ++near_ties;
           } else if (token_mismatches++ == 0) {
             note(absl::StrCat("token of request ", g, " step ", step, ": ", got, " vs ", next[g]));
           }
         }
-        std::span<const float> got_logits(r.logits.data() + (size_t(step) * r.requests + i) * v, v);
-        std::span<const float> want_logits(logits.data() + g * v, v);
+        std::span<const float> got_logits(
+            r->logits.data() + (size_t(m.local_step) * r->requests + i) * v, v);
+        std::span<const float> want_logits(logits.data() + c * v, v);
         const double rel = RelativeL2(got_logits, want_logits);
         worst_logits = std::max(worst_logits, rel);
         const bool differs = bitwise ? std::memcmp(got_logits.data(), want_logits.data(),
@@ -468,24 +560,13 @@ ReferenceCheck CheckAgainstReference(const RunShape& shape, const ExampleModel& 
         }
       }
     }
-    // Bitwise: the reference decodes its own greedy tokens (not the run's),
-    // so a divergence shows up as mismatches instead of being masked.
-    // Bounded: it is fed the run's tokens (teacher forcing), so a legitimate
-    // near-tie flip does not make every later step incomparable.
-    chunks.assign(chunks.size(), {});
-    inputs.assign(bitwise ? next.begin() : run_tokens.begin(),
-                  bitwise ? next.end() : run_tokens.end());
-    for (int g = 0; g < total; ++g) chunks[g] = {g, 1};
     if (progress) progress(step);
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   // What was compared: every instance in `results` (afd_launch
-  // --lost-attention checks the survivors only).
-  const int64_t checked = static_cast<int64_t>(results.size());
-  const int64_t tokens = checked * shape.requests * shape.steps();
-  const int64_t blocks = checked * shape.steps() * config.num_layers;
+  // --lost-attention checks the survivors only), over its span of steps.
   ReferenceCheck check;
   check.pass = token_mismatches == 0 && logits_differ == 0 && layers_differ == 0;
   auto verdict = [&](int64_t differ, int64_t of, double rel) {
@@ -504,13 +585,13 @@ ReferenceCheck CheckAgainstReference(const RunShape& shape, const ExampleModel& 
                 "ties differ; reference fed the run's tokens)",
                 tokens - token_mismatches - near_ties, tokens - near_ties, kTokenMargin, near_ties);
   check.summary = absl::StrFormat(
-      "%s%s, logits %s, per-layer residuals %s; reference afd codec, %d partitions, %s KV "
+      "%s%s, logits %s, per-layer residuals %s; reference afd codec, %s partitions, %s KV "
       "cache, %.2f s%s",
       bitwise ? "" : "gate C bounds (bf16 GEMMs): ", token_text,
       verdict(logits_differ, tokens, worst_logits),
       layers_expected ? verdict(layers_differ, blocks, worst_layer)
                       : std::string("not checked (--no-layer-check)"),
-      shape.ffn, shape.kv_cache, seconds, first_mismatch);
+      PartitionText(schedule), shape.kv_cache, seconds, first_mismatch);
   return check;
 }
 

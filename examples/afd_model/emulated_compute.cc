@@ -69,12 +69,11 @@ void EmulatedAttention::RunStage(int step, int layer, int mb, StageTiming* timin
   timing->kv_tokens = static_cast<int64_t>(slots.KvTokens());
 }
 
-EmulatedFfn::EmulatedFfn(const planner::Plan& plan, int ffn_instances)
-    : plan_(plan), ffn_instances_(ffn_instances) {}
+EmulatedFfn::EmulatedFfn(const planner::Plan& plan) : plan_(plan) {}
 
-void EmulatedFfn::RunBatch(int workers) {
+void EmulatedFfn::RunBatch(int workers, int ffn_instances) {
   const double rows = double(workers) * plan_.workload.batch;
-  device_.Run(plan_.coefficients.ffn.At(rows) / ffn_instances_ * plan_.emulation.time_scale);
+  device_.Run(plan_.coefficients.ffn.At(rows) / ffn_instances * plan_.emulation.time_scale);
 }
 
 std::string FormatEmulationSummary(const RunShape& shape, const planner::Plan& plan,

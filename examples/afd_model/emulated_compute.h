@@ -71,15 +71,15 @@ class EmulatedAttention {
 
 class EmulatedFfn {
  public:
-  // `ffn_instances`: the run's y; this instance holds 1/y of the FFN.
-  EmulatedFfn(const stepmesh::planner::Plan& plan, int ffn_instances);
+  explicit EmulatedFfn(const stepmesh::planner::Plan& plan);
 
-  // One batch holding the micro-batch of `workers` attention instances.
-  void RunBatch(int workers);
+  // One batch holding the micro-batch of `workers` attention instances;
+  // `ffn_instances`: the y it is computed under (this instance holds 1/y of
+  // the FFN).
+  void RunBatch(int workers, int ffn_instances);
 
  private:
   const stepmesh::planner::Plan plan_;
-  const int ffn_instances_;
   EmulatedDevice device_;
 };
 

@@ -21,21 +21,28 @@ ReferenceModel::ReferenceModel(const ModelConfig& config, const ReferenceOptions
     : config_(config),
       options_(options),
       attention_(config, options.max_sequences, options.max_seq_len, options.kv_format) {
-  if (options_.codec == Codec::kNone) options_.partitions = 1;
-  ffn_partitions_.reserve(options_.partitions);
-  for (int p = 0; p < options_.partitions; ++p) {
-    ffn_partitions_.emplace_back(config, FfnPartition{p, options_.partitions});
+  if (options_.codec == Codec::kNone) {
+    options_.partitions = 1;
+    options_.partitions_per_step.clear();
   }
-  f2a_partials_.resize(options_.partitions);
+  std::vector<int> counts = options_.partitions_per_step;
+  counts.push_back(options_.partitions);
+  for (int f : counts) {
+    std::vector<FfnSide>& layout = layouts_[f];
+    if (!layout.empty()) continue;
+    layout.reserve(f);
+    for (int p = 0; p < f; ++p) layout.emplace_back(config, FfnPartition{p, f});
+  }
+  partitions_now_ = options_.partitions;
 }
 
 void ReferenceModel::ComputeFfnOutput(int layer, StepState* state) {
   attention_.PrepareFfnInput(layer, state);
   const int64_t n = state->num_tokens();
   if (options_.codec == Codec::kNone) {
-    ffn_partitions_[0].ForwardFp32(layer, n, state->normed.data(), state->topk_ids.data(),
-                                   state->topk_weights.data(), state->ffn_output.data(),
-                                   &ffn_workspace_);
+    layouts_.at(1)[0].ForwardFp32(layer, n, state->normed.data(), state->topk_ids.data(),
+                                  state->topk_weights.data(), state->ffn_output.data(),
+                                  &ffn_workspace_);
     return;
   }
   const A2FSizes sizes{n, config_.hidden_size, config_.top_k, config_.fp8_group};
@@ -47,9 +54,11 @@ void ReferenceModel::ComputeFfnOutput(int layer, StepState* state) {
                        a2f_topk_weights_.data()};
   attention_.WriteA2F(*state, a2f);
   std::vector<const uint16_t*> partials;
-  for (int p = 0; p < options_.partitions; ++p) {
+  std::vector<FfnSide>& layout = layouts_.at(partitions_now_);
+  f2a_partials_.resize(std::max(f2a_partials_.size(), layout.size()));
+  for (size_t p = 0; p < layout.size(); ++p) {
     f2a_partials_[p].resize(n * config_.hidden_size);
-    ffn_partitions_[p].Forward(layer, AsView(a2f, n), f2a_partials_[p].data(), &ffn_workspace_);
+    layout[p].Forward(layer, AsView(a2f, n), f2a_partials_[p].data(), &ffn_workspace_);
     partials.push_back(f2a_partials_[p].data());
   }
   attention_.ReduceF2A(partials, state);
@@ -93,7 +102,14 @@ GenerationResult ReferenceModel::Generate(const std::vector<std::vector<int32_t>
     result.step_logits.push_back(std::move(logits));
   };
 
+  // The expert layout of each step (prefill = step 0).
+  auto layout_of = [&](int step) {
+    const auto& per_step = options_.partitions_per_step;
+    partitions_now_ =
+        step < static_cast<int>(per_step.size()) ? per_step[step] : options_.partitions;
+  };
   auto start = std::chrono::steady_clock::now();
+  layout_of(0);
   if (!RunStep(chunks, inputs, &state)) return result;
   finish_step();
   result.prefill_seconds = SecondsSince(start);
@@ -105,6 +121,7 @@ GenerationResult ReferenceModel::Generate(const std::vector<std::vector<int32_t>
       chunks[s].num_tokens = 1;
       inputs[s] = forced_tokens != nullptr ? (*forced_tokens)[s][step] : next[s];
     }
+    layout_of(step + 1);
     if (!RunStep(chunks, inputs, &state)) break;
     finish_step();
   }

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <span>
 #include <string>
 #include <vector>
@@ -32,6 +33,10 @@ struct ReferenceOptions {
   int max_sequences = 1;
   int64_t max_seq_len = 128;
   KvCacheFormat kv_format = KvCacheFormat::kFp32;
+  // kAfd: F of each step Generate runs (prefill first), replacing
+  // `partitions` there: an expert layout schedule (afd_launch --resize);
+  // empty: `partitions` throughout.
+  std::vector<int> partitions_per_step;
 };
 
 struct GenerationResult {
@@ -80,7 +85,10 @@ class ReferenceModel {
   ModelConfig config_;
   ReferenceOptions options_;
   AttentionSide attention_;
-  std::vector<FfnSide> ffn_partitions_;
+  // The partitions of F (F = options_.partitions, or each F of
+  // partitions_per_step), by F.
+  std::map<int, std::vector<FfnSide>> layouts_;
+  int partitions_now_ = 1;  // the F the next ComputeFfnOutput runs
   FfnWorkspace ffn_workspace_;
   // The emulated wire of the single micro-batch.
   std::vector<uint8_t> a2f_codes_;

@@ -58,6 +58,15 @@ expect 2 "--expect-failure needs --kill-ffn-after-ms" --expect-failure
 expect 2 "--deadline-s must be > 0" --deadline-s 0
 expect 2 "--inject-wrong-layer 99:0: want STEP:LAYER within the run" --inject-wrong-layer 99:0 --expect-failure
 expect 2 "--inject-wrong-layer needs --expect-failure" --inject-wrong-layer 1:1
+# --resize (docs/elastic.md, "The example resizes").
+expect 0 "--resize STEP:xAyF" --help
+expect 2 "--resize 6-3A2F: want STEP:xAyF" --resize 6-3A2F
+expect 2 "--resize 0:3A2F: step 0 must be after 0 \(the prefill\)" --resize 0:3A2F
+expect 2 "--resize 17:3A2F: .*before 17" --resize 17:3A2F
+expect 2 "--resize 6:1A1F: the run is already 1A1F" --resize 6:1A1F
+expect 2 "--resize to 17F: at most 16 FFN instances" --resize 6:1A17F
+expect 2 "--resize needs the cpu or the emulated engine" --resize 6:2A1F --engine cpu-device
+expect 2 "--resize with --chrome-trace: not supported" --resize 6:2A1F --chrome-trace "$work/t.json"
 expect 2 "--engine cuda needs --backend cuda" --engine cuda
 expect 2 "--engine must be auto, cpu, cuda or cpu-device" --engine tpu
 expect 2 "--engine cpu-device needs --backend cpu_mock" --engine cpu-device --backend cuda
