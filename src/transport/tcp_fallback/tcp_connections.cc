@@ -77,6 +77,10 @@ absl::Status TcpTransport::Adopt(NodeId peer, base::UniqueFd fd, std::string add
     connections_.push_back(std::move(conn));
   }
   std::lock_guard<std::mutex> lock(slot->mu);
+  // Set before epoll_ctl makes the connection visible to the receive
+  // thread, which reads them unlocked (epoll_ctl orders them for it).
+  added->railed = slot->rails > 1;
+  added->generation = slot->generation.load(std::memory_order_relaxed);
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLRDHUP;
   ev.data.ptr = added;
@@ -87,8 +91,6 @@ absl::Status TcpTransport::Adopt(NodeId peer, base::UniqueFd fd, std::string add
     Retire(*added);
     return failed;
   }
-  added->railed = slot->rails > 1;
-  added->generation = slot->generation.load(std::memory_order_relaxed);
   Connection*& place = added->railed ? slot->rail[rail] : slot->conn;
   if (Connection* stale = place; stale != nullptr) {
     // A rejoined peer replaces its old connection; closing the old one must
