@@ -604,6 +604,19 @@ class SchedulerImpl final : public Scheduler {
     return entered;
   }
 
+  // A new epoch in which `node` is no longer a member, told to the live
+  // others; a barrier waiting only for it may now pass.
+  void AnnounceLeft(NodeId node) {
+    ControlMessage left;
+    left.type = ControlType::kPeerLeft;
+    left.node = node;
+    left.epoch = ++epoch_;
+    ForEachMember([&](NodeId other, Member& o) {
+      if (other != node && o.live()) Send(other, left);
+    });
+    MaybeReleaseBarrier();
+  }
+
   void MaybeReleaseBarrier() {
     uint64_t lowest = ~uint64_t{0};
     bool any = false;
@@ -646,14 +659,7 @@ class SchedulerImpl final : public Scheduler {
         member.draining = true;
         STEPMESH_LOG(kInfo, "scheduler: ", PeerName(node), " drains before leaving (epoch ",
                      epoch_ + 1, ")");
-        ControlMessage left;
-        left.type = ControlType::kPeerLeft;
-        left.node = node;
-        left.epoch = ++epoch_;
-        ForEachMember([&](NodeId other, Member& o) {
-          if (other != node && o.live()) Send(other, left);
-        });
-        MaybeReleaseBarrier();
+        AnnounceLeft(node);
         break;
       }
       case ControlType::kLeave: {
@@ -672,14 +678,7 @@ class SchedulerImpl final : public Scheduler {
         // which follows the departing node's last frames. This notice is for
         // the one peer that cannot tell that goodbye from a previous process's
         // (a server still connecting a rejoined worker, see server.cc).
-        ControlMessage left;
-        left.type = ControlType::kPeerLeft;
-        left.node = node;
-        left.epoch = ++epoch_;
-        ForEachMember([&](NodeId other, Member& o) {
-          if (other != node && o.live()) Send(other, left);
-        });
-        MaybeReleaseBarrier();
+        AnnounceLeft(node);
         break;
       }
       case ControlType::kPong:
