@@ -43,7 +43,8 @@ printf '%s\n' "$out"
 ((rc == 0)) || exit "$rc"
 # Columns of the row: name iters min p50 p99 ...
 # The p50 ratio, and the t_min one (the least disturbed by a loaded machine).
-awk -v gbps="$gbps" '
+awk -v gbps="$gbps" 'BEGIN { n1 = 0; n2 = 0 }
+
   /^single rep/ { s[n1] = $7; sm[n1++] = $6 }
   /^rails rep/  { t[n2] = $7; tm[n2++] = $6 }
   END {
