@@ -33,6 +33,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -81,6 +82,14 @@ struct Flags {
 int64_t MonoNs() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);  // one clock for every process of the host
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+
+// CPU time of this process so far (every thread; at main, what exec, the
+// dynamic loader and the static constructors took).
+int64_t CpuNs() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
   return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
 }
 
@@ -178,6 +187,7 @@ uint8_t ReplyByte(int server, int worker, int round) {
 
 struct Measured {
   int64_t start_ns = 0, created_ns = 0;
+  int64_t cpu_start_ns = 0, cpu_create_ns = 0;  // CPU before Create(), in Create()
   int64_t barrier1_ns = 0, barrier2_ns = 0;
   std::vector<int64_t> rounds_ns;
   int64_t rss = -1, hwm = -1, threads = -1, fds = -1;
@@ -196,7 +206,7 @@ absl::Status WriteResult(const Flags& f, const Measured& m) {
   std::ofstream out(f.out, std::ios::trunc);
   out << f.role << ' ' << f.rank << ' ' << m.start_ns << ' ' << m.created_ns << ' ' << m.barrier1_ns
       << ' ' << m.barrier2_ns << ' ' << p50 << ' ' << p99 << ' ' << m.rss << ' ' << m.hwm << ' '
-      << m.fds << ' ' << m.threads << '\n';
+      << m.fds << ' ' << m.threads << ' ' << m.cpu_start_ns << ' ' << m.cpu_create_ns << '\n';
   out.close();
   if (!out) return absl::UnavailableError(absl::StrCat("cannot write ", f.out));
   return absl::OkStatus();
@@ -205,9 +215,11 @@ absl::Status WriteResult(const Flags& f, const Measured& m) {
 absl::Status RunServer(const Flags& f) {
   Measured m;
   m.start_ns = MonoNs();
+  m.cpu_start_ns = CpuNs();
   STEPMESH_ASSIGN_OR_RETURN(MeshOptions o, Options(f, Role::kServer));
   STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<AFTensorServer> server, AFTensorServer::Create(o));
   m.created_ns = MonoNs() - m.start_ns;
+  m.cpu_create_ns = CpuNs() - m.cpu_start_ns;
   const int s = server->rank();
   std::vector<uint8_t> recv(f.workers * f.bytes), reply(f.workers * f.bytes);
   const Shape shape{f.workers, static_cast<int64_t>(f.bytes)};
@@ -251,9 +263,11 @@ absl::Status RunServer(const Flags& f) {
 absl::Status RunWorker(const Flags& f) {
   Measured m;
   m.start_ns = MonoNs();
+  m.cpu_start_ns = CpuNs();
   STEPMESH_ASSIGN_OR_RETURN(MeshOptions o, Options(f, Role::kWorker));
   STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<AFTensorWorker> worker, AFTensorWorker::Create(o));
   m.created_ns = MonoNs() - m.start_ns;
+  m.cpu_create_ns = CpuNs() - m.cpu_start_ns;
   const int w = worker->rank();
   std::vector<uint8_t> push(f.bytes);
   std::vector<std::vector<uint8_t>> pulls(f.servers, std::vector<uint8_t>(f.bytes));
@@ -305,6 +319,7 @@ struct Row {
   std::string role;
   int rank = 0;
   int64_t start_ns = 0, created_ns = 0, b1 = 0, b2 = 0, p50 = 0, p99 = 0;
+  int64_t cpu_start_ns = 0, cpu_create_ns = 0;
   int64_t rss = 0, hwm = 0, fds = 0, threads = 0;
 };
 
@@ -455,7 +470,7 @@ int Launch(const Flags& f) {
     std::ifstream in(path);
     Row r;
     if (!(in >> r.role >> r.rank >> r.start_ns >> r.created_ns >> r.b1 >> r.b2 >> r.p50 >> r.p99 >>
-          r.rss >> r.hwm >> r.fds >> r.threads)) {
+          r.rss >> r.hwm >> r.fds >> r.threads >> r.cpu_start_ns >> r.cpu_create_ns)) {
       if (!failed) std::fprintf(stderr, "mesh_scale: no result in %s\n", path.c_str());
       failed = 1;
       continue;
@@ -472,8 +487,16 @@ int Launch(const Flags& f) {
   int64_t last_created = 0, max_create = 0, max_b2 = 0, max_b1 = 0;
   int64_t max_hwm = 0, sum_hwm = 0, max_fds = 0, max_worker_fds = 0, max_server_fds = 0;
   int64_t max_threads = 0;
-  std::vector<int64_t> p50s, p99s;
+  // Where the rendezvous goes: the last process to reach main, and the CPU
+  // each phase took, summed over the processes (independent of the load).
+  int64_t last_main = 0;
+  int64_t cpu_start_sum = 0, cpu_create_workers = 0, cpu_create_servers = 0;
+  std::vector<int64_t> p50s, p99s, creates;
   for (const Row& r : rows) {
+    last_main = std::max(last_main, r.start_ns);
+    cpu_start_sum += r.cpu_start_ns;
+    (r.role == "worker" ? cpu_create_workers : cpu_create_servers) += r.cpu_create_ns;
+    creates.push_back(r.created_ns);
     last_created = std::max(last_created, r.start_ns + r.created_ns);
     max_create = std::max(max_create, r.created_ns);
     max_b1 = std::max(max_b1, r.b1);
@@ -492,6 +515,12 @@ int Launch(const Flags& f) {
   }
   std::sort(p50s.begin(), p50s.end());
   std::sort(p99s.begin(), p99s.end());
+  std::sort(creates.begin(), creates.end());
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);  // the scheduler's thread and this launcher, whole run
+  const double launcher_cpu_s =
+      static_cast<double>(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
+      static_cast<double>(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) / 1e6;
   std::printf(
       "mesh_scale %dA%dF (%d participants, processes on %zu host(s), %zu-byte tensors, %d rounds, "
       "poll %s, spawned %d us apart)\n"
@@ -507,6 +536,15 @@ int Launch(const Flags& f) {
       static_cast<double>(sum_hwm) / 1024 / rows.size(), static_cast<long long>(max_fds),
       static_cast<long long>(max_worker_fds), static_cast<long long>(max_server_fds),
       static_cast<long long>(max_threads));
+  std::printf(
+      "  phases: last process at main %.1f ms after the first spawn; Create() p50 %.1f ms\n"
+      "  CPU summed over the %zu processes: before main (exec, loader, constructors) %.3f s "
+      "(%.2f ms each); Create() %.3f s (workers %.2f ms each, servers %.2f ms each); "
+      "scheduler + launcher %.3f s (whole run)\n",
+      Ms(last_main - launch_ns), Ms(creates[creates.size() / 2]), rows.size(),
+      static_cast<double>(cpu_start_sum) / 1e9, Ms(cpu_start_sum) / rows.size(),
+      static_cast<double>(cpu_create_workers + cpu_create_servers) / 1e9,
+      Ms(cpu_create_workers) / f.workers, Ms(cpu_create_servers) / f.servers, launcher_cpu_s);
   std::printf("| %d | %dA%dF | %.0f | %.0f | %.2f | %.3f | %.3f | %.1f | %lld | %lld |\n", n,
               f.workers, f.servers, Ms(last_created - launch_ns), Ms(max_create), Ms(max_b2),
               Ms(p50s[p50s.size() / 2]), Ms(p99s[p99s.size() / 2]),
