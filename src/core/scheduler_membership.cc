@@ -69,8 +69,8 @@ void SchedulerImpl::Unjoin(NodeId node, absl::string_view reason, bool orderly) 
     STEPMESH_LOG(kInfo, "scheduler: ", PeerName(node),
                  " left before the mesh formed; its rank is open again");
   } else {
-    STEPMESH_LOG(kWarning, "scheduler: ", PeerName(node), " lost before the mesh formed (",
-                 reason, "); its rank is open again");
+    STEPMESH_LOG(kWarning, "scheduler: ", PeerName(node), " lost before the mesh formed (", reason,
+                 "); its rank is open again");
   }
   member = Member{};
 }
