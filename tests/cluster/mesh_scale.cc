@@ -436,17 +436,21 @@ int Launch(const Flags& f) {
   std::vector<bool> done(pids.size(), false);
   size_t remaining = pids.size();
   while (remaining > 0) {
-    for (size_t i = 0; i < pids.size(); ++i) {
-      if (done[i]) continue;
+    // Whichever children exited since the last look (one call each, not one
+    // per participant: 128 waitpid calls every 5 ms are CPU the mesh competes
+    // with); every child of this process is a participant.
+    for (size_t reaped = 0; reaped < pids.size(); ++reaped) {
       int status = 0;
-      if (::waitpid(pids[i], &status, WNOHANG) == pids[i]) {
-        done[i] = true;
-        --remaining;
-        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-          std::fprintf(stderr, "mesh_scale: participant %zu exited %d\n", i,
-                       WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
-          failed = 1;
-        }
+      const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+      if (pid <= 0) break;
+      const size_t i = static_cast<size_t>(std::find(pids.begin(), pids.end(), pid) - pids.begin());
+      if (i == pids.size() || done[i]) continue;
+      done[i] = true;
+      --remaining;
+      if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        std::fprintf(stderr, "mesh_scale: participant %zu exited %d\n", i,
+                     WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+        failed = 1;
       }
     }
     if (remaining == 0) break;
