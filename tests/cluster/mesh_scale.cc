@@ -15,11 +15,14 @@
 //              [--deadline-s S] [--hosts NS,... --host-addrs A,...]
 //              [--spawn-gap-us G]
 //
-// --spawn-gap-us starts the participants G us apart instead of all at once.
-// All at once, 128 participants on a loaded 2-core machine overrun the
-// scheduler's cap of 64 unfinished join handshakes (src/core/scheduler.cc,
-// kMaxPending): it drops the oldest, and those participants fail (a join is
-// not retried). docs/benchmarks.md ("Scale") gives both.
+// --spawn-gap-us starts the participants G us apart instead of all at once
+// (the scheduler's cap on unfinished join handshakes grows with the mesh, so
+// 128 started together form too). docs/benchmarks.md ("Scale") gives both.
+//
+// Besides the wall times, every participant reports the CPU it used before
+// main (exec, dynamic loading, constructors) and in Create(); the launcher
+// prints their sums, which do not depend on the machine's load, and its own
+// CPU (the scheduler's thread and the launcher).
 //
 // Prints one table row per run (and the per-role breakdown). The launcher
 // runs the scheduler in process on 127.0.0.1; the processes are its children
