@@ -15,7 +15,6 @@
 // participants that reconnect (kJoin with kJoinResume): after rendezvous the
 // data plane never needs the scheduler, so losing it only pauses barriers and
 // liveness reports until it is back.
-
 //
 // This file: the loop and the connections. The jobs of the members are in
 // the files that src/core/scheduler_impl.h lists.
