@@ -15,11 +15,14 @@
 //              [--deadline-s S] [--hosts NS,... --host-addrs A,...]
 //              [--spawn-gap-us G]
 //
-// --spawn-gap-us starts the participants G us apart instead of all at once.
-// All at once, 128 participants on a loaded 2-core machine overrun the
-// scheduler's cap of 64 unfinished join handshakes (src/core/scheduler.cc,
-// kMaxPending): it drops the oldest, and those participants fail (a join is
-// not retried). docs/benchmarks.md ("Scale") gives both.
+// --spawn-gap-us starts the participants G us apart instead of all at once
+// (the scheduler's cap on unfinished join handshakes grows with the mesh, so
+// 128 started together form too). docs/benchmarks.md ("Scale") gives both.
+//
+// Besides the wall times, every participant reports the CPU it used before
+// main (exec, dynamic loading, constructors) and in Create(); the launcher
+// prints their sums, which do not depend on the machine's load, and its own
+// CPU (the scheduler's thread and the launcher).
 //
 // Prints one table row per run (and the per-role breakdown). The launcher
 // runs the scheduler in process on 127.0.0.1; the processes are its children
@@ -33,20 +36,25 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -81,6 +89,14 @@ struct Flags {
 int64_t MonoNs() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);  // one clock for every process of the host
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+
+// CPU time of this process so far (every thread; at main, what exec, the
+// dynamic loader and the static constructors took).
+int64_t CpuNs() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
   return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
 }
 
@@ -178,6 +194,7 @@ uint8_t ReplyByte(int server, int worker, int round) {
 
 struct Measured {
   int64_t start_ns = 0, created_ns = 0;
+  int64_t cpu_start_ns = 0, cpu_create_ns = 0;  // CPU before Create(), in Create()
   int64_t barrier1_ns = 0, barrier2_ns = 0;
   std::vector<int64_t> rounds_ns;
   int64_t rss = -1, hwm = -1, threads = -1, fds = -1;
@@ -196,7 +213,7 @@ absl::Status WriteResult(const Flags& f, const Measured& m) {
   std::ofstream out(f.out, std::ios::trunc);
   out << f.role << ' ' << f.rank << ' ' << m.start_ns << ' ' << m.created_ns << ' ' << m.barrier1_ns
       << ' ' << m.barrier2_ns << ' ' << p50 << ' ' << p99 << ' ' << m.rss << ' ' << m.hwm << ' '
-      << m.fds << ' ' << m.threads << '\n';
+      << m.fds << ' ' << m.threads << ' ' << m.cpu_start_ns << ' ' << m.cpu_create_ns << '\n';
   out.close();
   if (!out) return absl::UnavailableError(absl::StrCat("cannot write ", f.out));
   return absl::OkStatus();
@@ -205,9 +222,11 @@ absl::Status WriteResult(const Flags& f, const Measured& m) {
 absl::Status RunServer(const Flags& f) {
   Measured m;
   m.start_ns = MonoNs();
+  m.cpu_start_ns = CpuNs();
   STEPMESH_ASSIGN_OR_RETURN(MeshOptions o, Options(f, Role::kServer));
   STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<AFTensorServer> server, AFTensorServer::Create(o));
   m.created_ns = MonoNs() - m.start_ns;
+  m.cpu_create_ns = CpuNs() - m.cpu_start_ns;
   const int s = server->rank();
   std::vector<uint8_t> recv(f.workers * f.bytes), reply(f.workers * f.bytes);
   const Shape shape{f.workers, static_cast<int64_t>(f.bytes)};
@@ -251,9 +270,11 @@ absl::Status RunServer(const Flags& f) {
 absl::Status RunWorker(const Flags& f) {
   Measured m;
   m.start_ns = MonoNs();
+  m.cpu_start_ns = CpuNs();
   STEPMESH_ASSIGN_OR_RETURN(MeshOptions o, Options(f, Role::kWorker));
   STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<AFTensorWorker> worker, AFTensorWorker::Create(o));
   m.created_ns = MonoNs() - m.start_ns;
+  m.cpu_create_ns = CpuNs() - m.cpu_start_ns;
   const int w = worker->rank();
   std::vector<uint8_t> push(f.bytes);
   std::vector<std::vector<uint8_t>> pulls(f.servers, std::vector<uint8_t>(f.bytes));
@@ -305,6 +326,7 @@ struct Row {
   std::string role;
   int rank = 0;
   int64_t start_ns = 0, created_ns = 0, b1 = 0, b2 = 0, p50 = 0, p99 = 0;
+  int64_t cpu_start_ns = 0, cpu_create_ns = 0;
   int64_t rss = 0, hwm = 0, fds = 0, threads = 0;
 };
 
@@ -368,52 +390,86 @@ int Launch(const Flags& f) {
   }
   const std::string self = SelfPath();
   const int n = f.workers + f.servers;
-  std::vector<pid_t> pids;
   std::vector<std::string> outs;
-  const int64_t launch_ns = MonoNs();
-  const pid_t parent = ::getpid();
+  std::vector<std::vector<std::string>> argvs;
+  std::vector<std::vector<char*>> argps;
   for (int i = 0; i < n; ++i) {
     const bool is_worker = i < f.workers;
     const int rank = is_worker ? i : i - f.workers;
     outs.push_back(absl::StrCat(dir, "/", is_worker ? "worker" : "server", rank));
-    std::vector<std::string> argv = {self,
-                                     "--role",
-                                     is_worker ? "worker" : "server",
-                                     "--rank",
-                                     absl::StrCat(rank),
-                                     "--workers",
-                                     absl::StrCat(f.workers),
-                                     "--servers",
-                                     absl::StrCat(f.servers),
-                                     "--rounds",
-                                     absl::StrCat(f.rounds),
-                                     "--bytes",
-                                     absl::StrCat(f.bytes),
-                                     "--poll-mode",
-                                     f.poll_mode,
-                                     "--timeout-ms",
-                                     absl::StrCat(f.timeout_ms),
-                                     "--scheduler",
-                                     (*scheduler)->address(),
-                                     "--out",
-                                     outs.back()};
+    argvs.push_back({self,
+                     "--role",
+                     is_worker ? "worker" : "server",
+                     "--rank",
+                     absl::StrCat(rank),
+                     "--workers",
+                     absl::StrCat(f.workers),
+                     "--servers",
+                     absl::StrCat(f.servers),
+                     "--rounds",
+                     absl::StrCat(f.rounds),
+                     "--bytes",
+                     absl::StrCat(f.bytes),
+                     "--poll-mode",
+                     f.poll_mode,
+                     "--timeout-ms",
+                     absl::StrCat(f.timeout_ms),
+                     "--scheduler",
+                     (*scheduler)->address(),
+                     "--out",
+                     outs.back()});
+  }
+  for (auto& argv : argvs) {
     std::vector<char*> args;
     for (auto& a : argv) args.push_back(a.data());
     args.push_back(nullptr);
-    const size_t host = static_cast<size_t>(i) % host_count;
-    char** envp = host_envp[host].data();
-    const int ns_fd = netns.empty() ? -1 : netns[host];
-    const pid_t pid = ::fork();
-    if (pid < 0) break;
-    if (pid == 0) {
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent) ::_exit(127);
-      if (ns_fd >= 0 && ::setns(ns_fd, CLONE_NEWNET) != 0) ::_exit(126);
-      ::execve(args[0], args.data(), envp);
-      ::_exit(127);
-    }
-    pids.push_back(pid);
-    if (f.spawn_gap_us > 0) absl::SleepFor(absl::Microseconds(f.spawn_gap_us));
+    argps.push_back(std::move(args));
+  }
+  // Each emulated host starts its own participants, as real hosts would: one
+  // spawning thread per host, participant i forked at i * gap after the first
+  // (a single thread forking all 128 in turn waits for the CPU 128 times on a
+  // loaded machine: 1.7-2.7 s for the loop alone at load 20). vfork: the
+  // child only makes system calls before execve, and the launcher's page
+  // tables are not copied 128 times. The threads stay until every child has
+  // exited: PR_SET_PDEATHSIG fires when the thread that forked a child ends,
+  // not only the process.
+  std::vector<pid_t> spawned(n, -1);
+  const int64_t launch_ns = MonoNs();
+  const pid_t parent = ::getpid();
+  std::atomic<int> forks_left{n};
+  std::atomic<int64_t> spawned_ns{launch_ns};  // when the last fork returned
+  std::mutex release_mu;
+  std::condition_variable release_cv;
+  bool released = false;
+  std::vector<std::thread> spawners;
+  for (size_t host = 0; host < host_count; ++host) {
+    spawners.emplace_back([&, host] {
+      char** envp = host_envp[host].data();
+      const int ns_fd = netns.empty() ? -1 : netns[host];
+      for (int i = static_cast<int>(host); i < n; i += static_cast<int>(host_count)) {
+        const int64_t at = launch_ns + int64_t{i} * f.spawn_gap_us * 1000;
+        if (const int64_t wait = at - MonoNs(); wait > 0) absl::SleepFor(absl::Nanoseconds(wait));
+        char** args = argps[i].data();
+        const pid_t pid = ::vfork();
+        if (pid == 0) {
+          ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+          if (::getppid() != parent) ::_exit(127);
+          if (ns_fd >= 0 && ::setns(ns_fd, CLONE_NEWNET) != 0) ::_exit(126);
+          ::execve(args[0], args, envp);
+          ::_exit(127);
+        }
+        spawned[i] = pid;  // -1: the fork failed (counted below)
+        if (forks_left.fetch_sub(1) == 1) spawned_ns.store(MonoNs());
+      }
+      std::unique_lock<std::mutex> lock(release_mu);
+      release_cv.wait(lock, [&] { return released; });
+    });
+  }
+  // The spawners are done forking when every slot is written.
+  while (forks_left.load() > 0) absl::SleepFor(absl::Milliseconds(1));
+  std::vector<pid_t> pids;
+  for (pid_t pid : spawned) {
+    if (pid > 0) pids.push_back(pid);
   }
   // Wait for all, under the deadline; on any failure kill the rest by PID.
   const absl::Time deadline = absl::Now() + absl::Seconds(f.deadline_s);
@@ -421,17 +477,21 @@ int Launch(const Flags& f) {
   std::vector<bool> done(pids.size(), false);
   size_t remaining = pids.size();
   while (remaining > 0) {
-    for (size_t i = 0; i < pids.size(); ++i) {
-      if (done[i]) continue;
+    // Whichever children exited since the last look (one call each, not one
+    // per participant: 128 waitpid calls every 5 ms are CPU the mesh competes
+    // with); every child of this process is a participant.
+    for (size_t reaped = 0; reaped < pids.size(); ++reaped) {
       int status = 0;
-      if (::waitpid(pids[i], &status, WNOHANG) == pids[i]) {
-        done[i] = true;
-        --remaining;
-        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-          std::fprintf(stderr, "mesh_scale: participant %zu exited %d\n", i,
-                       WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
-          failed = 1;
-        }
+      const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+      if (pid <= 0) break;
+      const size_t i = static_cast<size_t>(std::find(pids.begin(), pids.end(), pid) - pids.begin());
+      if (i == pids.size() || done[i]) continue;
+      done[i] = true;
+      --remaining;
+      if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        std::fprintf(stderr, "mesh_scale: participant %zu exited %d\n", i,
+                     WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+        failed = 1;
       }
     }
     if (remaining == 0) break;
@@ -448,6 +508,12 @@ int Launch(const Flags& f) {
     }
     absl::SleepFor(absl::Milliseconds(5));
   }
+  {
+    std::lock_guard<std::mutex> lock(release_mu);
+    released = true;
+  }
+  release_cv.notify_all();
+  for (std::thread& t : spawners) t.join();
   (*scheduler)->Stop();
   for (int fd : netns) ::close(fd);
   std::vector<Row> rows;
@@ -455,7 +521,7 @@ int Launch(const Flags& f) {
     std::ifstream in(path);
     Row r;
     if (!(in >> r.role >> r.rank >> r.start_ns >> r.created_ns >> r.b1 >> r.b2 >> r.p50 >> r.p99 >>
-          r.rss >> r.hwm >> r.fds >> r.threads)) {
+          r.rss >> r.hwm >> r.fds >> r.threads >> r.cpu_start_ns >> r.cpu_create_ns)) {
       if (!failed) std::fprintf(stderr, "mesh_scale: no result in %s\n", path.c_str());
       failed = 1;
       continue;
@@ -472,8 +538,16 @@ int Launch(const Flags& f) {
   int64_t last_created = 0, max_create = 0, max_b2 = 0, max_b1 = 0;
   int64_t max_hwm = 0, sum_hwm = 0, max_fds = 0, max_worker_fds = 0, max_server_fds = 0;
   int64_t max_threads = 0;
-  std::vector<int64_t> p50s, p99s;
+  // Where the rendezvous goes: the last process to reach main, and the CPU
+  // each phase took, summed over the processes (independent of the load).
+  int64_t last_main = 0;
+  int64_t cpu_start_sum = 0, cpu_create_workers = 0, cpu_create_servers = 0;
+  std::vector<int64_t> p50s, p99s, creates;
   for (const Row& r : rows) {
+    last_main = std::max(last_main, r.start_ns);
+    cpu_start_sum += r.cpu_start_ns;
+    (r.role == "worker" ? cpu_create_workers : cpu_create_servers) += r.cpu_create_ns;
+    creates.push_back(r.created_ns);
     last_created = std::max(last_created, r.start_ns + r.created_ns);
     max_create = std::max(max_create, r.created_ns);
     max_b1 = std::max(max_b1, r.b1);
@@ -492,6 +566,12 @@ int Launch(const Flags& f) {
   }
   std::sort(p50s.begin(), p50s.end());
   std::sort(p99s.begin(), p99s.end());
+  std::sort(creates.begin(), creates.end());
+  rusage usage{};
+  ::getrusage(RUSAGE_SELF, &usage);  // the scheduler's thread and this launcher, whole run
+  const double launcher_cpu_s =
+      static_cast<double>(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
+      static_cast<double>(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) / 1e6;
   std::printf(
       "mesh_scale %dA%dF (%d participants, processes on %zu host(s), %zu-byte tensors, %d rounds, "
       "poll %s, spawned %d us apart)\n"
@@ -507,6 +587,16 @@ int Launch(const Flags& f) {
       static_cast<double>(sum_hwm) / 1024 / rows.size(), static_cast<long long>(max_fds),
       static_cast<long long>(max_worker_fds), static_cast<long long>(max_server_fds),
       static_cast<long long>(max_threads));
+  std::printf(
+      "  phases: last fork %.1f ms, last process at main %.1f ms after the first spawn; "
+      "Create() p50 %.1f ms\n"
+      "  CPU summed over the %zu processes: before main (exec, loader, constructors) %.3f s "
+      "(%.2f ms each); Create() %.3f s (workers %.2f ms each, servers %.2f ms each); "
+      "scheduler + launcher %.3f s (whole run)\n",
+      Ms(spawned_ns.load() - launch_ns), Ms(last_main - launch_ns), Ms(creates[creates.size() / 2]),
+      rows.size(), static_cast<double>(cpu_start_sum) / 1e9, Ms(cpu_start_sum) / rows.size(),
+      static_cast<double>(cpu_create_workers + cpu_create_servers) / 1e9,
+      Ms(cpu_create_workers) / f.workers, Ms(cpu_create_servers) / f.servers, launcher_cpu_s);
   std::printf("| %d | %dA%dF | %.0f | %.0f | %.2f | %.3f | %.3f | %.1f | %lld | %lld |\n", n,
               f.workers, f.servers, Ms(last_created - launch_ns), Ms(max_create), Ms(max_b2),
               Ms(p50s[p50s.size() / 2]), Ms(p99s[p99s.size() / 2]),

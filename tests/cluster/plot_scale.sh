@@ -5,9 +5,9 @@
 # docs/images/mesh_scale.png with gnuplot (Debian: gnuplot-nox).
 #   tests/cluster/plot_scale.sh [BUILD_DIR] [PNG] [SPAWN_GAP_US] [DAT]
 # With DAT (an existing file, as this script writes it) only plots it.
-# Needs root (network namespaces). SPAWN_GAP_US (default 2000) starts the
-# participants that far apart: all at once, 128 overrun the scheduler's join
-# cap on a loaded machine (docs/benchmarks.md says why).
+# Needs root (network namespaces). SPAWN_GAP_US (default 2000, as the
+# earlier tables of docs/benchmarks.md) starts the participants that far
+# apart; 0 starts them all at once.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 build=${1:-build}
