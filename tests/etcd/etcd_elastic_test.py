@@ -15,7 +15,9 @@ traffic   processes of stepmesh_elastic_node (workers check every reply byte,
 capacity  stepmesh_etcd_member processes (rendezvous only), 1A1F, capacity
           2A1F: two joiners race for the last free worker rank (exactly one
           gets it, the other RESOURCE_EXHAUSTED naming max_workers and
-          STEPMESH_MAX_WORKERS), a server beyond max_servers likewise; a
+          STEPMESH_MAX_WORKERS) while a barrier is in progress (it passes
+          without the joiner, which takes part in the next one), a server
+          beyond max_servers likewise refused; a
           drain counts the node out at a new epoch while its key stays, its
           Leave then is no loss; the rank is free again for the next joiner.
 """
@@ -203,6 +205,12 @@ def case_capacity():
         w0, s0 = member("worker"), member("server")
         for m in (w0, s0):
             m.expect(r"^joined .* roster 2 .* running 0$", 10)
+        w0.send("barrier")  # barrier 1 is in progress (server 0 not in it yet)
+        deadline = time.monotonic() + 5
+        while "/%s/barriers/1" % prefix not in cluster.keys("/" + prefix):
+            if time.monotonic() > deadline:
+                fail("worker 0 did not enter barrier 1: %s" % cluster.keys("/" + prefix))
+            time.sleep(0.02)
 
         # Two joiners race for worker rank 1, the last one below max_workers=2.
         racers = [member("worker"), member("worker")]
@@ -219,6 +227,15 @@ def case_capacity():
                  % lines[won[0]])
         racers[lost[0]].wait(10)
         w1 = racers[won[0]]
+        # A join during a barrier: barrier 1 passes without the joiner, which
+        # takes part from the next one.
+        s0.send("barrier")
+        for m in (w0, s0):
+            m.expect(r"^barrier ok", 5)
+        for m in (w0, s0, w1):
+            m.send("barrier")
+        for m in (w0, s0, w1):
+            m.expect(r"^barrier ok", 5)
         joined_epoch = int(re.search(r"epoch (\d+)", lines[won[0]]).group(1))
         for m in (w0, s0):
             e = int(re.search(r"epoch (\d+)", m.expect(r"^event joined worker 1 epoch", 10))
