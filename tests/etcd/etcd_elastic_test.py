@@ -17,9 +17,11 @@ capacity  stepmesh_etcd_member processes (rendezvous only), 1A1F, capacity
           gets it, the other RESOURCE_EXHAUSTED naming max_workers and
           STEPMESH_MAX_WORKERS) while a barrier is in progress (it passes
           without the joiner, which takes part in the next one), a server
-          beyond max_servers likewise refused; a
-          drain counts the node out at a new epoch while its key stays, its
-          Leave then is no loss; the rank is free again for the next joiner.
+          beyond max_servers likewise refused; a drain counts the node out at
+          a new epoch while its key stays, a barrier passes without it, its
+          Leave then is no loss; the rank is free again for the next joiner;
+          a barrier whose counter left with its last writer's lease still
+          counts for the joiner after it.
 """
 
 import argparse
@@ -276,9 +278,28 @@ def case_capacity():
         again.expect(r"^joined worker 1 roster 3 .* running 1$", 10)
         for m in (w0, s0):
             m.expect(r"^event joined worker 1 epoch", 10)
-        for m in (again, w0, s0):
+        # A barrier whose counter's last writer leaves: its key goes with that
+        # lease, yet the next joiner still counts barriers from it.
+        for m in (w0, s0):
+            m.send("barrier")
+        time.sleep(0.3)  # both wait in it: the joiner's entry is the last write
+        again.send("barrier")
+        for m in (w0, s0, again):
+            m.expect(r"^barrier ok", 5)
+        again.send("leave")
+        again.expect(r"^left$", 5)
+        again.wait(10)
+        for m in (w0, s0):
+            m.expect(r"^event left worker 1 epoch", 5)
+        third = member("worker")
+        third.expect(r"^joined worker 1 roster 3 .* running 1$", 10)
+        for m in (w0, s0, third):
+            m.send("barrier")
+        for m in (w0, s0, third):
+            m.expect(r"^barrier ok", 5)
+        for m in (third, w0, s0):
             m.send("leave")
-        for m in (again, w0, s0):
+        for m in (third, w0, s0):
             m.expect(r"^left$", 10)
             m.wait(10)
         for m in (w0, s0):

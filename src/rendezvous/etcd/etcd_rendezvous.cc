@@ -86,6 +86,7 @@ struct Member {
   std::string shape;
   std::string proof;
   bool left = false;
+  uint64_t barriers = 0;  // the newest barrier it entered
 };
 
 absl::StatusOr<Member> ParseMember(const KeyValue& kv) {
@@ -105,11 +106,15 @@ absl::StatusOr<Member> ParseMember(const KeyValue& kv) {
                     v["max_servers"].asInt(), v["mesh"].asString());
   m.proof = v["proof"].asString();
   m.left = v["left"].asBool();
+  m.barriers = v["barriers"].asUInt64();
   return m;
 }
 
+// `barriers`: the newest barrier this member entered (a joiner counts its
+// barriers from the mesh's, even when that barrier's counter is gone with
+// the lease of its last writer).
 std::string MemberValue(const MeshOptions& o, const std::string& endpoint, const std::string& proof,
-                        bool left) {
+                        bool left, uint64_t barriers = 0) {
   Json::Value v;
   v["endpoint"] = endpoint;
   v["workers"] = o.num_workers;
@@ -121,6 +126,7 @@ std::string MemberValue(const MeshOptions& o, const std::string& endpoint, const
   v["mesh"] = o.mesh_id;
   v["proof"] = proof;
   v["left"] = left;
+  if (barriers > 0) v["barriers"] = static_cast<Json::UInt64>(barriers);
   Json::StreamWriterBuilder w;
   w["indentation"] = "";
   return Json::writeString(w, v);
@@ -246,11 +252,23 @@ class EtcdRendezvous final : public core::Rendezvous {
       absl::StatusOr<TxnResult> done = client_->Txn(txn, deadline);
       if (!done.ok()) return Named(done.status(), key);
       if (done->succeeded) {
-        base::MutexLock lock(&mu_);
-        int64_t& seen = barrier_count_[seq];
-        seen = std::max(seen, count + 1);
-        if (mod == 0) created = done->revision;  // this txn created the counter
-        if (created != 0) barrier_created_.emplace(seq, created);
+        {
+          base::MutexLock lock(&mu_);
+          int64_t& seen = barrier_count_[seq];
+          seen = std::max(seen, count + 1);
+          if (mod == 0) created = done->revision;  // this txn created the counter
+          if (created != 0) barrier_created_.emplace(seq, created);
+        }
+        // The member key says so too (no event: the endpoint is the same),
+        // keeping "left" if a drain began.
+        const std::string member = MemberKey(prefix_, options_.role, rank_);
+        base::MutexLock lock(&put_mu_);
+        if (!left_.load()) {
+          absl::Status noted =
+              client_->Put(member, MemberValue(options_, endpoint_, proof_, announced_.load(), seq),
+                           lease_, deadline);
+          if (!noted.ok()) return Named(noted, member);
+        }
         break;
       }
       count = 0;
@@ -286,9 +304,10 @@ class EtcdRendezvous final : public core::Rendezvous {
     const absl::Time deadline = absl::Now() + kLeaveBound;
     // Marked left first (unless a drain did), so peers see a goodbye and not
     // a loss when the revoke deletes the key.
+    base::MutexLock lock(&put_mu_);
     if (!announced_.load()) {
-      (void)client_->Put(key, MemberValue(options_, endpoint_, proof_, /*left=*/true), lease_,
-                         deadline);
+      (void)client_->Put(key, MemberValue(options_, endpoint_, proof_, /*left=*/true, Entered()),
+                         lease_, deadline);
     }
     if (client_->Revoke(lease_, absl::Now() + kLeaveBound).ok()) revoked_ = true;
   }
@@ -304,10 +323,12 @@ class EtcdRendezvous final : public core::Rendezvous {
       base::MutexLock lock(&mu_);
       if (!fatal_.ok()) return fatal_;
     }
+    base::MutexLock lock(&put_mu_);
     if (announced_.exchange(true)) return absl::OkStatus();
     const std::string key = MemberKey(prefix_, options_.role, rank_);
-    absl::Status put = client_->Put(key, MemberValue(options_, endpoint_, proof_, /*left=*/true),
-                                    lease_, absl::Now() + kLeaveBound);
+    absl::Status put =
+        client_->Put(key, MemberValue(options_, endpoint_, proof_, /*left=*/true, Entered()),
+                     lease_, absl::Now() + kLeaveBound);
     if (!put.ok()) {
       announced_.store(false);
       return Named(put, key);
@@ -341,6 +362,11 @@ class EtcdRendezvous final : public core::Rendezvous {
           ": use another prefix (etcd://.../PREFIX) or mesh id"));
     }
     return absl::OkStatus();
+  }
+
+  uint64_t Entered() {
+    base::MutexLock lock(&mu_);
+    return barrier_sent_;
   }
 
   // Whether the mesh formed already: its start shape was complete once
@@ -390,7 +416,7 @@ class EtcdRendezvous final : public core::Rendezvous {
         const std::string proof = Proof(options_.auth_token, key, endpoint_, Shape(options_));
         absl::StatusOr<TxnResult> t =
             client_->Txn(CreateIfAbsent(key, MemberValue(options_, endpoint_, proof, false), lease_,
-                                        barriers_dir_),
+                                        prefix_ + "/"),
                          deadline);
         if (!t.ok()) return Named(t.status(), key);
         if (t->succeeded) {
@@ -400,13 +426,18 @@ class EtcdRendezvous final : public core::Rendezvous {
           joined_ = true;
           joined_running_ = formed;
           // Barriers begun before this join pass without it (the others do
-          // not count it for them): this node's barriers count from the newest.
+          // not count it for them): this node's barriers count from the
+          // newest, as its counter or a member's key (read at the claim's
+          // revision) says.
           base::MutexLock lock(&mu_);
           for (const KeyValue& kv : t->range) {
             absl::string_view seq = kv.key;
             uint64_t n = 0;
             if (absl::ConsumePrefix(&seq, barriers_dir_) && absl::SimpleAtoi(seq, &n)) {
               barrier_sent_ = std::max(barrier_sent_, n);
+            } else if (NodeOfKey(kv.key, members_dir_) != kNoNode) {
+              absl::StatusOr<Member> m = ParseMember(kv);
+              if (m.ok()) barrier_sent_ = std::max(barrier_sent_, m->barriers);
             }
           }
           return absl::OkStatus();
@@ -739,6 +770,9 @@ class EtcdRendezvous final : public core::Rendezvous {
   std::thread keeper_;
   core::PeerEventThread peer_events_;
 
+  // Orders this node's writes of its member key (a barrier's note, the
+  // drain's and the leave's "left"): a later one never undoes "left".
+  base::Mutex put_mu_;
   mutable base::Mutex mu_;
   std::map<NodeId, State> state_ ABSL_GUARDED_BY(mu_);
   std::map<NodeId, std::string> endpoints_ ABSL_GUARDED_BY(mu_);
