@@ -10,7 +10,9 @@
 //                                  another shape or capacity is refused
 //   PREFIX/members/worker/00003    {"endpoint", "workers", "servers",
 //   PREFIX/members/server/00000     ["max_workers", "max_servers"], "mesh",
-//                                   "proof", "left"}: one per participant
+//                                   "proof", "left", ["barriers"]}: one per
+//                                   participant ("barriers": the newest
+//                                   barrier it entered)
 //   PREFIX/formed                  the start shape was complete once: the
 //                                  mesh runs, joiners take ranks up to the
 //                                  capacity (rewritten by a member when its
@@ -35,7 +37,8 @@
 // barriers compare-and-swap on the counter (txn on its mod_revision),
 //          released when the watch shows it at the count of live members
 //          that joined before the counter was created (a joiner skips the
-//          barriers begun before it: it read them in its claim's txn);
+//          barriers begun before it: its claim's txn reads the prefix, the
+//          counters and the members' "barriers", at the claim's revision);
 // liveness a lease of TTL options.timeout (at least 2 s), kept alive every
 //          third of it; the mesh token (options.auth_token) signs each
 //          member value (HMAC), so a writer without it cannot add an endpoint.
