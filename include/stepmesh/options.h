@@ -154,8 +154,8 @@ struct STEPMESH_EXPORT MeshOptions {
   // scheduler refuses one whose capacity differs. Per-peer state is sized for
   // it at creation: a server's receive and reply regions hold max_workers
   // slots, a worker addresses server ranks [0, max_servers); so a join
-  // registers nothing new. Only the scheduler rendezvous changes membership;
-  // etcd and the framework store refuse a capacity above the start shape.
+  // registers nothing new. The scheduler and etcd rendezvous change
+  // membership; the framework store refuses a capacity above the start shape.
   int max_workers = 0;
   int max_servers = 0;
   int WorkerCapacity() const { return max_workers > 0 ? max_workers : num_workers; }

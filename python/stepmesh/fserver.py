@@ -36,6 +36,15 @@ How StepMesh's implicit rules map onto stepmesh's explicit registration:
   dtype such as bfloat16 without torch comes as a ``stepmesh.TensorSlice``).
 * ``respond_vec`` gives each handler *its own* rows of ``ret_buffer``
   (consecutive, in handler order), where StepMesh slices row 0 for everyone.
+* Membership (docs/elastic.md). StepMesh's shape is fixed at start
+  (``DMLC_NUM_WORKER``/``DMLC_NUM_SERVER``; ps-lite's ``NumWorkers()``/
+  ``NumServers()``/``MyRank()``, and ``Finalize`` as the only goodbye, a
+  barrier of everyone). Here ``membership()``, ``wait_membership_change()``
+  and ``leave()`` are stepmesh's ``Worker``/``Server`` ``membership``,
+  ``wait_membership_change`` and ``leave`` with the same semantics (epochs,
+  drains); ``leave()`` is the goodbye of one participant alone, where
+  ``stop()`` is StepMesh's collective one. A ``get_batch()`` after a worker
+  left holds the remaining workers' requests only.
 
 docs/python.md has the migration notes and every remaining difference.
 """
@@ -387,12 +396,15 @@ class _Mesh:
         if len(payload) > _ANNOUNCE_BYTES:
             raise ValueError(f"too many new keys in one call ({len(payload)} bytes of metadata)")
         self.announce.numpy()[: len(payload)] = np.frombuffer(payload, np.uint8)
+        # To the servers of the current membership (a push to every server
+        # goes there too); one that drained or was lost is not asked.
+        servers = self.worker.membership.servers
         req = self.worker.push_pull([(_ANNOUNCE_KEY, len(payload))],
-                                    [(_ACK_KEY, s) for s in range(self.num_servers)],
+                                    [(_ACK_KEY, s) for s in servers],
                                     stage=self._next_stage())
         self.worker.wait(req, self.timeout)
-        for s, ack in enumerate(self.acks):
-            if int(ack.numpy()[0]) != 0:
+        for s in servers:
+            if int(self.acks[s].numpy()[0]) != 0:
                 raise stepmesh.FailedPrecondition(
                     f"server {s} refused the key announcement {notes} (see its log)")
         for kind in ("push", "pull"):
@@ -575,6 +587,18 @@ class _Mesh:
                 node.barrier()
             finally:
                 node.close()
+        self._stop_schedulers()
+
+    def leave(self, timeout_s: float) -> None:
+        """This participant alone leaves in order (Worker/Server.leave: a drain)."""
+        node = self.worker or self.server
+        try:
+            if node is not None:
+                node.leave(timeout_s)
+        finally:
+            self._stop_schedulers()
+
+    def _stop_schedulers(self) -> None:
         # StepMesh's scheduler waits as long as its participants run (a dead one
         # is lost by heartbeat, STEPMESH_TIMEOUT of silence), however long the job.
         try:
@@ -613,6 +637,53 @@ def stop() -> None:
         mesh, _state = _state, None
     if mesh is not None:
         mesh.close()
+
+
+def _participant():
+    m = _mesh()
+    node = m.worker or m.server
+    if node is None:
+        raise RuntimeError(f"stepmesh.fserver: this process is a {m.role}, not a participant")
+    return node
+
+
+def membership() -> stepmesh.Membership:
+    """The mesh membership as this process last heard it (``stepmesh.Membership``:
+    ``epoch``, ``workers``, ``servers``; ranks ascending). Epoch 0 is the shape
+    the mesh formed with; every join, leave (or start of a drain) and loss after
+    it is the next, the same number at every participant (with etcd: the store
+    revision of the change). stepmesh's ``Worker/Server.membership``."""
+    return _participant().membership
+
+
+def wait_membership_change(after_epoch: int, timeout_ms: int = 10000) -> stepmesh.Membership:
+    """Blocks (the GIL released) until the membership's epoch is past
+    ``after_epoch`` and returns it (several changes meanwhile come as one, the
+    newest); ``stepmesh.DeadlineExceeded`` after ``timeout_ms``, ``stepmesh.Cancelled``
+    once this participant left. stepmesh's ``wait_membership_change``."""
+    return _participant().wait_membership_change(after_epoch, timeout_ms / 1000.0)
+
+
+def leave(timeout_ms: int = 10000) -> None:
+    """Leaves the mesh in order, this participant alone, while the others run on
+    (stepmesh's ``leave``, a drain): a worker takes no new ``push_pull`` and waits
+    for what it posted; a server is counted out at once and answers what arrived
+    (keep serving ``get_batch``/``respond`` on another thread until ``get_batch``
+    raises ``stepmesh.Unavailable``). The others hear "left" at a new epoch, never
+    a loss. No barrier, unlike ``stop()`` (StepMesh's ``Finalize``, collective).
+    Past ``timeout_ms`` it leaves anyway and raises ``stepmesh.DeadlineExceeded``.
+    Afterwards the module is as before ``init()``."""
+    global _state
+    _participant()  # a scheduler-only process has nothing to leave
+    mesh = _state
+    try:
+        # The module stays initialised meanwhile: another thread keeps serving
+        # get_batch/respond through it until the drain ends.
+        mesh.leave(timeout_ms / 1000.0)
+    finally:
+        with _lock:
+            if _state is mesh:
+                _state = None
 
 
 def scheduler_address() -> str:

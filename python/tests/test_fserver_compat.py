@@ -104,6 +104,26 @@ def test_simple_notify_program_on_cpu_mock_streams(monkeypatch, runner):
     assert sum("server test done" in o for o in outs) == 1, outs
 
 
+def test_membership_program_a_worker_leaves_alone_and_everyone_hears_the_epoch(monkeypatch,
+                                                                                runner):
+    outs = run_mesh(monkeypatch, runner, "fserver_membership.py", workers=2, servers=1, iters=10)
+    assert sum("worker test done" in o for o in outs) == 1, outs
+    assert sum("worker 1 left" in o for o in outs) == 1, outs
+    assert sum("server test done" in o for o in outs) == 1, outs
+    # The change has one number everywhere: epoch 1, workers [0].
+    assert sum("epoch 1 workers [0] servers [0]" in o for o in outs) == 2, outs
+
+
+def test_server_drain_program_answers_what_it_holds_then_the_worker_pulls_from_one(
+        monkeypatch, runner):
+    outs = run_mesh(monkeypatch, runner, "fserver_server_drain.py", workers=1, servers=2,
+                    iters=10)
+    assert sum("worker test done" in o for o in outs) == 1, outs
+    assert sum("server 1 drained and left" in o for o in outs) == 1, outs
+    assert sum("server test done" in o for o in outs) == 1, outs
+    assert sum("epoch 1 workers [0] servers [0]" in o for o in outs) == 2, outs
+
+
 def test_api_errors_before_init(monkeypatch):
     with pytest.raises(RuntimeError, match="call init"):
         f.push_pull([], [], [], [])

@@ -126,6 +126,25 @@ def test_another_shape_in_the_store_is_refused_naming_the_key():
     assert first_error and "missing worker/0" in str(first_error[0]), first_error
 
 
+def test_a_capacity_above_the_start_shape_is_refused_naming_the_options():
+    # The store's set/get/add/wait cannot hand a rank back or agree on epochs
+    # (docs/elastic.md, "Where it is implemented"): a clear refusal, nothing written.
+    master = master_store()
+    keys = master.num_keys()
+    for cls, extra in ((stepmesh.Worker, {"max_workers": 2}),
+                       (stepmesh.Server, {"max_servers": 3})):
+        start = time.monotonic()
+        with pytest.raises(stepmesh.InvalidArgument,
+                           match=r"max_workers=\d+ for num_workers=1, max_servers=\d+ for "
+                                 r"num_servers=1: STEPMESH_MAX_WORKERS/STEPMESH_MAX_SERVERS\) "
+                                 r"needs the scheduler or etcd rendezvous; the framework store "
+                                 r"runs fixed shapes only"):
+            cls(store=client(master), num_workers=1, num_servers=1, rank=0, transport="tcp",
+                timeout=3.0, **extra)
+        assert time.monotonic() - start < 3.0
+    assert master.num_keys() == keys, "a refused join wrote to the store"
+
+
 def test_a_frozen_server_is_lost_by_heartbeat_and_the_worker_told():
     master = master_store()
     server = proc_util.spawn([os.path.join(HERE, "programs", "store_server.py"),

@@ -61,8 +61,8 @@ absl::Status RequireFixedShape(const MeshOptions& options, absl::string_view ren
       " for num_workers=", options.num_workers, ", max_servers=", options.ServerCapacity(),
       " for num_servers=", options.num_servers,
       ": STEPMESH_MAX_WORKERS/STEPMESH_MAX_SERVERS) "
-      "needs the scheduler rendezvous; ",
-      rendezvous, " runs fixed shapes only"));
+      "needs the scheduler or etcd rendezvous; ",
+      rendezvous, " runs fixed shapes only (docs/elastic.md)"));
 }
 
 ClockSync WallClockAgainstMonotonic() {

@@ -22,8 +22,9 @@
 // epoch 0, each join, leave (or start of a drain) and loss after it the
 // next; a participant joining the running mesh gets the roster of the epoch
 // it joined at. With etcd the epoch is the store revision of the change, and
-// the roster's the revision it was read at. A join into a running mesh is a
-// kJoined event of a node the roster did not hold.
+// the roster's the revision it was read at (so epochs there start high and
+// skip numbers, but every participant gives a change the same one). A join
+// into a running mesh is a kJoined event of a node the roster did not hold.
 
 #include <cstdint>
 #include <functional>
@@ -89,7 +90,7 @@ class Rendezvous {
   // The first step of a drain (Participant::Leave): the others count this
   // node out now ("left", a new epoch) while it stays connected to answer
   // what it received; Leave() follows once it did. FAILED_PRECONDITION where
-  // the rendezvous has no such step (etcd, the framework store: not yet).
+  // the rendezvous has no such step (the framework store, docs/elastic.md).
   virtual absl::Status AnnounceLeaving() {
     return absl::FailedPreconditionError(
         "draining before leaving needs the scheduler rendezvous (this mesh meets through "
@@ -133,8 +134,8 @@ absl::StatusOr<std::unique_ptr<Rendezvous>> JoinScheduler(const MeshOptions& opt
                                                           const std::string& endpoint);
 
 // INVALID_ARGUMENT naming the options when `options` give a capacity above
-// the start shape: `rendezvous` ("etcd", "the framework store") cannot add
-// members to a running mesh yet (docs/elastic.md), only the scheduler does.
+// the start shape: `rendezvous` ("the framework store") cannot add members
+// to a running mesh (docs/elastic.md); the scheduler and etcd do.
 absl::Status RequireFixedShape(const MeshOptions& options, absl::string_view rendezvous);
 
 // This host's wall clock (CLOCK_REALTIME, NTP-disciplined across hosts)

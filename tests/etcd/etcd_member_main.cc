@@ -2,12 +2,16 @@
 // through the composition root (STEPMESH_RENDEZVOUS picks the implementation)
 // advertising a made-up endpoint, prints what it learns, and obeys commands:
 //   stepmesh_etcd_member --role worker|server [--rank R] --workers W --servers S
-//       [--timeout-ms T]     (STEPMESH_RENDEZVOUS and the rest from the environment)
+//       [--max-workers MW --max-servers MS] [--timeout-ms T]
+//       (STEPMESH_RENDEZVOUS and the rest from the environment)
 // stdout, one line each, flushed:
-//   joined <role> <rank> roster <n> epoch <e> ms <join time>  | join failed: <status>
+//   joined <role> <rank> roster <n> epoch <e> ms <join time> running <0|1>
+//                                                             | join failed: <status>
 //   event lost|left|joined <role> <rank> epoch <e>
 //   barrier ok <ms>                                           | barrier failed: <status>
-// stdin commands: "barrier", "leave" (orderly, then exit 0). EOF = leave.
+//   drain announced                                           | drain failed: <status>
+// stdin commands: "barrier", "drain" (AnnounceLeaving: counted out, still
+// connected), "leave" (orderly, then exit 0). EOF = leave.
 
 #include <unistd.h>
 
@@ -61,6 +65,10 @@ int main(int argc, char** argv) {
       options.num_workers = n;
     } else if (flag == "--servers" && numeric) {
       options.num_servers = n;
+    } else if (flag == "--max-workers" && numeric) {
+      options.max_workers = n;
+    } else if (flag == "--max-servers" && numeric) {
+      options.max_servers = n;
     } else if (flag == "--timeout-ms" && numeric) {
       options.timeout = absl::Milliseconds(n);
     } else {
@@ -81,7 +89,8 @@ int main(int argc, char** argv) {
   }
   stepmesh::core::Rendezvous& r = **joined;
   Print(absl::StrCat("joined ", Node(r.self()), " roster ", r.roster().size(), " epoch ",
-                     r.roster_epoch(), " ms ", absl::ToInt64Milliseconds(absl::Now() - start)));
+                     r.roster_epoch(), " ms ", absl::ToInt64Milliseconds(absl::Now() - start),
+                     " running ", r.joined_running() ? 1 : 0));
   r.StartMonitor({.on_membership = [](const stepmesh::core::MembershipEvent& e) {
     using Kind = stepmesh::core::MembershipEvent::Kind;
     const char* kind = e.kind == Kind::kLost ? "lost" : e.kind == Kind::kLeft ? "left" : "joined";
@@ -94,6 +103,9 @@ int main(int argc, char** argv) {
       absl::Status s = r.Barrier(options.timeout);
       Print(s.ok() ? absl::StrCat("barrier ok ", absl::ToInt64Milliseconds(absl::Now() - t))
                    : absl::StrCat("barrier failed: ", s.ToString()));
+    } else if (command == "drain") {
+      absl::Status s = r.AnnounceLeaving();
+      Print(s.ok() ? std::string("drain announced") : absl::StrCat("drain failed: ", s.ToString()));
     } else if (command == "leave") {
       break;
     }

@@ -40,10 +40,11 @@ def fail(message):
 class Member:
     """A stepmesh_etcd_member process: lines of stdout in a queue, commands on stdin."""
 
-    def __init__(self, url, role, rank=-1, workers=2, servers=2, timeout_ms=4000, env=None):
+    def __init__(self, url, role, rank=-1, workers=2, servers=2, timeout_ms=4000, env=None,
+                 extra=None):
         args = [PROGRAMS["stepmesh_etcd_member"], "--role", role, "--rank", str(rank),
                 "--workers", str(workers), "--servers", str(servers),
-                "--timeout-ms", str(timeout_ms)]
+                "--timeout-ms", str(timeout_ms)] + list(extra or [])
         e = dict(os.environ, STEPMESH_RENDEZVOUS=url, STEPMESH_AUTH="off")
         e.update(env or {})
         self.name = "%s %s" % (role, rank)
