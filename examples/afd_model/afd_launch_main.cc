@@ -12,6 +12,7 @@
 //              [--metrics-port P] [--metrics-file PREFIX]
 //              [--hosts NS,... --host-addrs A,...] [--lost-attention A]
 //              [--resize STEP:xAyF ...]
+//              [--autoscale AS.json [--autoscale-every K] --context-growth FROM:TO]
 //
 // Starts the stepmesh scheduler (in this process on a free 127.0.0.1 port,
 // or the stepmesh_scheduler program), X afd_attention and Y afd_ffn
@@ -40,6 +41,12 @@
 // (resize_plan.h, elastic_sync.h, docs/elastic.md): the launcher starts the
 // joiners of a change as the run approaches it, and the report gets one
 // "resize at step S: xAyF -> x'Ay'F (epoch E, T ms)" line per change.
+//
+// --autoscale AS.json (with --emulate-compute) decides those changes while
+// the run decodes, from the workload the attention processes report at its
+// checkpoints, and tells every process over an inherited pipe
+// (autoscale_channel.h); the report compares each shape's measured
+// throughput per instance with the planner's (autoscale_report.h).
 
 #include <arpa/inet.h>
 #include <dirent.h>
@@ -59,10 +66,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -77,6 +86,8 @@
 #include "examples/afd_model/afd_common.h"
 #include "examples/afd_model/afd_engine.h"
 #include "examples/afd_model/afd_report.h"
+#include "examples/afd_model/autoscale_channel.h"
+#include "examples/afd_model/autoscale_report.h"
 #include "examples/afd_model/config.h"
 #include "examples/afd_model/emulated_compute.h"
 #include "examples/afd_model/example_model.h"
@@ -90,6 +101,43 @@ namespace afd::example {
 namespace {
 
 volatile sig_atomic_t g_interrupted = 0;
+// --autoscale: where a child finds its pipe ends (--control-fd, --report-fd).
+constexpr int kChildControlFd = 3;
+constexpr int kChildReportFd = 4;
+
+// One child's --autoscale pipes, the launcher's ends: it writes decisions
+// to `control` and reads an attention instance's reports from `reports`.
+struct ChildPipes {
+  int control = -1;
+  int child_control = -1;  // the child's ends, closed here once it started
+  int child_report = -1;
+  std::unique_ptr<LineReader> reports;
+  ~ChildPipes() {
+    for (int fd : {control, child_control, child_report}) {
+      if (fd >= 0) ::close(fd);
+    }
+    if (reports) ::close(reports->fd());
+  }
+};
+
+// Pipes whose launcher ends are O_CLOEXEC (no other child inherits them)
+// and non-blocking for reading.
+absl::StatusOr<std::unique_ptr<ChildPipes>> MakeChildPipes(bool reports) {
+  auto p = std::make_unique<ChildPipes>();
+  int c[2];
+  if (::pipe2(c, O_CLOEXEC) != 0) return absl::UnavailableError("pipe2 failed");
+  p->child_control = c[0];
+  p->control = c[1];
+  if (reports) {
+    int r[2];
+    if (::pipe2(r, O_CLOEXEC | O_NONBLOCK) != 0) return absl::UnavailableError("pipe2 failed");
+    p->reports = std::make_unique<LineReader>(r[0]);
+    p->child_report = r[1];
+    // The child's end blocks (one short line at a time).
+    ::fcntl(r[1], F_SETFL, 0);
+  }
+  return p;
+}
 void OnSignal(int) { g_interrupted = 1; }
 
 // A child process: stdout/stderr go to files; killed and reaped by PID when
@@ -100,7 +148,8 @@ class Child {
   // (>= 0): the network namespace the child runs in (--hosts).
   static absl::StatusOr<std::unique_ptr<Child>> Start(
       std::string name, const std::vector<std::string>& argv, const std::vector<std::string>& env,
-      const std::string& out_path, const std::string& err_path, int netns_fd = -1) {
+      const std::string& out_path, const std::string& err_path, int netns_fd = -1,
+      int control_fd = -1, int report_fd = -1) {
     std::vector<char*> args;
     for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
@@ -130,6 +179,14 @@ class Child {
       if (netns_fd >= 0 && ::setns(netns_fd, CLONE_NEWNET) != 0) ::_exit(126);
       ::dup2(out, STDOUT_FILENO);
       ::dup2(err, STDERR_FILENO);
+      // --autoscale: the pipe ends become fds 3 and 4 (dup2 clears
+      // FD_CLOEXEC; via fds >= 100 so neither overwrites the other).
+      if (control_fd >= 0) {
+        const int c = ::fcntl(control_fd, F_DUPFD, 100);
+        const int r = report_fd >= 0 ? ::fcntl(report_fd, F_DUPFD, 100) : -1;
+        if (c < 0 || ::dup2(c, kChildControlFd) < 0) ::_exit(125);
+        if (report_fd >= 0 && (r < 0 || ::dup2(r, kChildReportFd) < 0)) ::_exit(125);
+      }
       ::execve(args[0], args.data(), envp.data());
       ::_exit(127);
     }
@@ -251,6 +308,9 @@ struct LaunchFlags {
   std::string metrics_file;        // each process writes PREFIX.worker<a> / PREFIX.server<p>
   Placement placement;             // --hosts: one emulated host per instance
   int lost_attention = -1;         // --lost-attention: cut off by the caller's network fault
+  // --autoscale AS.json: the launcher decides the resizes (docs/elastic.md).
+  std::string autoscale;
+  std::optional<stepmesh::planner::AutoscalePlan> autoscale_plan;
 };
 
 int Fail(absl::string_view line) {
@@ -266,7 +326,13 @@ class Launcher {
         model_(std::move(model)),
         config_(model_.config),
         emulation_(std::move(emulation)),
-        joins_(f_.shape.Schedule()) {}
+        joins_(f_.shape.Schedule()) {
+    if (f_.autoscale_plan) {
+      autoscale_.controller = std::make_unique<stepmesh::planner::AutoscaleController>(
+          *f_.autoscale_plan, f_.shape.attention, f_.shape.ffn);
+      autoscale_.checkpoint = NextCheckpoint(1);
+    }
+  }
   int Run();
 
  private:
@@ -276,6 +342,19 @@ class Launcher {
   absl::Status StartAttention(int a);
   // --resize: starts the joiners of the changes the run approaches.
   absl::Status StartJoiners();
+  // --autoscale: reads the workload reports; once every member's for the
+  // next checkpoint is in, decides and tells every member.
+  absl::Status StepAutoscale(absl::Time now);
+  int NextCheckpoint(int from) const {
+    while (from < f_.shape.steps() && !IsCheckpoint(f_.shape, from)) ++from;
+    return from;
+  }
+  // Writes checkpoint c's decision to every process that is a member at c.
+  absl::Status Tell(const Decision& d, const ResizeSchedule& schedule);
+  // --autoscale: a child's pipes, or null; `reports`: an attention
+  // instance's report pipe too. Appends its flags.
+  absl::StatusOr<std::unique_ptr<ChildPipes>> PipesFor(bool reports,
+                                                       std::vector<std::string>* argv) const;
   std::string ResizeLogPath(int a) const {
     return absl::StrCat(f_.work_dir, "/attention-", a, ".resize");
   }
@@ -323,7 +402,165 @@ class Launcher {
   absl::Time ffn_killed_at_;
   std::optional<absl::Time> decode_started_;  // every attention instance past the barrier
   JoinPlanner joins_;  // --resize: who starts when (the ranks of attention_, ffn_ in order)
+  // --autoscale: the pipes by rank (as attention_, ffn_), the controller,
+  // the checkpoint being decided and the reports in for it.
+  std::vector<std::unique_ptr<ChildPipes>> attention_pipes_, ffn_pipes_;
+  struct {
+    std::unique_ptr<stepmesh::planner::AutoscaleController> controller;
+    int checkpoint = 0;
+    int pending_change = -1;                // a decided change's step, until it is observed
+    std::map<int, WorkloadReport> reports;  // by attention rank
+    std::optional<absl::Time> first_report;
+    int decisions = 0;
+  } autoscale_;
 };
+
+absl::StatusOr<std::unique_ptr<ChildPipes>> Launcher::PipesFor(
+    bool reports, std::vector<std::string>* argv) const {
+  if (!f_.autoscale_plan) return std::unique_ptr<ChildPipes>();
+  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<ChildPipes> p, MakeChildPipes(reports));
+  argv->push_back("--control-fd");
+  argv->push_back(absl::StrCat(kChildControlFd));
+  if (reports) {
+    argv->push_back("--report-fd");
+    argv->push_back(absl::StrCat(kChildReportFd));
+  }
+  return p;
+}
+
+absl::Status Launcher::Tell(const Decision& d, const ResizeSchedule& schedule) {
+  const std::string line = FormatDecision(d);
+  for (int side = 0; side < 2; ++side) {
+    const auto& pipes = side == 0 ? attention_pipes_ : ffn_pipes_;
+    const int ranks = side == 0 ? schedule.Capacity().attention : schedule.Capacity().ffn;
+    for (int r = 0; r < ranks; ++r) {
+      const MemberSpan span = side == 0 ? schedule.AttentionSpan(r) : schedule.FfnSpan(r);
+      if (!span.Contains(d.checkpoint)) continue;
+      const std::string who = absl::StrCat(side == 0 ? "attention " : "ffn ", r);
+      if (r >= static_cast<int>(pipes.size()) || pipes[r] == nullptr) {
+        return absl::InternalError(
+            absl::StrCat(who, " is a member at checkpoint ", d.checkpoint, " but not started"));
+      }
+      ssize_t n;
+      do {
+        n = ::write(pipes[r]->control, line.data(), line.size());
+      } while (n < 0 && errno == EINTR);
+      if (n != static_cast<ssize_t>(line.size())) {
+        return absl::UnavailableError(
+            absl::StrCat("cannot tell ", who, " the decision of checkpoint ", d.checkpoint, ": ",
+                         n < 0 ? std::strerror(errno) : "short write"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Launcher::StepAutoscale(absl::Time now) {
+  if (!autoscale_.controller) return absl::OkStatus();
+  for (size_t a = 0; a < attention_pipes_.size(); ++a) {
+    if (attention_pipes_[a] == nullptr || attention_pipes_[a]->reports == nullptr) continue;
+    std::vector<std::string> lines;
+    const std::string who = absl::StrCat("attention ", a);
+    if (absl::Status s = attention_pipes_[a]->reports->ReadAvailable(&lines); !s.ok()) {
+      return absl::Status(s.code(), absl::StrCat(who, "'s reports: ", s.message()));
+    }
+    for (const std::string& line : lines) {
+      absl::StatusOr<WorkloadReport> r = ParseWorkloadReport(line);
+      if (!r.ok()) return absl::InvalidArgumentError(absl::StrCat(who, ": ", r.status().message()));
+      if (r->checkpoint != autoscale_.checkpoint || autoscale_.reports.count(int(a)) > 0) {
+        return absl::FailedPreconditionError(absl::StrCat(who, " reported checkpoint ",
+                                                          r->checkpoint, " while ",
+                                                          autoscale_.checkpoint, " is decided"));
+      }
+      autoscale_.reports[int(a)] = *r;
+      if (!autoscale_.first_report) autoscale_.first_report = now;
+    }
+  }
+  const int c = autoscale_.checkpoint;
+  if (c >= f_.shape.steps()) return absl::OkStatus();
+  const ResizeSchedule schedule = f_.shape.Schedule();
+  // The reporters: the attention members at c - 1 that stay at c.
+  std::vector<int> missing;
+  int64_t requests = 0, context = 0, micro_batches = 0;
+  for (int a = 0; a < schedule.Capacity().attention; ++a) {
+    const MemberSpan span = schedule.AttentionSpan(a);
+    if (!span.Contains(c - 1) || !span.Contains(c)) continue;
+    auto it = autoscale_.reports.find(a);
+    if (it == autoscale_.reports.end()) {
+      missing.push_back(a);
+      continue;
+    }
+    requests += it->second.requests;
+    context += it->second.context_tokens;
+    micro_batches += it->second.micro_batches;
+  }
+  if (!missing.empty()) {
+    if (autoscale_.first_report && now - *autoscale_.first_report > f_.shape.timeout) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("checkpoint ", c, ": no workload report from attention ",
+                       absl::StrJoin(missing, ", "), " within the mesh timeout (",
+                       absl::FormatDuration(f_.shape.timeout), ") of the first report"));
+    }
+    return absl::OkStatus();
+  }
+  const MeshShape now_shape = schedule.At(f_.shape.steps() - 1);  // with every decided change
+  const stepmesh::planner::ObservedWorkload observed{double(context) / double(requests),
+                                                     double(requests) / double(micro_batches), 0};
+  Decision d{c};
+  std::string verdict = "no change";
+  if (autoscale_.pending_change >= c) {
+    // The reports describe the shape before a decided change: no evidence
+    // about the new one yet.
+    verdict =
+        absl::StrCat("no change (the resize at step ", autoscale_.pending_change, " is under way)");
+  } else {
+    absl::StatusOr<stepmesh::planner::Recommendation> rec =
+        autoscale_.controller->Observe(observed);
+    if (!rec.ok()) {
+      return absl::Status(rec.status().code(),
+                          absl::StrCat("checkpoint ", c, ": ", rec.status().message()));
+    }
+    verdict = absl::StrFormat(
+        "model %s %.6g tokens/s per instance, best %s %.6g (%+.1f %%), streak %d/%d",
+        stepmesh::planner::ShapeName(rec->current.attention, rec->current.ffn),
+        rec->current.throughput_per_instance,
+        stepmesh::planner::ShapeName(rec->best.attention, rec->best.ffn),
+        rec->best.throughput_per_instance, rec->gain * 100, rec->streak,
+        f_.autoscale_plan->confirmations);
+    if (rec->changed) {
+      const MeshShape to{rec->best.attention, now_shape.ffn};
+      if (rec->best.ffn != now_shape.ffn || to.attention < now_shape.attention) {
+        // The launcher grows the attention side only (docs/elastic.md).
+        autoscale_.controller->SetCurrent(now_shape.attention, now_shape.ffn);
+        absl::StrAppend(&verdict, "; ", stepmesh::planner::FormatChange(*rec),
+                        ": not applied (--autoscale grows the attention side only)");
+      } else {
+        d.resize = true;
+        d.step = c + kDecisionLead;
+        d.to = to;
+        absl::StrAppend(&verdict, "\nautoscale: ", stepmesh::planner::FormatChange(*rec),
+                        " -> resize at step ", d.step, ": ", to.Name());
+      }
+    }
+  }
+  // Every member hears the decision before the schedule changes here: the
+  // members at c are the old schedule's.
+  STEPMESH_RETURN_IF_ERROR(Tell(d, schedule));
+  if (d.resize) {
+    f_.shape.resize.push_back(absl::StrCat(d.step, ":", d.to.Name()));
+    joins_.Amend(f_.shape.Schedule());
+    autoscale_.pending_change = d.step;
+    ++autoscale_.decisions;
+  }
+  std::printf("autoscale: checkpoint %d: context %.0f batch %.0f at %s | %s\n", c,
+              observed.mean_context, observed.batch, schedule.At(c).Name().c_str(),
+              verdict.c_str());
+  std::fflush(stdout);
+  autoscale_.reports.clear();
+  autoscale_.first_report.reset();
+  autoscale_.checkpoint = NextCheckpoint(c + 1);
+  return absl::OkStatus();
+}
 
 std::vector<std::string> Launcher::ChildEnvironment() const {
   // The secret travels in the environment (readable only by this user), not
@@ -361,9 +598,9 @@ absl::Status Launcher::StartScheduler() {
     o.role = stepmesh::Role::kScheduler;
     o.num_workers = f_.shape.attention;
     o.num_servers = f_.shape.ffn;
-    if (!f_.shape.resize.empty()) {
-      o.max_workers = f_.shape.Schedule().Capacity().attention;
-      o.max_servers = f_.shape.Schedule().Capacity().ffn;
+    if (f_.shape.elastic()) {
+      o.max_workers = f_.shape.Capacity().attention;
+      o.max_servers = f_.shape.Capacity().ffn;
     }
     // The kernel picks a free port (on host 0 with --hosts).
     o.scheduler = absl::StrCat(f_.placement.address(0), ":0");
@@ -466,11 +703,16 @@ absl::Status Launcher::StartFfn(int p) {
   AppendRunFlags(f_.shape, &argv);
   AppendMetricsFlags(stepmesh::Role::kServer, p, f_.shape.attention + p, &argv);
   AppendTraceFlag(stepmesh::Role::kServer, p, &argv);
+  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<ChildPipes> pipes, PipesFor(false, &argv));
   const std::string base = absl::StrCat(f_.work_dir, "/ffn-", p);
   STEPMESH_ASSIGN_OR_RETURN(
       auto child, Child::Start(absl::StrCat("ffn ", p), argv, env, base + ".out", base + ".err",
-                               f_.placement.netns_fd(host)));
+                               f_.placement.netns_fd(host), pipes ? pipes->child_control : -1));
+  if (pipes) {
+    ::close(std::exchange(pipes->child_control, -1));
+  }
   ffn_.push_back(std::move(child));
+  ffn_pipes_.push_back(std::move(pipes));
   return absl::OkStatus();
 }
 
@@ -493,7 +735,7 @@ absl::Status Launcher::StartAttention(int a) {
   // Progress feeds the progress lines and starts the kill test's clock.
   argv.push_back("--progress");
   argv.push_back(ProgressPath(a));
-  if (!f_.shape.resize.empty()) {
+  if (f_.shape.elastic()) {
     // What each change cost it, and (attention 0, a member throughout) the
     // epochs: the resize lines of the report.
     argv.push_back("--resize-log");
@@ -506,11 +748,20 @@ absl::Status Launcher::StartAttention(int a) {
   AppendRunFlags(f_.shape, &argv);
   AppendMetricsFlags(stepmesh::Role::kWorker, a, a, &argv);
   AppendTraceFlag(stepmesh::Role::kWorker, a, &argv);
+  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<ChildPipes> pipes, PipesFor(true, &argv));
   const std::string base = absl::StrCat(f_.work_dir, "/attention-", a);
-  STEPMESH_ASSIGN_OR_RETURN(auto child,
-                            Child::Start(absl::StrCat("attention ", a), argv, env, base + ".out",
-                                         base + ".err", f_.placement.netns_fd(host)));
+  STEPMESH_ASSIGN_OR_RETURN(
+      auto child,
+      Child::Start(absl::StrCat("attention ", a), argv, env, base + ".out", base + ".err",
+                   f_.placement.netns_fd(host), pipes ? pipes->child_control : -1,
+                   pipes ? pipes->child_report : -1));
+  if (pipes) {
+    // Only the child holds its ends now: its exit closes them.
+    ::close(std::exchange(pipes->child_control, -1));
+    ::close(std::exchange(pipes->child_report, -1));
+  }
   attention_.push_back(std::move(child));
+  attention_pipes_.push_back(std::move(pipes));
   return absl::OkStatus();
 }
 
@@ -594,7 +845,9 @@ bool Launcher::WaitChildren(absl::Time deadline, std::string* why) {
     }
     if (all_done) break;
     const absl::Time now = absl::Now();
-    if (absl::Status s = StartJoiners(); !s.ok()) {
+    absl::Status joined = StartJoiners();
+    if (joined.ok()) joined = StepAutoscale(now);
+    if (absl::Status s = joined; !s.ok()) {
       *why = s.ToString();
       for (auto* group : {&attention_, &ffn_}) {
         for (auto& c : *group) c->Kill();
@@ -790,7 +1043,7 @@ int Launcher::Run() {
   // The report describes whole runs (--lost-attention: the survivors are
   // only checked).
   if (f_.lost_attention < 0) std::printf("\n%s", FormatReport(f_.shape, model_, results).c_str());
-  if (!f_.shape.resize.empty()) {
+  if (f_.shape.elastic()) {
     std::vector<std::string> logs;
     for (size_t a = 0; a < attention_.size(); ++a) logs.push_back(ResizeLogPath(int(a)));
     absl::StatusOr<std::string> lines =
@@ -805,8 +1058,33 @@ int Launcher::Run() {
     }
     std::printf("chrome trace: %s\n", f_.chrome_trace.c_str());
   }
+  if (emulation_ && f_.shape.elastic()) {
+    // Per span of steps between changes: measured against the planner.
+    stepmesh::planner::AutoscalePlan plan;
+    if (f_.autoscale_plan) plan = *f_.autoscale_plan;
+    plan.plan = *emulation_;
+    plan.batch_policy = f_.shape.emulated_batch == "global"
+                            ? stepmesh::planner::BatchPolicy::kGlobal
+                            : stepmesh::planner::BatchPolicy::kPerInstance;
+    const ResizeSchedule schedule = f_.shape.Schedule();
+    absl::StatusOr<std::vector<SegmentComparison>> rows =
+        CompareWithPlanner(f_.shape, schedule, plan, results.front());
+    if (!rows.ok()) return Fail(rows.status().ToString());
+    std::printf("%s", FormatComparison(*rows).c_str());
+    const std::string csv = f_.work_dir + "/throughput.csv";
+    std::ofstream out(csv);
+    out << ThroughputCsv(f_.shape, schedule, plan, results.front());
+    if (out) std::printf("per-step throughput: %s\n", csv.c_str());
+    if (f_.autoscale_plan) {
+      std::printf("autoscale: %d change(s) decided while decoding: %s -> %s\n",
+                  autoscale_.decisions, schedule.start().Name().c_str(),
+                  schedule.At(f_.shape.steps() - 1).Name().c_str());
+    }
+  }
   if (emulation_) {
-    std::printf("%s", FormatEmulationSummary(f_.shape, *emulation_, results).c_str());
+    if (!f_.shape.elastic()) {
+      std::printf("%s", FormatEmulationSummary(f_.shape, *emulation_, results).c_str());
+    }
     std::printf(
         "reference check: PASS (skipped: --emulate-compute replaces the kernels; all "
         "processes succeeded)\n");
@@ -888,9 +1166,27 @@ run shape (passed to every process):
                          and every FFN re-shards the experts; the highest
                          ranks leave (their requests end before STEP, then
                          they drain). The cpu engine (docs/elastic.md)
+  --context-growth FROM:TO
+                         with --emulate-compute: the mean context per request
+                         grows linearly from FROM tokens (step 0) to TO (the
+                         last step); each emulated attention stage takes the
+                         planner's mean KV load at that context
+  --emulated-batch per_instance|global
+                         the emulated slots per attention instance: the plan's
+                         batch, or (global) the start's global batch split
+                         over the step's instances; default per_instance
 
 launcher:
   --deadline-s N         kill everything after N s, default 300
+  --autoscale AS.json    the launcher decides the resizes while the run decodes
+                         (docs/elastic.md, "Autoscale"): every K steps each
+                         attention instance reports its workload over a pipe,
+                         the launcher applies the file's AutoscaleController
+                         (stepmesh_plan --autoscale-out) and tells every
+                         process "no change" or "resize at S: xAyF" (S two
+                         steps on). Needs --emulate-compute and
+                         --context-growth; grows the attention side only
+  --autoscale-every K    the checkpoint interval in steps, default 2
   --progress-s N         a progress line every N s while running (0: none), default 10
   --chrome-trace FILE    write a Chrome trace of the run: every process's
                          stepmesh trace (docs/tracing.md) merged, plus
@@ -981,7 +1277,7 @@ absl::Status Preflight(const LaunchFlags& f, ExampleModel* model,
       return absl::InvalidArgumentError("--inject-wrong-layer needs --expect-failure");
     }
   }
-  if (!f.shape.resize.empty()) {
+  if (f.shape.elastic()) {
     // What a resize run does not combine with (yet): the per-step report
     // tables, traces and emulated summaries assume every instance spans the
     // run; the fault tests and the placement assume a fixed shape.
@@ -992,11 +1288,13 @@ absl::Status Preflight(const LaunchFlags& f, ExampleModel* model,
         {f.placement.enabled(), "--hosts"},
         {!f.scheduler_binary.empty(), "--scheduler-binary"},
         {f.metrics_port > 0, "--metrics-port"},
-        {!f.shape.emulate_compute.empty(), "--emulate-compute"},
     };
     for (const auto& [given, flag] : refused) {
-      if (given)
-        return absl::InvalidArgumentError(absl::StrCat("--resize with ", flag, ": not supported"));
+      if (given) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(f.shape.resize.empty() ? "--autoscale" : "--resize", " with ", flag,
+                         ": not supported"));
+      }
     }
   }
   if (f.kill_ffn_after_ms >= 0 && (f.kill_ffn < -1 || f.kill_ffn >= f.shape.ffn)) {
@@ -1103,6 +1401,29 @@ int Main(int argc, char** argv) {
   f.metrics_port = *metrics_port;
   f.metrics_file = flags->Str("metrics-file", "");
   f.lost_attention = static_cast<int>(*lost_attention);
+  f.autoscale = flags->Str("autoscale", "");
+  absl::StatusOr<int64_t> every = flags->Int("autoscale-every", 2);
+  if (!every.ok()) return UsageError(every.status().message());
+  if (!f.autoscale.empty()) {
+    if (f.shape.emulate_compute.empty() || f.shape.context_growth.empty() ||
+        !f.shape.resize.empty()) {
+      return UsageError(
+          "--autoscale needs --emulate-compute and --context-growth, and decides the resizes "
+          "itself (no --resize)");
+    }
+    absl::StatusOr<stepmesh::planner::AutoscalePlan> plan =
+        stepmesh::planner::ReadAutoscalePlan(f.autoscale);
+    if (!plan.ok()) return UsageError(absl::StrCat("--autoscale: ", plan.status().message()));
+    if (*every < 1 || *every > f.shape.steps()) {
+      return UsageError(absl::StrCat("--autoscale-every ", *every, ": want 1 .. the run's ",
+                                     f.shape.steps(), " steps"));
+    }
+    f.shape.max_attention = std::max(plan->max_attention, f.shape.attention);
+    f.shape.decision_every = static_cast<int>(*every);
+    f.shape.emulated_batch = stepmesh::planner::BatchPolicyName(plan->batch_policy);
+    if (absl::Status s = f.shape.Validate(); !s.ok()) return UsageError(s.message());
+    f.autoscale_plan = *std::move(plan);
+  }
   if (f.lost_attention < -1 || f.lost_attention >= f.shape.attention ||
       (f.lost_attention >= 0 && (f.shape.attention < 2 || f.expect_failure))) {
     return UsageError(absl::StrCat("--lost-attention ", f.lost_attention,
@@ -1136,6 +1457,9 @@ int Main(int argc, char** argv) {
   sa.sa_handler = OnSignal;
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
+  // --autoscale: a child that died closes its pipe; the write fails (EPIPE)
+  // instead of killing the launcher.
+  ::signal(SIGPIPE, SIG_IGN);
 
   // Before any thread starts: the threads the scheduler creates inherit it.
   if (absl::Status s = f.placement.EnterSchedulerHost(); !s.ok()) return Fail(s.message());
