@@ -87,6 +87,7 @@
 #include "examples/afd_model/afd_engine.h"
 #include "examples/afd_model/afd_report.h"
 #include "examples/afd_model/autoscale_channel.h"
+#include "examples/afd_model/autoscale_launch.h"
 #include "examples/afd_model/autoscale_report.h"
 #include "examples/afd_model/config.h"
 #include "examples/afd_model/emulated_compute.h"
@@ -101,45 +102,7 @@ namespace afd::example {
 namespace {
 
 volatile sig_atomic_t g_interrupted = 0;
-// --autoscale: where a child finds its pipe ends (--control-fd, --report-fd).
-constexpr int kChildControlFd = 3;
-constexpr int kChildReportFd = 4;
-
-// One child's --autoscale pipes, the launcher's ends: it writes decisions
-// to `control` and reads an attention instance's reports from `reports`.
-struct ChildPipes {
-  int control = -1;
-  int child_control = -1;  // the child's ends, closed here once it started
-  int child_report = -1;
-  std::unique_ptr<LineReader> reports;
-  ~ChildPipes() {
-    for (int fd : {control, child_control, child_report}) {
-      if (fd >= 0) ::close(fd);
-    }
-    if (reports) ::close(reports->fd());
-  }
-};
-
-// Pipes whose launcher ends are O_CLOEXEC (no other child inherits them)
-// and non-blocking for reading.
-absl::StatusOr<std::unique_ptr<ChildPipes>> MakeChildPipes(bool reports) {
-  auto p = std::make_unique<ChildPipes>();
-  int c[2];
-  if (::pipe2(c, O_CLOEXEC) != 0) return absl::UnavailableError("pipe2 failed");
-  p->child_control = c[0];
-  p->control = c[1];
-  if (reports) {
-    int r[2];
-    if (::pipe2(r, O_CLOEXEC | O_NONBLOCK) != 0) return absl::UnavailableError("pipe2 failed");
-    p->reports = std::make_unique<LineReader>(r[0]);
-    p->child_report = r[1];
-    // The child's end blocks (one short line at a time).
-    ::fcntl(r[1], F_SETFL, 0);
-  }
-  return p;
-}
 void OnSignal(int) { g_interrupted = 1; }
-
 // A child process: stdout/stderr go to files; killed and reaped by PID when
 // dropped while still running.
 class Child {
@@ -327,11 +290,8 @@ class Launcher {
         config_(model_.config),
         emulation_(std::move(emulation)),
         joins_(f_.shape.Schedule()) {
-    if (f_.autoscale_plan) {
-      autoscale_.controller = std::make_unique<stepmesh::planner::AutoscaleController>(
-          *f_.autoscale_plan, f_.shape.attention, f_.shape.ffn);
-      autoscale_.checkpoint = NextCheckpoint(1);
-    }
+    if (f_.autoscale_plan)
+      autoscale_ = std::make_unique<AutoscaleLoop>(*f_.autoscale_plan, f_.shape);
   }
   int Run();
 
@@ -342,19 +302,15 @@ class Launcher {
   absl::Status StartAttention(int a);
   // --resize: starts the joiners of the changes the run approaches.
   absl::Status StartJoiners();
-  // --autoscale: reads the workload reports; once every member's for the
-  // next checkpoint is in, decides and tells every member.
+  // --autoscale: one step of the decision loop; a change decided now
+  // reaches the join plan.
   absl::Status StepAutoscale(absl::Time now);
-  int NextCheckpoint(int from) const {
-    while (from < f_.shape.steps() && !IsCheckpoint(f_.shape, from)) ++from;
-    return from;
-  }
-  // Writes checkpoint c's decision to every process that is a member at c.
-  absl::Status Tell(const Decision& d, const ResizeSchedule& schedule);
-  // --autoscale: a child's pipes, or null; `reports`: an attention
-  // instance's report pipe too. Appends its flags.
+  // --autoscale: a child's pipes (null without), its flags appended.
   absl::StatusOr<std::unique_ptr<ChildPipes>> PipesFor(bool reports,
-                                                       std::vector<std::string>* argv) const;
+                                                       std::vector<std::string>* argv) const {
+    if (autoscale_ == nullptr) return std::unique_ptr<ChildPipes>();
+    return AutoscaleLoop::PipesFor(reports, argv);
+  }
   std::string ResizeLogPath(int a) const {
     return absl::StrCat(f_.work_dir, "/attention-", a, ".resize");
   }
@@ -402,163 +358,18 @@ class Launcher {
   absl::Time ffn_killed_at_;
   std::optional<absl::Time> decode_started_;  // every attention instance past the barrier
   JoinPlanner joins_;  // --resize: who starts when (the ranks of attention_, ffn_ in order)
-  // --autoscale: the pipes by rank (as attention_, ffn_), the controller,
-  // the checkpoint being decided and the reports in for it.
-  std::vector<std::unique_ptr<ChildPipes>> attention_pipes_, ffn_pipes_;
-  struct {
-    std::unique_ptr<stepmesh::planner::AutoscaleController> controller;
-    int checkpoint = 0;
-    int pending_change = -1;                // a decided change's step, until it is observed
-    std::map<int, WorkloadReport> reports;  // by attention rank
-    std::optional<absl::Time> first_report;
-    int decisions = 0;
-  } autoscale_;
+  std::unique_ptr<AutoscaleLoop> autoscale_;  // --autoscale
 };
 
-absl::StatusOr<std::unique_ptr<ChildPipes>> Launcher::PipesFor(
-    bool reports, std::vector<std::string>* argv) const {
-  if (!f_.autoscale_plan) return std::unique_ptr<ChildPipes>();
-  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<ChildPipes> p, MakeChildPipes(reports));
-  argv->push_back("--control-fd");
-  argv->push_back(absl::StrCat(kChildControlFd));
-  if (reports) {
-    argv->push_back("--report-fd");
-    argv->push_back(absl::StrCat(kChildReportFd));
-  }
-  return p;
-}
-
-absl::Status Launcher::Tell(const Decision& d, const ResizeSchedule& schedule) {
-  const std::string line = FormatDecision(d);
-  for (int side = 0; side < 2; ++side) {
-    const auto& pipes = side == 0 ? attention_pipes_ : ffn_pipes_;
-    const int ranks = side == 0 ? schedule.Capacity().attention : schedule.Capacity().ffn;
-    for (int r = 0; r < ranks; ++r) {
-      const MemberSpan span = side == 0 ? schedule.AttentionSpan(r) : schedule.FfnSpan(r);
-      if (!span.Contains(d.checkpoint)) continue;
-      const std::string who = absl::StrCat(side == 0 ? "attention " : "ffn ", r);
-      if (r >= static_cast<int>(pipes.size()) || pipes[r] == nullptr) {
-        return absl::InternalError(
-            absl::StrCat(who, " is a member at checkpoint ", d.checkpoint, " but not started"));
-      }
-      ssize_t n;
-      do {
-        n = ::write(pipes[r]->control, line.data(), line.size());
-      } while (n < 0 && errno == EINTR);
-      if (n != static_cast<ssize_t>(line.size())) {
-        return absl::UnavailableError(
-            absl::StrCat("cannot tell ", who, " the decision of checkpoint ", d.checkpoint, ": ",
-                         n < 0 ? std::strerror(errno) : "short write"));
-      }
-    }
-  }
-  return absl::OkStatus();
-}
-
 absl::Status Launcher::StepAutoscale(absl::Time now) {
-  if (!autoscale_.controller) return absl::OkStatus();
-  for (size_t a = 0; a < attention_pipes_.size(); ++a) {
-    if (attention_pipes_[a] == nullptr || attention_pipes_[a]->reports == nullptr) continue;
-    std::vector<std::string> lines;
-    const std::string who = absl::StrCat("attention ", a);
-    if (absl::Status s = attention_pipes_[a]->reports->ReadAvailable(&lines); !s.ok()) {
-      return absl::Status(s.code(), absl::StrCat(who, "'s reports: ", s.message()));
-    }
-    for (const std::string& line : lines) {
-      absl::StatusOr<WorkloadReport> r = ParseWorkloadReport(line);
-      if (!r.ok()) return absl::InvalidArgumentError(absl::StrCat(who, ": ", r.status().message()));
-      if (r->checkpoint != autoscale_.checkpoint || autoscale_.reports.count(int(a)) > 0) {
-        return absl::FailedPreconditionError(absl::StrCat(who, " reported checkpoint ",
-                                                          r->checkpoint, " while ",
-                                                          autoscale_.checkpoint, " is decided"));
-      }
-      autoscale_.reports[int(a)] = *r;
-      if (!autoscale_.first_report) autoscale_.first_report = now;
-    }
+  if (autoscale_ == nullptr) return absl::OkStatus();
+  std::string log;
+  STEPMESH_ASSIGN_OR_RETURN(const bool changed, autoscale_->Step(now, &f_.shape, &log));
+  if (changed) joins_.Amend(f_.shape.Schedule());
+  if (!log.empty()) {
+    std::printf("%s", log.c_str());
+    std::fflush(stdout);
   }
-  const int c = autoscale_.checkpoint;
-  if (c >= f_.shape.steps()) return absl::OkStatus();
-  const ResizeSchedule schedule = f_.shape.Schedule();
-  // The reporters: the attention members at c - 1 that stay at c.
-  std::vector<int> missing;
-  int64_t requests = 0, context = 0, micro_batches = 0;
-  for (int a = 0; a < schedule.Capacity().attention; ++a) {
-    const MemberSpan span = schedule.AttentionSpan(a);
-    if (!span.Contains(c - 1) || !span.Contains(c)) continue;
-    auto it = autoscale_.reports.find(a);
-    if (it == autoscale_.reports.end()) {
-      missing.push_back(a);
-      continue;
-    }
-    requests += it->second.requests;
-    context += it->second.context_tokens;
-    micro_batches += it->second.micro_batches;
-  }
-  if (!missing.empty()) {
-    if (autoscale_.first_report && now - *autoscale_.first_report > f_.shape.timeout) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("checkpoint ", c, ": no workload report from attention ",
-                       absl::StrJoin(missing, ", "), " within the mesh timeout (",
-                       absl::FormatDuration(f_.shape.timeout), ") of the first report"));
-    }
-    return absl::OkStatus();
-  }
-  const MeshShape now_shape = schedule.At(f_.shape.steps() - 1);  // with every decided change
-  const stepmesh::planner::ObservedWorkload observed{double(context) / double(requests),
-                                                     double(requests) / double(micro_batches), 0};
-  Decision d{c};
-  std::string verdict = "no change";
-  if (autoscale_.pending_change >= c) {
-    // The reports describe the shape before a decided change: no evidence
-    // about the new one yet.
-    verdict =
-        absl::StrCat("no change (the resize at step ", autoscale_.pending_change, " is under way)");
-  } else {
-    absl::StatusOr<stepmesh::planner::Recommendation> rec =
-        autoscale_.controller->Observe(observed);
-    if (!rec.ok()) {
-      return absl::Status(rec.status().code(),
-                          absl::StrCat("checkpoint ", c, ": ", rec.status().message()));
-    }
-    verdict = absl::StrFormat(
-        "model %s %.6g tokens/s per instance, best %s %.6g (%+.1f %%), streak %d/%d",
-        stepmesh::planner::ShapeName(rec->current.attention, rec->current.ffn),
-        rec->current.throughput_per_instance,
-        stepmesh::planner::ShapeName(rec->best.attention, rec->best.ffn),
-        rec->best.throughput_per_instance, rec->gain * 100, rec->streak,
-        f_.autoscale_plan->confirmations);
-    if (rec->changed) {
-      const MeshShape to{rec->best.attention, now_shape.ffn};
-      if (rec->best.ffn != now_shape.ffn || to.attention < now_shape.attention) {
-        // The launcher grows the attention side only (docs/elastic.md).
-        autoscale_.controller->SetCurrent(now_shape.attention, now_shape.ffn);
-        absl::StrAppend(&verdict, "; ", stepmesh::planner::FormatChange(*rec),
-                        ": not applied (--autoscale grows the attention side only)");
-      } else {
-        d.resize = true;
-        d.step = c + kDecisionLead;
-        d.to = to;
-        absl::StrAppend(&verdict, "\nautoscale: ", stepmesh::planner::FormatChange(*rec),
-                        " -> resize at step ", d.step, ": ", to.Name());
-      }
-    }
-  }
-  // Every member hears the decision before the schedule changes here: the
-  // members at c are the old schedule's.
-  STEPMESH_RETURN_IF_ERROR(Tell(d, schedule));
-  if (d.resize) {
-    f_.shape.resize.push_back(absl::StrCat(d.step, ":", d.to.Name()));
-    joins_.Amend(f_.shape.Schedule());
-    autoscale_.pending_change = d.step;
-    ++autoscale_.decisions;
-  }
-  std::printf("autoscale: checkpoint %d: context %.0f batch %.0f at %s | %s\n", c,
-              observed.mean_context, observed.batch, schedule.At(c).Name().c_str(),
-              verdict.c_str());
-  std::fflush(stdout);
-  autoscale_.reports.clear();
-  autoscale_.first_report.reset();
-  autoscale_.checkpoint = NextCheckpoint(c + 1);
   return absl::OkStatus();
 }
 
@@ -708,11 +519,8 @@ absl::Status Launcher::StartFfn(int p) {
   STEPMESH_ASSIGN_OR_RETURN(
       auto child, Child::Start(absl::StrCat("ffn ", p), argv, env, base + ".out", base + ".err",
                                f_.placement.netns_fd(host), pipes ? pipes->child_control : -1));
-  if (pipes) {
-    ::close(std::exchange(pipes->child_control, -1));
-  }
   ffn_.push_back(std::move(child));
-  ffn_pipes_.push_back(std::move(pipes));
+  if (pipes) autoscale_->AddFfn(std::move(pipes));
   return absl::OkStatus();
 }
 
@@ -755,13 +563,8 @@ absl::Status Launcher::StartAttention(int a) {
       Child::Start(absl::StrCat("attention ", a), argv, env, base + ".out", base + ".err",
                    f_.placement.netns_fd(host), pipes ? pipes->child_control : -1,
                    pipes ? pipes->child_report : -1));
-  if (pipes) {
-    // Only the child holds its ends now: its exit closes them.
-    ::close(std::exchange(pipes->child_control, -1));
-    ::close(std::exchange(pipes->child_report, -1));
-  }
   attention_.push_back(std::move(child));
-  attention_pipes_.push_back(std::move(pipes));
+  if (pipes) autoscale_->AddAttention(std::move(pipes));
   return absl::OkStatus();
 }
 
@@ -1077,7 +880,7 @@ int Launcher::Run() {
     if (out) std::printf("per-step throughput: %s\n", csv.c_str());
     if (f_.autoscale_plan) {
       std::printf("autoscale: %d change(s) decided while decoding: %s -> %s\n",
-                  autoscale_.decisions, schedule.start().Name().c_str(),
+                  autoscale_->decisions(), schedule.start().Name().c_str(),
                   schedule.At(f_.shape.steps() - 1).Name().c_str());
     }
   }
