@@ -99,7 +99,7 @@ std::string FormatComparison(const std::vector<SegmentComparison>& rows) {
 
 std::string ThroughputCsv(const RunShape& run, const ResizeSchedule& schedule,
                           const planner::AutoscalePlan& plan, const AttentionResults& a0) {
-  std::string out = "step,shape,context,tokens_per_s_per_instance\n";
+  std::string out = "step,shape,context,measured,predicted\n";
   const int plan_batch = plan.plan.workload.batch;
   for (int s = 2; s < std::min<int>(a0.steps, run.steps()); ++s) {
     const MeshShape shape = schedule.At(s);
@@ -107,7 +107,11 @@ std::string ThroughputCsv(const RunShape& run, const ResizeSchedule& schedule,
     if (from == 0 || to <= from) continue;
     const double per_s = TokensAt(run, shape, plan_batch) / (double(to - from) * 1e-9) *
                          plan.plan.emulation.time_scale / (shape.attention + shape.ffn);
-    absl::StrAppendFormat(&out, "%d,%s,%.0f,%.6g\n", s, shape.Name(), ContextOf(a0, s), per_s);
+    const int b = run.VirtualBatch(plan_batch, shape.attention);
+    absl::StatusOr<planner::RatioPrediction> p = planner::Predict(
+        plan, {ContextOf(a0, s), double(b), 0}, shape.attention, shape.attention, shape.ffn);
+    absl::StrAppendFormat(&out, "%d,%s,%.0f,%.6g,%.6g\n", s, shape.Name(), ContextOf(a0, s), per_s,
+                          p.ok() ? p->throughput_per_instance : 0.0);
   }
   return out;
 }

@@ -36,8 +36,9 @@ absl::StatusOr<std::vector<SegmentComparison>> CompareWithPlanner(
 // tokens/s per instance, predicted 830.1 (planner), -2.1 %" per span.
 std::string FormatComparison(const std::vector<SegmentComparison>& rows);
 
-// Per decode step: "step,shape,context,tokens_per_s_per_instance" (model
-// time), for scripts/plot-autoscale.py.
+// Per decode step: "step,shape,context,measured,predicted", the throughput
+// per instance in model time, measured from the step's end to the next and
+// planner::Predict's at the step's context (plot_autoscale.py draws it).
 std::string ThroughputCsv(const RunShape& run, const ResizeSchedule& schedule,
                           const stepmesh::planner::AutoscalePlan& plan,
                           const AttentionResults& attention0);
