@@ -10,9 +10,13 @@
 //                 [--metrics-port P] [--metrics-file FILE]  (docs/metrics.md)
 //                 [--chrome-trace FILE]  (the worker's stepmesh trace, docs/tracing.md;
 //                                         needs STEPMESH_TRACE_EVENTS)
+//                 [--control-fd N --report-fd N]  (afd_launch --autoscale: the
+//                                  decisions' and the reports' pipes)
 //                 [run flags: --model (or --config) --attention --ffn --requests
 //                  --prompt-len --decode-steps --micro-batches --transport --backend
-//                  --poll-mode --engine --kv-cache --timeout-ms] [--device N]
+//                  --poll-mode --engine --kv-cache --timeout-ms --emulate-compute
+//                  --resize --context-growth --emulated-batch --max-attention
+//                  --decision-every] [--device N]
 //
 // Pipeline: the instance's requests are split into micro-batches, each with
 // its own pre-registered wire tensors, StepState and backend stream. The main

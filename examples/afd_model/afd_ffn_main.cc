@@ -8,6 +8,8 @@
 //           [--metrics-port P] [--metrics-file FILE]  (docs/metrics.md)
 //           [--chrome-trace FILE]  (the server's stepmesh trace, docs/tracing.md;
 //                                   needs STEPMESH_TRACE_EVENTS)
+//           [--control-fd N]  (afd_launch --autoscale: the decisions' pipe,
+//                              autoscale_channel.h)
 //
 // Every micro-batch has its own recv regions (codes, scales, topk ids, topk
 // weights; one slot per attention instance) and reply region. A batch holds
