@@ -3,8 +3,6 @@
 // schedule amendment, and the launcher's decision loop over real pipes
 // (AutoscaleLoop with the shipped emulated Step-3 autoscale file).
 
-#include "src/tools/planner/autoscale.h"
-
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -15,7 +13,7 @@
 #include "absl/strings/match.h"
 #include "examples/afd_model/afd_common.h"
 #include "examples/afd_model/autoscale_channel.h"
-#include "examples/afd_model/autoscale_launch.h"
+#include "examples/afd_model/autoscale_launch.h"  // and the planner's autoscale file
 #include "examples/afd_model/resize_plan.h"
 
 namespace afd::example {
