@@ -10,9 +10,13 @@
 //                 [--metrics-port P] [--metrics-file FILE]  (docs/metrics.md)
 //                 [--chrome-trace FILE]  (the worker's stepmesh trace, docs/tracing.md;
 //                                         needs STEPMESH_TRACE_EVENTS)
+//                 [--control-fd N --report-fd N]  (afd_launch --autoscale: the
+//                                  decisions' and the reports' pipes)
 //                 [run flags: --model (or --config) --attention --ffn --requests
 //                  --prompt-len --decode-steps --micro-batches --transport --backend
-//                  --poll-mode --engine --kv-cache --timeout-ms] [--device N]
+//                  --poll-mode --engine --kv-cache --timeout-ms --emulate-compute
+//                  --resize --context-growth --emulated-batch --max-attention
+//                  --decision-every] [--device N]
 //
 // Pipeline: the instance's requests are split into micro-batches, each with
 // its own pre-registered wire tensors, StepState and backend stream. The main
@@ -38,6 +42,7 @@
 #include "absl/strings/str_split.h"
 #include "examples/afd_model/afd_common.h"
 #include "examples/afd_model/afd_engine.h"
+#include "examples/afd_model/autoscale_channel.h"
 #include "examples/afd_model/config.h"
 #include "examples/afd_model/elastic_sync.h"
 #include "examples/afd_model/example_model.h"
@@ -102,6 +107,11 @@ class AttentionInstance {
   const AttentionResults& results() const { return results_; }
   // --resize: "resize S took NS" per change this instance crossed.
   void SetResizeLog(std::string path) { resize_log_ = std::move(path); }
+  // --autoscale: the inherited pipe ends.
+  void SetControl(int control_fd, int report_fd) {
+    control_ =
+        std::make_unique<ControlChannel>(absl::StrCat("attention ", rank_), control_fd, report_fd);
+  }
   // --resize (attention 0): every membership epoch heard, until Finish.
   absl::Status StartEpochLog(const std::string& path);
   // --metrics-port: the worker's Stats() over HTTP until Finish.
@@ -142,6 +152,10 @@ class AttentionInstance {
   // barriers.
   absl::Status CrossChange(int step);
   void StopEpochLog();
+  // --autoscale: checkpoint at global step `step` (local `local`): report
+  // the workload of the step before, read the launcher's decision, amend
+  // the schedule (autoscale_channel.h).
+  absl::Status Checkpoint(int step, int local);
   absl::Status WaitReply(MicroBatch& mb);
   absl::Status Launch(int step, int layer, MicroBatch& mb);
   void SizeResults();
@@ -152,11 +166,12 @@ class AttentionInstance {
   const ModelConfig& config_;  // model_.config
   const int rank_;
   const bool dump_layers_;
-  const ResizeSchedule schedule_;
-  const MemberSpan span_;  // global steps this instance is a member for
-  const std::vector<int> change_steps_;
-  std::vector<int> partitions_;    // F of each step of the instance
-  std::vector<int> server_ranks_;  // 0 .. capacity - 1 (Push::servers)
+  ResizeSchedule schedule_;  // --autoscale amends it at checkpoints
+  const MemberSpan span_;    // global steps this instance is a member for
+  std::vector<int> change_steps_;
+  std::unique_ptr<ControlChannel> control_;  // --autoscale
+  std::vector<int> partitions_;              // F of each step of the instance
+  std::vector<int> server_ranks_;            // 0 .. capacity - 1 (Push::servers)
   std::string resize_log_;
   std::unique_ptr<std::thread> epoch_log_;
   std::atomic<bool> epoch_log_stop_{false};
@@ -219,6 +234,15 @@ absl::Status AttentionInstance::Init(const std::string& scheduler, int device) {
       params.partitions_per_step.push_back(PartitionsAt(local));
     }
   }
+  if (!run_.context_growth.empty()) {
+    // The step's context, and its B from the shape the (amended) schedule
+    // gives the step.
+    params.emulated_load = [this](int local, int plan_batch) {
+      const int global = Global(local);
+      return EmulatedLoad{run_.ContextAt(global),
+                          run_.VirtualBatch(plan_batch, schedule_.At(global).attention)};
+    };
+  }
   const std::vector<int32_t> all =
       GeneratePromptTokens(config_, shape_.attention * shape_.requests, shape_.prompt_len);
   for (int r = 0; r < shape_.requests; ++r) {
@@ -274,9 +298,8 @@ absl::Status AttentionInstance::Init(const std::string& scheduler, int device) {
       if (mb.prepared_step[f] != -1) continue;
       mb.prepared_step[f] = -2;  // prepared, no byte counts yet
       // A fixed run addresses every server (empty); an elastic one names them.
-      const absl::Span<const int> servers = schedule_.empty()
-                                                ? absl::Span<const int>()
-                                                : absl::Span<const int>(server_ranks_).first(f);
+      const absl::Span<const int> servers =
+          !run_.elastic() ? absl::Span<const int>() : absl::Span<const int>(server_ranks_).first(f);
       const stepmesh::Push pushes[kA2FTensors] = {
           {PushKey(m, A2FTensor::kCodes), stepmesh::kWholeTensor, servers},
           {PushKey(m, A2FTensor::kScales), stepmesh::kWholeTensor, servers},
@@ -433,6 +456,37 @@ absl::Status AttentionInstance::StartEpochLog(const std::string& path) {
   return absl::OkStatus();
 }
 
+absl::Status AttentionInstance::Checkpoint(int step, int local) {
+  if (span_.begin < step) {
+    // What its engine ran at step - 1 (layer 0 of every micro-batch; that
+    // stage's reply was awaited before layer 1 went out).
+    if (config_.num_layers < 2) {
+      for (MicroBatch& mb : micro_batches_) STEPMESH_RETURN_IF_ERROR(WaitReply(mb));
+    }
+    WorkloadReport r{step, 0, 0, shape_.micro_batches};
+    for (int m = 0; m < shape_.micro_batches; ++m) {
+      const StageTiming& t = results_.attention[results_.StageIndex(local - 1, 0, m)];
+      r.requests += t.rows;
+      r.context_tokens += t.kv_tokens;
+    }
+    STEPMESH_RETURN_IF_ERROR(control_->Report(r));
+  }
+  STEPMESH_ASSIGN_OR_RETURN(const Decision d, control_->Await(step, shape_.timeout));
+  if (!d.resize) return absl::OkStatus();
+  const MeshShape now = schedule_.At(d.step - 1);
+  if (d.to.ffn != now.ffn || d.to.attention < now.attention) {
+    return absl::UnimplementedError(absl::StrCat("attention ", rank_, ": checkpoint ", step, ": ",
+                                                 now.Name(), " -> ", d.to.Name(),
+                                                 ": --autoscale grows the attention side only"));
+  }
+  if (absl::Status s = schedule_.Append(d.step, d.to); !s.ok()) {
+    return absl::Status(
+        s.code(), absl::StrCat("attention ", rank_, ": checkpoint ", step, ": ", s.message()));
+  }
+  change_steps_ = ChangeStepsOf(schedule_, span_);
+  return absl::OkStatus();
+}
+
 void AttentionInstance::StopEpochLog() {
   if (epoch_log_ == nullptr) return;
   epoch_log_stop_.store(true);
@@ -448,6 +502,9 @@ absl::Status AttentionInstance::Run() {
   size_t next_change = 0;
   for (int step = 0; step < shape_.steps(); ++step) {
     bool joined_now = false;
+    if (control_ && IsCheckpoint(run_, Global(step))) {
+      STEPMESH_RETURN_IF_ERROR(Checkpoint(Global(step), step));
+    }
     if (next_change < change_steps_.size() && change_steps_[next_change] == Global(step)) {
       STEPMESH_RETURN_IF_ERROR(CrossChange(Global(step)));
       joined_now = step == 0;  // its layer 0 went out between the barriers
@@ -496,6 +553,8 @@ int Main(int argc, char** argv) {
   const std::string trace_file = flags->Str("chrome-trace", "");
   const std::string resize_log = flags->Str("resize-log", "");
   const std::string epoch_log = flags->Str("epoch-log", "");
+  absl::StatusOr<int64_t> control_fd = flags->Int("control-fd", -1);
+  absl::StatusOr<int64_t> report_fd = flags->Int("report-fd", -1);
   absl::StatusOr<int64_t> metrics_port = flags->Int("metrics-port", 0);
   Progress wrong_layer;
   if (const std::string inject = flags->Str("inject-wrong-layer", ""); !inject.empty()) {
@@ -513,6 +572,13 @@ int Main(int argc, char** argv) {
   if (st.ok() && (!rank.ok() || !device.ok())) st = !rank.ok() ? rank.status() : device.status();
   if (st.ok() && (!metrics_port.ok() || *metrics_port < 0 || *metrics_port > 65535)) {
     st = absl::InvalidArgumentError("--metrics-port wants a port in [0, 65535]");
+  }
+  if (st.ok() &&
+      (!control_fd.ok() || !report_fd.ok() || (*control_fd >= 0) != (shape->decision_every > 0) ||
+       *control_fd > 1023 || (*control_fd >= 0 && (*report_fd < 0 || *report_fd > 1023)))) {
+    st = absl::InvalidArgumentError(
+        "--decision-every needs --control-fd and --report-fd (inherited pipe ends, "
+        "afd_launch --autoscale) and they need it");
   }
   if (st.ok() && (scheduler.empty() || *rank < 0 || *rank >= shape->ForFfn().attention)) {
     st = absl::InvalidArgumentError(
@@ -540,6 +606,9 @@ int Main(int argc, char** argv) {
   if (wrong_layer.step >= 0) instance.InjectWrongLayer(wrong_layer.step, wrong_layer.layer);
   if (!progress_path.empty()) st = instance.OpenProgress(progress_path);
   instance.SetResizeLog(resize_log);
+  if (*control_fd >= 0) {
+    instance.SetControl(static_cast<int>(*control_fd), static_cast<int>(*report_fd));
+  }
   if (st.ok()) st = instance.Init(scheduler, static_cast<int>(*device));
   if (st.ok() && !epoch_log.empty()) st = instance.StartEpochLog(epoch_log);
   if (st.ok() && *metrics_port > 0) st = instance.ServeMetrics(static_cast<int>(*metrics_port));

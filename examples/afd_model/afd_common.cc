@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -139,6 +140,40 @@ absl::Status RunShape::Validate() const {
   }
   if (timeout <= absl::ZeroDuration())
     return absl::InvalidArgumentError("--timeout-ms must be > 0");
+  if (!context_growth.empty()) {
+    int from = 0, to = 0;
+    if (!ParseContextGrowth(context_growth, &from, &to)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--context-growth ", context_growth,
+          ": want FROM:TO, the mean context per request in tokens at the first and the last "
+          "step, each in [1, 16777216] (e.g. 1024:8192)"));
+    }
+    if (emulate_compute.empty()) {
+      return absl::InvalidArgumentError(
+          "--context-growth needs --emulate-compute (the emulated attention follows the "
+          "context; the model's own requests grow by one token a step)");
+    }
+  }
+  if (emulated_batch != "per_instance" && emulated_batch != "global") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--emulated-batch ", emulated_batch, ": must be per_instance or global"));
+  }
+  if (emulated_batch == "global" && context_growth.empty()) {
+    return absl::InvalidArgumentError(
+        "--emulated-batch global needs --context-growth (the planner's mean load per step)");
+  }
+  if (max_attention < 0 || (max_attention > 0 && max_attention < attention) || decision_every < 0 ||
+      (decision_every > 0) != (max_attention > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-attention ", max_attention, " / --decision-every ", decision_every,
+                     ": both or neither (afd_launch --autoscale sets them), the capacity at least "
+                     "--attention ",
+                     attention, ", a checkpoint every K >= 1 steps"));
+  }
+  if (max_attention > 0 && !resize.empty() && Schedule().Capacity().attention > max_attention) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--resize grows past --max-attention ", max_attention));
+  }
   if (!resize.empty()) {
     STEPMESH_RETURN_IF_ERROR(ResizeSchedule::Parse({attention, ffn}, steps(), resize).status());
     // Re-sharding and per-step partition counts are the host-function
@@ -152,26 +187,54 @@ absl::Status RunShape::Validate() const {
   return absl::OkStatus();
 }
 
+bool ParseContextGrowth(absl::string_view text, int* from, int* to) {
+  const size_t colon = text.find(':');
+  return colon != absl::string_view::npos && absl::SimpleAtoi(text.substr(0, colon), from) &&
+         absl::SimpleAtoi(text.substr(colon + 1), to) && *from >= 1 && *to >= 1 &&
+         *from <= (1 << 24) && *to <= (1 << 24);
+}
+
 ResizeSchedule RunShape::Schedule() const {
   absl::StatusOr<ResizeSchedule> s = ResizeSchedule::Parse({attention, ffn}, steps(), resize);
   return s.ok() ? *std::move(s) : ResizeSchedule({attention, ffn}, steps());
 }
 
+MeshShape RunShape::Capacity() const {
+  MeshShape cap = Schedule().Capacity();
+  cap.attention = std::max(cap.attention, max_attention);
+  return cap;
+}
+
+double RunShape::ContextAt(int step) const {
+  int from = 0, to = 0;
+  if (!ParseContextGrowth(context_growth, &from, &to)) return 0;
+  if (steps() <= 1) return from;
+  return from + (to - from) * static_cast<double>(step) / (steps() - 1);
+}
+
+int RunShape::VirtualBatch(int plan_batch, int instances) const {
+  if (emulated_batch != "global" || instances <= 0) return plan_batch;
+  // The global batch of the start shape, split over the step's instances
+  // (rounded, as planner::Predict does).
+  const double b = std::round(double(plan_batch) * attention / instances);
+  return static_cast<int>(std::max(1.0, b));
+}
+
 RunShape RunShape::ForAttention(int rank) const {
-  if (resize.empty()) return *this;
+  if (!elastic()) return *this;
   const ResizeSchedule schedule = Schedule();
   RunShape s = *this;
-  s.attention = schedule.Capacity().attention;
-  s.ffn = schedule.Capacity().ffn;
+  s.attention = Capacity().attention;
+  s.ffn = Capacity().ffn;
   s.decode_steps = schedule.AttentionSpan(rank).steps() - 1;
   return s;
 }
 
 RunShape RunShape::ForFfn() const {
-  if (resize.empty()) return *this;
+  if (!elastic()) return *this;
   RunShape s = *this;
-  s.attention = Schedule().Capacity().attention;
-  s.ffn = Schedule().Capacity().ffn;
+  s.attention = Capacity().attention;
+  s.ffn = Capacity().ffn;
   return s;
 }
 
@@ -366,6 +429,12 @@ absl::StatusOr<RunShape> ParseRunFlags(Flags& flags) {
   s.kv_cache = flags.Str("kv-cache", s.kv_cache);
   s.emulate_compute = flags.Str("emulate-compute", "");
   s.resize = flags.All("resize");
+  for (auto [name, field] : std::initializer_list<std::pair<absl::string_view, int*>>{
+           {"max-attention", &s.max_attention}, {"decision-every", &s.decision_every}}) {
+    if (absl::Status st = read_int(name, field); !st.ok()) return st;
+  }
+  s.context_growth = flags.Str("context-growth", "");
+  s.emulated_batch = flags.Str("emulated-batch", s.emulated_batch);
   absl::StatusOr<int64_t> timeout_ms =
       flags.Int("timeout-ms", absl::ToInt64Milliseconds(s.timeout));
   if (!timeout_ms.ok()) return timeout_ms.status();
@@ -394,6 +463,10 @@ void AppendRunFlags(const RunShape& s, std::vector<std::string>* argv) {
   add("timeout-ms", absl::StrCat(absl::ToInt64Milliseconds(s.timeout)));
   if (!s.emulate_compute.empty()) add("emulate-compute", s.emulate_compute);
   for (const std::string& spec : s.resize) add("resize", spec);
+  if (s.max_attention > 0) add("max-attention", absl::StrCat(s.max_attention));
+  if (s.decision_every > 0) add("decision-every", absl::StrCat(s.decision_every));
+  if (!s.context_growth.empty()) add("context-growth", s.context_growth);
+  if (s.emulated_batch != "per_instance") add("emulated-batch", s.emulated_batch);
 }
 
 absl::StatusOr<stepmesh::MeshOptions> MeshOptionsFor(const RunShape& shape, stepmesh::Role role,
@@ -407,10 +480,11 @@ absl::StatusOr<stepmesh::MeshOptions> MeshOptionsFor(const RunShape& shape, step
   o.rank = rank;
   o.num_workers = shape.attention;
   o.num_servers = shape.ffn;
-  if (!shape.resize.empty()) {
-    // Elastic (--resize): the start shape forms the mesh; the capacity is
-    // the most of each the schedule ever has, so no region is re-registered.
-    const MeshShape cap = shape.Schedule().Capacity();
+  if (shape.elastic()) {
+    // Elastic (--resize, --autoscale): the start shape forms the mesh; the
+    // capacity is the most of each the run may have, so no region is
+    // re-registered.
+    const MeshShape cap = shape.Capacity();
     o.max_workers = cap.attention;
     o.max_servers = cap.ffn;
   }

@@ -70,6 +70,24 @@ struct RunShape {
   // --resize STEP:xAyF, in order (resize_plan.h): attention and ffn above
   // are the start shape. Validate checks the schedule.
   std::vector<std::string> resize;
+  // afd_launch --autoscale (docs/elastic.md, "Autoscale"): the schedule
+  // above grows while the run decodes, amended at decision checkpoints
+  // (autoscale_channel.h). max_attention: the attention capacity the mesh
+  // and every region are sized for (0: the schedule's); decision_every: a
+  // checkpoint every K global steps (0: none).
+  int max_attention = 0;
+  int decision_every = 0;
+  // --context-growth FROM:TO (emulated engine): the mean context per request
+  // grows linearly from FROM tokens at step 0 to TO at the last step, and
+  // each attention stage takes the planner's mean KV load at that context
+  // (planner::MeanKvTokens) instead of the seed's draws. Empty: the draws.
+  std::string context_growth;
+  // --emulated-batch per_instance|global (emulated engine, with
+  // --context-growth): the virtual decode slots B of an attention instance
+  // at a step. per_instance: the plan's batch; global: the plan's batch
+  // times the start's attention instances, split over the step's (the
+  // autoscale file's batch_policy).
+  std::string emulated_batch = "per_instance";
 
   // The shape schedule (never failing after Validate).
   ResizeSchedule Schedule() const;
@@ -81,6 +99,17 @@ struct RunShape {
   RunShape ForAttention(int rank) const;
   // An FFN instance's: the capacity, the run's steps.
   RunShape ForFfn() const;
+  // Elastic: --resize or --autoscale (a capacity above the start).
+  bool elastic() const { return !resize.empty() || max_attention > 0; }
+  // The most instances of each side the run may have (max_attention counts).
+  MeshShape Capacity() const;
+  // --context-growth: the mean context per request at global step `step`
+  // (0 without it).
+  double ContextAt(int step) const;
+  // The emulated virtual slots per micro-batch of an attention instance at
+  // a step run by `attention` instances (`plan_batch`: the plan's B). On
+  // the run's shape (its `attention` is the start's), not ForAttention's.
+  int VirtualBatch(int plan_batch, int instances) const;
 
   int steps() const { return decode_steps + 1; }  // prefill + decode
   // Requests [begin, end) of micro-batch m (sizes differ by at most one).
@@ -101,6 +130,9 @@ struct RunShape {
     return engine != "auto" ? engine : backend == "cuda" ? "cuda" : "cpu";
   }
 };
+
+// "FROM:TO" of --context-growth; false unless both are in [1, 2^24].
+bool ParseContextGrowth(absl::string_view text, int* from, int* to);
 
 // Element row (of `hidden` floats) where instance rows of (step, layer)
 // start in AttentionResults::layer_hidden, for the micro-batch whose first

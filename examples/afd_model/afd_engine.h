@@ -22,6 +22,7 @@
 // A new way to compute is a new engine; the pipeline does not change.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -69,6 +70,12 @@ class AttentionEngine {
   virtual absl::Status Finish() = 0;
 };
 
+// One emulated attention stage's workload (--context-growth).
+struct EmulatedLoad {
+  double context = 0;  // mean KV tokens per request
+  int batch = 0;       // virtual decode slots of the micro-batch
+};
+
 struct AttentionEngineParams {
   const RunShape* shape = nullptr;
   const ExampleModel* model = nullptr;  // its config is the run's ModelConfig
@@ -84,6 +91,12 @@ struct AttentionEngineParams {
   // Written by the stages; sized by the caller (tokens, logits, layer_hidden,
   // attention, step_end_ns).
   AttentionResults* results = nullptr;
+  // The emulated engine with --context-growth: the mean context per request
+  // and the virtual slots B of the instance's step `local` (`plan_batch`:
+  // the plan's B), asked when the stage is enqueued (on the caller's
+  // thread: --autoscale amends the schedule there). Empty: the seed's draws
+  // at the plan's batch.
+  std::function<EmulatedLoad(int local_step, int plan_batch)> emulated_load;
 };
 
 // One micro-batch's regions on an FFN instance: [workers, slot rows, ...]
@@ -137,6 +150,10 @@ struct FfnEngineParams {
   int rank = 0;        // partition rank of `partitions`
   int partitions = 0;  // the first F this rank serves; 0: shape->ffn
   std::shared_ptr<stepmesh::Backend> backend;
+  // The emulated engine: the virtual slots per attention instance of a batch
+  // of `workers` instances (--emulated-batch; `plan_batch`: the plan's B);
+  // empty: the plan's batch.
+  std::function<int(int workers, int plan_batch)> virtual_batch;
 };
 
 // The engine shape->ResolvedEngine() names ("cuda" is UNIMPLEMENTED in

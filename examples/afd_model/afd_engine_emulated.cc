@@ -26,6 +26,7 @@ class EmulatedAttentionEngine final : public AttentionEngine {
     STEPMESH_ASSIGN_OR_RETURN(const stepmesh::planner::Plan plan,
                               LoadEmulationPlan(shape_.emulate_compute));
     emulated_ = std::make_unique<EmulatedAttention>(plan, p_.rank, shape_.micro_batches);
+    plan_batch_ = plan.workload.batch;
     for (int m = 0; m < shape_.micro_batches; ++m) {
       auto mb = std::make_unique<MicroBatch>();
       STEPMESH_ASSIGN_OR_RETURN(mb->wire, HostAttentionWire(*p_.backend, shape_, p_.model->config));
@@ -40,6 +41,15 @@ class EmulatedAttentionEngine final : public AttentionEngine {
   stepmesh::Stream& stream(int mb) override { return *micro_batches_[mb]->stream; }
 
   absl::Status EnqueueStage(int m, int step, int layer) override {
+    if (p_.emulated_load) {
+      // Asked here, on the caller's thread, not on the stream's.
+      const EmulatedLoad load = p_.emulated_load(step, plan_batch_);
+      return micro_batches_[m]->stream->LaunchHostFunc([this, m, step, layer, load] {
+        StageTiming& t = p_.results->attention[p_.results->StageIndex(step, layer, m)];
+        if (layer == 0 && step > 0) FinishStep(m, step - 1);
+        emulated_->RunMeanStage(load.context, load.batch, &t);
+      });
+    }
     return micro_batches_[m]->stream->LaunchHostFunc([this, m, step, layer] {
       StageTiming& t = p_.results->attention[p_.results->StageIndex(step, layer, m)];
       if (layer == 0 && step > 0) FinishStep(m, step - 1);
@@ -67,6 +77,7 @@ class EmulatedAttentionEngine final : public AttentionEngine {
   const AttentionEngineParams p_;
   const RunShape& shape_;
   std::unique_ptr<EmulatedAttention> emulated_;
+  int plan_batch_ = 0;
   // Declared last, destroyed first: a stream drains on destruction and its
   // queued stages use emulated_.
   std::vector<std::unique_ptr<MicroBatch>> micro_batches_;
@@ -80,6 +91,7 @@ class EmulatedFfnEngine final : public FfnEngine {
     STEPMESH_ASSIGN_OR_RETURN(const stepmesh::planner::Plan plan,
                               LoadEmulationPlan(shape_.emulate_compute));
     emulated_ = std::make_unique<EmulatedFfn>(plan);
+    plan_batch_ = plan.workload.batch;
     for (int m = 0; m < shape_.micro_batches; ++m) {
       STEPMESH_ASSIGN_OR_RETURN(FfnWire wire, HostFfnWire(*p_.backend, shape_, *p_.config));
       wires_.push_back(std::move(wire));
@@ -98,8 +110,9 @@ class EmulatedFfnEngine final : public FfnEngine {
   absl::Status EnqueueForward(int mb, int layer, int partitions,
                               std::span<const WorkerRows> rows) override {
     const int workers = static_cast<int>(rows.size());
+    const int slots = p_.virtual_batch ? p_.virtual_batch(workers, plan_batch_) : plan_batch_;
     return stream_->LaunchHostFunc(
-        [this, workers, partitions] { emulated_->RunBatch(workers, partitions); });
+        [this, workers, partitions, slots] { emulated_->RunBatch(workers, partitions, slots); });
   }
 
   absl::Status Finish() override { return absl::OkStatus(); }
@@ -108,6 +121,7 @@ class EmulatedFfnEngine final : public FfnEngine {
   const FfnEngineParams p_;
   const RunShape& shape_;
   std::unique_ptr<EmulatedFfn> emulated_;
+  int plan_batch_ = 0;
   std::vector<FfnWire> wires_;
   // Declared last, destroyed first: it drains queued batches that use emulated_.
   std::unique_ptr<stepmesh::Stream> stream_;

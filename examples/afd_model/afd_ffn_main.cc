@@ -8,6 +8,8 @@
 //           [--metrics-port P] [--metrics-file FILE]  (docs/metrics.md)
 //           [--chrome-trace FILE]  (the server's stepmesh trace, docs/tracing.md;
 //                                   needs STEPMESH_TRACE_EVENTS)
+//           [--control-fd N]  (afd_launch --autoscale: the decisions' pipe,
+//                              autoscale_channel.h)
 //
 // Every micro-batch has its own recv regions (codes, scales, topk ids, topk
 // weights; one slot per attention instance) and reply region. A batch holds
@@ -27,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "examples/afd_model/afd_common.h"
 #include "examples/afd_model/afd_engine.h"
+#include "examples/afd_model/autoscale_channel.h"
 #include "examples/afd_model/config.h"
 #include "examples/afd_model/elastic_sync.h"
 #include "examples/afd_model/example_model.h"
@@ -49,14 +52,7 @@ class FfnInstance {
         rank_(rank),
         schedule_(shape.Schedule()),
         span_(schedule_.FfnSpan(rank)) {
-    // The schedule's answers per step and rank, so a batch looks nothing up.
-    for (int s = 0; s < shape.steps(); ++s) {
-      partitions_.push_back(schedule_.At(s).ffn);
-      workers_at_.push_back(schedule_.At(s).attention);
-    }
-    for (int w = 0; w < regions_.attention; ++w) {
-      attention_spans_.push_back(schedule_.AttentionSpan(w));
-    }
+    Derive();
   }
 
   absl::Status Init(const std::string& scheduler, int device);
@@ -67,6 +63,10 @@ class FfnInstance {
   }
   // --chrome-trace: the server's trace written there before it leaves.
   void SetTraceFile(std::string file) { trace_file_ = std::move(file); }
+  // --autoscale: the inherited pipe end the decisions come on.
+  void SetControl(int control_fd) {
+    control_ = std::make_unique<ControlChannel>(absl::StrCat("ffn ", rank_), control_fd, -1);
+  }
   absl::Status Run();
 
  private:
@@ -79,6 +79,11 @@ class FfnInstance {
   // The change at global step `step` (elastic_sync.h), once every request
   // before it is served.
   absl::Status CrossChange(int step);
+  // The schedule's answers per step and rank, so a batch looks nothing up
+  // (again after an amendment).
+  void Derive();
+  // --autoscale: reads checkpoint `step`'s decision and amends the schedule.
+  absl::Status Checkpoint(int step);
   // Requests (worker, stage) of this rank's steps before `step`.
   int64_t RequestsBefore(int step) const;
   absl::StatusOr<stepmesh::Batch> NextBatch();
@@ -87,7 +92,7 @@ class FfnInstance {
   const RunShape regions_;  // region sizes: the capacity (ForFfn)
   const ModelConfig config_;
   const int rank_;
-  const ResizeSchedule schedule_;
+  ResizeSchedule schedule_;                  // --autoscale amends it at checkpoints
   const MemberSpan span_;                    // the steps this rank serves
   std::vector<int> partitions_;              // F of each global step
   std::vector<int> workers_at_;              // attention instances of each global step
@@ -104,7 +109,38 @@ class FfnInstance {
   std::string metrics_file_;
   std::string trace_file_;
   std::unique_ptr<stepmesh::tools::MetricsHttpServer> metrics_;  // reads server_
+  std::unique_ptr<ControlChannel> control_;                      // --autoscale
 };
+
+void FfnInstance::Derive() {
+  partitions_.clear();
+  workers_at_.clear();
+  attention_spans_.clear();
+  for (int s = 0; s < shape_.steps(); ++s) {
+    partitions_.push_back(schedule_.At(s).ffn);
+    workers_at_.push_back(schedule_.At(s).attention);
+  }
+  for (int w = 0; w < regions_.attention; ++w) {
+    attention_spans_.push_back(schedule_.AttentionSpan(w));
+  }
+}
+
+absl::Status FfnInstance::Checkpoint(int step) {
+  STEPMESH_ASSIGN_OR_RETURN(const Decision d, control_->Await(step, shape_.timeout));
+  if (!d.resize) return absl::OkStatus();
+  const MeshShape now = schedule_.At(d.step - 1);
+  if (d.to.ffn != now.ffn || d.to.attention < now.attention) {
+    return absl::UnimplementedError(absl::StrCat("ffn ", rank_, ": checkpoint ", step, ": ",
+                                                 now.Name(), " -> ", d.to.Name(),
+                                                 ": --autoscale grows the attention side only"));
+  }
+  if (absl::Status s = schedule_.Append(d.step, d.to); !s.ok()) {
+    return absl::Status(s.code(),
+                        absl::StrCat("ffn ", rank_, ": checkpoint ", step, ": ", s.message()));
+  }
+  Derive();
+  return absl::OkStatus();
+}
 
 absl::Status FfnInstance::Init(const std::string& scheduler, int device) {
   absl::StatusOr<std::unique_ptr<stepmesh::Backend>> backend =
@@ -117,6 +153,13 @@ absl::Status FfnInstance::Init(const std::string& scheduler, int device) {
   params.rank = rank_;
   params.partitions = schedule_.At(span_.begin).ffn;
   params.backend = backend_;
+  if (!shape_.context_growth.empty()) {
+    // Every member of the step is in each batch: the batch's workers are
+    // the step's attention instances.
+    params.virtual_batch = [this](int workers, int plan_batch) {
+      return shape_.VirtualBatch(plan_batch, workers);
+    };
+  }
   STEPMESH_ASSIGN_OR_RETURN(engine_, CreateFfnEngine(std::move(params)));
   for (int m = 0; m < shape_.micro_batches; ++m) {
     STEPMESH_ASSIGN_OR_RETURN(auto event, backend_->CreateEvent());
@@ -334,21 +377,38 @@ absl::Status FfnInstance::Run() {
   // The start members meet at the start barrier; a rank that joins later
   // (--resize) comes into a mesh already decoding, at its first change.
   if (span_.begin == 0) STEPMESH_RETURN_IF_ERROR(server_->Barrier());
-  const std::vector<int> changes = ChangeStepsOf(schedule_, span_);
+  std::vector<int> changes = ChangeStepsOf(schedule_, span_);
   size_t next_change = 0;
   // A fixed shape counts batches: one per (step, layer, micro-batch),
   // whoever is in it, so a lost attention instance (--lost-attention) does
-  // not leave the FFN waiting for its requests. An elastic run counts the
-  // schedule's (worker, stage) requests: a joining FFN's first step may
-  // hand out a stage in more than one batch (NextBatch).
-  const bool by_batches = schedule_.empty();
+  // not leave the FFN waiting for its requests. An elastic run (--resize,
+  // --autoscale) counts the schedule's (worker, stage) requests: a joining
+  // FFN's first step may hand out a stage in more than one batch (NextBatch).
+  const bool by_batches = !shape_.elastic();
   const int64_t expected_batches =
       int64_t{shape_.steps()} * config_.num_layers * shape_.micro_batches;
-  const int64_t expected = RequestsBefore(span_.end);
+  int64_t expected = RequestsBefore(span_.end);
+  // --autoscale: the next checkpoint this rank reads (a member there).
+  auto next_checkpoint = [&](int from) {
+    while (from < span_.end && !(control_ && IsCheckpoint(shape_, from))) ++from;
+    return from;
+  };
+  int checkpoint = next_checkpoint(span_.begin);
   for (;;) {
-    while (next_change < changes.size() &&
-           requests_served_ == RequestsBefore(changes[next_change])) {
-      STEPMESH_RETURN_IF_ERROR(CrossChange(changes[next_change++]));
+    for (bool progressed = true; progressed;) {
+      progressed = false;
+      // A checkpoint's decision before the change of the same step.
+      if (checkpoint < span_.end && requests_served_ == RequestsBefore(checkpoint)) {
+        STEPMESH_RETURN_IF_ERROR(Checkpoint(checkpoint));
+        changes = ChangeStepsOf(schedule_, span_);
+        expected = RequestsBefore(span_.end);
+        checkpoint = next_checkpoint(checkpoint + 1);
+        progressed = true;
+      } else if (next_change < changes.size() &&
+                 requests_served_ == RequestsBefore(changes[next_change])) {
+        STEPMESH_RETURN_IF_ERROR(CrossChange(changes[next_change++]));
+        progressed = true;
+      }
     }
     if (by_batches ? batches_served_ >= expected_batches : requests_served_ >= expected) break;
     absl::StatusOr<stepmesh::Batch> batch = NextBatch();
@@ -373,7 +433,7 @@ absl::Status FfnInstance::Run() {
   if (!trace_file_.empty()) STEPMESH_RETURN_IF_ERROR(server_->WriteChromeTrace(trace_file_));
   metrics_.reset();
   STEPMESH_RETURN_IF_ERROR(leaves ? LeaveMesh() : server_->Shutdown());
-  if (schedule_.empty()) {
+  if (!shape_.elastic()) {
     std::printf("afd_ffn[%d]: partition %d of %d served %lld batches, %lld tokens (%s engine)\n",
                 rank_, rank_, shape_.ffn, static_cast<long long>(batches_served_),
                 static_cast<long long>(tokens_served_), engine_->name().c_str());
@@ -408,7 +468,14 @@ int Main(int argc, char** argv) {
   const std::string metrics_file = flags->Str("metrics-file", "");
   const std::string trace_file = flags->Str("chrome-trace", "");
   absl::StatusOr<int64_t> metrics_port = flags->Int("metrics-port", 0);
+  absl::StatusOr<int64_t> control_fd = flags->Int("control-fd", -1);
   absl::Status st = shape.ok() ? flags->CheckAllUsed() : shape.status();
+  if (st.ok() && (!control_fd.ok() || (*control_fd >= 0) != (shape->decision_every > 0) ||
+                  *control_fd > 1023)) {
+    st = absl::InvalidArgumentError(
+        "--decision-every needs --control-fd (an inherited pipe end, afd_launch --autoscale) "
+        "and it needs it");
+  }
   if (st.ok() && (!rank.ok() || !device.ok())) st = !rank.ok() ? rank.status() : device.status();
   if (st.ok() && (!metrics_port.ok() || *metrics_port < 0 || *metrics_port > 65535)) {
     st = absl::InvalidArgumentError("--metrics-port wants a port in [0, 65535]");
@@ -438,6 +505,7 @@ int Main(int argc, char** argv) {
   FfnInstance instance(*shape, model->config, p);
   instance.SetMetrics(static_cast<int>(*metrics_port), metrics_file);
   instance.SetTraceFile(trace_file);
+  if (*control_fd >= 0) instance.SetControl(static_cast<int>(*control_fd));
   st = instance.Init(scheduler, static_cast<int>(*device));
   if (st.ok()) st = instance.Run();
   if (!st.ok()) {

@@ -12,6 +12,7 @@
 //              [--metrics-port P] [--metrics-file PREFIX]
 //              [--hosts NS,... --host-addrs A,...] [--lost-attention A]
 //              [--resize STEP:xAyF ...]
+//              [--autoscale AS.json [--autoscale-every K] --context-growth FROM:TO]
 //
 // Starts the stepmesh scheduler (in this process on a free 127.0.0.1 port,
 // or the stepmesh_scheduler program), X afd_attention and Y afd_ffn
@@ -40,6 +41,12 @@
 // (resize_plan.h, elastic_sync.h, docs/elastic.md): the launcher starts the
 // joiners of a change as the run approaches it, and the report gets one
 // "resize at step S: xAyF -> x'Ay'F (epoch E, T ms)" line per change.
+//
+// --autoscale AS.json (with --emulate-compute) decides those changes while
+// the run decodes, from the workload the attention processes report at its
+// checkpoints, and tells every process over an inherited pipe
+// (autoscale_channel.h); the report compares each shape's measured
+// throughput per instance with the planner's (autoscale_report.h).
 
 #include <arpa/inet.h>
 #include <dirent.h>
@@ -59,10 +66,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -77,6 +86,9 @@
 #include "examples/afd_model/afd_common.h"
 #include "examples/afd_model/afd_engine.h"
 #include "examples/afd_model/afd_report.h"
+#include "examples/afd_model/autoscale_channel.h"
+#include "examples/afd_model/autoscale_launch.h"
+#include "examples/afd_model/autoscale_report.h"
 #include "examples/afd_model/config.h"
 #include "examples/afd_model/emulated_compute.h"
 #include "examples/afd_model/example_model.h"
@@ -91,7 +103,6 @@ namespace {
 
 volatile sig_atomic_t g_interrupted = 0;
 void OnSignal(int) { g_interrupted = 1; }
-
 // A child process: stdout/stderr go to files; killed and reaped by PID when
 // dropped while still running.
 class Child {
@@ -100,7 +111,8 @@ class Child {
   // (>= 0): the network namespace the child runs in (--hosts).
   static absl::StatusOr<std::unique_ptr<Child>> Start(
       std::string name, const std::vector<std::string>& argv, const std::vector<std::string>& env,
-      const std::string& out_path, const std::string& err_path, int netns_fd = -1) {
+      const std::string& out_path, const std::string& err_path, int netns_fd = -1,
+      int control_fd = -1, int report_fd = -1) {
     std::vector<char*> args;
     for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
@@ -130,6 +142,14 @@ class Child {
       if (netns_fd >= 0 && ::setns(netns_fd, CLONE_NEWNET) != 0) ::_exit(126);
       ::dup2(out, STDOUT_FILENO);
       ::dup2(err, STDERR_FILENO);
+      // --autoscale: the pipe ends become fds 3 and 4 (dup2 clears
+      // FD_CLOEXEC; via fds >= 100 so neither overwrites the other).
+      if (control_fd >= 0) {
+        const int c = ::fcntl(control_fd, F_DUPFD, 100);
+        const int r = report_fd >= 0 ? ::fcntl(report_fd, F_DUPFD, 100) : -1;
+        if (c < 0 || ::dup2(c, kChildControlFd) < 0) ::_exit(125);
+        if (report_fd >= 0 && (r < 0 || ::dup2(r, kChildReportFd) < 0)) ::_exit(125);
+      }
       ::execve(args[0], args.data(), envp.data());
       ::_exit(127);
     }
@@ -251,6 +271,9 @@ struct LaunchFlags {
   std::string metrics_file;        // each process writes PREFIX.worker<a> / PREFIX.server<p>
   Placement placement;             // --hosts: one emulated host per instance
   int lost_attention = -1;         // --lost-attention: cut off by the caller's network fault
+  // --autoscale AS.json: the launcher decides the resizes (docs/elastic.md).
+  std::string autoscale;
+  std::optional<stepmesh::planner::AutoscalePlan> autoscale_plan;
 };
 
 int Fail(absl::string_view line) {
@@ -266,7 +289,10 @@ class Launcher {
         model_(std::move(model)),
         config_(model_.config),
         emulation_(std::move(emulation)),
-        joins_(f_.shape.Schedule()) {}
+        joins_(f_.shape.Schedule()) {
+    if (f_.autoscale_plan)
+      autoscale_ = std::make_unique<AutoscaleLoop>(*f_.autoscale_plan, f_.shape);
+  }
   int Run();
 
  private:
@@ -276,6 +302,15 @@ class Launcher {
   absl::Status StartAttention(int a);
   // --resize: starts the joiners of the changes the run approaches.
   absl::Status StartJoiners();
+  // --autoscale: one step of the decision loop; a change decided now
+  // reaches the join plan.
+  absl::Status StepAutoscale(absl::Time now);
+  // --autoscale: a child's pipes (null without), its flags appended.
+  absl::StatusOr<std::unique_ptr<ChildPipes>> PipesFor(bool reports,
+                                                       std::vector<std::string>* argv) const {
+    if (autoscale_ == nullptr) return std::unique_ptr<ChildPipes>();
+    return AutoscaleLoop::PipesFor(reports, argv);
+  }
   std::string ResizeLogPath(int a) const {
     return absl::StrCat(f_.work_dir, "/attention-", a, ".resize");
   }
@@ -323,7 +358,20 @@ class Launcher {
   absl::Time ffn_killed_at_;
   std::optional<absl::Time> decode_started_;  // every attention instance past the barrier
   JoinPlanner joins_;  // --resize: who starts when (the ranks of attention_, ffn_ in order)
+  std::unique_ptr<AutoscaleLoop> autoscale_;  // --autoscale
 };
+
+absl::Status Launcher::StepAutoscale(absl::Time now) {
+  if (autoscale_ == nullptr) return absl::OkStatus();
+  std::string log;
+  STEPMESH_ASSIGN_OR_RETURN(const bool changed, autoscale_->Step(now, &f_.shape, &log));
+  if (changed) joins_.Amend(f_.shape.Schedule());
+  if (!log.empty()) {
+    std::printf("%s", log.c_str());
+    std::fflush(stdout);
+  }
+  return absl::OkStatus();
+}
 
 std::vector<std::string> Launcher::ChildEnvironment() const {
   // The secret travels in the environment (readable only by this user), not
@@ -361,9 +409,9 @@ absl::Status Launcher::StartScheduler() {
     o.role = stepmesh::Role::kScheduler;
     o.num_workers = f_.shape.attention;
     o.num_servers = f_.shape.ffn;
-    if (!f_.shape.resize.empty()) {
-      o.max_workers = f_.shape.Schedule().Capacity().attention;
-      o.max_servers = f_.shape.Schedule().Capacity().ffn;
+    if (f_.shape.elastic()) {
+      o.max_workers = f_.shape.Capacity().attention;
+      o.max_servers = f_.shape.Capacity().ffn;
     }
     // The kernel picks a free port (on host 0 with --hosts).
     o.scheduler = absl::StrCat(f_.placement.address(0), ":0");
@@ -466,11 +514,13 @@ absl::Status Launcher::StartFfn(int p) {
   AppendRunFlags(f_.shape, &argv);
   AppendMetricsFlags(stepmesh::Role::kServer, p, f_.shape.attention + p, &argv);
   AppendTraceFlag(stepmesh::Role::kServer, p, &argv);
+  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<ChildPipes> pipes, PipesFor(false, &argv));
   const std::string base = absl::StrCat(f_.work_dir, "/ffn-", p);
   STEPMESH_ASSIGN_OR_RETURN(
       auto child, Child::Start(absl::StrCat("ffn ", p), argv, env, base + ".out", base + ".err",
-                               f_.placement.netns_fd(host)));
+                               f_.placement.netns_fd(host), pipes ? pipes->child_control : -1));
   ffn_.push_back(std::move(child));
+  if (pipes) autoscale_->AddFfn(std::move(pipes));
   return absl::OkStatus();
 }
 
@@ -493,7 +543,7 @@ absl::Status Launcher::StartAttention(int a) {
   // Progress feeds the progress lines and starts the kill test's clock.
   argv.push_back("--progress");
   argv.push_back(ProgressPath(a));
-  if (!f_.shape.resize.empty()) {
+  if (f_.shape.elastic()) {
     // What each change cost it, and (attention 0, a member throughout) the
     // epochs: the resize lines of the report.
     argv.push_back("--resize-log");
@@ -506,11 +556,15 @@ absl::Status Launcher::StartAttention(int a) {
   AppendRunFlags(f_.shape, &argv);
   AppendMetricsFlags(stepmesh::Role::kWorker, a, a, &argv);
   AppendTraceFlag(stepmesh::Role::kWorker, a, &argv);
+  STEPMESH_ASSIGN_OR_RETURN(std::unique_ptr<ChildPipes> pipes, PipesFor(true, &argv));
   const std::string base = absl::StrCat(f_.work_dir, "/attention-", a);
-  STEPMESH_ASSIGN_OR_RETURN(auto child,
-                            Child::Start(absl::StrCat("attention ", a), argv, env, base + ".out",
-                                         base + ".err", f_.placement.netns_fd(host)));
+  STEPMESH_ASSIGN_OR_RETURN(
+      auto child,
+      Child::Start(absl::StrCat("attention ", a), argv, env, base + ".out", base + ".err",
+                   f_.placement.netns_fd(host), pipes ? pipes->child_control : -1,
+                   pipes ? pipes->child_report : -1));
   attention_.push_back(std::move(child));
+  if (pipes) autoscale_->AddAttention(std::move(pipes));
   return absl::OkStatus();
 }
 
@@ -594,7 +648,9 @@ bool Launcher::WaitChildren(absl::Time deadline, std::string* why) {
     }
     if (all_done) break;
     const absl::Time now = absl::Now();
-    if (absl::Status s = StartJoiners(); !s.ok()) {
+    absl::Status joined = StartJoiners();
+    if (joined.ok()) joined = StepAutoscale(now);
+    if (absl::Status s = joined; !s.ok()) {
       *why = s.ToString();
       for (auto* group : {&attention_, &ffn_}) {
         for (auto& c : *group) c->Kill();
@@ -790,7 +846,7 @@ int Launcher::Run() {
   // The report describes whole runs (--lost-attention: the survivors are
   // only checked).
   if (f_.lost_attention < 0) std::printf("\n%s", FormatReport(f_.shape, model_, results).c_str());
-  if (!f_.shape.resize.empty()) {
+  if (f_.shape.elastic()) {
     std::vector<std::string> logs;
     for (size_t a = 0; a < attention_.size(); ++a) logs.push_back(ResizeLogPath(int(a)));
     absl::StatusOr<std::string> lines =
@@ -805,8 +861,33 @@ int Launcher::Run() {
     }
     std::printf("chrome trace: %s\n", f_.chrome_trace.c_str());
   }
+  if (emulation_ && f_.shape.elastic()) {
+    // Per span of steps between changes: measured against the planner.
+    stepmesh::planner::AutoscalePlan plan;
+    if (f_.autoscale_plan) plan = *f_.autoscale_plan;
+    plan.plan = *emulation_;
+    plan.batch_policy = f_.shape.emulated_batch == "global"
+                            ? stepmesh::planner::BatchPolicy::kGlobal
+                            : stepmesh::planner::BatchPolicy::kPerInstance;
+    const ResizeSchedule schedule = f_.shape.Schedule();
+    absl::StatusOr<std::vector<SegmentComparison>> rows =
+        CompareWithPlanner(f_.shape, schedule, plan, results.front());
+    if (!rows.ok()) return Fail(rows.status().ToString());
+    std::printf("%s", FormatComparison(*rows).c_str());
+    const std::string csv = f_.work_dir + "/throughput.csv";
+    std::ofstream out(csv);
+    out << ThroughputCsv(f_.shape, schedule, plan, results.front());
+    if (out) std::printf("per-step throughput: %s\n", csv.c_str());
+    if (f_.autoscale_plan) {
+      std::printf("autoscale: %d change(s) decided while decoding: %s -> %s\n",
+                  autoscale_->decisions(), schedule.start().Name().c_str(),
+                  schedule.At(f_.shape.steps() - 1).Name().c_str());
+    }
+  }
   if (emulation_) {
-    std::printf("%s", FormatEmulationSummary(f_.shape, *emulation_, results).c_str());
+    if (!f_.shape.elastic()) {
+      std::printf("%s", FormatEmulationSummary(f_.shape, *emulation_, results).c_str());
+    }
     std::printf(
         "reference check: PASS (skipped: --emulate-compute replaces the kernels; all "
         "processes succeeded)\n");
@@ -888,9 +969,27 @@ run shape (passed to every process):
                          and every FFN re-shards the experts; the highest
                          ranks leave (their requests end before STEP, then
                          they drain). The cpu engine (docs/elastic.md)
+  --context-growth FROM:TO
+                         with --emulate-compute: the mean context per request
+                         grows linearly from FROM tokens (step 0) to TO (the
+                         last step); each emulated attention stage takes the
+                         planner's mean KV load at that context
+  --emulated-batch per_instance|global
+                         the emulated slots per attention instance: the plan's
+                         batch, or (global) the start's global batch split
+                         over the step's instances; default per_instance
 
 launcher:
   --deadline-s N         kill everything after N s, default 300
+  --autoscale AS.json    the launcher decides the resizes while the run decodes
+                         (docs/elastic.md, "Autoscale"): every K steps each
+                         attention instance reports its workload over a pipe,
+                         the launcher applies the file's AutoscaleController
+                         (stepmesh_plan --autoscale-out) and tells every
+                         process "no change" or "resize at S: xAyF" (S two
+                         steps on). Needs --emulate-compute and
+                         --context-growth; grows the attention side only
+  --autoscale-every K    the checkpoint interval in steps, default 2
   --progress-s N         a progress line every N s while running (0: none), default 10
   --chrome-trace FILE    write a Chrome trace of the run: every process's
                          stepmesh trace (docs/tracing.md) merged, plus
@@ -981,7 +1080,7 @@ absl::Status Preflight(const LaunchFlags& f, ExampleModel* model,
       return absl::InvalidArgumentError("--inject-wrong-layer needs --expect-failure");
     }
   }
-  if (!f.shape.resize.empty()) {
+  if (f.shape.elastic()) {
     // What a resize run does not combine with (yet): the per-step report
     // tables, traces and emulated summaries assume every instance spans the
     // run; the fault tests and the placement assume a fixed shape.
@@ -992,11 +1091,13 @@ absl::Status Preflight(const LaunchFlags& f, ExampleModel* model,
         {f.placement.enabled(), "--hosts"},
         {!f.scheduler_binary.empty(), "--scheduler-binary"},
         {f.metrics_port > 0, "--metrics-port"},
-        {!f.shape.emulate_compute.empty(), "--emulate-compute"},
     };
     for (const auto& [given, flag] : refused) {
-      if (given)
-        return absl::InvalidArgumentError(absl::StrCat("--resize with ", flag, ": not supported"));
+      if (given) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(f.shape.resize.empty() ? "--autoscale" : "--resize", " with ", flag,
+                         ": not supported"));
+      }
     }
   }
   if (f.kill_ffn_after_ms >= 0 && (f.kill_ffn < -1 || f.kill_ffn >= f.shape.ffn)) {
@@ -1103,6 +1204,29 @@ int Main(int argc, char** argv) {
   f.metrics_port = *metrics_port;
   f.metrics_file = flags->Str("metrics-file", "");
   f.lost_attention = static_cast<int>(*lost_attention);
+  f.autoscale = flags->Str("autoscale", "");
+  absl::StatusOr<int64_t> every = flags->Int("autoscale-every", 2);
+  if (!every.ok()) return UsageError(every.status().message());
+  if (!f.autoscale.empty()) {
+    if (f.shape.emulate_compute.empty() || f.shape.context_growth.empty() ||
+        !f.shape.resize.empty()) {
+      return UsageError(
+          "--autoscale needs --emulate-compute and --context-growth, and decides the resizes "
+          "itself (no --resize)");
+    }
+    absl::StatusOr<stepmesh::planner::AutoscalePlan> plan =
+        stepmesh::planner::ReadAutoscalePlan(f.autoscale);
+    if (!plan.ok()) return UsageError(absl::StrCat("--autoscale: ", plan.status().message()));
+    if (*every < 1 || *every > f.shape.steps()) {
+      return UsageError(absl::StrCat("--autoscale-every ", *every, ": want 1 .. the run's ",
+                                     f.shape.steps(), " steps"));
+    }
+    f.shape.max_attention = std::max(plan->max_attention, f.shape.attention);
+    f.shape.decision_every = static_cast<int>(*every);
+    f.shape.emulated_batch = stepmesh::planner::BatchPolicyName(plan->batch_policy);
+    if (absl::Status s = f.shape.Validate(); !s.ok()) return UsageError(s.message());
+    f.autoscale_plan = *std::move(plan);
+  }
   if (f.lost_attention < -1 || f.lost_attention >= f.shape.attention ||
       (f.lost_attention >= 0 && (f.shape.attention < 2 || f.expect_failure))) {
     return UsageError(absl::StrCat("--lost-attention ", f.lost_attention,
@@ -1136,6 +1260,9 @@ int Main(int argc, char** argv) {
   sa.sa_handler = OnSignal;
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
+  // --autoscale: a child that died closes its pipe; the write fails (EPIPE)
+  // instead of killing the launcher.
+  ::signal(SIGPIPE, SIG_IGN);
 
   // Before any thread starts: the threads the scheduler creates inherit it.
   if (absl::Status s = f.placement.EnterSchedulerHost(); !s.ok()) return Fail(s.message());

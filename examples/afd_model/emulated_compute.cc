@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "src/tools/planner/autoscale.h"
 #include "stepmesh/trace.h"
 
 namespace afd::example {
@@ -14,6 +16,10 @@ namespace afd::example {
 namespace planner = stepmesh::planner;
 
 absl::StatusOr<planner::Plan> LoadEmulationPlan(const std::string& path) {
+  // An autoscale file (afd_launch --autoscale) carries its plan.
+  if (absl::StatusOr<planner::AutoscalePlan> as = planner::ReadAutoscalePlan(path); as.ok()) {
+    return as->plan;
+  }
   absl::StatusOr<planner::Plan> plan = planner::LoadPlan(path);
   if (!plan.ok()) {
     return absl::Status(plan.status().code(),
@@ -69,10 +75,24 @@ void EmulatedAttention::RunStage(int step, int layer, int mb, StageTiming* timin
   timing->kv_tokens = static_cast<int64_t>(slots.KvTokens());
 }
 
+void EmulatedAttention::RunMeanStage(double context, int batch, StageTiming* timing) {
+  planner::Workload w = plan_.workload;
+  w.mu_d = std::min(w.mu_d, context);
+  w.mu_p = context - w.mu_d;
+  w.batch = batch;
+  const double kv = planner::MeanKvTokens(w);
+  const double us = plan_.coefficients.attention.At(kv) * plan_.emulation.time_scale;
+  const EmulatedDevice::Span span = device_.Run(us);
+  timing->begin_ns = span.begin_ns;
+  timing->end_ns = span.end_ns;
+  timing->rows = batch;
+  timing->kv_tokens = static_cast<int64_t>(std::llround(kv));
+}
+
 EmulatedFfn::EmulatedFfn(const planner::Plan& plan) : plan_(plan) {}
 
-void EmulatedFfn::RunBatch(int workers, int ffn_instances) {
-  const double rows = double(workers) * plan_.workload.batch;
+void EmulatedFfn::RunBatch(int workers, int ffn_instances, int slots) {
+  const double rows = double(workers) * slots;
   device_.Run(plan_.coefficients.ffn.At(rows) / ffn_instances * plan_.emulation.time_scale);
 }
 

@@ -35,7 +35,8 @@
 
 namespace afd::example {
 
-// A plan usable for emulation: it must carry coefficients.
+// A plan usable for emulation: it must carry coefficients. An autoscale
+// file (src/tools/planner/autoscale.h) gives its "plan".
 absl::StatusOr<stepmesh::planner::Plan> LoadEmulationPlan(const std::string& path);
 
 // One compute device: Run blocks until the job, queued behind every job
@@ -62,6 +63,11 @@ class EmulatedAttention {
   // are replaced; then t_A of the slots' KV tokens on the device. Fills
   // begin/end, rows (B) and kv_tokens.
   void RunStage(int step, int layer, int mb, StageTiming* timing);
+  // --context-growth: a stage of `batch` slots whose requests attend over
+  // `context` tokens on average: t_A of the planner's mean KV load
+  // (planner::MeanKvTokens with mu_P = context - mu_D, mu_D capped at the
+  // context, as planner::Predict sets it).
+  void RunMeanStage(double context, int batch, StageTiming* timing);
 
  private:
   const stepmesh::planner::Plan plan_;
@@ -76,7 +82,9 @@ class EmulatedFfn {
   // One batch holding the micro-batch of `workers` attention instances;
   // `ffn_instances`: the y it is computed under (this instance holds 1/y of
   // the FFN).
-  void RunBatch(int workers, int ffn_instances);
+  // `slots`: the virtual rows of each instance (the plan's batch unless
+  // --emulated-batch global).
+  void RunBatch(int workers, int ffn_instances, int slots);
 
  private:
   const stepmesh::planner::Plan plan_;

@@ -5,6 +5,7 @@
 // started, and the report's line per change.
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -29,9 +30,12 @@ class JoinPlanner {
   // member passed the start barrier (a joiner must not join before it).
   std::vector<Joiner> Due(int furthest_step, bool decoding);
   bool pending() const { return next_ < schedule_.changes().size(); }
+  // --autoscale: the schedule with a change appended while the run decodes
+  // (the changes already due stay done).
+  void Amend(ResizeSchedule amended) { schedule_ = std::move(amended); }
 
  private:
-  const ResizeSchedule schedule_;
+  ResizeSchedule schedule_;
   size_t next_ = 0;  // the first change whose joiners were not started
 };
 

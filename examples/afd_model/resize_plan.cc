@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <cctype>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "stepmesh/status.h"
 
 namespace afd::example {
 namespace {
@@ -118,6 +120,14 @@ std::vector<std::string> ResizeSchedule::Specs() const {
   std::vector<std::string> specs;
   for (const ShapeChange& c : changes_) specs.push_back(absl::StrCat(c.step, ":", c.to.Name()));
   return specs;
+}
+
+absl::Status ResizeSchedule::Append(int step, MeshShape to) {
+  std::vector<std::string> specs = Specs();
+  specs.push_back(absl::StrCat(step, ":", to.Name()));
+  STEPMESH_ASSIGN_OR_RETURN(ResizeSchedule amended, Parse(start_, steps_, specs));
+  *this = std::move(amended);
+  return absl::OkStatus();
 }
 
 std::string FormatResizeLine(const ShapeChange& change, int64_t epoch, double ms) {

@@ -76,6 +76,10 @@ class ResizeSchedule {
   MemberSpan FfnSpan(int rank) const;
   // "6:3A2F" per change, to pass the schedule down (AppendRunFlags).
   std::vector<std::string> Specs() const;
+  // afd_launch --autoscale: a change decided while the run decodes, after
+  // every change already in the schedule; the same checks as Parse (errors
+  // name the change). Nothing changes on error.
+  absl::Status Append(int step, MeshShape to);
 
  private:
   MeshShape start_;

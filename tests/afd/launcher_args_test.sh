@@ -67,6 +67,15 @@ expect 2 "--resize 6:1A1F: the run is already 1A1F" --resize 6:1A1F
 expect 2 "--resize to 17F: at most 16 FFN instances" --resize 6:1A17F
 expect 2 "--resize needs the cpu or the emulated engine" --resize 6:2A1F --engine cpu-device
 expect 2 "--resize with --chrome-trace: not supported" --resize 6:2A1F --chrome-trace "$work/t.json"
+# --autoscale and its emulated workload (docs/elastic.md, "Autoscale").
+expect 0 "--autoscale AS.json" --help
+expect 2 "--autoscale needs --emulate-compute and --context-growth" --autoscale "$plan"
+expect 2 "--autoscale: .*plan is missing" --emulate-compute "$plan" --context-growth 1024:8192 --autoscale "$plan"
+expect 2 "--context-growth 1024-8192: want FROM:TO" --emulate-compute "$plan" --context-growth 1024-8192
+expect 2 "--context-growth needs --emulate-compute" --context-growth 1024:8192
+expect 2 "--emulated-batch global needs --context-growth" --emulate-compute "$plan" --emulated-batch global
+expect 2 "--emulated-batch half: must be per_instance or global" --emulated-batch half
+expect 2 "--max-attention 4 / --decision-every 0: both or neither" --max-attention 4
 expect 2 "--engine cuda needs --backend cuda" --engine cuda
 expect 2 "--engine must be auto, cpu, cuda or cpu-device" --engine tpu
 expect 2 "--engine cpu-device needs --backend cpu_mock" --engine cpu-device --backend cuda
