@@ -7,13 +7,14 @@ Uses only the Python standard library and gnuplot (Debian: gnuplot-nox).
   benchmarks/plot_latency.py out.json latency.png [--title TEXT]
 """
 
-import argparse
-import json
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "src", "tools", "planner"))
+from gnuplot_png import (have_gnuplot, json_to_png_args, load_json, png_preamble,  # noqa: E402
+                         run_gnuplot)
 
 # Each method is drawn slightly to the side of the true size so the whiskers
 # of different methods at one size do not hide each other (log x axis).
@@ -22,18 +23,10 @@ COLORS = {"stepmesh": "#d62728", "raw-tcp": "#1f77b4", "zmq": "#2ca02c", "memcpy
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("json_file")
-    parser.add_argument("png_file")
-    parser.add_argument("--title", default=None)
-    args = parser.parse_args()
-
-    if shutil.which("gnuplot") is None:
-        print("plot_latency: gnuplot not found (apt-get install gnuplot-nox)", file=sys.stderr)
+    args = json_to_png_args(__doc__)
+    if not have_gnuplot("plot_latency"):
         return 2
-    with open(args.json_file, encoding="utf-8") as f:
-        doc = json.load(f)
+    doc = load_json(args.json_file)
 
     # method -> list of (bytes per server per iteration, p50, p99)
     series = {}
@@ -69,10 +62,7 @@ def main() -> int:
             plots.append("'{0}' using 1:2:3:4 with yerrorbars lc rgb '{1}' pt 7 ps 1 "
                          "title '{2} p50 (bar: p99)', '{0}' using 1:2 with lines lc rgb '{1}' "
                          "notitle".format(data, color, method))
-        script = "\n".join([
-            "set terminal pngcairo size 1000,650 enhanced font 'Sans,10'",
-            "set output '{}'".format(args.png_file.replace("'", "")),
-            "set title '{}' noenhanced".format(title.replace("'", "")),
+        run_gnuplot(png_preamble(args.png_file, title) + [
             "set logscale xy",
             "set xlabel 'bytes moved per server per iteration (push + pull)'",
             "set ylabel 'latency per iteration (us)'",
@@ -81,7 +71,6 @@ def main() -> int:
             "set format x '%.0s%cB'",
             "plot " + ", ".join(plots),
         ])
-        subprocess.run(["gnuplot"], input=script, text=True, check=True)
     print("wrote " + args.png_file)
     return 0
 

@@ -390,6 +390,13 @@ def report_paired(args, blocks: np.ndarray) -> dict:
     return out
 
 
+def write_json(path: str | None, result: dict) -> None:
+    """The result as JSON at `path` (--json), when one was asked for."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+
+
 def main() -> int:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -451,9 +458,7 @@ def main() -> int:
     if args.only != "cross":
         result["paired"] = report_paired(
             args, np.concatenate([r["paired"]["blocks"] for r in reps]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return 0
 
 

@@ -157,14 +157,19 @@ core::TransportFactory TcpFactory() {
   };
 }
 
-void RoundTrip(benchmark::State& state, const core::TransportFactory& factory) {
+// The mesh of `bytes` per tensor, or null with the benchmark skipped, saying why.
+std::unique_ptr<InProcessMesh> MeshOrSkip(benchmark::State& state,
+                                          const core::TransportFactory& factory, size_t bytes) {
   std::string error;
+  std::unique_ptr<InProcessMesh> mesh = InProcessMesh::Create(factory, bytes, &error);
+  if (mesh == nullptr) state.SkipWithError(error.c_str());
+  return mesh;
+}
+
+void RoundTrip(benchmark::State& state, const core::TransportFactory& factory) {
   std::unique_ptr<InProcessMesh> mesh =
-      InProcessMesh::Create(factory, static_cast<size_t>(state.range(0)), &error);
-  if (mesh == nullptr) {
-    state.SkipWithError(error.c_str());
-    return;
-  }
+      MeshOrSkip(state, factory, static_cast<size_t>(state.range(0)));
+  if (mesh == nullptr) return;
   const Push push{InProcessMesh::kPush};
   const Pull pull{InProcessMesh::kPull, 0};
   InstructionCounter counter;
@@ -185,12 +190,8 @@ BENCHMARK(BM_RoundTrip_Tcp)->Name("BM_RoundTrip/tcp")->Arg(8)->Arg(4096)->UseRea
 // Only the submit: PushPull() returning (request slot, send-queue push, send
 // thread wake-up), timed manually so the Waits stay outside the measurement.
 void BM_SubmitPushPull(benchmark::State& state) {
-  std::string error;
-  std::unique_ptr<InProcessMesh> mesh = InProcessMesh::Create(TcpFactory(), 8, &error);
-  if (mesh == nullptr) {
-    state.SkipWithError(error.c_str());
-    return;
-  }
+  std::unique_ptr<InProcessMesh> mesh = MeshOrSkip(state, TcpFactory(), 8);
+  if (mesh == nullptr) return;
   const Push push{InProcessMesh::kPush};
   const Pull pull{InProcessMesh::kPull, 0};
   InstructionCounter counter;

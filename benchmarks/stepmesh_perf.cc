@@ -35,6 +35,8 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -122,6 +124,29 @@ bool ParseInts(absl::string_view text, std::vector<int>* out) {
   return true;
 }
 
+// Where a flag's value goes; the kind of the target says how the value is read
+// (a comma list for the vectors).
+using FlagTarget =
+    std::variant<std::string*, int*, size_t*, std::vector<int>*, std::vector<std::string>*>;
+
+bool ReadFlagValue(absl::string_view value, const FlagTarget& target) {
+  struct Reader {
+    absl::string_view value;
+    bool operator()(std::string* out) const {
+      *out = std::string(value);
+      return true;
+    }
+    bool operator()(int* out) const { return absl::SimpleAtoi(value, out); }
+    bool operator()(size_t* out) const { return absl::SimpleAtoi(value, out); }
+    bool operator()(std::vector<int>* out) const { return ParseInts(value, out); }
+    bool operator()(std::vector<std::string>* out) const {
+      *out = absl::StrSplit(value, ',', absl::SkipEmpty());
+      return true;
+    }
+  };
+  return std::visit(Reader{value}, target);
+}
+
 // The launcher's child processes (--workers + --servers - 1) at most. The
 // watchdog's table of them was 64 long while nothing checked the count, so
 // 64A16F wrote past its end into the globals after it (seen as a SIGSEGV in
@@ -138,6 +163,23 @@ bool ParsePattern(const std::string& p, int* workers, int* servers) {
          *servers > 0;
 }
 
+// The mesh flags over `o` (its other fields stay). ParseFlags has checked
+// --poll-mode before this is called.
+void SetMeshFlags(const Flags& f, MeshOptions& o) {
+  o.rank = f.rank;
+  o.num_workers = f.workers;
+  o.num_servers = f.servers;
+  o.scheduler = f.scheduler;
+  o.bind_host = f.host;
+  o.transport = f.transport;
+  o.backend = f.backend;
+  o.device = f.device;
+  o.timeout = absl::Milliseconds(f.timeout_ms);
+  o.threads.poll_mode = *ParsePollMode(f.poll_mode);
+  o.threads.send_cores = f.send_cores;
+  o.threads.recv_cores = f.recv_cores;
+}
+
 // The mesh a flag leaves unset comes from the environment (STEPMESH_* /
 // DMLC_*, docs/configuration.md), as in every stepmesh program: a launcher's
 // DMLC_ROLE, DMLC_NUM_WORKER, DMLC_PS_ROOT_URI, ... are not overridden by flag
@@ -148,18 +190,7 @@ absl::Status TakeMeshFromEnvironment(Flags& f, const std::set<std::string>& give
   if (unset("--role") && role.has_value()) f.role = std::string(RoleName(*role));
   // The flag defaults as the base: a variable that is not set leaves them.
   MeshOptions base;
-  base.rank = f.rank;
-  base.num_workers = f.workers;
-  base.num_servers = f.servers;
-  base.scheduler = f.scheduler;
-  base.bind_host = f.host;
-  base.transport = f.transport;
-  base.backend = f.backend;
-  base.device = f.device;
-  base.timeout = absl::Milliseconds(f.timeout_ms);
-  STEPMESH_ASSIGN_OR_RETURN(base.threads.poll_mode, ParsePollMode(f.poll_mode));
-  base.threads.send_cores = f.send_cores;
-  base.threads.recv_cores = f.recv_cores;
+  SetMeshFlags(f, base);
   STEPMESH_ASSIGN_OR_RETURN(const MeshOptions env, MeshOptions::FromEnv(base));
   if (unset("--rank")) f.rank = env.rank;
   const bool shape_from_flags = !unset("--pattern") && f.pattern != "xAyF";
@@ -186,6 +217,38 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
   f.command_line = absl::StrJoin(argv, argv + argc, " ");
   size_t push = 0, pull = 0;
   std::string sizes_text;
+  // Every flag that takes a value, and where the value goes (--threads takes none).
+  const std::pair<absl::string_view, FlagTarget> targets[] = {{"--role", &f.role},
+                                                              {"--scheduler", &f.scheduler},
+                                                              {"--rank", &f.rank},
+                                                              {"--transport", &f.transport},
+                                                              {"--backend", &f.backend},
+                                                              {"--device", &f.device},
+                                                              {"--pattern", &f.pattern},
+                                                              {"--workers", &f.workers},
+                                                              {"--servers", &f.servers},
+                                                              {"--push-bytes", &push},
+                                                              {"--pull-bytes", &pull},
+                                                              {"--sizes", &sizes_text},
+                                                              {"--micro-batches", &f.micro_batches},
+                                                              {"--warmup", &f.warmup},
+                                                              {"--iters", &f.iters},
+                                                              {"--reps", &f.reps},
+                                                              {"--poll-mode", &f.poll_mode},
+                                                              {"--send-cores", &f.send_cores},
+                                                              {"--recv-cores", &f.recv_cores},
+                                                              {"--baseline", &f.baselines},
+                                                              {"--json", &f.json},
+                                                              {"--host", &f.host},
+                                                              {"--server-hosts", &f.server_hosts},
+                                                              {"--baseline-port", &f.baseline_port},
+                                                              {"--deadline-s", &f.deadline_s},
+                                                              {"--timeout-ms", &f.timeout_ms},
+                                                              {"--sockbuf", &f.sockbuf},
+                                                              {"--metrics-port", &f.metrics_port},
+                                                              {"--metrics-file", &f.metrics_file},
+                                                              {"--chrome-trace", &f.chrome_trace},
+                                                              {"--parent-pid", &f.parent_pid}};
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
     std::string value;
@@ -200,72 +263,14 @@ absl::StatusOr<Flags> ParseFlags(int argc, char** argv) {
     } else {
       return absl::InvalidArgumentError(absl::StrCat("missing value for ", flag));
     }
-    bool ok = true;
-    if (flag == "--role")
-      f.role = value;
-    else if (flag == "--scheduler")
-      f.scheduler = value;
-    else if (flag == "--rank")
-      ok = absl::SimpleAtoi(value, &f.rank);
-    else if (flag == "--transport")
-      f.transport = value;
-    else if (flag == "--backend")
-      f.backend = value;
-    else if (flag == "--device")
-      ok = absl::SimpleAtoi(value, &f.device);
-    else if (flag == "--pattern")
-      f.pattern = value;
-    else if (flag == "--workers")
-      ok = absl::SimpleAtoi(value, &f.workers);
-    else if (flag == "--servers")
-      ok = absl::SimpleAtoi(value, &f.servers);
-    else if (flag == "--push-bytes")
-      ok = absl::SimpleAtoi(value, &push);
-    else if (flag == "--pull-bytes")
-      ok = absl::SimpleAtoi(value, &pull);
-    else if (flag == "--sizes")
-      sizes_text = value;
-    else if (flag == "--micro-batches")
-      ok = absl::SimpleAtoi(value, &f.micro_batches);
-    else if (flag == "--warmup")
-      ok = absl::SimpleAtoi(value, &f.warmup);
-    else if (flag == "--iters")
-      ok = absl::SimpleAtoi(value, &f.iters);
-    else if (flag == "--reps")
-      ok = absl::SimpleAtoi(value, &f.reps);
-    else if (flag == "--poll-mode")
-      f.poll_mode = value;
-    else if (flag == "--send-cores")
-      ok = ParseInts(value, &f.send_cores);
-    else if (flag == "--recv-cores")
-      ok = ParseInts(value, &f.recv_cores);
-    else if (flag == "--baseline")
-      f.baselines = absl::StrSplit(value, ',', absl::SkipEmpty());
-    else if (flag == "--json")
-      f.json = value;
-    else if (flag == "--host")
-      f.host = value;
-    else if (flag == "--server-hosts")
-      f.server_hosts = absl::StrSplit(value, ',', absl::SkipEmpty());
-    else if (flag == "--baseline-port")
-      ok = absl::SimpleAtoi(value, &f.baseline_port);
-    else if (flag == "--deadline-s")
-      ok = absl::SimpleAtoi(value, &f.deadline_s);
-    else if (flag == "--timeout-ms")
-      ok = absl::SimpleAtoi(value, &f.timeout_ms);
-    else if (flag == "--sockbuf")
-      ok = absl::SimpleAtoi(value, &f.sockbuf);
-    else if (flag == "--metrics-port")
-      ok = absl::SimpleAtoi(value, &f.metrics_port);
-    else if (flag == "--metrics-file")
-      f.metrics_file = value;
-    else if (flag == "--chrome-trace")
-      f.chrome_trace = value;
-    else if (flag == "--parent-pid")
-      ok = absl::SimpleAtoi(value, &f.parent_pid);
-    else
+    const auto target = std::find_if(std::begin(targets), std::end(targets),
+                                     [&](const auto& t) { return t.first == flag; });
+    if (target == std::end(targets)) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag ", flag));
-    if (!ok) return absl::InvalidArgumentError(absl::StrCat("bad value for ", flag, ": ", value));
+    }
+    if (!ReadFlagValue(value, target->second)) {
+      return absl::InvalidArgumentError(absl::StrCat("bad value for ", flag, ": ", value));
+    }
     given.insert(flag);
   }
   if (!ParsePattern(f.pattern, &f.workers, &f.servers) || f.workers < 1 || f.servers < 1) {
@@ -355,18 +360,7 @@ MeshOptions MakeOptions(const Flags& f, Role role) {
   MeshOptions o = from_env.ok() ? *from_env : MeshOptions();
   // The flags, completed from the environment where unset (TakeMeshFromEnvironment).
   o.role = role;
-  o.rank = f.rank;
-  o.num_workers = f.workers;
-  o.num_servers = f.servers;
-  o.scheduler = f.scheduler;
-  o.bind_host = f.host;
-  o.transport = f.transport;
-  o.backend = f.backend;
-  o.device = f.device;
-  o.threads.poll_mode = *ParsePollMode(f.poll_mode);
-  o.threads.send_cores = f.send_cores;
-  o.threads.recv_cores = f.recv_cores;
-  o.timeout = absl::Milliseconds(f.timeout_ms);
+  SetMeshFlags(f, o);
   o.max_inflight_requests = std::max(64, 2 * f.micro_batches);
   // --chrome-trace without STEPMESH_TRACE_EVENTS: the newest 64 Ki requests.
   if (!f.chrome_trace.empty() && o.trace.events == 0) o.trace.events = 1 << 16;

@@ -47,11 +47,9 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -64,7 +62,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 STANDIN = os.path.join(ROOT, "python", "tests", "afd_plugin_standin")
 sys.path.insert(0, HERE)
-from python_overhead import median_ci  # noqa: E402  (the same interval)
+from python_overhead import median_ci, write_json  # noqa: E402  (the same interval, file)
+sys.path.insert(0, os.path.join(ROOT, "python", "tests"))
+import proc_util  # noqa: E402  (the tests' free port run)
 
 KINDS = ("plan", "post_wait", "connector", "runner", "plan_sum", "post_wait_sum")
 # Block orders: every cyclic shift of the kinds, forwards and backwards (12):
@@ -252,28 +252,11 @@ def python_path(args) -> float:
     return best
 
 
-def free_ports(n: int) -> int:
-    for _ in range(100):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        base = s.getsockname()[1]
-        s.close()
-        try:
-            for i in range(n):
-                t = socket.socket()
-                t.bind(("127.0.0.1", base + i))
-                t.close()
-            return base
-        except OSError:
-            continue
-    raise SystemExit("vllm_connector_overhead: no run of free ports")
-
-
 def run_pattern(args, pattern: str, work: str) -> np.ndarray:
     shape, _, topology = pattern.partition("-")
     A, F = int(shape[0]), int(shape[2])
     topology = topology or "subgroup"
-    port = free_ports(F)
+    port = proc_util.free_port_run(F)
     out = os.path.join(work, f"{pattern}.npy")
     common = ["--A", str(A), "--F", str(F), "--topology", topology, "--port", str(port),
               "--tokens", str(args.tokens), "--hidden", str(args.hidden),
@@ -400,9 +383,7 @@ def main() -> int:
         print(f"the connector's Python alone (send_attn_output + recv_ffn_output on stand-in "
               f"node and plan, in process, best of 5 x {args.python_iters}): {us:.2f} us")
     print(f"load {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return 0
 
 

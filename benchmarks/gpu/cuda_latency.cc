@@ -16,6 +16,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -93,6 +95,27 @@ int ReadyLatency(int device, ReadyEventMode mode, int iterations) {
   return 0;
 }
 
+// Times how fast a stream resumes: `enqueue(i)` queues on `stream` a wait
+// that storing i into `release` ends, then a signal of i on `ack`. Once the
+// wait has reached the GPU (200 us, so the release is timed and not the
+// launch), one sample is the time from the store to the ack. Empty when a
+// call failed.
+std::optional<std::vector<double>> TimeResumes(Stream& stream, HostFlag& release, HostFlag& ack,
+                                               int iterations,
+                                               const std::function<bool(uint32_t)>& enqueue) {
+  std::vector<double> micros;
+  for (uint32_t i = 1; i <= static_cast<uint32_t>(iterations); ++i) {
+    if (!enqueue(i)) return std::nullopt;
+    absl::SleepFor(absl::Microseconds(200));
+    const Clock::time_point start = Clock::now();
+    release.Store(i);
+    while (ack.Load() != i) base::CpuRelax();
+    micros.push_back(Micros(start, Clock::now()));
+  }
+  if (!stream.Synchronize(absl::Seconds(10)).ok()) return std::nullopt;
+  return micros;
+}
+
 int ResumeLatency(int device, StreamWaitMode mode, int iterations) {
   CudaBackendOptions options;
   options.stream_wait_mode = mode;
@@ -101,20 +124,13 @@ int ResumeLatency(int device, StreamWaitMode mode, int iterations) {
   auto stream = *(*backend)->CreateStream();
   auto gate = *(*backend)->CreateHostFlag();
   auto ack = *(*backend)->CreateHostFlag();
-  std::vector<double> micros;
-  for (uint32_t i = 1; i <= static_cast<uint32_t>(iterations); ++i) {
-    if (!stream->WaitHostFlag(*gate, i).ok() || !stream->SignalHostFlag(*ack, i).ok()) return 1;
-    // Let the wait reach the GPU, so we time the release and not the launch.
-    absl::SleepFor(absl::Microseconds(200));
-    const Clock::time_point start = Clock::now();
-    gate->Store(i);
-    while (ack->Load() != i) base::CpuRelax();
-    micros.push_back(Micros(start, Clock::now()));
-  }
-  if (!stream->Synchronize(absl::Seconds(10)).ok()) return 1;
+  auto micros = TimeResumes(*stream, *gate, *ack, iterations, [&](uint32_t i) {
+    return stream->WaitHostFlag(*gate, i).ok() && stream->SignalHostFlag(*ack, i).ok();
+  });
+  if (!micros) return 1;
   Report(mode == StreamWaitMode::kKernel ? "resume: flag->stream (wait kernel)"
                                          : "resume: flag->stream (memop)",
-         micros);
+         *micros);
   return 0;
 }
 
@@ -125,20 +141,11 @@ int NextLatency(int device, int iterations) {
   auto counter = *(*backend)->CreateHostFlag();
   auto cursor = *(*backend)->CreateHostFlag();
   auto ack = *(*backend)->CreateHostFlag();
-  std::vector<double> micros;
-  for (uint32_t i = 1; i <= static_cast<uint32_t>(iterations); ++i) {
-    if (!stream->WaitHostFlagNext(*counter, *cursor).ok() ||
-        !stream->SignalHostFlag(*ack, i).ok()) {
-      return 1;
-    }
-    absl::SleepFor(absl::Microseconds(200));
-    const Clock::time_point start = Clock::now();
-    counter->Store(i);
-    while (ack->Load() != i) base::CpuRelax();
-    micros.push_back(Micros(start, Clock::now()));
-  }
-  if (!stream->Synchronize(absl::Seconds(10)).ok()) return 1;
-  Report("resume: counter->stream (wait-next)", micros);
+  auto micros = TimeResumes(*stream, *counter, *ack, iterations, [&](uint32_t i) {
+    return stream->WaitHostFlagNext(*counter, *cursor).ok() && stream->SignalHostFlag(*ack, i).ok();
+  });
+  if (!micros) return 1;
+  Report("resume: counter->stream (wait-next)", *micros);
   return 0;
 }
 

@@ -17,20 +17,11 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "src/backends/cuda/driver_entry_point.h"
+
 namespace {
 
-template <typename Fn>
-Fn Resolve(const char* symbol, unsigned int version) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  if (cudaGetDriverEntryPointByVersion(symbol, &fn, version, cudaEnableDefault, &found) !=
-          cudaSuccess ||
-      found != cudaDriverEntryPointSuccess) {
-    (void)cudaGetLastError();
-    return nullptr;
-  }
-  return reinterpret_cast<Fn>(fn);
-}
+using stepmesh::cuda::driver::Resolve;
 
 struct Driver {
   decltype(&cuDeviceGetAttribute) get_attribute =

@@ -120,13 +120,17 @@ int main(int argc, char** argv) {
     if (first_error.empty()) first_error = what;
   };
 
+  // Participant (role, rank) of the mesh.
+  auto options_of = [&](Role role, int rank) {
+    MeshOptions o = base;
+    o.role = role;
+    o.rank = rank;
+    return o;
+  };
   std::vector<std::thread> threads;
   for (int s = 0; s < c.servers; ++s) {
     threads.emplace_back([&, s] {
-      MeshOptions o = base;
-      o.role = Role::kServer;
-      o.rank = s;
-      auto server = AFTensorServer::Create(o);
+      auto server = AFTensorServer::Create(options_of(Role::kServer, s));
       if (!server.ok()) return fail(server.status().ToString());
       std::vector<uint8_t> recv(c.bytes * c.workers), reply(c.bytes * c.workers);
       const Shape shape{c.workers, c.bytes};
@@ -157,10 +161,7 @@ int main(int argc, char** argv) {
   std::atomic<int> workers_ready{0};
   for (int w = 0; w < c.workers; ++w) {
     threads.emplace_back([&, w] {
-      MeshOptions o = base;
-      o.role = Role::kWorker;
-      o.rank = w;
-      auto worker = AFTensorWorker::Create(o);
+      auto worker = AFTensorWorker::Create(options_of(Role::kWorker, w));
       if (!worker.ok()) return fail(worker.status().ToString());
       std::vector<uint8_t> push(c.bytes);
       std::vector<std::vector<uint8_t>> pull(c.servers, std::vector<uint8_t>(c.bytes));

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -68,3 +69,23 @@ def require_torch():
             f"torch is not importable by {sys.executable} ({e}); the torch tests need Debian's "
             "python3-torch: run scripts/install-deps.sh") from None
     return torch
+
+
+def free_port_run(n: int) -> int:
+    """A base port on 127.0.0.1 with n consecutive free ports from it (a
+    subgroup mesh per FFN rank listens on port + f). Free when looked at: a
+    caller binds them at once."""
+    for _ in range(100):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+        s.close()
+        try:
+            for i in range(n):
+                t = socket.socket()
+                t.bind(("127.0.0.1", base + i))
+                t.close()
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no run of {n} free ports on 127.0.0.1 in 100 tries")

@@ -19,6 +19,7 @@ import pytest
 
 import proc_util
 import stepmesh
+import thread_util
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -72,6 +73,12 @@ class Mesh:
     def worker(self, workers=1, servers=1, rank=0):
         return stepmesh.Worker(opts(self.addr, workers, servers, rank=rank))
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def close(self):
         for t in self.threads:
             t.join(timeout=60)
@@ -118,8 +125,7 @@ NUMPY_DTYPES = ["uint8", "int32", "int64", "float32", "float16"]
 @pytest.mark.parametrize("dtype", NUMPY_DTYPES)
 def test_numpy_round_trip_every_numpy_dtype(dtype):
     rows, cols, steps = 6, 5, 4
-    mesh = Mesh(echo_server(1, 2, steps, lambda: np.zeros((rows, cols), dtype)))
-    try:
+    with Mesh(echo_server(1, 2, steps, lambda: np.zeros((rows, cols), dtype))) as mesh:
         with mesh.worker() as w:
             x = np.zeros((rows, cols), dtype)
             y = np.zeros((rows, cols), dtype)
@@ -135,8 +141,6 @@ def test_numpy_round_trip_every_numpy_dtype(dtype):
                 np.testing.assert_array_equal(y[:n], x[:n])
                 assert not y[n:].any()
             w.barrier()
-    finally:
-        mesh.close()
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3"])
@@ -144,8 +148,7 @@ def test_host_tensor_round_trip_dtypes_numpy_lacks(dtype):
     """bfloat16 and float8 travel as their own dtype (the server checks it);
     their bytes are compared through the uint8 view."""
     rows, cols, steps = 4, 16, 3
-    mesh = Mesh(echo_server(1, 2, steps, lambda: stepmesh.HostTensor([rows, cols], dtype)))
-    try:
+    with Mesh(echo_server(1, 2, steps, lambda: stepmesh.HostTensor([rows, cols], dtype))) as mesh:
         with mesh.worker() as w:
             x = stepmesh.HostTensor([rows, cols], dtype)
             y = stepmesh.HostTensor([rows, cols], dtype)
@@ -160,8 +163,6 @@ def test_host_tensor_round_trip_dtypes_numpy_lacks(dtype):
                 w.wait(w.push_pull([1], [(2, 0)]), timeout=20)
                 np.testing.assert_array_equal(yb, xb)
             w.barrier()
-    finally:
-        mesh.close()
 
 
 def test_two_workers_two_servers_batch_parts_are_zero_copy_views():
@@ -243,20 +244,12 @@ def test_bad_tensors_raise_value_error_naming_the_problem():
         s.barrier()
         s.barrier()
 
-    mesh = Mesh(server, workers=2)
-    errors = []
-
     def other_worker():
-        try:
-            with mesh.worker(2, 1, 1) as w:
-                w.barrier()
-                w.barrier()
-        except BaseException as e:
-            errors.append(e)
+        with mesh.worker(2, 1, 1) as w:
+            w.barrier()
+            w.barrier()
 
-    t = threading.Thread(target=other_worker)
-    t.start()
-    try:
+    with Mesh(server, workers=2) as mesh, thread_util.in_background(other_worker):
         with mesh.worker(2, 1, 0) as w:
             with pytest.raises(ValueError, match="unsupported dtype int8"):
                 w.register_push(1, np.zeros(4, np.int8))
@@ -284,11 +277,6 @@ def test_bad_tensors_raise_value_error_naming_the_problem():
                 w.push_pull(["x"])
             w.barrier()
             w.barrier()
-    finally:
-        t.join(timeout=60)
-        mesh.close()
-    if errors:
-        raise errors[0]
 
 
 def test_wait_releases_the_gil():
@@ -312,8 +300,7 @@ def test_wait_releases_the_gil():
         s.respond(b)
         s.barrier()
 
-    mesh = Mesh(server)
-    try:
+    with Mesh(server) as mesh:
         with mesh.worker() as w:
             x, y = register_row(w, 41)
             w.barrier()
@@ -323,8 +310,6 @@ def test_wait_releases_the_gil():
             assert counter[0] == 200000
             np.testing.assert_array_equal(y, 42)
             w.barrier()
-    finally:
-        mesh.close()
 
 
 def test_registered_tensor_is_kept_alive_after_the_user_drops_it():
@@ -339,8 +324,7 @@ def test_registered_tensor_is_kept_alive_after_the_user_drops_it():
         s.respond(b)
         s.barrier()
 
-    mesh = Mesh(server)
-    try:
+    with Mesh(server) as mesh:
         w = mesh.worker()
         x = np.arange(16, dtype=np.int64) * 3
         y = np.zeros(16, np.int64)
@@ -361,8 +345,6 @@ def test_registered_tensor_is_kept_alive_after_the_user_drops_it():
         del w
         gc.collect()
         assert alive() is None, "dropping the worker releases the tensor"
-    finally:
-        mesh.close()
 
 
 def test_server_killed_raises_unavailable_within_the_timeout():
@@ -457,16 +439,13 @@ def test_exception_hierarchy_and_closed_handles():
             s.get_batch(timeout=0.05, policy="some")
         s.barrier()
 
-    mesh = Mesh(server)
-    try:
+    with Mesh(server) as mesh:
         with mesh.worker() as w:
             w.barrier()
             w.barrier()
         assert w.closed
         with pytest.raises(stepmesh.FailedPrecondition, match="worker is closed"):
             w.barrier()
-    finally:
-        mesh.close()
 
 
 def test_tensor_slices_outlive_their_batch_safely():
@@ -488,16 +467,13 @@ def test_tensor_slices_outlive_their_batch_safely():
         gc.collect()
         holder["alive"] = alive
 
-    mesh = Mesh(server)
-    try:
+    with Mesh(server) as mesh:
         with mesh.worker() as w:
             x = np.arange(4, dtype=np.float32).reshape(1, 4)
             w.register_push(1, x)
             w.barrier()
             w.wait(w.push_pull([1]), timeout=20)
             w.barrier()
-    finally:
-        mesh.close()
     gc.collect()
     assert holder["alive"]() is not None  # the numpy view still pins it
     np.testing.assert_array_equal(holder["view"], [[0, 1, 2, 3]])
@@ -513,8 +489,7 @@ def test_prepared_plan_round_trips_goes_stale_and_names_bad_keys():
     stale (posting it raises FailedPrecondition naming the key, even after the
     key is registered again) and the tensors go with the worker's hold."""
     rows, cols, steps = 4, 3, 3
-    mesh = Mesh(echo_server(1, 2, steps, lambda: np.zeros((rows, cols), np.float32), times2=True))
-    try:
+    with Mesh(echo_server(1, 2, steps, lambda: np.zeros((rows, cols), np.float32), times2=True)) as mesh:
         with mesh.worker() as w:
             x = np.zeros((rows, cols), np.float32)
             y = np.zeros((rows, cols), np.float32)
@@ -562,8 +537,6 @@ def test_prepared_plan_round_trips_goes_stale_and_names_bad_keys():
             plan.run()  # default timeout: options.timeout
             np.testing.assert_array_equal(y[:2], 2 * x[:2])
             w.barrier()
-    finally:
-        mesh.close()
 
 
 def test_plan_run_many_measures_in_cpp_releases_the_gil_and_names_bad_arguments():
@@ -596,8 +569,7 @@ def test_plan_run_many_measures_in_cpp_releases_the_gil_and_names_bad_arguments(
         s.respond(b)
         s.barrier()
 
-    mesh = Mesh(server)
-    try:
+    with Mesh(server) as mesh:
         with mesh.worker() as w:
             x, y = register_row(w, 10)
             plan = w.prepare([1], [(2, 0)])
@@ -626,8 +598,6 @@ def test_plan_run_many_measures_in_cpp_releases_the_gil_and_names_bad_arguments(
             w.wait(pending, 20)  # the late reply releases it
             np.testing.assert_array_equal(y, -1)
             w.barrier()
-    finally:
-        mesh.close()
 
 
 def test_push_pull_item_forms_and_bad_pull_servers_named():
@@ -646,8 +616,7 @@ def test_push_pull_item_forms_and_bad_pull_servers_named():
             s.respond(b)
         s.barrier()
 
-    mesh = Mesh(server)
-    try:
+    with Mesh(server) as mesh:
         with mesh.worker() as w:
             y = np.zeros(4, np.uint8)
             w.register_push(1, np.zeros(4, np.uint8))
@@ -666,8 +635,6 @@ def test_push_pull_item_forms_and_bad_pull_servers_named():
                 w.wait(w.push_pull(pushes, pulls), 20)
                 np.testing.assert_array_equal(y, i + 1)
             w.barrier()
-    finally:
-        mesh.close()
 
 
 def test_plan_set_rows_and_bytes_change_the_push_in_place():
@@ -691,8 +658,7 @@ def test_plan_set_rows_and_bytes_change_the_push_in_place():
             s.respond(b)
         s.barrier()
 
-    mesh = Mesh(server)
-    try:
+    with Mesh(server) as mesh:
         with mesh.worker() as w:
             x = np.ones((rows, cols), np.float32)
             w.register_push(1, x)
@@ -731,8 +697,6 @@ def test_plan_set_rows_and_bytes_change_the_push_in_place():
             plan.set_rows(0, 4)  # between posts: fine
             assert plan.bytes(0) == 4 * cols * 4
             w.barrier()
-    finally:
-        mesh.close()
     assert seen == [3, 5, 1, 0, 2]
 
 
@@ -801,8 +765,7 @@ def test_stream_arguments_order_sends_and_arrivals_on_cpu_mock_streams():
         bs.synchronize(20)
         s.barrier()
 
-    mesh = Mesh(server)
-    try:
+    with Mesh(server) as mesh:
         with mesh.worker() as w:
             x = np.zeros((rows, cols), np.float32)
             y = np.zeros((rows, cols), np.float32)
@@ -851,8 +814,6 @@ def test_stream_arguments_order_sends_and_arrivals_on_cpu_mock_streams():
             st.synchronize(20)
             np.testing.assert_array_equal(seen["pull"], -1)
             w.barrier()
-    finally:
-        mesh.close()
     assert len(snaps) == 5
     for got, want in zip(snaps, [7, 2, 2, 5, 5]):
         np.testing.assert_array_equal(got, want)
@@ -888,8 +849,7 @@ def test_metrics_text_and_chrome_trace_export(tmp_path):
         return {e["args"]["request"] for e in trace["traceEvents"]
                 if e["ph"] == "X" and e["name"].startswith(span)}
 
-    mesh = Mesh(server, trace_events=64)
-    try:
+    with Mesh(server, trace_events=64) as mesh:
         with stepmesh.Worker(opts(mesh.addr, trace_events=64)) as w:
             x = np.ones(rows, np.float32)
             y = np.zeros(rows, np.float32)
@@ -903,8 +863,6 @@ def test_metrics_text_and_chrome_trace_export(tmp_path):
             path = tmp_path / "worker0.json"
             w.write_chrome_trace(str(path))
             worker_trace = json.loads(path.read_text())
-    finally:
-        mesh.close()
     assert total(text, "stepmesh_peer_sent_bytes_total") == n * rows * 4
     assert total(got["metrics"], "stepmesh_peer_received_bytes_total") == n * rows * 4
     ids = request_ids(worker_trace, "request")
@@ -928,8 +886,7 @@ def test_stream_wait_counter_holds_later_stream_work_until_the_counter_reaches_t
     def server(s):
         s.barrier()
 
-    mesh = Mesh(server)
-    try:
+    with Mesh(server) as mesh:
         with mesh.worker() as w:
             st = w.create_stream()
             counter = np.zeros(1, np.int64)
@@ -950,5 +907,3 @@ def test_stream_wait_counter_holds_later_stream_work_until_the_counter_reaches_t
             with pytest.raises(ValueError, match="stream is None"):
                 w.stream_wait_counter(counter.ctypes.data, target.ctypes.data, None)
             w.barrier()
-    finally:
-        mesh.close()

@@ -2,12 +2,11 @@
 every dtype torch 1.13 has that stepmesh carries. torch is a test dependency
 (Debian python3-torch, installed by scripts/install-deps.sh): if it cannot be
 imported the tests fail saying so, they are not skipped."""
-import threading
-
 import pytest
 
 import proc_util
 import stepmesh
+import thread_util
 
 torch = proc_util.require_torch()
 from torch.utils.dlpack import from_dlpack  # noqa: E402
@@ -19,50 +18,41 @@ DTYPES = [torch.uint8, torch.int32, torch.int64, torch.float32, torch.float16, t
 def test_torch_round_trip(dtype):
     rows, cols, steps = 6, 8, 3
     sched = stepmesh.Scheduler()
-    errors = []
 
     def server():
-        try:
-            with stepmesh.Server(scheduler=sched.address, transport="tcp", timeout=20.0) as s:
-                recv = torch.zeros(rows, cols, dtype=dtype)
-                reply = torch.zeros(rows, cols, dtype=dtype)
-                s.register_recv(1, recv)
-                s.register_reply(2, reply)
-                s.barrier()
-                for _ in range(steps):
-                    b = s.get_batch(timeout=20)
-                    part = from_dlpack(b.part(1, 0))  # zero-copy torch view
-                    assert part.dtype == dtype and part.data_ptr() == recv.data_ptr()
-                    reply[: part.shape[0]] = part + 1
-                    s.respond(b, rows={0: part.shape[0]})
-                s.barrier()
-        except BaseException as e:
-            errors.append(e)
+        with stepmesh.Server(scheduler=sched.address, transport="tcp", timeout=20.0) as s:
+            recv = torch.zeros(rows, cols, dtype=dtype)
+            reply = torch.zeros(rows, cols, dtype=dtype)
+            s.register_recv(1, recv)
+            s.register_reply(2, reply)
+            s.barrier()
+            for _ in range(steps):
+                b = s.get_batch(timeout=20)
+                part = from_dlpack(b.part(1, 0))  # zero-copy torch view
+                assert part.dtype == dtype and part.data_ptr() == recv.data_ptr()
+                reply[: part.shape[0]] = part + 1
+                s.respond(b, rows={0: part.shape[0]})
+            s.barrier()
 
-    t = threading.Thread(target=server)
-    t.start()
     try:
-        with stepmesh.Worker(scheduler=sched.address, transport="tcp", timeout=20.0) as w:
-            x = torch.zeros(rows, cols, dtype=dtype)
-            y = torch.zeros(rows, cols, dtype=dtype)
-            assert stepmesh.describe(x)["dtype"] == str(dtype).split(".")[1]
-            w.register_push(1, x)
-            w.register_pull(2, 0, y)
-            w.barrier()
-            for step in range(steps):
-                n = [rows, 2, 5][step]
-                x.copy_(torch.randint(0, 100, (rows, cols)).to(dtype))
-                y.zero_()
-                w.wait(w.push_pull([stepmesh.Push(1, rows=n)], [(2, 0)]), timeout=20)
-                assert torch.equal(y[:n], x[:n] + 1)
-                assert not y[n:].any()
-            w.barrier()
+        with thread_util.in_background(server):
+            with stepmesh.Worker(scheduler=sched.address, transport="tcp", timeout=20.0) as w:
+                x = torch.zeros(rows, cols, dtype=dtype)
+                y = torch.zeros(rows, cols, dtype=dtype)
+                assert stepmesh.describe(x)["dtype"] == str(dtype).split(".")[1]
+                w.register_push(1, x)
+                w.register_pull(2, 0, y)
+                w.barrier()
+                for step in range(steps):
+                    n = [rows, 2, 5][step]
+                    x.copy_(torch.randint(0, 100, (rows, cols)).to(dtype))
+                    y.zero_()
+                    w.wait(w.push_pull([stepmesh.Push(1, rows=n)], [(2, 0)]), timeout=20)
+                    assert torch.equal(y[:n], x[:n] + 1)
+                    assert not y[n:].any()
+                w.barrier()
     finally:
-        t.join(timeout=60)
         sched.stop()
-    assert not t.is_alive()
-    if errors:
-        raise errors[0]
 
 
 def test_torch_bad_tensors():

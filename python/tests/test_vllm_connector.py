@@ -16,7 +16,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -215,28 +214,9 @@ def runner():
             p.wait()
 
 
-def free_ports(n):
-    """A base port with n consecutive free ports after it (a subgroup mesh per
-    FFN rank listens on port + f)."""
-    for _ in range(100):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        base = s.getsockname()[1]
-        s.close()
-        try:
-            for i in range(n):
-                t = socket.socket()
-                t.bind(("127.0.0.1", base + i))
-                t.close()
-            return base
-        except OSError:
-            continue
-    raise AssertionError("no run of free ports")
-
-
 def run_mesh(runner, A, F, topology, mode="normal", plugin="standin", steps=4, layers=2,
              timeout=5.0, custom_ops="auto"):
-    port = free_ports(F)
+    port = proc_util.free_port_run(F)
     children = []
     for role, n in (("ffn", F), ("attention", A)):
         for r in range(n):
@@ -303,7 +283,7 @@ def test_graph_capture_replays_post_every_send(runner, A, F, topology):
     numpy, and every FFN rank serves 100 x 4 batches. With the sends posted
     from host code at capture (the ops' old path) a replay sends nothing."""
     replays = 100
-    port = free_ports(F)
+    port = proc_util.free_port_run(F)
     children = []
     for role, n in (("ffn", F), ("attention", A)):
         for r in range(n):
@@ -325,7 +305,7 @@ def test_graph_replay_send_to_a_lost_ffn_rank_is_raised_by_the_next_host_call(ru
     """FFN rank 1 killed at replay 10's control payload (2A2F all_to_all, graph
     mode): the replay's sends fail on the trigger's thread, the replay is
     released (not hung), and the next host call raises naming FFN rank 1."""
-    port = free_ports(2)
+    port = proc_util.free_port_run(2)
     children = []
     for role, n in (("ffn", 2), ("attention", 2)):
         for r in range(n):

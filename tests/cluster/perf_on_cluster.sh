@@ -10,20 +10,15 @@
 set -uo pipefail
 perf="$1"
 shift
+# shellcheck source=perf_cluster_lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/perf_cluster_lib.sh"
 [[ -n "${CLUSTER_HOSTS:-}" ]] || { echo "perf_on_cluster.sh: run it inside cluster.sh run" >&2; exit 2; }
 IFS=, read -ra ns <<<"$CLUSTER_HOSTS"
 IFS=, read -ra ip <<<"$CLUSTER_ADDRS"
 ((${#ns[@]} >= 2)) || { echo "perf_on_cluster.sh: needs 2 hosts" >&2; exit 2; }
 export STEPMESH_PAYLOAD_CHECKSUM=1 STEPMESH_AUTH=off
 sched="${ip[0]}:29000"
-work="$(mktemp -d /tmp/perf_cluster.XXXXXX)"
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-  rm -rf "$work"
-}
-trap cleanup EXIT
+perf_cluster_work perf_cluster
 common=(--pattern 1A1F --scheduler "$sched" --deadline-s 240 "$@")
 ip netns exec "${ns[0]}" timeout 300 "$perf" --role scheduler "${common[@]}" >"$work/sched" 2>&1 &
 pids+=($!)

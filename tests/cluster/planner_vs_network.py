@@ -49,13 +49,8 @@ REPO = os.path.normpath(os.path.join(HERE, "..", ".."))
 SUMMARY = re.compile(r"emulated compute: .*?: decode [0-9.e+]+ virtual tokens/s, ([0-9.e+]+) "
                      r"per instance")
 TPOT = re.compile(r"decode: TPOT ([0-9.]+) ms")
-
-
-def parse_topology(text):
-    m = re.fullmatch(r"(\d+)A(\d+)F", text)
-    if not m:
-        raise SystemExit("planner_vs_network: bad topology " + text + " (want e.g. 3A1F)")
-    return int(m.group(1)), int(m.group(2))
+sys.path.insert(0, os.path.join(REPO, "src", "tools", "planner"))
+from emulate_ratios import parse_topology  # noqa: E402  (the same "xAyF")
 
 
 def name(t):
@@ -109,7 +104,7 @@ def run_inside(args):
         raise SystemExit("planner_vs_network: stepmesh_perf failed ({})".format(done.returncode))
     result["perf_json"] = perf_json
     # 2. The example at every topology, repetitions interleaved.
-    topologies = [parse_topology(t) for t in args.topologies.split(",")]
+    topologies = [parse_topology(t, "planner_vs_network") for t in args.topologies.split(",")]
     requests = batch * args.micro_batches
     for rep in range(args.reps):
         for x, y in topologies:
@@ -223,7 +218,7 @@ def main():
     if args.inside:
         return run_inside(args)
 
-    topologies = [parse_topology(t) for t in args.topologies.split(",")]
+    topologies = [parse_topology(t, "planner_vs_network") for t in args.topologies.split(",")]
     hosts = max(x + y for x, y in topologies)
     rates = [r.strip() for r in args.rates.split(",")]
     plan = load_plan(args.plan)

@@ -6,15 +6,12 @@
 #   rails_failover_test.sh STEPMESH_PERF
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=perf_cluster_lib.sh
+source "$here/perf_cluster_lib.sh"
 out="$(bash "$here/../../scripts/cluster.sh" run --hosts 2 --rails 2 --gbps 10 -- \
   "$here/rails_on_cluster.sh" fault "$1" --sizes 65536:1835008 --iters 3000 --warmup 20 \
   --timeout-ms 4000 2>&1)"
-rc=$?
-printf '%s\n' "$out"
-((rc == 77)) && exit 77
-((rc == 0)) || { echo "FAIL: exited $rc with one rail down"; exit 1; }
-row="$(grep -E '^ stepmesh +[0-9]+ ' <<<"$out" | head -1)"
-[[ -n "$row" ]] || { echo "FAIL: no stepmesh latency row"; exit 1; }
+perf_cluster_row $? "with one rail down" "$out"
 read -r _ iters _ <<<"$row"
 ((iters == 3000)) || { echo "FAIL: $iters iterations measured, want 3000"; exit 1; }
 grep -q "is down" <<<"$out" || { echo "FAIL: no rail went down"; exit 1; }

@@ -20,6 +20,8 @@ mode="$1"
 perf="$2"
 shift 2
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=perf_cluster_lib.sh
+source "$here/perf_cluster_lib.sh"
 [[ -n "${CLUSTER_HOSTS:-}" && -n "${CLUSTER_ADDRS1:-}" ]] ||
   { echo "rails_on_cluster.sh: run it inside cluster.sh run --rails 2" >&2; exit 2; }
 IFS=, read -ra ns <<<"$CLUSTER_HOSTS"
@@ -28,14 +30,7 @@ IFS=, read -ra ip1 <<<"$CLUSTER_ADDRS1"
 export STEPMESH_PAYLOAD_CHECKSUM=1 STEPMESH_AUTH=off
 unset STEPMESH_TCP_RAILS
 sched="${ip0[0]}:29000"
-work="$(mktemp -d /tmp/rails_cluster.XXXXXX)"
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-  rm -rf "$work"
-}
-trap cleanup EXIT
+perf_cluster_work rails_cluster
 rails_of() {  # host index
   [[ "$mode" == single* ]] && return
   echo "STEPMESH_TCP_RAILS=${ip1[$1]},${ip0[$1]}"

@@ -74,14 +74,19 @@ TEST_CASE("unknown values of every enumeration are refused at FromEnv, listing t
   }
 }
 
+// What three MeshOptions::FromEnv calls (each succeeding) write to stderr.
+std::string LogOfThreeReads() {
+  StderrCapture capture("config_test");
+  for (int i = 0; i < 3; ++i) REQUIRE(MeshOptions::FromEnv().ok());
+  return capture.Finish();
+}
+
 TEST_CASE("unknown STEPMESH_* and DMLC_* names are warned about once per process",
           "[options][config]") {
   ScopedEnv env({{"STEPMESH_NUM_WORKER", "2"},  // a typo of STEPMESH_NUM_WORKERS
                  {"DMLC_PS_ROOT_URL", "10.0.0.1"},
                  {"DMLC_NODE_RANK", "0"}});  // read by the Python layer: no warning
-  StderrCapture capture("config_test");
-  for (int i = 0; i < 3; ++i) REQUIRE(MeshOptions::FromEnv().ok());
-  const std::string log = capture.Finish();
+  const std::string log = LogOfThreeReads();
   INFO(log);
   CHECK(Count(log, "unknown environment variable STEPMESH_NUM_WORKER ") == 1);
   CHECK(Count(log, "unknown environment variable DMLC_PS_ROOT_URL ") == 1);
@@ -91,9 +96,7 @@ TEST_CASE("unknown STEPMESH_* and DMLC_* names are warned about once per process
 TEST_CASE("StepMesh knobs with no counterpart are named as ignored once per process",
           "[options][config]") {
   ScopedEnv env({{"STEPMESH_MEM_SYNC", "1"}, {"STEPMESH_CPU_START_OFFSET", "10"}});
-  StderrCapture capture("config_test");
-  for (int i = 0; i < 3; ++i) REQUIRE(MeshOptions::FromEnv().ok());
-  const std::string log = capture.Finish();
+  const std::string log = LogOfThreeReads();
   INFO(log);
   CHECK(Count(log, "environment variable STEPMESH_MEM_SYNC ignored: ") == 1);
   CHECK(Count(log, "environment variable STEPMESH_CPU_START_OFFSET ignored: ") == 1);

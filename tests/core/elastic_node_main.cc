@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "absl/strings/str_join.h"
 #include "stepmesh/server.h"
 #include "stepmesh/worker.h"
+#include "tests/support/node_flags.h"
 
 namespace {
 
@@ -186,13 +188,9 @@ int RunServer(stepmesh::AFTensorServer& server, size_t bytes, const std::string&
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::StatusOr<stepmesh::MeshOptions> from_env = stepmesh::MeshOptions::FromEnv();
-  if (!from_env.ok()) {
-    std::fprintf(stderr, "%s\n", from_env.status().ToString().c_str());
-    return 2;
-  }
+  std::optional<stepmesh::MeshOptions> from_env = stepmesh::testing::TcpNodeOptionsFromEnv();
+  if (!from_env) return 2;
   stepmesh::MeshOptions options = *from_env;
-  options.transport = "tcp";
   options.timeout = absl::Seconds(5);
   std::string role = "worker", status_path;
   size_t bytes = 4096;
@@ -205,51 +203,35 @@ int main(int argc, char** argv) {
     }
     if (i + 1 >= argc) return 2;
     const std::string value = argv[++i];
+    if (stepmesh::testing::ApplyMeshFlag(flag, value, &options)) continue;
     int64_t n = 0;
     const bool numeric = absl::SimpleAtoi(value, &n);
     if (flag == "--role") {
       role = value;
-    } else if (flag == "--scheduler") {
-      options.scheduler = value;
     } else if (flag == "--status") {
       status_path = value;
-    } else if (flag == "--rank" && numeric) {
-      options.rank = static_cast<int>(n);
-    } else if (flag == "--workers" && numeric) {
-      options.num_workers = static_cast<int>(n);
-    } else if (flag == "--servers" && numeric) {
-      options.num_servers = static_cast<int>(n);
     } else if (flag == "--max-workers" && numeric) {
       options.max_workers = static_cast<int>(n);
     } else if (flag == "--max-servers" && numeric) {
       options.max_servers = static_cast<int>(n);
     } else if (flag == "--bytes" && numeric) {
       bytes = static_cast<size_t>(n);
-    } else if (flag == "--timeout-ms" && numeric) {
-      options.timeout = absl::Milliseconds(n);
     } else {
-      std::fprintf(stderr, "bad flag %s %s\n", flag.c_str(), value.c_str());
-      return 2;
+      return stepmesh::testing::BadFlag(flag, value);
     }
   }
   signal(SIGTERM, OnTerm);
   if (role == "worker") {
     options.role = stepmesh::Role::kWorker;
-    auto worker = stepmesh::AFTensorWorker::Create(options);
-    if (!worker.ok()) {
-      std::fprintf(stderr, "%s\n", worker.status().ToString().c_str());
-      return 3;
-    }
+    auto worker = stepmesh::testing::CreateOrSay<stepmesh::AFTensorWorker>(options, "worker");
+    if (!worker.ok()) return 3;
     if (die_after_create) raise(SIGKILL);
     return RunWorker(**worker, bytes, options.ServerCapacity(), status_path, options.timeout);
   }
   if (role == "server") {
     options.role = stepmesh::Role::kServer;
-    auto server = stepmesh::AFTensorServer::Create(options);
-    if (!server.ok()) {
-      std::fprintf(stderr, "%s\n", server.status().ToString().c_str());
-      return 3;
-    }
+    auto server = stepmesh::testing::CreateOrSay<stepmesh::AFTensorServer>(options, "server");
+    if (!server.ok()) return 3;
     if (die_after_create) raise(SIGKILL);
     return RunServer(**server, bytes, status_path, options.timeout);
   }

@@ -70,18 +70,15 @@ void CheckNoAllocations(bool prepared) {
   // request allocates nothing either. Off, recording is one branch.
   base.trace.events = 256;
   // Every tensor before the mesh: registered memory outlives it.
-  std::vector<std::vector<uint8_t> > recvs(kServers, std::vector<uint8_t>(kWorkers * kBytes));
-  std::vector<std::vector<uint8_t> > replies(kServers, std::vector<uint8_t>(kWorkers * kBytes));
-  std::vector<std::vector<uint8_t> > pushes(kWorkers, std::vector<uint8_t>(kBytes));
-  std::vector<std::vector<uint8_t> > pulls(kWorkers * kServers, std::vector<uint8_t>(kBytes));
+  testing::MeshBuffers buffers(kWorkers, kServers, kBytes);
   auto mesh = testing::LoopbackMesh::Start(base, compose::CreateTransport);
   REQUIRE_OK(mesh);
 
   std::atomic<int> warmed{0}, finished{0}, failures{0};
   std::atomic<bool> go{false};
   auto serve = [&](AFTensorServer& server) -> absl::Status {
-    std::vector<uint8_t>& recv = recvs[server.rank()];
-    std::vector<uint8_t>& reply = replies[server.rank()];
+    std::vector<uint8_t>& recv = buffers.recv[server.rank()];
+    std::vector<uint8_t>& reply = buffers.reply[server.rank()];
     const Shape shape{kWorkers, kBytes};
     STEPMESH_RETURN_IF_ERROR(server.RegisterRecvTensor(1, {recv.data(), DType::kUInt8, shape}));
     STEPMESH_RETURN_IF_ERROR(server.RegisterReplyTensor(2, {reply.data(), DType::kUInt8, shape}));
@@ -96,9 +93,9 @@ void CheckNoAllocations(bool prepared) {
     return server.Shutdown();
   };
   auto work = [&](AFTensorWorker& worker) -> absl::Status {
-    std::vector<uint8_t>& push = pushes[worker.rank()];
-    std::vector<uint8_t>& pull0 = pulls[worker.rank() * kServers];
-    std::vector<uint8_t>& pull1 = pulls[worker.rank() * kServers + 1];
+    std::vector<uint8_t>& push = buffers.push[worker.rank()];
+    std::vector<uint8_t>& pull0 = buffers.pull[worker.rank() * kServers];
+    std::vector<uint8_t>& pull1 = buffers.pull[worker.rank() * kServers + 1];
     STEPMESH_RETURN_IF_ERROR(worker.RegisterPushTensor(1, BytesView(push.data(), kBytes)));
     STEPMESH_RETURN_IF_ERROR(worker.RegisterPullTensor(2, 0, BytesView(pull0.data(), kBytes)));
     STEPMESH_RETURN_IF_ERROR(worker.RegisterPullTensor(2, 1, BytesView(pull1.data(), kBytes)));

@@ -7,6 +7,7 @@
 // UNAVAILABLE (a peer vanished) within the timeout.
 
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include "absl/strings/numbers.h"
@@ -14,16 +15,12 @@
 #include "stepmesh/server.h"
 #include "stepmesh/worker.h"
 #include "tests/support/mesh_scenarios.h"
+#include "tests/support/node_flags.h"
 
 int main(int argc, char** argv) {
-  // STEPMESH_* variables apply (auth token, log level); the flags below win.
-  absl::StatusOr<stepmesh::MeshOptions> from_env = stepmesh::MeshOptions::FromEnv();
-  if (!from_env.ok()) {
-    std::fprintf(stderr, "%s\n", from_env.status().ToString().c_str());
-    return 2;
-  }
+  std::optional<stepmesh::MeshOptions> from_env = stepmesh::testing::TcpNodeOptionsFromEnv();
+  if (!from_env) return 2;
   stepmesh::MeshOptions options = *from_env;
-  options.transport = "tcp";
   stepmesh::testing::Scenario scenario;
   bool expect_unavailable = false;
   std::string role = "worker";
@@ -38,18 +35,17 @@ int main(int argc, char** argv) {
       return 2;
     }
     const std::string value = argv[++i];
+    if (stepmesh::testing::ApplyMeshFlag(flag, value, &options)) {
+      // The scenario follows the mesh's shape and timeout.
+      if (flag == "--workers") scenario.workers = options.num_workers;
+      if (flag == "--servers") scenario.servers = options.num_servers;
+      if (flag == "--timeout-ms") scenario.step_timeout = options.timeout;
+      continue;
+    }
     int64_t n = 0;
     const bool numeric = absl::SimpleAtoi(value, &n);
     if (flag == "--role")
       role = value;
-    else if (flag == "--scheduler")
-      options.scheduler = value;
-    else if (flag == "--rank" && numeric)
-      options.rank = static_cast<int>(n);
-    else if (flag == "--workers" && numeric)
-      scenario.workers = options.num_workers = static_cast<int>(n);
-    else if (flag == "--servers" && numeric)
-      scenario.servers = options.num_servers = static_cast<int>(n);
     else if (flag == "--iterations" && numeric)
       scenario.iterations = static_cast<int>(n);
     else if (flag == "--micro-batches" && numeric)
@@ -58,13 +54,8 @@ int main(int argc, char** argv) {
       scenario.push_bytes = static_cast<size_t>(n);
     else if (flag == "--pull-bytes" && numeric)
       scenario.pull_bytes = static_cast<size_t>(n);
-    else if (flag == "--timeout-ms" && numeric) {
-      options.timeout = absl::Milliseconds(n);
-      scenario.step_timeout = absl::Milliseconds(n);
-    } else {
-      std::fprintf(stderr, "bad flag %s %s\n", flag.c_str(), value.c_str());
-      return 2;
-    }
+    else
+      return stepmesh::testing::BadFlag(flag, value);
   }
   absl::Status result;
   if (role == "worker") {

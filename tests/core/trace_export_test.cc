@@ -229,24 +229,21 @@ TEST_CASE("2A2F: each participant's trace export, merged, lines up on the schedu
   base.num_servers = kServers;
   base.timeout = absl::Seconds(60);
   base.trace.events = 64;
-  std::vector<std::vector<uint8_t>> recv(kServers, std::vector<uint8_t>(kWorkers * kBytes));
-  std::vector<std::vector<uint8_t>> reply(kServers, std::vector<uint8_t>(kWorkers * kBytes));
-  std::vector<std::vector<uint8_t>> push(kWorkers, std::vector<uint8_t>(kBytes));
-  std::vector<std::vector<uint8_t>> pull(kWorkers * kServers, std::vector<uint8_t>(kBytes));
+  testing::MeshBuffers buffers(kWorkers, kServers, kBytes);
   auto mesh = testing::LoopbackMesh::Start(base, compose::CreateTransport);
   REQUIRE_OK(mesh);
   const Shape shape{kWorkers, kBytes};
   for (int s = 0; s < kServers; ++s) {
     AFTensorServer& server = (*mesh)->server(s);
-    REQUIRE_OK(server.RegisterRecvTensor(kPush, {recv[s].data(), DType::kUInt8, shape}));
-    REQUIRE_OK(server.RegisterReplyTensor(kPull, {reply[s].data(), DType::kUInt8, shape}));
+    REQUIRE_OK(server.RegisterRecvTensor(kPush, {buffers.recv[s].data(), DType::kUInt8, shape}));
+    REQUIRE_OK(server.RegisterReplyTensor(kPull, {buffers.reply[s].data(), DType::kUInt8, shape}));
   }
   for (int w = 0; w < kWorkers; ++w) {
     AFTensorWorker& worker = (*mesh)->worker(w);
-    REQUIRE_OK(worker.RegisterPushTensor(kPush, BytesView(push[w].data(), kBytes)));
+    REQUIRE_OK(worker.RegisterPushTensor(kPush, BytesView(buffers.push[w].data(), kBytes)));
     for (int s = 0; s < kServers; ++s) {
-      REQUIRE_OK(
-          worker.RegisterPullTensor(kPull, s, BytesView(pull[w * kServers + s].data(), kBytes)));
+      REQUIRE_OK(worker.RegisterPullTensor(
+          kPull, s, BytesView(buffers.pull[w * kServers + s].data(), kBytes)));
     }
   }
 

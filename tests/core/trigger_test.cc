@@ -123,6 +123,25 @@ Step Capture(Stream& stream, Trigger& trigger, TriggerTarget target, uint8_t* in
 
 constexpr size_t kBytes = 256;
 
+// One step captured on a cpu_mock stream, posting to `target` of an echo peer
+// that answers after 100 us, or never (`stall`).
+struct CapturedStep {
+  explicit CapturedStep(const char* target, TriggerOptions options = {}, bool stall = false)
+      : peer(send.data(), recv.data(), kBytes, absl::Microseconds(100)) {
+    if (stall) peer.Stall();
+    trigger = *Trigger::Create(*backend, options);
+    step = Capture(*stream, *trigger, peer.Target(target), input.data(), send.data(), recv.data(),
+                   output.data(), kBytes);
+  }
+  std::unique_ptr<Backend> backend = CreateCpuMockBackend();
+  std::unique_ptr<Stream> stream = *backend->CreateStream();
+  std::vector<uint8_t> input = std::vector<uint8_t>(kBytes), send = std::vector<uint8_t>(kBytes),
+                       recv = std::vector<uint8_t>(kBytes), output = std::vector<uint8_t>(kBytes);
+  EchoPeer peer;
+  std::unique_ptr<Trigger> trigger;
+  Step step;
+};
+
 TEST_CASE("trigger: one capture, 100 replays, one post and the right bytes per replay",
           "[trigger]") {
   auto backend = CreateCpuMockBackend();
@@ -153,72 +172,52 @@ TEST_CASE("trigger: one capture, 100 replays, one post and the right bytes per r
 }
 
 TEST_CASE("trigger: replays queued back to back post in order, one in flight", "[trigger]") {
-  auto backend = CreateCpuMockBackend();
-  auto stream = *backend->CreateStream();
-  std::vector<uint8_t> input(kBytes), send(kBytes), recv(kBytes), output(kBytes);
-  EchoPeer peer(send.data(), recv.data(), kBytes, absl::Microseconds(100));
-  auto trigger = *Trigger::Create(*backend);
-  Step step = Capture(*stream, *trigger, peer.Target("key 1"), input.data(), send.data(),
-                      recv.data(), output.data(), kBytes);
+  CapturedStep s("key 1");
   // Ten launches without a host sync between them: each waits for its own post.
   std::vector<uint8_t> seen;
   std::mutex seen_mu;
   for (int r = 0; r < 10; ++r) {
-    REQUIRE(stream->LaunchHostFunc([&, r] { std::fill(input.begin(), input.end(), r); }).ok());
-    REQUIRE(step.graph->Launch(*stream).ok());
-    REQUIRE(stream
+    REQUIRE(
+        s.stream->LaunchHostFunc([&, r] { std::fill(s.input.begin(), s.input.end(), r); }).ok());
+    REQUIRE(s.step.graph->Launch(*s.stream).ok());
+    REQUIRE(s.stream
                 ->LaunchHostFunc([&] {
                   std::lock_guard<std::mutex> lock(seen_mu);
-                  seen.push_back(output[0]);
+                  seen.push_back(s.output[0]);
                 })
                 .ok());
   }
-  REQUIRE(stream->Synchronize(absl::Seconds(10)).ok());
+  REQUIRE(s.stream->Synchronize(absl::Seconds(10)).ok());
   REQUIRE(seen.size() == 10);
   for (int r = 0; r < 10; ++r) CHECK(seen[r] == r + 1);
-  CHECK(peer.posted() == 10);
+  CHECK(s.peer.posted() == 10);
 }
 
 TEST_CASE("trigger: a refused post releases the stream and names the target", "[trigger]") {
-  auto backend = CreateCpuMockBackend();
-  auto stream = *backend->CreateStream();
-  std::vector<uint8_t> input(kBytes), send(kBytes), recv(kBytes), output(kBytes);
-  EchoPeer peer(send.data(), recv.data(), kBytes, absl::Microseconds(100));
-  auto trigger = *Trigger::Create(*backend);
-  Step step = Capture(*stream, *trigger, peer.Target("key 17 to server 1"), input.data(),
-                      send.data(), recv.data(), output.data(), kBytes);
-  REQUIRE(step.graph->Launch(*stream).ok());
-  REQUIRE(stream->Synchronize(absl::Seconds(5)).ok());
-  CHECK(trigger->TakeError().ok());
-  peer.Refuse();
+  CapturedStep s("key 17 to server 1");
+  REQUIRE(s.step.graph->Launch(*s.stream).ok());
+  REQUIRE(s.stream->Synchronize(absl::Seconds(5)).ok());
+  CHECK(s.trigger->TakeError().ok());
+  s.peer.Refuse();
   for (int r = 0; r < 3; ++r) {  // never hangs: a failed slot releases at once
-    REQUIRE(step.graph->Launch(*stream).ok());
-    REQUIRE(stream->Synchronize(absl::Seconds(5)).ok());
+    REQUIRE(s.step.graph->Launch(*s.stream).ok());
+    REQUIRE(s.stream->Synchronize(absl::Seconds(5)).ok());
   }
-  const absl::Status e = trigger->TakeError();
+  const absl::Status e = s.trigger->TakeError();
   CHECK(absl::IsUnavailable(e));
   CHECK_THAT(std::string(e.message()), Catch::Contains("key 17 to server 1"));
   CHECK_THAT(std::string(e.message()), Catch::Contains("server 1 is lost"));
-  CHECK(trigger->TakeError().ok());  // reported once
-  CHECK(trigger->posts() == 1);
+  CHECK(s.trigger->TakeError().ok());  // reported once
+  CHECK(s.trigger->posts() == 1);
 }
 
 TEST_CASE("trigger: a post that never completes fails at the timeout", "[trigger]") {
-  auto backend = CreateCpuMockBackend();
-  auto stream = *backend->CreateStream();
-  std::vector<uint8_t> input(kBytes), send(kBytes), recv(kBytes), output(kBytes);
-  EchoPeer peer(send.data(), recv.data(), kBytes, absl::Microseconds(100));
-  peer.Stall();
-  TriggerOptions options;
-  options.timeout = absl::Milliseconds(50);
-  auto trigger = *Trigger::Create(*backend, options);
-  Step step = Capture(*stream, *trigger, peer.Target("key 3"), input.data(), send.data(),
-                      recv.data(), output.data(), kBytes);
+  CapturedStep s("key 3", {.timeout = absl::Milliseconds(50)}, /*stall=*/true);
   const absl::Time start = absl::Now();
-  REQUIRE(step.graph->Launch(*stream).ok());
-  REQUIRE(stream->Synchronize(absl::Seconds(5)).ok());
+  REQUIRE(s.step.graph->Launch(*s.stream).ok());
+  REQUIRE(s.stream->Synchronize(absl::Seconds(5)).ok());
   CHECK(absl::Now() - start >= absl::Milliseconds(50));
-  const absl::Status e = trigger->TakeError();
+  const absl::Status e = s.trigger->TakeError();
   CHECK(absl::IsDeadlineExceeded(e));
   CHECK_THAT(std::string(e.message()), Catch::Contains("key 3"));
 }
@@ -254,25 +253,16 @@ TEST_CASE("trigger: bounded queue, bad arguments, capacity, shutdown releases", 
 }
 
 TEST_CASE("trigger: shutdown with a post in flight releases the waiting stream", "[trigger]") {
-  auto backend = CreateCpuMockBackend();
-  auto stream = *backend->CreateStream();
-  std::vector<uint8_t> input(kBytes), send(kBytes), recv(kBytes), output(kBytes);
-  EchoPeer peer(send.data(), recv.data(), kBytes, absl::Microseconds(100));
-  peer.Stall();
-  TriggerOptions options;
-  options.timeout = absl::Milliseconds(200);
-  auto trigger = *Trigger::Create(*backend, options);
-  Step step = Capture(*stream, *trigger, peer.Target("key 5"), input.data(), send.data(),
-                      recv.data(), output.data(), kBytes);
-  REQUIRE(step.graph->Launch(*stream).ok());
+  CapturedStep s("key 5", {.timeout = absl::Milliseconds(200)}, /*stall=*/true);
+  REQUIRE(s.step.graph->Launch(*s.stream).ok());
   const absl::Time deadline = absl::Now() + absl::Seconds(5);
-  while (peer.posted() == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
-  REQUIRE(peer.posted() == 1);
+  while (s.peer.posted() == 0 && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(1));
+  REQUIRE(s.peer.posted() == 1);
   const absl::Time start = absl::Now();
-  trigger->Shutdown();  // waits for the request in flight (bounded), then releases
+  s.trigger->Shutdown();  // waits for the request in flight (bounded), then releases
   CHECK(absl::Now() - start < absl::Seconds(3));
-  CHECK(stream->Synchronize(absl::Seconds(5)).ok());
-  CHECK(trigger->armed() == 0);
+  CHECK(s.stream->Synchronize(absl::Seconds(5)).ok());
+  CHECK(s.trigger->armed() == 0);
 }
 
 }  // namespace

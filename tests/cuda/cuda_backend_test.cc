@@ -19,51 +19,18 @@
 #include "absl/time/clock.h"
 #include "src/backends/cuda/cuda_status.h"
 #include "stepmesh/backend.h"
+#include "tests/cuda/cuda_backend_fixture.h"
 #include "tests/cuda/fake_cuda_api.h"
 
 namespace stepmesh {
 namespace {
 
 using cuda::testing::FakeCudaApi;
+using Fixture = cuda::testing::BackendFixture;
 
-struct Fixture {
-  explicit Fixture(int devices = 1, CudaBackendOptions options = {}, int device = 0)
-      : Fixture(std::make_shared<FakeCudaApi>(devices), device, options) {}
-  Fixture(std::shared_ptr<FakeCudaApi> configured, int device, CudaBackendOptions options = {})
-      : fake(std::move(configured)) {
-    auto created = CreateCudaBackend(fake, device, options);
-    REQUIRE(created.ok());
-    backend = std::move(*created);
-  }
-  ~Fixture() {
-    backend.reset();  // its destructor's calls are checked too
-    CHECK(fake->violations().empty());
-  }
-
-  std::unique_ptr<Stream> NewStream() {
-    auto stream = backend->CreateStream();
-    REQUIRE(stream.ok());
-    return std::move(*stream);
-  }
-  cudaStream_t Native(Stream& stream) {
-    auto handle = NativeCudaStream(stream);
-    REQUIRE(handle.ok());
-    return static_cast<cudaStream_t>(*handle);
-  }
-  bool Ready(Event& event) {
-    auto ready = event.Query();
-    REQUIRE(ready.ok());
-    return *ready;
-  }
-
-  std::shared_ptr<FakeCudaApi> fake;
-  std::unique_ptr<Backend> backend;
-};
-
+// With a pool of two events, so that the pool's limit is reached in a test.
 CudaBackendOptions Options(ReadyEventMode ready, StreamWaitMode wait = StreamWaitMode::kAuto) {
-  CudaBackendOptions options;
-  options.ready_event_mode = ready;
-  options.stream_wait_mode = wait;
+  CudaBackendOptions options = cuda::testing::Modes(ready, wait);
   options.event_pool_size = 2;
   return options;
 }
@@ -177,19 +144,27 @@ TEST_CASE("cuda: synchronous copy uses unified addressing on the backend's own s
 
 TEST_CASE("cuda: cudaError and CUresult map to canonical status codes", "[cuda]") {
   using absl::StatusCode;
-  CHECK(cuda::CudaErrorCode(cudaSuccess) == StatusCode::kOk);
-  CHECK(cuda::CudaErrorCode(cudaErrorNoDevice) == StatusCode::kUnavailable);
-  CHECK(cuda::CudaErrorCode(cudaErrorInsufficientDriver) == StatusCode::kUnavailable);
-  CHECK(cuda::CudaErrorCode(cudaErrorMemoryAllocation) == StatusCode::kResourceExhausted);
-  CHECK(cuda::CudaErrorCode(cudaErrorInvalidValue) == StatusCode::kInvalidArgument);
-  CHECK(cuda::CudaErrorCode(cudaErrorNotSupported) == StatusCode::kUnimplemented);
-  CHECK(cuda::CudaErrorCode(cudaErrorStreamCaptureUnsupported) == StatusCode::kFailedPrecondition);
-  CHECK(cuda::CudaErrorCode(cudaErrorIllegalAddress) == StatusCode::kInternal);
-  CHECK(cuda::CudaErrorCode(cudaErrorLaunchFailure) == StatusCode::kInternal);
-  CHECK(cuda::CuResultCode(CUDA_ERROR_NOT_SUPPORTED) == StatusCode::kUnimplemented);
-  CHECK(cuda::CuResultCode(CUDA_ERROR_NOT_FOUND) == StatusCode::kUnimplemented);
-  CHECK(cuda::CuResultCode(CUDA_ERROR_OUT_OF_MEMORY) == StatusCode::kResourceExhausted);
-  CHECK(cuda::CuResultCode(CUDA_ERROR_ILLEGAL_ADDRESS) == StatusCode::kInternal);
+  for (const auto& [error, code] :
+       {std::pair{cudaSuccess, StatusCode::kOk},
+        {cudaErrorNoDevice, StatusCode::kUnavailable},
+        {cudaErrorInsufficientDriver, StatusCode::kUnavailable},
+        {cudaErrorMemoryAllocation, StatusCode::kResourceExhausted},
+        {cudaErrorInvalidValue, StatusCode::kInvalidArgument},
+        {cudaErrorNotSupported, StatusCode::kUnimplemented},
+        {cudaErrorStreamCaptureUnsupported, StatusCode::kFailedPrecondition},
+        {cudaErrorIllegalAddress, StatusCode::kInternal},
+        {cudaErrorLaunchFailure, StatusCode::kInternal}}) {
+    INFO(cudaGetErrorName(error));
+    CHECK(cuda::CudaErrorCode(error) == code);
+  }
+  for (const auto& [result, code] :
+       {std::pair{CUDA_ERROR_NOT_SUPPORTED, StatusCode::kUnimplemented},
+        {CUDA_ERROR_NOT_FOUND, StatusCode::kUnimplemented},
+        {CUDA_ERROR_OUT_OF_MEMORY, StatusCode::kResourceExhausted},
+        {CUDA_ERROR_ILLEGAL_ADDRESS, StatusCode::kInternal}}) {
+    INFO("CUresult " << static_cast<int>(result));
+    CHECK(cuda::CuResultCode(result) == code);
+  }
 
   FakeCudaApi fake;
   CHECK(cuda::CudaStatus(fake, cudaSuccess, "x").ok());
@@ -526,11 +501,7 @@ TEST_CASE("cuda: kStreamMemOp surfaces driver errors instead of falling back", "
 }
 
 TEST_CASE("cuda: flush_remote_writes adds CU_STREAM_WAIT_VALUE_FLUSH", "[cuda]") {
-  auto fake = std::make_shared<FakeCudaApi>(1);
-  fake->set_attribute(cudaDevAttrCanFlushRemoteWrites, 1);
-  CudaBackendOptions options;
-  options.flush_remote_writes = true;
-  Fixture f(fake, 0, options);
+  Fixture f(cuda::testing::FlushCapableDevice(), 0, cuda::testing::FlushRemoteWrites());
   auto stream = f.NewStream();
   auto flag = *f.backend->CreateHostFlag();
   REQUIRE(stream->WaitHostFlag(*flag, 1).ok());

@@ -24,6 +24,7 @@
 #include "absl/time/clock.h"
 #include "src/backends/cuda/cuda_backend.h"
 #include "stepmesh/backend.h"
+#include "tests/cuda/cuda_backend_fixture.h"
 #include "tests/cuda/fake_cuda_api.h"
 #include "tests/support/scoped_env.h"
 
@@ -31,44 +32,8 @@ namespace stepmesh {
 namespace {
 
 using cuda::testing::FakeCudaApi;
-
-std::string Joined(const std::vector<std::string>& lines) {
-  std::string out;
-  for (const std::string& line : lines) absl::StrAppend(&out, "\n  ", line);
-  return out;
-}
-
-// A backend over a fresh fake; the fake's violations are checked at the end,
-// after the backend is gone (its destructor's calls count too).
-struct Rig {
-  explicit Rig(int devices = 1, CudaBackendOptions options = {}, int device = 0)
-      : Rig(std::make_shared<FakeCudaApi>(devices), device, options) {}
-  Rig(std::shared_ptr<FakeCudaApi> configured, int device, CudaBackendOptions options = {})
-      : fake(std::move(configured)) {
-    auto created = CreateCudaBackend(fake, device, options);
-    REQUIRE(created.ok());
-    backend = std::move(*created);
-  }
-  ~Rig() {
-    backend.reset();
-    INFO("calls a real driver would refuse or hang on:" << Joined(fake->violations()));
-    CHECK(fake->violations().empty());
-  }
-  std::unique_ptr<Stream> NewStream() { return std::move(*backend->CreateStream()); }
-  static cudaStream_t Native(Stream& stream) {
-    return static_cast<cudaStream_t>(*NativeCudaStream(stream));
-  }
-
-  std::shared_ptr<FakeCudaApi> fake;
-  std::unique_ptr<Backend> backend;
-};
-
-CudaBackendOptions Modes(ReadyEventMode ready, StreamWaitMode wait = StreamWaitMode::kAuto) {
-  CudaBackendOptions options;
-  options.ready_event_mode = ready;
-  options.stream_wait_mode = wait;
-  return options;
-}
+using cuda::testing::Modes;
+using Rig = cuda::testing::BackendFixture;
 
 // --- 1. Backend::Copy and the legacy default stream --------------------------
 
@@ -311,20 +276,14 @@ TEST_CASE("hazard 4: a progress thread gets the device once, not per copy", "[cu
 TEST_CASE("hazard 5: flush_remote_writes on a device that cannot flush fails creation",
           "[cuda][hazard]") {
   auto fake = std::make_shared<FakeCudaApi>(1);  // cudaDevAttrCanFlushRemoteWrites = 0
-  CudaBackendOptions options;
-  options.flush_remote_writes = true;
-  auto backend = CreateCudaBackend(fake, 0, options);
+  auto backend = CreateCudaBackend(fake, 0, cuda::testing::FlushRemoteWrites());
   INFO(backend.status().ToString());
   CHECK(backend.status().code() == absl::StatusCode::kFailedPrecondition);
   CHECK(fake->violations().empty());
 }
 
 TEST_CASE("hazard 5: flush_remote_writes is never dropped for a wait kernel", "[cuda][hazard]") {
-  auto fake = std::make_shared<FakeCudaApi>(1);
-  fake->set_attribute(cudaDevAttrCanFlushRemoteWrites, 1);
-  CudaBackendOptions options;
-  options.flush_remote_writes = true;
-  Rig rig(fake, 0, options);
+  Rig rig(cuda::testing::FlushCapableDevice(), 0, cuda::testing::FlushRemoteWrites());
   auto stream = rig.NewStream();
   auto flag = *rig.backend->CreateHostFlag();
   SECTION("the stream is being captured: the kernel path has no flush") {
@@ -503,17 +462,29 @@ TEST_CASE("fake CUDA: copies are bounds-checked against their allocation", "[cud
   REQUIRE(fake->FreeHost(pinned) == cudaSuccess);
 }
 
-TEST_CASE("fake CUDA: legacy-stream work waits for blocking streams, not non-blocking ones",
-          "[cuda][fake]") {
-  auto fake = std::make_shared<FakeCudaApi>(1);
-  fake->set_hang_timeout(std::chrono::milliseconds(50));
-  REQUIRE(fake->SetDevice(0) == cudaSuccess);
+// A fake that reports a hang after 50 ms, with 4 KiB of device memory and a
+// mapped 64-byte host flag (and the flag's device alias), for the cases of the
+// fake's own hang rules.
+struct MappedFlag {
+  std::shared_ptr<FakeCudaApi> fake;
   void* device = nullptr;
   void* flag = nullptr;
   void* alias = nullptr;
-  REQUIRE(fake->Malloc(&device, 4096) == cudaSuccess);
-  REQUIRE(fake->HostAlloc(&flag, 64, cudaHostAllocMapped) == cudaSuccess);
-  REQUIRE(fake->HostGetDevicePointer(&alias, flag, 0) == cudaSuccess);
+};
+
+MappedFlag FakeWithMappedFlag() {
+  MappedFlag m{std::make_shared<FakeCudaApi>(1)};
+  m.fake->set_hang_timeout(std::chrono::milliseconds(50));
+  REQUIRE(m.fake->SetDevice(0) == cudaSuccess);
+  REQUIRE(m.fake->Malloc(&m.device, 4096) == cudaSuccess);
+  REQUIRE(m.fake->HostAlloc(&m.flag, 64, cudaHostAllocMapped) == cudaSuccess);
+  REQUIRE(m.fake->HostGetDevicePointer(&m.alias, m.flag, 0) == cudaSuccess);
+  return m;
+}
+
+TEST_CASE("fake CUDA: legacy-stream work waits for blocking streams, not non-blocking ones",
+          "[cuda][fake]") {
+  auto [fake, device, flag, alias] = FakeWithMappedFlag();
   std::vector<uint8_t> host(4096);
   for (unsigned int flags : {cudaStreamNonBlocking, cudaStreamDefault}) {
     std::memset(flag, 0, 64);
@@ -540,15 +511,7 @@ TEST_CASE("fake CUDA: legacy-stream work waits for blocking streams, not non-blo
 }
 
 TEST_CASE("fake CUDA: freeing memory while a stream waits on a flag would hang", "[cuda][fake]") {
-  auto fake = std::make_shared<FakeCudaApi>(1);
-  fake->set_hang_timeout(std::chrono::milliseconds(50));
-  REQUIRE(fake->SetDevice(0) == cudaSuccess);
-  void* device = nullptr;
-  void* flag = nullptr;
-  void* alias = nullptr;
-  REQUIRE(fake->Malloc(&device, 4096) == cudaSuccess);
-  REQUIRE(fake->HostAlloc(&flag, 64, cudaHostAllocMapped) == cudaSuccess);
-  REQUIRE(fake->HostGetDevicePointer(&alias, flag, 0) == cudaSuccess);
+  auto [fake, device, flag, alias] = FakeWithMappedFlag();
   std::memset(flag, 0, 64);
   cudaStream_t stream = nullptr;
   REQUIRE(fake->StreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);

@@ -272,19 +272,16 @@ TEST_CASE("libfabric: a provider without RMA or remote CQ data is refused by nam
   libfabric::FabricApi edited = **api;
   edited.getinfo = Edited;
   const libfabric::EndpointConfig shm{.provider = "shm", .host = ""};
-  SECTION("no FI_RMA") {
-    strip_rma = true;
-    const absl::Status s = libfabric::FabricEndpoint::Open(edited, shm).status();
-    INFO(s.ToString());
-    CHECK(absl::IsFailedPrecondition(s));
-    CHECK(absl::StrContains(s.message(), "'shm' lacks FI_RMA"));
-  }
-  SECTION("no remote CQ data") {
-    strip_rma = false;
-    const absl::Status s = libfabric::FabricEndpoint::Open(edited, shm).status();
-    INFO(s.ToString());
-    CHECK(absl::IsFailedPrecondition(s));
-    CHECK(absl::StrContains(s.message(), "'shm' lacks remote CQ data"));
+  // Without FI_RMA (strip_rma), or with RMA but no remote CQ data.
+  for (const auto& [strip, lacks] :
+       {std::pair{true, "'shm' lacks FI_RMA"}, {false, "'shm' lacks remote CQ data"}}) {
+    DYNAMIC_SECTION(lacks) {
+      strip_rma = strip;
+      const absl::Status s = libfabric::FabricEndpoint::Open(edited, shm).status();
+      INFO(s.ToString());
+      CHECK(absl::IsFailedPrecondition(s));
+      CHECK(absl::StrContains(s.message(), lacks));
+    }
   }
   SECTION("the real one opens") {
     auto e = libfabric::FabricEndpoint::Open(**api, shm);

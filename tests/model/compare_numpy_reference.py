@@ -77,12 +77,7 @@ def rel_l2(got, want, axis=None):
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     ap.add_argument('--afd-reference', required=True)
-    ap.add_argument('--config', required=True)
-    ap.add_argument('--batch', type=int, default=4)
-    ap.add_argument('--prompt-len', type=int, default=16)
-    ap.add_argument('--decode-steps', type=int, default=16)
-    ap.add_argument('--codec', choices=['none', 'afd'], default='none')
-    ap.add_argument('--partitions', type=int, default=1)
+    ref.add_run_args(ap)
     ap.add_argument('--work-dir')
     args = ap.parse_args(argv)
 

@@ -7,17 +7,12 @@
 #include <vector>
 
 #include "examples/afd_model/kernels/cpu_kernels.h"
+#include "tests/support/random_vector.h"
 
 namespace afd {
 namespace {
 
-std::vector<float> RandomVector(int64_t n, uint32_t seed, float stddev = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, stddev);
-  std::vector<float> v(n);
-  for (float& x : v) x = normal(rng);
-  return v;
-}
+using stepmesh::testing::RandomNormal;
 
 double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
   double m = 0.0;
@@ -29,8 +24,8 @@ double MaxAbsDiff(const std::vector<float>& a, const std::vector<float>& b) {
 
 TEST_CASE("rmsnorm matches the formula", "[kernels]") {
   const int64_t rows = 3, dim = 40;
-  const auto x = RandomVector(rows * dim, 1);
-  const auto gamma = RandomVector(dim, 2);
+  const auto x = RandomNormal(rows * dim, 1);
+  const auto gamma = RandomNormal(dim, 2);
   std::vector<float> y(rows * dim);
   cpu::RmsNorm(x.data(), gamma.data(), rows, dim, 1e-5f, y.data());
   std::vector<float> expected(rows * dim);
@@ -49,7 +44,7 @@ TEST_CASE("neox rope matches the direct formula", "[kernels]") {
   const int64_t tokens = 4, heads = 3, d = 64;
   const double theta = 500000.0;
   const std::vector<int32_t> positions = {0, 1, 17, 4000};
-  const auto x = RandomVector(tokens * heads * d, 3);
+  const auto x = RandomNormal(tokens * heads * d, 3);
   auto y = x;
   cpu::RopeNeoxInPlace(y.data(), tokens, heads, d, positions.data(), 5e5f);
   std::vector<float> expected(x.size());
@@ -101,9 +96,9 @@ std::vector<float> NaiveAttention(const std::vector<float>& q, const std::vector
 
 TEST_CASE("mqa attention: prefill and cached decode match naive", "[kernels]") {
   const int64_t tokens = 13, heads = 4, d = 32;
-  const auto q = RandomVector(tokens * heads * d, 4);
-  const auto k = RandomVector(tokens * d, 5);
-  const auto v = RandomVector(tokens * d, 6);
+  const auto q = RandomNormal(tokens * heads * d, 4);
+  const auto k = RandomNormal(tokens * d, 5);
+  const auto v = RandomNormal(tokens * d, 6);
   const auto expected = NaiveAttention(q, k, v, tokens, heads, d);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
 
@@ -127,9 +122,9 @@ TEST_CASE("mqa attention: prefill and cached decode match naive", "[kernels]") {
 
 TEST_CASE("mqa attention: a query that sees no row gets zeros", "[kernels]") {
   const int64_t heads = 2, d = 8;
-  const auto q = RandomVector(3 * heads * d, 22);
-  const auto k = RandomVector(4 * d, 23);
-  const auto v = RandomVector(4 * d, 24);
+  const auto q = RandomNormal(3 * heads * d, 22);
+  const auto k = RandomNormal(4 * d, 23);
+  const auto v = RandomNormal(4 * d, 24);
   const std::vector<int32_t> positions = {-1, 2, -5};
   std::vector<float> out(3 * heads * d, NAN);
   cpu::MqaAttention(q.data(), 3, heads, d, k.data(), v.data(), 4, positions.data(), 0.5f,
@@ -242,8 +237,8 @@ TEST_CASE("linear: [out, in] weights against a double reference", "[kernels]") {
     for (int64_t i = 0; i < rows * out; ++i) REQUIRE(double{y[i]} == want[i]);
   }
   SECTION("random values within fp32 accumulation error") {
-    const auto x = RandomVector(rows * in, 13);
-    const auto w = RandomVector(out * in, 14, 0.2f);
+    const auto x = RandomNormal(rows * in, 13);
+    const auto w = RandomNormal(out * in, 14, 0.2f);
     std::vector<float> y(rows * out);
     cpu::Linear(x.data(), rows, in, w.data(), out, y.data());
     CHECK(MaxRelDiff(y, NaiveLinear(x, rows, in, w.data(), out)) < 1e-6);
@@ -285,10 +280,10 @@ TEST_CASE("silu-mul against the formula, extremes included", "[kernels]") {
 
 TEST_CASE("swiglu against a double reference", "[kernels]") {
   const int64_t rows = 7, hidden = 40, inter = 27;
-  const auto x = RandomVector(rows * hidden, 17);
-  const auto gate = RandomVector(inter * hidden, 18, 0.2f);
-  const auto up = RandomVector(inter * hidden, 19, 0.2f);
-  const auto down = RandomVector(hidden * inter, 20, 0.2f);
+  const auto x = RandomNormal(rows * hidden, 17);
+  const auto gate = RandomNormal(inter * hidden, 18, 0.2f);
+  const auto up = RandomNormal(inter * hidden, 19, 0.2f);
+  const auto down = RandomNormal(hidden * inter, 20, 0.2f);
   std::vector<float> scratch(cpu::SwiGluScratchFloats(rows, inter));
   std::vector<float> y(rows * hidden, 123.0f);  // overwritten, not accumulated
   cpu::SwiGlu(x.data(), rows, hidden, gate.data(), up.data(), down.data(), inter, scratch.data(),
@@ -305,10 +300,10 @@ TEST_CASE("swiglu against a double reference", "[kernels]") {
 TEST_CASE("grouped experts against a double per-token reference", "[kernels]") {
   const int64_t tokens = 9, hidden = 32, inter = 24, experts = 6;
   const int k = 3;
-  const auto x = RandomVector(tokens * hidden, 7);
-  const auto gate = RandomVector(experts * inter * hidden, 8, 0.2f);
-  const auto up = RandomVector(experts * inter * hidden, 9, 0.2f);
-  const auto down = RandomVector(experts * hidden * inter, 10, 0.2f);
+  const auto x = RandomNormal(tokens * hidden, 7);
+  const auto gate = RandomNormal(experts * inter * hidden, 8, 0.2f);
+  const auto up = RandomNormal(experts * inter * hidden, 9, 0.2f);
+  const auto down = RandomNormal(experts * hidden * inter, 10, 0.2f);
   // Distinct ids per token, in no particular order; expert 5 gets no token.
   std::vector<int32_t> ids(tokens * k);
   std::vector<float> weights(tokens * k);
@@ -322,7 +317,7 @@ TEST_CASE("grouped experts against a double per-token reference", "[kernels]") {
             ids.begin() + (t + 1) * k);
   }
   // y starts non-zero: the kernel accumulates.
-  const auto y0 = RandomVector(tokens * hidden, 21);
+  const auto y0 = RandomNormal(tokens * hidden, 21);
   // Reference: for each token and each of its experts, w * SwiGLU_e(x[t]) in
   // double, only over the experts the partition owns.
   auto reference = [&](const std::vector<bool>& owned) {

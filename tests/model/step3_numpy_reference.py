@@ -486,14 +486,20 @@ def teacher_forced(c, codec, partitions, batch, prompt_len, decode_steps, tokens
     return out_hidden, np.stack(out_logits), near_ties
 
 
-def main(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+def add_run_args(ap):
+    """The run this reference computes: config, shape, codec, FFN partitions
+    (compare_numpy_reference.py takes the same)."""
     ap.add_argument('--config', required=True)
     ap.add_argument('--batch', type=int, default=4)
     ap.add_argument('--prompt-len', type=int, default=16)
     ap.add_argument('--decode-steps', type=int, default=16)
     ap.add_argument('--codec', choices=['none', 'afd'], default='none')
     ap.add_argument('--partitions', type=int, default=1)
+
+
+def main(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    add_run_args(ap)
     ap.add_argument('--out', required=True)
     args = ap.parse_args(argv)
     c = load_config(args.config)

@@ -30,6 +30,7 @@
 #include "examples/afd_model/kernels/cpu_kernels.h"
 #include "examples/afd_model/model_weights.h"
 #include "examples/afd_model/weights.h"
+#include "tests/support/random_vector.h"
 
 namespace afd {
 namespace {
@@ -114,12 +115,9 @@ size_t FloatMismatches(const std::vector<float>& a, const std::vector<float>& b)
   return count;
 }
 
+// The 64-bit engine these cases were written against.
 std::vector<float> RandomNormal(size_t count, uint64_t seed, float stddev = 1.0f) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, stddev);
-  std::vector<float> values(count);
-  for (float& v : values) v = normal(rng);
-  return values;
+  return stepmesh::testing::RandomNormal<std::mt19937_64>(count, seed, stddev);
 }
 
 std::vector<uint16_t> ToBf16(const std::vector<float>& x) {

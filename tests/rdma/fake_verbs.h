@@ -108,6 +108,19 @@ struct FakeNicSpec {
   std::vector<uint16_t> pkeys = {0xFFFF};
 };
 
+// mlx5_0 .. mlx5_{count - 1} in name order, NIC i at 10.0.(i + 1).1 (an HGX
+// host has eight).
+inline std::vector<FakeNicSpec> Mlx5Nics(int count) {
+  std::vector<FakeNicSpec> nics;
+  for (int i = 0; i < count; ++i) {
+    FakeNicSpec spec;
+    spec.name = "mlx5_" + std::to_string(i);
+    spec.ipv4 = 0x0A000101 + static_cast<uint32_t>(i) * 0x100;
+    nics.push_back(spec);
+  }
+  return nics;
+}
+
 // What a fake host (one process's view) adds to its NICs.
 struct FakeHostSpec {
   uint64_t memlock_limit = UINT64_MAX;  // RLIMIT_MEMLOCK soft limit, bytes (MAX: unlimited)

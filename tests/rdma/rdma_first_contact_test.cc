@@ -155,17 +155,12 @@ TEST_CASE("first contact: a RoCE v1 / v2 GID mismatch fails at connect, naming b
   auto s = CreateRdmaTransport(server_options, fabric.AddHost(server_nic));
   REQUIRE(w.ok());
   REQUIRE(s.ok());
-  auto wep = (*w)->LocalEndpoint();
-  auto sep = (*s)->LocalEndpoint();
-  REQUIRE(wep.ok());
-  REQUIRE(sep.ok());
+  const PairPeers peers = PeersOf(**w, **s);
   const absl::Time start = absl::Now();
   const absl::Time deadline = start + absl::Seconds(3);
-  std::vector<PeerInfo> worker_peers = {{kWorker, *wep}};
-  std::vector<PeerInfo> server_peers = {{kServer, *sep}};
   auto accepted = std::async(std::launch::async,
-                             [&] { return (*s)->Connect(kServer, worker_peers, deadline); });
-  const absl::Status dialled = (*w)->Connect(kWorker, server_peers, deadline);
+                             [&] { return (*s)->Connect(kServer, peers.worker_peers, deadline); });
+  const absl::Status dialled = (*w)->Connect(kWorker, peers.server_peers, deadline);
   const absl::Status accept = accepted.get();
   INFO(dialled.ToString() << " / " << accept.ToString());
   const absl::Status& named = dialled.ok() ? accept : dialled;

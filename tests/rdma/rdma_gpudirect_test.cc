@@ -34,7 +34,6 @@ namespace {
 
 using cuda::testing::FakeCudaApi;
 using testing::FakeFabric;
-using testing::FakeNicSpec;
 
 constexpr Key kPushKey = 7;
 constexpr Key kPullKey = 8;
@@ -358,14 +357,7 @@ TEST_CASE("topology: under CUDA_VISIBLE_DEVICES the NIC follows the physical GPU
   for (const auto& [cuda_index, physical_gpu] : {std::pair{0, 5}, std::pair{1, 2}}) {
     INFO("CUDA device " << cuda_index << " = physical GPU " << physical_gpu);
     FakeFabric fabric;
-    std::vector<FakeNicSpec> nics;
-    for (int i = 0; i < 8; ++i) {
-      FakeNicSpec spec;
-      spec.name = absl::StrCat("mlx5_", i);
-      spec.ipv4 = 0x0A000101 + static_cast<uint32_t>(i) * 0x100;
-      nics.push_back(spec);
-    }
-    auto verbs = fabric.AddHost(nics);
+    auto verbs = fabric.AddHost(testing::Mlx5Nics(8));
     auto backend = CreateCudaBackend(gpus, cuda_index);
     REQUIRE(backend.ok());
     std::string chosen, why, told;

@@ -115,6 +115,20 @@ inline FrameHeader Header(FrameType type, NodeId src, NodeId dst, uint64_t key, 
   return h;
 }
 
+// What each end of a worker-server pair connects to: the server accepts
+// `worker_peers` (the worker's endpoint), the worker dials `server_peers`.
+struct PairPeers {
+  std::vector<PeerInfo> worker_peers;
+  std::vector<PeerInfo> server_peers;
+};
+inline PairPeers PeersOf(core::Transport& worker, core::Transport& server) {
+  auto wep = worker.LocalEndpoint();
+  auto sep = server.LocalEndpoint();
+  REQUIRE(wep.ok());
+  REQUIRE(sep.ok());
+  return {{{kWorker, *wep}}, {{kServer, *sep}}};
+}
+
 struct PairConfig {
   MeshOptions options;  // both ends
   FakeFabricOptions fabric;
@@ -152,17 +166,12 @@ struct Pair {
     REQUIRE(s.ok());
     worker.transport = *std::move(w);
     server.transport = *std::move(s);
-    auto wep = worker.transport->LocalEndpoint();
-    auto sep = server.transport->LocalEndpoint();
-    REQUIRE(wep.ok());
-    REQUIRE(sep.ok());
+    const PairPeers peers = PeersOf(*worker.transport, *server.transport);
     const absl::Time deadline = absl::Now() + absl::Seconds(5);
-    std::vector<PeerInfo> worker_peers = {{kWorker, *wep}};
-    std::vector<PeerInfo> server_peers = {{kServer, *sep}};
     auto accepted = std::async(std::launch::async, [&] {
-      return server.transport->Connect(kServer, worker_peers, deadline);
+      return server.transport->Connect(kServer, peers.worker_peers, deadline);
     });
-    const absl::Status dialled = worker.transport->Connect(kWorker, server_peers, deadline);
+    const absl::Status dialled = worker.transport->Connect(kWorker, peers.server_peers, deadline);
     const absl::Status accept = accepted.get();
     INFO(dialled.ToString() << " / " << accept.ToString());
     REQUIRE(dialled.ok());

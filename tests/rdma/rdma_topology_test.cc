@@ -7,7 +7,6 @@
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "absl/strings/str_cat.h"
 #include "src/transport/rdma/pci_topology.h"
 #include "src/transport/rdma/verbs_resources.h"
 #include "tests/rdma/fake_verbs.h"
@@ -18,19 +17,11 @@ namespace stepmesh {
 namespace {
 
 using testing::FakeFabric;
-using testing::FakeNicSpec;
 using testing::FakeSysfs;
 
 // One host with mlx5_0..mlx5_7, listed in name order.
 std::shared_ptr<rdma::VerbsApi> EightNics(FakeFabric& fabric) {
-  std::vector<FakeNicSpec> nics;
-  for (int i = 0; i < 8; ++i) {
-    FakeNicSpec spec;
-    spec.name = absl::StrCat("mlx5_", i);
-    spec.ipv4 = 0x0A000101 + static_cast<uint32_t>(i) * 0x100;
-    nics.push_back(spec);
-  }
-  return fabric.AddHost(nics);
+  return fabric.AddHost(testing::Mlx5Nics(8));
 }
 
 TEST_CASE("topology: sysfs placement classes (PIX, NODE, SYS, unknown)", "[rdma][topology]") {

@@ -515,11 +515,9 @@ TEST_CASE("rdma: silent connections to the bootstrap port do not keep a real pee
   auto s = CreateRdmaTransport(config.options, fabric.AddHost(config.server_nic));
   REQUIRE(w.ok());
   REQUIRE(s.ok());
-  auto wep = (*w)->LocalEndpoint();
-  auto sep = (*s)->LocalEndpoint();
-  REQUIRE(wep.ok());
-  REQUIRE(sep.ok());
-  auto where = base::ParseHostPort(sep->substr(0, sep->find('|')));
+  const PairPeers peers = PeersOf(**w, **s);
+  const std::string& sep = peers.server_peers[0].endpoint;
+  auto where = base::ParseHostPort(sep.substr(0, sep.find('|')));
   REQUIRE(where.ok());
   std::vector<base::UniqueFd> silent;
   for (int i = 0; i < 40; ++i) {  // more than the per-address cap (32)
@@ -527,13 +525,11 @@ TEST_CASE("rdma: silent connections to the bootstrap port do not keep a real pee
     REQUIRE(fd.ok());
     silent.push_back(*std::move(fd));
   }
-  const std::vector<PeerInfo> worker_peers = {{kWorker, *wep}};
-  const std::vector<PeerInfo> server_peers = {{kServer, *sep}};
   auto accepted = std::async(std::launch::async, [&] {
-    return (*s)->Connect(kServer, worker_peers, absl::Now() + absl::Seconds(10));
+    return (*s)->Connect(kServer, peers.worker_peers, absl::Now() + absl::Seconds(10));
   });
   const absl::Time start = absl::Now();
-  const absl::Status dialled = (*w)->Connect(kWorker, server_peers, start + absl::Seconds(4));
+  const absl::Status dialled = (*w)->Connect(kWorker, peers.server_peers, start + absl::Seconds(4));
   const absl::Status accept = accepted.get();
   INFO(dialled.ToString() << " / " << accept.ToString());
   CHECK(dialled.ok());

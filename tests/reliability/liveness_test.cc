@@ -105,6 +105,16 @@ struct ProcessMesh {
             std::to_string(rounds)};
   }
 
+  // This process as worker 0 of the mesh.
+  std::unique_ptr<AFTensorWorker> CreateWorker0() const {
+    MeshOptions o = options;
+    o.role = Role::kWorker;
+    o.rank = 0;
+    auto created = AFTensorWorker::Create(o);
+    INFO(created.status().ToString());
+    REQUIRE(created.ok());
+    return *std::move(created);
+  }
   MeshOptions options;
   std::unique_ptr<Scheduler> scheduler;
 };
@@ -125,16 +135,11 @@ absl::Status Eventually(ProcessWorker& pw, uint8_t fill, std::vector<int> server
 TEST_CASE("liveness: a stopped server is declared lost in time, a restarted one rejoins",
           "[liveness][process]") {
   ProcessMesh mesh(/*workers=*/1, /*servers=*/2, absl::Seconds(2));
-  MeshOptions o = mesh.options;
   auto args = [&](int rank) { return mesh.NodeArgs("server", rank); };
   ChildProcess server0 = *ChildProcess::Spawn(args(0));
   auto server1 = std::make_unique<ChildProcess>(*ChildProcess::Spawn(args(1)));
-  o.role = Role::kWorker;
-  o.rank = 0;
-  auto created = AFTensorWorker::Create(o);
-  INFO(created.status().ToString());
-  REQUIRE(created.ok());
-  ProcessWorker pw(**created, 2);
+  std::unique_ptr<AFTensorWorker> created = mesh.CreateWorker0();
+  ProcessWorker pw(*created, 2);
 
   // The servers register right after joining: retry until they have.
   auto eventually = [&](uint8_t fill, std::vector<int> servers) {
@@ -154,7 +159,7 @@ TEST_CASE("liveness: a stopped server is declared lost in time, a restarted one 
   const absl::Duration detected = absl::Now() - stopped;
   INFO(lost.ToString() << " after " << absl::FormatDuration(detected));
   CHECK(absl::IsUnavailable(lost));
-  CHECK(detected < o.timeout + absl::Seconds(2));
+  CHECK(detected < mesh.options.timeout + absl::Seconds(2));
   CHECK(absl::IsUnavailable(pw.Start(3, {1}).status()));  // fails fast now
   CHECK(pw.RoundTrip(4, {0}, absl::Seconds(5)).ok());     // the other server is fine
 
@@ -170,7 +175,7 @@ TEST_CASE("liveness: a stopped server is declared lost in time, a restarted one 
   }
 
   // Orderly end: the servers see every worker gone and exit 0.
-  REQUIRE((*created)->Shutdown().ok());
+  REQUIRE(created->Shutdown().ok());
   auto code0 = server0.Wait(absl::Seconds(10));
   auto code1 = server1->Wait(absl::Seconds(10));
   REQUIRE(code0.ok());
@@ -186,18 +191,13 @@ TEST_CASE("liveness: a killed worker leaves the batches, a restarted one rejoins
   // (kAllWorkers), so rank 0's round trips only complete while the server
   // counts rank 1 correctly: present, then dropped, then back.
   ProcessMesh mesh(/*workers=*/2, /*servers=*/1, absl::Seconds(3));
-  MeshOptions o = mesh.options;
   auto args = [&](const char* role, int rank, int rounds) {
     return mesh.NodeArgs(role, rank, rounds);
   };
   ChildProcess server = *ChildProcess::Spawn(args("server", 0, 0));
   auto worker1 = std::make_unique<ChildProcess>(*ChildProcess::Spawn(args("worker", 1, 0)));
-  o.role = Role::kWorker;
-  o.rank = 0;
-  auto created = AFTensorWorker::Create(o);
-  INFO(created.status().ToString());
-  REQUIRE(created.ok());
-  ProcessWorker pw(**created, 1);
+  std::unique_ptr<AFTensorWorker> created = mesh.CreateWorker0();
+  ProcessWorker pw(*created, 1);
   auto eventually = [&](uint8_t fill) { return Eventually(pw, fill, {0}); };
   REQUIRE(eventually(1).ok());
   for (int i = 0; i < 10; ++i) {
@@ -244,7 +244,7 @@ TEST_CASE("liveness: a killed worker leaves the batches, a restarted one rejoins
   CHECK(*exit_code == 0);
   REQUIRE(eventually(100).ok());
 
-  REQUIRE((*created)->Shutdown().ok());
+  REQUIRE(created->Shutdown().ok());
   auto code = server.Wait(absl::Seconds(10));
   REQUIRE(code.ok());
   CHECK(*code == 0);

@@ -28,8 +28,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -39,6 +42,7 @@
 #include "stepmesh/server.h"
 #include "stepmesh/status.h"
 #include "stepmesh/worker.h"
+#include "tests/support/node_flags.h"
 
 namespace {
 
@@ -74,11 +78,8 @@ absl::Status BarrierThroughRestarts(Participant& p, const stepmesh::MeshOptions&
 
 int RunServer(const stepmesh::MeshOptions& options, const NodeFlags& flags) {
   const int64_t keys = flags.keys, bytes = flags.bytes;
-  auto server = stepmesh::AFTensorServer::Create(options);
-  if (!server.ok()) {
-    std::fprintf(stderr, "server %d: %s\n", options.rank, server.status().ToString().c_str());
-    return 1;
-  }
+  auto server = stepmesh::testing::CreateOrSay<stepmesh::AFTensorServer>(options, "server");
+  if (!server.ok()) return 1;
 
   const int64_t workers = options.num_workers;
   std::vector<std::vector<uint8_t>> recv(keys, std::vector<uint8_t>(bytes * workers));
@@ -142,11 +143,8 @@ int RunServer(const stepmesh::MeshOptions& options, const NodeFlags& flags) {
 
 int RunWorker(const stepmesh::MeshOptions& options, const NodeFlags& flags) {
   const int64_t bytes = flags.bytes, rounds = flags.rounds;
-  auto worker = stepmesh::AFTensorWorker::Create(options);
-  if (!worker.ok()) {
-    std::fprintf(stderr, "worker %d: %s\n", options.rank, worker.status().ToString().c_str());
-    return 3;
-  }
+  auto worker = stepmesh::testing::CreateOrSay<stepmesh::AFTensorWorker>(options, "worker");
+  if (!worker.ok()) return 3;
   const int servers = options.num_servers;
   std::vector<uint8_t> push(bytes);
   std::vector<std::vector<uint8_t>> pulls(servers, std::vector<uint8_t>(bytes));
@@ -306,57 +304,41 @@ int RunWorker(const stepmesh::MeshOptions& options, const NodeFlags& flags) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // STEPMESH_* variables apply (auth token, log level); the flags below win.
-  absl::StatusOr<stepmesh::MeshOptions> from_env = stepmesh::MeshOptions::FromEnv();
-  if (!from_env.ok()) {
-    std::fprintf(stderr, "%s\n", from_env.status().ToString().c_str());
-    return 2;
-  }
+  std::optional<stepmesh::MeshOptions> from_env = stepmesh::testing::TcpNodeOptionsFromEnv();
+  if (!from_env) return 2;
   stepmesh::MeshOptions options = *from_env;
-  options.transport = "tcp";
   options.role = stepmesh::Role::kServer;
   NodeFlags f;
+  // The numeric flags of this program (0 or 1 for the switches).
+  const std::pair<std::string_view, int64_t*> numbers[] = {{"--keys", &f.keys},
+                                                           {"--bytes", &f.bytes},
+                                                           {"--rounds", &f.rounds},
+                                                           {"--barrier-every", &f.barrier_every},
+                                                           {"--bad-push-key", &f.bad_push_key},
+                                                           {"--bad-pull-key", &f.bad_pull_key},
+                                                           {"--bad-rounds", &f.bad_rounds}};
+  const std::pair<std::string_view, bool*> switches[] = {{"--barrier-loop", &f.barrier_loop},
+                                                         {"--latency", &f.latency}};
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
+    if (stepmesh::testing::ApplyMeshFlag(flag, value, &options)) continue;
     int64_t n = 0;
     const bool numeric = absl::SimpleAtoi(value, &n);
-    if (flag == "--scheduler")
-      options.scheduler = value;
-    else if (flag == "--role" && (value == "server" || value == "worker")) {
+    const auto named = [&](const auto& row) { return row.first == flag; };
+    const auto* number = std::find_if(std::begin(numbers), std::end(numbers), named);
+    const auto* on_off = std::find_if(std::begin(switches), std::end(switches), named);
+    if (flag == "--role" && (value == "server" || value == "worker")) {
       options.role = value == "server" ? stepmesh::Role::kServer : stepmesh::Role::kWorker;
-    } else if (flag == "--rank" && numeric)
-      options.rank = static_cast<int>(n);
-    else if (flag == "--workers" && numeric)
-      options.num_workers = static_cast<int>(n);
-    else if (flag == "--servers" && numeric)
-      options.num_servers = static_cast<int>(n);
-    else if (flag == "--keys" && numeric)
-      f.keys = n;
-    else if (flag == "--bytes" && numeric)
-      f.bytes = n;
-    else if (flag == "--rounds" && numeric)
-      f.rounds = n;
-    else if (flag == "--stop-file")
+    } else if (flag == "--stop-file") {
       f.stop_file = value;
-    else if (flag == "--barrier-every" && numeric)
-      f.barrier_every = n;
-    else if (flag == "--barrier-loop" && numeric)
-      f.barrier_loop = n != 0;
-    else if (flag == "--timeout-ms" && numeric)
-      options.timeout = absl::Milliseconds(n);
-    else if (flag == "--bad-push-key" && numeric)
-      f.bad_push_key = n;
-    else if (flag == "--bad-pull-key" && numeric)
-      f.bad_pull_key = n;
-    else if (flag == "--bad-rounds" && numeric)
-      f.bad_rounds = n;
-    else if (flag == "--latency" && numeric)
-      f.latency = n != 0;
-    else if (flag == "--heartbeat-ms" && numeric)
+    } else if (number != std::end(numbers) && numeric) {
+      *number->second = n;
+    } else if (on_off != std::end(switches) && numeric) {
+      *on_off->second = n != 0;
+    } else if (flag == "--heartbeat-ms" && numeric) {
       options.heartbeat_interval = absl::Milliseconds(n);
-    else {
-      std::fprintf(stderr, "bad flag %s %s\n", flag.c_str(), value.c_str());
-      return 2;
+    } else {
+      return stepmesh::testing::BadFlag(flag, value);
     }
   }
   return options.role == stepmesh::Role::kServer ? RunServer(options, f) : RunWorker(options, f);

@@ -16,24 +16,19 @@
 
 #include "examples/afd_model/kernels/codec.h"
 #include "examples/afd_model/kernels/cpu_kernels.h"
+#include "tests/support/random_vector.h"
 
 namespace afd::step5 {
 namespace {
 
-std::vector<float> Random(int64_t n, uint32_t seed, float stddev = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, stddev);
-  std::vector<float> v(n);
-  for (float& x : v) x = normal(rng);
-  return v;
-}
+using stepmesh::testing::RandomNormal;
 
 double Sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
 
 TEST_CASE("partial rope rotates only the prefix, by the formula", "[step5][kernels]") {
   const int64_t tokens = 3, heads = 2, d = 48;
   const std::vector<int32_t> positions = {0, 5, 3000};
-  const auto x = Random(tokens * heads * d, 1);
+  const auto x = RandomNormal(tokens * heads * d, 1);
 
   const int64_t rotary = 16;
   auto partial = x;
@@ -57,9 +52,9 @@ TEST_CASE("partial rope rotates only the prefix, by the formula", "[step5][kerne
 
 TEST_CASE("layernorm and the head gate follow their formulas", "[step5][kernels]") {
   const int64_t rows = 3, dim = 64;
-  const auto x = Random(rows * dim, 2, 3.0f);
-  const auto gamma = Random(dim, 3);
-  const auto beta = Random(dim, 4);
+  const auto x = RandomNormal(rows * dim, 2, 3.0f);
+  const auto gamma = RandomNormal(dim, 3);
+  const auto beta = RandomNormal(dim, 4);
   std::vector<float> y(rows * dim);
   cpu::LayerNorm(x.data(), gamma.data(), beta.data(), rows, dim, 1e-6f, y.data());
   for (int64_t r = 0; r < rows; ++r) {
@@ -75,8 +70,8 @@ TEST_CASE("layernorm and the head gate follow their formulas", "[step5][kernels]
   }
 
   const int64_t tokens = 2, heads = 3, d = 4;
-  const auto gate = Random(tokens * heads, 5, 2.0f);
-  const auto o = Random(tokens * heads * d, 6);
+  const auto gate = RandomNormal(tokens * heads, 5, 2.0f);
+  const auto o = RandomNormal(tokens * heads * d, 6);
   auto gated = o;
   cpu::HeadSigmoidGate(gate.data(), tokens, heads, d, gated.data());
   for (int64_t i = 0; i < tokens * heads * d; ++i) {
@@ -110,8 +105,8 @@ TEST_CASE("block summaries are a softmax per coordinate, stored as e4m3(bf16(c))
   // Random inputs: the stored code is the E4M3 rounding of BF16(c) with c
   // from the formula in double (or its neighbour at a rounding tie).
   const int64_t wide = 256;
-  const auto k2 = Random(b * wide, 7);
-  const auto z2 = Random(b * wide, 8, 2.0f);
+  const auto k2 = RandomNormal(b * wide, 7);
+  const auto z2 = RandomNormal(b * wide, 8, 2.0f);
   std::vector<uint8_t> c2(wide);
   cpu::BlockSummary(k2.data(), z2.data(), b, wide, c2.data());
   int exact = 0;
@@ -135,9 +130,9 @@ TEST_CASE("block summaries are a softmax per coordinate, stored as e4m3(bf16(c))
 TEST_CASE("indexer scores: weighted ReLU of fp8 dot products, summed per group",
           "[step5][kernels][indexer]") {
   const int64_t groups = 2, hg = 3, p = 16, blocks = 5;
-  const auto q = Random(groups * hg * p, 9);
-  const auto c = Random(blocks * p, 10);
-  const auto w = Random(groups * hg, 11);  // signed weights
+  const auto q = RandomNormal(groups * hg * p, 9);
+  const auto c = RandomNormal(blocks * p, 10);
+  const auto w = RandomNormal(groups * hg, 11);  // signed weights
   std::vector<uint8_t> qc(q.size()), cc(c.size());
   cpu::CastFp8E4m3(q.data(), static_cast<int64_t>(q.size()), qc.data());
   cpu::CastFp8E4m3(c.data(), static_cast<int64_t>(c.size()), cc.data());
@@ -231,9 +226,9 @@ TEST_CASE("sparse attention: selected blocks plus the causal prefix of the curre
           "[step5][kernels][sparse]") {
   const int64_t heads = 4, groups = 2, d = 8, b = 8, len = 64;
   const float scale = 1.0f / std::sqrt(8.0f);
-  auto k = Random(len * groups * d, 13);
-  auto v = Random(len * groups * d, 14);
-  const auto q = Random(heads * d, 15);
+  auto k = RandomNormal(len * groups * d, 13);
+  auto v = RandomNormal(len * groups * d, 14);
+  const auto q = RandomNormal(heads * d, 15);
   const int64_t pos = 42;  // current block 5 = positions 40..47; 43..47 are the future
   const float nan = std::numeric_limits<float>::quiet_NaN();
   for (int64_t p = pos + 1; p < len; ++p) {
@@ -279,9 +274,9 @@ TEST_CASE("sliding window: the window counts the current token, ring slots wrap"
           "[step5][kernels][sliding]") {
   const int64_t heads = 4, groups = 2, d = 8, window = 5, len = 20;
   const float scale = 0.3f;
-  const auto k = Random(len * groups * d, 16);
-  const auto v = Random(len * groups * d, 17);
-  const auto q = Random(heads * d, 18);
+  const auto k = RandomNormal(len * groups * d, 16);
+  const auto v = RandomNormal(len * groups * d, 17);
+  const auto q = RandomNormal(heads * d, 18);
   std::vector<float> scratch(window), out(heads * d);
   for (int64_t pos : {0, 3, 4, 5, 6, 19}) {
     // A linear cache (ring larger than the sequence) with NaN outside the

@@ -35,36 +35,16 @@ import tempfile
 
 import numpy as np
 
-U64 = np.uint64
-GOLDEN = 0x9E3779B97F4A7C15
-MASK64 = (1 << 64) - 1
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "model"))
+from step3_numpy_reference import ints as step3_ints  # noqa: E402  (the same weights)
 
 
 # ------------------------------------------------------------------ weights
 
-def fnv1a64(text):
-    h = 0xCBF29CE484222325
-    for byte in text.encode("utf-8"):
-        h ^= byte
-        h = (h * 0x100000001B3) & MASK64
-    return h
-
-
-def splitmix(z):
-    """SplitMix64 finaliser on a uint64 array (wrapping arithmetic)."""
-    with np.errstate(over="ignore"):
-        z = z + U64(GOLDEN)
-        z = (z ^ (z >> U64(30))) * U64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> U64(27))) * U64(0x94D049BB133111EB)
-        return z ^ (z >> U64(31))
-
-
 def draws(name, seed, count):
-    """Signed bytes k in [-128, 127] of elements 0..count-1 of a tensor."""
-    key = U64(fnv1a64(name) ^ seed)
-    with np.errstate(over="ignore"):
-        idx = np.arange(count, dtype=U64) * U64(GOLDEN) + key
-    return ((splitmix(idx) >> U64(56)) & U64(0xFF)).astype(np.int64) - 128
+    """Signed bytes k in [-128, 127] of elements 0..count-1 of a tensor: the
+    Step-3 model's counter-based SplitMix64 stream (docs/model.md 3.3)."""
+    return step3_ints(name, seed, (count,))
 
 
 def linear_weight(name, seed, rows, fan_in, router=False):

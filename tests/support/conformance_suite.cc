@@ -31,12 +31,17 @@ void RunBadInputConformance(const std::function<std::unique_ptr<LoopbackMesh>()>
   REQUIRE(server.RegisterRecvTensor(1, {recv.data(), DType::kFloat8E4M3, Shape{1, 256}}).ok());
   REQUIRE(server.RegisterReplyTensor(2, {reply.data(), DType::kBFloat16, Shape{1, 256}}).ok());
 
+  // The good request (push key 1, pull key 2 from server 0), posted.
+  const Push good_push{1};
+  const Pull good_pull{2, 0};
+  auto post_good = [&] {
+    auto h = worker.PushPull({&good_push, 1}, {&good_pull, 1});
+    REQUIRE(h.ok());
+    return *h;
+  };
   // A good round trip, used again after every bad input.
   auto round_trip = [&] {
-    const Push p{1};
-    const Pull q{2, 0};
-    auto h = worker.PushPull({&p, 1}, {&q, 1});
-    REQUIRE(h.ok());
+    const RequestHandle h = post_good();
     auto batch = server.GetBatch(absl::Seconds(5));
     REQUIRE(batch.ok());
     REQUIRE(batch->workers.size() == 1);
@@ -44,7 +49,7 @@ void RunBadInputConformance(const std::function<std::unique_ptr<LoopbackMesh>()>
     CHECK(recv[0] == push[0]);
     const Reply r{0};
     REQUIRE(server.Respond(*batch, {&r, 1}).ok());
-    REQUIRE(worker.Wait(*h, absl::Seconds(5)).ok());
+    REQUIRE(worker.Wait(h, absl::Seconds(5)).ok());
     CHECK(pull == reply);
   };
   round_trip();
@@ -86,25 +91,22 @@ void RunBadInputConformance(const std::function<std::unique_ptr<LoopbackMesh>()>
     round_trip();
   }
   SECTION("reuse of a key still in flight, and handle rules") {
-    const Push p{1};
-    const Pull q{2, 0};
-    auto h = worker.PushPull({&p, 1}, {&q, 1});
-    REQUIRE(h.ok());
-    CHECK(absl::IsFailedPrecondition(worker.PushPull({&p, 1}, {&q, 1}).status()));
+    const RequestHandle h = post_good();
+    CHECK(absl::IsFailedPrecondition(worker.PushPull({&good_push, 1}, {&good_pull, 1}).status()));
     CHECK(absl::IsFailedPrecondition(worker.Unregister(1)));
     // Wait past its deadline: DEADLINE_EXCEEDED, the request stays pending.
-    CHECK(absl::IsDeadlineExceeded(worker.Wait(*h, absl::Milliseconds(50))));
-    CHECK_FALSE(*worker.Test(*h));
+    CHECK(absl::IsDeadlineExceeded(worker.Wait(h, absl::Milliseconds(50))));
+    CHECK_FALSE(*worker.Test(h));
     auto batch = server.GetBatch(absl::Seconds(5));
     REQUIRE(batch.ok());
     const Reply r{0};
     REQUIRE(server.Respond(*batch, {&r, 1}).ok());
     CHECK(absl::IsFailedPrecondition(server.Respond(*batch, {&r, 1})));  // answered twice
-    REQUIRE(worker.Wait(*h, absl::Seconds(5)).ok());
-    CHECK(absl::IsFailedPrecondition(worker.Wait(*h, absl::Seconds(1))));  // waited twice
-    CHECK(worker.FetchTrace(*h).ok());
+    REQUIRE(worker.Wait(h, absl::Seconds(5)).ok());
+    CHECK(absl::IsFailedPrecondition(worker.Wait(h, absl::Seconds(1))));  // waited twice
+    CHECK(worker.FetchTrace(h).ok());
     round_trip();  // reuses the slot: the old handle is now stale
-    CHECK(absl::IsFailedPrecondition(worker.Wait(*h, absl::Seconds(1))));
+    CHECK(absl::IsFailedPrecondition(worker.Wait(h, absl::Seconds(1))));
     CHECK(absl::IsInvalidArgument(worker.Wait(RequestHandle(), absl::Seconds(1))));
   }
   SECTION("dtype mismatch is refused by the server and reported to the worker") {
@@ -133,10 +135,7 @@ void RunBadInputConformance(const std::function<std::unique_ptr<LoopbackMesh>()>
     round_trip();
   }
   SECTION("Respond validates before sending anything") {
-    const Push p{1};
-    const Pull q{2, 0};
-    auto h = worker.PushPull({&p, 1}, {&q, 1});
-    REQUIRE(h.ok());
+    const RequestHandle h = post_good();
     auto batch = server.GetBatch(absl::Seconds(5));
     REQUIRE(batch.ok());
     CHECK(absl::IsInvalidArgument(server.Respond(*batch, {})));  // worker 0 pulls
@@ -144,24 +143,21 @@ void RunBadInputConformance(const std::function<std::unique_ptr<LoopbackMesh>()>
     CHECK(absl::IsInvalidArgument(server.Respond(*batch, {&stranger, 1})));
     const Reply too_big{0, 4096};
     CHECK(absl::IsOutOfRange(server.Respond(*batch, {&too_big, 1})));
-    CHECK(absl::IsDeadlineExceeded(worker.Wait(*h, absl::Milliseconds(20))));
+    CHECK(absl::IsDeadlineExceeded(worker.Wait(h, absl::Milliseconds(20))));
     const Reply r{0};
     REQUIRE(server.Respond(*batch, {&r, 1}).ok());
-    REQUIRE(worker.Wait(*h, absl::Seconds(5)).ok());
+    REQUIRE(worker.Wait(h, absl::Seconds(5)).ok());
     round_trip();
   }
   SECTION("a server that goes away fails the worker's request, not the process") {
-    const Push p{1};
-    const Pull q{2, 0};
-    auto h = worker.PushPull({&p, 1}, {&q, 1});
-    REQUIRE(h.ok());
+    const RequestHandle h = post_good();
     REQUIRE(server.GetBatch(absl::Seconds(5)).ok());
     const absl::Time gone = absl::Now();
     mesh->DropServer(0);
-    const absl::Status s = worker.Wait(*h, absl::Seconds(10));
+    const absl::Status s = worker.Wait(h, absl::Seconds(10));
     CHECK(absl::IsUnavailable(s));
     CHECK(absl::Now() - gone < absl::Seconds(5));
-    CHECK(absl::IsUnavailable(worker.PushPull({&p, 1}, {&q, 1}).status()));
+    CHECK(absl::IsUnavailable(worker.PushPull({&good_push, 1}, {&good_pull, 1}).status()));
   }
 }
 

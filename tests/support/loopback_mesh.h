@@ -6,6 +6,8 @@
 // while workers dial) and torn down workers first, then servers, then the
 // scheduler.
 
+#include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -23,6 +25,19 @@ namespace stepmesh::testing {
 
 // A scheduler on 127.0.0.1 at a free port; `options.scheduler` becomes its address.
 absl::StatusOr<std::unique_ptr<Scheduler>> StartLoopbackScheduler(MeshOptions& options);
+
+// Host memory for one push and one pull tensor per participant of a mesh of
+// `workers` x `servers`: a server's recv and reply hold one `bytes` slot per
+// worker; pull[w * servers + s] is worker w's reply from server s. Declare it
+// before the mesh: registered memory outlives the participants.
+struct MeshBuffers {
+  MeshBuffers(int workers, int servers, size_t bytes)
+      : recv(servers, std::vector<uint8_t>(workers * bytes)),
+        reply(servers, std::vector<uint8_t>(workers * bytes)),
+        push(workers, std::vector<uint8_t>(bytes)),
+        pull(workers * servers, std::vector<uint8_t>(bytes)) {}
+  std::vector<std::vector<uint8_t>> recv, reply, push, pull;
+};
 
 class LoopbackMesh {
  public:

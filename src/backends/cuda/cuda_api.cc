@@ -8,10 +8,13 @@
 
 #include <mutex>
 
+#include "src/backends/cuda/driver_entry_point.h"
 #include "src/backends/cuda/flag_kernels.h"
 
 namespace stepmesh::cuda {
 namespace {
+
+using driver::Resolve;
 
 using StreamValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 using GetHandleFn = CUresult (*)(void*, CUdeviceptr, size_t, CUmemRangeHandleType,
@@ -28,22 +31,6 @@ constexpr unsigned int kGetHandleVersion = 11070;
 constexpr unsigned int kGetErrorNameVersion = 6000;
 constexpr unsigned int kCtxCurrentVersion = 4000;
 constexpr unsigned int kGetAddressRangeVersion = 3020;
-
-template <typename Fn>
-Fn Resolve(const char* symbol, unsigned int version) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  if (cudaGetDriverEntryPointByVersion(symbol, &fn, version, cudaEnableDefault, &found) !=
-          cudaSuccess ||
-      found != cudaDriverEntryPointSuccess) {
-    // Resolution failing is not an error for the caller: the backend falls back
-    // (wait kernel) or reports UNIMPLEMENTED (dma-buf). Clear the sticky "last
-    // error" so it is not misattributed to the next kernel launch.
-    (void)cudaGetLastError();
-    return nullptr;
-  }
-  return reinterpret_cast<Fn>(fn);
-}
 
 class RuntimeCudaApi final : public CudaApi {
  public:

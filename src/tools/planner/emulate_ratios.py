@@ -31,10 +31,11 @@ import time
 SUMMARY = re.compile(r"model time, x[0-9.e+]+: ([0-9.e+]+) per instance")
 
 
-def parse_topology(text):
+def parse_topology(text, tool="emulate_ratios"):
+    """ "xAyF" as (x, y); `tool` names the program in the error."""
     m = re.fullmatch(r"(\d+)A(\d+)F", text)
     if not m:
-        raise SystemExit("emulate_ratios: bad topology " + text + " (want e.g. 3A1F)")
+        raise SystemExit(tool + ": bad topology " + text + " (want e.g. 3A1F)")
     return int(m.group(1)), int(m.group(2))
 
 

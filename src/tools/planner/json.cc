@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <string_view>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -46,19 +48,13 @@ const Json* Json::Find(absl::string_view key) const {
 }
 
 const char* JsonTypeName(Json::Type type) {
-  switch (type) {
-    case Json::Type::kNull:
-      return "null";
-    case Json::Type::kBool:
-      return "a boolean";
-    case Json::Type::kNumber:
-      return "a number";
-    case Json::Type::kString:
-      return "a string";
-    case Json::Type::kArray:
-      return "an array";
-    case Json::Type::kObject:
-      return "an object";
+  // What the errors call each type, in the enum's order.
+  static constexpr std::pair<Json::Type, const char*> kNames[] = {
+      {Json::Type::kNull, "null"},       {Json::Type::kBool, "a boolean"},
+      {Json::Type::kNumber, "a number"}, {Json::Type::kString, "a string"},
+      {Json::Type::kArray, "an array"},  {Json::Type::kObject, "an object"}};
+  for (const auto& [t, name] : kNames) {
+    if (t == type) return name;
   }
   return "?";
 }
@@ -135,35 +131,29 @@ class JsonParser {
     return Error(absl::StrCat("unexpected character '", std::string(1, c), "'"));
   }
 
+  // Skips white space, then `c` if it comes next: whether it did.
+  bool Take(char c) {
+    SkipSpace();
+    if (pos_ >= text_.size() || text_[pos_] != c) return false;
+    ++pos_;
+    return true;
+  }
+
   absl::Status Object(Json* out, int depth) {
     out->type_ = Json::Type::kObject;
     ++pos_;  // '{'
-    SkipSpace();
-    if (pos_ < text_.size() && text_[pos_] == '}') {
-      ++pos_;
-      return absl::OkStatus();
-    }
+    if (Take('}')) return absl::OkStatus();
     for (;;) {
       SkipSpace();
       if (pos_ >= text_.size() || text_[pos_] != '"') return Error("expected a quoted object key");
       std::string key;
       if (absl::Status s = String(&key); !s.ok()) return s;
-      SkipSpace();
-      if (pos_ >= text_.size() || text_[pos_] != ':')
-        return Error("expected ':' after an object key");
-      ++pos_;
+      if (!Take(':')) return Error("expected ':' after an object key");
       Json value;
       if (absl::Status s = Value(&value, depth + 1); !s.ok()) return s;
       out->object_.emplace_back(std::move(key), std::move(value));
-      SkipSpace();
-      if (pos_ < text_.size() && text_[pos_] == ',') {
-        ++pos_;
-        continue;
-      }
-      if (pos_ < text_.size() && text_[pos_] == '}') {
-        ++pos_;
-        return absl::OkStatus();
-      }
+      if (Take(',')) continue;
+      if (Take('}')) return absl::OkStatus();
       return Error("expected ',' or '}' in an object");
     }
   }
@@ -171,24 +161,13 @@ class JsonParser {
   absl::Status Array(Json* out, int depth) {
     out->type_ = Json::Type::kArray;
     ++pos_;  // '['
-    SkipSpace();
-    if (pos_ < text_.size() && text_[pos_] == ']') {
-      ++pos_;
-      return absl::OkStatus();
-    }
+    if (Take(']')) return absl::OkStatus();
     for (;;) {
       Json value;
       if (absl::Status s = Value(&value, depth + 1); !s.ok()) return s;
       out->array_.push_back(std::move(value));
-      SkipSpace();
-      if (pos_ < text_.size() && text_[pos_] == ',') {
-        ++pos_;
-        continue;
-      }
-      if (pos_ < text_.size() && text_[pos_] == ']') {
-        ++pos_;
-        return absl::OkStatus();
-      }
+      if (Take(',')) continue;
+      if (Take(']')) return absl::OkStatus();
       return Error("expected ',' or ']' in an array");
     }
   }
@@ -275,50 +254,37 @@ class JsonParser {
       }
       if (pos_ >= text_.size()) return Error("unterminated escape");
       const char e = text_[pos_++];
-      switch (e) {
-        case '"':
-          out->push_back('"');
-          break;
-        case '\\':
-          out->push_back('\\');
-          break;
-        case '/':
-          out->push_back('/');
-          break;
-        case 'b':
-          out->push_back('\b');
-          break;
-        case 'f':
-          out->push_back('\f');
-          break;
-        case 'n':
-          out->push_back('\n');
-          break;
-        case 'r':
-          out->push_back('\r');
-          break;
-        case 't':
-          out->push_back('\t');
-          break;
-        case 'u': {
-          uint32_t cp = 0;
-          if (absl::Status s = Hex4(&cp); !s.ok()) return s;
-          if (cp >= 0xD800 && cp < 0xDC00) {
-            uint32_t low = 0;
-            if (!Literal("\\u")) return Error("a high surrogate must be followed by \\u");
-            if (absl::Status s = Hex4(&low); !s.ok()) return s;
-            if (low < 0xDC00 || low >= 0xE000) return Error("bad low surrogate");
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
-          } else if (cp >= 0xDC00 && cp < 0xE000) {
-            return Error("unpaired low surrogate");
-          }
-          AppendUtf8(cp, out);
-          break;
-        }
-        default:
-          return Error(absl::StrCat("bad escape '\\", std::string(1, e), "'"));
+      if (e == 'u') {
+        if (absl::Status s = CodePoint(out); !s.ok()) return s;
+        continue;
       }
+      // The single-character escapes (RFC 8259 section 7): escape, then what it means.
+      static constexpr std::string_view kEscaped = "\"\\/bfnrt";
+      static constexpr std::string_view kMeaning = "\"\\/\b\f\n\r\t";
+      const size_t at = kEscaped.find(e);
+      if (at == std::string_view::npos) {
+        return Error(absl::StrCat("bad escape '\\", std::string(1, e), "'"));
+      }
+      out->push_back(kMeaning[at]);
     }
+  }
+
+  // After "\\u": four hex digits, or a surrogate pair of two such escapes,
+  // appended as UTF-8.
+  absl::Status CodePoint(std::string* out) {
+    uint32_t cp = 0;
+    if (absl::Status s = Hex4(&cp); !s.ok()) return s;
+    if (cp >= 0xD800 && cp < 0xDC00) {
+      uint32_t low = 0;
+      if (!Literal("\\u")) return Error("a high surrogate must be followed by \\u");
+      if (absl::Status s = Hex4(&low); !s.ok()) return s;
+      if (low < 0xDC00 || low >= 0xE000) return Error("bad low surrogate");
+      cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
+    } else if (cp >= 0xDC00 && cp < 0xE000) {
+      return Error("unpaired low surrogate");
+    }
+    AppendUtf8(cp, out);
+    return absl::OkStatus();
   }
 
   absl::string_view text_;

@@ -5,6 +5,7 @@
 #include <fstream>
 #include <set>
 #include <sstream>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -15,14 +16,19 @@
 
 namespace stepmesh::planner {
 
+namespace {
+
+// Each distribution's name in a plan file (workload.prefill) and in the report.
+constexpr std::pair<PrefillDistribution, const char*> kPrefillNames[] = {
+    {PrefillDistribution::kFixed, "fixed"},
+    {PrefillDistribution::kUniform, "uniform"},
+    {PrefillDistribution::kExponential, "exponential"}};
+
+}  // namespace
+
 const char* PrefillDistributionName(PrefillDistribution d) {
-  switch (d) {
-    case PrefillDistribution::kFixed:
-      return "fixed";
-    case PrefillDistribution::kUniform:
-      return "uniform";
-    case PrefillDistribution::kExponential:
-      return "exponential";
+  for (const auto& [distribution, name] : kPrefillNames) {
+    if (distribution == d) return name;
   }
   return "?";
 }
@@ -96,16 +102,13 @@ absl::StatusOr<Plan> ParsePlan(const Json& doc) {
   }
   std::string prefill = PrefillDistributionName(w.prefill);
   STEPMESH_RETURN_IF_ERROR(wl.String("prefill", &prefill));
-  if (prefill == "fixed")
-    w.prefill = PrefillDistribution::kFixed;
-  else if (prefill == "uniform")
-    w.prefill = PrefillDistribution::kUniform;
-  else if (prefill == "exponential")
-    w.prefill = PrefillDistribution::kExponential;
-  else {
+  const auto named = std::find_if(std::begin(kPrefillNames), std::end(kPrefillNames),
+                                  [&](const auto& row) { return prefill == row.second; });
+  if (named == std::end(kPrefillNames)) {
     return absl::InvalidArgumentError(absl::StrCat("workload.prefill = \"", prefill,
                                                    "\": must be fixed, uniform or exponential"));
   }
+  w.prefill = named->first;
   STEPMESH_RETURN_IF_ERROR(wl.CheckAllRead());
 
   ObjectReader ctx(top.Get("attention_context"), "attention_context");

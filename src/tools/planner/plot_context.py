@@ -17,10 +17,11 @@ Uses only the Python standard library and gnuplot (Debian: gnuplot-nox).
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
+
+from gnuplot_png import have_gnuplot, png_preamble, run_gnuplot
 
 CONTEXTS = [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144, 524288]
 COLORS = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd"]
@@ -77,8 +78,7 @@ def main() -> int:
         args.batch, args.mu_d, args.ffn_instances))
 
     if args.png:
-        if shutil.which("gnuplot") is None:
-            print("plot_context: gnuplot not found (apt-get install gnuplot-nox)", file=sys.stderr)
+        if not have_gnuplot("plot_context"):
             return 2
         with tempfile.TemporaryDirectory(prefix="stepmesh_context_") as tmp:
             plots = []
@@ -92,11 +92,9 @@ def main() -> int:
                              "(r*)' noenhanced".format(data, color, name.replace("'", "")))
                 plots.append("'{}' using 1:3 axes x1y2 with lines dt 2 lc rgb '{}' title 't_A "
                              "(right axis)' noenhanced".format(data, color))
-            script = "\n".join([
-                "set terminal pngcairo size 1000,600 enhanced font 'Sans,10'",
-                "set output '{}'".format(args.png.replace("'", "")),
-                "set title 'Optimal attention instances per FFN instance vs context "
-                "(B = {}, mu_D = {})' noenhanced".format(args.batch, args.mu_d),
+            title = "Optimal attention instances per FFN instance vs context " \
+                "(B = {}, mu_D = {})".format(args.batch, args.mu_d)
+            run_gnuplot(png_preamble(args.png, title, size="1000,600") + [
                 "set logscale x 2",
                 "set logscale y",
                 "set logscale y2",
@@ -110,7 +108,6 @@ def main() -> int:
                 "set key top left",
                 "plot " + ", ".join(plots),
             ])
-            subprocess.run(["gnuplot"], input=script, text=True, check=True)
         print("wrote " + args.png, file=sys.stderr)
     return 0
 

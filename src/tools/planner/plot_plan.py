@@ -11,13 +11,11 @@ Uses only the Python standard library and gnuplot (Debian: gnuplot-nox).
   src/tools/planner/plot_plan.py plan_out.json ratio.png [--title TEXT]
 """
 
-import argparse
-import json
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
+
+from gnuplot_png import have_gnuplot, json_to_png_args, load_json, png_preamble, run_gnuplot
 
 SHADES = {"A": ("#fde0c5", "I attention-bound"), "C": ("#d9e8f5", "II comm-bound"),
           "F": ("#dff2d8", "III FFN-bound")}
@@ -37,18 +35,10 @@ def regime_spans(curve):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("json_file")
-    parser.add_argument("png_file")
-    parser.add_argument("--title", default=None)
-    args = parser.parse_args()
-
-    if shutil.which("gnuplot") is None:
-        print("plot_plan: gnuplot not found (apt-get install gnuplot-nox)", file=sys.stderr)
+    args = json_to_png_args(__doc__)
+    if not have_gnuplot("plot_plan"):
         return 2
-    with open(args.json_file, encoding="utf-8") as f:
-        doc = json.load(f)
+    doc = load_json(args.json_file)
     curve = doc.get("curve", [])
     if not curve:
         print("plot_plan: no curve in " + args.json_file, file=sys.stderr)
@@ -74,10 +64,7 @@ def main() -> int:
         # The link's ceiling is drawn only where it comes into view.
         has_link = any(p["link_only"] and p["link_only"] < y_max for p in curve)
 
-        lines = [
-            "set terminal pngcairo size 1000,650 enhanced font 'Sans,10'",
-            "set output '{}'".format(args.png_file.replace("'", "")),
-            "set title '{}' noenhanced".format(title.replace("'", "")),
+        lines = png_preamble(args.png_file, title) + [
             "set xlabel 'r = attention instances per FFN instance'",
             "set ylabel 'decode tokens/s per instance'",
             "set xrange [0:{}]".format(r_max),
@@ -126,7 +113,7 @@ def main() -> int:
             plots.append("'{}' using 1:3 with points pt 6 ps 1.8 lw 2 lc rgb '#2ca02c' "
                          "title 'simulated'".format(ratios_dat))
         lines.append("plot " + ", ".join(plots))
-        subprocess.run(["gnuplot"], input="\n".join(lines), text=True, check=True)
+        run_gnuplot(lines)
     print("wrote " + args.png_file)
     return 0
 

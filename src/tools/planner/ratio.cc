@@ -7,20 +7,37 @@
 
 namespace stepmesh::planner {
 
-const char* RegimeName(Regime r) {
-  switch (r) {
-    case Regime::kAttention:
-      return "attention-bound (I)";
-    case Regime::kCommunication:
-      return "communication-bound (II)";
-    case Regime::kFfn:
-      return "FFN-bound (III)";
-    case Regime::kPipelineDepth:
-      return "pipeline-depth-bound";
-    case Regime::kFfnLink:
-      return "FFN-link-bound (dead zone)";
+namespace {
+
+// Each regime's name in the report's prose and, short, in its tables and JSON.
+struct RegimeNames {
+  Regime regime;
+  const char* name;
+  const char* short_name;
+};
+constexpr RegimeNames kRegimeNames[] = {{Regime::kAttention, "attention-bound (I)", "A"},
+                                        {Regime::kCommunication, "communication-bound (II)", "C"},
+                                        {Regime::kFfn, "FFN-bound (III)", "F"},
+                                        {Regime::kPipelineDepth, "pipeline-depth-bound", "depth"},
+                                        {Regime::kFfnLink, "FFN-link-bound (dead zone)", "link"}};
+
+const RegimeNames* NamesOf(Regime r) {
+  for (const RegimeNames& row : kRegimeNames) {
+    if (row.regime == r) return &row;
   }
-  return "?";
+  return nullptr;
+}
+
+}  // namespace
+
+const char* RegimeName(Regime r) {
+  const RegimeNames* names = NamesOf(r);
+  return names != nullptr ? names->name : "?";
+}
+
+const char* RegimeShortName(Regime r) {
+  const RegimeNames* names = NamesOf(r);
+  return names != nullptr ? names->short_name : "?";
 }
 
 SeedSolution SolveSeed(const Coefficients& c, const Workload& w) {

@@ -29,6 +29,8 @@ namespace stepmesh::planner {
 
 enum class Regime { kAttention, kCommunication, kFfn, kPipelineDepth, kFfnLink };
 const char* RegimeName(Regime r);
+// "A", "C", "F", "depth" or "link": the report's tables and its JSON.
+const char* RegimeShortName(Regime r);
 
 struct SeedSolution {
   double kv_tokens = 0;  // T-bar

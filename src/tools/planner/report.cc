@@ -35,22 +35,6 @@ std::string Quote(absl::string_view s) {
   return out + "\"";
 }
 
-const char* ShortRegime(Regime r) {
-  switch (r) {
-    case Regime::kAttention:
-      return "A";
-    case Regime::kCommunication:
-      return "C";
-    case Regime::kFfn:
-      return "F";
-    case Regime::kPipelineDepth:
-      return "depth";
-    case Regime::kFfnLink:
-      return "link";
-  }
-  return "?";
-}
-
 }  // namespace
 
 RatioRow EvaluateRatio(const Plan& plan, int x, int y) {
@@ -208,10 +192,10 @@ std::string FormatText(const PlanReport& rep) {
                           "  %-7s %6.3g  %10.4g %-5s %12.6g  %10.4g %-5s %12.6g %12.6g %10.6g "
                           "%6.0f%% %8.3g %10.4g %10.4g %9.4g",
                           absl::StrCat(row.x, "A", row.y, "F"), row.r, row.tau_seed,
-                          ShortRegime(row.seed_binding), row.seed, row.tau_full,
-                          ShortRegime(row.full_binding), row.full, row.barrier, row.full_per_gpu,
-                          100 * row.ffn_utilisation, row.tpot_ms, row.a2f_bytes / 1e6,
-                          row.f2a_bytes / 1e6, row.link_us);
+                          RegimeShortName(row.seed_binding), row.seed, row.tau_full,
+                          RegimeShortName(row.full_binding), row.full, row.barrier,
+                          row.full_per_gpu, 100 * row.ffn_utilisation, row.tpot_ms,
+                          row.a2f_bytes / 1e6, row.f2a_bytes / 1e6, row.link_us);
     if (sim) absl::StrAppendFormat(&out, " %12.6g", *row.simulated);
     absl::StrAppend(&out, row.x == rep.best_x ? "  <- best (full model)" : "", "\n");
   }
@@ -317,8 +301,8 @@ std::string FormatJson(const PlanReport& rep) {
     absl::StrAppend(&out, "    {\"r\": ", Num(r),
                     ", \"seed\": ", Num(ThroughputPerInstance(seed_terms, wy, r)),
                     ", \"full\": ", Num(ThroughputPerInstance(full_terms, wy, r)),
-                    ", \"seed_bound\": ", Quote(ShortRegime(seed_binding)),
-                    ", \"full_bound\": ", Quote(ShortRegime(full_binding)),
+                    ", \"seed_bound\": ", Quote(RegimeShortName(seed_binding)),
+                    ", \"full_bound\": ", Quote(RegimeShortName(full_binding)),
                     ", \"link_only\": ", Num(link_only), "}", i < kPoints ? "," : "", "\n");
   }
   absl::StrAppend(&out, "  ],\n  \"ratios\": [\n");
@@ -327,8 +311,8 @@ std::string FormatJson(const PlanReport& rep) {
     absl::StrAppend(&out, "    {\"x\": ", row.x, ", \"y\": ", row.y, ", \"r\": ", Num(row.r),
                     ", \"seed\": ", Num(row.seed), ", \"full\": ", Num(row.full),
                     ", \"barrier\": ", Num(row.barrier),
-                    ", \"seed_bound\": ", Quote(ShortRegime(row.seed_binding)),
-                    ", \"full_bound\": ", Quote(ShortRegime(row.full_binding)),
+                    ", \"seed_bound\": ", Quote(RegimeShortName(row.seed_binding)),
+                    ", \"full_bound\": ", Quote(RegimeShortName(row.full_binding)),
                     ", \"tau_seed_us\": ", Num(row.tau_seed),
                     ", \"tau_full_us\": ", Num(row.tau_full),
                     ", \"ffn_utilisation\": ", Num(row.ffn_utilisation),
