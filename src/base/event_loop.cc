@@ -7,10 +7,11 @@
 
 namespace stepmesh::base {
 
-absl::StatusOr<EventLoop> EventLoop::Create() {
+absl::StatusOr<EventLoop> EventLoop::Create(Wakeable wakeable) {
   EventLoop loop;
   loop.epoll_.Reset(::epoll_create1(EPOLL_CLOEXEC));
   if (!loop.epoll_.valid()) return absl::InternalError(ErrnoMessage("epoll_create1", errno));
+  if (wakeable == Wakeable::kNo) return loop;
   loop.wake_.Reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!loop.wake_.valid()) return absl::InternalError(ErrnoMessage("eventfd", errno));
   epoll_event ev{};
@@ -22,24 +23,23 @@ absl::StatusOr<EventLoop> EventLoop::Create() {
   return loop;
 }
 
-absl::Status EventLoop::Watch(int fd, uint32_t events, uint64_t token) {
+absl::Status EventLoop::Control(int op, int fd, uint32_t events, uint64_t token) {
   epoll_event ev{};
   ev.events = events;
   ev.data.u64 = token;
-  if (::epoll_ctl(epoll_.get(), EPOLL_CTL_ADD, fd, &ev) != 0) {
-    return absl::InternalError(ErrnoMessage("epoll_ctl(ADD)", errno));
+  if (::epoll_ctl(epoll_.get(), op, fd, &ev) != 0) {
+    return absl::InternalError(
+        ErrnoMessage(op == EPOLL_CTL_ADD ? "epoll_ctl(ADD)" : "epoll_ctl(MOD)", errno));
   }
   return absl::OkStatus();
 }
 
+absl::Status EventLoop::Watch(int fd, uint32_t events, uint64_t token) {
+  return Control(EPOLL_CTL_ADD, fd, events, token);
+}
+
 absl::Status EventLoop::Modify(int fd, uint32_t events, uint64_t token) {
-  epoll_event ev{};
-  ev.events = events;
-  ev.data.u64 = token;
-  if (::epoll_ctl(epoll_.get(), EPOLL_CTL_MOD, fd, &ev) != 0) {
-    return absl::InternalError(ErrnoMessage("epoll_ctl(MOD)", errno));
-  }
-  return absl::OkStatus();
+  return Control(EPOLL_CTL_MOD, fd, events, token);
 }
 
 void EventLoop::Unwatch(int fd) {

@@ -1,6 +1,7 @@
 // The per-peer outbox: frames that could not be posted when sent wait there
 // and are posted as the peer returns credits; stalls are reported.
 
+#include "src/base/ring.h"
 #include "src/transport/rdma/rdma_transport_impl.h"
 
 namespace stepmesh::rdma::impl {
@@ -29,7 +30,9 @@ absl::Status RdmaTransport::Submit(Peer& peer, QueuedFrame& frame,
                          absl::Milliseconds(1))),
                      ")"));
   }
-  if (box.size == box.ring.size()) Grow(box);
+  if (box.size == box.ring.size()) {
+    base::GrowRing(box.ring, box.head, box.size, kInitialQueuedFrames, kMaxQueuedFrames);
+  }
   QueuedFrame& queued = box.at(box.size);
   queued = frame;
   if (frame.route == nullptr && frame.bytes > 0) {
@@ -45,14 +48,6 @@ absl::Status RdmaTransport::Submit(Peer& peer, QueuedFrame& frame,
     Wake();  // its Poll now looks at the peer's credits every millisecond
   }
   return absl::OkStatus();
-}
-
-void RdmaTransport::Grow(Outbox& box) {
-  std::vector<QueuedFrame> bigger(
-      std::min(kMaxQueuedFrames, std::max<size_t>(box.ring.size() * 2, kInitialQueuedFrames)));
-  for (size_t i = 0; i < box.size; ++i) bigger[i] = std::move(box.at(i));
-  box.ring = std::move(bigger);
-  box.head = 0;
 }
 
 void RdmaTransport::Pop(Outbox& box) {

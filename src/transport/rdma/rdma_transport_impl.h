@@ -234,9 +234,6 @@ class RdmaTransport final : public Transport {
   // looked up under (a frame not yet queued), which must still hold.
   absl::Status Submit(Peer& peer, QueuedFrame& frame, std::optional<uint64_t> version);
 
-  // Doubles a full outbox (only while a peer is slow: steady state never grows it).
-  static void Grow(Outbox& box) ABSL_EXCLUSIVE_LOCKS_REQUIRED(box.mu);
-
   static void Pop(Outbox& box) ABSL_EXCLUSIVE_LOCKS_REQUIRED(box.mu);
 
   static std::string BlockedOn(Blocked blocked, uint64_t key);

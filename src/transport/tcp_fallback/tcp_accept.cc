@@ -1,6 +1,5 @@
 #include <poll.h>
 #include <sys/epoll.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -31,24 +30,22 @@ void TcpTransport::Pump(absl::Duration max_wait) {
         still = true;
         continue;
       }
-      epoll_event ev{};
-      ev.events = EPOLLIN;
-      ev.data.u64 = kListenerToken - r;
-      ::epoll_ctl(accept_epoll_fd_.get(), EPOLL_CTL_MOD, acceptors_[r].fd(), &ev);
+      (void)handshakes_.Modify(acceptors_[r].fd(), EPOLLIN, kListenerToken - r);
       acceptor_paused_[r] = false;
     }
     accept_paused_.store(still);
   }
   epoll_event events[64];
-  const int n = ::epoll_wait(accept_epoll_fd_.get(), events, 64,
-                             static_cast<int>(absl::ToInt64Milliseconds(max_wait)));
+  absl::StatusOr<int> ready =
+      handshakes_.Wait(events, 64, static_cast<int>(absl::ToInt64Milliseconds(max_wait)));
+  const int n = ready.ok() ? *ready : 0;
   for (int i = 0; i < n; ++i) {
     const uint64_t token = events[i].data.u64;
     if (token <= kListenerToken && token > kListenerToken - acceptors_.size()) {
       AcceptAll(static_cast<int>(kListenerToken - token));
       continue;
     }
-    auto* p = static_cast<Pending*>(events[i].data.ptr);
+    auto* p = base::EventLoop::PointerOf<Pending>(token);
     if (!p->done) Advance(*p);
   }
   const absl::Time now = absl::Now();
@@ -73,49 +70,32 @@ void TcpTransport::Pump(absl::Duration max_wait) {
 
 void TcpTransport::AcceptAll(int rail) {
   base::Acceptor& acceptor = acceptors_[static_cast<size_t>(rail)];
-  for (int i = 0; i < 64; ++i) {
-    base::Acceptor::Accepted a;
-    switch (acceptor.Accept(&a)) {
-      case base::Acceptor::Outcome::kNone:
-        return;
-      case base::Acceptor::Outcome::kExhausted: {
-        STEPMESH_LOG_LIMITED(exhausted_, kWarning, "tcp: out of file descriptors (",
-                             base::ErrnoMessage("accept", acceptor.exhausted_errno()),
-                             "): closed a new data connection unserved; accepting again in 100 ms");
-        epoll_event ev{};
-        ev.events = 0;  // unwatched until paused_until (level-triggered: it would spin)
-        ev.data.u64 = kListenerToken - static_cast<uint64_t>(rail);
-        ::epoll_ctl(accept_epoll_fd_.get(), EPOLL_CTL_MOD, acceptor.fd(), &ev);
-        acceptor_paused_[static_cast<size_t>(rail)] = true;
-        accept_paused_.store(true);
-        return;
-      }
-      case base::Acceptor::Outcome::kAccepted:
-        break;
-    }
-    MakeRoomFor(a.peer);
-    auto p = std::make_unique<Pending>(options_.auth_token);
-    p->fd = std::move(a.fd);
-    p->address = std::move(a.peer);
-    p->rail = rail;
-    p->deadline = absl::Now() + kHandshakeTimeout;
-    epoll_event ev{};
-    ev.events = EPOLLIN | EPOLLRDHUP;
-    ev.data.ptr = p.get();
-    if (::epoll_ctl(accept_epoll_fd_.get(), EPOLL_CTL_ADD, p->fd.get(), &ev) != 0) continue;
-    Pending& added = *p;
-    pending_.push_back(std::move(p));
-    Advance(added);  // its hello is often there already
+  const base::Acceptor::Outcome ended = base::AcceptAndAdmit(
+      acceptor, exhausted_, "tcp (data listener)", pending_,
+      [](const std::unique_ptr<Pending>& p) { return !p->done; },
+      [](const std::unique_ptr<Pending>& p) -> const std::string& { return p->address; },
+      handshake_caps_,
+      [this](std::unique_ptr<Pending>& p, const std::string& why) { Drop(*p, why); },
+      [&](base::Acceptor::Accepted a) {
+        auto p = std::make_unique<Pending>(options_.auth_token);
+        p->fd = std::move(a.fd);
+        p->address = std::move(a.peer);
+        p->rail = rail;
+        p->deadline = absl::Now() + kHandshakeTimeout;
+        if (!handshakes_.Watch(p->fd.get(), EPOLLIN | EPOLLRDHUP, base::EventLoop::TokenOf(p.get()))
+                 .ok()) {
+          return;
+        }
+        Pending& added = *p;
+        pending_.push_back(std::move(p));
+        Advance(added);  // its hello is often there already
+      });
+  if (ended == base::Acceptor::Outcome::kExhausted) {
+    // Left alone until paused_until (Pump resumes it).
+    (void)handshakes_.Pause(acceptor.fd(), kListenerToken - static_cast<uint64_t>(rail));
+    acceptor_paused_[static_cast<size_t>(rail)] = true;
+    accept_paused_.store(true);
   }
-}
-
-void TcpTransport::MakeRoomFor(const std::string& address) {
-  std::string why;
-  std::unique_ptr<Pending>* evict = base::OldestOverCap(
-      pending_, [](const std::unique_ptr<Pending>& p) { return !p->done; },
-      [](const std::unique_ptr<Pending>& p) -> const std::string& { return p->address; }, address,
-      handshake_caps_, &why);
-  if (evict != nullptr) Drop(**evict, why);
 }
 
 void TcpTransport::Advance(Pending& p) {
@@ -156,10 +136,9 @@ void TcpTransport::Decide(Pending& p) {
   }
   if (p.parked != was_parked) {
     // Parked, its socket is not watched: unread bytes would wake the pump forever.
-    epoll_event ev{};
-    ev.events = p.parked ? 0 : (EPOLLIN | EPOLLRDHUP);
-    ev.data.ptr = &p;
-    ::epoll_ctl(accept_epoll_fd_.get(), EPOLL_CTL_MOD, p.fd.get(), &ev);
+    const uint64_t token = base::EventLoop::TokenOf(&p);
+    (void)(p.parked ? handshakes_.Pause(p.fd.get(), token)
+                    : handshakes_.Modify(p.fd.get(), EPOLLIN | EPOLLRDHUP, token));
   }
 }
 
@@ -192,7 +171,7 @@ bool TcpTransport::Answer(Pending& p) {
       break;
   }
   const NodeId from = p.handshake.claimed();
-  ::epoll_ctl(accept_epoll_fd_.get(), EPOLL_CTL_DEL, p.fd.get(), nullptr);
+  handshakes_.Unwatch(p.fd.get());
   expected_.erase(ExpectKey(from, p.rail));
   absl::Status adopted = Adopt(from, std::move(p.fd), p.address, p.rail);
   if (!adopted.ok()) {
@@ -233,7 +212,7 @@ void TcpTransport::Drop(Pending& p, absl::string_view reason, bool quiet) {
     STEPMESH_LOG_LIMITED(violations_, kWarning, "tcp: data connection from ", p.address, ": ",
                          reason);
   }
-  ::epoll_ctl(accept_epoll_fd_.get(), EPOLL_CTL_DEL, p.fd.get(), nullptr);
+  handshakes_.Unwatch(p.fd.get());
   p.fd.Reset();
   p.done = true;
 }

@@ -77,15 +77,14 @@ absl::Status TcpTransport::Adopt(NodeId peer, base::UniqueFd fd, std::string add
     connections_.push_back(std::move(conn));
   }
   std::lock_guard<std::mutex> lock(slot->mu);
-  // Set before epoll_ctl makes the connection visible to the receive
-  // thread, which reads them unlocked (epoll_ctl orders them for it).
+  // Set before Watch makes the connection visible to the receive thread,
+  // which reads them unlocked (epoll_ctl orders them for it).
   added->railed = slot->rails > 1;
   added->generation = slot->generation.load(std::memory_order_relaxed);
-  epoll_event ev{};
-  ev.events = EPOLLIN | EPOLLRDHUP;
-  ev.data.ptr = added;
-  if (::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, added->fd.get(), &ev) != 0) {
-    const absl::Status failed = absl::InternalError(base::ErrnoMessage("epoll_ctl", errno));
+  if (absl::Status watched =
+          loop_.Watch(added->fd.get(), EPOLLIN | EPOLLRDHUP, base::EventLoop::TokenOf(added));
+      !watched.ok()) {
+    const absl::Status failed = Check(std::move(watched));
     added->alive.store(false);
     added->slot = slot;
     Retire(*added);
@@ -144,7 +143,7 @@ void TcpTransport::Lose(Connection& conn, TransportSink& sink, absl::Status why)
 }
 
 void TcpTransport::Retire(Connection& conn) {
-  ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, conn.fd.get(), nullptr);
+  loop_.Unwatch(conn.fd.get());
   ::shutdown(conn.fd.get(), SHUT_RDWR);
   if (conn.out_armed) backlogged_.fetch_sub(1, std::memory_order_relaxed);
   conn.out_armed = false;

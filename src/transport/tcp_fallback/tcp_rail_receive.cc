@@ -414,11 +414,7 @@ void TcpTransport::SetRailLowWater(Connection& conn) {
     case Connection::RailStage::kRoute:
       break;
   }
-  const int lowat = static_cast<int>(std::clamp<size_t>(want, 1, kLowWaterCap));
-  if (lowat == conn.lowat) return;
-  if (::setsockopt(conn.fd.get(), SOL_SOCKET, SO_RCVLOWAT, &lowat, sizeof(lowat)) == 0) {
-    conn.lowat = lowat;
-  }
+  AskLowWater(conn, want);
 }
 
 void TcpTransport::RailViolation(Connection& conn, TransportSink& sink, absl::Status why) {

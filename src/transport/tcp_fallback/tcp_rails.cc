@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "src/base/logging.h"
+#include "src/base/ring.h"
 #include "src/transport/tcp_fallback/tcp_transport_impl.h"
 #include "stepmesh/status.h"
 
@@ -84,14 +85,6 @@ void TcpTransport::ReleaseAcked(PeerSlot& slot) {
   }
 }
 
-void TcpTransport::GrowSent(PeerSlot& slot) {
-  std::vector<SentFrame> bigger(
-      std::min(kMaxUnacknowledged, std::max<size_t>(slot.sent.size() * 2, kInitialQueueFrames)));
-  for (size_t i = 0; i < slot.sent_count; ++i) bigger[i] = std::move(slot.sent_at(i));
-  slot.sent = std::move(bigger);
-  slot.sent_head = 0;
-}
-
 absl::Status TcpTransport::SendRails(PeerSlot& slot, const FrameHeader& header, const void* src,
                                      RegionId region, size_t bytes) {
   int live[kMaxRails];
@@ -106,7 +99,10 @@ absl::Status TcpTransport::SendRails(PeerSlot& slot, const FrameHeader& header, 
         absl::StrCat("tcp: ", PeerName(header.dst), " has not acknowledged ", kMaxUnacknowledged,
                      " frames sent over its rails (it does not read them)"));
   }
-  if (slot.sent_count == slot.sent.size()) GrowSent(slot);
+  if (slot.sent_count == slot.sent.size()) {
+    base::GrowRing(slot.sent, slot.sent_head, slot.sent_count, kInitialQueueFrames,
+                   kMaxUnacknowledged);
+  }
   SentFrame& f = slot.sent_at(slot.sent_count);
   f.seq = slot.next_seq;
   f.header = EncodeFrame(header);

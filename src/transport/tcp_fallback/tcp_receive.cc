@@ -88,6 +88,10 @@ void TcpTransport::SetLowWater(Connection& conn) {
       want = conn.header.payload_bytes - conn.payload_got;
       break;
   }
+  AskLowWater(conn, want);
+}
+
+void TcpTransport::AskLowWater(Connection& conn, size_t want) {
   const int lowat = static_cast<int>(std::clamp<size_t>(want, 1, kLowWaterCap));
   if (lowat == conn.lowat) return;
   if (::setsockopt(conn.fd.get(), SOL_SOCKET, SO_RCVLOWAT, &lowat, sizeof(lowat)) == 0) {

@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "src/base/logging.h"
+#include "src/base/ring.h"
 #include "src/base/sync.h"
 #include "src/transport/tcp_fallback/tcp_transport_impl.h"
 #include "stepmesh/status.h"
@@ -179,26 +180,22 @@ void TcpTransport::Flush(Connection& conn, TransportSink& sink) {
 }
 
 void TcpTransport::ArmWritable(Connection& c, bool on) {
-  epoll_event ev{};
   // A rail that waits for another is not read (see kParkAfter).
-  ev.events = (c.blocked ? 0u : uint32_t{EPOLLIN | EPOLLRDHUP}) | (on ? uint32_t{EPOLLOUT} : 0u);
-  ev.data.ptr = &c;
-  ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_MOD, c.fd.get(), &ev);
+  (void)loop_.Modify(
+      c.fd.get(),
+      (c.blocked ? 0u : uint32_t{EPOLLIN | EPOLLRDHUP}) | (on ? uint32_t{EPOLLOUT} : 0u),
+      base::EventLoop::TokenOf(&c));
   c.out_armed = on;
 }
 
 void TcpTransport::Grow(Connection& c) {
-  std::vector<OutFrame> bigger(
-      std::min(kMaxQueuedFrames, std::max<size_t>(c.ring.size() * 2, kInitialQueueFrames)));
+  base::GrowRing(c.ring, c.head, c.queued, kInitialQueueFrames, kMaxQueuedFrames);
   for (size_t i = 0; i < c.queued; ++i) {
-    bigger[i] = std::move(c.at(i));
     // A short copy lives inside the string: it moved with it.
-    if (!bigger[i].copy.empty()) {
-      bigger[i].payload = reinterpret_cast<const std::byte*>(bigger[i].copy.data());
+    if (!c.ring[i].copy.empty()) {
+      c.ring[i].payload = reinterpret_cast<const std::byte*>(c.ring[i].copy.data());
     }
   }
-  c.ring = std::move(bigger);
-  c.head = 0;
 }
 
 }  // namespace stepmesh::tcp::internal

@@ -2,7 +2,6 @@
 
 #include <poll.h>
 #include <sys/epoll.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -28,17 +27,17 @@ absl::Status TcpTransport::Init() {
   }
   stripe_min_bytes_ = static_cast<size_t>(std::max<int64_t>(4096, options_.tcp_stripe_min_bytes));
   runnable_.reserve(kMaxRails * (worker_slots_.size() + server_slots_.size()) + 1);
-  epoll_fd_.Reset(::epoll_create1(EPOLL_CLOEXEC));
-  accept_epoll_fd_.Reset(::epoll_create1(EPOLL_CLOEXEC));
-  wake_fd_.Reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
-  if (!epoll_fd_.valid() || !accept_epoll_fd_.valid() || !wake_fd_.valid()) {
-    return absl::InternalError(base::ErrnoMessage("tcp: epoll/eventfd", errno));
-  }
-  STEPMESH_RETURN_IF_ERROR(Watch(epoll_fd_.get(), wake_fd_.get(), EPOLLIN, kWakeToken));
-  // The handshakes have an epoll set of their own, watched by the receive
-  // thread's as one descriptor: Connect can run them before that thread
-  // exists, and the data path never iterates over them.
-  return Watch(epoll_fd_.get(), accept_epoll_fd_.get(), EPOLLIN, kAcceptToken);
+  absl::StatusOr<base::EventLoop> loop = base::EventLoop::Create();
+  if (!loop.ok()) return absl::InternalError(absl::StrCat("tcp: ", loop.status().message()));
+  loop_ = *std::move(loop);
+  // The handshakes have a set of their own, watched by the receive thread's
+  // as one descriptor: Connect can run them before that thread exists, and
+  // the data path never iterates over them. Its waits never block (Pump):
+  // it needs no wake of its own.
+  loop = base::EventLoop::Create(base::EventLoop::Wakeable::kNo);
+  if (!loop.ok()) return absl::InternalError(absl::StrCat("tcp: ", loop.status().message()));
+  handshakes_ = *std::move(loop);
+  return Check(loop_.WatchLoop(handshakes_, kAcceptToken));
 }
 
 absl::StatusOr<std::string> TcpTransport::LocalEndpoint() {
@@ -59,8 +58,7 @@ absl::StatusOr<std::string> TcpTransport::LocalEndpoint() {
       made.push_back(std::move(acceptor));
     }
     for (size_t r = 0; r < made.size(); ++r) {
-      STEPMESH_RETURN_IF_ERROR(
-          Watch(accept_epoll_fd_.get(), made[r].fd(), EPOLLIN, kListenerToken - r));
+      STEPMESH_RETURN_IF_ERROR(Check(handshakes_.Watch(made[r].fd(), EPOLLIN, kListenerToken - r)));
     }
     acceptors_ = std::move(made);
     acceptor_paused_.assign(acceptors_.size(), false);
@@ -126,7 +124,7 @@ absl::Status TcpTransport::Connect(NodeId self, absl::Span<const PeerInfo> peers
             absl::StrCat(missing.size(), " peer(s) never connected: ", absl::StrJoin(names, ", ")));
       }
     }
-    pollfd pfd{accept_epoll_fd_.get(), POLLIN, 0};
+    pollfd pfd{handshakes_.fd(), POLLIN, 0};
     (void)::poll(&pfd, 1, 5);
   }
 }
@@ -145,18 +143,11 @@ absl::Status TcpTransport::Poll(TransportSink& sink, absl::Duration max_wait) {
       max_wait <= absl::ZeroDuration()
           ? 0
           : static_cast<int>(std::max<int64_t>(1, absl::ToInt64Milliseconds(max_wait)));
-  const int n = ::epoll_wait(epoll_fd_.get(), events, 32, timeout_ms);
-  if (n < 0) {
-    if (errno == EINTR) return absl::OkStatus();
-    return absl::InternalError(base::ErrnoMessage("epoll_wait", errno));
-  }
+  absl::StatusOr<int> ready = loop_.Wait(events, 32, timeout_ms);
+  if (!ready.ok()) return absl::InternalError(absl::StrCat("tcp: ", ready.status().message()));
+  const int n = *ready;
   for (int i = 0; i < n; ++i) {
     const uint64_t token = events[i].data.u64;
-    if (token == kWakeToken) {
-      uint64_t drain;
-      (void)!::read(wake_fd_.get(), &drain, sizeof(drain));
-      continue;
-    }
     if (token == kAcceptToken) {
       if (accept_mu_.try_lock()) {
         Pump(absl::ZeroDuration());
@@ -166,7 +157,7 @@ absl::Status TcpTransport::Poll(TransportSink& sink, absl::Duration max_wait) {
     }
     // Connections are destroyed only by Reap (above, on this thread), so
     // the pointer stays valid even when Connect supersedes it meanwhile.
-    auto* conn = static_cast<Connection*>(events[i].data.ptr);
+    auto* conn = base::EventLoop::PointerOf<Connection>(token);
     if (!conn->alive.load(std::memory_order_acquire)) continue;
     if (events[i].events & EPOLLOUT) Flush(*conn, sink);
     if (!conn->alive.load(std::memory_order_relaxed)) continue;
@@ -189,10 +180,7 @@ absl::Status TcpTransport::Poll(TransportSink& sink, absl::Duration max_wait) {
   return absl::OkStatus();
 }
 
-void TcpTransport::Wake() {
-  const uint64_t one = 1;
-  if (wake_fd_.valid()) (void)!::write(wake_fd_.get(), &one, sizeof(one));
-}
+void TcpTransport::Wake() { loop_.Wake(); }
 
 void TcpTransport::Shutdown() {
   if (shut_down_.exchange(true)) return;
@@ -267,14 +255,9 @@ absl::StatusOr<std::vector<uint64_t>> TcpTransport::RailBytes(NodeId peer) {
   return out;
 }
 
-absl::Status TcpTransport::Watch(int epoll_fd, int fd, uint32_t events, uint64_t token) {
-  epoll_event ev{};
-  ev.events = events;
-  ev.data.u64 = token;
-  if (::epoll_ctl(epoll_fd, EPOLL_CTL_ADD, fd, &ev) != 0) {
-    return absl::InternalError(base::ErrnoMessage("tcp: epoll_ctl", errno));
-  }
-  return absl::OkStatus();
+absl::Status TcpTransport::Check(absl::Status status) {
+  if (status.ok()) return status;
+  return absl::Status(status.code(), absl::StrCat("tcp: ", status.message()));
 }
 
 PeerSlot* TcpTransport::SlotOf(NodeId peer) {

@@ -1,9 +1,9 @@
 #pragma once
 // Private to src/transport/tcp_fallback: the TCP transport's state, shared by
 // the files that implement it (one job each: tcp_transport.cc the lifecycle and
-// the epoll loop, tcp_send.cc the send path, tcp_receive.cc the receive path,
-// tcp_accept.cc the listener and handshakes, tcp_connections.cc dialling,
-// adopting and losing connections).
+// the receive thread's wait on base::EventLoop, tcp_send.cc the send path, tcp_receive.cc the
+// receive path, tcp_accept.cc the listener and handshakes, tcp_connections.cc dialling, adopting
+// and losing connections).
 
 #include <sys/epoll.h>
 #include <sys/uio.h>
@@ -26,6 +26,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "src/base/admission.h"
+#include "src/base/event_loop.h"
 #include "src/base/net.h"
 #include "src/base/rate_limit.h"
 #include "src/base/tsan.h"
@@ -81,8 +82,7 @@ inline constexpr size_t kInitialQueueFrames = 16;
 // before the goodbye.
 inline constexpr absl::Duration kShutdownFlush = absl::Seconds(2);
 
-// epoll tokens besides Connection pointers.
-inline constexpr uint64_t kWakeToken = ~uint64_t{0};
+// Event-loop tokens besides Connection pointers (base::EventLoop reserves ~0).
 inline constexpr uint64_t kAcceptToken = ~uint64_t{0} - 1;
 // Listener of rail r: kListenerToken - r.
 inline constexpr uint64_t kListenerToken = ~uint64_t{0} - 2;
@@ -287,7 +287,7 @@ class TcpTransport final : public Transport {
   absl::Status Poll(TransportSink& sink, absl::Duration max_wait) override;
 
   void Wake() override;
-  int WaitFd() const override { return epoll_fd_.valid() ? epoll_fd_.get() : -1; }
+  int WaitFd() const override { return loop_.valid() ? loop_.fd() : -1; }
 
   void Shutdown() override;
 
@@ -296,7 +296,8 @@ class TcpTransport final : public Transport {
   absl::StatusOr<std::vector<uint64_t>> RailBytes(NodeId peer);
 
  private:
-  static absl::Status Watch(int epoll_fd, int fd, uint32_t events, uint64_t token);
+  // An event loop's error, named as the transport's ("tcp: ...").
+  static absl::Status Check(absl::Status status);
 
   PeerSlot* SlotOf(NodeId peer);
 
@@ -350,10 +351,10 @@ class TcpTransport final : public Transport {
   // blocks longer than `max_wait`. accept_mu_ held.
   void Pump(absl::Duration max_wait);
 
+  // Accepts what waits on rail `rail`'s listener and admits it under
+  // handshake_caps_ (base::AcceptAndAdmit); out of descriptors, the listener
+  // is paused until its acceptor's back-off ends.
   void AcceptAll(int rail);
-
-  // Makes room for one more handshake from `address` (base/admission.h).
-  void MakeRoomFor(const std::string& address);
 
   void Advance(Pending& p);
 
@@ -393,6 +394,9 @@ class TcpTransport final : public Transport {
   // socket's lock and counters bouncing between the cores (measured in
   // docs/benchmarks.md). Set only when it changes, when leaving ReadFrom.
   void SetLowWater(Connection& conn);
+  // Sets the socket's SO_RCVLOWAT to `want` bytes (1 to kLowWaterCap) when
+  // that changes it (both framings: SetLowWater, SetRailLowWater).
+  static void AskLowWater(Connection& conn, size_t want);
 
   // A peer broke the framing or lied about a header: the byte stream cannot
   // be trusted (or resynchronised) after it. Logged with the address.
@@ -424,7 +428,6 @@ class TcpTransport final : public Transport {
   absl::Status SendPiece(PeerSlot& slot, const SentFrame& f, uint8_t piece, Connection& conn);
   // Forgets frames the peer acknowledged; slot lock held.
   static void ReleaseAcked(PeerSlot& slot);
-  static void GrowSent(PeerSlot& slot);
   // Sends an ack alone (nothing else went back); slot lock held.
   void SendAck(PeerSlot& slot);
   // `conn` (retired) was a rail of `slot`: its pieces not yet acknowledged go
@@ -469,9 +472,10 @@ class TcpTransport final : public Transport {
   const MeshOptions options_;
   std::atomic<NodeId> self_{kNoNode};
   std::atomic<bool> shut_down_{false};
-  base::UniqueFd epoll_fd_;
-  base::UniqueFd accept_epoll_fd_;
-  base::UniqueFd wake_fd_;
+  // The receive thread's loop: the connections and, as one descriptor,
+  // handshakes_ (the listeners and the connections in their handshake).
+  base::EventLoop loop_;
+  base::EventLoop handshakes_;
 
   // One slot per peer rank of each role; connections owned by connections_.
   std::vector<PeerSlot> worker_slots_;
