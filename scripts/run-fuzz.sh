@@ -5,8 +5,9 @@
 # failed invariant (round trip, split-point independence) fails the script;
 # the reproducer is left in build-fuzz/artifacts/.
 #
-#   scripts/run-fuzz.sh [TOTAL_SECONDS]   bounded run for CI (default 60), split
-#                                         evenly over the targets
+#   scripts/run-fuzz.sh [TOTAL_SECONDS]   bounded run for CI (default 60): fuzzing
+#                                         seconds split evenly over the targets,
+#                                         FUZZ_JOBS (default: the cores) at a time
 #   scripts/run-fuzz.sh --long [RUNS]     RUNS executions per target (default
 #                                         10^8; hours to days, see docs/testing.md)
 #   FUZZ_TARGETS="frame control" scripts/run-fuzz.sh ...   a subset
@@ -34,9 +35,10 @@ cmake --preset fuzz >/dev/null
 cmake --build build-fuzz --target "${targets[@]/#/stepmesh_fuzz_}" -j"$(nproc)"
 
 summary=build-fuzz/fuzz-summary.txt
-printf '%-14s %12s %8s %8s %7s %s\n' target executions cov ft corpus mode > "$summary"
-for t in "${targets[@]}"; do
-  work=build-fuzz/corpus/$t
+# fuzz_one TARGET: runs one fuzzer; its summary row goes to build-fuzz/row-TARGET.
+fuzz_one() {
+  local t=$1 work=build-fuzz/corpus/$1 status execs last cov ft corp
+  local limit
   mkdir -p "$work" build-fuzz/artifacts
   if (( long )); then
     limit=(-runs="$runs")
@@ -45,17 +47,15 @@ for t in "${targets[@]}"; do
     limit=(-max_total_time="$per")
     echo "== fuzzing $t for ${per}s"
   fi
-  set +e
+  status=0
   ./build-fuzz/tests/fuzz/stepmesh_fuzz_$t "${limit[@]}" -max_len=4096 -timeout=30 \
       -print_final_stats=1 -artifact_prefix=build-fuzz/artifacts/"$t"- \
-      "$work" "tests/fuzz/corpus/$t" > "build-fuzz/fuzz-$t.log" 2>&1
-  status=$?
-  set -e
+      "$work" "tests/fuzz/corpus/$t" > "build-fuzz/fuzz-$t.log" 2>&1 || status=$?
   grep -E "^#[0-9]+[[:space:]]+(INITED|DONE)|ERROR|SUMMARY|fuzz_" "build-fuzz/fuzz-$t.log" | tail -4 || true
   if (( status != 0 )); then
     echo "fuzzer $t failed (exit $status); see build-fuzz/fuzz-$t.log" >&2
     tail -30 "build-fuzz/fuzz-$t.log" >&2
-    exit "$status"
+    return "$status"
   fi
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "build-fuzz/fuzz-$t.log" | tail -1)
   last=$(grep -E "^#[0-9]+[[:space:]]" "build-fuzz/fuzz-$t.log" | tail -1)
@@ -63,7 +63,35 @@ for t in "${targets[@]}"; do
   ft=$(sed -n 's/.* ft: \([0-9]*\).*/\1/p' <<<"$last")
   corp=$(sed -n 's/.* corp: \([0-9]*\/[0-9a-zA-Z]*\).*/\1/p' <<<"$last")
   printf '%-14s %12s %8s %8s %7s %s\n' "$t" "${execs:-?}" "${cov:-?}" "${ft:-?}" "${corp:-?}" \
-    "$( (( long )) && echo "--long $runs" || echo "${per}s")" >> "$summary"
+    "$( (( long )) && echo "--long $runs" || echo "${per}s")" > "build-fuzz/row-$t"
+}
+
+# Each fuzzer is one process on one core: FUZZ_JOBS of them (default: the
+# cores) run at a time, each for its full share, so a 2-core CI pays half the
+# wall time for the same executions per target. Output is printed per target
+# once it has finished.
+fuzz_jobs=${FUZZ_JOBS:-$(nproc)}
+(( fuzz_jobs >= 1 )) || fuzz_jobs=1
+printf '%-14s %12s %8s %8s %7s %s\n' target executions cov ft corpus mode > "$summary"
+failed=0
+for (( i = 0; i < ${#targets[@]}; i += fuzz_jobs )); do
+  batch=("${targets[@]:i:fuzz_jobs}")
+  pids=()
+  for t in "${batch[@]}"; do
+    rm -f "build-fuzz/row-$t"
+    fuzz_one "$t" > "build-fuzz/run-$t.out" 2>&1 &
+    pids+=("$!")
+  done
+  for j in "${!batch[@]}"; do
+    status=0
+    wait "${pids[j]}" || status=$?
+    cat "build-fuzz/run-${batch[j]}.out"
+    (( status == 0 )) || failed=$status
+  done
+  (( failed == 0 )) || exit "$failed"
+done
+for t in "${targets[@]}"; do
+  cat "build-fuzz/row-$t" >> "$summary"
 done
 cat "$summary"
 echo "fuzzing: no findings"

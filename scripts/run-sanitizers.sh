@@ -47,6 +47,45 @@ export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$PWD/t
 common=(core_tests stepmesh_test_node reliability_tests stepmesh_reliability_node)
 exclude='separate processes: 2A2F*'
 
+# run_lane PRESET BUILD EXE...: runs each test executable of BUILD in turn,
+# stops at the first failure (its log's tail printed).
+run_lane() {
+  local preset=$1 build=$2 exe path
+  shift 2
+  for exe in "$@"; do
+    path=$(find "$build/tests" -name "$exe" -type f -perm -u+x | head -1)
+    if [[ -z $path ]]; then
+      echo "$preset: $exe was not built in $build" >&2
+      return 1
+    fi
+    if ! "$path" --order rand --rng-seed time "~$exclude" > "$build/$exe.log" 2>&1; then
+      echo "$preset: $exe failed; tail of $build/$exe.log:" >&2
+      tail -60 "$build/$exe.log" >&2
+      return 1
+    fi
+    echo "-- $exe: $(grep -E "^(All tests passed|test cases:)" "$build/$exe.log" | tail -1)"
+  done
+}
+
+# gate_a_1a1f PRESET BUILD: the example's Gate A, 1A1F on the CPU engines.
+gate_a_1a1f() {
+  local preset=$1 build=$2 launch err
+  launch=$(find "$build/examples" -name afd_launch -type f -perm -u+x | head -1)
+  rm -rf "$build/afd_gate_a"
+  if ! "$launch" --attention 1 --ffn 1 --requests 6 --prompt-len 32 --decode-steps 16 \
+      --micro-batches 3 --transport tcp --timeout-ms 120000 --deadline-s 600 \
+      --work-dir "$build/afd_gate_a" > "$build/afd_gate_a.log" 2>&1 ||
+     ! grep -q "^reference check: PASS" "$build/afd_gate_a.log"; then
+    echo "$preset: afd_launch Gate A 1A1F failed; tail of $build/afd_gate_a.log:" >&2
+    tail -40 "$build/afd_gate_a.log" >&2
+    for err in "$build"/afd_gate_a/*.err; do
+      [[ -s $err ]] && { echo "== $err" >&2; tail -30 "$err" >&2; }
+    done
+    return 1
+  fi
+  echo "-- afd_launch Gate A 1A1F: $(grep "^reference check" "$build/afd_gate_a.log")"
+}
+
 for preset in "${presets[@]}"; do
   echo "== $preset: configure + build"
   cmake --preset "$preset" >/dev/null
@@ -75,32 +114,28 @@ for preset in "${presets[@]}"; do
   cmake --build "$build" --target "${targets[@]}" "${extra[@]}" -j"$jobs"
   echo "== $preset: test"
   # The binaries run directly (one process per executable, random order):
-  # much faster than ctest's process per case under sanitizers.
+  # much faster than ctest's process per case under sanitizers. Two lanes run
+  # side by side, one per core: core_tests alone (the longest, about 1.3
+  # cores busy under TSan), and the others one after another, then Gate A
+  # (reliability_tests mostly waits on its timeouts: about 0.4 of a core).
+  # Each lane stops at its first failure; every failure is reported.
+  lane_b=()
   for exe in "${tests[@]}" "${extra[@]}"; do
-    path=$(find "$build/tests" -name "$exe" -type f -perm -u+x | head -1)
-    echo "-- $exe"
-    "$path" --order rand --rng-seed time "~$exclude" > "$build/$exe.log" 2>&1 || {
-      echo "$preset: $exe failed; tail of $build/$exe.log:" >&2
-      tail -60 "$build/$exe.log" >&2
-      exit 1
-    }
-    grep -E "^(All tests passed|test cases:)" "$build/$exe.log" | tail -1
+    [[ $exe == core_tests ]] || lane_b+=("$exe")
   done
-  (( gate_a )) || continue
-  echo "-- afd_launch Gate A 1A1F"
-  launch=$(find "$build/examples" -name afd_launch -type f -perm -u+x | head -1)
-  rm -rf "$build/afd_gate_a"
-  if ! "$launch" --attention 1 --ffn 1 --requests 6 --prompt-len 32 --decode-steps 16 \
-      --micro-batches 3 --transport tcp --timeout-ms 120000 --deadline-s 600 \
-      --work-dir "$build/afd_gate_a" > "$build/afd_gate_a.log" 2>&1 ||
-     ! grep -q "^reference check: PASS" "$build/afd_gate_a.log"; then
-    echo "$preset: afd_launch Gate A 1A1F failed; tail of $build/afd_gate_a.log:" >&2
-    tail -40 "$build/afd_gate_a.log" >&2
-    for err in "$build"/afd_gate_a/*.err; do
-      [[ -s $err ]] && { echo "== $err" >&2; tail -30 "$err" >&2; }
-    done
+  run_lane "$preset" "$build" core_tests > "$build/lane-a.out" 2>&1 &
+  lane_a_pid=$!
+  lane_b_status=0
+  run_lane "$preset" "$build" "${lane_b[@]}" > "$build/lane-b.out" 2>&1 || lane_b_status=$?
+  if (( lane_b_status == 0 && gate_a )); then
+    gate_a_1a1f "$preset" "$build" >> "$build/lane-b.out" 2>&1 || lane_b_status=$?
+  fi
+  lane_a_status=0
+  wait "$lane_a_pid" || lane_a_status=$?
+  cat "$build/lane-a.out" "$build/lane-b.out"
+  if (( lane_a_status != 0 || lane_b_status != 0 )); then
+    echo "$preset: failed (core_tests lane exit $lane_a_status, other lane exit $lane_b_status)" >&2
     exit 1
   fi
-  grep "^reference check" "$build/afd_gate_a.log"
 done
 echo "sanitizers: clean"
