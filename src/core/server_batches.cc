@@ -31,11 +31,8 @@ ServerLogic::ServerLogic(MeshNode& node)
       parked_(options_.num_workers),
       parked_bytes_(options_.num_workers, 0),
       rejoins_(options_.num_workers),
-      fenced_(new std::atomic<bool>[options_.num_workers]) {
-  for (int w = 0; w < options_.num_workers; ++w) {
-    notes_[w].worker = w;
-    fenced_[w].store(false);
-  }
+      fences_(options_.num_workers) {
+  for (int w = 0; w < options_.num_workers; ++w) notes_[w].worker = w;
 }
 
 absl::Status ServerLogic::Init() {

@@ -31,6 +31,7 @@
 #include "src/core/reply_path.h"
 #include "src/core/role_logic.h"
 #include "src/core/server_tensors.h"
+#include "src/core/worker_fences.h"
 #include "src/core/worker_rejoins.h"
 #include "stepmesh/server.h"
 
@@ -193,6 +194,9 @@ class ServerLogic final : public RoleLogic {
   // Any thread: a registration happened; the receive thread looks at what is parked.
   void ReleaseParked();
 
+  // The refusal of worker `w`'s push `h`, parked past its deadline.
+  absl::Status ParkTimedOut(int w, const FrameHeader& h) const ABSL_SHARED_LOCKS_REQUIRED(reg_mu_);
+
   void Unpark(int w, size_t i);
 
   void QueueError(NodeId worker, uint64_t request_id, const absl::Status& status);
@@ -228,10 +232,9 @@ class ServerLogic final : public RoleLogic {
   absl::Time next_parked_check_ = absl::InfinitePast();
   std::atomic<bool> parked_any_{false};  // whether a registration should wake the receive thread
   std::atomic<bool> registered_{false};  // a registration since the receive thread last looked
-  WorkerRejoins rejoins_;              // which process of each worker is served; the rejoin window
-  std::atomic<bool> draining_{false};  // Leave began: counted out, answering what arrived
-  // Per worker: its fence arrived (receive thread sets, any thread reads).
-  std::unique_ptr<std::atomic<bool>[]> fenced_;
+  WorkerRejoins rejoins_;  // which process of each worker is served; the rejoin window
+  // Leave began (counted out, answering what arrived); whose fence arrived since.
+  WorkerFences fences_;
   base::RateLimiter violations_{10, absl::Seconds(10)};
 };
 

@@ -75,9 +75,7 @@ void ServerLogic::AfterPoll() {
           if (PullRegistered(p.header, *reg, w)) {
             // Delivered as it is: its payload is in its slot.
           } else if (now >= p.deadline) {
-            status = absl::NotFoundError(absl::StrCat(MissingRegistration(w, p.header), " (waited ",
-                                                      absl::FormatDuration(ParkWait()),
-                                                      " for its registration)"));
+            status = ParkTimedOut(w, p.header);
           } else {
             keep = true;
           }
@@ -91,9 +89,7 @@ void ServerLogic::AfterPoll() {
             continue;
           }
         } else if (now >= p.deadline) {
-          status = absl::NotFoundError(absl::StrCat(MissingRegistration(w, p.header), " (waited ",
-                                                    absl::FormatDuration(ParkWait()),
-                                                    " for its registration)"));
+          status = ParkTimedOut(w, p.header);
         } else {
           keep = true;
         }
@@ -110,6 +106,12 @@ void ServerLogic::AfterPoll() {
       Deliver(node_.PeerId(w), w, h, reg, std::move(status));
     }
   }
+}
+
+absl::Status ServerLogic::ParkTimedOut(int w, const FrameHeader& h) const {
+  return absl::NotFoundError(absl::StrCat(MissingRegistration(w, h), " (waited ",
+                                          absl::FormatDuration(ParkWait()),
+                                          " for its registration)"));
 }
 
 void ServerLogic::Unpark(int w, size_t i) {

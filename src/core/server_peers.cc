@@ -20,28 +20,22 @@
 namespace stepmesh::core {
 
 bool ServerLogic::AllFenced() const {
-  for (int w = 0; w < options_.num_workers; ++w) {
-    if (!lost_.lost(w) && !fenced_[w].load(std::memory_order_acquire)) return false;
-  }
-  return !parked_any_.load(std::memory_order_acquire);
+  return fences_.AllFenced(lost_) && !parked_any_.load(std::memory_order_acquire);
 }
 
 bool ServerLogic::DrainedOut() {
-  return draining_.load(std::memory_order_acquire) && AllFenced() && assembler_.NothingToHandOut();
+  return fences_.draining() && AllFenced() && assembler_.NothingToHandOut();
 }
 
 absl::Status ServerLogic::Drain(absl::Time deadline) {
   const absl::Time start = absl::Now();
-  draining_.store(true, std::memory_order_release);
+  fences_.BeginDrain();
   STEPMESH_RETURN_IF_ERROR(node_.rendezvous().AnnounceLeaving());
   node_.NotifyWaiters();
   if (node_.AwaitUntil([this] { return AllFenced() && assembler_.Idle(); }, deadline)) {
     return absl::OkStatus();
   }
-  int unfenced = 0;
-  for (int w = 0; w < options_.num_workers; ++w) {
-    unfenced += !lost_.lost(w) && !fenced_[w].load(std::memory_order_acquire);
-  }
+  const int unfenced = fences_.Unfenced(lost_);
   return absl::DeadlineExceededError(absl::StrCat(
       "server ", node_.rank(), " left after ", absl::FormatDuration(absl::Now() - start),
       " without draining: ", unfenced, " worker(s) had not confirmed their last push, and ",
@@ -49,8 +43,7 @@ absl::Status ServerLogic::Drain(absl::Time deadline) {
 }
 
 void ServerLogic::Fenced(int w) {
-  if (!draining_.load(std::memory_order_acquire)) return;  // a previous drain's, late
-  fenced_[w].store(true, std::memory_order_release);
+  if (!fences_.Fence(w)) return;  // a previous drain's, late
   assembler_.StopAwaiting(w);
   node_.NotifyWaiters();
 }
@@ -87,7 +80,7 @@ void ServerLogic::OnPeerJoined(NodeId peer, const std::string& endpoint) {
   const int w = static_cast<int>(NodeRank(peer));
   if (w >= options_.num_workers) return;
   // Draining: the newcomer's roster does not hold this server.
-  if (draining_.load(std::memory_order_acquire)) return;
+  if (fences_.draining()) return;
   // A worker that never looked lost (its old connection still open) is superseded.
   OnPeerGone(peer, absl::UnavailableError("worker restarted"));
   rejoins_.BeginRejoin(w);

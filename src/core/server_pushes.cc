@@ -33,7 +33,7 @@ absl::Status ServerLogic::Resolve(NodeId peer, const FrameHeader& h, Destination
         absl::StrCat("a server receives pushes, not frame type ", static_cast<int>(h.type)));
   }
   ForgetPreviousProcess(static_cast<int>(w));
-  if (fenced_[w].load(std::memory_order_relaxed)) {
+  if (fences_.fenced(static_cast<int>(w))) {
     return absl::UnavailableError(absl::StrCat("server ", node_.rank(),
                                                " left the mesh (it drains) and takes nothing "
                                                "after worker ",
