@@ -87,20 +87,10 @@ class ServerLogic final : public RoleLogic {
   absl::Status Respond(const Batch& batch, absl::Span<const Reply> replies,
                        const SendOptions& send_options);
 
-  // MeshStats::in_flight: batches handed out and not answered (any thread).
-  uint64_t InFlight();
-  // Counted out now; answers what arrived (the application keeps serving);
-  // done once every reply went out.
-  absl::Status Drain(absl::Time deadline);
-
   // --- RoleLogic ---
-  // Send thread (or inline): a batch's replies (SendKind::kReplies) or an
-  // error report (kError).
-  void Execute(const SendItem& item, const absl::Status& ready) override;
-
-  // Receive thread. Checks a push once: its sender, its key, dtype and size, and that the
-  // worker's slot is free (then reserves it). The result travels to OnFrame
-  // as the frame's context.
+  // Receive thread. Checks a push once: its sender, its key, dtype and size,
+  // and that the worker's slot is free (then reserves it). The result travels
+  // to OnFrame as the frame's context.
   absl::Status Resolve(NodeId peer, const FrameHeader& h, Destination& out,
                        FrameContext* context) override;
 
@@ -111,6 +101,10 @@ class ServerLogic final : public RoleLogic {
   // registrations came, refuses those past their deadline, and drops those of
   // workers that are gone (or restarted). Nothing to do costs a compare.
   void AfterPoll() override;
+
+  // Send thread (or inline): a batch's replies (SendKind::kReplies) or an
+  // error report (kError).
+  void Execute(const SendItem& item, const absl::Status& ready) override;
 
   // Peer events (receive or rendezvous thread): worker `peer` is gone; its
   // batches go on without it.
@@ -135,6 +129,13 @@ class ServerLogic final : public RoleLogic {
   void OnRoster(bool joined_running) override;
 
   void CancelAll(const absl::Status&) override;
+
+  // --- Participant (ParticipantNode) ---
+  // MeshStats::in_flight: batches handed out and not answered (any thread).
+  uint64_t InFlight();
+  // Counted out now; answers what arrived (the application keeps serving);
+  // done once every reply went out.
+  absl::Status Drain(absl::Time deadline);
 
  private:
   // --- draining (Participant::Leave) ---
