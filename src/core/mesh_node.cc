@@ -81,9 +81,10 @@ absl::StatusOr<std::string> MeshNode::ExportChromeTrace() {
   return FormatChromeTrace(options_.role, rank_, PeerCount(), records, clock, membership_.epoch());
 }
 
-MeshNode::~MeshNode() { STEPMESH_CHECK(!started_ || stopped()); }
+MeshNode::~MeshNode() { Stop(); }
 
 absl::Status MeshNode::Start(const TransportFactory& factory) {
+  if (logic_ == nullptr) return absl::InternalError("a mesh node started without its role logic");
   bool open_on_loopback = false;  // the scheduler warns about that, once for the mesh
   STEPMESH_RETURN_IF_ERROR(
       CheckAuthPolicy(options_, "the data listener", options_.bind_host, &open_on_loopback));
@@ -124,7 +125,7 @@ absl::Status MeshNode::Start(const TransportFactory& factory) {
     if (!member[static_cast<size_t>(r)]) lost_.MarkLost(r);
   }
   membership_.Reset(rendezvous_->roster(), rendezvous_->roster_epoch());
-  OnRoster(rendezvous_->joined_running());
+  logic_->OnRoster(rendezvous_->joined_running());
   STEPMESH_RETURN_IF_ERROR(transport_->Connect(self_, peers, absl::Now() + options_.timeout));
 
   {
@@ -151,10 +152,10 @@ absl::Status MeshNode::Start(const TransportFactory& factory) {
   recv_thread_ =
       base::StartNamedThread(absl::StrCat("sm-recv-", tag), recv_cores, [this] { RecvLoop(); });
   rendezvous_->StartMonitor({
-      .on_peer_lost = [this](NodeId peer, absl::Status why) { HandlePeerLost(peer, why); },
+      .on_peer_lost = [this](NodeId peer, absl::Status why) { logic_->OnPeerGone(peer, why); },
       .on_peer_joined = [this](NodeId peer,
-                               const std::string& endpoint) { HandlePeerJoined(peer, endpoint); },
-      .on_peer_left = [this](NodeId peer) { HandlePeerLeft(peer); },
+                               const std::string& at) { logic_->OnPeerJoined(peer, at); },
+      .on_peer_left = [this](NodeId peer) { logic_->OnPeerLeft(peer); },
       .on_membership = [this](const MembershipEvent& event) { membership_.Apply(event); },
   });
   return absl::OkStatus();
@@ -189,7 +190,7 @@ void MeshNode::Stop() {
   { std::lock_guard<std::mutex> lock(send_mu_); }
   if (transport_ != nullptr) transport_->Shutdown();
   if (recv_thread_.joinable()) recv_thread_.join();
-  CancelAll(absl::CancelledError("the mesh participant shut down"));
+  if (logic_ != nullptr) logic_->CancelAll(absl::CancelledError("the mesh participant shut down"));
   membership_.Close();
   NotifyWaiters();
   base::MutexLock lock(&clock_mu_);  // not while an export uses it
@@ -340,7 +341,7 @@ bool MeshNode::TrySendInline(const SendItem& item) {
   // Under the lock: the send thread holds it from before it executes an item
   // until after it counted it sent, so none is in progress or waiting now.
   if (unsent_.load(std::memory_order_acquire) != 0 || stopped()) return false;
-  ExecuteSend(item, absl::OkStatus());
+  logic_->Execute(item, absl::OkStatus());
   return true;
 }
 
@@ -407,7 +408,7 @@ void MeshNode::SendLoop() {
       }
       {
         std::lock_guard<std::mutex> lock(send_mu_);
-        ExecuteSend(item, ready);
+        logic_->Execute(item, ready);
         unsent_.fetch_sub(1, std::memory_order_release);
       }
       progressed = true;
@@ -437,12 +438,12 @@ void MeshNode::RecvLoop() {
       wait = absl::ZeroDuration();
     }
     const uint64_t activity_before = activity_;
-    absl::Status s = transport_->Poll(*this, wait);
+    absl::Status s = transport_->Poll(*logic_, wait);
     if (!s.ok()) {
       STEPMESH_LOG(kError, "receive loop: ", s.ToString());
       absl::SleepFor(absl::Milliseconds(1));
     }
-    AfterPoll();
+    logic_->AfterPoll();
     if (activity_ != activity_before) {
       const absl::Time now = absl::Now();
       if (mode == PollMode::kAdaptive) {

@@ -1,6 +1,8 @@
 #pragma once
 // What a worker and a server share: joining the mesh, the transport, the send
-// and receive threads, the send queue, and waiting under the poll mode.
+// and receive threads, the send queue, and waiting under the poll mode. One
+// final class for both roles; it owns the role's logic (src/core/role_logic.h)
+// and calls it through that interface only.
 
 #include <atomic>
 #include <bit>
@@ -24,6 +26,7 @@
 #include "src/core/payload_io.h"
 #include "src/core/region_table.h"
 #include "src/core/rendezvous.h"
+#include "src/core/role_logic.h"
 #include "src/core/stats_recorder.h"
 #include "src/core/trace_ring.h"
 #include "src/core/transport.h"
@@ -32,18 +35,6 @@
 #include "stepmesh/trace.h"
 
 namespace stepmesh::core {
-
-// Work for the send thread, by index: no allocation per send.
-struct SendItem {
-  uint32_t kind = 0;
-  uint32_t index = 0;
-  uint32_t generation = 0;
-  Event* ready = nullptr;  // sent once this completes
-  int64_t queued_ns = 0;  // set by EnqueueSend: a ready event pending past options.timeout fails it
-  // Sent only after every item queued before it (one waiting for its ready
-  // event included): a marker that must follow what was queued ahead.
-  bool ordered = false;
-};
 
 // Whether one wait site should spin before it blocks (adaptive poll mode). A
 // spin pays off when the wait ends within the spin budget. When the waits of a
@@ -66,68 +57,52 @@ class SpinAdvisor {
   std::atomic<uint32_t> history_{0};
 };
 
-class MeshNode : public TransportSink {
+class MeshNode final {
  public:
   MeshNode(const MeshOptions& options, std::shared_ptr<Backend> backend);
-  ~MeshNode() override;
+  // Stops (Stop()) before the logic goes.
+  ~MeshNode();
   MeshNode(const MeshNode&) = delete;
   MeshNode& operator=(const MeshNode&) = delete;
+
+  // The role's logic, made over this node; once, before Start(). Returns it.
+  template <typename Logic>
+  Logic& Adopt(std::unique_ptr<Logic> logic) {
+    Logic& out = *logic;
+    logic_ = std::move(logic);
+    return out;
+  }
 
   // How Start() joins (the composition root's choice per options.rendezvous);
   // unset: our scheduler (JoinScheduler). Before Start().
   void SetRendezvousFactory(RendezvousFactory factory) { rendezvous_factory_ = std::move(factory); }
 
- protected:
   // Creates the transport, joins the rendezvous, connects to the other role's
   // nodes and starts the progress threads.
   absl::Status Start(const TransportFactory& factory);
-  // Leaves the mesh and stops the threads; idempotent. Derived destructors call it.
+  // Leaves the mesh and stops the threads; idempotent.
   void Stop();
   bool stopped() const { return stopping_.load(std::memory_order_acquire); }
-  // Held around every ExecuteSend: taken to change what ExecuteSend reads.
+  // Participant::Leave began: true for the first caller only.
+  bool BeginLeave() { return !leaving_.exchange(true); }
+  // Set once Leave began (any thread).
+  bool leaving() const { return leaving_.load(std::memory_order_relaxed); }
+  // Held around every RoleLogic::Execute: taken to change what Execute reads.
   std::mutex& send_lock() { return send_mu_; }
 
   absl::Status EnqueueSend(SendItem item);
-  // Runs ExecuteSend(item) on the calling thread instead, when that cannot
-  // reorder or hold anything: no ready event, a transport whose Send never
-  // waits, nothing queued or being sent. False: the caller enqueues. Call
-  // holding no lock ExecuteSend takes.
+  // Runs RoleLogic::Execute(item) on the calling thread instead, when that
+  // cannot reorder or hold anything: no ready event, a transport whose Send
+  // never waits, nothing queued or being sent. False: the caller enqueues.
+  // Call holding no lock Execute takes.
   bool TrySendInline(const SendItem& item);
-  // Runs on the send thread once `item.ready` completed (or failed: `ready`),
-  // or on the caller's thread through TrySendInline; one at a time.
-  virtual void ExecuteSend(const SendItem& item, const absl::Status& ready) = 0;
-  // A peer is gone. Called from the receive or the rendezvous thread, maybe twice.
-  virtual void HandlePeerLost(NodeId peer, const absl::Status& why) = 0;
-  // A peer's new process took over its rank at `endpoint` (rendezvous thread).
-  virtual void HandlePeerJoined(NodeId peer, const std::string& endpoint) = 0;
-  // The scheduler saw `peer` leave in order (rendezvous thread, after the
-  // events before it). Usually nothing to do: the transport reports the
-  // goodbye after the peer's last frames, which this notice may overtake.
-  virtual void HandlePeerLeft(NodeId /*peer*/) {}
-  // Start(), once the roster is in and before the progress threads run:
-  // `joined_running` when this node joined a mesh that already ran.
-  virtual void OnRoster(bool /*joined_running*/) {}
-  // Fails everything still pending (Stop() calls it after the threads ended).
-  virtual void CancelAll(const absl::Status& why) = 0;
-  // Receive thread, after every Poll (and so at least every 50 ms): work the
-  // receive path set aside (a server's parked pushes). Must be cheap when idle.
-  virtual void AfterPoll() {}
-
-  // The transport lost its connection to `peer` (receive thread). Usually the
-  // peer is gone; a server tells a rejoined worker's superseded connection
-  // from the worker itself.
-  virtual void HandleConnectionLost(NodeId peer, const absl::Status& why) {
-    HandlePeerLost(peer, why);
-  }
-
-  void OnPeerLost(NodeId peer, absl::Status why) final { HandleConnectionLost(peer, why); }
 
   // Blocks until done() or the deadline, per the poll mode. Returns done().
   template <typename Done>
   bool AwaitUntil(Done done, absl::Time deadline);
   void NotifyWaiters();
-  // Derived receive paths call this per frame so the adaptive receive loop
-  // knows the link is busy (receive thread only).
+  // The logic's receive path calls this per frame so the adaptive receive
+  // loop knows the link is busy (receive thread only).
   void MarkActivity() { ++activity_; }
 
   // Registers `view` with the transport as `num_slots` equal slots; `writers`
@@ -142,25 +117,28 @@ class MeshNode : public TransportSink {
   NodeId PeerId(int rank) const;  // a node of the other role
   int PeerCount() const;
 
-  // As given (the start shape and the capacity): what the rendezvous joins with.
-  const MeshOptions mesh_options_;
-  // The node's own: num_workers/num_servers are the capacity, the rank range
-  // every per-peer table is sized for (ranks that are not members are lost_).
-  const MeshOptions options_;
-  std::shared_ptr<Backend> backend_;
-  const PayloadIo io_;         // staging and checksums of payloads, any thread
-  LostPeers lost_;             // the other role's ranks that are gone (or not yet members)
-  MembershipView membership_;  // who is in the mesh, by epoch (docs/elastic.md)
-  std::unique_ptr<Transport> transport_;
-  RendezvousFactory rendezvous_factory_;
-  std::unique_ptr<Rendezvous> rendezvous_;
-  NodeId self_ = kNoNode;
-  int rank_ = -1;
-  StatsRecorder stats_;  // always on: relaxed atomic adds (src/core/stats_recorder.h)
-
+  // The node's own options: num_workers/num_servers are the capacity, the
+  // rank range every per-peer table is sized for (ranks that are not members
+  // are lost()).
+  const MeshOptions& options() const { return options_; }
+  Backend& backend() { return *backend_; }
+  const PayloadIo& io() const { return io_; }
+  // The other role's ranks that are gone (or not yet members).
+  LostPeers& lost() { return lost_; }
+  // Who is in the mesh, by epoch (docs/elastic.md).
+  MembershipView& membership() { return membership_; }
+  const MembershipView& membership() const { return membership_; }
+  // Always on: relaxed atomic adds (src/core/stats_recorder.h).
+  StatsRecorder& stats() { return stats_; }
   // The newest options.trace.events requests, for ChromeTraceJson()
   // (src/core/chrome_trace.h says what a record holds); off when 0.
-  TraceRing trace_ring_;
+  TraceRing& trace_ring() { return trace_ring_; }
+  // After Start().
+  Transport& transport() { return *transport_; }
+  // After Start(), until Stop().
+  Rendezvous& rendezvous() { return *rendezvous_; }
+  NodeId self() const { return self_; }
+  int rank() const { return rank_; }
 
   // The recorder's counters plus this node's rank, send queue depth and membership epoch.
   MeshStats BaseStats() const;
@@ -169,6 +147,21 @@ class MeshNode : public TransportSink {
   absl::StatusOr<std::string> ExportChromeTrace();
 
  private:
+  // As given (the start shape and the capacity): what the rendezvous joins with.
+  const MeshOptions mesh_options_;
+  const MeshOptions options_;  // at the capacity (options())
+  std::shared_ptr<Backend> backend_;
+  const PayloadIo io_;  // staging and checksums of payloads, any thread
+  LostPeers lost_;
+  MembershipView membership_;
+  std::unique_ptr<Transport> transport_;
+  RendezvousFactory rendezvous_factory_;
+  std::unique_ptr<Rendezvous> rendezvous_;
+  NodeId self_ = kNoNode;
+  int rank_ = -1;
+  StatsRecorder stats_;
+  TraceRing trace_ring_;
+
   // The transport registration behind RegisterTensor: in place where the
   // transport reaches the memory, else through pinned host staging.
   absl::StatusOr<WireTensor> RegisterWire(RegionInfo info, const TensorView& view)
@@ -182,6 +175,7 @@ class MeshNode : public TransportSink {
   SpinAdvisor send_advice_;   // the send thread waiting for work
   SpinAdvisor recv_advice_;   // the receive thread between frames
   std::atomic<bool> stopping_{false};
+  std::atomic<bool> leaving_{false};
   bool started_ = false;
   std::thread send_thread_;
   std::thread recv_thread_;
@@ -199,7 +193,7 @@ class MeshNode : public TransportSink {
   // their ready event): Stop() lets them go out before leaving.
   std::atomic<size_t> unsent_{0};
   std::atomic<bool> send_sleeping_{false};
-  // Held around every ExecuteSend (send thread or TrySendInline): one sender
+  // Held around every Execute (send thread or TrySendInline): one sender
   // at a time, as Transport::Send requires. A std::mutex for try_lock.
   std::mutex send_mu_;
   base::WakeWord send_wake_;  // the send thread sleeps on it (WaitForSendWork)
@@ -209,6 +203,9 @@ class MeshNode : public TransportSink {
 
   base::WakeWord wait_wake_;  // AwaitUntil sleeps on it; NotifyWaiters bumps it
   std::atomic<int> sleepers_{0};
+
+  // Last: destroyed first, after the destructor stopped the threads that call it.
+  std::unique_ptr<RoleLogic> logic_;
 };
 
 template <typename Done>
