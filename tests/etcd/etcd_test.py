@@ -194,7 +194,7 @@ def case_leader_kill_mesh():
         for role, rank in (("server", 0), ("server", 1), ("worker", 0), ("worker", 1)):
             p = subprocess.Popen([PROGRAMS["stepmesh_test_node"], "--role", role, "--rank",
                                   str(rank), "--workers", "2", "--servers", "2",
-                                  "--iterations", "600", "--push-bytes", "4096", "--pull-bytes", "4096",
+                                  "--iterations", "10000", "--push-bytes", "4096", "--pull-bytes", "4096",
                                   "--timeout-ms", "8000"],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                  env=env, start_new_session=True)
