@@ -134,7 +134,7 @@ void SchedulerImpl::HandleMessage(NodeId node, const ControlMessage& m) {
       // The peers learn of a departure from its data connection's goodbye,
       // which follows the departing node's last frames. This notice is for
       // the one peer that cannot tell that goodbye from a previous process's
-      // (a server still connecting a rejoined worker, see server.cc).
+      // (a server still connecting a rejoined worker, see server_peers.cc).
       AnnounceLeft(node);
       break;
     }
