@@ -124,7 +124,7 @@ void ServerSpans(const TraceRing::Snapshot& records, int rank, std::vector<Span>
 
 std::string FormatChromeTrace(Role role, int rank, int num_peers,
                               const TraceRing::Snapshot& records, const ClockSync& clock,
-                              uint64_t membership_epoch) {
+                              uint64_t membership_epoch, absl::Span<const EpochMark> epochs) {
   const int pid = ChromeTraceProcessId(role, rank);
   const std::string participant = absl::StrCat(RoleName(role), " ", rank);
   std::string json = absl::StrCat(
@@ -137,6 +137,13 @@ std::string FormatChromeTrace(Role role, int rank, int num_peers,
       ",\"args\":{\"name\":\"", participant,
       "\"}},\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":", pid,
       ",\"args\":{\"sort_index\":", pid, "}}");
+  for (const EpochMark& m : epochs) {
+    absl::StrAppend(&json, ",\n{\"name\":\"membership epoch ", m.epoch,
+                    "\",\"ph\":\"i\",\"s\":\"p\",\"pid\":", pid, ",\"tid\":0,\"ts\":",
+                    Micros(static_cast<int64_t>(m.at_ns) + clock.offset_ns),
+                    ",\"args\":{\"epoch\":", m.epoch, ",\"workers\":", m.workers,
+                    ",\"servers\":", m.servers, "}}");
+  }
   std::vector<Span> spans;
   spans.reserve(records.size() * 3);
   if (role == Role::kWorker) {

@@ -12,6 +12,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "src/core/membership_view.h"
 #include "src/core/trace_ring.h"
 #include "stepmesh/options.h"
 #include "stepmesh/trace.h"
@@ -49,10 +51,13 @@ struct ServerTraceWords {
 // ("worker 0", "server 1"), a thread per stage (more lanes when requests
 // overlap), timestamps in the scheduler's clock (`clock`), and the ring's
 // counts, the clock's uncertainty and the membership epoch at the export
-// (docs/elastic.md) under "otherData".
+// (docs/elastic.md) under "otherData"; each of `epochs` (the membership
+// changes this participant applied) an instant event "membership epoch E"
+// at the time it applied it, its counts in "args".
 std::string FormatChromeTrace(Role role, int rank, int num_peers,
                               const TraceRing::Snapshot& records, const ClockSync& clock,
-                              uint64_t membership_epoch = 0);
+                              uint64_t membership_epoch = 0,
+                              absl::Span<const EpochMark> epochs = {});
 
 // Writes `text` to `path` (replacing it); errors name the path.
 absl::Status WriteTextFile(const std::string& path, absl::string_view text);

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "src/core/protocol.h"
+#include "stepmesh/trace.h"
 
 namespace stepmesh::core {
 namespace {
@@ -49,6 +50,14 @@ void MembershipView::Publish() {
   workers_count_.store(static_cast<int>(current_.workers.size()), std::memory_order_relaxed);
   servers_count_.store(static_cast<int>(current_.servers.size()), std::memory_order_relaxed);
   epoch_.store(current_.epoch, std::memory_order_release);
+  if (marks_.size() == kMaxMarks) marks_.erase(marks_.begin());
+  marks_.push_back({MonotonicNowNs(), current_.epoch, static_cast<int>(current_.workers.size()),
+                    static_cast<int>(current_.servers.size())});
+}
+
+std::vector<EpochMark> MembershipView::Marks() const {
+  base::MutexLock lock(&mu_);
+  return marks_;
 }
 
 void MembershipView::Close() {

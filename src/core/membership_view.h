@@ -20,6 +20,15 @@
 
 namespace stepmesh::core {
 
+// A membership change as a trace shows it (docs/elastic.md): the epoch this
+// participant applied, when (its monotonic clock), and the counts after it.
+struct EpochMark {
+  uint64_t at_ns = 0;
+  uint64_t epoch = 0;
+  int workers = 0;
+  int servers = 0;
+};
+
 class MembershipView {
  public:
   // The roster Join returned, at `epoch`.
@@ -37,12 +46,18 @@ class MembershipView {
   int workers() const { return workers_count_.load(std::memory_order_relaxed); }
   int servers() const { return servers_count_.load(std::memory_order_relaxed); }
 
+  // Every epoch applied (the roster's first), oldest first; past kMaxMarks
+  // the oldest go. For the Chrome trace export, not the data path.
+  static constexpr size_t kMaxMarks = 256;
+  std::vector<EpochMark> Marks() const;
+
  private:
   void Publish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable base::Mutex mu_;
   Membership current_ ABSL_GUARDED_BY(mu_);
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<EpochMark> marks_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> epoch_{0};
   std::atomic<int> workers_count_{0};
   std::atomic<int> servers_count_{0};

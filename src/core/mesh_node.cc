@@ -78,7 +78,9 @@ absl::StatusOr<std::string> MeshNode::ExportChromeTrace() {
     }
     clock = *last_clock_;
   }
-  return FormatChromeTrace(options_.role, rank_, PeerCount(), records, clock, membership_.epoch());
+  const std::vector<EpochMark> epochs = membership_.Marks();
+  return FormatChromeTrace(options_.role, rank_, PeerCount(), records, clock, membership_.epoch(),
+                           epochs);
 }
 
 MeshNode::~MeshNode() { Stop(); }

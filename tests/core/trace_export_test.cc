@@ -22,6 +22,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "src/compose/transports.h"
+#include "src/core/chrome_trace.h"
+#include "src/core/membership_view.h"
 #include "src/core/trace_ring.h"
 #include "stepmesh/server.h"
 #include "stepmesh/trace.h"
@@ -169,6 +171,8 @@ struct Merged {
   // [pid][stage name][(request, peer)]
   std::map<int, std::map<std::string, std::map<std::pair<std::string, int>, Seen>>> spans;
   std::map<int, double> uncertainty_us;
+  // [pid] the membership epochs its instant events mark, in order, and their ts
+  std::map<int, std::vector<std::pair<int, double>>> epochs;
 };
 
 Merged Check(const Json& trace) {
@@ -191,6 +195,13 @@ Merged Check(const Json& trace) {
       if (e["name"].str() == "thread_name") {
         m.thread_names[{pid, static_cast<int>(e["tid"].num())}] = e["args"]["name"].str();
       }
+      continue;
+    }
+    if (ph == "i") {  // a membership change (docs/elastic.md)
+      REQUIRE(absl::StartsWith(e["name"].str(), "membership epoch "));
+      REQUIRE(e["s"].str() == "p");
+      REQUIRE(e["ts"].num() > 0);
+      m.epochs[pid].push_back({static_cast<int>(e["args"]["epoch"].num()), e["ts"].num()});
       continue;
     }
     REQUIRE(ph == "X");
@@ -319,6 +330,10 @@ TEST_CASE("2A2F: each participant's trace export, merged, lines up on the schedu
     INFO(name);
     REQUIRE(pid_of.count(name) == 1);
     REQUIRE(m.uncertainty_us.count(pid_of[name]) == 1);
+    // The roster's epoch (0) marked once: nobody joined or left since.
+    REQUIRE(m.epochs.count(pid_of[name]) == 1);
+    REQUIRE(m.epochs.at(pid_of[name]).size() == 1);
+    CHECK(m.epochs.at(pid_of[name])[0].first == 0);
   }
   std::set<std::string> thread_names;
   for (const auto& [key, name] : m.thread_names) thread_names.insert(name);
@@ -376,6 +391,54 @@ TEST_CASE("2A2F: each participant's trace export, merged, lines up on the schedu
   absl::StatusOr<std::string> again = MergeChromeTraces({*two, exports[1], exports[3]});
   REQUIRE_OK(again);
   CHECK(ParseJson(*again)["traceEvents"].array().size() == trace["traceEvents"].array().size());
+}
+
+TEST_CASE("membership epochs: each change a participant applied is an instant event at its time",
+          "[trace][membership]") {
+  core::MembershipView view;
+  view.Reset({{core::WorkerId(0), "w0"}, {core::ServerId(0), "s0"}}, 4);
+  const uint64_t before = MonotonicNowNs();
+  core::MembershipEvent joined;
+  joined.kind = core::MembershipEvent::Kind::kJoined;
+  joined.node = core::WorkerId(1);
+  joined.epoch = 5;
+  view.Apply(joined);
+  joined.epoch = 5;  // the same epoch again (a replay): no second mark
+  view.Apply(joined);
+  core::MembershipEvent left;
+  left.kind = core::MembershipEvent::Kind::kLeft;
+  left.node = core::ServerId(0);
+  left.epoch = 7;
+  view.Apply(left);
+  const std::vector<core::EpochMark> marks = view.Marks();
+  REQUIRE(marks.size() == 3);
+  CHECK(marks[0].epoch == 4);
+  CHECK(marks[1].epoch == 5);
+  CHECK(marks[1].workers == 2);
+  CHECK(marks[1].servers == 1);
+  CHECK(marks[1].at_ns >= before);
+  CHECK(marks[2].epoch == 7);
+  CHECK(marks[2].servers == 0);
+  CHECK(marks[2].at_ns >= marks[1].at_ns);
+
+  // On the scheduler's clock, exactly: ts = (at + offset) / 1000 us.
+  ClockSync clock;
+  clock.offset_ns = 2500;
+  const core::EpochMark exact[] = {{1'000'000, 4, 1, 1}, {3'000'500, 5, 2, 1}};
+  core::TraceRing ring(4, core::WorkerTraceWords::Words(1));
+  const std::string json = core::FormatChromeTrace(Role::kWorker, 0, 1, ring.Copy(), clock,
+                                                   /*membership_epoch=*/5, exact);
+  const Json trace = ParseJson(json);
+  std::vector<std::pair<double, double>> seen;  // epoch, ts
+  for (const Json& e : trace["traceEvents"].array()) {
+    if (e["ph"].str() != "i") continue;
+    CHECK(e["name"].str() == absl::StrCat("membership epoch ", e["args"]["epoch"].num()));
+    seen.push_back({e["args"]["epoch"].num(), e["ts"].num()});
+  }
+  REQUIRE(seen.size() == 2);
+  CHECK(seen[0] == std::pair<double, double>{4, 1002.5});
+  CHECK(seen[1] == std::pair<double, double>{5, 3003.0});
+  CHECK(trace["otherData"]["membership_epoch"].num() == 5);
 }
 
 TEST_CASE("the trace ring keeps the newest N requests and counts the dropped", "[trace][tcp]") {
