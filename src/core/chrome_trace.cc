@@ -139,8 +139,8 @@ std::string FormatChromeTrace(Role role, int rank, int num_peers,
       ",\"args\":{\"sort_index\":", pid, "}}");
   for (const EpochMark& m : epochs) {
     absl::StrAppend(&json, ",\n{\"name\":\"membership epoch ", m.epoch,
-                    "\",\"ph\":\"i\",\"s\":\"p\",\"pid\":", pid, ",\"tid\":0,\"ts\":",
-                    Micros(static_cast<int64_t>(m.at_ns) + clock.offset_ns),
+                    "\",\"ph\":\"i\",\"s\":\"p\",\"pid\":", pid,
+                    ",\"tid\":0,\"ts\":", Micros(static_cast<int64_t>(m.at_ns) + clock.offset_ns),
                     ",\"args\":{\"epoch\":", m.epoch, ",\"workers\":", m.workers,
                     ",\"servers\":", m.servers, "}}");
   }
