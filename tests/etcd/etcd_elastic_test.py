@@ -24,7 +24,6 @@ capacity  stepmesh_etcd_member processes (rendezvous only), 1A1F, capacity
           counts for the joiner after it.
 """
 
-import argparse
 import os
 import re
 import shutil
@@ -311,20 +310,5 @@ def case_capacity():
         print("capacity case done in %.1f s" % (time.monotonic() - t0))
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--program", action="append", default=[])
-    parser.add_argument("--case", required=True)
-    args = parser.parse_args()
-    for p in args.program:
-        name, path = p.split("=", 1)
-        PROGRAMS[name] = path
-    try:
-        globals()["case_" + args.case]()
-    finally:
-        etcd_test.kill_all()
-    print("PASS etcd_elastic_%s" % args.case)
-
-
 if __name__ == "__main__":
-    main()
+    etcd_test.main(globals(), "etcd_elastic")

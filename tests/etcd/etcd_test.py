@@ -295,19 +295,22 @@ def case_bad_input():
             fail("keys left under /auth-test: %s" % cluster.keys("/auth-test"))
 
 
-def main():
+def main(cases=None, name="etcd"):
+    """--program NAME=PATH ... --case C: runs `case_C` of `cases` (this module's
+    globals by default; etcd_elastic_test.py passes its own), then kills what
+    it started."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--program", action="append", default=[])
     parser.add_argument("--case", required=True)
     args = parser.parse_args()
     for p in args.program:
-        name, path = p.split("=", 1)
-        PROGRAMS[name] = path
+        program, path = p.split("=", 1)
+        PROGRAMS[program] = path
     try:
-        globals()["case_" + args.case]()
+        (cases or globals())["case_" + args.case]()
     finally:
         kill_all()
-    print("PASS etcd_%s" % args.case)
+    print("PASS %s_%s" % (name, args.case))
 
 
 if __name__ == "__main__":
