@@ -114,28 +114,11 @@ for preset in "${presets[@]}"; do
   cmake --build "$build" --target "${targets[@]}" "${extra[@]}" -j"$jobs"
   echo "== $preset: test"
   # The binaries run directly (one process per executable, random order):
-  # much faster than ctest's process per case under sanitizers. Two lanes run
-  # side by side, one per core: core_tests alone (the longest, about 1.3
-  # cores busy under TSan), and the others one after another, then Gate A
-  # (reliability_tests mostly waits on its timeouts: about 0.4 of a core).
-  # Each lane stops at its first failure; every failure is reported.
-  lane_b=()
-  for exe in "${tests[@]}" "${extra[@]}"; do
-    [[ $exe == core_tests ]] || lane_b+=("$exe")
-  done
-  run_lane "$preset" "$build" core_tests > "$build/lane-a.out" 2>&1 &
-  lane_a_pid=$!
-  lane_b_status=0
-  run_lane "$preset" "$build" "${lane_b[@]}" > "$build/lane-b.out" 2>&1 || lane_b_status=$?
-  if (( lane_b_status == 0 && gate_a )); then
-    gate_a_1a1f "$preset" "$build" >> "$build/lane-b.out" 2>&1 || lane_b_status=$?
-  fi
-  lane_a_status=0
-  wait "$lane_a_pid" || lane_a_status=$?
-  cat "$build/lane-a.out" "$build/lane-b.out"
-  if (( lane_a_status != 0 || lane_b_status != 0 )); then
-    echo "$preset: failed (core_tests lane exit $lane_a_status, other lane exit $lane_b_status)" >&2
-    exit 1
-  fi
+  # much faster than ctest's process per case under sanitizers. One after
+  # another: two side by side (core_tests next to the rest) made the
+  # libfabric idle-CPU case miss its budget under TSan (15.6 ms vs 10 ms in a
+  # fresh-clone CI), so the lanes that saved ~3 min are off.
+  run_lane "$preset" "$build" "${tests[@]}" "${extra[@]}" || exit 1
+  if (( gate_a )); then gate_a_1a1f "$preset" "$build" || exit 1; fi
 done
 echo "sanitizers: clean"
