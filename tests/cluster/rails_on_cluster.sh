@@ -27,7 +27,7 @@ source "$here/perf_cluster_lib.sh"
 IFS=, read -ra ns <<<"$CLUSTER_HOSTS"
 IFS=, read -ra ip0 <<<"$CLUSTER_ADDRS"
 IFS=, read -ra ip1 <<<"$CLUSTER_ADDRS1"
-export STEPMESH_PAYLOAD_CHECKSUM=1 STEPMESH_AUTH=off
+export STEPMESH_PAYLOAD_CHECKSUM="${RAILS_CHECKSUM:-1}" STEPMESH_AUTH=off
 unset STEPMESH_TCP_RAILS
 sched="${ip0[0]}:29000"
 perf_cluster_work rails_cluster
