@@ -8,7 +8,8 @@
 //
 //   tcp_rails_floor --role server --listen A:P[,B:P] [--sessions N] [--deadline-s S]
 //   tcp_rails_floor --role client --connect A:P[,B:P] [--sockets K] [--push B]
-//       [--pull B] [--iters N] [--warmup W] [--rx threads|poll] [--label NAME]
+//       [--pull B] [--iters N] [--warmup W] [--rx threads|poll] [--wait spin|block]
+//       [--label NAME]
 //
 // The server accepts a session on its first listener (a hello: sockets, push
 // and pull sizes, a pattern seed), then one connection on each further
@@ -19,6 +20,10 @@
 // together, pieces that cross one after the other do not. Every reply is
 // compared byte for byte (outside the timed region). --rx poll reads every
 // socket on one thread (poll + non-blocking recv), as the transport does.
+// --wait block (the default) sleeps in recv and on condition variables;
+// spin busy-polls on both ends while a message is due (yielding the CPU), as
+// the library's adaptive mode does -- with four such threads on two cores
+// shared with other work, spinning is the slower of the two.
 // Socket buffers and TCP_NODELAY as the TCP transport sets them.
 
 #include <poll.h>
@@ -27,6 +32,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -61,6 +67,7 @@ struct Hello {
   uint64_t push = 0;
   uint64_t pull = 0;
   uint64_t seed = 0;
+  uint64_t spin = 0;  // both ends busy-poll (--wait spin), or block
 };
 
 // Piece i of a `pull`-byte reply cut for k sockets: [Offset(i), Offset(i+1)).
@@ -96,13 +103,24 @@ absl::Status Send(int fd, const void* data, size_t bytes) {
   return absl::OkStatus();
 }
 
-// Blocking receive of exactly `bytes`; `first` (if given) gets the time the
-// first byte was there.
-absl::Status Receive(int fd, void* data, size_t bytes, Clock::time_point* first = nullptr) {
+// Receive of exactly `bytes`; `first` (if given) gets the time the first
+// byte was there. Blocking, or with `spin` busy-polled (non-blocking recv,
+// the CPU yielded between empty tries), as the library's adaptive receive
+// thread does while a reply is due.
+absl::Status Receive(int fd, void* data, size_t bytes, bool spin,
+                     Clock::time_point* first = nullptr) {
   char* p = static_cast<char*>(data);
-  while (bytes > 0) {
-    const ssize_t n = ::recv(fd, p, bytes, first != nullptr ? 0 : MSG_WAITALL);
-    if (n < 0 && errno == EINTR) continue;
+  const absl::Time deadline = absl::Now() + kIoTimeout;
+  for (uint32_t idle = 0; bytes > 0;) {
+    const int flags = spin ? MSG_DONTWAIT : first != nullptr ? 0 : MSG_WAITALL;
+    const ssize_t n = ::recv(fd, p, bytes, flags);
+    if (n < 0 && (errno == EINTR || (spin && errno == EAGAIN))) {
+      if (++idle % 4096 == 0 && absl::Now() > deadline) {
+        return absl::DeadlineExceededError("recv timed out");
+      }
+      std::this_thread::yield();
+      continue;
+    }
     if (n == 0) return absl::UnavailableError("the peer closed");
     if (n < 0) return absl::UnavailableError(base::ErrnoMessage("recv", errno));
     if (first != nullptr) *first = Clock::now();
@@ -114,25 +132,22 @@ absl::Status Receive(int fd, void* data, size_t bytes, Clock::time_point* first 
 }
 
 // Runs `work(i)` for i in 1..k-1 on one thread each, once per Go(); Go runs
-// piece 0 on the calling thread and returns when every piece is done.
+// piece 0 on the calling thread and returns when every piece is done. The
+// threads wait for a round on a condition variable, or with `spin` polling
+// (yielding the CPU), so a round starts without a wake-up.
 class Crew {
  public:
   template <typename F>
-  Crew(size_t k, F work) : k_(k) {
+  Crew(size_t k, bool spin, F work) : k_(k), spin_(spin) {
     for (size_t i = 1; i < k; ++i) {
       threads_.emplace_back([this, i, work] {
-        uint64_t mine = 0;
-        for (;;) {
-          {
-            std::unique_lock<std::mutex> lock(mu_);
-            cv_.wait(lock, [&] { return stop_ || round_ > mine; });
-            if (stop_) return;
-            ++mine;
-          }
+        for (uint64_t mine = 0;; ++mine) {
+          Await([&] { return stop_.load() || round_.load() > mine; }, cv_);
+          if (stop_.load()) return;
           const absl::Status s = work(i);
           std::lock_guard<std::mutex> lock(mu_);
           if (!s.ok() && failure_.ok()) failure_ = s;
-          ++done_;
+          done_.fetch_add(1);
           done_cv_.notify_one();
         }
       });
@@ -141,7 +156,7 @@ class Crew {
   ~Crew() {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
+      stop_.store(true);
     }
     cv_.notify_all();
     for (std::thread& t : threads_) t.join();
@@ -150,24 +165,35 @@ class Crew {
   absl::Status Go(F piece0) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      ++round_;
-      done_ = 0;
+      done_.store(0);
+      round_.fetch_add(1);
     }
     cv_.notify_all();
     absl::Status s = piece0();
-    std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [&] { return done_ == k_ - 1; });
+    Await([&] { return done_.load() == k_ - 1; }, done_cv_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (!failure_.ok()) s = failure_;
     return s;
   }
 
  private:
+  template <typename P>
+  void Await(P ready, std::condition_variable& cv) {
+    if (spin_) {
+      while (!ready()) std::this_thread::yield();
+      return;
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    cv.wait(lock, ready);
+  }
+
   size_t k_;
+  bool spin_;
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;
-  uint64_t round_ = 0;
-  size_t done_ = 0;
-  bool stop_ = false;
+  std::atomic<uint64_t> round_{0};
+  std::atomic<size_t> done_{0};
+  std::atomic<bool> stop_{false};
   absl::Status failure_;
   std::vector<std::thread> threads_;
 };
@@ -176,7 +202,7 @@ absl::Status Serve(std::vector<base::UniqueFd>& listeners, absl::Time deadline) 
   STEPMESH_ASSIGN_OR_RETURN(base::UniqueFd first, base::AcceptTcp(listeners[0].get(), deadline));
   STEPMESH_RETURN_IF_ERROR(Configure(first.get()));
   Hello hello;
-  STEPMESH_RETURN_IF_ERROR(Receive(first.get(), &hello, sizeof(hello)));
+  STEPMESH_RETURN_IF_ERROR(Receive(first.get(), &hello, sizeof(hello), /*spin=*/false));
   if (hello.sockets < 1 || hello.sockets > listeners.size() || hello.push > kMaxBytes ||
       hello.pull > kMaxBytes) {
     return absl::InvalidArgumentError(absl::StrCat("hello: sockets ", hello.sockets, " (of ",
@@ -203,10 +229,11 @@ absl::Status Serve(std::vector<base::UniqueFd>& listeners, absl::Time deadline) 
     took[i].push_back(Micros(Clock::now() - t0));
     return s;
   };
-  Crew crew(k, write_piece);
+  const bool spin = hello.spin != 0;
+  Crew crew(k, spin, write_piece);
   for (;;) {
     // A request: its number, then the push.
-    const absl::Status got = Receive(fds[0].get(), push.data(), push.size());
+    const absl::Status got = Receive(fds[0].get(), push.data(), push.size(), spin);
     if (!got.ok()) break;  // the client closed: the session is over
     STEPMESH_RETURN_IF_ERROR(crew.Go([&] { return write_piece(0); }));
   }
@@ -230,7 +257,7 @@ struct Sample {
 
 // One thread per socket: each reads its piece (blocking); poll: one thread
 // reads whatever socket has bytes.
-absl::Status ReceivePoll(std::vector<base::UniqueFd>& fds, std::vector<char>& into,
+absl::Status ReceivePoll(std::vector<base::UniqueFd>& fds, std::vector<char>& into, bool spin,
                          Clock::time_point start, Sample& s) {
   const size_t k = fds.size();
   std::vector<size_t> got(k, 0);
@@ -245,9 +272,11 @@ absl::Status ReceivePoll(std::vector<base::UniqueFd>& fds, std::vector<char>& in
       pfd[n] = {fds[i].get(), POLLIN, 0};
       which[n++] = i;
     }
-    if (::poll(pfd, n, 1000) < 0 && errno != EINTR) {
+    const int ready = ::poll(pfd, n, spin ? 0 : 1000);
+    if (ready < 0 && errno != EINTR) {
       return absl::UnavailableError(base::ErrnoMessage("poll", errno));
     }
+    if (ready <= 0 && spin) std::this_thread::yield();
     for (size_t j = 0; j < n; ++j) {
       if (pfd[j].revents == 0) continue;
       const size_t i = which[j];
@@ -281,6 +310,7 @@ struct ClientFlags {
   uint64_t push = 65536, pull = 1835008;
   int iters = 300, warmup = 20;
   bool poll = false;
+  bool spin = false;
   std::string label;
 };
 
@@ -292,7 +322,8 @@ absl::Status RunClient(const ClientFlags& f) {
   }
   const absl::Time deadline = absl::Now() + kIoTimeout;
   std::vector<base::UniqueFd> fds;
-  Hello hello{k, f.push, f.pull, static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()))};
+  Hello hello{k, f.push, f.pull, static_cast<uint64_t>(absl::ToUnixMicros(absl::Now())),
+              f.spin ? 1u : 0u};
   for (size_t i = 0; i < k; ++i) {
     STEPMESH_ASSIGN_OR_RETURN(base::HostPort to, base::ParseHostPort(f.connect[i]));
     STEPMESH_ASSIGN_OR_RETURN(base::UniqueFd fd, base::ConnectTcp(to, deadline));
@@ -308,19 +339,19 @@ absl::Status RunClient(const ClientFlags& f) {
   auto read_piece = [&](size_t i) {
     const size_t from = Offset(into.size(), k, i), to = Offset(into.size(), k, i + 1);
     Clock::time_point first = start;
-    absl::Status r = Receive(fds[i].get(), into.data() + from, to - from, &first);
+    absl::Status r = Receive(fds[i].get(), into.data() + from, to - from, f.spin, &first);
     s.first[i] = Micros(first - start);
     s.last[i] = Micros(Clock::now() - start);
     return r;
   };
-  Crew crew(f.poll ? 1 : k, read_piece);
+  Crew crew(f.poll ? 1 : k, f.spin, read_piece);
   std::vector<Sample> samples;
   for (int it = 0; it < f.warmup + f.iters; ++it) {
     std::memset(into.data(), 0, into.size());
     std::memcpy(push.data(), &it, sizeof(it));
     start = Clock::now();
     STEPMESH_RETURN_IF_ERROR(Send(fds[0].get(), push.data(), push.size()));
-    STEPMESH_RETURN_IF_ERROR(f.poll ? ReceivePoll(fds, into, start, s)
+    STEPMESH_RETURN_IF_ERROR(f.poll ? ReceivePoll(fds, into, f.spin, start, s)
                                     : crew.Go([&] { return read_piece(0); }));
     s.total = Micros(Clock::now() - start);
     if (into != expected) {
@@ -380,6 +411,9 @@ absl::Status Main(int argc, char** argv) {
     } else if (flag == "--rx") {
       ok = v == "threads" || v == "poll";
       f.poll = v == "poll";
+    } else if (flag == "--wait") {
+      ok = v == "spin" || v == "block";
+      f.spin = v == "spin";
     } else if (flag == "--label") {
       f.label = v;
     } else if (flag == "--sessions") {
