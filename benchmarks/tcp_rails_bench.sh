@@ -11,7 +11,7 @@
 # Prints each row, the bytes each rail's link carried (tc counters of the
 # replying host's egress, and its drops), the load average, and per
 # repetition the ratios one / two (ours and the floor's, at p50 and t_min)
-# and ours / the floor. Payload checksums are off (the floor has none);
+# and ours / the floor, then the median of each ratio over the repetitions. Payload checksums are off (the floor has none);
 # --checksum turns them on for ours (their cost then shows against the floor).
 # Needs root (network namespaces). Not a test: nothing is asserted.
 #   benchmarks/tcp_rails_bench.sh BUILD_DIR [--gbps G] [--iters N] [--reps R] [--checksum]
@@ -80,18 +80,23 @@ rc=$?
 printf '%s\n' "$out"
 ((rc == 0)) || exit "$rc"
 # Row fields after "MODE rep R:": name iters t_min t_p50 ... ($6 t_min, $7 p50).
+# The summary: the median over the repetitions of each ratio (one disturbed
+# repetition on a shared machine moves a mean, not a median).
 awk -v gbps="$gbps" -v checksum="$checksum" '
+  function median(a, k,    i, j, t, b) {
+    for (i = 0; i < k; ++i) b[i] = a[i]
+    for (i = 1; i < k; ++i) for (j = i; j > 0 && b[j - 1] > b[j]; --j) { t = b[j]; b[j] = b[j - 1]; b[j - 1] = t }
+    return k % 2 ? b[(k - 1) / 2] : (b[k / 2 - 1] + b[k / 2]) / 2
+  }
   $1 != "load" && $3 ~ /^[0-9]+:$/ && $5 ~ /^[0-9]+$/ { r = $3 + 0; m[$1, r] = $7; t[$1, r] = $6; if (r + 1 > n) n = r + 1 }
   END {
     for (i = 0; i < n; ++i) {
+      o[i] = m["single", i] / m["rails", i]; ot[i] = t["single", i] / t["rails", i]
+      f[i] = m["floor1", i] / m["floor2", i]; ft[i] = t["floor1", i] / t["floor2", i]
       printf "rep %d p50 us: floor one %s two %s, ours one %s two %s; one/two: ours %.2f (t_min %.2f), floor %.2f (t_min %.2f); ours/floor: one %.2f, two %.2f\n",
-        i, m["floor1", i], m["floor2", i], m["single", i], m["rails", i],
-        m["single", i] / m["rails", i], t["single", i] / t["rails", i],
-        m["floor1", i] / m["floor2", i], t["floor1", i] / t["floor2", i],
+        i, m["floor1", i], m["floor2", i], m["single", i], m["rails", i], o[i], ot[i], f[i], ft[i],
         m["single", i] / m["floor1", i], m["rails", i] / m["floor2", i]
-      os += m["single", i]; or += m["rails", i]; fs += m["floor1", i]; fr += m["floor2", i]
-      ots += t["single", i]; otr += t["rails", i]; fts += t["floor1", i]; ftr += t["floor2", i]
     }
-    printf "1.75 MiB reply at %s Gb/s per rail (checksums %s), mean of %d reps: one rail / two rails = %.2f at p50, %.2f at t_min (the floor: %.2f, %.2f)\n",
-      gbps, checksum ? "on" : "off", n, os / or, ots / otr, fs / fr, fts / ftr
+    printf "1.75 MiB reply at %s Gb/s per rail (checksums %s), median of %d reps: one rail / two rails = %.2f at p50, %.2f at t_min (the floor: %.2f, %.2f)\n",
+      gbps, checksum ? "on" : "off", n, median(o, n), median(ot, n), median(f, n), median(ft, n)
   }' <<<"$out"
