@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # stepmesh_perf 1A1F across two emulated hosts with two rails each
 # (scripts/cluster.sh --rails 2), the TCP transport on both rails
-# (STEPMESH_TCP_RAILS), payload checksums on. Run inside `cluster.sh run`:
+# (STEPMESH_TCP_RAILS), payload checksums on (RAILS_CHECKSUM=0 in the
+# environment: off, as benchmarks/tcp_rails_bench.sh runs it against its
+# checksum-free floor). Run inside `cluster.sh run`:
 #   cluster.sh run --hosts 2 --rails 2 [link flags] -- rails_on_cluster.sh MODE STEPMESH_PERF [perf flags]
 # MODE
 #   fault   the worker host's rail-1 link (the rail the data is advertised on
