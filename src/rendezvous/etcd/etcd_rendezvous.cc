@@ -197,7 +197,7 @@ int EtcdRendezvous::LiveCountAt(uint64_t seq) const {
   if (began == barrier_created_.end()) return LiveCount();
   int live = 0;
   for (const auto& [node, st] : state_) {
-    if (st != State::kLive) continue;
+    if (st != Standing::kLive) continue;
     auto since = since_.find(node);
     live += since == since_.end() || since->second < began->second ? 1 : 0;
   }
@@ -206,7 +206,7 @@ int EtcdRendezvous::LiveCountAt(uint64_t seq) const {
 
 int EtcdRendezvous::LiveCount() const {
   int live = 0;
-  for (const auto& [node, st] : state_) live += st == State::kLive ? 1 : 0;
+  for (const auto& [node, st] : state_) live += st == Standing::kLive ? 1 : 0;
   return live;
 }
 

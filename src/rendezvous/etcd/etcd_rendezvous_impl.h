@@ -101,7 +101,16 @@ class EtcdRendezvous final : public core::Rendezvous {
 
   void KeepAliveLoop();
 
-  enum class State : uint8_t { kLive, kLeft, kLost };
+  enum class Standing : uint8_t { kLive, kLeft, kLost };
+  // A member's Standing as the value of state_: a class, because GCC gives an
+  // enum default visibility even under -fvisibility=hidden, and the std::map
+  // code over it would be exported from libstepmesh.so (exported_symbols).
+  struct State {
+    State() = default;
+    State(Standing s) : standing(s) {}  // NOLINT: implicit, as the enum was
+    operator Standing() const { return standing; }
+    Standing standing = Standing::kLive;
+  };
 
   const MeshOptions options_;
   const std::string endpoint_;

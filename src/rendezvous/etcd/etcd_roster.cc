@@ -169,8 +169,8 @@ std::optional<MembershipEvent> EtcdRendezvous::Apply(const WatchEvent& e) {
     return std::nullopt;
   }
   if (e.deleted) {
-    if (st != State::kLive) return std::nullopt;
-    st = State::kLost;
+    if (st != Standing::kLive) return std::nullopt;
+    st = Standing::kLost;
     out.kind = MembershipEvent::Kind::kLost;
     out.why = absl::UnavailableError(absl::StrCat(
         "etcd key ", e.kv.key, " expired (its lease had no keep-alive within the TTL)"));
@@ -183,14 +183,14 @@ std::optional<MembershipEvent> EtcdRendezvous::Apply(const WatchEvent& e) {
     return std::nullopt;
   }
   if (m->left) {
-    if (st != State::kLive) return std::nullopt;
-    st = State::kLeft;
+    if (st != Standing::kLive) return std::nullopt;
+    st = Standing::kLeft;
     out.kind = MembershipEvent::Kind::kLeft;
     return out;
   }
   std::string& endpoint = endpoints_[node];
-  if (st == State::kLive && endpoint == m->endpoint) return std::nullopt;
-  st = State::kLive;
+  if (st == Standing::kLive && endpoint == m->endpoint) return std::nullopt;
+  st = Standing::kLive;
   endpoint = m->endpoint;
   since_[node] = e.kv.create_revision;
   out.kind = MembershipEvent::Kind::kJoined;
@@ -216,7 +216,7 @@ absl::Status EtcdRendezvous::Verified(const std::string& key, const Member& m) c
 bool EtcdRendezvous::StartShapeLive() const {
   int workers = 0, servers = 0;
   for (const auto& [node, st] : state_) {
-    if (st != State::kLive) continue;
+    if (st != Standing::kLive) continue;
     (core::NodeRole(node) == Role::kWorker ? workers : servers) += 1;
   }
   return workers >= options_.num_workers && servers >= options_.num_servers;
@@ -237,7 +237,7 @@ absl::Status EtcdRendezvous::AwaitRoster(absl::Time deadline) {
       STEPMESH_ASSIGN_OR_RETURN(Member m, ParseMember(kv));
       STEPMESH_RETURN_IF_ERROR(Verified(kv.key, m));
       if (m.left) continue;
-      state_[node] = State::kLive;
+      state_[node] = Standing::kLive;
       endpoints_[node] = m.endpoint;
       since_[node] = kv.create_revision;
     }
@@ -280,7 +280,7 @@ absl::Status EtcdRendezvous::AwaitRoster(absl::Time deadline) {
         const Role role = r < options_.num_workers ? Role::kWorker : Role::kServer;
         const int rank = r < options_.num_workers ? r : r - options_.num_workers;
         auto it = state_.find(core::MakeNodeId(role, static_cast<uint32_t>(rank)));
-        if (it == state_.end() || it->second != State::kLive) {
+        if (it == state_.end() || it->second != Standing::kLive) {
           absl::StrAppend(&missing, missing.empty() ? "" : ", ", RoleDir(role), " ", rank);
         }
       }
@@ -293,7 +293,7 @@ absl::Status EtcdRendezvous::AwaitRoster(absl::Time deadline) {
   {
     base::MutexLock lock(&mu_);
     for (const auto& [node, st] : state_) {
-      if (st == State::kLive) roster_.push_back({node, endpoints_[node]});
+      if (st == Standing::kLive) roster_.push_back({node, endpoints_[node]});
     }
     roster_epoch_ = static_cast<uint64_t>(revision);
     watch_from_ = revision + 1;
