@@ -2,6 +2,10 @@
 // and hands them to the core. The only file that knows every implementation;
 // each is compiled in when its dependency exists.
 
+#include <string>
+#include <type_traits>
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "src/base/logging.h"
@@ -105,6 +109,38 @@ absl::StatusOr<std::shared_ptr<Backend>> BackendFor(const MeshOptions& options, 
   return std::shared_ptr<Backend>(std::move(created));
 }
 
+// A worker or a server (`Facade`) over the backend BackendFor picks, the
+// transport the options name and `rendezvous`.
+template <typename Facade>
+absl::StatusOr<std::unique_ptr<Facade>> CreateFacade(const MeshOptions& options,
+                                                     std::shared_ptr<Backend> backend,
+                                                     core::RendezvousFactory rendezvous) {
+  constexpr bool kWorker = std::is_same_v<Facade, AFTensorWorker>;
+  STEPMESH_ASSIGN_OR_RETURN(
+      backend, BackendFor(options, kWorker ? Role::kWorker : Role::kServer, std::move(backend)));
+  if constexpr (kWorker) {
+    return core::CreateWorker(options, std::move(backend), CreateTransport, std::move(rendezvous));
+  } else {
+    return core::CreateServer(options, std::move(backend), CreateTransport, std::move(rendezvous));
+  }
+}
+
+core::RendezvousFactory StoreFactory(std::shared_ptr<RendezvousStore> store) {
+  return [store = std::move(store)](const MeshOptions& options, const std::string& endpoint) {
+    return core::JoinStore(store, options, endpoint);
+  };
+}
+
+// `caller` names the public function in the error.
+template <typename Facade>
+absl::StatusOr<std::unique_ptr<Facade>> CreateWithStore(const MeshOptions& options,
+                                                        std::shared_ptr<RendezvousStore> store,
+                                                        std::shared_ptr<Backend> backend,
+                                                        absl::string_view caller) {
+  if (store == nullptr) return absl::InvalidArgumentError(absl::StrCat(caller, ": no store"));
+  return CreateFacade<Facade>(options, std::move(backend), StoreFactory(std::move(store)));
+}
+
 }  // namespace
 }  // namespace compose
 
@@ -117,48 +153,28 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(absl::string_view name, i
 
 absl::StatusOr<std::unique_ptr<AFTensorWorker>> AFTensorWorker::Create(
     const MeshOptions& options, std::shared_ptr<Backend> backend) {
-  STEPMESH_ASSIGN_OR_RETURN(backend,
-                            compose::BackendFor(options, Role::kWorker, std::move(backend)));
-  return core::CreateWorker(options, std::move(backend), compose::CreateTransport,
-                            compose::JoinRendezvous);
+  return compose::CreateFacade<AFTensorWorker>(options, std::move(backend),
+                                               compose::JoinRendezvous);
 }
 
 absl::StatusOr<std::unique_ptr<AFTensorServer>> AFTensorServer::Create(
     const MeshOptions& options, std::shared_ptr<Backend> backend) {
-  STEPMESH_ASSIGN_OR_RETURN(backend,
-                            compose::BackendFor(options, Role::kServer, std::move(backend)));
-  return core::CreateServer(options, std::move(backend), compose::CreateTransport,
-                            compose::JoinRendezvous);
+  return compose::CreateFacade<AFTensorServer>(options, std::move(backend),
+                                               compose::JoinRendezvous);
 }
-
-namespace {
-
-core::RendezvousFactory StoreFactory(std::shared_ptr<RendezvousStore> store) {
-  return [store = std::move(store)](const MeshOptions& options, const std::string& endpoint) {
-    return core::JoinStore(store, options, endpoint);
-  };
-}
-
-}  // namespace
 
 absl::StatusOr<std::unique_ptr<AFTensorWorker>> CreateWorkerWithStore(
     const MeshOptions& options, std::shared_ptr<RendezvousStore> store,
     std::shared_ptr<Backend> backend) {
-  if (store == nullptr) return absl::InvalidArgumentError("CreateWorkerWithStore: no store");
-  STEPMESH_ASSIGN_OR_RETURN(backend,
-                            compose::BackendFor(options, Role::kWorker, std::move(backend)));
-  return core::CreateWorker(options, std::move(backend), compose::CreateTransport,
-                            StoreFactory(std::move(store)));
+  return compose::CreateWithStore<AFTensorWorker>(options, std::move(store), std::move(backend),
+                                                  "CreateWorkerWithStore");
 }
 
 absl::StatusOr<std::unique_ptr<AFTensorServer>> CreateServerWithStore(
     const MeshOptions& options, std::shared_ptr<RendezvousStore> store,
     std::shared_ptr<Backend> backend) {
-  if (store == nullptr) return absl::InvalidArgumentError("CreateServerWithStore: no store");
-  STEPMESH_ASSIGN_OR_RETURN(backend,
-                            compose::BackendFor(options, Role::kServer, std::move(backend)));
-  return core::CreateServer(options, std::move(backend), compose::CreateTransport,
-                            StoreFactory(std::move(store)));
+  return compose::CreateWithStore<AFTensorServer>(options, std::move(store), std::move(backend),
+                                                  "CreateServerWithStore");
 }
 
 }  // namespace stepmesh

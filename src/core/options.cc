@@ -13,10 +13,10 @@
 #include "absl/algorithm/container.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "src/base/enum_names.h"
 #include "stepmesh/option_table.h"
 #include "stepmesh/status.h"
 
@@ -24,12 +24,7 @@ namespace stepmesh {
 
 namespace {
 
-// "a, b or c".
-std::string JoinOr(absl::Span<const absl::string_view> names) {
-  if (names.empty()) return "";
-  if (names.size() == 1) return std::string(names[0]);
-  return absl::StrCat(absl::StrJoin(names.first(names.size() - 1), ", "), " or ", names.back());
-}
+using base::JoinOr;
 
 // An enumeration's names, indexed by its values (0, 1, 2, ...).
 constexpr absl::string_view kRoleNames[] = {"scheduler", "worker", "server"};
@@ -37,40 +32,20 @@ constexpr absl::string_view kPollModeNames[] = {"spin", "adaptive", "blocking"};
 constexpr absl::string_view kAuthModeNames[] = {"auto", "on", "off"};
 constexpr absl::string_view kGpuDirectNames[] = {"auto", "off", "require"};
 
-template <typename Enum, size_t N>
-absl::string_view NameOf(const absl::string_view (&names)[N], Enum value) {
-  const size_t i = static_cast<size_t>(value);
-  return i < N ? names[i] : "invalid";
-}
-
-// `what` names the enumeration in the error ("poll mode 'fast' (want ...)").
-template <typename Enum, size_t N>
-absl::StatusOr<Enum> ParseName(const absl::string_view (&names)[N], absl::string_view what,
-                               absl::string_view name) {
-  for (size_t i = 0; i < N; ++i) {
-    if (names[i] == name) return static_cast<Enum>(i);
-  }
-  return absl::InvalidArgumentError(absl::StrCat(what, " '", name, "' (want ", JoinOr(names), ")"));
-}
-
 }  // namespace
 
-absl::string_view RoleName(Role role) { return NameOf(kRoleNames, role); }
-absl::StatusOr<Role> ParseRole(absl::string_view name) {
-  return ParseName<Role>(kRoleNames, "role", name);
-}
-absl::string_view PollModeName(PollMode mode) { return NameOf(kPollModeNames, mode); }
-absl::StatusOr<PollMode> ParsePollMode(absl::string_view name) {
-  return ParseName<PollMode>(kPollModeNames, "poll mode", name);
-}
-absl::string_view AuthModeName(AuthMode mode) { return NameOf(kAuthModeNames, mode); }
-absl::StatusOr<AuthMode> ParseAuthMode(absl::string_view name) {
-  return ParseName<AuthMode>(kAuthModeNames, "auth mode", name);
-}
-absl::string_view GpuDirectName(GpuDirect mode) { return NameOf(kGpuDirectNames, mode); }
-absl::StatusOr<GpuDirect> ParseGpuDirect(absl::string_view name) {
-  return ParseName<GpuDirect>(kGpuDirectNames, "GPUDirect mode", name);
-}
+// EnumName(value) and ParseEnum(name) of one enumeration; `what` names it in
+// the parse error.
+#define STEPMESH_NAMED_ENUM(Enum, names, what)                                               \
+  absl::string_view Enum##Name(Enum value) { return base::NameOf(names, value, "invalid"); } \
+  absl::StatusOr<Enum> Parse##Enum(absl::string_view name) {                                 \
+    return base::ParseName<Enum>(names, what, name);                                         \
+  }
+STEPMESH_NAMED_ENUM(Role, kRoleNames, "role")
+STEPMESH_NAMED_ENUM(PollMode, kPollModeNames, "poll mode")
+STEPMESH_NAMED_ENUM(AuthMode, kAuthModeNames, "auth mode")
+STEPMESH_NAMED_ENUM(GpuDirect, kGpuDirectNames, "GPUDirect mode")
+#undef STEPMESH_NAMED_ENUM
 
 std::string OptionCheck::Describe() const {
   switch (kind) {

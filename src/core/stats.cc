@@ -4,31 +4,25 @@
 #include "stepmesh/stats.h"
 
 #include <cstdio>
+#include <iterator>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "src/base/enum_names.h"
 #include "src/core/stats_recorder.h"
 
 namespace stepmesh {
 
-absl::string_view StageName(Stage stage) {
-  switch (stage) {
-    case Stage::kSubmit:
-      return "submit";
-    case Stage::kNetwork:
-      return "network";
-    case Stage::kDispatch:
-      return "dispatch";
-    case Stage::kRespond:
-      return "respond";
-    case Stage::kWake:
-      return "wake";
-    case Stage::kTotal:
-      return "total";
-  }
-  return "invalid";
-}
+namespace {
+
+constexpr absl::string_view kStageNames[] = {"submit",  "network", "dispatch",
+                                             "respond", "wake",    "total"};
+static_assert(std::size(kStageNames) == kNumStages);
+
+}  // namespace
+
+absl::string_view StageName(Stage stage) { return base::NameOf(kStageNames, stage, "invalid"); }
 
 namespace {
 

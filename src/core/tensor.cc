@@ -1,8 +1,11 @@
 #include "stepmesh/tensor.h"
 
+#include <iterator>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "src/base/enum_names.h"
 
 namespace stepmesh {
 
@@ -23,24 +26,17 @@ size_t DTypeSize(DType dtype) {
   return 0;
 }
 
+namespace {
+
+// DType's names from its first value, kUInt8 (1).
+constexpr absl::string_view kDTypeNames[] = {"uint8",   "int32",    "int64",      "float32",
+                                             "float16", "bfloat16", "float8_e4m3"};
+static_assert(std::size(kDTypeNames) == static_cast<size_t>(DType::kFloat8E4M3));
+
+}  // namespace
+
 absl::string_view DTypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kUInt8:
-      return "uint8";
-    case DType::kInt32:
-      return "int32";
-    case DType::kInt64:
-      return "int64";
-    case DType::kFloat32:
-      return "float32";
-    case DType::kFloat16:
-      return "float16";
-    case DType::kBFloat16:
-      return "bfloat16";
-    case DType::kFloat8E4M3:
-      return "float8_e4m3";
-  }
-  return "invalid";
+  return base::NameOf(kDTypeNames, dtype, "invalid", DType::kUInt8);
 }
 
 bool IsValidDType(uint8_t raw) {
@@ -49,10 +45,7 @@ bool IsValidDType(uint8_t raw) {
 }
 
 absl::StatusOr<DType> ParseDType(absl::string_view name) {
-  for (uint8_t raw = 1; IsValidDType(raw); ++raw) {
-    if (DTypeName(static_cast<DType>(raw)) == name) return static_cast<DType>(raw);
-  }
-  return absl::InvalidArgumentError(absl::StrCat("unknown dtype '", name, "'"));
+  return base::ParseName(kDTypeNames, "dtype", name, DType::kUInt8);
 }
 
 std::string DeviceName(const Device& device) {

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "stepmesh/status.h"
 #include "stepmesh/trace.h"
 
 namespace stepmesh {
@@ -106,39 +107,47 @@ class Scanner {
   size_t pos_ = 0;
 };
 
+// A JSON object or array, `text` whole: `open`, the items `read` scans one at
+// a time (separated by ','), `close`; `what` names it in the error.
+template <typename ReadItem>
+absl::Status ScanList(absl::string_view text, char open, char close, absl::string_view what,
+                      ReadItem read) {
+  Scanner scan(text);
+  if (absl::Status s = scan.Expect(open); !s.ok()) return s;
+  if (!scan.Consume(close)) {
+    do {
+      if (absl::Status s = read(scan); !s.ok()) return s;
+    } while (scan.Consume(','));
+    if (absl::Status s = scan.Expect(close); !s.ok()) return s;
+  }
+  if (!scan.AtEnd()) return scan.Error(absl::StrCat("text after the ", what));
+  return absl::OkStatus();
+}
+
 // The members of one JSON object, by key (the text of each value).
 absl::StatusOr<std::vector<std::pair<absl::string_view, absl::string_view>>> Members(
     absl::string_view object) {
   std::vector<std::pair<absl::string_view, absl::string_view>> members;
-  Scanner scan(object);
-  if (absl::Status s = scan.Expect('{'); !s.ok()) return s;
-  if (!scan.Consume('}')) {
-    do {
-      absl::StatusOr<absl::string_view> key = scan.String();
-      if (!key.ok()) return key.status();
-      if (absl::Status s = scan.Expect(':'); !s.ok()) return s;
-      absl::StatusOr<absl::string_view> value = scan.Value();
-      if (!value.ok()) return value.status();
-      members.emplace_back(*key, *value);
-    } while (scan.Consume(','));
-    if (absl::Status s = scan.Expect('}'); !s.ok()) return s;
-  }
-  if (!scan.AtEnd()) return scan.Error("text after the object");
+  STEPMESH_RETURN_IF_ERROR(ScanList(object, '{', '}', "object", [&](Scanner& scan) {
+    absl::StatusOr<absl::string_view> key = scan.String();
+    if (!key.ok()) return key.status();
+    if (absl::Status s = scan.Expect(':'); !s.ok()) return s;
+    absl::StatusOr<absl::string_view> value = scan.Value();
+    if (!value.ok()) return value.status();
+    members.emplace_back(*key, *value);
+    return absl::OkStatus();
+  }));
   return members;
 }
 
 absl::StatusOr<std::vector<absl::string_view>> Elements(absl::string_view array) {
   std::vector<absl::string_view> elements;
-  Scanner scan(array);
-  if (absl::Status s = scan.Expect('['); !s.ok()) return s;
-  if (!scan.Consume(']')) {
-    do {
-      absl::StatusOr<absl::string_view> value = scan.Value();
-      if (!value.ok()) return value.status();
-      elements.push_back(*value);
-    } while (scan.Consume(','));
-    if (absl::Status s = scan.Expect(']'); !s.ok()) return s;
-  }
+  STEPMESH_RETURN_IF_ERROR(ScanList(array, '[', ']', "array", [&](Scanner& scan) {
+    absl::StatusOr<absl::string_view> value = scan.Value();
+    if (!value.ok()) return value.status();
+    elements.push_back(*value);
+    return absl::OkStatus();
+  }));
   return elements;
 }
 

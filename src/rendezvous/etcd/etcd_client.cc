@@ -30,6 +30,22 @@ size_t AppendToString(char* data, size_t size, size_t count, void* out) {
   return size * count;
 }
 
+// What every POST to etcd sets on `curl`: `payload` (JSON, with `headers`) to
+// `target`, the reply handed to `write(data)`, a short connect timeout.
+void SetUpPost(const CurlLibrary& lib, CURL* curl, const std::string& target, curl_slist* headers,
+               const std::string& payload, size_t (*write)(char*, size_t, size_t, void*),
+               void* data) {
+  lib.easy_setopt(curl, CURLOPT_URL, target.c_str());
+  lib.easy_setopt(curl, CURLOPT_HTTPHEADER, headers);
+  lib.easy_setopt(curl, CURLOPT_POSTFIELDS, payload.c_str());
+  lib.easy_setopt(curl, CURLOPT_POSTFIELDSIZE, static_cast<long>(payload.size()));
+  lib.easy_setopt(curl, CURLOPT_WRITEFUNCTION, write);
+  lib.easy_setopt(curl, CURLOPT_WRITEDATA, data);
+  lib.easy_setopt(curl, CURLOPT_NOSIGNAL, 1L);
+  lib.easy_setopt(curl, CURLOPT_CONNECTTIMEOUT_MS,
+                  static_cast<long>(absl::ToInt64Milliseconds(kConnectTimeout)));
+}
+
 int64_t Int(const Json::Value& v) {
   if (v.isString()) {
     int64_t out = 0;
@@ -207,15 +223,7 @@ absl::StatusOr<Json::Value> EtcdClient::Call(const std::string& path, const Json
       }
       const long attempt_ms = static_cast<long>(std::clamp(
           absl::ToInt64Milliseconds(std::min(left, kAttemptTimeout)), int64_t{50}, int64_t{2000}));
-      lib_->easy_setopt(curl.get(), CURLOPT_URL, target.c_str());
-      lib_->easy_setopt(curl.get(), CURLOPT_HTTPHEADER, headers);
-      lib_->easy_setopt(curl.get(), CURLOPT_POSTFIELDS, payload.c_str());
-      lib_->easy_setopt(curl.get(), CURLOPT_POSTFIELDSIZE, static_cast<long>(payload.size()));
-      lib_->easy_setopt(curl.get(), CURLOPT_WRITEFUNCTION, AppendToString);
-      lib_->easy_setopt(curl.get(), CURLOPT_WRITEDATA, &response);
-      lib_->easy_setopt(curl.get(), CURLOPT_NOSIGNAL, 1L);
-      lib_->easy_setopt(curl.get(), CURLOPT_CONNECTTIMEOUT_MS,
-                        static_cast<long>(absl::ToInt64Milliseconds(kConnectTimeout)));
+      SetUpPost(*lib_, curl.get(), target, headers, payload, AppendToString, &response);
       lib_->easy_setopt(curl.get(), CURLOPT_TIMEOUT_MS, attempt_ms);
       const CURLcode rc = lib_->easy_perform(curl.get());
       long http = 0;
@@ -420,16 +428,8 @@ absl::Status EtcdClient::WatchOnce(
     *delivered_any = true;
     return cb(revision, events);
   };
-  lib_->easy_setopt(curl.get(), CURLOPT_URL, target.c_str());
-  lib_->easy_setopt(curl.get(), CURLOPT_HTTPHEADER, headers);
-  lib_->easy_setopt(curl.get(), CURLOPT_POSTFIELDS, payload.c_str());
-  lib_->easy_setopt(curl.get(), CURLOPT_POSTFIELDSIZE, static_cast<long>(payload.size()));
-  lib_->easy_setopt(curl.get(), CURLOPT_WRITEFUNCTION, WatchWrite);
-  lib_->easy_setopt(curl.get(), CURLOPT_WRITEDATA, &stream);
-  lib_->easy_setopt(curl.get(), CURLOPT_NOSIGNAL, 1L);
+  SetUpPost(*lib_, curl.get(), target, headers, payload, WatchWrite, &stream);
   lib_->easy_setopt(curl.get(), CURLOPT_TCP_KEEPALIVE, 1L);
-  lib_->easy_setopt(curl.get(), CURLOPT_CONNECTTIMEOUT_MS,
-                    static_cast<long>(absl::ToInt64Milliseconds(kConnectTimeout)));
   lib_->multi_add_handle(multi.get(), curl.get());
   {
     base::MutexLock lock(&mu_);

@@ -10,12 +10,14 @@
 #include <cctype>
 #include <cerrno>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "src/base/enum_names.h"
 #include "src/base/net.h"
 
 #ifdef STEPMESH_HAVE_RDMA
@@ -152,19 +154,13 @@ std::vector<Gpu> CheckGpus(const DoctorInputs& in, Report& r) {
 // ---- RDMA ------------------------------------------------------------------
 
 #ifdef STEPMESH_HAVE_RDMA
+// From IBV_PORT_NOP; ACTIVE_DEFER and anything past the table: "not active".
+constexpr const char* kPortStateNames[] = {"not active", "DOWN", "INIT (no subnet manager?)",
+                                           "ARMED", "ACTIVE"};
+static_assert(std::size(kPortStateNames) == size_t{IBV_PORT_ACTIVE} + 1);
+
 const char* PortStateName(ibv_port_state state) {
-  switch (state) {
-    case IBV_PORT_ACTIVE:
-      return "ACTIVE";
-    case IBV_PORT_DOWN:
-      return "DOWN";
-    case IBV_PORT_INIT:
-      return "INIT (no subnet manager?)";
-    case IBV_PORT_ARMED:
-      return "ARMED";
-    default:
-      return "not active";
-  }
+  return base::NameOf(kPortStateNames, state, "not active");
 }
 
 int MtuBytes(ibv_mtu mtu) { return 128 << static_cast<int>(mtu); }

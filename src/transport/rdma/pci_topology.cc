@@ -5,6 +5,7 @@
 
 #include <cctype>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "src/base/enum_names.h"
 
 namespace stepmesh::rdma {
 namespace {
@@ -31,22 +33,21 @@ std::vector<std::string> PciComponents(const std::string& path) {
 
 }  // namespace
 
+namespace {
+
+constexpr const char* kPciAffinityNames[] = {
+    "same PCIe switch (PIX)",
+    "same host bridge through several switches (PXB)",
+    "same host bridge only (PHB)",
+    "same NUMA node, another host bridge (NODE)",
+    "another NUMA node, across the socket link (SYS)",
+};
+static_assert(std::size(kPciAffinityNames) == static_cast<size_t>(PciAffinity::kUnknown));
+
+}  // namespace
+
 const char* PciAffinityName(PciAffinity affinity) {
-  switch (affinity) {
-    case PciAffinity::kSameSwitch:
-      return "same PCIe switch (PIX)";
-    case PciAffinity::kSwitches:
-      return "same host bridge through several switches (PXB)";
-    case PciAffinity::kHostBridge:
-      return "same host bridge only (PHB)";
-    case PciAffinity::kSameNode:
-      return "same NUMA node, another host bridge (NODE)";
-    case PciAffinity::kOtherNode:
-      return "another NUMA node, across the socket link (SYS)";
-    case PciAffinity::kUnknown:
-      break;
-  }
-  return "unknown (not in sysfs)";
+  return base::NameOf(kPciAffinityNames, affinity, "unknown (not in sysfs)");
 }
 
 std::string PciDevicePath(const std::string& sysfs_root, const std::string& bus_id) {

@@ -1,5 +1,9 @@
 #include "src/transport/rdma/rdma_wire.h"
 
+#include <array>
+#include <cstdint>
+#include <type_traits>
+
 #include "absl/strings/str_cat.h"
 #include "src/base/little_endian.h"
 
@@ -22,47 +26,74 @@ absl::Status Malformed(const char* what) {
   return absl::DataLossError(absl::StrCat("rdma bootstrap: malformed ", what));
 }
 
+// The encoder's and the decoder's visit of one field: a Put, or a Get that
+// fails on a short message. GIDs go as their 16 bytes.
+auto Putter(Writer& w) {
+  return [&w](const auto& field) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(field)>, std::array<uint8_t, 16>>) {
+      w.Bytes(field.data(), field.size());
+    } else {
+      w.Put(field);
+    }
+    return true;
+  };
+}
+auto Getter(Reader& r) {
+  return [&r](auto& field) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(field)>, std::array<uint8_t, 16>>) {
+      return r.Bytes(field.data(), field.size());
+    } else {
+      return r.Get(field);
+    }
+  };
+}
+
+// Each message's fields in wire order, once for both directions (`io`: a
+// Putter or a Getter; false: the message ended early).
+template <typename Io, typename H>
+bool HelloFields(Io&& io, H& h) {  // after the version, before the QPs
+  return io(h.node) && io(h.num_qps) && io(h.recv_depth) && io(h.mtu) && io(h.link_layer) &&
+         io(h.gid_type) && io(h.ring_addr) && io(h.ring_rkey);
+}
+template <typename Io, typename Q>
+bool QpFields(Io&& io, Q& q) {
+  return io(q.qpn) && io(q.psn) && io(q.gid) && io(q.lid);
+}
+template <typename Io, typename A>
+bool AdvertFields(Io&& io, A& a) {
+  return io(a.key) && io(a.addr) && io(a.bytes) && io(a.rkey);
+}
+
+// Withdraw and its ack: the region key alone.
+size_t EncodeKey(BootType type, uint64_t key, std::byte* out) {
+  Writer w(out + kBootHeaderBytes);
+  w.Put(key);
+  return Finish(out, type, w.size());
+}
+
 }  // namespace
 
 size_t EncodeHello(const Hello& hello, std::byte* out) {
   Writer w(out + kBootHeaderBytes);
-  w.Put<uint16_t>(hello.version);
-  w.Put<uint32_t>(hello.node);
-  w.Put<uint32_t>(hello.num_qps);
-  w.Put<uint32_t>(hello.recv_depth);
-  w.Put<uint8_t>(hello.mtu);
-  w.Put<uint8_t>(hello.link_layer);
-  w.Put<uint8_t>(hello.gid_type);
-  w.Put<uint64_t>(hello.ring_addr);
-  w.Put<uint32_t>(hello.ring_rkey);
-  for (uint32_t q = 0; q < hello.num_qps && q < kMaxQpsPerPeer; ++q) {
-    w.Put<uint32_t>(hello.qps[q].qpn);
-    w.Put<uint32_t>(hello.qps[q].psn);
-    w.Bytes(hello.qps[q].gid.data(), 16);
-    w.Put<uint16_t>(hello.qps[q].lid);
-  }
+  auto put = Putter(w);
+  put(hello.version);
+  HelloFields(put, hello);
+  for (uint32_t q = 0; q < hello.num_qps && q < kMaxQpsPerPeer; ++q) QpFields(put, hello.qps[q]);
   return Finish(out, BootType::kHello, w.size());
 }
 
 size_t EncodeAdvert(const Advert& advert, std::byte* out) {
   Writer w(out + kBootHeaderBytes);
-  w.Put<uint64_t>(advert.key);
-  w.Put<uint64_t>(advert.addr);
-  w.Put<uint64_t>(advert.bytes);
-  w.Put<uint32_t>(advert.rkey);
+  AdvertFields(Putter(w), advert);
   return Finish(out, BootType::kAdvert, w.size());
 }
 
 size_t EncodeWithdraw(uint64_t key, std::byte* out) {
-  Writer w(out + kBootHeaderBytes);
-  w.Put<uint64_t>(key);
-  return Finish(out, BootType::kWithdraw, w.size());
+  return EncodeKey(BootType::kWithdraw, key, out);
 }
 
 size_t EncodeWithdrawAck(uint64_t key, std::byte* out) {
-  Writer w(out + kBootHeaderBytes);
-  w.Put<uint64_t>(key);
-  return Finish(out, BootType::kWithdrawAck, w.size());
+  return EncodeKey(BootType::kWithdrawAck, key, out);
 }
 
 size_t EncodeEmpty(BootType type, std::byte* out) { return Finish(out, type, 0); }
@@ -89,16 +120,11 @@ absl::StatusOr<Hello> DecodeHello(const std::byte* body, size_t bytes) {
     return absl::FailedPreconditionError(
         absl::StrCat("rdma bootstrap: peer speaks version ", h.version, ", not ", kBootVersion));
   }
-  if (!r.Get(h.node) || !r.Get(h.num_qps) || !r.Get(h.recv_depth) || !r.Get(h.mtu) ||
-      !r.Get(h.link_layer) || !r.Get(h.gid_type) || !r.Get(h.ring_addr) || !r.Get(h.ring_rkey)) {
-    return Malformed("hello");
-  }
+  auto get = Getter(r);
+  if (!HelloFields(get, h)) return Malformed("hello");
   if (h.num_qps < 1 || h.num_qps > kMaxQpsPerPeer) return Malformed("hello (QP count)");
   for (uint32_t q = 0; q < h.num_qps; ++q) {
-    if (!r.Get(h.qps[q].qpn) || !r.Get(h.qps[q].psn) || !r.Bytes(h.qps[q].gid.data(), 16) ||
-        !r.Get(h.qps[q].lid)) {
-      return Malformed("hello (QP address)");
-    }
+    if (!QpFields(get, h.qps[q])) return Malformed("hello (QP address)");
   }
   if (!r.done()) return Malformed("hello (trailing bytes)");
   return h;
@@ -107,7 +133,7 @@ absl::StatusOr<Hello> DecodeHello(const std::byte* body, size_t bytes) {
 absl::StatusOr<Advert> DecodeAdvert(const std::byte* body, size_t bytes) {
   Reader r(body, bytes);
   Advert a;
-  if (!r.Get(a.key) || !r.Get(a.addr) || !r.Get(a.bytes) || !r.Get(a.rkey) || !r.done()) {
+  if (!AdvertFields(Getter(r), a) || !r.done()) {
     return Malformed("advert");
   }
   return a;

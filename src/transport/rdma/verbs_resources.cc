@@ -8,13 +8,16 @@
 #include <cerrno>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "src/base/enum_names.h"
 #include "src/base/net.h"
 #include "src/transport/rdma/pci_topology.h"
 #include "stepmesh/status.h"
@@ -48,17 +51,10 @@ int GidScore(const ibv_gid_entry& entry) {
   }
 }
 
+// A usable port of a device; `choice` has no context until it is chosen.
 struct Candidate {
   ibv_device* device = nullptr;
-  std::string name;
-  uint8_t port = 1;
-  int gid_index = 0;
-  ibv_gid gid{};
-  ibv_gid_type gid_type = IBV_GID_TYPE_ROCE_V2;
-  ibv_mtu mtu = IBV_MTU_1024;
-  uint8_t link_layer = IBV_LINK_LAYER_ETHERNET;
-  uint16_t lid = 0;
-  uint64_t max_msg_sz = 0;
+  PortChoice choice;
   int score = -1;
   PciPlacement placement;  // relative to the GPU; kUnknown without one
 };
@@ -68,13 +64,14 @@ bool ChoosePortGid(VerbsApi& verbs, ibv_context* ctx, uint8_t port, const RdmaOp
                    const std::vector<GidSubnet>& subnets, Candidate& out) {
   ibv_port_attr attr{};
   if (verbs.QueryPort(ctx, port, &attr) != 0 || attr.state != IBV_PORT_ACTIVE) return false;
-  out.port = port;
-  out.mtu = attr.active_mtu;
-  out.link_layer = attr.link_layer == IBV_LINK_LAYER_INFINIBAND ? IBV_LINK_LAYER_INFINIBAND
-                                                                : IBV_LINK_LAYER_ETHERNET;
-  out.lid = attr.lid;
-  out.max_msg_sz = attr.max_msg_sz;
-  const bool roce = out.link_layer == IBV_LINK_LAYER_ETHERNET;
+  PortChoice& c = out.choice;
+  c.port = port;
+  c.active_mtu = attr.active_mtu;
+  c.link_layer = attr.link_layer == IBV_LINK_LAYER_INFINIBAND ? IBV_LINK_LAYER_INFINIBAND
+                                                              : IBV_LINK_LAYER_ETHERNET;
+  c.lid = attr.lid;
+  c.max_msg_sz = attr.max_msg_sz;
+  const bool roce = c.link_layer == IBV_LINK_LAYER_ETHERNET;
   for (int index = 0; index < attr.gid_tbl_len; ++index) {
     const bool forced = options.gid_index >= 0;
     if (forced && index != options.gid_index) continue;
@@ -90,9 +87,9 @@ bool ChoosePortGid(VerbsApi& verbs, ibv_context* ctx, uint8_t port, const RdmaOp
     const int score = GidScore(entry);
     if (score > out.score) {  // the first of equals: lowest index
       out.score = score;
-      out.gid_index = index;
-      out.gid = entry.gid;
-      out.gid_type = static_cast<ibv_gid_type>(entry.gid_type);
+      c.gid_index = index;
+      c.gid = entry.gid;
+      c.gid_type = static_cast<ibv_gid_type>(entry.gid_type);
     }
   }
   return out.score >= 0;
@@ -216,10 +213,10 @@ absl::StatusOr<PortChoice> OpenPort(VerbsApi& verbs, const MeshOptions& mesh) {
       if (options.port > 0 && port != options.port) continue;
       Candidate c;
       c.device = device;
-      c.name = name;
+      c.choice.device_name = name;
       if (!ChoosePortGid(verbs, ctx.get(), port, options, subnets, c)) continue;
       if (!gpu.empty()) c.placement = PlaceNic(options.sysfs_root, name, gpu);
-      candidates.push_back(c);
+      candidates.push_back(std::move(c));
     }
   }
   if (candidates.empty()) {
@@ -235,31 +232,23 @@ absl::StatusOr<PortChoice> OpenPort(VerbsApi& verbs, const MeshOptions& mesh) {
   }
   // The best GID kind first, then the nearest to the GPU on the PCI tree;
   // among equals the first listed.
-  const Candidate* best = &candidates.front();
-  for (const Candidate& c : candidates) {
+  Candidate* best = &candidates.front();
+  for (Candidate& c : candidates) {
     const bool nearer = c.placement.Rank() < best->placement.Rank();
     if (c.score > best->score || (c.score == best->score && nearer)) best = &c;
   }
-  PortChoice choice;
+  PortChoice choice = std::move(best->choice);
   choice.context = ContextHandle(&verbs, verbs.OpenDevice(best->device));
-  if (!choice.context)
-    return absl::UnavailableError(absl::StrCat("rdma: cannot open ", best->name));
-  choice.device_name = best->name;
-  choice.port = best->port;
-  choice.gid_index = best->gid_index;
-  choice.gid = best->gid;
-  choice.active_mtu = best->mtu;
-  choice.link_layer = best->link_layer;
-  choice.lid = best->lid;
-  choice.max_msg_sz = best->max_msg_sz;
-  choice.gid_type = best->gid_type;
+  if (!choice.context) {
+    return absl::UnavailableError(absl::StrCat("rdma: cannot open ", choice.device_name));
+  }
   if (options.pkey != 0) {
     // As NCCL_IB_PKEY: the entry of the same partition, a full member first.
     std::vector<std::string> table;
     int found = -1;
     for (int index = 0; index < 128; ++index) {
       uint16_t key = 0;
-      if (verbs.QueryPkey(choice.context.get(), best->port, index, &key) != 0) break;
+      if (verbs.QueryPkey(choice.context.get(), choice.port, index, &key) != 0) break;
       table.push_back(absl::StrCat(index, ":0x", absl::Hex(key, absl::kZeroPad4)));
       if ((key & 0x7FFF) != (options.pkey & 0x7FFF)) continue;
       if (found < 0 || (key & 0x8000) != 0) found = index;
@@ -268,12 +257,12 @@ absl::StatusOr<PortChoice> OpenPort(VerbsApi& verbs, const MeshOptions& mesh) {
     if (found < 0) {
       return absl::FailedPreconditionError(absl::StrCat(
           "rdma.pkey=0x", absl::Hex(options.pkey, absl::kZeroPad4), " (STEPMESH_RDMA_PKEY): ",
-          best->name, " port ", int{best->port}, " is not in that partition (P_Key table ",
+          choice.device_name, " port ", int{choice.port}, " is not in that partition (P_Key table ",
           table.empty() ? "unreadable" : absl::StrJoin(table, " "), ")"));
     }
     choice.pkey_index = static_cast<uint16_t>(found);
     uint16_t key = 0;
-    (void)verbs.QueryPkey(choice.context.get(), best->port, found, &key);
+    (void)verbs.QueryPkey(choice.context.get(), choice.port, found, &key);
     choice.pkey = key;
   }
   choice.nic_pci = best->placement.nic_pci;
@@ -325,16 +314,40 @@ absl::Status CheckMemlock(VerbsApi& verbs, uint64_t needed, const std::string& w
       "LimitMEMLOCK=infinity, limits.conf memlock) or use STEPMESH_TRANSPORT=tcp"));
 }
 
-const char* GidTypeName(ibv_gid_type type) {
-  switch (type) {
-    case IBV_GID_TYPE_ROCE_V2:
-      return "RoCE v2";
-    case IBV_GID_TYPE_ROCE_V1:
-      return "RoCE v1";
-    default:
-      return "IB";
-  }
-}
+namespace {
+
+constexpr const char* kGidTypeNames[] = {"IB", "RoCE v1", "RoCE v2"};  // from IBV_GID_TYPE_IB
+static_assert(std::size(kGidTypeNames) == size_t{IBV_GID_TYPE_ROCE_V2} + 1);
+
+// From IBV_WC_SUCCESS (ibv_poll_cq(3)); statuses past the table are
+// "completion error".
+constexpr const char* kWcStatusNames[] = {"success",
+                                          "local length error",
+                                          "local QP operation error",
+                                          "local EE context operation error",
+                                          "local protection error",
+                                          "work request flushed",
+                                          "memory window bind error",
+                                          "bad response",
+                                          "local access error",
+                                          "remote invalid request",
+                                          "remote access error",
+                                          "remote operation error",
+                                          "transport retry counter exceeded",
+                                          "RNR retry counter exceeded",
+                                          "local RDD violation",
+                                          "remote invalid RD request",
+                                          "remote aborted",
+                                          "invalid EE context number",
+                                          "invalid EE context state",
+                                          "fatal error",
+                                          "response timeout",
+                                          "general error"};
+static_assert(std::size(kWcStatusNames) == size_t{IBV_WC_GENERAL_ERR} + 1);
+
+}  // namespace
+
+const char* GidTypeName(ibv_gid_type type) { return base::NameOf(kGidTypeNames, type, "IB"); }
 
 std::string GidToString(const ibv_gid& gid) {
   static constexpr char kHex[] = "0123456789abcdef";
@@ -366,34 +379,7 @@ absl::StatusOr<ibv_gid> GidFromString(std::string_view text) {
 }
 
 const char* WcStatusName(ibv_wc_status status) {
-  switch (status) {
-    case IBV_WC_SUCCESS:
-      return "success";
-    case IBV_WC_LOC_LEN_ERR:
-      return "local length error";
-    case IBV_WC_LOC_QP_OP_ERR:
-      return "local QP operation error";
-    case IBV_WC_LOC_PROT_ERR:
-      return "local protection error";
-    case IBV_WC_WR_FLUSH_ERR:
-      return "work request flushed";
-    case IBV_WC_REM_INV_REQ_ERR:
-      return "remote invalid request";
-    case IBV_WC_REM_ACCESS_ERR:
-      return "remote access error";
-    case IBV_WC_REM_OP_ERR:
-      return "remote operation error";
-    case IBV_WC_RETRY_EXC_ERR:
-      return "transport retry counter exceeded";
-    case IBV_WC_RNR_RETRY_EXC_ERR:
-      return "RNR retry counter exceeded";
-    case IBV_WC_FATAL_ERR:
-      return "fatal error";
-    case IBV_WC_GENERAL_ERR:
-      return "general error";
-    default:
-      return "completion error";
-  }
+  return base::NameOf(kWcStatusNames, status, "completion error");
 }
 
 }  // namespace stepmesh::rdma
