@@ -19,18 +19,23 @@ absl::Duration TimeoutArg(py::handle timeout, absl::Duration fallback) {
   return absl::Seconds(s);
 }
 
-Key KeyArg(py::handle key, const char* what) {
-  if (PyBool_Check(key.ptr()) || !PyLong_Check(key.ptr())) {
-    ThrowInvalidArgument(absl::StrCat(what, ": expected an int key, got ",
-                                      std::string(py::str(key.get_type().attr("__name__")))));
+uint64_t UnsignedIntArg(py::handle arg, const char* what, const char* wrong_type, const char* noun,
+                        const char* out_of_range) {
+  if (PyBool_Check(arg.ptr()) || !PyLong_Check(arg.ptr())) {
+    ThrowInvalidArgument(absl::StrCat(what, ": ", wrong_type,
+                                      std::string(py::str(arg.get_type().attr("__name__")))));
   }
-  const unsigned long long k = PyLong_AsUnsignedLongLong(key.ptr());
+  const unsigned long long value = PyLong_AsUnsignedLongLong(arg.ptr());
   if (PyErr_Occurred()) {
     PyErr_Clear();
     ThrowInvalidArgument(
-        absl::StrCat(what, ": key ", std::string(py::str(key)), " is not in [0, 2**64)"));
+        absl::StrCat(what, ": ", noun, " ", std::string(py::str(arg)), " ", out_of_range));
   }
-  return k;
+  return value;
+}
+
+Key KeyArg(py::handle key, const char* what) {
+  return UnsignedIntArg(key, what, "expected an int key, got ", "key", "is not in [0, 2**64)");
 }
 
 }  // namespace stepmesh::python

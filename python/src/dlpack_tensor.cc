@@ -2,7 +2,12 @@
 
 #include <pybind11/numpy.h>
 
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -42,16 +47,18 @@ std::string DlTypeName(const DLDataType& t) {
   return name;
 }
 
+// The DLPack type (one lane) of each stepmesh dtype, in DType order from kUInt8 = 1.
+constexpr DLDataType kDlTypes[] = {{kDLUInt, 8, 1},         {kDLInt, 32, 1},   {kDLInt, 64, 1},
+                                   {kDLFloat, 32, 1},       {kDLFloat, 16, 1}, {kDLBfloat, 16, 1},
+                                   {kDLFloat8_e4m3fn, 8, 1}};
+
 // The stepmesh dtype of a DLPack type, or an error naming it.
 absl::StatusOr<DType> ToDType(const DLDataType& t) {
-  if (t.lanes == 1) {
-    if (t.code == kDLUInt && t.bits == 8) return DType::kUInt8;
-    if (t.code == kDLInt && t.bits == 32) return DType::kInt32;
-    if (t.code == kDLInt && t.bits == 64) return DType::kInt64;
-    if (t.code == kDLFloat && t.bits == 32) return DType::kFloat32;
-    if (t.code == kDLFloat && t.bits == 16) return DType::kFloat16;
-    if (t.code == kDLBfloat && t.bits == 16) return DType::kBFloat16;
-    if (t.code == kDLFloat8_e4m3fn && t.bits == 8) return DType::kFloat8E4M3;
+  for (size_t i = 0; i < std::size(kDlTypes); ++i) {
+    const DLDataType& known = kDlTypes[i];
+    if (t.code == known.code && t.bits == known.bits && t.lanes == known.lanes) {
+      return static_cast<DType>(i + 1);
+    }
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unsupported dtype ", DlTypeName(t),
@@ -59,23 +66,8 @@ absl::StatusOr<DType> ToDType(const DLDataType& t) {
 }
 
 DLDataType FromDType(DType dtype) {
-  switch (dtype) {
-    case DType::kUInt8:
-      return {kDLUInt, 8, 1};
-    case DType::kInt32:
-      return {kDLInt, 32, 1};
-    case DType::kInt64:
-      return {kDLInt, 64, 1};
-    case DType::kFloat32:
-      return {kDLFloat, 32, 1};
-    case DType::kFloat16:
-      return {kDLFloat, 16, 1};
-    case DType::kBFloat16:
-      return {kDLBfloat, 16, 1};
-    case DType::kFloat8E4M3:
-      return {kDLFloat8_e4m3fn, 8, 1};
-  }
-  return {kDLUInt, 8, 1};
+  const size_t i = static_cast<size_t>(dtype) - 1;
+  return i < std::size(kDlTypes) ? kDlTypes[i] : kDlTypes[0];
 }
 
 absl::StatusOr<Device> ToDevice(const DLDevice& d) {
@@ -241,33 +233,21 @@ py::object NumpyView(const TensorView& view, std::shared_ptr<const void> owner) 
   if (view.device.kind != DeviceKind::kCpu) {
     ThrowInvalidArgument(absl::StrCat("numpy(): the tensor is on ", DeviceName(view.device)));
   }
-  const char* type = nullptr;
-  switch (view.dtype) {
-    case DType::kUInt8:
-      type = "uint8";
-      break;
-    case DType::kInt32:
-      type = "int32";
-      break;
-    case DType::kInt64:
-      type = "int64";
-      break;
-    case DType::kFloat32:
-      type = "float32";
-      break;
-    case DType::kFloat16:
-      type = "float16";
-      break;
-    default:
-      ThrowInvalidArgument(absl::StrCat("numpy(): numpy has no ", DTypeName(view.dtype),
-                                        " (use .raw() bytes or torch's from_dlpack)"));
+  // numpy spells the dtypes it has as stepmesh does.
+  const DType dtype = view.dtype;
+  const bool numpy_has = dtype == DType::kUInt8 || dtype == DType::kInt32 ||
+                         dtype == DType::kInt64 || dtype == DType::kFloat32 ||
+                         dtype == DType::kFloat16;
+  if (!numpy_has) {
+    ThrowInvalidArgument(absl::StrCat("numpy(): numpy has no ", DTypeName(dtype),
+                                      " (use .raw() bytes or torch's from_dlpack)"));
   }
   std::vector<py::ssize_t> shape;
   for (int d = 0; d < view.shape.rank(); ++d) shape.push_back(view.shape[d]);
   // The capsule is the array's base: it holds the owner until numpy lets go.
   auto* hold = new std::shared_ptr<const void>(std::move(owner));
   py::capsule base(hold, [](void* p) { delete static_cast<std::shared_ptr<const void>*>(p); });
-  return py::array(py::dtype(type), shape, view.data, base);
+  return py::array(py::dtype(std::string(DTypeName(dtype))), shape, view.data, base);
 }
 
 py::tuple DlpackDevice(const Device& device) {
@@ -285,6 +265,12 @@ DType DTypeArg(const std::string& name) {
                                       "or float8_e4m3)"));
   }
   return *dtype;
+}
+
+pybind11::tuple ShapeTuple(const Shape& shape) {
+  pybind11::tuple t(shape.rank());
+  for (int d = 0; d < shape.rank(); ++d) t[d] = shape[d];
+  return t;
 }
 
 Shape RowsShape(const TensorView& view, int64_t rows) {

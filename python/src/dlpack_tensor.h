@@ -60,6 +60,9 @@ pybind11::tuple DlpackDevice(const Device& device);
 // dtype name as stepmesh spells it ("float32", "bfloat16", ...).
 std::string DTypeString(DType dtype);
 
+// The shape's extents as a Python tuple (a tensor's .shape).
+pybind11::tuple ShapeTuple(const Shape& shape);
+
 // Shape of the first `rows` rows of `view` (the remaining dimensions kept).
 Shape RowsShape(const TensorView& view, int64_t rows);
 

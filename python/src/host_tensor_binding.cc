@@ -54,12 +54,6 @@ HostTensor MakeHostTensor(const std::vector<int64_t>& dims, const std::string& d
   return t;
 }
 
-py::tuple ShapeOf(const Shape& shape) {
-  py::tuple t(shape.rank());
-  for (int d = 0; d < shape.rank(); ++d) t[d] = shape[d];
-  return t;
-}
-
 }  // namespace
 
 void BindHostTensor(py::module_& m) {
@@ -73,7 +67,7 @@ consumer (np.from_dlpack; torch.utils.dlpack.from_dlpack for bfloat16/fp8).)doc"
           [](const HostTensor& t, py::handle) { return ExportView(t.view, t.memory); },
           py::arg("stream") = py::none())
       .def("__dlpack_device__", [](const HostTensor& t) { return DlpackDevice(t.view.device); })
-      .def_property_readonly("shape", [](const HostTensor& t) { return ShapeOf(t.view.shape); })
+      .def_property_readonly("shape", [](const HostTensor& t) { return ShapeTuple(t.view.shape); })
       .def_property_readonly("dtype", [](const HostTensor& t) { return DTypeString(t.view.dtype); })
       .def_property_readonly("nbytes", [](const HostTensor& t) { return t.view.bytes(); })
       .def_property_readonly(
@@ -103,7 +97,7 @@ consumer (np.from_dlpack; torch.utils.dlpack.from_dlpack for bfloat16/fp8).)doc"
         d["data_ptr"] = reinterpret_cast<uintptr_t>(v.data);
         d["nbytes"] = v.bytes();
         d["dtype"] = DTypeString(v.dtype);
-        d["shape"] = ShapeOf(v.shape);
+        d["shape"] = ShapeTuple(v.shape);
         d["device"] = DeviceName(v.device);
         return d;
       },

@@ -18,6 +18,7 @@
 #include "python/src/gil.h"
 #include "python/src/options_binding.h"
 #include "python/src/participant_binding.h"
+#include "python/src/participant_node.h"
 #include "python/src/store_binding.h"
 #include "python/src/stream_binding.h"
 #include "python/src/tensor_slice_binding.h"
@@ -30,38 +31,21 @@ namespace py = pybind11;
 
 namespace {
 
-class PyServer : public PyParticipant {
+class PyServer : public PyNode<AFTensorServer> {
  public:
   explicit PyServer(MeshOptions options, std::shared_ptr<RendezvousStore> store = nullptr)
-      : PyParticipant("server"), options_(std::move(options)) {
-    options_.role = Role::kServer;
-    server_ = MakeReleased([&] {
-      return store != nullptr ? CreateServerWithStore(options_, std::move(store))
-                              : AFTensorServer::Create(options_);
-    });
-    Attach(server_.get());
-    streams_ = std::make_unique<StreamArgs>(server_->backend());
-    events_ = std::make_unique<EventPool>(server_->backend());
-  }
+      : PyNode("server", Role::kServer, std::move(options), [&](const MeshOptions& o) {
+          return store != nullptr ? CreateServerWithStore(o, std::move(store))
+                                  : AFTensorServer::Create(o);
+        }) {}
 
   ~PyServer() {
-    {
-      py::gil_scoped_release release;
-      (void)server_->Shutdown();  // the send thread no longer reads ready events
-    }
-    group_ready_.clear();  // stream references (GIL held)
-    {
-      py::gil_scoped_release release;
-      events_.reset();  // before the backend that made them
-      streams_.reset();
-      server_.reset();
-    }
+    TearDown([&] { group_ready_.clear(); });
     recv_regs_.clear();
     reply_regs_.clear();
   }
 
   int num_workers() { return live().num_workers(); }
-  const MeshOptions& options() const { return options_; }
 
   // register_recv (reply = false) / register_reply (reply = true).
   void Register(py::handle key_arg, py::handle tensor, bool reply) {
@@ -125,13 +109,6 @@ class PyServer : public PyParticipant {
       out.tensors.push_back(std::move(t));
     }
     return out;
-  }
-
-  PyStream* CreateStream() { return new PyStream(ValueOrThrow(live().backend().CreateStream())); }
-
-  void StreamWaitCounter(uintptr_t counter, uintptr_t target, py::handle stream) {
-    live();
-    streams_->WaitCounter(stream, counter, target);
   }
 
   void StreamWaitNextBatch(py::handle stream) {
@@ -220,11 +197,6 @@ class PyServer : public PyParticipant {
   }
 
  private:
-  AFTensorServer& live() {
-    PyParticipant::live();  // raises once closed
-    return *server_;
-  }
-
   // The ready event for a reply to micro-batch `group`. A batch of the same
   // group arrives only after each of its workers got the previous reply of
   // that group (a key is in one request at a time), so that reply's send is
@@ -257,18 +229,14 @@ class PyServer : public PyParticipant {
     ThrowInvalidArgument(absl::StrCat("reply to worker ", worker, " which is not in this batch"));
   }
 
-  MeshOptions options_;
   std::vector<Reply> replies_;  // Respond's scratch
   struct GroupReady {
     Event* event = nullptr;
     py::object stream;  // what it was last recorded on
   };
   std::unordered_map<Key, GroupReady> group_ready_;
-  std::unique_ptr<StreamArgs> streams_;
-  std::unique_ptr<EventPool> events_;
   std::unordered_map<Key, Registered> recv_regs_;
   std::unordered_map<Key, Registered> reply_regs_;
-  std::unique_ptr<AFTensorServer> server_;
 };
 
 }  // namespace
@@ -277,14 +245,7 @@ void BindServer(py::module_& m) {
   py::class_<PyServer> server(m, "Server", R"doc(
 The FFN side (C++ AFTensorServer). Server(options=None, **fields) joins the mesh
 (blocking, GIL released).)doc");
-  server
-      .def(py::init([](py::handle options, const py::kwargs& kwargs) {
-             auto [fields, store] = SplitStore(kwargs);
-             return std::make_unique<PyServer>(OptionsFrom(options, fields), std::move(store));
-           }),
-           py::arg("options") = py::none())
-      .def_property_readonly("num_workers", &PyServer::num_workers)
-      .def_property_readonly("options", &PyServer::options)
+  server.def_property_readonly("num_workers", &PyServer::num_workers)
       .def(
           "register_recv",
           [](PyServer& s, py::handle key, py::handle t) { s.Register(key, t, false); },
@@ -300,23 +261,16 @@ The FFN side (C++ AFTensorServer). Server(options=None, **fields) joins the mesh
            py::arg("bytes") = py::none(), py::arg("stream") = py::none(),
            "stream: None, a stepmesh.Stream or an int cudaStream_t; the replies are sent\n"
            "once the work enqueued on it so far ran (a ready event), without blocking.")
-      .def("stream_wait_counter", &PyServer::StreamWaitCounter, py::arg("counter"),
-           py::arg("target"), py::arg("stream"),
-           "Later work on `stream` waits until the int64 at address `counter` >= the one at "
-           "`target` "
-           "(both read when the stream gets there: graph-safe on CUDA, a one-thread kernel).")
       .def("stream_wait_next_batch", &PyServer::StreamWaitNextBatch, py::arg("stream"),
            "The stream waits for the next complete batch, counted on the device (pair each\n"
            "with one get_batch()).")
-      .def("create_stream", &PyServer::CreateStream, py::keep_alive<0, 1>(),
-           "A stream of this server's backend (cpu_mock: a host thread).")
       .def(
           "recv_slot", [](PyServer& s, py::handle key, int w) { return s.Slot(key, w, false); },
           py::arg("key"), py::arg("worker"))
       .def(
           "reply_slot", [](PyServer& s, py::handle key, int w) { return s.Slot(key, w, true); },
           py::arg("key"), py::arg("worker"));
-  DefParticipant(server);
+  DefNode(server, "server");
 }
 
 }  // namespace stepmesh::python

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "python/src/binding_args.h"
 #include "python/src/errors.h"
 #include "stepmesh/cuda.h"
 
@@ -21,17 +22,9 @@ Stream* StreamArgs::Resolve(py::handle arg, const char* what, py::object& keep) 
     keep = py::reinterpret_borrow<py::object>(arg);
     return &arg.cast<PyStream&>().stream();
   }
-  if (PyBool_Check(arg.ptr()) || !PyLong_Check(arg.ptr())) {
-    ThrowInvalidArgument(absl::StrCat(
-        what, ": stream must be None, a stepmesh.Stream or an int cudaStream_t, got a ",
-        std::string(py::str(arg.get_type().attr("__name__")))));
-  }
-  const unsigned long long value = PyLong_AsUnsignedLongLong(arg.ptr());
-  if (PyErr_Occurred()) {
-    PyErr_Clear();
-    ThrowInvalidArgument(
-        absl::StrCat(what, ": stream ", std::string(py::str(arg)), " is not a cudaStream_t value"));
-  }
+  const uint64_t value = UnsignedIntArg(
+      arg, what, "stream must be None, a stepmesh.Stream or an int cudaStream_t, got a ", "stream",
+      "is not a cudaStream_t value");
   const uintptr_t native = static_cast<uintptr_t>(value);
   auto it = wrapped_.find(native);
   if (it != wrapped_.end()) return it->second.get();

@@ -31,16 +31,6 @@ TensorSlice SliceOf(const Registered& owner, Key key, int worker, size_t slot_by
   return s;
 }
 
-namespace {
-
-py::tuple ShapeTuple(const Shape& shape) {
-  py::tuple t(shape.rank());
-  for (int d = 0; d < shape.rank(); ++d) t[d] = shape[d];
-  return t;
-}
-
-}  // namespace
-
 void BindTensorSlice(py::module_& m) {
   py::class_<TensorSlice>(m, "TensorSlice", R"doc(
 A zero-copy view of registered memory (a worker's part of a batch, or a slot

@@ -20,29 +20,13 @@ namespace stepmesh::python {
 namespace py = pybind11;
 
 PyWorker::PyWorker(MeshOptions options, std::shared_ptr<RendezvousStore> store)
-    : PyParticipant("worker"), options_(std::move(options)) {
-  options_.role = Role::kWorker;
-  worker_ = MakeReleased([&] {
-    return store != nullptr ? CreateWorkerWithStore(options_, std::move(store))
-                            : AFTensorWorker::Create(options_);
-  });
-  Attach(worker_.get());
-  streams_ = std::make_unique<StreamArgs>(worker_->backend());
-  events_ = std::make_unique<EventPool>(worker_->backend());
-}
+    : PyNode("worker", Role::kWorker, std::move(options), [&](const MeshOptions& o) {
+        return store != nullptr ? CreateWorkerWithStore(o, std::move(store))
+                                : AFTensorWorker::Create(o);
+      }) {}
 
 PyWorker::~PyWorker() {
-  {
-    py::gil_scoped_release release;
-    (void)worker_->Shutdown();  // the send thread no longer reads ready events
-  }
-  ready_.clear();  // stream references (GIL held)
-  {
-    py::gil_scoped_release release;
-    events_.reset();  // before the backend that made them
-    streams_.reset();
-    worker_.reset();  // stops the threads; registrations are dropped after
-  }
+  TearDown([&] { ready_.clear(); });
   push_regs_.clear();
   pull_regs_.clear();
 }
@@ -150,11 +134,6 @@ void PyWorker::Wait(const RequestRef& request, py::handle timeout, py::handle st
   }
   Finished(request.handle, s);
   ThrowIfError(s);
-}
-
-void PyWorker::StreamWaitCounter(uintptr_t counter, uintptr_t target, py::handle stream) {
-  live();
-  streams_->WaitCounter(stream, counter, target);
 }
 
 void PyWorker::StreamWaitNextPull(py::handle key_arg, int server, py::handle stream) {
@@ -301,14 +280,7 @@ void BindWorker(py::module_& m) {
   py::class_<PyWorker> worker(m, "Worker", R"doc(
 The attention side (C++ AFTensorWorker). Worker(options=None, **fields)
 connects to the scheduler and every server (blocking, GIL released).)doc");
-  worker
-      .def(py::init([](py::handle options, const py::kwargs& kwargs) {
-             auto [fields, store] = SplitStore(kwargs);
-             return std::make_unique<PyWorker>(OptionsFrom(options, fields), std::move(store));
-           }),
-           py::arg("options") = py::none())
-      .def_property_readonly("num_servers", &PyWorker::num_servers)
-      .def_property_readonly("options", &PyWorker::options)
+  worker.def_property_readonly("num_servers", &PyWorker::num_servers)
       .def("register_push", &PyWorker::RegisterPush, py::arg("key"), py::arg("tensor"))
       .def("register_pull", &PyWorker::RegisterPull, py::arg("key"), py::arg("server"),
            py::arg("tensor"))
@@ -333,11 +305,6 @@ connects to the scheduler and every server (blocking, GIL released).)doc");
            py::arg("stream") = py::none(),
            "Host wait (GIL released), or with stream=: the stream waits on the device for\n"
            "the reply and this returns at once (wait() on the host later releases the handle).")
-      .def("stream_wait_counter", &PyWorker::StreamWaitCounter, py::arg("counter"),
-           py::arg("target"), py::arg("stream"),
-           "Later work on `stream` waits until the int64 at address `counter` >= the one at "
-           "`target` "
-           "(both read when the stream gets there: graph-safe on CUDA, a one-thread kernel).")
       .def("stream_wait_next_pull", &PyWorker::StreamWaitNextPull, py::arg("key"),
            py::arg("server"), py::arg("stream"),
            "The stream waits for the next reply under (key, server), counted on the device.")
@@ -348,11 +315,9 @@ connects to the scheduler and every server (blocking, GIL released).)doc");
           },
           py::keep_alive<0, 1>(), py::arg("capacity") = 4096, py::arg("timeout") = 30.0,
           "A stepmesh.Trigger posting this worker's plans from a stream (graph replays).")
-      .def("create_stream", &PyWorker::CreateStream, py::keep_alive<0, 1>(),
-           "A stream of this worker's backend (cpu_mock: a host thread).")
       .def("test", &PyWorker::Test, py::arg("request"))
       .def("fetch_trace", &PyWorker::FetchTrace, py::arg("request"));
-  DefParticipant(worker);
+  DefNode(worker, "worker");
 }
 
 }  // namespace stepmesh::python

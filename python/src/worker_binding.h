@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "python/src/errors.h"
 #include "python/src/participant_binding.h"
+#include "python/src/participant_node.h"
 #include "python/src/stream_binding.h"
 #include "python/src/tensor_slice_binding.h"
 #include "stepmesh/options.h"
@@ -32,15 +33,12 @@ struct RequestRef {
   RequestHandle handle;
 };
 
-class PyWorker : public PyParticipant {
+class PyWorker : public PyNode<AFTensorWorker> {
  public:
   explicit PyWorker(MeshOptions options, std::shared_ptr<RendezvousStore> store = nullptr);
   ~PyWorker();
 
-  PyStream* CreateStream() { return new PyStream(ValueOrThrow(live().backend().CreateStream())); }
-
   int num_servers() { return live().num_servers(); }
-  const MeshOptions& options() const { return options_; }
 
   void RegisterPush(pybind11::handle key_arg, pybind11::handle tensor);
 
@@ -55,8 +53,6 @@ class PyWorker : public PyParticipant {
   // Otherwise the stream waits for the reply on the device and this returns
   // at once; the handle stays pending for a later host wait().
   void Wait(const RequestRef& request, pybind11::handle timeout, pybind11::handle stream);
-
-  void StreamWaitCounter(uintptr_t counter, uintptr_t target, pybind11::handle stream);
 
   void StreamWaitNextPull(pybind11::handle key_arg, int server, pybind11::handle stream);
 
@@ -96,11 +92,6 @@ class PyWorker : public PyParticipant {
   AFTensorWorker& node() { return live(); }
 
  private:
-  AFTensorWorker& live() {
-    PyParticipant::live();  // raises once closed
-    return *worker_;
-  }
-
   // A host wait ended: unless it timed out (the request is still pending), the
   // request's send is over and its ready event may be reused.
   void Finished(RequestHandle h, const absl::Status& s);
@@ -113,14 +104,10 @@ class PyWorker : public PyParticipant {
     pybind11::object stream;
   };
 
-  MeshOptions options_;
   std::vector<ReadyOf> ready_;
-  std::unique_ptr<StreamArgs> streams_;
-  std::unique_ptr<EventPool> events_;
-  // Declared before worker_: destroyed after it, so the memory outlives the mesh.
+  // Cleared after TearDown dropped the node, so the memory outlives the mesh.
   std::unordered_map<Key, Registered> push_regs_;
   std::map<std::pair<Key, int>, Registered> pull_regs_;
-  std::unique_ptr<AFTensorWorker> worker_;
 };
 
 void BindRequest(pybind11::module_& m);

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import stepmesh
+from stepmesh._connector import join as join_mesh
 
 _KEYS_PER_STAGE = 8
 _HIDDEN, _META, _LOGITS, _OUT = 1, 2, 3, 4
@@ -176,15 +177,7 @@ class Connector:
             options = options.copy(scheduler=self._scheduler.address)
             if self._on_scheduler is not None:
                 self._on_scheduler(self._scheduler.address)
-        try:
-            if c["role"] == "attention":
-                self._init_attention(options)
-            else:
-                self._init_ffn(options)
-            self._node.barrier()
-        except BaseException:
-            self._teardown()
-            raise
+        join_mesh(self, c["role"] == "attention", options)
 
     init_afd_connector = init  # the vLLM plugin's name
 

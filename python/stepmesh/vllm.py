@@ -58,6 +58,7 @@ from typing import Any, Deque, Dict, List, Mapping, NamedTuple, Optional
 import torch
 
 import stepmesh
+from stepmesh._connector import join as join_mesh
 
 NAME = "StepMeshAFDConnector"
 _log = logging.getLogger(__name__)
@@ -658,17 +659,9 @@ class StepMeshAFDConnector(AFDConnectorBase):
         self._stream = options.backend == "cuda"
         self._device = (torch.device("cuda", int(self.local_rank)) if self._stream
                         else torch.device("cpu"))
-        try:
-            if self.role == "ffn" and self.mesh_rank == 0:
-                self._scheduler = stepmesh.Scheduler(options.copy(role="scheduler"))
-            if self.role == "attention":
-                self._init_attention(options)
-            else:
-                self._init_ffn(options)
-            self._node.barrier()
-        except BaseException:
-            self._teardown()
-            raise
+        if self.role == "ffn" and self.mesh_rank == 0:
+            self._scheduler = stepmesh.Scheduler(options.copy(role="scheduler"))
+        join_mesh(self, self.role == "attention", options)
         self._id = _NEXT_ID[0]
         _NEXT_ID[0] += 1
         _CONNECTORS[self._id] = self

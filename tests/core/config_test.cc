@@ -7,6 +7,7 @@
 #include <catch2/catch.hpp>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -19,6 +20,7 @@
 #include "src/core/mesh.h"
 #include "src/transport/tcp_fallback/tcp_transport.h"
 #include "stepmesh/options.h"
+#include "tests/support/env_options.h"
 #include "tests/support/loopback_mesh.h"
 #include "tests/support/scoped_env.h"
 #include "tests/support/stderr_capture.h"
@@ -26,6 +28,7 @@
 namespace stepmesh {
 namespace {
 
+using testing::FromEnvWith;
 using testing::ScopedEnv;
 using testing::StderrCapture;
 
@@ -67,9 +70,8 @@ TEST_CASE("unknown values of every enumeration are refused at FromEnv, listing t
     CHECK(absl::StrContains(s.message(), c.accepted));
   }
   SECTION("the accepted values pass") {
-    ScopedEnv env({{"STEPMESH_BACKEND", "cuda"}, {"STEPMESH_POLL_MODE", "spin"}});
-    absl::StatusOr<MeshOptions> o = MeshOptions::FromEnv();
-    REQUIRE(o.ok());
+    const std::optional<MeshOptions> o =
+        FromEnvWith({{"STEPMESH_BACKEND", "cuda"}, {"STEPMESH_POLL_MODE", "spin"}});
     CHECK(o->backend == "cuda");
   }
 }
@@ -129,9 +131,8 @@ TEST_CASE("RoleFromEnv: STEPMESH_ROLE, else DMLC_ROLE, else none", "[options][co
 TEST_CASE("DMLC_INTERFACE / STEPMESH_INTERFACE pick the address bound and advertised",
           "[options][config][interface]") {
   SECTION("lo binds 127.0.0.1, and narrows RoCE GIDs to lo's subnet") {
-    ScopedEnv env({{"DMLC_INTERFACE", "lo"}, {"STEPMESH_BIND_HOST", "0.0.0.0"}});
-    absl::StatusOr<MeshOptions> o = MeshOptions::FromEnv();
-    REQUIRE(o.ok());
+    const std::optional<MeshOptions> o =
+        FromEnvWith({{"DMLC_INTERFACE", "lo"}, {"STEPMESH_BIND_HOST", "0.0.0.0"}});
     CHECK(o->interface == "lo");
     absl::StatusOr<MeshOptions> resolved = core::OptionsForRole(*o, Role::kServer);
     REQUIRE(resolved.ok());
@@ -143,11 +144,9 @@ TEST_CASE("DMLC_INTERFACE / STEPMESH_INTERFACE pick the address bound and advert
     CHECK(*lo == "127.0.0.1");
   }
   SECTION("STEPMESH_INTERFACE wins over DMLC_INTERFACE; STEPMESH_RDMA_INTERFACE is kept") {
-    ScopedEnv env({{"DMLC_INTERFACE", "nosuchif0"},
-                   {"STEPMESH_INTERFACE", "lo"},
-                   {"STEPMESH_RDMA_INTERFACE", "10.0.0.0/24"}});
-    absl::StatusOr<MeshOptions> o = MeshOptions::FromEnv();
-    REQUIRE(o.ok());
+    const std::optional<MeshOptions> o = FromEnvWith({{"DMLC_INTERFACE", "nosuchif0"},
+                                                      {"STEPMESH_INTERFACE", "lo"},
+                                                      {"STEPMESH_RDMA_INTERFACE", "10.0.0.0/24"}});
     absl::StatusOr<MeshOptions> resolved = core::OptionsForRole(*o, Role::kWorker);
     REQUIRE(resolved.ok());
     CHECK(resolved->bind_host == "127.0.0.1");
@@ -192,17 +191,14 @@ TEST_CASE("DMLC_INTERFACE / STEPMESH_INTERFACE pick the address bound and advert
 TEST_CASE("node_host (DMLC_NODE_HOST) is the host a participant advertises",
           "[options][config][interface]") {
   {
-    ScopedEnv env({{"DMLC_NODE_HOST", "127.0.0.1"}});
-    absl::StatusOr<MeshOptions> o = MeshOptions::FromEnv();
-    REQUIRE(o.ok());
+    const std::optional<MeshOptions> o = FromEnvWith({{"DMLC_NODE_HOST", "127.0.0.1"}});
     CHECK(o->node_host == "127.0.0.1");
     CHECK(o->bind_host == "127.0.0.1");
   }
   {
     // STEPMESH_BIND_HOST wins for the bind; the advertised host stays.
-    ScopedEnv env({{"DMLC_NODE_HOST", "node7.example"}, {"STEPMESH_BIND_HOST", "127.0.0.1"}});
-    absl::StatusOr<MeshOptions> o = MeshOptions::FromEnv();
-    REQUIRE(o.ok());
+    const std::optional<MeshOptions> o =
+        FromEnvWith({{"DMLC_NODE_HOST", "node7.example"}, {"STEPMESH_BIND_HOST", "127.0.0.1"}});
     CHECK(o->node_host == "node7.example");
     CHECK(o->bind_host == "127.0.0.1");
   }
@@ -258,9 +254,8 @@ TEST_CASE("DMLC_INTERFACE=auto picks an interface as StepMesh does",
   CHECK(absl::IsNotFound(none));
   CHECK(absl::StrContains(none.message(), "eth0 2001:db8::5"));
   SECTION("end to end: auto with DMLC_NODE_HOST=127.0.0.1 binds loopback") {
-    ScopedEnv env({{"DMLC_INTERFACE", "auto"}, {"DMLC_NODE_HOST", "127.0.0.1"}});
-    absl::StatusOr<MeshOptions> o = MeshOptions::FromEnv();
-    REQUIRE(o.ok());
+    const std::optional<MeshOptions> o =
+        FromEnvWith({{"DMLC_INTERFACE", "auto"}, {"DMLC_NODE_HOST", "127.0.0.1"}});
     absl::StatusOr<MeshOptions> resolved = core::OptionsForRole(*o, Role::kServer);
     REQUIRE(resolved.ok());
     CHECK(resolved->interface == "lo");
@@ -270,9 +265,7 @@ TEST_CASE("DMLC_INTERFACE=auto picks an interface as StepMesh does",
 
 TEST_CASE("DMLC_ENABLE_RDMA=fabric makes a libfabric transport, or names what is missing",
           "[options][config]") {
-  ScopedEnv env({{"DMLC_ENABLE_RDMA", "fabric"}});
-  absl::StatusOr<MeshOptions> o = MeshOptions::FromEnv();
-  REQUIRE(o.ok());
+  const std::optional<MeshOptions> o = FromEnvWith({{"DMLC_ENABLE_RDMA", "fabric"}});
   REQUIRE(o->transport == "libfabric");
   absl::StatusOr<std::unique_ptr<core::Transport>> made = compose::CreateTransport(*o);
   if (made.ok()) {  // built with libfabric (scripts/install-deps.sh installs libfabric-dev)

@@ -10,11 +10,13 @@
 #include <catch2/catch.hpp>
 #include <cstdio>
 #include <fstream>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -275,11 +277,29 @@ struct InProcessMesh {
   std::unique_ptr<Scheduler> scheduler;
 };
 
-// Creates every participant at once (the mesh forms when all joined).
-template <typename... Fns>
-void CreateTogether(Fns... fns) {
+// Creates `workers` (ranks 0, 1, ...) and `servers` (ranks 0, 1, ...) of
+// `mesh` at once, each on its own thread (the mesh forms when all joined); one
+// whose creation failed stays null.
+void CreateTogether(InProcessMesh& mesh,
+                    std::initializer_list<std::unique_ptr<AFTensorWorker>*> workers,
+                    std::initializer_list<std::unique_ptr<AFTensorServer>*> servers) {
   std::vector<std::thread> threads;
-  (threads.emplace_back(fns), ...);
+  int rank = 0;
+  for (std::unique_ptr<AFTensorWorker>* w : workers) {
+    threads.emplace_back([&mesh, w, r = rank++] {
+      absl::StatusOr<std::unique_ptr<AFTensorWorker>> made =
+          AFTensorWorker::Create(mesh.As(Role::kWorker, r));
+      if (made.ok()) *w = *std::move(made);
+    });
+  }
+  rank = 0;
+  for (std::unique_ptr<AFTensorServer>* s : servers) {
+    threads.emplace_back([&mesh, s, r = rank++] {
+      absl::StatusOr<std::unique_ptr<AFTensorServer>> made =
+          AFTensorServer::Create(mesh.As(Role::kServer, r));
+      if (made.ok()) *s = *std::move(made);
+    });
+  }
   for (auto& t : threads) t.join();
 }
 
@@ -293,8 +313,7 @@ TEST_CASE("membership: a join beyond the capacity is refused, naming the option 
   InProcessMesh mesh(ElasticOptions(1, 1, 2, 1));
   std::unique_ptr<AFTensorWorker> w0;
   std::unique_ptr<AFTensorServer> s0;
-  CreateTogether([&] { w0 = *AFTensorWorker::Create(mesh.As(Role::kWorker, 0)); },
-                 [&] { s0 = *AFTensorServer::Create(mesh.As(Role::kServer, 0)); });
+  CreateTogether(mesh, {&w0}, {&s0});
   REQUIRE(w0 != nullptr);
   REQUIRE(s0 != nullptr);
   // Within the capacity: rank 1 is assigned, and everyone hears of it.
@@ -332,8 +351,7 @@ TEST_CASE("membership: a participant of another mesh is still refused", "[member
   InProcessMesh mesh(ElasticOptions(1, 1, 2, 2));
   std::unique_ptr<AFTensorWorker> w0;
   std::unique_ptr<AFTensorServer> s0;
-  CreateTogether([&] { w0 = *AFTensorWorker::Create(mesh.As(Role::kWorker, 0)); },
-                 [&] { s0 = *AFTensorServer::Create(mesh.As(Role::kServer, 0)); });
+  CreateTogether(mesh, {&w0}, {&s0});
   REQUIRE(w0 != nullptr);
   MeshOptions capacity = mesh.As(Role::kWorker, -1);
   capacity.max_workers = 3;
@@ -359,9 +377,7 @@ TEST_CASE("membership: a join during a barrier lets it pass and takes part in th
   InProcessMesh mesh(ElasticOptions(2, 1, 3, 1));
   std::unique_ptr<AFTensorWorker> w0, w1;
   std::unique_ptr<AFTensorServer> s0;
-  CreateTogether([&] { w0 = *AFTensorWorker::Create(mesh.As(Role::kWorker, 0)); },
-                 [&] { w1 = *AFTensorWorker::Create(mesh.As(Role::kWorker, 1)); },
-                 [&] { s0 = *AFTensorServer::Create(mesh.As(Role::kServer, 0)); });
+  CreateTogether(mesh, {&w0, &w1}, {&s0});
   REQUIRE(w1 != nullptr);
   absl::Status b0, bs;
   std::thread t0([&] { b0 = w0->Barrier(); });
@@ -403,9 +419,7 @@ TEST_CASE("membership: a server leaving with requests in flight answers them fir
   InProcessMesh mesh(ElasticOptions(1, 2, 1, 2));
   std::unique_ptr<AFTensorWorker> w;
   std::unique_ptr<AFTensorServer> s0, s1;
-  CreateTogether([&] { w = *AFTensorWorker::Create(mesh.As(Role::kWorker, 0)); },
-                 [&] { s0 = *AFTensorServer::Create(mesh.As(Role::kServer, 0)); },
-                 [&] { s1 = *AFTensorServer::Create(mesh.As(Role::kServer, 1)); });
+  CreateTogether(mesh, {&w}, {&s0, &s1});
   REQUIRE(w != nullptr);
   REQUIRE(s1 != nullptr);
   constexpr size_t kBytes = 1024;
@@ -506,9 +520,7 @@ TEST_CASE("membership: a worker's Leave drains its requests and refuses new ones
   InProcessMesh mesh(ElasticOptions(2, 1, 2, 1));
   std::unique_ptr<AFTensorWorker> w0, w1;
   std::unique_ptr<AFTensorServer> s;
-  CreateTogether([&] { w0 = *AFTensorWorker::Create(mesh.As(Role::kWorker, 0)); },
-                 [&] { w1 = *AFTensorWorker::Create(mesh.As(Role::kWorker, 1)); },
-                 [&] { s = *AFTensorServer::Create(mesh.As(Role::kServer, 0)); });
+  CreateTogether(mesh, {&w0, &w1}, {&s});
   REQUIRE(w1 != nullptr);
   REQUIRE(s != nullptr);
   constexpr size_t kBytes = 256;

@@ -5,6 +5,7 @@
 
 #include <catch2/catch.hpp>
 #include <cstddef>
+#include <initializer_list>
 #include <optional>
 #include <vector>
 
@@ -61,11 +62,32 @@ void Answer(BatchAssembler& assembler, const Batch& batch) {
   assembler.Release(index);
 }
 
-TEST_CASE("membership: a joiner is awaited only by batches opened after its first request",
-          "[membership][assembler]") {
-  LostPeers lost(2);
-  BatchAssembler assembler(2, lost, /*trace=*/false);
-  Region a(10, 2, 64);
+// An assembler for `kWorkers` workers, with regions for keys 10 and 11.
+template <int kWorkers>
+struct Assembly {
+  LostPeers lost{kWorkers};
+  BatchAssembler assembler{kWorkers, lost, /*trace=*/false};
+  Region a{10, kWorkers, 64};
+  Region b{11, kWorkers, 64};
+
+  struct Step {
+    int worker;
+    uint64_t request;
+    Region* region;
+    bool completes;  // the batch this part joins is then ready
+  };
+  // Delivers each step's one-part request in order, checking each outcome.
+  void DeliverInOrder(std::initializer_list<Step> steps) {
+    for (const Step& s : steps) {
+      INFO("worker " << s.worker << ", request " << s.request << ", key " << s.region->key);
+      CHECK(Deliver(assembler, s.worker, s.request, *s.region) == s.completes);
+    }
+  }
+};
+
+TEST_CASE_METHOD(Assembly<2>,
+                 "membership: a joiner is awaited only by batches opened after its first request",
+                 "[membership][assembler]") {
   assembler.AwaitAfterFirstRequest(1);  // worker 1 joined the running mesh
   // Worker 0 alone: worker 1 has sent nothing yet, so nobody waits for it.
   CHECK(Deliver(assembler, 0, 1, a));
@@ -90,37 +112,27 @@ TEST_CASE("membership: a joiner is awaited only by batches opened after its firs
   CHECK(assembler.Idle());
 }
 
-TEST_CASE("membership: a joiner's first request before the others' joins their batch",
-          "[membership][assembler]") {
-  LostPeers lost(3);
-  BatchAssembler assembler(3, lost, /*trace=*/false);
-  Region a(10, 3, 64), b(11, 3, 64);
+TEST_CASE_METHOD(Assembly<3>,
+                 "membership: a joiner's first request before the others' joins their batch",
+                 "[membership][assembler]") {
   assembler.AwaitAfterFirstRequest(2);
   // The joiner is first: its batch waits for the two members.
-  CHECK_FALSE(Deliver(assembler, 2, 1, a));
-  CHECK_FALSE(Deliver(assembler, 0, 1, a));
-  CHECK(Deliver(assembler, 1, 1, a));
+  DeliverInOrder({{2, 1, &a, false}, {0, 1, &a, false}, {1, 1, &a, true}});
   std::optional<Batch> batch = assembler.TakeReady();
   REQUIRE(batch.has_value());
   CHECK(Workers(*batch) == std::vector<int>{0, 1, 2});
   // The next stage's batch, opened after, waits for the joiner too.
-  CHECK_FALSE(Deliver(assembler, 0, 2, b));
-  CHECK_FALSE(Deliver(assembler, 1, 2, b));
-  CHECK(Deliver(assembler, 2, 2, b));
+  DeliverInOrder({{0, 2, &b, false}, {1, 2, &b, false}, {2, 2, &b, true}});
 }
 
-TEST_CASE("membership: a batch opened before the joiner's first request forms without it",
-          "[membership][assembler]") {
-  LostPeers lost(2);
-  BatchAssembler assembler(2, lost, /*trace=*/false);
-  Region a(10, 2, 64), b(11, 2, 64);
+TEST_CASE_METHOD(Assembly<2>,
+                 "membership: a batch opened before the joiner's first request forms without it",
+                 "[membership][assembler]") {
   assembler.AwaitAfterFirstRequest(1);
   // Worker 0 is a stage ahead: both its batches form before the joiner sent.
-  CHECK(Deliver(assembler, 0, 1, a));
-  CHECK(Deliver(assembler, 0, 2, b));
+  DeliverInOrder({{0, 1, &a, true}, {0, 2, &b, true}});
   // The joiner's stage a and then stage b: each batch already went, so alone.
-  CHECK(Deliver(assembler, 1, 1, a));
-  CHECK(Deliver(assembler, 1, 2, b));
+  DeliverInOrder({{1, 1, &a, true}, {1, 2, &b, true}});
   for (Key group : {Key{10}, Key{11}}) {
     std::optional<Batch> ahead = assembler.TakeReady();
     REQUIRE(ahead.has_value());
@@ -135,10 +147,8 @@ TEST_CASE("membership: a batch opened before the joiner's first request forms wi
   }
 }
 
-TEST_CASE("membership: a fenced worker is awaited by no batch", "[membership][assembler]") {
-  LostPeers lost(3);
-  BatchAssembler assembler(3, lost, /*trace=*/false);
-  Region a(10, 3, 64);
+TEST_CASE_METHOD(Assembly<3>, "membership: a fenced worker is awaited by no batch",
+                 "[membership][assembler]") {
   CHECK_FALSE(Deliver(assembler, 0, 1, a));
   CHECK_FALSE(assembler.NothingToHandOut());
   // Worker 1's fence: the collecting batch stops waiting for it.

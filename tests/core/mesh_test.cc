@@ -19,6 +19,7 @@
 #include "tests/support/forwarding_transport.h"
 #include "tests/support/loopback_mesh.h"
 #include "tests/support/mesh_scenarios.h"
+#include "tests/support/node_flags.h"
 #include "tests/support/status.h"
 
 namespace stepmesh {
@@ -76,6 +77,17 @@ TEST_CASE("tensors a transport cannot reach are staged, byte-exact both ways", "
 // A scheduler, one worker and one server over TCP in this process.
 std::unique_ptr<testing::LoopbackMesh> OneByOne() {
   return testing::StartPair(TcpOptions(), compose::CreateTransport);
+}
+
+// Push key 1 and pull key 2 (from server 0) on worker 0, their recv and reply
+// tensors on server 0; 64 bytes each.
+void RegisterKeys(testing::LoopbackMesh& mesh, std::vector<uint8_t>& push,
+                  std::vector<uint8_t>& pull, std::vector<uint8_t>& recv,
+                  std::vector<uint8_t>& reply) {
+  REQUIRE_OK(mesh.worker(0).RegisterPushTensor(1, BytesView(push.data(), 64)));
+  REQUIRE_OK(mesh.worker(0).RegisterPullTensor(2, 0, BytesView(pull.data(), 64)));
+  REQUIRE_OK(mesh.server(0).RegisterRecvTensor(1, BytesView(recv.data(), 64)));
+  REQUIRE_OK(mesh.server(0).RegisterReplyTensor(2, BytesView(reply.data(), 64)));
 }
 
 // Two workers and one server over TCP in this process.
@@ -250,10 +262,7 @@ TEST_CASE("WaitForParticipants: a mesh that never forms is DEADLINE_EXCEEDED, co
 TEST_CASE("traces carry stamps in causal order", "[mesh][trace]") {
   std::vector<uint8_t> push(64, 1), pull(64), recv(64), reply(64);
   auto mesh = OneByOne();  // after the tensors: registered memory outlives the mesh
-  REQUIRE(mesh->worker(0).RegisterPushTensor(1, BytesView(push.data(), 64)).ok());
-  REQUIRE(mesh->worker(0).RegisterPullTensor(2, 0, BytesView(pull.data(), 64)).ok());
-  REQUIRE(mesh->server(0).RegisterRecvTensor(1, BytesView(recv.data(), 64)).ok());
-  REQUIRE(mesh->server(0).RegisterReplyTensor(2, BytesView(reply.data(), 64)).ok());
+  RegisterKeys(*mesh, push, pull, recv, reply);
   const Push p{1};
   const Pull q{2, 0};
   auto h = mesh->worker(0).PushPull({&p, 1}, {&q, 1});
@@ -280,10 +289,7 @@ TEST_CASE("traces carry stamps in causal order", "[mesh][trace]") {
 TEST_CASE("a send gated on an event waits for it on the send thread", "[mesh][event]") {
   std::vector<uint8_t> push(64, 0), pull(64), recv(64), reply(64);
   auto mesh = OneByOne();  // after the tensors: registered memory outlives the mesh
-  REQUIRE(mesh->worker(0).RegisterPushTensor(1, BytesView(push.data(), 64)).ok());
-  REQUIRE(mesh->worker(0).RegisterPullTensor(2, 0, BytesView(pull.data(), 64)).ok());
-  REQUIRE(mesh->server(0).RegisterRecvTensor(1, BytesView(recv.data(), 64)).ok());
-  REQUIRE(mesh->server(0).RegisterReplyTensor(2, BytesView(reply.data(), 64)).ok());
+  RegisterKeys(*mesh, push, pull, recv, reply);
   auto stream = *mesh->worker(0).backend().CreateStream();
   auto ready = *mesh->worker(0).backend().CreateEvent();
   auto flag = *mesh->worker(0).backend().CreateHostFlag();
@@ -317,10 +323,7 @@ TEST_CASE("a ready event that never completes fails its request after options.ti
   // After the tensors: registered memory outlives the mesh.
   auto mesh = testing::StartPair(o, compose::CreateTransport);
   AFTensorWorker& worker = mesh->worker(0);
-  REQUIRE_OK(worker.RegisterPushTensor(1, BytesView(push.data(), 64)));
-  REQUIRE_OK(worker.RegisterPullTensor(2, 0, BytesView(pull.data(), 64)));
-  REQUIRE_OK(mesh->server(0).RegisterRecvTensor(1, BytesView(recv.data(), 64)));
-  REQUIRE_OK(mesh->server(0).RegisterReplyTensor(2, BytesView(reply.data(), 64)));
+  RegisterKeys(*mesh, push, pull, recv, reply);
   auto stream = *worker.backend().CreateStream();
   auto ready = *worker.backend().CreateEvent();
   auto flag = *worker.backend().CreateHostFlag();
@@ -345,10 +348,7 @@ TEST_CASE("streams wait for a reply and for the next batch on cpu_mock", "[mesh]
   auto mesh = OneByOne();  // after the tensors: registered memory outlives the mesh
   AFTensorWorker& worker = mesh->worker(0);
   AFTensorServer& server = mesh->server(0);
-  REQUIRE_OK(worker.RegisterPushTensor(1, BytesView(push.data(), 64)));
-  REQUIRE_OK(worker.RegisterPullTensor(2, 0, BytesView(pull.data(), 64)));
-  REQUIRE_OK(server.RegisterRecvTensor(1, BytesView(recv.data(), 64)));
-  REQUIRE_OK(server.RegisterReplyTensor(2, BytesView(reply.data(), 64)));
+  RegisterKeys(*mesh, push, pull, recv, reply);
   auto worker_stream = *worker.backend().CreateStream();
   auto server_stream = *server.backend().CreateStream();
   std::atomic<int> seen_reply{-1}, seen_push{-1}, next_pull{-1};
@@ -395,27 +395,36 @@ struct ProcessMesh {
     scheduler = *std::move(started);
   }
   std::vector<std::string> Args(const std::string& role, int rank, const Scenario& sc) const {
-    return {STEPMESH_TEST_NODE_PATH,
-            "--role",
-            role,
-            "--rank",
-            std::to_string(rank),
-            "--scheduler",
-            scheduler->address(),
-            "--workers",
-            std::to_string(sc.workers),
-            "--servers",
-            std::to_string(sc.servers),
-            "--iterations",
-            std::to_string(sc.iterations),
-            "--micro-batches",
-            std::to_string(sc.micro_batches),
-            "--push-bytes",
-            std::to_string(sc.push_bytes),
-            "--pull-bytes",
-            std::to_string(sc.pull_bytes),
-            "--timeout-ms",
-            "30000"};
+    return testing::NodeArgv(STEPMESH_TEST_NODE_PATH,
+                             {{"--role", role},
+                              {"--rank", std::to_string(rank)},
+                              {"--scheduler", scheduler->address()},
+                              {"--workers", std::to_string(sc.workers)},
+                              {"--servers", std::to_string(sc.servers)},
+                              {"--iterations", std::to_string(sc.iterations)},
+                              {"--micro-batches", std::to_string(sc.micro_batches)},
+                              {"--push-bytes", std::to_string(sc.push_bytes)},
+                              {"--pull-bytes", std::to_string(sc.pull_bytes)},
+                              {"--timeout-ms", "30000"}});
+  }
+  // Every server, then every worker of `sc` as a child process; each must exit 0
+  // within `timeout`, then the scheduler see the job end.
+  void RunToTheEnd(const Scenario& sc, absl::Duration timeout) {
+    std::vector<std::pair<std::string, ChildProcess>> children;
+    for (const auto& [role, count] : {std::pair{"server", sc.servers}, {"worker", sc.workers}}) {
+      for (int r = 0; r < count; ++r) {
+        absl::StatusOr<ChildProcess> child = ChildProcess::Spawn(Args(role, r, sc));
+        REQUIRE(child.ok());
+        children.emplace_back(absl::StrCat(role, " ", r), *std::move(child));
+      }
+    }
+    for (auto& [name, child] : children) {
+      auto code = child.Wait(timeout);
+      INFO(name);
+      REQUIRE(code.ok());
+      CHECK(*code == 0);
+    }
+    CHECK(scheduler->WaitUntilDone(absl::Seconds(10)).ok());
   }
   std::unique_ptr<Scheduler> scheduler;
 };
@@ -428,23 +437,10 @@ TEST_CASE("separate processes: 2A2F 200 iterations, 1A1F and 1A2F 50, 3 micro-ba
           "[mesh][process]") {
   for (auto [w, s, iterations] :
        {std::tuple{2, 2, 200}, std::tuple{1, 1, 50}, std::tuple{1, 2, 50}}) {
-    Scenario sc;
-    sc.workers = w;
-    sc.servers = s;
-    sc.iterations = iterations;
+    const Scenario sc{.workers = w, .servers = s, .iterations = iterations};
     INFO(Describe(sc));
     ProcessMesh mesh(w, s);
-    std::vector<ChildProcess> children;
-    for (int r = 0; r < s; ++r)
-      children.push_back(*ChildProcess::Spawn(mesh.Args("server", r, sc)));
-    for (int r = 0; r < w; ++r)
-      children.push_back(*ChildProcess::Spawn(mesh.Args("worker", r, sc)));
-    for (ChildProcess& child : children) {
-      auto code = child.Wait(absl::Seconds(240));
-      REQUIRE(code.ok());
-      CHECK(*code == 0);
-    }
-    CHECK(mesh.scheduler->WaitUntilDone(absl::Seconds(10)).ok());
+    mesh.RunToTheEnd(sc, absl::Seconds(240));
   }
 }
 
@@ -454,40 +450,19 @@ TEST_CASE("separate processes: 2A2F 200 iterations, 1A1F and 1A2F 50, 3 micro-ba
 // in any process (exit 1 or SIGABRT) fails it.
 TEST_CASE("short separate-process run: 2A2F, 3 micro-batches, 20 iterations",
           "[mesh][process][sanitizer]") {
-  Scenario sc;
-  sc.workers = 2;
-  sc.servers = 2;
-  sc.iterations = 20;
+  const Scenario sc{.workers = 2, .servers = 2, .iterations = 20};
   INFO(Describe(sc));
   ProcessMesh mesh(2, 2);
-  std::vector<std::pair<std::string, ChildProcess>> children;
-  for (int r = 0; r < 2; ++r) {
-    auto child = ChildProcess::Spawn(mesh.Args("server", r, sc));
-    REQUIRE(child.ok());
-    children.emplace_back(absl::StrCat("server ", r), *std::move(child));
-  }
-  for (int r = 0; r < 2; ++r) {
-    auto child = ChildProcess::Spawn(mesh.Args("worker", r, sc));
-    REQUIRE(child.ok());
-    children.emplace_back(absl::StrCat("worker ", r), *std::move(child));
-  }
-  for (auto& [name, child] : children) {
-    auto code = child.Wait(absl::Seconds(120));
-    INFO(name);
-    REQUIRE(code.ok());
-    CHECK(*code == 0);
-  }
-  CHECK(mesh.scheduler->WaitUntilDone(absl::Seconds(10)).ok());
+  mesh.RunToTheEnd(sc, absl::Seconds(120));
 }
 
 TEST_CASE("separate processes: a server killed mid-run gives workers UNAVAILABLE",
           "[mesh][process][fault]") {
-  Scenario sc;
-  sc.workers = 1;
-  sc.servers = 2;
-  sc.iterations = 1000000;  // runs until the kill
-  sc.push_bytes = 4096;
-  sc.pull_bytes = 8192;
+  const Scenario sc{.workers = 1,
+                    .servers = 2,
+                    .iterations = 1000000,  // runs until the kill
+                    .push_bytes = 4096,
+                    .pull_bytes = 8192};
   ProcessMesh mesh(1, 2);
   // Server 0 outlives the run: it must end with UNAVAILABLE (its only worker
   // left) and exit 0 for it, not crash or hang.

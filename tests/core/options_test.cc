@@ -9,11 +9,13 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "stepmesh/tensor.h"
+#include "tests/support/env_options.h"
 #include "tests/support/scoped_env.h"
 
 namespace stepmesh {
 namespace {
 
+using testing::FromEnvWith;
 using testing::ScopedEnv;
 
 TEST_CASE("FromEnv overlays STEPMESH_* on the base", "[options]") {
@@ -42,14 +44,12 @@ TEST_CASE("FromEnv overlays STEPMESH_* on the base", "[options]") {
 }
 
 TEST_CASE("FromEnv understands StepMesh's DMLC_* names, STEPMESH_* wins", "[options]") {
-  ScopedEnv env({{"DMLC_ROLE", "worker"},
-                 {"DMLC_NUM_WORKER", "3"},
-                 {"DMLC_NUM_SERVER", "5"},
-                 {"DMLC_PS_ROOT_URI", "10.1.2.3"},
-                 {"DMLC_PS_ROOT_PORT", "8123"},
-                 {"STEPMESH_NUM_SERVERS", "6"}});
-  auto o = MeshOptions::FromEnv();
-  REQUIRE(o.ok());
+  const std::optional<MeshOptions> o = FromEnvWith({{"DMLC_ROLE", "worker"},
+                                                    {"DMLC_NUM_WORKER", "3"},
+                                                    {"DMLC_NUM_SERVER", "5"},
+                                                    {"DMLC_PS_ROOT_URI", "10.1.2.3"},
+                                                    {"DMLC_PS_ROOT_PORT", "8123"},
+                                                    {"STEPMESH_NUM_SERVERS", "6"}});
   CHECK(o->role == Role::kWorker);
   CHECK(o->num_workers == 3);
   CHECK(o->num_servers == 6);
@@ -58,21 +58,16 @@ TEST_CASE("FromEnv understands StepMesh's DMLC_* names, STEPMESH_* wins", "[opti
 
 TEST_CASE("DMLC_ENABLE_RDMA picks the transport as ps-lite does", "[options]") {
   {
-    ScopedEnv env({{"DMLC_ENABLE_RDMA", "0"}});
-    auto o = MeshOptions::FromEnv();
-    REQUIRE(o.ok());
+    const std::optional<MeshOptions> o = FromEnvWith({{"DMLC_ENABLE_RDMA", "0"}});
     CHECK(o->transport == "tcp");
   }
   {
-    ScopedEnv env({{"DMLC_ENABLE_RDMA", "1"}, {"STEPMESH_TRANSPORT", "tcp"}});
-    auto o = MeshOptions::FromEnv();
-    REQUIRE(o.ok());
+    const std::optional<MeshOptions> o =
+        FromEnvWith({{"DMLC_ENABLE_RDMA", "1"}, {"STEPMESH_TRANSPORT", "tcp"}});
     CHECK(o->transport == "tcp");  // STEPMESH_* wins
   }
   {
-    ScopedEnv env({{"DMLC_ENABLE_RDMA", "1"}});
-    auto o = MeshOptions::FromEnv();
-    REQUIRE(o.ok());
+    const std::optional<MeshOptions> o = FromEnvWith({{"DMLC_ENABLE_RDMA", "1"}});
     CHECK(o->transport == "rdma");
   }
 }
@@ -89,9 +84,8 @@ TEST_CASE("DMLC_ENABLE_RDMA / DMLC_PS_VAN_TYPE take StepMesh's van names", "[opt
     CHECK(o->transport == transport);
   }
   {
-    ScopedEnv env({{"DMLC_PS_VAN_TYPE", "ibverbs"}, {"DMLC_ENABLE_RDMA", "zmq"}});
-    auto o = MeshOptions::FromEnv();
-    REQUIRE(o.ok());
+    const std::optional<MeshOptions> o =
+        FromEnvWith({{"DMLC_PS_VAN_TYPE", "ibverbs"}, {"DMLC_ENABLE_RDMA", "zmq"}});
     CHECK(o->transport == "tcp");  // DMLC_ENABLE_RDMA wins
   }
   {
@@ -104,14 +98,12 @@ TEST_CASE("DMLC_ENABLE_RDMA / DMLC_PS_VAN_TYPE take StepMesh's van names", "[opt
 
 TEST_CASE("fserver_lib's launch variables land in MeshOptions::fserver", "[options]") {
   {
-    ScopedEnv env({{"DMLC_ROLE", "joint"},
-                   {"DMLC_GROUP_SIZE", "8"},
-                   {"DMLC_NODE_RANK", "2"},
-                   {"DMLC_RANK_OFFSET", "1"},
-                   {"DMLC_INSTANCE_ID", "5"},
-                   {"STEPMESH_GPU", "4"}});
-    auto o = MeshOptions::FromEnv();
-    REQUIRE(o.ok());
+    const std::optional<MeshOptions> o = FromEnvWith({{"DMLC_ROLE", "joint"},
+                                                      {"DMLC_GROUP_SIZE", "8"},
+                                                      {"DMLC_NODE_RANK", "2"},
+                                                      {"DMLC_RANK_OFFSET", "1"},
+                                                      {"DMLC_INSTANCE_ID", "5"},
+                                                      {"STEPMESH_GPU", "4"}});
     CHECK(o->fserver.role == "joint");
     CHECK(o->role == MeshOptions().role);  // joint leaves the core role alone
     CHECK(o->fserver.group_size == 8);
@@ -122,9 +114,8 @@ TEST_CASE("fserver_lib's launch variables land in MeshOptions::fserver", "[optio
     CHECK(o->device == 4);  // StepMesh's GPU is the accelerator too
   }
   {
-    ScopedEnv env({{"STEPMESH_GPU", "4"}, {"STEPMESH_DEVICE", "2"}});
-    auto o = MeshOptions::FromEnv();
-    REQUIRE(o.ok());
+    const std::optional<MeshOptions> o =
+        FromEnvWith({{"STEPMESH_GPU", "4"}, {"STEPMESH_DEVICE", "2"}});
     CHECK(o->device == 2);  // ours wins
     CHECK(o->fserver.gpu == 4);
   }
@@ -136,19 +127,16 @@ TEST_CASE("fserver_lib's launch variables land in MeshOptions::fserver", "[optio
   }
   {
     // StepMesh's knobs: honoured where there is a counterpart, ours win.
-    ScopedEnv env({{"STEPMESH_SPLIT_QP_LAG", "1"},
-                   {"STEPMESH_BIND_CPU_CORE", "1"},
-                   {"STEPMESH_BAKCEND", "CPU"}});
-    auto o = MeshOptions::FromEnv();
-    REQUIRE(o.ok());
+    const std::optional<MeshOptions> o = FromEnvWith({{"STEPMESH_SPLIT_QP_LAG", "1"},
+                                                      {"STEPMESH_BIND_CPU_CORE", "1"},
+                                                      {"STEPMESH_BAKCEND", "CPU"}});
     CHECK(o->rdma.qps_per_peer == 2);
     CHECK(o->threads.auto_pin);
     CHECK(o->backend == "cpu_mock");
   }
   {
-    ScopedEnv env({{"STEPMESH_SPLIT_QP_LAG", "1"}, {"STEPMESH_RDMA_QPS_PER_PEER", "1"}});
-    auto o = MeshOptions::FromEnv();
-    REQUIRE(o.ok());
+    const std::optional<MeshOptions> o =
+        FromEnvWith({{"STEPMESH_SPLIT_QP_LAG", "1"}, {"STEPMESH_RDMA_QPS_PER_PEER", "1"}});
     CHECK(o->rdma.qps_per_peer == 1);
   }
 }
@@ -178,26 +166,24 @@ TEST_CASE("every RDMA knob has a STEPMESH_RDMA_* variable", "[options][rdma]") {
   const MeshOptions defaults;
   CHECK(defaults.rdma.ack_timeout >= 18);  // NCCL's IB_TIMEOUT range: survives PFC pauses
   CHECK(defaults.rdma.ack_timeout <= 20);
-  ScopedEnv env({{"STEPMESH_RDMA_DEVICE", "mlx5_3"},
-                 {"STEPMESH_RDMA_PORT", "2"},
-                 {"STEPMESH_RDMA_GID_INDEX", "3"},
-                 {"STEPMESH_RDMA_INTERFACE", "10.0.0.0/24"},
-                 {"STEPMESH_RDMA_TRAFFIC_CLASS", "104"},
-                 {"STEPMESH_RDMA_SERVICE_LEVEL", "3"},
-                 {"STEPMESH_RDMA_PATH_MTU", "2048"},
-                 {"STEPMESH_RDMA_ACK_TIMEOUT", "20"},
-                 {"STEPMESH_RDMA_RETRY_COUNT", "5"},
-                 {"STEPMESH_RDMA_RNR_RETRY", "2"},
-                 {"STEPMESH_RDMA_MIN_RNR_TIMER", "10"},
-                 {"STEPMESH_RDMA_RECV_DEPTH", "512"},
-                 {"STEPMESH_RDMA_QPS_PER_PEER", "2"},
-                 {"STEPMESH_RDMA_STRIPE_MIN_BYTES", "131072"},
-                 {"STEPMESH_RDMA_GPUDIRECT", "off"},
-                 {"STEPMESH_RDMA_PKEY", "0x8001"},
-                 {"STEPMESH_RDMA_RELAXED_ORDERING", "off"},
-                 {"STEPMESH_RDMA_FORK_INIT", "on"}});
-  auto o = MeshOptions::FromEnv();
-  REQUIRE(o.ok());
+  const std::optional<MeshOptions> o = FromEnvWith({{"STEPMESH_RDMA_DEVICE", "mlx5_3"},
+                                                    {"STEPMESH_RDMA_PORT", "2"},
+                                                    {"STEPMESH_RDMA_GID_INDEX", "3"},
+                                                    {"STEPMESH_RDMA_INTERFACE", "10.0.0.0/24"},
+                                                    {"STEPMESH_RDMA_TRAFFIC_CLASS", "104"},
+                                                    {"STEPMESH_RDMA_SERVICE_LEVEL", "3"},
+                                                    {"STEPMESH_RDMA_PATH_MTU", "2048"},
+                                                    {"STEPMESH_RDMA_ACK_TIMEOUT", "20"},
+                                                    {"STEPMESH_RDMA_RETRY_COUNT", "5"},
+                                                    {"STEPMESH_RDMA_RNR_RETRY", "2"},
+                                                    {"STEPMESH_RDMA_MIN_RNR_TIMER", "10"},
+                                                    {"STEPMESH_RDMA_RECV_DEPTH", "512"},
+                                                    {"STEPMESH_RDMA_QPS_PER_PEER", "2"},
+                                                    {"STEPMESH_RDMA_STRIPE_MIN_BYTES", "131072"},
+                                                    {"STEPMESH_RDMA_GPUDIRECT", "off"},
+                                                    {"STEPMESH_RDMA_PKEY", "0x8001"},
+                                                    {"STEPMESH_RDMA_RELAXED_ORDERING", "off"},
+                                                    {"STEPMESH_RDMA_FORK_INIT", "on"}});
   const RdmaOptions& r = o->rdma;
   CHECK(r.pkey == 0x8001);
   CHECK(r.relaxed_ordering == "off");
@@ -256,17 +242,14 @@ TEST_CASE("bad RDMA settings are refused naming the variable", "[options][rdma]"
 }
 
 TEST_CASE("STEPMESH_RDMA_DSCP sets the traffic class to DSCP << 2", "[options][rdma]") {
-  ScopedEnv env({{"STEPMESH_RDMA_TRAFFIC_CLASS", "104"}, {"STEPMESH_RDMA_DSCP", "46"}});
-  auto o = MeshOptions::FromEnv();
-  REQUIRE(o.ok());
+  const std::optional<MeshOptions> o =
+      FromEnvWith({{"STEPMESH_RDMA_TRAFFIC_CLASS", "104"}, {"STEPMESH_RDMA_DSCP", "46"}});
   CHECK(o->rdma.traffic_class == 46 << 2);  // the DSCP wins
 }
 
 TEST_CASE("FromEnv reads CUDA_DEVICE_MAX_CONNECTIONS for the cuda backend", "[options]") {
   {
-    ScopedEnv env({{"CUDA_DEVICE_MAX_CONNECTIONS", "1"}});
-    auto o = MeshOptions::FromEnv();
-    REQUIRE(o.ok());
+    const std::optional<MeshOptions> o = FromEnvWith({{"CUDA_DEVICE_MAX_CONNECTIONS", "1"}});
     CHECK(o->cuda_device_max_connections == 1);
   }
   {

@@ -55,6 +55,32 @@ void CheckMessage(const absl::Status& s, absl::StatusCode code, const std::strin
   CHECK(absl::StrContains(s.message(), part));
 }
 
+// One worker and one server over TCP: push key 1 and pull key 2 (from server
+// 0) registered on the worker, their recv and reply tensors on the server, and
+// `plan` prepared over both.
+struct PreparedPair {
+  PreparedPair() {
+    REQUIRE_OK(worker.RegisterPushTensor(1, BytesView(push.data(), kBytes)));
+    REQUIRE_OK(worker.RegisterPullTensor(2, 0, BytesView(pull.data(), kBytes)));
+    REQUIRE_OK(server.RegisterRecvTensor(1, BytesView(recv.data(), kBytes)));
+    REQUIRE_OK(server.RegisterReplyTensor(2, BytesView(reply.data(), kBytes)));
+    plan = worker.Prepare({&p, 1}, {&q, 1});
+    REQUIRE_OK(plan);
+  }
+
+  std::vector<uint8_t> push = std::vector<uint8_t>(kBytes, 1);
+  std::vector<uint8_t> pull = std::vector<uint8_t>(kBytes);
+  std::vector<uint8_t> recv = std::vector<uint8_t>(kBytes);
+  std::vector<uint8_t> reply = std::vector<uint8_t>(kBytes);
+  std::unique_ptr<testing::LoopbackMesh> mesh =
+      testing::StartPair(TcpOptions(), compose::CreateTransport);
+  AFTensorWorker& worker = mesh->worker(0);
+  AFTensorServer& server = mesh->server(0);
+  const Push p{1};
+  const Pull q{2, 0};
+  absl::StatusOr<PreparedRequest> plan;
+};
+
 TEST_CASE("Prepare refuses bad requests naming the key, and changes nothing",
           "[mesh][prepared][bad-input]") {
   std::vector<uint8_t> push(kBytes, 1), push2(kBytes), pull(kBytes), recv(kBytes), reply(kBytes);
@@ -105,21 +131,10 @@ TEST_CASE("Prepare refuses bad requests naming the key, and changes nothing",
   CHECK(pull[0] == 2);
 }
 
-TEST_CASE("a prepared request whose key was unregistered is refused naming the key",
-          "[mesh][prepared]") {
-  std::vector<uint8_t> push(kBytes, 1), other(kBytes, 9), pull(kBytes), pull2(kBytes);
-  std::vector<uint8_t> recv(kBytes), reply(kBytes);
-  auto mesh = testing::StartPair(TcpOptions(), compose::CreateTransport);
-  AFTensorWorker& worker = mesh->worker(0);
-  AFTensorServer& server = mesh->server(0);
-  REQUIRE_OK(worker.RegisterPushTensor(1, BytesView(push.data(), kBytes)));
-  REQUIRE_OK(worker.RegisterPullTensor(2, 0, BytesView(pull.data(), kBytes)));
-  REQUIRE_OK(server.RegisterRecvTensor(1, BytesView(recv.data(), kBytes)));
-  REQUIRE_OK(server.RegisterReplyTensor(2, BytesView(reply.data(), kBytes)));
-  const Push p{1};
-  const Pull q{2, 0};
-  absl::StatusOr<PreparedRequest> plan = worker.Prepare({&p, 1}, {&q, 1});
-  REQUIRE_OK(plan);
+TEST_CASE_METHOD(PreparedPair,
+                 "a prepared request whose key was unregistered is refused naming the key",
+                 "[mesh][prepared]") {
+  std::vector<uint8_t> other(kBytes, 9), pull2(kBytes);
   absl::StatusOr<RequestHandle> h = worker.Post(*plan);
   REQUIRE_OK(h);
   Answer(server, recv, reply, 1);
@@ -162,20 +177,9 @@ TEST_CASE("a prepared request whose key was unregistered is refused naming the k
                "shut down");
 }
 
-TEST_CASE("posting a prepared request many times sends the bytes PushPull sends",
-          "[mesh][prepared]") {
-  std::vector<uint8_t> push(kBytes), pull(kBytes), recv(kBytes), reply(kBytes);
-  auto mesh = testing::StartPair(TcpOptions(), compose::CreateTransport);
-  AFTensorWorker& worker = mesh->worker(0);
-  AFTensorServer& server = mesh->server(0);
-  REQUIRE_OK(worker.RegisterPushTensor(1, BytesView(push.data(), kBytes)));
-  REQUIRE_OK(worker.RegisterPullTensor(2, 0, BytesView(pull.data(), kBytes)));
-  REQUIRE_OK(server.RegisterRecvTensor(1, BytesView(recv.data(), kBytes)));
-  REQUIRE_OK(server.RegisterReplyTensor(2, BytesView(reply.data(), kBytes)));
-  const Push p{1};
-  const Pull q{2, 0};
-  absl::StatusOr<PreparedRequest> plan = worker.Prepare({&p, 1}, {&q, 1});
-  REQUIRE_OK(plan);
+TEST_CASE_METHOD(PreparedPair,
+                 "posting a prepared request many times sends the bytes PushPull sends",
+                 "[mesh][prepared]") {
   constexpr int kRounds = 20;
   for (int i = 0; i < kRounds; ++i) {
     const size_t bytes = 1 + (i * 37) % kBytes;  // each round its own prefix

@@ -24,6 +24,7 @@
 #include "src/core/stats_recorder.h"
 #include "stepmesh/server.h"
 #include "stepmesh/worker.h"
+#include "tests/support/answering_servers.h"
 #include "tests/support/loopback_mesh.h"
 #include "tests/support/status.h"
 
@@ -207,20 +208,7 @@ TEST_CASE("Stats() counts what was sent, on both ends, and PrometheusText parses
   REQUIRE_OK(worker.RegisterPushTensor(kPushKey, BytesView(push.data(), kPushBytes)));
   REQUIRE_OK(worker.RegisterPushTensor(kOversizeKey, BytesView(oversize.data(), oversize.size())));
 
-  std::atomic<bool> done{false};
-  std::atomic<int> answered{0};
-  std::vector<std::thread> servers;
-  for (int s = 0; s < kServers; ++s) {
-    servers.emplace_back([&, s] {
-      AFTensorServer& server = (*mesh)->server(s);
-      const Reply r{0};
-      const absl::Time deadline = absl::Now() + absl::Seconds(120);
-      while (!done.load() && absl::Now() < deadline) {
-        absl::StatusOr<Batch> batch = server.GetBatch(absl::Milliseconds(50));
-        if (batch.ok() && server.Respond(*batch, {&r, 1}).ok()) answered.fetch_add(1);
-      }
-    });
-  }
+  testing::AnsweringServers servers(**mesh, {Reply{0}});
   const Push p{kPushKey};
   const Pull pulls[kServers] = {{kReplyKey, 0}, {kReplyKey, 1}};
   for (int i = 0; i < kRounds; ++i) {
@@ -244,9 +232,8 @@ TEST_CASE("Stats() counts what was sent, on both ends, and PrometheusText parses
                                            server_stats(1).peers[0].frames_sent < kRounds)) {
     absl::SleepFor(absl::Milliseconds(5));
   }
-  done.store(true);
-  for (std::thread& t : servers) t.join();
-  CHECK(answered.load() == kServers * kRounds);
+  servers.Stop();
+  CHECK(servers.answered() == kServers * kRounds);
 
   const MeshStats ws = worker.Stats();
   CHECK(ws.role == Role::kWorker);

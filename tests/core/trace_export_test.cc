@@ -28,6 +28,7 @@
 #include "stepmesh/server.h"
 #include "stepmesh/trace.h"
 #include "stepmesh/worker.h"
+#include "tests/support/answering_servers.h"
 #include "tests/support/loopback_mesh.h"
 #include "tests/support/status.h"
 
@@ -93,45 +94,40 @@ class Parser {
       if (e == 'u') i_ += 4;
     }
   }
+  // The items after an opening bracket just eaten, each read by `item`, up to
+  // the closing `close`.
+  template <typename ReadItem>
+  void Items(char close, ReadItem item) {
+    if (Peek() == close) {
+      ++i_;
+      return;
+    }
+    while (true) {
+      item();
+      if (Peek() != ',') break;
+      ++i_;
+    }
+    Eat(close);
+  }
   Json Value() {
     const char c = Peek();
     if (c == '{') {
       ++i_;
       JsonObject o;
-      if (Peek() == '}') {
-        ++i_;
-        return {o};
-      }
-      while (true) {
+      Items('}', [&] {
         std::string key = String();
         Eat(':');
         INFO("key " << key);
         REQUIRE(o.count(key) == 0);
         o[key] = Value();
-        if (Peek() == ',') {
-          ++i_;
-          continue;
-        }
-        Eat('}');
-        return {o};
-      }
+      });
+      return {o};
     }
     if (c == '[') {
       ++i_;
       JsonArray a;
-      if (Peek() == ']') {
-        ++i_;
-        return {a};
-      }
-      while (true) {
-        a.push_back(Value());
-        if (Peek() == ',') {
-          ++i_;
-          continue;
-        }
-        Eat(']');
-        return {a};
-      }
+      Items(']', [&] { a.push_back(Value()); });
+      return {a};
     }
     if (c == '"') return {String()};
     for (const char* lit : {"true", "false", "null"}) {
@@ -258,20 +254,8 @@ TEST_CASE("2A2F: each participant's trace export, merged, lines up on the schedu
     }
   }
 
-  std::atomic<bool> done{false};
+  testing::AnsweringServers servers(**mesh, {Reply{0}, Reply{1}});
   std::atomic<int> failures{0};
-  std::vector<std::thread> threads;
-  for (int s = 0; s < kServers; ++s) {
-    threads.emplace_back([&, s] {
-      AFTensorServer& server = (*mesh)->server(s);
-      const Reply answers[kWorkers] = {{0}, {1}};
-      const absl::Time deadline = absl::Now() + absl::Seconds(120);
-      while (!done.load() && absl::Now() < deadline) {
-        absl::StatusOr<Batch> batch = server.GetBatch(absl::Milliseconds(50));
-        if (batch.ok() && !server.Respond(*batch, answers).ok()) failures.fetch_add(1);
-      }
-    });
-  }
   std::vector<std::set<std::string>> issued(kWorkers);
   std::vector<std::thread> workers;
   for (int w = 0; w < kWorkers; ++w) {
@@ -301,9 +285,8 @@ TEST_CASE("2A2F: each participant's trace export, merged, lines up on the schedu
          (recorded(0) < kWorkers * kRounds || recorded(1) < kWorkers * kRounds)) {
     absl::SleepFor(absl::Milliseconds(5));
   }
-  done.store(true);
-  for (std::thread& t : threads) t.join();
-  REQUIRE(failures.load() == 0);
+  servers.Stop();
+  REQUIRE(failures.load() + servers.failed() == 0);
 
   std::vector<std::string> exports;
   for (int w = 0; w < kWorkers; ++w) {

@@ -138,40 +138,42 @@ TEST_CASE("doctor: a healthy 8-GPU host is ready, every GPU with the NIC beside 
 }
 
 TEST_CASE("doctor: planted problems are reported", "[doctor]") {
-  SECTION("RLIMIT_MEMLOCK of a container") {
+  // One problem each: the lines the report must have and its count of failures.
+  struct Planted {
+    const char* name;
     Host::Plant plant;
-    plant.memlock = 64 << 10;
-    Host host(plant);
-    const DoctorReport report = host.Run();
-    INFO(report.text);
-    CHECK(Has(report, "FAIL  rdma: RLIMIT_MEMLOCK (ulimit -l) is 64 KiB"));
-    CHECK(report.failures == 1);
-  }
-  SECTION("every port down") {
-    Host::Plant plant;
-    plant.port_state = IBV_PORT_DOWN;
-    Host host(plant);
-    const DoctorReport report = host.Run();
-    INFO(report.text);
-    CHECK(Has(report, "mlx5_0 port 1: DOWN"));
-    CHECK(Has(report, "FAIL  GPU 0 (0000:13:00.0): rdma: no active port"));
-    CHECK(report.failures == 8);
-  }
-  SECTION("a GPU that neither orders nor can flush NIC writes") {
-    Host::Plant plant;
-    plant.ordered_writes = false;
-    plant.flushable = false;
-    Host host(plant);
-    const DoctorReport report = host.Run();
-    INFO(report.text);
-    CHECK(Has(report, "FAIL  the GPU neither orders NIC writes nor can flush them"));
-    CHECK(report.failures == 8);
+    std::vector<std::string> says;
+    int failures;
+  };
+  const Planted planted[] = {
+      {"RLIMIT_MEMLOCK of a container",
+       {.memlock = 64 << 10},
+       {"FAIL  rdma: RLIMIT_MEMLOCK (ulimit -l) is 64 KiB"},
+       1},
+      {"every port down",
+       {.port_state = IBV_PORT_DOWN},
+       {"mlx5_0 port 1: DOWN", "FAIL  GPU 0 (0000:13:00.0): rdma: no active port"},
+       8},
+      {"a GPU that neither orders nor can flush NIC writes",
+       {.ordered_writes = false, .flushable = false},
+       {"FAIL  the GPU neither orders NIC writes nor can flush them"},
+       8},
+      {"ibv_fork_init needed",
+       {.copy_on_fork = false},
+       {"fork: ibv_fork_init is needed on this kernel"},
+       0},
+  };
+  for (const Planted& p : planted) {
+    DYNAMIC_SECTION(p.name) {
+      Host host(p.plant);
+      const DoctorReport report = host.Run();
+      INFO(report.text);
+      for (const std::string& line : p.says) CHECK(Has(report, line));
+      CHECK(report.failures == p.failures);
+    }
   }
   SECTION("the NIC refuses dma-buf and peer memory is not loaded") {
-    Host::Plant plant;
-    plant.nic_dmabuf = false;
-    plant.peer_memory = false;
-    Host host(plant);
+    Host host({.nic_dmabuf = false, .peer_memory = false});
     const DoctorReport report = host.Run();
     INFO(report.text);
     CHECK(Has(report,
@@ -187,23 +189,12 @@ TEST_CASE("doctor: planted problems are reported", "[doctor]") {
     CHECK(required.failures == 8);
   }
   SECTION("a P_Key the ports lack") {
-    Host::Plant plant;
-    plant.pkeys = {0xFFFF, 0x8002};
-    Host host(plant);
+    Host host({.pkeys = {0xFFFF, 0x8002}});
     host.in.options.rdma.pkey = 0x8001;
     const DoctorReport report = host.Run();
     INFO(report.text);
     CHECK(Has(report, "(STEPMESH_RDMA_PKEY): mlx5_7 port 1 is not in that partition"));
     CHECK(report.failures == 8);
-  }
-  SECTION("ibv_fork_init needed") {
-    Host::Plant plant;
-    plant.copy_on_fork = false;
-    Host host(plant);
-    const DoctorReport report = host.Run();
-    INFO(report.text);
-    CHECK(Has(report, "fork: ibv_fork_init is needed on this kernel"));
-    CHECK(report.failures == 0);
   }
   SECTION("one NIC for all GPUs") {
     Host host({});

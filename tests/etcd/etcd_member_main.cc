@@ -18,7 +18,9 @@
 #include <cstdio>
 #include <iostream>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -26,6 +28,7 @@
 #include "src/compose/transports.h"
 #include "src/core/protocol.h"
 #include "stepmesh/options.h"
+#include "tests/support/node_flags.h"
 
 namespace {
 
@@ -46,12 +49,9 @@ std::string Node(stepmesh::core::NodeId node) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::StatusOr<stepmesh::MeshOptions> from_env = stepmesh::MeshOptions::FromEnv();
-  if (!from_env.ok()) {
-    std::fprintf(stderr, "%s\n", from_env.status().ToString().c_str());
-    return 2;
-  }
-  stepmesh::MeshOptions options = *from_env;
+  std::optional<stepmesh::MeshOptions> from_env = stepmesh::testing::NodeOptionsFromEnv();
+  if (!from_env.has_value()) return 2;
+  stepmesh::MeshOptions options = *std::move(from_env);
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     const std::string value = argv[i + 1];
@@ -59,19 +59,12 @@ int main(int argc, char** argv) {
     const bool numeric = absl::SimpleAtoi(value, &n);
     if (flag == "--role" && (value == "worker" || value == "server")) {
       options.role = value == "worker" ? stepmesh::Role::kWorker : stepmesh::Role::kServer;
-    } else if (flag == "--rank" && numeric) {
-      options.rank = n;
-    } else if (flag == "--workers" && numeric) {
-      options.num_workers = n;
-    } else if (flag == "--servers" && numeric) {
-      options.num_servers = n;
     } else if (flag == "--max-workers" && numeric) {
       options.max_workers = n;
     } else if (flag == "--max-servers" && numeric) {
       options.max_servers = n;
-    } else if (flag == "--timeout-ms" && numeric) {
-      options.timeout = absl::Milliseconds(n);
-    } else {
+    } else if (flag == "--scheduler" ||  // from the environment (STEPMESH_RENDEZVOUS)
+               !stepmesh::testing::ApplyMeshFlag(flag, value, &options)) {
       std::fprintf(stderr, "bad flag %s %s\n", flag.c_str(), value.c_str());
       return 2;
     }

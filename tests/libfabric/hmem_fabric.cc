@@ -30,16 +30,28 @@ int HmemFabric::GetInfo(uint32_t version, const char* node, const char* service,
   return active->real_.getinfo(version, node, service, flags, hints, info);
 }
 
+namespace {
+
+// Points `*table` at `copy`: the real table (kept in `real`, taken the first
+// time) with one entry replaced by `override_entry`.
+template <typename Ops>
+void Interpose(Ops*& table, Ops*& real, Ops& copy, void (*override_entry)(Ops&)) {
+  if (real == nullptr) {
+    real = table;
+    copy = *table;
+    override_entry(copy);
+  }
+  table = &copy;
+}
+
+}  // namespace
+
 int HmemFabric::Fabric(fi_fabric_attr* attr, fid_fabric** fabric, void* context) {
   const int rc = active->real_.fabric(attr, fabric, context);
   if (rc != 0) return rc;
   base::MutexLock lock(&active->mu_);
-  if (active->real_fabric_ops_ == nullptr) {
-    active->real_fabric_ops_ = (*fabric)->ops;
-    active->fabric_ops_ = *(*fabric)->ops;
-    active->fabric_ops_.domain = &HmemFabric::Domain;
-  }
-  (*fabric)->ops = &active->fabric_ops_;
+  Interpose<fi_ops_fabric>((*fabric)->ops, active->real_fabric_ops_, active->fabric_ops_,
+                           [](fi_ops_fabric& ops) { ops.domain = &HmemFabric::Domain; });
   return 0;
 }
 
@@ -47,12 +59,8 @@ int HmemFabric::Domain(fid_fabric* fabric, fi_info* info, fid_domain** domain, v
   const int rc = active->real_fabric_ops_->domain(fabric, info, domain, context);
   if (rc != 0) return rc;
   base::MutexLock lock(&active->mu_);
-  if (active->real_mr_ops_ == nullptr) {
-    active->real_mr_ops_ = (*domain)->mr;
-    active->mr_ops_ = *(*domain)->mr;
-    active->mr_ops_.regattr = &HmemFabric::RegAttr;
-  }
-  (*domain)->mr = &active->mr_ops_;
+  Interpose<fi_ops_mr>((*domain)->mr, active->real_mr_ops_, active->mr_ops_,
+                       [](fi_ops_mr& ops) { ops.regattr = &HmemFabric::RegAttr; });
   return 0;
 }
 

@@ -50,15 +50,13 @@ core::TransportFactory Reordered(const std::string& provider, bool order_depende
 }
 
 Scenario SmallScenario() {
-  Scenario sc;
-  sc.workers = 1;
-  sc.servers = 1;
-  sc.micro_batches = 2;
-  sc.iterations = 3;
-  sc.push_bytes = 6 * 4096;  // 6 writes
-  sc.pull_bytes = 5 * 4096;  // 5 writes
-  sc.step_timeout = absl::Seconds(10);
-  return sc;
+  return {.workers = 1,
+          .servers = 1,
+          .micro_batches = 2,
+          .iterations = 3,
+          .push_bytes = 6 * 4096,  // 6 writes
+          .pull_bytes = 5 * 4096,  // 5 writes
+          .step_timeout = absl::Seconds(10)};
 }
 
 MeshOptions Base() {

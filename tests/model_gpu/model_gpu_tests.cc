@@ -94,6 +94,12 @@ double RelL2(const std::vector<float>& got, const std::vector<float>& want) {
   return norm > 0.0 ? std::sqrt(diff / norm) : std::sqrt(diff);
 }
 
+size_t NonFinite(const std::vector<float>& values) {
+  size_t count = 0;
+  for (float x : values) count += std::isfinite(x) ? 0 : 1;
+  return count;
+}
+
 template <typename T>
 size_t BitMismatches(const std::vector<T>& a, const std::vector<T>& b) {
   size_t count = 0;
@@ -541,9 +547,8 @@ void CheckPrefillAttention(const Env& env) {
   CUDA_OK(cuda::MqaAttention(d_q.get(), t, heads, d, d_k.get(), d_v.get(), t, d_negative.get(),
                              scale, d_out.get(), env.stream));
   const std::vector<float> got_negative = ToHost(d_out.get(), want.size());
-  size_t non_finite = 0;
-  for (float x : got_negative) non_finite += std::isfinite(x) ? 0 : 1;
-  env.report->Exact("prefill attention, negative positions: finite", "T=256", non_finite);
+  env.report->Exact("prefill attention, negative positions: finite", "T=256",
+                    NonFinite(got_negative));
   env.report->Check("prefill attention, negative positions vs cpu", "T=256",
                     RelL2(got_negative, want_negative), kFp32OrderBound);
 }
@@ -604,9 +609,7 @@ void CheckDecodeAttention(const Env& env) {
                                      d_edge.get(), max_kv, scale, d_out.get(), d_edge_ws.get(),
                                      edge_ws_bytes, env.stream));
     const std::vector<float> edge_got = ToHost(d_out.get(), edge_want.size());
-    size_t non_finite = 0;
-    for (float x : edge_got) non_finite += std::isfinite(x) ? 0 : 1;
-    env.report->Exact("decode attention kv_len 0 / < 0: finite", "5 seqs", non_finite);
+    env.report->Exact("decode attention kv_len 0 / < 0: finite", "5 seqs", NonFinite(edge_got));
     env.report->Check("decode attention kv_len 0, >max, <0 vs cpu", "5 seqs, max kv 300",
                       RelL2(edge_got, edge_want), kTensorCoreBound);
   }

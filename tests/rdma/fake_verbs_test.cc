@@ -172,15 +172,20 @@ void Connect(Side& a, Side& b, uint8_t a_timeout = 14, uint8_t a_retry = 7) {
   REQUIRE(b.ToRts() == 0);
 }
 
+// The status of the one completion on `a`'s send CQ (there must be one).
+ibv_wc_status OnlyCompletion(Side& a) {
+  std::vector<ibv_wc> wcs = a.Drain(a.send_cq);
+  REQUIRE(wcs.size() == 1);
+  return wcs[0].status;
+}
+
 TEST_CASE("fake verbs: a write inside a remote-writable MR lands", "[rdma][fake]") {
   FakeFabric fabric(Mode(GENERATE(false, true)));
   Side a(fabric, 0x0A000001), b(fabric, 0x0A000002);
   Connect(a, b);
   std::memset(a.buffer.data(), 0x5A, 100);
   REQUIRE(a.Write(b, 0, 200, 100) == 0);
-  auto wcs = a.Drain(a.send_cq);
-  REQUIRE(wcs.size() == 1);
-  CHECK(wcs[0].status == IBV_WC_SUCCESS);
+  CHECK(OnlyCompletion(a) == IBV_WC_SUCCESS);
   CHECK(b.buffer[200] == std::byte{0x5A});
   CHECK(b.buffer[299] == std::byte{0x5A});
   CHECK(b.buffer[300] == std::byte{0});
@@ -213,9 +218,7 @@ TEST_CASE("fake verbs: an MR without REMOTE_WRITE refuses remote writes", "[rdma
   Side b(fabric, 0x0A000002, 64, 16, IBV_ACCESS_LOCAL_WRITE);
   Connect(a, b);
   REQUIRE(a.Write(b, 0, 0, 8) == 0);
-  auto wcs = a.Drain(a.send_cq);
-  REQUIRE(wcs.size() == 1);
-  CHECK(wcs[0].status == IBV_WC_REM_ACCESS_ERR);
+  CHECK(OnlyCompletion(a) == IBV_WC_REM_ACCESS_ERR);
 }
 
 TEST_CASE("fake verbs: REMOTE_WRITE without LOCAL_WRITE is refused at registration",
@@ -231,9 +234,7 @@ TEST_CASE("fake verbs: a bad lkey completes with LOC_PROT_ERR", "[rdma][fake]") 
   Side a(fabric, 0x0A000001), b(fabric, 0x0A000002);
   Connect(a, b);
   REQUIRE(a.Write(b, 0, 0, 8, false, IBV_SEND_SIGNALED, 0, 0x7777) == 0);
-  auto wcs = a.Drain(a.send_cq);
-  REQUIRE(wcs.size() == 1);
-  CHECK(wcs[0].status == IBV_WC_LOC_PROT_ERR);
+  CHECK(OnlyCompletion(a) == IBV_WC_LOC_PROT_ERR);
 }
 
 TEST_CASE("fake verbs: the QP state machine gates posting", "[rdma][fake]") {
@@ -327,9 +328,7 @@ TEST_CASE("fake verbs: WRITE_WITH_IMM without a posted receive is an RNR error",
   Side a(fabric, 0x0A000001), b(fabric, 0x0A000002);
   Connect(a, b);
   REQUIRE(a.Write(b, 0, 0, 8, true, 0) == 0);  // unsignalled: errors complete anyway
-  auto wcs = a.Drain(a.send_cq);
-  REQUIRE(wcs.size() == 1);
-  CHECK(wcs[0].status == IBV_WC_RNR_RETRY_EXC_ERR);
+  CHECK(OnlyCompletion(a) == IBV_WC_RNR_RETRY_EXC_ERR);
   CHECK(fabric.stats().rnr_errors == 1);
 }
 
@@ -361,9 +360,7 @@ TEST_CASE("fake verbs: a PSN mismatch or missing peer QP is a retry error", "[rd
   REQUIRE(a.ToRtr(b) == 0);
   REQUIRE(a.ToRts(/*timeout=*/4, /*retry=*/1) == 0);  // b never reaches RTR
   REQUIRE(a.Write(b, 0, 0, 8) == 0);
-  auto wcs = a.Drain(a.send_cq);
-  REQUIRE(wcs.size() == 1);
-  CHECK(wcs[0].status == IBV_WC_RETRY_EXC_ERR);
+  CHECK(OnlyCompletion(a) == IBV_WC_RETRY_EXC_ERR);
 }
 
 TEST_CASE("fake verbs: CQ overflow raises CQ_ERR and errors the QP", "[rdma][fake]") {
@@ -467,9 +464,7 @@ TEST_CASE("fake verbs (async): an MR deregistered under an in-flight request fau
   REQUIRE(a.verbs->PostSend(a.qp.get(), &wr, &bad) == 0);
   src.Reset();  // deregistered while posted
   fabric.HoldQp(a.qp->qp_num, false);
-  auto wcs = a.Drain(a.send_cq);
-  REQUIRE(wcs.size() == 1);
-  CHECK(wcs[0].status == IBV_WC_LOC_PROT_ERR);
+  CHECK(OnlyCompletion(a) == IBV_WC_LOC_PROT_ERR);
 }
 
 TEST_CASE("fake verbs (async): FIFO within a QP, none across QPs", "[rdma][fake]") {
@@ -533,9 +528,7 @@ TEST_CASE("fake verbs: messages over max_msg_sz complete with LOC_LEN_ERR", "[rd
   REQUIRE(a.Write(b, 0, 0, 1024) == 0);
   REQUIRE(a.Drain(a.send_cq).at(0).status == IBV_WC_SUCCESS);
   REQUIRE(a.Write(b, 0, 0, 1025) == 0);
-  auto wcs = a.Drain(a.send_cq);
-  REQUIRE(wcs.size() == 1);
-  CHECK(wcs[0].status == IBV_WC_LOC_LEN_ERR);
+  CHECK(OnlyCompletion(a) == IBV_WC_LOC_LEN_ERR);
 }
 
 TEST_CASE("fake verbs: InfiniBand routes by LID and refuses dlid 0", "[rdma][fake]") {

@@ -103,63 +103,85 @@ absl::StatusOr<std::unique_ptr<Memory>> DeviceTensor(Backend& backend, FakeFabri
   return memory;
 }
 
-absl::Status RunServer(AFTensorServer& server, Backend& backend, FakeFabric& fabric) {
-  STEPMESH_ASSIGN_OR_RETURN(auto recv, DeviceTensor(backend, fabric, kPushBytes));
-  STEPMESH_ASSIGN_OR_RETURN(auto reply, DeviceTensor(backend, fabric, kPullBytes));
+TensorView Bytes(Memory& memory, size_t bytes) {
+  return memory.View(DType::kUInt8, Shape{1, static_cast<int64_t>(bytes)});
+}
+
+// A participant's part of the exchange, on two device tensors (kPushBytes and
+// kPullBytes): `attach` registers them, then barrier, `step(i)` for every
+// iteration, barrier, and the node shuts down before the tensors go.
+template <typename Node, typename Attach, typename Step>
+absl::Status RunNode(Node& node, Backend& backend, FakeFabric& fabric, Attach attach, Step step) {
+  STEPMESH_ASSIGN_OR_RETURN(auto sent, DeviceTensor(backend, fabric, kPushBytes));
+  STEPMESH_ASSIGN_OR_RETURN(auto replied, DeviceTensor(backend, fabric, kPullBytes));
   absl::Status status = [&]() -> absl::Status {
-    STEPMESH_RETURN_IF_ERROR(server.RegisterRecvTensor(
-        kPushKey, recv->View(DType::kUInt8, Shape{1, static_cast<int64_t>(kPushBytes)})));
-    STEPMESH_RETURN_IF_ERROR(server.RegisterReplyTensor(
-        kPullKey, reply->View(DType::kUInt8, Shape{1, static_cast<int64_t>(kPullBytes)})));
-    STEPMESH_RETURN_IF_ERROR(server.Barrier());
-    for (int i = 0; i < kIterations; ++i) {
-      STEPMESH_ASSIGN_OR_RETURN(Batch batch, server.GetBatch(absl::Seconds(10)));
-      const auto* in = static_cast<const uint8_t*>(batch.tensors.at(0).region.data);
-      for (size_t j = 0; j < kPushBytes; ++j) {
-        if (in[j] != PushByte(i, j)) {
-          return absl::DataLossError(absl::StrCat("server: iteration ", i, " byte ", j));
-        }
-      }
-      auto* out = static_cast<uint8_t*>(reply->data());
-      for (size_t j = 0; j < kPullBytes; ++j) out[j] = in[j % kPushBytes] ^ 0x5A;
-      const Reply r{0};
-      STEPMESH_RETURN_IF_ERROR(server.Respond(batch, {&r, 1}));
-    }
-    return server.Barrier();
+    STEPMESH_RETURN_IF_ERROR(attach(*sent, *replied));
+    STEPMESH_RETURN_IF_ERROR(node.Barrier());
+    for (int i = 0; i < kIterations; ++i) STEPMESH_RETURN_IF_ERROR(step(i, *sent, *replied));
+    return node.Barrier();
   }();
-  (void)server.Shutdown();  // before the tensors go
+  (void)node.Shutdown();
   return status;
 }
 
-absl::Status RunWorker(AFTensorWorker& worker, Backend& backend, FakeFabric& fabric) {
-  STEPMESH_ASSIGN_OR_RETURN(auto push, DeviceTensor(backend, fabric, kPushBytes));
-  STEPMESH_ASSIGN_OR_RETURN(auto pull, DeviceTensor(backend, fabric, kPullBytes));
-  absl::Status status = [&]() -> absl::Status {
-    STEPMESH_RETURN_IF_ERROR(worker.RegisterPushTensor(
-        kPushKey, push->View(DType::kUInt8, Shape{1, static_cast<int64_t>(kPushBytes)})));
-    STEPMESH_RETURN_IF_ERROR(worker.RegisterPullTensor(
-        kPullKey, 0, pull->View(DType::kUInt8, Shape{1, static_cast<int64_t>(kPullBytes)})));
-    STEPMESH_RETURN_IF_ERROR(worker.Barrier());
-    for (int i = 0; i < kIterations; ++i) {
-      auto* in = static_cast<uint8_t*>(push->data());
-      for (size_t j = 0; j < kPushBytes; ++j) in[j] = PushByte(i, j);
-      const Push p{kPushKey};
-      const Pull q{kPullKey, 0};
-      STEPMESH_ASSIGN_OR_RETURN(RequestHandle handle, worker.PushPull({&p, 1}, {&q, 1}));
-      STEPMESH_RETURN_IF_ERROR(worker.Wait(handle, absl::Seconds(10)));
-      const auto* out = static_cast<const uint8_t*>(pull->data());
-      for (size_t j = 0; j < kPullBytes; ++j) {
-        if (out[j] != ReplyByte(i, j)) {
-          return absl::DataLossError(absl::StrCat("worker: iteration ", i, " byte ", j, " is ",
-                                                  int{out[j]}, ", expected ",
-                                                  int{ReplyByte(i, j)}));
-        }
+absl::Status RunServer(AFTensorServer& server, Backend& backend, FakeFabric& fabric) {
+  auto attach = [&](Memory& recv, Memory& reply) -> absl::Status {
+    STEPMESH_RETURN_IF_ERROR(server.RegisterRecvTensor(kPushKey, Bytes(recv, kPushBytes)));
+    return server.RegisterReplyTensor(kPullKey, Bytes(reply, kPullBytes));
+  };
+  auto step = [&](int i, Memory&, Memory& reply) -> absl::Status {
+    STEPMESH_ASSIGN_OR_RETURN(Batch batch, server.GetBatch(absl::Seconds(10)));
+    const auto* in = static_cast<const uint8_t*>(batch.tensors.at(0).region.data);
+    for (size_t j = 0; j < kPushBytes; ++j) {
+      if (in[j] != PushByte(i, j)) {
+        return absl::DataLossError(absl::StrCat("server: iteration ", i, " byte ", j));
       }
     }
-    return worker.Barrier();
-  }();
-  (void)worker.Shutdown();
-  return status;
+    auto* out = static_cast<uint8_t*>(reply.data());
+    for (size_t j = 0; j < kPullBytes; ++j) out[j] = in[j % kPushBytes] ^ 0x5A;
+    const Reply r{0};
+    return server.Respond(batch, {&r, 1});
+  };
+  return RunNode(server, backend, fabric, attach, step);
+}
+
+absl::Status RunWorker(AFTensorWorker& worker, Backend& backend, FakeFabric& fabric) {
+  auto attach = [&](Memory& push, Memory& pull) -> absl::Status {
+    STEPMESH_RETURN_IF_ERROR(worker.RegisterPushTensor(kPushKey, Bytes(push, kPushBytes)));
+    return worker.RegisterPullTensor(kPullKey, 0, Bytes(pull, kPullBytes));
+  };
+  auto step = [&](int i, Memory& push, Memory& pull) -> absl::Status {
+    auto* in = static_cast<uint8_t*>(push.data());
+    for (size_t j = 0; j < kPushBytes; ++j) in[j] = PushByte(i, j);
+    const Push p{kPushKey};
+    const Pull q{kPullKey, 0};
+    STEPMESH_ASSIGN_OR_RETURN(RequestHandle handle, worker.PushPull({&p, 1}, {&q, 1}));
+    STEPMESH_RETURN_IF_ERROR(worker.Wait(handle, absl::Seconds(10)));
+    const auto* out = static_cast<const uint8_t*>(pull.data());
+    for (size_t j = 0; j < kPullBytes; ++j) {
+      if (out[j] != ReplyByte(i, j)) {
+        return absl::DataLossError(absl::StrCat("worker: iteration ", i, " byte ", j, " is ",
+                                                int{out[j]}, ", expected ", int{ReplyByte(i, j)}));
+      }
+    }
+    return absl::OkStatus();
+  };
+  return RunNode(worker, backend, fabric, attach, step);
+}
+
+// One side on its own fake GPU: its backend (counting the copies it made for
+// itself), `create(options, backend)`, then `run(node, backend)`.
+template <typename Create, typename Run>
+absl::Status RunSide(MeshOptions o, Role role, const std::shared_ptr<FakeCudaApi>& gpu,
+                     std::atomic<int>& setup_memcpys, Create create, Run run) {
+  o.role = role;
+  o.rank = 0;
+  auto backend = CreateCudaBackend(gpu, 0);
+  setup_memcpys = Memcpys(*gpu);
+  if (!backend.ok()) return backend.status();
+  std::shared_ptr<Backend> shared = *std::move(backend);
+  auto node = create(o, shared);
+  return node.ok() ? run(**node, *shared) : node.status();
 }
 
 Outcome RunExchange(const Setup& setup) {
@@ -182,31 +204,19 @@ Outcome RunExchange(const Setup& setup) {
   std::atomic<int> worker_setup_memcpys = 0, server_setup_memcpys = 0;
   {
     std::thread server_thread([&] {
-      MeshOptions o = base;
-      o.role = Role::kServer;
-      o.rank = 0;
-      auto backend = CreateCudaBackend(server_gpu, 0);
-      server_setup_memcpys = Memcpys(*server_gpu);
-      if (!backend.ok()) {
-        outcome.server = backend.status();
-        return;
-      }
-      std::shared_ptr<Backend> shared = *std::move(backend);
-      auto server = core::CreateServer(o, shared, factory);
-      outcome.server = server.ok() ? RunServer(**server, *shared, *fabric) : server.status();
+      outcome.server = RunSide(
+          base, Role::kServer, server_gpu, server_setup_memcpys,
+          [&](const MeshOptions& o, std::shared_ptr<Backend> b) {
+            return core::CreateServer(o, std::move(b), factory);
+          },
+          [&](AFTensorServer& server, Backend& b) { return RunServer(server, b, *fabric); });
     });
-    MeshOptions o = base;
-    o.role = Role::kWorker;
-    o.rank = 0;
-    auto backend = CreateCudaBackend(worker_gpu, 0);
-    worker_setup_memcpys = Memcpys(*worker_gpu);
-    if (backend.ok()) {
-      std::shared_ptr<Backend> shared = *std::move(backend);
-      auto worker = core::CreateWorker(o, shared, factory);
-      outcome.worker = worker.ok() ? RunWorker(**worker, *shared, *fabric) : worker.status();
-    } else {
-      outcome.worker = backend.status();
-    }
+    outcome.worker = RunSide(
+        base, Role::kWorker, worker_gpu, worker_setup_memcpys,
+        [&](const MeshOptions& o, std::shared_ptr<Backend> b) {
+          return core::CreateWorker(o, std::move(b), factory);
+        },
+        [&](AFTensorWorker& worker, Backend& b) { return RunWorker(worker, b, *fabric); });
     server_thread.join();
   }
   outcome.worker_gpu = Counts(*worker_gpu, worker_setup_memcpys);
@@ -255,9 +265,7 @@ TEST_CASE("gpudirect: device tensors registered by dma-buf, no staging, flushed 
 }
 
 TEST_CASE("gpudirect: a GPU that orders NIC writes itself is not flushed", "[rdma][gpudirect]") {
-  Setup setup;
-  setup.ordered_writes = true;
-  const Outcome o = RunExchange(setup);
+  const Outcome o = RunExchange({.ordered_writes = true});
   CheckDelivered(o);
   CHECK(o.dmabuf_mrs == 4);
   CHECK(o.worker_gpu.flushes == 0);
@@ -266,10 +274,7 @@ TEST_CASE("gpudirect: a GPU that orders NIC writes itself is not flushed", "[rdm
 
 TEST_CASE("gpudirect: without dma-buf export, peer memory registers the device address",
           "[rdma][gpudirect]") {
-  Setup setup;
-  setup.driver_dmabuf = false;
-  setup.peer_memory = true;
-  const Outcome o = RunExchange(setup);
+  const Outcome o = RunExchange({.peer_memory = true, .driver_dmabuf = false});
   CheckDelivered(o);
   CHECK(o.dmabuf_mrs == 0);
   CHECK(o.worker_gpu.memcpys == 0);
@@ -281,11 +286,8 @@ TEST_CASE("gpudirect: CUDA exports a dma-buf, the NIC refuses it, peer memory re
           "[rdma][gpudirect]") {
   for (const int refusal : {EOPNOTSUPP, EPROTONOSUPPORT}) {
     INFO("ibv_reg_dmabuf_mr fails with errno " << refusal);
-    Setup setup;
-    setup.nic_dmabuf = false;
-    setup.dmabuf_errno = refusal;
-    setup.peer_memory = true;
-    const Outcome o = RunExchange(setup);
+    const Outcome o =
+        RunExchange({.nic_dmabuf = false, .peer_memory = true, .dmabuf_errno = refusal});
     CheckDelivered(o);
     CHECK(o.worker_gpu.exports >= 1);  // the driver did export
     CHECK(o.dmabuf_mrs == 0);
@@ -298,9 +300,8 @@ TEST_CASE("gpudirect: CUDA exports a dma-buf, the NIC refuses it, peer memory re
 
 TEST_CASE("gpudirect: a NIC that refuses device memory gets staged copies (auto)",
           "[rdma][gpudirect]") {
-  Setup setup;
-  setup.nic_dmabuf = false;  // EOPNOTSUPP, and no peer memory: EFAULT
-  const Outcome o = RunExchange(setup);
+  // EOPNOTSUPP, and no peer memory: EFAULT
+  const Outcome o = RunExchange({.nic_dmabuf = false});
   CheckDelivered(o);
   CHECK(o.dmabuf_mrs == 0);
   // Every push staged out and every reply staged in, on both sides.
@@ -310,9 +311,7 @@ TEST_CASE("gpudirect: a NIC that refuses device memory gets staged copies (auto)
 }
 
 TEST_CASE("gpudirect: off stages even where dma-buf would work", "[rdma][gpudirect]") {
-  Setup setup;
-  setup.mode = GpuDirect::kOff;
-  const Outcome o = RunExchange(setup);
+  const Outcome o = RunExchange({.mode = GpuDirect::kOff});
   CheckDelivered(o);
   CHECK(o.worker_gpu.exports == 0);
   CHECK(o.dmabuf_mrs == 0);
@@ -320,10 +319,7 @@ TEST_CASE("gpudirect: off stages even where dma-buf would work", "[rdma][gpudire
 }
 
 TEST_CASE("gpudirect: require fails the registration instead of staging", "[rdma][gpudirect]") {
-  Setup setup;
-  setup.mode = GpuDirect::kRequire;
-  setup.nic_dmabuf = false;
-  const Outcome o = RunExchange(setup);
+  const Outcome o = RunExchange({.nic_dmabuf = false, .mode = GpuDirect::kRequire});
   INFO(o.worker.ToString() << " / " << o.server.ToString());
   CHECK(absl::IsInternal(o.worker));
   CHECK(absl::StrContains(o.worker.message(), "dma-buf"));

@@ -33,11 +33,17 @@ bool Mentions(const absl::Status& status, absl::string_view text) {
   return absl::StrContains(status.message(), text);
 }
 
-TEST_CASE("rdma nic: a source region is deregistered only once the sends reading it completed",
-          "[rdma][nic]") {
+// A worker and a server on the fake fabric, serving `buf`'s regions.
+struct ServedPair {
+  ServedPair() { Serve(pair, buf); }
   Buffers buf;
   Pair pair;
-  Serve(pair, buf);
+};
+
+TEST_CASE_METHOD(
+    ServedPair,
+    "rdma nic: a source region is deregistered only once the sends reading it completed",
+    "[rdma][nic]") {
   PushChecked(pair, buf, 100, 4);  // the advert is in: the next push is posted at once
   Fill(buf.src.data(), 4096, 5);
   const uint32_t qp0 = pair.WorkerQps().at(0);
@@ -87,10 +93,8 @@ TEST_CASE("rdma nic: a withdrawn receive slot stays registered until the writer 
   CHECK(Mentions(refused[0].status, "key 7"));
 }
 
-TEST_CASE("rdma nic: frames posted before Shutdown arrive before the goodbye", "[rdma][nic]") {
-  Buffers buf;
-  Pair pair;
-  Serve(pair, buf);
+TEST_CASE_METHOD(ServedPair, "rdma nic: frames posted before Shutdown arrive before the goodbye",
+                 "[rdma][nic]") {
   ReplyChecked(pair, buf, 100, 4);  // the advert is in: the replies below are posted at once
   Fill(buf.reply.data(), 1000, 3);
   const uint32_t qp0 = pair.ServerQps().at(0);
@@ -153,10 +157,8 @@ TEST_CASE(
   CHECK(Mentions(events[0].status, "GID"));
 }
 
-TEST_CASE("rdma nic: the default ACK timeout rides out a one-second PFC pause", "[rdma][nic]") {
-  Buffers buf;
-  Pair pair;
-  Serve(pair, buf);
+TEST_CASE_METHOD(ServedPair, "rdma nic: the default ACK timeout rides out a one-second PFC pause",
+                 "[rdma][nic]") {
   pair.fabric.PauseNic("fake_s", absl::Seconds(1));
   PushChecked(pair, buf, 2000, 6, /*nth=*/1, /*wait=*/absl::Seconds(10));
   CHECK_FALSE(pair.worker.sink.AnyLoss());
@@ -289,11 +291,8 @@ TEST_CASE("rdma nic: with an interface named, only GIDs in its subnets are chose
 
 TEST_CASE("rdma nic: iWARP devices (no immediate data) are not candidates", "[rdma][nic]") {
   FakeFabric fabric;
-  FakeNicSpec siw;
-  siw.name = "siw0";
-  siw.iwarp = true;
-  FakeNicSpec roce;
-  roce.name = "fake_roce";
+  const FakeNicSpec siw{.name = "siw0", .iwarp = true};
+  const FakeNicSpec roce{.name = "fake_roce"};
   auto both = fabric.AddHost({siw, roce});  // outlives the port it opens
   auto port = rdma::OpenPort(*both, MeshOptions());
   REQUIRE(port.ok());

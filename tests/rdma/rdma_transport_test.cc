@@ -475,13 +475,9 @@ TEST_CASE("rdma: mismatched QP counts are refused at connect", "[rdma][transport
 
 TEST_CASE("rdma: device selection prefers the named device and RoCE v2 GIDs", "[rdma][transport]") {
   FakeFabric fabric;
-  FakeNicSpec down;
-  down.name = "fake_down";
-  down.port_state = IBV_PORT_DOWN;
-  FakeNicSpec up;
-  up.name = "fake_up";
-  FakeNicSpec other;
-  other.name = "fake_other";
+  const FakeNicSpec down{.name = "fake_down", .port_state = IBV_PORT_DOWN};
+  const FakeNicSpec up{.name = "fake_up"};
+  const FakeNicSpec other{.name = "fake_other"};
   auto verbs = fabric.AddHost({down, up, other});
   MeshOptions o;
   auto port = rdma::OpenPort(*verbs, o);

@@ -25,18 +25,15 @@ TEST_CASE("rdma wire: stripe counts compare modulo 2^15", "[rdma][wire]") {
 }
 
 TEST_CASE("rdma wire: hello, advert and withdraw round-trip", "[rdma][wire]") {
-  Hello hello;
-  hello.node = 0x02000003;
-  hello.num_qps = 2;
-  hello.recv_depth = 256;
-  hello.mtu = 5;
-  hello.ring_addr = 0x7F0012345000;
-  hello.ring_rkey = 0xCAFE;
-  hello.qps[1].qpn = 77;
-  hello.qps[1].psn = 0xABCDEF;
+  Hello hello{.node = 0x02000003,
+              .num_qps = 2,
+              .recv_depth = 256,
+              .mtu = 5,
+              .link_layer = IBV_LINK_LAYER_INFINIBAND,
+              .ring_addr = 0x7F0012345000,
+              .ring_rkey = 0xCAFE};
+  hello.qps[1] = {.qpn = 77, .psn = 0xABCDEF, .lid = 0x1234};
   hello.qps[1].gid[15] = 9;
-  hello.qps[1].lid = 0x1234;
-  hello.link_layer = IBV_LINK_LAYER_INFINIBAND;
   std::byte msg[kBootHeaderBytes + kMaxBootBody];
   const size_t n = EncodeHello(hello, msg);
   auto header = DecodeBootHeader(msg);

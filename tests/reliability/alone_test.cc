@@ -50,84 +50,89 @@ absl::Status BothRound(Harness& mesh, int round, absl::Duration* slowest) {
   return s0.ok() ? s1 : s0;
 }
 
-TEST_CASE("alone: a push to a key no server registered is parked, not waited for",
-          "[alone][registration]") {
+// body(mesh, row) over every transport of the table, each in its own section: two
+// workers, two servers, kTimeout, started.
+template <typename Body>
+void OnEveryTransport(Body body) {
   for (const TransportCase& row : TransportTable()) {
     DYNAMIC_SECTION(row.name) {
       Harness mesh(MeshConfig(row.transport, 2, 2, kTimeout), row.make().factory);
       REQUIRE_OK(mesh.status());
-      std::vector<uint8_t> bad(kBytes, 0x5a);
-      REQUIRE_OK(
-          mesh.worker(1).RegisterPushTensor(kUnregisteredPush, BytesView(bad.data(), bad.size())));
-      absl::Duration warm;
-      REQUIRE_OK(BothRound(mesh, 0, &warm));
-      // Worker 1's mistake: a request pushing a key the servers never register.
-      const Push p{kUnregisteredPush};
-      absl::StatusOr<RequestHandle> wrong = mesh.worker(1).PushPull({&p, 1}, {});
-      REQUIRE_OK(wrong);
-      absl::Duration slowest;
-      for (int round = 1; round <= 20; ++round) REQUIRE_OK(BothRound(mesh, round, &slowest));
-      INFO("slowest round trip after the wrong push: " << absl::FormatDuration(slowest));
-      if (row.transport == "tcp") {
-        // The servers' receive threads never waited: no round trip came near the
-        // registration wait (before: the first one took the whole timeout, 2 s).
-        CHECK(slowest < kTimeout / 4);
-      }
-      // Over RDMA the push never leaves worker 1: it waits in worker 1's outbox
-      // to that server for the key's advertisement (the send thread does not
-      // wait; worker 1's later frames to that server wait behind it), and is
-      // refused after the timeout naming the key (docs/rdma.md).
-      const absl::Status refused = mesh.worker(1).Wait(*wrong, kTimeout * 3);
-      INFO(refused.ToString());
-      if (row.transport == "tcp") {
-        CHECK(absl::IsNotFound(refused));
-        CHECK(absl::StrContains(refused.message(), "push key 900 of worker 1 is not registered"));
-        CHECK(absl::StrContains(refused.message(), "waited"));
-      } else {
-        CHECK(absl::IsDeadlineExceeded(refused));
-        CHECK(absl::StrContains(refused.message(), "key 900"));
-      }
-      // Everyone goes on as before.
-      for (int round = 21; round <= 25; ++round) REQUIRE_OK(BothRound(mesh, round, &slowest));
-      CHECK(mesh.server_errors().empty());
+      body(mesh, row);
     }
   }
 }
 
+TEST_CASE("alone: a push to a key no server registered is parked, not waited for",
+          "[alone][registration]") {
+  OnEveryTransport([&](Harness& mesh, const TransportCase& row) {
+    std::vector<uint8_t> bad(kBytes, 0x5a);
+    REQUIRE_OK(
+        mesh.worker(1).RegisterPushTensor(kUnregisteredPush, BytesView(bad.data(), bad.size())));
+    absl::Duration warm;
+    REQUIRE_OK(BothRound(mesh, 0, &warm));
+    // Worker 1's mistake: a request pushing a key the servers never register.
+    const Push p{kUnregisteredPush};
+    absl::StatusOr<RequestHandle> wrong = mesh.worker(1).PushPull({&p, 1}, {});
+    REQUIRE_OK(wrong);
+    absl::Duration slowest;
+    for (int round = 1; round <= 20; ++round) REQUIRE_OK(BothRound(mesh, round, &slowest));
+    INFO("slowest round trip after the wrong push: " << absl::FormatDuration(slowest));
+    if (row.transport == "tcp") {
+      // The servers' receive threads never waited: no round trip came near the
+      // registration wait (before: the first one took the whole timeout, 2 s).
+      CHECK(slowest < kTimeout / 4);
+    }
+    // Over RDMA the push never leaves worker 1: it waits in worker 1's outbox
+    // to that server for the key's advertisement (the send thread does not
+    // wait; worker 1's later frames to that server wait behind it), and is
+    // refused after the timeout naming the key (docs/rdma.md).
+    const absl::Status refused = mesh.worker(1).Wait(*wrong, kTimeout * 3);
+    INFO(refused.ToString());
+    if (row.transport == "tcp") {
+      CHECK(absl::IsNotFound(refused));
+      CHECK(absl::StrContains(refused.message(), "push key 900 of worker 1 is not registered"));
+      CHECK(absl::StrContains(refused.message(), "waited"));
+    } else {
+      CHECK(absl::IsDeadlineExceeded(refused));
+      CHECK(absl::StrContains(refused.message(), "key 900"));
+    }
+    // Everyone goes on as before.
+    for (int round = 21; round <= 25; ++round) REQUIRE_OK(BothRound(mesh, round, &slowest));
+    CHECK(mesh.server_errors().empty());
+  });
+}
+
 TEST_CASE("alone: a pull of a key with no reply tensor fails that worker's request alone",
           "[alone]") {
-  for (const TransportCase& row : TransportTable()) {
-    DYNAMIC_SECTION(row.name) {
-      Harness mesh(MeshConfig(row.transport, 2, 2, kTimeout), row.make().factory);
-      REQUIRE_OK(mesh.status());
-      std::vector<std::vector<uint8_t>> wrong_pulls(2, std::vector<uint8_t>(kBytes));
-      for (int s = 0; s < 2; ++s) {
-        REQUIRE_OK(mesh.worker(1).RegisterPullTensor(kUnregisteredPull, s,
-                                                     BytesView(wrong_pulls[s].data(), kBytes)));
-      }
-      absl::Duration slowest;
-      REQUIRE_OK(BothRound(mesh, 0, &slowest));
-      // Worker 0 as always; worker 1 pulls a key the servers have no reply tensor for.
-      const uint8_t f0 = 0x31;
-      absl::StatusOr<RequestHandle> h0 = mesh.Start(0, 0, f0);
-      REQUIRE_OK(h0);
-      const Push p{RelPushKey(0)};
-      const Pull q[2] = {{kUnregisteredPull, 0}, {kUnregisteredPull, 1}};
-      absl::StatusOr<RequestHandle> h1 = mesh.worker(1).PushPull({&p, 1}, {q, 2});
-      REQUIRE_OK(h1);
-      // Worker 0's batch forms without worker 1 once its request is refused
-      // (the registration wait, half the timeout), every byte its own.
-      REQUIRE_OK(mesh.Finish(0, 0, *h0, f0, kTimeout * 2));
-      const absl::Status refused = mesh.worker(1).Wait(*h1, kTimeout * 2);
-      INFO(refused.ToString());
-      CHECK(absl::IsNotFound(refused));
-      CHECK(absl::StrContains(refused.message(), "worker 1 pulls key 901"));
-      CHECK(absl::StrContains(refused.message(), "no reply tensor on server"));
-      // Both go on in step.
-      for (int round = 1; round <= 5; ++round) REQUIRE_OK(BothRound(mesh, round, &slowest));
-      CHECK(mesh.server_errors().empty());
+  OnEveryTransport([&](Harness& mesh, const TransportCase& row) {
+    std::vector<std::vector<uint8_t>> wrong_pulls(2, std::vector<uint8_t>(kBytes));
+    for (int s = 0; s < 2; ++s) {
+      REQUIRE_OK(mesh.worker(1).RegisterPullTensor(kUnregisteredPull, s,
+                                                   BytesView(wrong_pulls[s].data(), kBytes)));
     }
-  }
+    absl::Duration slowest;
+    REQUIRE_OK(BothRound(mesh, 0, &slowest));
+    // Worker 0 as always; worker 1 pulls a key the servers have no reply tensor for.
+    const uint8_t f0 = 0x31;
+    absl::StatusOr<RequestHandle> h0 = mesh.Start(0, 0, f0);
+    REQUIRE_OK(h0);
+    const Push p{RelPushKey(0)};
+    const Pull q[2] = {{kUnregisteredPull, 0}, {kUnregisteredPull, 1}};
+    absl::StatusOr<RequestHandle> h1 = mesh.worker(1).PushPull({&p, 1}, {q, 2});
+    REQUIRE_OK(h1);
+    // Worker 0's batch forms without worker 1 once its request is refused
+    // (the registration wait, half the timeout), every byte its own.
+    REQUIRE_OK(mesh.Finish(0, 0, *h0, f0, kTimeout * 2));
+    const absl::Status refused = mesh.worker(1).Wait(*h1, kTimeout * 2);
+    INFO(refused.ToString());
+    CHECK(absl::IsNotFound(refused));
+    CHECK(absl::StrContains(refused.message(), "worker 1 pulls key 901"));
+    CHECK(absl::StrContains(refused.message(), "no reply tensor on server"));
+    // Both go on in step.
+    for (int round = 1; round <= 5; ++round) REQUIRE_OK(BothRound(mesh, round, &slowest));
+    CHECK(mesh.server_errors().empty());
+  });
 }
 
 // A participant's control connection that joins as `role` `rank` and then dies

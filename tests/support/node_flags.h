@@ -6,9 +6,12 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/numbers.h"
@@ -17,17 +20,33 @@
 
 namespace stepmesh::testing {
 
-// The environment's options over TCP (auth token, log level apply; the flags
-// read after this win). A bad environment is printed and gives nullopt.
-inline std::optional<MeshOptions> TcpNodeOptionsFromEnv() {
+// The environment's options (the flags read after this win). A bad
+// environment is printed and gives nullopt.
+inline std::optional<MeshOptions> NodeOptionsFromEnv() {
   absl::StatusOr<MeshOptions> from_env = MeshOptions::FromEnv();
   if (!from_env.ok()) {
     std::fprintf(stderr, "%s\n", from_env.status().ToString().c_str());
     return std::nullopt;
   }
-  MeshOptions options = *from_env;
-  options.transport = "tcp";
+  return *std::move(from_env);
+}
+
+// NodeOptionsFromEnv() over TCP (auth token, log level apply).
+inline std::optional<MeshOptions> TcpNodeOptionsFromEnv() {
+  std::optional<MeshOptions> options = NodeOptionsFromEnv();
+  if (options.has_value()) options->transport = "tcp";
   return options;
+}
+
+// The command line of a node program: `program`, then each flag and its value.
+inline std::vector<std::string> NodeArgv(
+    std::string program, std::initializer_list<std::pair<const char*, std::string>> flags) {
+  std::vector<std::string> argv = {std::move(program)};
+  for (const auto& [flag, value] : flags) {
+    argv.emplace_back(flag);
+    argv.push_back(value);
+  }
+  return argv;
 }
 
 // Applies one of the flags every node program takes: --scheduler H:P,

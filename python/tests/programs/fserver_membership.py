@@ -7,21 +7,14 @@ through f.wait_membership_change, and worker 0's next FSERVER_TEST_ITERS
 requests are served in batches of worker 0 alone. Prints one line per
 membership it saw: "membership <role> <rank> epoch E workers W servers S"."""
 
-import os
-
 import torch
 
 import stepmesh
 import stepmesh.fserver as f
 
-ITERS = int(os.environ.get("FSERVER_TEST_ITERS", "20"))
-role = os.environ.get("DMLC_ROLE")
-rank = int(os.environ.get("DMLC_NODE_RANK", "0"))
+from fserver_program import mesh_env, show
 
-
-def show(m):
-    print(f"membership {role} {rank} epoch {m.epoch} workers {m.workers} servers {m.servers}",
-          flush=True)
+ITERS, role, rank = mesh_env()
 
 
 def exchange(i):

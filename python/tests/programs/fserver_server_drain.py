@@ -7,7 +7,6 @@ its main thread answers it and keeps serving get_batch/respond until
 get_batch raises stepmesh.Unavailable (drained). The worker hears servers [0]
 (f.wait_membership_change) and pulls from server 0 alone from then on."""
 
-import os
 import threading
 import time
 
@@ -16,14 +15,9 @@ import torch
 import stepmesh
 import stepmesh.fserver as f
 
-ITERS = int(os.environ.get("FSERVER_TEST_ITERS", "20"))
-role = os.environ.get("DMLC_ROLE")
-rank = int(os.environ.get("DMLC_NODE_RANK", "0"))
+from fserver_program import mesh_env, show
 
-
-def show(m):
-    print(f"membership {role} {rank} epoch {m.epoch} workers {m.workers} servers {m.servers}",
-          flush=True)
+ITERS, role, rank = mesh_env()
 
 
 def post(i, servers):
