@@ -2,6 +2,14 @@
 # that scripts/install-deps.sh installs.
 find_package(Threads REQUIRED)
 find_package(absl CONFIG REQUIRED)
+
+# Abseil's static archives, next to its CMake package where the distribution
+# ships them (Debian's libabsl-dev does). STEPMESH_STATIC_ABSEIL links them
+# into this project's programs (src/CMakeLists.txt).
+file(GLOB STEPMESH_ABSL_ARCHIVES "${absl_DIR}/../../libabsl_*.a")
+if(STEPMESH_STATIC_ABSEIL AND NOT STEPMESH_ABSL_ARCHIVES)
+  message(FATAL_ERROR "STEPMESH_STATIC_ABSEIL=ON, but no libabsl_*.a next to ${absl_DIR}")
+endif()
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(HWLOC REQUIRED IMPORTED_TARGET hwloc)
 

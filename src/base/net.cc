@@ -142,7 +142,7 @@ absl::StatusOr<UniqueFd> ConnectTcp(const HostPort& to, absl::Time deadline) {
       STEPMESH_RETURN_IF_ERROR(SetNonBlocking(fd.get(), false));
       return fd;
     }
-    const bool retryable = err == ECONNREFUSED || err == ETIMEDOUT || err == ECONNRESET;
+    const bool retryable = RetryableConnectError(err);
     if (!retryable || absl::Now() + backoff > deadline) {
       return absl::UnavailableError(
           ErrnoMessage(absl::StrCat("connect to ", to.host, ":", to.port), err));
@@ -150,6 +150,28 @@ absl::StatusOr<UniqueFd> ConnectTcp(const HostPort& to, absl::Time deadline) {
     absl::SleepFor(backoff);
     backoff = std::min(backoff * 2, absl::Milliseconds(200));
   }
+}
+
+absl::StatusOr<StartedConnect> StartConnectTcp(const HostPort& to) {
+  socklen_t len = 0;
+  STEPMESH_ASSIGN_OR_RETURN(sockaddr_storage addr, Resolve(to.host, to.port, &len));
+  StartedConnect started;
+  started.fd.Reset(::socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!started.fd.valid()) return absl::InternalError(ErrnoMessage("socket", errno));
+  const int rc = ::connect(started.fd.get(), reinterpret_cast<sockaddr*>(&addr), len);
+  started.error = rc == 0 ? 0 : errno;
+  return started;
+}
+
+int ConnectError(int fd) {
+  int err = 0;
+  socklen_t errlen = sizeof(err);
+  if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &errlen) != 0) return errno;
+  return err;
+}
+
+bool RetryableConnectError(int err) {
+  return err == ECONNREFUSED || err == ETIMEDOUT || err == ECONNRESET;
 }
 
 absl::StatusOr<UniqueFd> AcceptTcp(int listen_fd, absl::Time deadline) {

@@ -50,6 +50,18 @@ absl::StatusOr<UniqueFd> ListenTcp(const std::string& host, uint16_t port, int b
 absl::StatusOr<uint16_t> LocalPort(int fd);
 // Connects, retrying refused connections until `deadline` (the peer may still be starting).
 absl::StatusOr<UniqueFd> ConnectTcp(const HostPort& to, absl::Time deadline);
+// A connect started without waiting, for dialling many peers at once: `fd` is
+// nonblocking; `error` is 0 (connected), EINPROGRESS (wait for POLLOUT, then
+// read the outcome with ConnectError) or the connect's errno.
+struct StartedConnect {
+  UniqueFd fd;
+  int error = 0;
+};
+absl::StatusOr<StartedConnect> StartConnectTcp(const HostPort& to);
+// How the started connect of `fd` ended: 0 or its errno.
+int ConnectError(int fd);
+// The connect errors ConnectTcp retries: the peer may still be starting.
+bool RetryableConnectError(int err);
 // Accepts one connection, waiting at most until `deadline`.
 absl::StatusOr<UniqueFd> AcceptTcp(int listen_fd, absl::Time deadline);
 

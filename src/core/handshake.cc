@@ -48,47 +48,101 @@ size_t HandshakeBytesAfterHello(bool from_dialler, bool auth) {
 
 absl::Status DialHandshake(int fd, NodeId self, NodeId peer, absl::string_view secret,
                            absl::Time deadline) {
-  const bool auth = !secret.empty();
+  STEPMESH_ASSIGN_OR_RETURN(HandshakeDialer handshake,
+                            HandshakeDialer::Start(self, peer, std::string(secret)));
+  for (;;) {
+    const std::string out = handshake.TakeOutput();
+    STEPMESH_RETURN_IF_ERROR(base::WriteFully(fd, out.data(), out.size(), deadline));
+    if (handshake.step() == HandshakeDialer::Step::kDone) return absl::OkStatus();
+    if (handshake.step() == HandshakeDialer::Step::kRefused) return handshake.refusal();
+    std::byte in[HandshakeDialer::kMaxRead];
+    const size_t want = handshake.wanted();
+    absl::Status read = base::ReadFully(fd, in, want, deadline);
+    if (absl::IsUnavailable(read)) {
+      handshake.Closed();
+      continue;
+    }
+    STEPMESH_RETURN_IF_ERROR(read);
+    handshake.Received(absl::MakeConstSpan(in, want));
+  }
+}
+
+absl::StatusOr<HandshakeDialer> HandshakeDialer::Start(NodeId self, NodeId peer,
+                                                       std::string secret) {
   STEPMESH_ASSIGN_OR_RETURN(AuthNonce ours, RandomNonce());
+  return HandshakeDialer(self, peer, std::move(secret), ours);
+}
+
+HandshakeDialer::HandshakeDialer(NodeId self, NodeId peer, std::string secret,
+                                 const AuthNonce& ours)
+    : self_(self), peer_(peer), secret_(std::move(secret)), ours_(ours) {
   std::byte hello[kHelloBytes];
   PutU32(hello, kHelloMagic);
   PutU32(hello + 4, kFrameVersion);
   PutU32(hello + 8, self);
-  PutU32(hello + 12, auth ? kHelloAuth : 0);
-  std::memcpy(hello + 16, ours.data(), kAuthNonceBytes);
-  auto refused = [&](absl::string_view why) {
-    STEPMESH_LOG(kWarning, "data connection to node 0x", absl::Hex(peer), ": ", why);
-    return absl::PermissionDeniedError(
-        absl::StrCat("data connection to ", PeerName(peer), ": ", why));
-  };
-  auto read_verdict = [&]() -> absl::Status {
-    std::byte verdict[4];
-    absl::Status read = base::ReadFully(fd, verdict, sizeof(verdict), deadline);
-    if (absl::IsUnavailable(read)) return refused("refused (closed during the handshake)");
-    STEPMESH_RETURN_IF_ERROR(read);
-    if (GetU32(verdict) != kVerdictAccept) {
-      return refused("refused (bad hello, unexpected peer or authentication mismatch)");
-    }
-    return absl::OkStatus();
-  };
-  STEPMESH_RETURN_IF_ERROR(base::WriteFully(fd, hello, sizeof(hello), deadline));
-  STEPMESH_RETURN_IF_ERROR(read_verdict());
-  if (auth) {
-    std::byte reply[kAuthNonceBytes + kSha256Bytes];
-    STEPMESH_RETURN_IF_ERROR(base::ReadFully(fd, reply, sizeof(reply), deadline));
-    AuthNonce theirs;
-    std::memcpy(theirs.data(), reply, kAuthNonceBytes);
-    const absl::string_view proof(reinterpret_cast<const char*>(reply) + kAuthNonceBytes,
-                                  kSha256Bytes);
-    const std::string context = AuthContext(self, peer);
-    if (!CheckAuthProof(secret, AuthSide::kAcceptor, context, ours, theirs, proof)) {
-      return refused("failed authentication (wrong auth token?)");
-    }
-    const Sha256Digest answer = AuthProof(secret, AuthSide::kDialer, context, ours, theirs);
-    STEPMESH_RETURN_IF_ERROR(base::WriteFully(fd, answer.data(), answer.size(), deadline));
-    STEPMESH_RETURN_IF_ERROR(read_verdict());
+  PutU32(hello + 12, secret_.empty() ? 0 : kHelloAuth);
+  std::memcpy(hello + 16, ours_.data(), kAuthNonceBytes);
+  output_.assign(reinterpret_cast<const char*>(hello), sizeof(hello));
+}
+
+size_t HandshakeDialer::wanted() const {
+  if (step_ != Step::kRead) return 0;
+  return (expect_ == Expect::kReply ? kMaxRead : 4) - got_;
+}
+
+void HandshakeDialer::Received(absl::Span<const std::byte> bytes) {
+  if (step_ != Step::kRead) return;
+  const size_t n = std::min(bytes.size(), wanted());
+  std::memcpy(in_ + got_, bytes.data(), n);
+  got_ += n;
+  if (wanted() > 0) return;
+  got_ = 0;
+  if (expect_ == Expect::kReply) return OnReply();
+  OnVerdict();
+}
+
+void HandshakeDialer::OnVerdict() {
+  if (GetU32(in_) != kVerdictAccept) {
+    return Refuse("refused (bad hello, unexpected peer or authentication mismatch)");
   }
-  return absl::OkStatus();
+  if (expect_ == Expect::kFinalVerdict || secret_.empty()) {
+    step_ = Step::kDone;
+    return;
+  }
+  expect_ = Expect::kReply;
+}
+
+void HandshakeDialer::OnReply() {
+  AuthNonce theirs;
+  std::memcpy(theirs.data(), in_, kAuthNonceBytes);
+  const absl::string_view proof(reinterpret_cast<const char*>(in_) + kAuthNonceBytes, kSha256Bytes);
+  const std::string context = AuthContext(self_, peer_);
+  if (!CheckAuthProof(secret_, AuthSide::kAcceptor, context, ours_, theirs, proof)) {
+    return Refuse("failed authentication (wrong auth token?)");
+  }
+  const Sha256Digest answer = AuthProof(secret_, AuthSide::kDialer, context, ours_, theirs);
+  output_.assign(reinterpret_cast<const char*>(answer.data()), answer.size());
+  expect_ = Expect::kFinalVerdict;
+}
+
+void HandshakeDialer::Closed() {
+  if (step_ != Step::kRead) return;
+  if (expect_ == Expect::kReply) {
+    step_ = Step::kRefused;
+    refusal_ =
+        absl::UnavailableError(absl::StrCat("data connection to ", PeerName(peer_),
+                                            ": connection closed by peer during the handshake"));
+    return;
+  }
+  Refuse("refused (closed during the handshake)");
+}
+
+void HandshakeDialer::Refuse(absl::string_view why) {
+  STEPMESH_LOG(kWarning, "data connection to node 0x", absl::Hex(peer_), ": ", why);
+  output_.clear();
+  refusal_ =
+      absl::PermissionDeniedError(absl::StrCat("data connection to ", PeerName(peer_), ": ", why));
+  step_ = Step::kRefused;
 }
 
 HandshakeAcceptor::HandshakeAcceptor(std::string secret) : secret_(std::move(secret)) {}

@@ -12,6 +12,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "src/core/auth.h"
 #include "src/core/frame.h"
 
 namespace stepmesh::core {
@@ -25,8 +26,54 @@ size_t HandshakeBytesAfterHello(bool from_dialler, bool auth);
 
 // Dialler side. PERMISSION_DENIED when the acceptor refuses (unexpected node,
 // secret mismatch) or fails to prove the secret; `secret` empty = no auth.
+// Blocking (up to `deadline`); a dialler of many peers at once uses
+// HandshakeDialer instead.
 absl::Status DialHandshake(int fd, NodeId self, NodeId peer, absl::string_view secret,
                            absl::Time deadline);
+
+// The dialler's side as a state machine fed with whatever bytes arrived, so
+// that one thread can run the handshakes of many connections at once (a
+// worker dials all its servers together). It never reads past the handshake:
+//   kRead    send TakeOutput() (the hello, later the proof), then read at
+//            most wanted() bytes and pass them to Received()
+//   kDone    the acceptor took the connection (TakeOutput() is empty)
+//   kRefused refusal() says why: PERMISSION_DENIED for a refusing verdict or
+//            a failed proof; Closed() when the acceptor hung up first
+class HandshakeDialer {
+ public:
+  enum class Step { kRead, kDone, kRefused };
+
+  // Fails only when no nonce can be drawn.
+  static absl::StatusOr<HandshakeDialer> Start(NodeId self, NodeId peer, std::string secret);
+  Step step() const { return step_; }
+  size_t wanted() const;
+  void Received(absl::Span<const std::byte> bytes);
+  // The acceptor closed the connection before the handshake ended.
+  void Closed();
+  std::string TakeOutput() { return std::exchange(output_, std::string()); }
+  const absl::Status& refusal() const { return refusal_; }
+
+  // The most wanted() asks for at once (the acceptor's nonce and proof).
+  static constexpr size_t kMaxRead = kAuthNonceBytes + kSha256Bytes;
+
+ private:
+  enum class Expect { kVerdict, kReply, kFinalVerdict };
+  HandshakeDialer(NodeId self, NodeId peer, std::string secret, const AuthNonce& ours);
+  void OnVerdict();
+  void OnReply();
+  void Refuse(absl::string_view why);
+
+  NodeId self_;
+  NodeId peer_;
+  std::string secret_;
+  AuthNonce ours_;
+  Step step_ = Step::kRead;
+  Expect expect_ = Expect::kVerdict;
+  std::byte in_[kMaxRead];
+  size_t got_ = 0;
+  std::string output_;
+  absl::Status refusal_;
+};
 
 // Acceptor side: returns the dialler, one of `expected`, or refuses it.
 // Blocking (up to `deadline`); event loops use HandshakeAcceptor instead.

@@ -10,7 +10,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -22,22 +25,171 @@
 
 namespace stepmesh::tcp::internal {
 
-absl::Status TcpTransport::Dial(NodeId self, const PeerInfo& peer, absl::Time deadline) {
-  STEPMESH_ASSIGN_OR_RETURN(std::vector<std::string> at, SplitRailEndpoint(peer.endpoint));
+namespace {
+
+// A worker has at most this many dials under way at once. One at a time,
+// each worker waits a scheduling round trip per server, three times over;
+// all at once, 96 workers flooding 32 servers with 3,072 handshakes made the
+// last Create() later on the shared 2-core machine, though it cost less CPU
+// (docs/benchmarks.md, "Scale": window 4 against 1 and unbounded).
+constexpr size_t kDialWindow = 4;
+
+// One data connection being dialled: a peer's rail, its socket once the
+// connect is under way, and its handshake once the connect is done.
+struct Dialling {
+  NodeId peer = kNoNode;
+  int rail = 0;
+  int rails = 1;
+  std::string at;  // the peer's endpoint for this rail, for errors
+  base::HostPort where;
+  base::UniqueFd fd;
+  std::optional<core::HandshakeDialer> handshake;
+  absl::Time retry_at = absl::InfinitePast();  // refused: dial again then
+  absl::Duration backoff = absl::Milliseconds(5);
+  bool done = false;
+
+  std::string Name() const {
+    return absl::StrCat(PeerName(peer), " at ", at,
+                        rails > 1 ? absl::StrCat(" (rail ", rail, ")") : "");
+  }
+};
+
+// Sends what the handshake has to say now (a few dozen bytes on a fresh
+// socket, so it fits the send buffer whole).
+absl::Status SendHandshake(Dialling& d) {
+  const std::string out = d.handshake->TakeOutput();
+  if (out.empty()) return absl::OkStatus();
+  const ssize_t n = ::send(d.fd.get(), out.data(), out.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (n == static_cast<ssize_t>(out.size())) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat(
+      "data connection to ", d.Name(), ": ",
+      n < 0 ? base::ErrnoMessage("send", errno) : "the handshake did not fit the send buffer"));
+}
+
+}  // namespace
+
+absl::Status TcpTransport::Dial(NodeId self, absl::Span<const PeerInfo> peers,
+                                absl::Time deadline) {
   // One connection per rail both ends have (rail r to the peer's rail r).
-  const int rails = PrepareRails(peer);
-  for (int r = 0; r < rails; ++r) {
-    STEPMESH_ASSIGN_OR_RETURN(base::HostPort where, base::ParseHostPort(at[r]));
-    absl::StatusOr<base::UniqueFd> fd = base::ConnectTcp(where, deadline);
-    if (!fd.ok()) {
-      return absl::UnavailableError(absl::StrCat("connecting to ", PeerName(peer.id), " at ", at[r],
-                                                 rails > 1 ? absl::StrCat(" (rail ", r, ")") : "",
-                                                 ": ", fd.status().message()));
+  std::vector<Dialling> dials;
+  for (const PeerInfo& peer : peers) {
+    STEPMESH_ASSIGN_OR_RETURN(std::vector<std::string> at, SplitRailEndpoint(peer.endpoint));
+    const int rails = PrepareRails(peer);
+    for (int r = 0; r < rails; ++r) {
+      Dialling& d = dials.emplace_back();
+      d.peer = peer.id;
+      d.rail = r;
+      d.rails = rails;
+      d.at = at[r];
+      STEPMESH_ASSIGN_OR_RETURN(d.where, base::ParseHostPort(at[r]));
     }
-    STEPMESH_RETURN_IF_ERROR(
-        DialHandshake(fd->get(), self, peer.id, options_.auth_token, deadline));
-    const std::string address = base::PeerAddress(fd->get());
-    STEPMESH_RETURN_IF_ERROR(Adopt(peer.id, *std::move(fd), address, r));
+  }
+  // A connect error: retried with backoff while the peer may still be
+  // starting (as base::ConnectTcp does), else the dial's error.
+  auto failed = [&](Dialling& d, int err) -> absl::Status {
+    d.fd.Reset();
+    if (!base::RetryableConnectError(err) || absl::Now() + d.backoff > deadline) {
+      return absl::UnavailableError(absl::StrCat(
+          "connecting to ", d.Name(), ": ",
+          base::ErrnoMessage(absl::StrCat("connect to ", d.where.host, ":", d.where.port), err)));
+    }
+    d.retry_at = absl::Now() + d.backoff;
+    d.backoff = std::min(d.backoff * 2, absl::Milliseconds(200));
+    return absl::OkStatus();
+  };
+  // The connect is done: the hello goes out.
+  auto connected = [&](Dialling& d) -> absl::Status {
+    STEPMESH_ASSIGN_OR_RETURN(core::HandshakeDialer handshake,
+                              core::HandshakeDialer::Start(self, d.peer, options_.auth_token));
+    d.handshake.emplace(std::move(handshake));
+    return SendHandshake(d);
+  };
+  // Bytes of the handshake arrived (or the peer hung up).
+  auto advance = [&](Dialling& d) -> absl::Status {
+    while (d.handshake->step() == core::HandshakeDialer::Step::kRead) {
+      std::byte in[core::HandshakeDialer::kMaxRead];
+      const ssize_t n = ::recv(d.fd.get(), in, d.handshake->wanted(), MSG_DONTWAIT);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return absl::OkStatus();
+      if (n <= 0) {
+        d.handshake->Closed();
+        break;
+      }
+      d.handshake->Received(absl::MakeConstSpan(in, static_cast<size_t>(n)));
+      STEPMESH_RETURN_IF_ERROR(SendHandshake(d));
+    }
+    if (d.handshake->step() == core::HandshakeDialer::Step::kRefused) {
+      return d.handshake->refusal();
+    }
+    const std::string address = base::PeerAddress(d.fd.get());
+    STEPMESH_RETURN_IF_ERROR(Adopt(d.peer, std::move(d.fd), address, d.rail));
+    d.done = true;
+    return absl::OkStatus();
+  };
+
+  // Worker w starts at its w-th peer, so the workers do not all queue at the
+  // same server first.
+  if (!dials.empty()) {
+    std::rotate(dials.begin(), dials.begin() + core::NodeRank(self) % dials.size(), dials.end());
+  }
+  std::vector<pollfd> watched;
+  std::vector<Dialling*> owners;
+  watched.reserve(dials.size());
+  owners.reserve(dials.size());
+  for (size_t left = dials.size(); left > 0;) {
+    const absl::Time now = absl::Now();
+    absl::Time wake = deadline;
+    watched.clear();
+    owners.clear();
+    size_t in_flight = 0;
+    for (Dialling& d : dials) {
+      if (d.done) continue;
+      if (++in_flight > kDialWindow) break;
+      if (!d.fd.valid()) {
+        if (now < d.retry_at) {
+          wake = std::min(wake, d.retry_at);
+          continue;
+        }
+        STEPMESH_ASSIGN_OR_RETURN(base::StartedConnect started, base::StartConnectTcp(d.where));
+        d.fd = std::move(started.fd);
+        if (started.error == 0) {
+          STEPMESH_RETURN_IF_ERROR(connected(d));
+        } else if (started.error != EINPROGRESS) {
+          STEPMESH_RETURN_IF_ERROR(failed(d, started.error));
+          if (!d.fd.valid()) {
+            wake = std::min(wake, d.retry_at);
+            continue;
+          }
+        }
+      }
+      watched.push_back(pollfd{d.fd.get(), static_cast<short>(d.handshake ? POLLIN : POLLOUT), 0});
+      owners.push_back(&d);
+    }
+    if (now >= deadline) {
+      std::vector<std::string> names;
+      for (const Dialling& d : dials) {
+        if (!d.done) names.push_back(absl::StrCat(d.Name(), d.handshake ? " (handshake)" : ""));
+      }
+      return absl::DeadlineExceededError(
+          absl::StrCat(names.size(), " of ", dials.size(),
+                       " data connection(s) not up by the deadline: ", absl::StrJoin(names, ", ")));
+    }
+    const int64_t ms = std::clamp<int64_t>(absl::ToInt64Milliseconds(wake - now) + 1, 0, 1 << 30);
+    const int ready = ::poll(watched.data(), watched.size(), static_cast<int>(ms));
+    if (ready < 0 && errno != EINTR) {
+      return absl::InternalError(base::ErrnoMessage("poll", errno));
+    }
+    for (size_t i = 0; ready > 0 && i < watched.size(); ++i) {
+      if (watched[i].revents == 0) continue;
+      Dialling& d = *owners[i];
+      if (!d.handshake) {
+        const int err = base::ConnectError(d.fd.get());
+        STEPMESH_RETURN_IF_ERROR(err == 0 ? connected(d) : failed(d, err));
+        continue;  // the verdict comes in a later look
+      }
+      STEPMESH_RETURN_IF_ERROR(advance(d));
+      if (d.done) --left;
+    }
   }
   return absl::OkStatus();
 }

@@ -82,8 +82,7 @@ absl::Status TcpTransport::Connect(NodeId self, absl::Span<const PeerInfo> peers
   self_.store(self, std::memory_order_release);
   // Workers dial; servers accept. The hello names the dialler.
   if (core::IsWorker(self)) {
-    for (const PeerInfo& peer : peers) STEPMESH_RETURN_IF_ERROR(Dial(self, peer, deadline));
-    return absl::OkStatus();
+    return Dial(self, peers, deadline);
   }
   std::vector<uint64_t> mine;
   {

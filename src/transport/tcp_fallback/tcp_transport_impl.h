@@ -378,7 +378,9 @@ class TcpTransport final : public Transport {
 
   // --- dialling (workers) ---
 
-  absl::Status Dial(NodeId self, const PeerInfo& peer, absl::Time deadline);
+  // Dials the peers (each rail) a few at a time, side by side, and runs the
+  // handshakes as their bytes arrive, all within `deadline` (tcp_connections.cc).
+  absl::Status Dial(NodeId self, absl::Span<const PeerInfo> peers, absl::Time deadline);
 
   absl::Status Adopt(NodeId peer, base::UniqueFd fd, std::string address, int rail);
 
