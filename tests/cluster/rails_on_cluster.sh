@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # stepmesh_perf 1A1F across two emulated hosts with two rails each
 # (scripts/cluster.sh --rails 2), the TCP transport on both rails
-# (STEPMESH_TCP_RAILS), payload checksums on. Run inside `cluster.sh run`:
+# (STEPMESH_TCP_RAILS), payload checksums on (RAILS_CHECKSUM=0 in the
+# environment: off, as benchmarks/tcp_rails_bench.sh runs it against its
+# checksum-free floor). Run inside `cluster.sh run`:
 #   cluster.sh run --hosts 2 --rails 2 [link flags] -- rails_on_cluster.sh MODE STEPMESH_PERF [perf flags]
 # MODE
 #   fault   the worker host's rail-1 link (the rail the data is advertised on
@@ -27,7 +29,7 @@ source "$here/perf_cluster_lib.sh"
 IFS=, read -ra ns <<<"$CLUSTER_HOSTS"
 IFS=, read -ra ip0 <<<"$CLUSTER_ADDRS"
 IFS=, read -ra ip1 <<<"$CLUSTER_ADDRS1"
-export STEPMESH_PAYLOAD_CHECKSUM=1 STEPMESH_AUTH=off
+export STEPMESH_PAYLOAD_CHECKSUM="${RAILS_CHECKSUM:-1}" STEPMESH_AUTH=off
 unset STEPMESH_TCP_RAILS
 sched="${ip0[0]}:29000"
 perf_cluster_work rails_cluster

@@ -4,6 +4,7 @@
 
 #include <sys/epoll.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 
 #include <algorithm>
 #include <utility>
@@ -21,6 +22,9 @@ namespace stepmesh::tcp::internal {
 // A frame stays kept until acknowledged; each rail's queue then holds at most
 // this many pieces of them even when every other rail failed onto it.
 constexpr size_t kMaxUnacknowledged = kMaxQueuedFrames / kMaxRails;
+// How much of one piece a striped send writes before it turns to the next
+// rail (see SendStriped).
+constexpr size_t kStripeSlice = 128 << 10;
 
 bool TcpTransport::IsCurrent(const Connection& c) {
   return c.slot->conn == &c || (c.railed && c.slot->rail[c.rail] == &c);
@@ -120,13 +124,12 @@ absl::Status TcpTransport::SendRails(PeerSlot& slot, const FrameHeader& header, 
   ++slot.sent_count;
   ++slot.next_seq;
   // Small frames go whole on the first rail up; a striped one's pieces on
-  // one rail each, all in parallel. A piece whose rail fails here is sent
+  // one rail each, side by side. A piece whose rail fails here is sent
   // again on the others when the receive thread takes that rail down.
-  for (uint8_t p = 0; p < f.stripes.pieces; ++p) {
-    f.rail_of[p] = static_cast<uint8_t>(live[p]);
-    absl::Status sent = SendPiece(slot, f, p, *slot.rail[live[p]]);
-    if (absl::IsResourceExhausted(sent)) return sent;
-  }
+  for (uint8_t p = 0; p < f.stripes.pieces; ++p) f.rail_of[p] = static_cast<uint8_t>(live[p]);
+  absl::Status sent =
+      f.stripes.pieces == 1 ? SendPiece(slot, f, 0, *slot.rail[live[0]]) : SendStriped(slot, f);
+  if (absl::IsResourceExhausted(sent)) return sent;
   if (LiveRails(slot, live) == 0) {
     return absl::UnavailableError(
         absl::StrCat("tcp: sending to ", PeerName(header.dst), ": every rail failed"));
@@ -134,8 +137,21 @@ absl::Status TcpTransport::SendRails(PeerSlot& slot, const FrameHeader& header, 
   return absl::OkStatus();
 }
 
-absl::Status TcpTransport::SendPiece(PeerSlot& slot, const SentFrame& f, uint8_t piece,
-                                     Connection& conn) {
+namespace {
+
+// Piece `piece` of `f` as it goes on its rail: the rail header (and for
+// piece 0 the frame's header), then `bytes` payload bytes from `payload`.
+struct PieceOut {
+  std::array<std::byte, kMaxPrefixBytes> prefix;
+  size_t prefix_bytes = 0;
+  const std::byte* payload = nullptr;
+  size_t bytes = 0;
+  size_t sent = 0;  // of prefix and payload together
+  Connection* conn = nullptr;
+  bool handed_off = false;  // written whole, queued, or its rail failed
+};
+
+void PreparePiece(PeerSlot& slot, const SentFrame& f, uint8_t piece, PieceOut& out) {
   RailHeader h;
   h.kind = piece == 0 ? RailKind::kHead : RailKind::kChunk;
   h.piece = piece;
@@ -145,15 +161,81 @@ absl::Status TcpTransport::SendPiece(PeerSlot& slot, const SentFrame& f, uint8_t
   h.length = std::min<uint64_t>(f.stripes.piece_bytes, f.bytes - h.offset);
   h.ack = slot.delivered.load(std::memory_order_acquire);
   slot.ack_sent = std::max(slot.ack_sent, h.ack);
-  std::array<std::byte, kMaxPrefixBytes> prefix;
-  EncodeRailHeader(h, prefix.data());
-  size_t prefix_bytes = kRailHeaderBytes;
+  EncodeRailHeader(h, out.prefix.data());
+  out.prefix_bytes = kRailHeaderBytes;
   if (piece == 0) {
-    std::copy(f.header.begin(), f.header.end(), prefix.begin() + kRailHeaderBytes);
-    prefix_bytes += kFrameBytes;
+    std::copy(f.header.begin(), f.header.end(), out.prefix.begin() + kRailHeaderBytes);
+    out.prefix_bytes += kFrameBytes;
   }
-  return WriteOrQueue(conn, prefix.data(), prefix_bytes, f.payload + h.offset, h.length, f.region,
+  out.payload = f.payload + h.offset;
+  out.bytes = h.length;
+  out.sent = 0;
+}
+
+}  // namespace
+
+absl::Status TcpTransport::SendPiece(PeerSlot& slot, const SentFrame& f, uint8_t piece,
+                                     Connection& conn) {
+  PieceOut out;
+  PreparePiece(slot, f, piece, out);
+  return WriteOrQueue(conn, out.prefix.data(), out.prefix_bytes, out.payload, out.bytes, f.region,
                       /*copy=*/false);
+}
+
+absl::Status TcpTransport::SendStriped(PeerSlot& slot, const SentFrame& f) {
+  // One write per piece would leave rail 1 idle until rail 0's whole piece
+  // is written: a large send() on a rate-limited link takes about as long as
+  // the wire (the kernel forwards on the sending CPU what it takes in), so
+  // the pieces would cross one after the other. Written kStripeSlice at a
+  // time, rail after rail, every rail is busy from the first slice on.
+  PieceOut out[kMaxRails];
+  for (uint8_t p = 0; p < f.stripes.pieces; ++p) {
+    PreparePiece(slot, f, p, out[p]);
+    out[p].conn = slot.rail[f.rail_of[p]];
+  }
+  absl::Status result;
+  for (size_t left = f.stripes.pieces; left > 0;) {
+    for (uint8_t p = 0; p < f.stripes.pieces; ++p) {
+      PieceOut& o = out[p];
+      if (o.handed_off) continue;
+      Connection& c = *o.conn;
+      const size_t total = o.prefix_bytes + o.bytes;
+      const size_t want = std::min(kStripeSlice, total - o.sent);
+      size_t wrote = 0;
+      absl::Status written;
+      if (c.queued == 0) {
+        iovec iov[2];
+        int iovcnt = 0;
+        size_t from = o.sent, room = want;
+        if (from < o.prefix_bytes) {
+          const size_t n = std::min(room, o.prefix_bytes - from);
+          iov[iovcnt++] = {o.prefix.data() + from, n};
+          room -= n;
+          from = o.prefix_bytes;
+        }
+        if (room > 0) {
+          iov[iovcnt++] = {const_cast<std::byte*>(o.payload) + (from - o.prefix_bytes), room};
+        }
+        written = WriteSome(c, iov, iovcnt, &wrote);
+        o.sent += wrote;
+      }
+      if (!written.ok() || o.sent == total || wrote < want) {
+        // Done, failed (the rail goes down and its pieces go again), or its
+        // socket is full (or was backlogged): the rest waits in its queue.
+        o.handed_off = true;
+        --left;
+        const size_t payload_out = o.sent > o.prefix_bytes ? o.sent - o.prefix_bytes : 0;
+        c.payload_sent += payload_out;
+        if (!written.ok() || o.sent == total) continue;
+        const std::byte* prefix = o.prefix.data() + std::min(o.sent, o.prefix_bytes);
+        absl::Status queued =
+            WriteOrQueue(c, prefix, o.prefix_bytes - std::min(o.sent, o.prefix_bytes),
+                         o.payload + payload_out, o.bytes - payload_out, f.region, /*copy=*/false);
+        if (absl::IsResourceExhausted(queued)) result = queued;
+      }
+    }
+  }
+  return result;
 }
 
 void TcpTransport::SendAck(PeerSlot& slot) {

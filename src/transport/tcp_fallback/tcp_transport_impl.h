@@ -427,6 +427,8 @@ class TcpTransport final : public Transport {
                          RegionId region, size_t bytes);
   // Writes (or queues) piece `piece` of `f` on `conn`; slot lock held.
   absl::Status SendPiece(PeerSlot& slot, const SentFrame& f, uint8_t piece, Connection& conn);
+  // Writes the pieces of striped `f` on their rails side by side; slot lock held.
+  absl::Status SendStriped(PeerSlot& slot, const SentFrame& f);
   // Forgets frames the peer acknowledged; slot lock held.
   static void ReleaseAcked(PeerSlot& slot);
   // Sends an ack alone (nothing else went back); slot lock held.
