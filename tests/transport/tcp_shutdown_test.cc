@@ -2,8 +2,8 @@
 // frame far larger than the peer's socket buffers (64 KiB here) and shuts
 // down at once, with a frame from the peer still unread; the peer starts
 // reading later. The peer must get every byte and then see a departure
-// (CANCELLED), not a reset; both directions. A peer that never reads, or never closes its end, does not
-// hold Shutdown past its bound, and the warning names it. docs/tcp.md
+// (CANCELLED), not a reset; both directions. A peer that never reads, or never closes its end, does
+// not hold Shutdown past its bound, and the warning names it. docs/tcp.md
 // ("Shutdown") describes the close.
 
 #include <catch2/catch.hpp>
@@ -153,8 +153,8 @@ TEST_CASE(
   // The reader's frame is never read by the leaver (it does not poll): a
   // close with it unread is what turns into a reset.
   const std::vector<std::byte> small = Pattern(256, 1);
-  REQUIRE_OK(reader->Send(leaver_id, Frame(reader_id, leaver_id, 0, small.size()), small.data(),
-                          1, small.size()));
+  REQUIRE_OK(reader->Send(leaver_id, Frame(reader_id, leaver_id, 0, small.size()), small.data(), 1,
+                          small.size()));
   const std::vector<std::byte> large = Pattern(kLarge, 2);
   REQUIRE_OK(
       leaver->Send(reader_id, Frame(leaver_id, reader_id, 0, kLarge), large.data(), 1, kLarge));
@@ -209,7 +209,7 @@ TEST_CASE(
   const std::string log = capture.Finish();
   INFO("Shutdown took " << absl::FormatDuration(took) << "; log:\n" << log);
   CHECK(took >= bound - absl::Milliseconds(50));  // it waited for the peer
-  CHECK(took < bound + absl::Seconds(1));          // and not longer than its bound
+  CHECK(took < bound + absl::Seconds(1));         // and not longer than its bound
   const std::vector<std::string> bad = WarningsAndErrors(log);
   REQUIRE(bad.size() == 1);
   CHECK(absl::StrContains(bad[0], "worker 0"));
