@@ -1,7 +1,9 @@
 #include "src/transport/tcp_fallback/tcp_transport.h"
 
+#include <linux/sockios.h>
 #include <poll.h>
 #include <sys/epoll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -10,6 +12,7 @@
 #include <cerrno>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -181,47 +184,154 @@ absl::Status TcpTransport::Poll(TransportSink& sink, absl::Duration max_wait) {
 
 void TcpTransport::Wake() { loop_.Wake(); }
 
+namespace {
+
+// One connection on its way out (Shutdown).
+struct Closing {
+  enum class Stage { kFlushing, kAwaitingEnd, kDone };
+  Connection* conn = nullptr;
+  Stage stage = Stage::kFlushing;
+  bool bye_queued = false;
+  bool peer_ended = false;  // its FIN (or a reset) arrived: nothing more comes
+};
+
+// Reads and drops what the peer still sends, so that the close finds no
+// unread bytes (Linux answers a close with unread data by a reset, and a
+// reset makes the peer drop what it had not read yet). True once the peer's
+// end arrived or the connection failed.
+bool DiscardIncoming(int fd) {
+  std::byte scratch[64 * 1024];
+  for (int rounds = 0; rounds < 16; ++rounds) {
+    const ssize_t n = ::recv(fd, scratch, sizeof(scratch), MSG_DONTWAIT);
+    if (n > 0) continue;
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return false;
+    return true;  // 0: its FIN; an error: it reset or is gone
+  }
+  return false;  // more may follow: the next round reads on
+}
+
+// Bytes written to the socket that the peer has not acknowledged.
+int Unacknowledged(int fd) {
+  int bytes = 0;
+  return ::ioctl(fd, SIOCOUTQ, &bytes) == 0 ? bytes : -1;
+}
+
+}  // namespace
+
 void TcpTransport::Shutdown() {
   if (shut_down_.exchange(true)) return;
-  // Frames already queued go out first (the send thread has stopped), so
-  // that the goodbye ends the stream on a frame boundary; a peer that does
-  // not read within the bound gets no goodbye and sees the close as a loss.
-  const absl::Time deadline = absl::Now() + std::min(options_.timeout, kShutdownFlush);
+  // An orderly close, per connection and all of them at once: what is queued
+  // goes out, then the goodbye, then our FIN (SHUT_WR), and the connection
+  // stays open, read and discarded, until the peer's FIN: the peer closes
+  // once it has read our end, so nothing we sent is still on its way when
+  // the descriptor closes, and nothing unread is left here to turn the close
+  // into a reset. Bounded: a peer that does not read, or does not close its
+  // end, is named in a warning and closed at the deadline.
+  const absl::Duration bound = std::min(options_.timeout, kShutdownFlush);
+  const absl::Time deadline = absl::Now() + bound;
   const NodeId self = self_.load(std::memory_order_acquire);
+  std::vector<Closing> closing;
   for (auto* slots : {&worker_slots_, &server_slots_}) {
     for (PeerSlot& slot : *slots) {
       std::lock_guard<std::mutex> lock(slot.mu);
       for (Connection* c : {slot.conn, slot.rail[0], slot.rail[1], slot.rail[2], slot.rail[3]}) {
-        if (c == nullptr || !c->alive.load()) continue;
-        while (c->queued > 0 && c->broken.ok() && absl::Now() < deadline) {
-          pollfd pfd{c->fd.get(), POLLOUT, 0};
-          (void)::poll(&pfd, 1, 10);
-          DrainQueue(*c);
+        // Not alive: the receive thread neither reads nor retires it, and
+        // Send refuses it: from here on it is this thread's alone.
+        if (c == nullptr || !c->alive.exchange(false)) continue;
+        if (!c->broken.ok()) {
+          ::shutdown(c->fd.get(), SHUT_RDWR);
+          continue;
         }
-        if (c->queued == 0 && c->broken.ok()) {
-          // With rails every rail says goodbye, after what it carried.
+        // Every byte wakes the poll below (a mark left for a large frame
+        // would hide a small one until the close).
+        const int one = 1;
+        (void)::setsockopt(c->fd.get(), SOL_SOCKET, SO_RCVLOWAT, &one, sizeof(one));
+        closing.push_back({.conn = c});
+      }
+    }
+  }
+  std::vector<pollfd> fds(closing.size());
+  for (;;) {
+    size_t open = 0;
+    for (size_t i = 0; i < closing.size(); ++i) {
+      Closing& k = closing[i];
+      Connection& c = *k.conn;
+      fds[i] = {-1, 0, 0};  // poll skips it
+      if (k.stage == Closing::Stage::kDone) continue;
+      // Read while flushing too: a peer that is itself shutting down may be
+      // flushing to us and read only once it is done.
+      if (!k.peer_ended) k.peer_ended = DiscardIncoming(c.fd.get());
+      if (k.stage == Closing::Stage::kFlushing) {
+        std::lock_guard<std::mutex> lock(c.slot->mu);
+        DrainQueue(c);
+        if (c.queued == 0 && c.broken.ok() && !k.bye_queued) {
+          // The goodbye, behind everything queued (with rails every rail
+          // says it, after what it carried).
           std::array<std::byte, kRailHeaderBytes> rail_bye;
           FrameBytes frame;
-          if (c->railed) {
+          if (c.railed) {
             RailHeader bye;
             bye.kind = RailKind::kGoodbye;
-            bye.ack = slot.delivered.load(std::memory_order_relaxed);
+            bye.ack = c.slot->delivered.load(std::memory_order_relaxed);
             EncodeRailHeader(bye, rail_bye.data());
           } else {
             FrameHeader bye;
             bye.type = FrameType::kGoodbye;
             bye.src = self;
-            bye.dst = c->peer;
+            bye.dst = c.peer;
             frame = EncodeFrame(bye);
           }
-          const std::byte* bytes = c->railed ? rail_bye.data() : frame.data();
-          const size_t size = c->railed ? rail_bye.size() : frame.size();
-          (void)::send(c->fd.get(), bytes, size, MSG_NOSIGNAL | MSG_DONTWAIT);
+          (void)WriteOrQueue(c, c.railed ? rail_bye.data() : frame.data(),
+                             c.railed ? rail_bye.size() : frame.size(), nullptr, 0, 0, false);
+          k.bye_queued = true;
         }
-        ::shutdown(c->fd.get(), SHUT_RDWR);
-        c->alive.store(false);
+        if (!c.broken.ok()) {
+          k.stage = Closing::Stage::kDone;  // it reset or went: nothing to wait for
+          continue;
+        }
+        if (c.queued == 0 && k.bye_queued) {
+          ::shutdown(c.fd.get(), SHUT_WR);
+          k.stage = Closing::Stage::kAwaitingEnd;
+        }
       }
+      if (k.stage == Closing::Stage::kAwaitingEnd && k.peer_ended) {
+        k.stage = Closing::Stage::kDone;
+        continue;
+      }
+      const bool flushing = k.stage == Closing::Stage::kFlushing;
+      fds[i] = {c.fd.get(),
+                static_cast<short>((k.peer_ended ? 0 : POLLIN) | (flushing ? POLLOUT : 0)), 0};
+      ++open;
     }
+    const absl::Duration left = deadline - absl::Now();
+    if (open == 0 || left <= absl::ZeroDuration()) break;
+    const int ms = static_cast<int>(
+        std::clamp<int64_t>(absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))), 1,
+                            absl::ToInt64Milliseconds(kShutdownFlush)));
+    (void)::poll(fds.data(), fds.size(), ms);
+  }
+  for (Closing& k : closing) {
+    Connection& c = *k.conn;
+    const std::string rail = c.railed ? absl::StrCat(" rail ", c.rail) : "";
+    if (k.stage == Closing::Stage::kFlushing) {
+      size_t unsent = 0;
+      {
+        std::lock_guard<std::mutex> lock(c.slot->mu);
+        for (size_t i = 0; i < c.queued; ++i) {
+          unsent += c.at(i).prefix_bytes + c.at(i).bytes - c.at(i).sent;
+        }
+      }
+      STEPMESH_LOG(kWarning, "tcp: shutdown: ", PeerName(c.peer), " (", c.address, ")", rail,
+                   " did not read its socket within ", absl::FormatDuration(bound), " (", unsent,
+                   " bytes not sent); closing without a goodbye");
+    } else if (k.stage == Closing::Stage::kAwaitingEnd) {
+      STEPMESH_LOG(kWarning, "tcp: shutdown: ", PeerName(c.peer), " (", c.address, ")", rail,
+                   " did not close its end within ", absl::FormatDuration(bound),
+                   " of the goodbye (", Unacknowledged(c.fd.get()),
+                   " bytes it has not acknowledged); closing");
+    }
+    ::shutdown(c.fd.get(), SHUT_RDWR);
   }
 }
 
@@ -254,6 +364,22 @@ absl::StatusOr<std::vector<uint64_t>> TcpTransport::RailBytes(NodeId peer) {
   return out;
 }
 
+absl::Status TcpTransport::SetBuffers(NodeId peer, int bytes) {
+  PeerSlot* slot = SlotOf(peer);
+  if (slot == nullptr) return absl::NotFoundError(absl::StrCat("tcp: no ", PeerName(peer)));
+  std::lock_guard<std::mutex> lock(slot->mu);
+  int set = 0;
+  for (Connection* c : {slot->conn, slot->rail[0], slot->rail[1], slot->rail[2], slot->rail[3]}) {
+    if (c == nullptr) continue;
+    STEPMESH_RETURN_IF_ERROR(base::SetBufferSizes(c->fd.get(), bytes));
+    ++set;
+  }
+  if (set == 0) {
+    return absl::NotFoundError(absl::StrCat("tcp: no connection to ", PeerName(peer)));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status TcpTransport::Check(absl::Status status) {
   if (status.ok()) return status;
   return absl::Status(status.code(), absl::StrCat("tcp: ", status.message()));
@@ -283,6 +409,10 @@ absl::Status ShutdownRailForTesting(core::Transport& transport, core::NodeId pee
 absl::StatusOr<std::vector<uint64_t>> RailBytesForTesting(core::Transport& transport,
                                                           core::NodeId peer) {
   return static_cast<internal::TcpTransport&>(transport).RailBytes(peer);
+}
+
+absl::Status SetSocketBuffersForTesting(core::Transport& transport, core::NodeId peer, int bytes) {
+  return static_cast<internal::TcpTransport&>(transport).SetBuffers(peer, bytes);
 }
 
 }  // namespace stepmesh::tcp

@@ -24,5 +24,9 @@ absl::StatusOr<std::unique_ptr<core::Transport>> CreateTcpTransport(const MeshOp
 absl::Status ShutdownRailForTesting(core::Transport& transport, core::NodeId peer, int rail);
 absl::StatusOr<std::vector<uint64_t>> RailBytesForTesting(core::Transport& transport,
                                                           core::NodeId peer);
+// Tests only: sets SO_SNDBUF and SO_RCVBUF of the connection(s) to `peer`
+// (each rail's) to `bytes`, so that a test holds a frame larger than what the
+// kernel buffers. NOT_FOUND when there is no connection to `peer`.
+absl::Status SetSocketBuffersForTesting(core::Transport& transport, core::NodeId peer, int bytes);
 
 }  // namespace stepmesh::tcp

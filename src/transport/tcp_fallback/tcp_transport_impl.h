@@ -294,6 +294,7 @@ class TcpTransport final : public Transport {
   // The test seams of tcp_transport.h.
   absl::Status ShutdownRail(NodeId peer, int rail);
   absl::StatusOr<std::vector<uint64_t>> RailBytes(NodeId peer);
+  absl::Status SetBuffers(NodeId peer, int bytes);
 
  private:
   // An event loop's error, named as the transport's ("tcp: ...").
