@@ -53,6 +53,38 @@ absl::Status Launcher::WriteMergedTrace(const std::vector<AttentionResults>& res
   }
   return absl::OkStatus();
 }
+namespace {
+
+// A child that had to fail: prints its exit and the last `lines` of its
+// error. False (with a problem) when it succeeded or hung; else its error.
+bool ExpectFailed(const Child& c, int lines, std::vector<std::string>* problems, std::string* err) {
+  *err = c.Stderr();
+  std::printf("%s exited %d; its error:\n%s", c.name().c_str(), c.exit_code(),
+              Tail(*err, lines).c_str());
+  if (c.exit_code() == 0) {
+    problems->push_back(absl::StrCat(c.name(), " succeeded"));
+    return false;
+  }
+  if (c.killed_by_launcher()) {
+    problems->push_back(absl::StrCat(c.name(), " hung (killed)"));
+    return false;
+  }
+  return true;
+}
+
+// "failure check: FAIL (...)" and 1 when there are problems, else
+// "failure check: PASS (pass)" and 0.
+int FailureCheck(const std::vector<std::string>& problems, const std::string& pass) {
+  if (!problems.empty()) {
+    std::printf("failure check: FAIL (%s)\n", absl::StrJoin(problems, "; ").c_str());
+    return 1;
+  }
+  std::printf("failure check: PASS (%s)\n", pass.c_str());
+  return 0;
+}
+
+}  // namespace
+
 int Launcher::CheckExpectedFailure() {
   // Every attention instance must have failed on its own, naming the lost
   // server, within the mesh timeout of the kill.
@@ -61,14 +93,8 @@ int Launcher::CheckExpectedFailure() {
   absl::Duration took;
   for (auto& c : attention_) {
     took = std::max(took, c->exited_at() - ffn_killed_at_);
-    const std::string err = c->Stderr();
-    std::printf("%s exited %d; its error:\n%s", c->name().c_str(), c->exit_code(),
-                Tail(err, 3).c_str());
-    if (c->exit_code() == 0)
-      problems.push_back(absl::StrCat(c->name(), " succeeded"));
-    else if (c->killed_by_launcher())
-      problems.push_back(absl::StrCat(c->name(), " hung (killed)"));
-    else if (!absl::StrContains(err, needle)) {
+    std::string err;
+    if (ExpectFailed(*c, 3, &problems, &err) && !absl::StrContains(err, needle)) {
       problems.push_back(absl::StrCat(c->name(), "'s error does not name ", needle));
     }
   }
@@ -78,15 +104,11 @@ int Launcher::CheckExpectedFailure() {
     problems.push_back(absl::StrCat("the attention instances took ", absl::FormatDuration(took),
                                     " to fail, over the mesh timeout"));
   }
-  if (!problems.empty()) {
-    std::printf("failure check: FAIL (%s)\n", absl::StrJoin(problems, "; ").c_str());
-    return 1;
-  }
-  std::printf(
-      "failure check: PASS (every attention instance exited with an error naming %s "
-      "within %.1f s of the kill; mesh timeout %.1f s)\n",
-      needle.c_str(), absl::ToDoubleSeconds(took), absl::ToDoubleSeconds(f_.shape.timeout));
-  return 0;
+  return FailureCheck(problems,
+                      absl::StrFormat("every attention instance exited with an error naming %s "
+                                      "within %.1f s of the kill; mesh timeout %.1f s",
+                                      needle, absl::ToDoubleSeconds(took),
+                                      absl::ToDoubleSeconds(f_.shape.timeout)));
 }
 
 int Launcher::CheckWrongLayerRefused() {
@@ -100,15 +122,9 @@ int Launcher::CheckWrongLayerRefused() {
   std::vector<std::string> refused;
   for (auto* group : {&ffn_, &attention_}) {
     for (auto& c : *group) {
-      const std::string err = c->Stderr();
-      std::printf("%s exited %d; its error:\n%s", c->name().c_str(), c->exit_code(),
-                  Tail(err, 2).c_str());
-      if (c->exit_code() == 0) {
-        problems.push_back(absl::StrCat(c->name(), " succeeded"));
-      } else if (c->killed_by_launcher()) {
-        problems.push_back(absl::StrCat(c->name(), " hung (killed)"));
-      } else if (group == &ffn_ && absl::StrContains(err, sent) &&
-                 absl::StrContains(err, expects)) {
+      std::string err;
+      if (ExpectFailed(*c, 2, &problems, &err) && group == &ffn_ && absl::StrContains(err, sent) &&
+          absl::StrContains(err, expects)) {
         refused.push_back(c->name());
       }
     }
@@ -118,15 +134,8 @@ int Launcher::CheckWrongLayerRefused() {
   if (refused.empty()) {
     problems.push_back(absl::StrCat("no FFN's error says \"", needle, "\""));
   }
-  if (!problems.empty()) {
-    std::printf("failure check: FAIL (%s)\n", absl::StrJoin(problems, "; ").c_str());
-    return 1;
-  }
-  std::printf(
-      "failure check: PASS (%s refused the frame: \"%s\"; every process exited with an "
-      "error)\n",
-      absl::StrJoin(refused, ", ").c_str(), needle.c_str());
-  return 0;
+  return FailureCheck(problems, absl::StrCat(absl::StrJoin(refused, ", "), " refused the frame: \"",
+                                             needle, "\"; every process exited with an error"));
 }
 
 int Launcher::Run() {
