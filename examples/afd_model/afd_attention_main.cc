@@ -47,6 +47,7 @@
 #include "examples/afd_model/elastic_sync.h"
 #include "examples/afd_model/example_model.h"
 #include "examples/afd_model/model_weights.h"
+#include "examples/afd_model/process_flags.h"
 #include "examples/afd_model/wire.h"
 #include "examples/afd_model/workload_metrics.h"
 #include "src/tools/metrics/metrics_http.h"
@@ -191,25 +192,13 @@ class AttentionInstance {
 };
 
 void AttentionInstance::SizeResults() {
-  results_.instance = rank_;
-  results_.requests = shape_.requests;
-  results_.steps = shape_.steps();
-  results_.layers = config_.num_layers;
-  results_.micro_batches = shape_.micro_batches;
-  results_.servers = shape_.ffn;
-  results_.hidden = config_.hidden_size;
-  results_.vocab = config_.vocab_size;
-  results_.step_end_ns.assign(size_t(shape_.steps()) * shape_.micro_batches, 0);
+  results_ = SizedResults(rank_, shape_, config_);
   results_.tokens.assign(size_t(shape_.requests) * shape_.steps(), -1);
   results_.logits.assign(size_t(shape_.steps()) * shape_.requests * config_.vocab_size, 0.0f);
-  results_.selection_blocks.assign(kSelectionBlockCounts, 0);
   if (dump_layers_) {
     const size_t rows = size_t(shape_.requests) * (shape_.prompt_len + shape_.decode_steps);
     results_.layer_hidden.assign(rows * config_.num_layers * config_.hidden_size, 0.0f);
   }
-  const size_t stages = size_t(shape_.steps()) * config_.num_layers * shape_.micro_batches;
-  results_.attention.assign(stages, {});
-  results_.traces.assign(stages * shape_.ffn, {});
 }
 
 absl::Status AttentionInstance::Init(const std::string& scheduler, int device) {
@@ -472,17 +461,9 @@ absl::Status AttentionInstance::Checkpoint(int step, int local) {
     STEPMESH_RETURN_IF_ERROR(control_->Report(r));
   }
   STEPMESH_ASSIGN_OR_RETURN(const Decision d, control_->Await(step, shape_.timeout));
-  if (!d.resize) return absl::OkStatus();
-  const MeshShape now = schedule_.At(d.step - 1);
-  if (d.to.ffn != now.ffn || d.to.attention < now.attention) {
-    return absl::UnimplementedError(absl::StrCat("attention ", rank_, ": checkpoint ", step, ": ",
-                                                 now.Name(), " -> ", d.to.Name(),
-                                                 ": --autoscale grows the attention side only"));
-  }
-  if (absl::Status s = schedule_.Append(d.step, d.to); !s.ok()) {
-    return absl::Status(
-        s.code(), absl::StrCat("attention ", rank_, ": checkpoint ", step, ": ", s.message()));
-  }
+  STEPMESH_ASSIGN_OR_RETURN(const bool changed,
+                            ApplyDecision(d, absl::StrCat("attention ", rank_), step, &schedule_));
+  if (!changed) return absl::OkStatus();
   change_steps_ = ChangeStepsOf(schedule_, span_);
   return absl::OkStatus();
 }
@@ -540,22 +521,13 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "afd_attention: %s\n", flags.status().ToString().c_str());
     return 2;
   }
-  absl::StatusOr<RunShape> shape = ParseRunFlags(*flags);
-  // Unset --scheduler, --rank and --device come from the environment
-  // (STEPMESH_SCHEDULER or DMLC_PS_ROOT_URI/PORT, STEPMESH_RANK, STEPMESH_DEVICE).
-  absl::StatusOr<stepmesh::MeshOptions> env = stepmesh::MeshOptions::FromEnv();
-  if (!env.ok()) shape = env.status();
-  const stepmesh::MeshOptions mesh = env.ok() ? *env : stepmesh::MeshOptions();
-  const std::string scheduler = flags->Str("scheduler", mesh.scheduler);
+  absl::StatusOr<ProcessFlags> process = ReadProcessFlags(*flags);
   const std::string results_path = flags->Str("results", "");
   const std::string progress_path = flags->Str("progress", "");
-  const std::string metrics_file = flags->Str("metrics-file", "");
-  const std::string trace_file = flags->Str("chrome-trace", "");
   const std::string resize_log = flags->Str("resize-log", "");
   const std::string epoch_log = flags->Str("epoch-log", "");
   absl::StatusOr<int64_t> control_fd = flags->Int("control-fd", -1);
   absl::StatusOr<int64_t> report_fd = flags->Int("report-fd", -1);
-  absl::StatusOr<int64_t> metrics_port = flags->Int("metrics-port", 0);
   Progress wrong_layer;
   if (const std::string inject = flags->Str("inject-wrong-layer", ""); !inject.empty()) {
     std::vector<std::string> parts = absl::StrSplit(inject, ':');
@@ -566,61 +538,42 @@ int Main(int argc, char** argv) {
     }
   }
   const bool dump_layers = flags->Bool("dump-layers");
-  absl::StatusOr<int64_t> rank = flags->Int("rank", mesh.rank);
-  absl::StatusOr<int64_t> device = flags->Int("device", mesh.device);
-  absl::Status st = shape.ok() ? flags->CheckAllUsed() : shape.status();
-  if (st.ok() && (!rank.ok() || !device.ok())) st = !rank.ok() ? rank.status() : device.status();
-  if (st.ok() && (!metrics_port.ok() || *metrics_port < 0 || *metrics_port > 65535)) {
-    st = absl::InvalidArgumentError("--metrics-port wants a port in [0, 65535]");
-  }
-  if (st.ok() &&
-      (!control_fd.ok() || !report_fd.ok() || (*control_fd >= 0) != (shape->decision_every > 0) ||
-       *control_fd > 1023 || (*control_fd >= 0 && (*report_fd < 0 || *report_fd > 1023)))) {
+  absl::Status st = process.ok() ? CheckProcessFlags(*flags, *process, stepmesh::Role::kWorker)
+                                 : process.status();
+  if (st.ok() && (!control_fd.ok() || !report_fd.ok() ||
+                  (*control_fd >= 0) != (process->shape.decision_every > 0) || *control_fd > 1023 ||
+                  (*control_fd >= 0 && (*report_fd < 0 || *report_fd > 1023)))) {
     st = absl::InvalidArgumentError(
         "--decision-every needs --control-fd and --report-fd (inherited pipe ends, "
         "afd_launch --autoscale) and they need it");
   }
-  if (st.ok() && (scheduler.empty() || *rank < 0 || *rank >= shape->ForFfn().attention)) {
-    st = absl::InvalidArgumentError(
-        "need --scheduler and --rank (or STEPMESH_RANK) in [0, --attention) (with --resize: the "
-        "most attention instances of the schedule)");
-  }
-  if (!st.ok()) {
-    std::fprintf(stderr, "afd_attention: %s\n", st.ToString().c_str());
-    return 2;
-  }
-  std::string error;
-  const std::optional<ExampleModel> model =
-      LoadExampleModel(shape->config, BundledConfigDir(), &error);
-  if (!model) {
-    std::fprintf(stderr, "afd_attention: config: %s\n", error.c_str());
-    return 2;
-  }
-  if (st = ValidateRunForModel(*shape, *model); !st.ok()) {
-    std::fprintf(stderr, "afd_attention: %s\n", st.ToString().c_str());
+  absl::StatusOr<ExampleModel> model = st.ok() ? LoadRunModel(process->shape) : st;
+  if (!model.ok()) {
+    std::fprintf(stderr, "afd_attention: %s\n", model.status().ToString().c_str());
     return 2;
   }
 
-  const int a = static_cast<int>(*rank);
-  AttentionInstance instance(*shape, *model, a, dump_layers);
+  const RunShape& shape = process->shape;
+  const int a = static_cast<int>(process->rank);
+  AttentionInstance instance(shape, *model, a, dump_layers);
   if (wrong_layer.step >= 0) instance.InjectWrongLayer(wrong_layer.step, wrong_layer.layer);
   if (!progress_path.empty()) st = instance.OpenProgress(progress_path);
   instance.SetResizeLog(resize_log);
   if (*control_fd >= 0) {
     instance.SetControl(static_cast<int>(*control_fd), static_cast<int>(*report_fd));
   }
-  if (st.ok()) st = instance.Init(scheduler, static_cast<int>(*device));
+  if (st.ok()) st = instance.Init(process->scheduler, static_cast<int>(process->device));
   if (st.ok() && !epoch_log.empty()) st = instance.StartEpochLog(epoch_log);
-  if (st.ok() && *metrics_port > 0) st = instance.ServeMetrics(static_cast<int>(*metrics_port));
+  if (st.ok() && process->metrics_port > 0) st = instance.ServeMetrics(process->metrics_port);
   if (st.ok()) st = instance.Run();
   if (st.ok() && !results_path.empty()) st = WriteResults(results_path, instance.results());
-  if (st.ok()) st = instance.Finish(metrics_file, trace_file);
+  if (st.ok()) st = instance.Finish(process->metrics_file, process->trace_file);
   if (!st.ok()) {
     std::fprintf(stderr, "afd_attention[%d]: error: %s\n", a, st.ToString().c_str());
     return 1;
   }
-  std::printf("afd_attention[%d]: %d requests, %d steps done\n", a, shape->requests,
-              shape->ForAttention(a).steps());
+  std::printf("afd_attention[%d]: %d requests, %d steps done\n", a, shape.requests,
+              shape.ForAttention(a).steps());
   return 0;
 }
 

@@ -278,6 +278,12 @@ struct AttentionResults {
   }
 };
 
+// Attention instance `instance`'s results for a run of `shape` (its own
+// span of steps under --resize: RunShape::ForAttention) over `config`: the
+// header, and step_end_ns, attention, traces and selection_blocks sized and
+// zeroed; tokens, logits and layer_hidden empty (attention_results.cc).
+AttentionResults SizedResults(int instance, const RunShape& shape, const ModelConfig& config);
+
 // What the launcher expects of instance `instance`'s results file; every
 // header field and vector length is checked against it before any element is
 // read, so a short, stale or foreign file is a clear error, not an

@@ -26,6 +26,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -166,6 +167,15 @@ absl::StatusOr<std::unique_ptr<FfnEngine>> CreateFfnEngine(FfnEngineParams p);
 absl::StatusOr<int64_t> CudaDeviceFreeBytes();
 
 class DeviceOps;
+
+// `Engine` made from `args` and initialised (its Init()), as its interface
+// `Base`: how every Create*Engine builds one.
+template <typename Base, typename Engine, typename... Args>
+absl::StatusOr<std::unique_ptr<Base>> MakeEngine(Args&&... args) {
+  auto engine = std::make_unique<Engine>(std::forward<Args>(args)...);
+  if (absl::Status s = engine->Init(); !s.ok()) return s;
+  return std::unique_ptr<Base>(std::move(engine));
+}
 
 // The device engines over any DeviceOps (afd_engine_device.cc).
 absl::StatusOr<std::unique_ptr<AttentionEngine>> CreateDeviceAttentionEngine(

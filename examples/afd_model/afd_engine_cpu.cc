@@ -335,15 +335,11 @@ class CpuFfnEngine final : public FfnEngine {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<AttentionEngine>> CreateCpuAttentionEngine(AttentionEngineParams p) {
-  auto engine = std::make_unique<CpuAttentionEngine>(std::move(p));
-  STEPMESH_RETURN_IF_ERROR(engine->Init());
-  return engine;
+  return MakeEngine<AttentionEngine, CpuAttentionEngine>(std::move(p));
 }
 
 absl::StatusOr<std::unique_ptr<FfnEngine>> CreateCpuFfnEngine(FfnEngineParams p) {
-  auto engine = std::make_unique<CpuFfnEngine>(std::move(p));
-  STEPMESH_RETURN_IF_ERROR(engine->Init());
-  return engine;
+  return MakeEngine<FfnEngine, CpuFfnEngine>(std::move(p));
 }
 
 }  // namespace afd::example

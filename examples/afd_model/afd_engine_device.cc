@@ -705,16 +705,12 @@ absl::Status DeviceFfnEngine::EnqueueForward(int m, int layer, int partitions,
 
 absl::StatusOr<std::unique_ptr<AttentionEngine>> CreateDeviceAttentionEngine(
     AttentionEngineParams p, std::unique_ptr<DeviceOps> ops) {
-  auto engine = std::make_unique<DeviceAttentionEngine>(std::move(p), std::move(ops));
-  STEPMESH_RETURN_IF_ERROR(engine->Init());
-  return engine;
+  return MakeEngine<AttentionEngine, DeviceAttentionEngine>(std::move(p), std::move(ops));
 }
 
 absl::StatusOr<std::unique_ptr<FfnEngine>> CreateDeviceFfnEngine(FfnEngineParams p,
                                                                  std::unique_ptr<DeviceOps> ops) {
-  auto engine = std::make_unique<DeviceFfnEngine>(std::move(p), std::move(ops));
-  STEPMESH_RETURN_IF_ERROR(engine->Init());
-  return engine;
+  return MakeEngine<FfnEngine, DeviceFfnEngine>(std::move(p), std::move(ops));
 }
 
 }  // namespace afd::example

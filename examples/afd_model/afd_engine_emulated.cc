@@ -131,15 +131,11 @@ class EmulatedFfnEngine final : public FfnEngine {
 
 absl::StatusOr<std::unique_ptr<AttentionEngine>> CreateEmulatedAttentionEngine(
     AttentionEngineParams p) {
-  auto engine = std::make_unique<EmulatedAttentionEngine>(std::move(p));
-  STEPMESH_RETURN_IF_ERROR(engine->Init());
-  return engine;
+  return MakeEngine<AttentionEngine, EmulatedAttentionEngine>(std::move(p));
 }
 
 absl::StatusOr<std::unique_ptr<FfnEngine>> CreateEmulatedFfnEngine(FfnEngineParams p) {
-  auto engine = std::make_unique<EmulatedFfnEngine>(std::move(p));
-  STEPMESH_RETURN_IF_ERROR(engine->Init());
-  return engine;
+  return MakeEngine<FfnEngine, EmulatedFfnEngine>(std::move(p));
 }
 
 }  // namespace afd::example

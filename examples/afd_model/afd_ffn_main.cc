@@ -33,6 +33,7 @@
 #include "examples/afd_model/config.h"
 #include "examples/afd_model/elastic_sync.h"
 #include "examples/afd_model/example_model.h"
+#include "examples/afd_model/process_flags.h"
 #include "examples/afd_model/wire.h"
 #include "src/tools/metrics/metrics_http.h"
 #include "stepmesh/stepmesh.h"
@@ -127,17 +128,9 @@ void FfnInstance::Derive() {
 
 absl::Status FfnInstance::Checkpoint(int step) {
   STEPMESH_ASSIGN_OR_RETURN(const Decision d, control_->Await(step, shape_.timeout));
-  if (!d.resize) return absl::OkStatus();
-  const MeshShape now = schedule_.At(d.step - 1);
-  if (d.to.ffn != now.ffn || d.to.attention < now.attention) {
-    return absl::UnimplementedError(absl::StrCat("ffn ", rank_, ": checkpoint ", step, ": ",
-                                                 now.Name(), " -> ", d.to.Name(),
-                                                 ": --autoscale grows the attention side only"));
-  }
-  if (absl::Status s = schedule_.Append(d.step, d.to); !s.ok()) {
-    return absl::Status(s.code(),
-                        absl::StrCat("ffn ", rank_, ": checkpoint ", step, ": ", s.message()));
-  }
+  STEPMESH_ASSIGN_OR_RETURN(const bool changed,
+                            ApplyDecision(d, absl::StrCat("ffn ", rank_), step, &schedule_));
+  if (!changed) return absl::OkStatus();
   Derive();
   return absl::OkStatus();
 }
@@ -456,57 +449,28 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "afd_ffn: %s\n", flags.status().ToString().c_str());
     return 2;
   }
-  absl::StatusOr<RunShape> shape = ParseRunFlags(*flags);
-  // Unset --scheduler, --rank and --device come from the environment
-  // (STEPMESH_SCHEDULER or DMLC_PS_ROOT_URI/PORT, STEPMESH_RANK, STEPMESH_DEVICE).
-  absl::StatusOr<stepmesh::MeshOptions> env = stepmesh::MeshOptions::FromEnv();
-  if (!env.ok()) shape = env.status();
-  const stepmesh::MeshOptions mesh = env.ok() ? *env : stepmesh::MeshOptions();
-  const std::string scheduler = flags->Str("scheduler", mesh.scheduler);
-  absl::StatusOr<int64_t> rank = flags->Int("rank", mesh.rank);
-  absl::StatusOr<int64_t> device = flags->Int("device", mesh.device);
-  const std::string metrics_file = flags->Str("metrics-file", "");
-  const std::string trace_file = flags->Str("chrome-trace", "");
-  absl::StatusOr<int64_t> metrics_port = flags->Int("metrics-port", 0);
+  absl::StatusOr<ProcessFlags> process = ReadProcessFlags(*flags);
   absl::StatusOr<int64_t> control_fd = flags->Int("control-fd", -1);
-  absl::Status st = shape.ok() ? flags->CheckAllUsed() : shape.status();
-  if (st.ok() && (!control_fd.ok() || (*control_fd >= 0) != (shape->decision_every > 0) ||
+  absl::Status st = process.ok() ? CheckProcessFlags(*flags, *process, stepmesh::Role::kServer)
+                                 : process.status();
+  if (st.ok() && (!control_fd.ok() || (*control_fd >= 0) != (process->shape.decision_every > 0) ||
                   *control_fd > 1023)) {
     st = absl::InvalidArgumentError(
         "--decision-every needs --control-fd (an inherited pipe end, afd_launch --autoscale) "
         "and it needs it");
   }
-  if (st.ok() && (!rank.ok() || !device.ok())) st = !rank.ok() ? rank.status() : device.status();
-  if (st.ok() && (!metrics_port.ok() || *metrics_port < 0 || *metrics_port > 65535)) {
-    st = absl::InvalidArgumentError("--metrics-port wants a port in [0, 65535]");
-  }
-  if (st.ok() && (scheduler.empty() || *rank < 0 || *rank >= shape->ForFfn().ffn)) {
-    st = absl::InvalidArgumentError(
-        "need --scheduler and --rank (or STEPMESH_RANK) in [0, --ffn) (with --resize: the most "
-        "FFN instances of the schedule)");
-  }
-  if (!st.ok()) {
-    std::fprintf(stderr, "afd_ffn: %s\n", st.ToString().c_str());
-    return 2;
-  }
-  std::string error;
   // Every model of the example has the same FFN side: its ModelConfig.
-  const std::optional<ExampleModel> model =
-      LoadExampleModel(shape->config, BundledConfigDir(), &error);
-  if (!model) {
-    std::fprintf(stderr, "afd_ffn: config: %s\n", error.c_str());
+  absl::StatusOr<ExampleModel> model = st.ok() ? LoadRunModel(process->shape) : st;
+  if (!model.ok()) {
+    std::fprintf(stderr, "afd_ffn: %s\n", model.status().ToString().c_str());
     return 2;
   }
-  if (st = ValidateRunForModel(*shape, *model); !st.ok()) {
-    std::fprintf(stderr, "afd_ffn: %s\n", st.ToString().c_str());
-    return 2;
-  }
-  const int p = static_cast<int>(*rank);
-  FfnInstance instance(*shape, model->config, p);
-  instance.SetMetrics(static_cast<int>(*metrics_port), metrics_file);
-  instance.SetTraceFile(trace_file);
+  const int p = static_cast<int>(process->rank);
+  FfnInstance instance(process->shape, model->config, p);
+  instance.SetMetrics(process->metrics_port, process->metrics_file);
+  instance.SetTraceFile(process->trace_file);
   if (*control_fd >= 0) instance.SetControl(static_cast<int>(*control_fd));
-  st = instance.Init(scheduler, static_cast<int>(*device));
+  st = instance.Init(process->scheduler, static_cast<int>(process->device));
   if (st.ok()) st = instance.Run();
   if (!st.ok()) {
     std::fprintf(stderr, "afd_ffn[%d]: error: %s\n", p, st.ToString().c_str());

@@ -77,11 +77,7 @@ void AfdWireEmulation::ComputeFfnOutput(int layer, const AttentionModel& attenti
   attention.PrepareFfnInput(layer, state);
   const int64_t n = state->num_tokens();
   const A2FSizes sizes{n, config_.hidden_size, config_.top_k, config_.fp8_group};
-  codes_.resize(sizes.codes_bytes());
-  scales_.resize(sizes.scales_bytes() / sizeof(float));
-  topk_ids_.resize(sizes.topk_ids_bytes() / sizeof(int32_t));
-  topk_weights_.resize(sizes.topk_weights_bytes() / sizeof(float));
-  const A2FBuffers a2f{codes_.data(), scales_.data(), topk_ids_.data(), topk_weights_.data()};
+  const A2FBuffers a2f = a2f_.Resize(sizes);
   attention.WriteA2F(*state, a2f);
   for (size_t p = 0; p < partitions_.size(); ++p) {
     partials_[p].resize(n * config_.hidden_size);

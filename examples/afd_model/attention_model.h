@@ -99,10 +99,7 @@ class AfdWireEmulation {
   ModelConfig config_;
   std::vector<FfnSide> partitions_;
   FfnWorkspace workspace_;
-  std::vector<uint8_t> codes_;
-  std::vector<float> scales_;
-  std::vector<int32_t> topk_ids_;
-  std::vector<float> topk_weights_;
+  A2FStorage a2f_;
   std::vector<std::vector<uint16_t>> partials_;
   std::vector<const uint16_t*> partial_ptrs_;
 };

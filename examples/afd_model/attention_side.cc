@@ -2,27 +2,31 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "examples/afd_model/attention_model.h"
 #include "examples/afd_model/kernels/cpu_kernels.h"
 
 namespace afd {
 
+namespace {
+
+// Every KV-cache format and its flag name (--kv-cache).
+constexpr std::pair<KvCacheFormat, const char*> kKvCacheFormats[] = {
+    {KvCacheFormat::kFp32, "fp32"}, {KvCacheFormat::kBf16, "bf16"}, {KvCacheFormat::kFp8, "fp8"}};
+
+}  // namespace
+
 const char* KvCacheFormatName(KvCacheFormat format) {
-  switch (format) {
-    case KvCacheFormat::kFp32:
-      return "fp32";
-    case KvCacheFormat::kBf16:
-      return "bf16";
-    case KvCacheFormat::kFp8:
-      return "fp8";
+  for (const auto& [f, name] : kKvCacheFormats) {
+    if (f == format) return name;
   }
   return "?";
 }
 
 bool ParseKvCacheFormat(std::string_view name, KvCacheFormat* format) {
-  for (KvCacheFormat f : {KvCacheFormat::kFp32, KvCacheFormat::kBf16, KvCacheFormat::kFp8}) {
-    if (name == KvCacheFormatName(f)) {
+  for (const auto& [f, flag] : kKvCacheFormats) {
+    if (name == flag) {
       *format = f;
       return true;
     }

@@ -185,4 +185,19 @@ absl::StatusOr<Decision> ControlChannel::Await(int checkpoint, absl::Duration ti
   return d;
 }
 
+absl::StatusOr<bool> ApplyDecision(const Decision& d, absl::string_view who, int step,
+                                   ResizeSchedule* schedule) {
+  if (!d.resize) return false;
+  const MeshShape now = schedule->At(d.step - 1);
+  if (d.to.ffn != now.ffn || d.to.attention < now.attention) {
+    return absl::UnimplementedError(absl::StrCat(who, ": checkpoint ", step, ": ", now.Name(),
+                                                 " -> ", d.to.Name(),
+                                                 ": --autoscale grows the attention side only"));
+  }
+  if (absl::Status s = schedule->Append(d.step, d.to); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(who, ": checkpoint ", step, ": ", s.message()));
+  }
+  return true;
+}
+
 }  // namespace afd::example

@@ -61,6 +61,13 @@ struct Decision {
 std::string FormatDecision(const Decision& d);  // one line, with '\n'
 absl::StatusOr<Decision> ParseDecision(absl::string_view line);
 
+// Applies `d`, received at checkpoint `step`, to `schedule`: false for "no
+// change", true for a resize appended. A resize must grow the attention side
+// only (UNIMPLEMENTED otherwise). `who` ("attention 0", "ffn 1") leads every
+// error.
+absl::StatusOr<bool> ApplyDecision(const Decision& d, absl::string_view who, int step,
+                                   ResizeSchedule* schedule);
+
 // Whole lines from a pipe end (non-blocking reads).
 class LineReader {
  public:

@@ -96,43 +96,23 @@ std::optional<ModelConfig> ParseModelConfig(std::string_view text, std::string* 
 }
 
 std::optional<ModelConfig> LoadModelConfigFile(const std::string& path, std::string* error) {
-  std::ifstream file(path);
-  if (!file) {
-    Fail(error, "cannot open " + path);
-    return std::nullopt;
-  }
-  std::stringstream contents;
-  contents << file.rdbuf();
-  std::string parse_error;
-  auto config = ParseModelConfig(contents.str(), &parse_error);
-  if (!config) Fail(error, path + ": " + parse_error);
-  return config;
+  return LoadConfigFile(path, error, &ParseModelConfig);
 }
 
 namespace {
 
-constexpr std::pair<const char*, const char*> kBundled[] = {{"tiny", "tiny.cfg"},
-                                                            {"full", "full_width.cfg"},
-                                                            {"step3", "step3.cfg"},
-                                                            {"wire", "step3_wire.cfg"}};
+constexpr BundledConfig kBundled[] = {{"tiny", "tiny.cfg"},
+                                      {"full", "full_width.cfg"},
+                                      {"step3", "step3.cfg"},
+                                      {"wire", "step3_wire.cfg"}};
 
 }  // namespace
 
-bool IsStep3ConfigName(std::string_view name) {
-  for (const auto& [alias, file] : kBundled) {
-    if (name == alias) return true;
-  }
-  return false;
-}
+bool IsStep3ConfigName(std::string_view name) { return IsBundledConfig(kBundled, name); }
 
 std::optional<ModelConfig> LoadModelConfig(const std::string& name_or_path,
                                            const std::string& config_dir, std::string* error) {
-  for (const auto& [alias, file] : kBundled) {
-    if (name_or_path == alias) {
-      return LoadModelConfigFile(config_dir + "/" + file, error);
-    }
-  }
-  return LoadModelConfigFile(name_or_path, error);
+  return LoadModelConfigFile(ConfigPath(kBundled, name_or_path, config_dir), error);
 }
 
 // The source tree's configs, where the build put them; a binary carried to

@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <fstream>
 #include <sstream>
 
 namespace afd {
@@ -135,6 +136,33 @@ bool ParseLayerList(std::string_view text, int num_layers, std::vector<bool>* fl
     }
     for (int64_t l = first; l <= last; ++l) (*flags)[l] = true;
   }
+  return true;
+}
+
+bool IsBundledConfig(std::span<const BundledConfig> bundled, std::string_view name) {
+  for (const BundledConfig& b : bundled) {
+    if (name == b.name) return true;
+  }
+  return false;
+}
+
+std::string ConfigPath(std::span<const BundledConfig> bundled, const std::string& name_or_path,
+                       const std::string& config_dir) {
+  for (const BundledConfig& b : bundled) {
+    if (name_or_path == b.name) return config_dir + "/" + std::string(b.file);
+  }
+  return name_or_path;
+}
+
+bool ReadConfigText(const std::string& path, std::string* text, std::string* error) {
+  std::ifstream file(path);
+  if (!file) {
+    if (error != nullptr) *error = "cannot open " + path;
+    return false;
+  }
+  std::stringstream contents;
+  contents << file.rdbuf();
+  *text = contents.str();
   return true;
 }
 

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -50,5 +52,38 @@ class KeyValues {
 // `*error` naming the entry that is malformed or out of range.
 bool ParseLayerList(std::string_view text, int num_layers, std::vector<bool>* flags,
                     std::string* error);
+
+// A bundled config: the name a flag gives and its file in the config
+// directory.
+struct BundledConfig {
+  std::string_view name;
+  std::string_view file;
+};
+
+// True when `name` is one of `bundled`.
+bool IsBundledConfig(std::span<const BundledConfig> bundled, std::string_view name);
+
+// The file `name_or_path` stands for: `config_dir`/file of the bundled config
+// of that name, else `name_or_path` itself.
+std::string ConfigPath(std::span<const BundledConfig> bundled, const std::string& name_or_path,
+                       const std::string& config_dir);
+
+// The whole text of `path`; false with `*error` (if non-null) "cannot open
+// PATH".
+bool ReadConfigText(const std::string& path, std::string* text, std::string* error);
+
+// Reads `path` and parses it with `parse`; on failure nullopt and `*error`
+// (if non-null) says why, naming the file.
+template <typename Config>
+std::optional<Config> LoadConfigFile(const std::string& path, std::string* error,
+                                     std::optional<Config> (*parse)(std::string_view,
+                                                                    std::string*)) {
+  std::string text;
+  if (!ReadConfigText(path, &text, error)) return std::nullopt;
+  std::string parse_error;
+  std::optional<Config> config = parse(text, &parse_error);
+  if (!config && error != nullptr) *error = path + ": " + parse_error;
+  return config;
+}
 
 }  // namespace afd

@@ -66,6 +66,16 @@ void FillTensorColumns(const TensorSpec& spec, uint64_t seed, int64_t base, int6
   }
 }
 
+void GenerateOuterWeights(const ModelConfig& config, std::vector<float>* embedding,
+                          std::vector<float>* final_norm, std::vector<float>* lm_head) {
+  const int64_t h = config.hidden_size;
+  *embedding = GenerateTensor({"model.embed_tokens.weight", WeightKind::kEmbedding, h},
+                              config.weight_seed, config.vocab_size * h);
+  *final_norm = GenerateTensor(GammaSpec("model.norm.weight"), config.weight_seed, h);
+  *lm_head =
+      GenerateTensor(LinearSpec("lm_head.weight", h), config.weight_seed, config.vocab_size * h);
+}
+
 AttentionWeights GenerateAttentionWeights(const ModelConfig& config) {
   const int64_t h = config.hidden_size;
   const int64_t q = config.q_rank;
@@ -73,15 +83,10 @@ AttentionWeights GenerateAttentionWeights(const ModelConfig& config) {
   const int64_t width = config.attention_width();
   const uint64_t seed = config.weight_seed;
   AttentionWeights weights;
-  weights.embedding = GenerateTensor({"model.embed_tokens.weight", WeightKind::kEmbedding, h}, seed,
-                                     config.vocab_size * h);
-  weights.final_norm = GenerateTensor(GammaSpec("model.norm.weight"), seed, h);
-  weights.lm_head = GenerateTensor(LinearSpec("lm_head.weight", h), seed, config.vocab_size * h);
-  weights.layers.resize(config.num_layers);
+  GenerateSharedAttentionWeights(config, &weights);
   for (int l = 0; l < config.num_layers; ++l) {
     AttentionLayerWeights& layer = weights.layers[l];
     auto name = [l](std::string_view suffix) { return LayerTensorName(l, suffix); };
-    layer.input_norm = GenerateTensor(GammaSpec(name("input_layernorm.weight")), seed, h);
     layer.qkv.resize((q + 2 * d) * h);
     FillRows(LinearSpec(name("self_attn.q_proj.weight"), h), seed, 0, q, layer.qkv.data());
     FillRows(LinearSpec(name("self_attn.k_proj.weight"), h), seed, 0, d, layer.qkv.data() + q * h);

@@ -57,6 +57,25 @@ struct AttentionWeights {
 
 AttentionWeights GenerateAttentionWeights(const ModelConfig& config);
 
+// The tensors around the layers that every model's attention side has (the
+// same names, so the same values): the embedding [V, H], the final norm [H]
+// and the LM head [V, H].
+void GenerateOuterWeights(const ModelConfig& config, std::vector<float>* embedding,
+                          std::vector<float>* final_norm, std::vector<float>* lm_head);
+
+// GenerateOuterWeights into `weights`, its layers sized, and each layer's
+// input norm [H] (also the same in every model).
+template <typename Weights>
+void GenerateSharedAttentionWeights(const ModelConfig& config, Weights* weights) {
+  GenerateOuterWeights(config, &weights->embedding, &weights->final_norm, &weights->lm_head);
+  weights->layers.resize(config.num_layers);
+  for (int l = 0; l < config.num_layers; ++l) {
+    weights->layers[l].input_norm =
+        GenerateTensor(GammaSpec(LayerTensorName(l, "input_layernorm.weight")), config.weight_seed,
+                       config.hidden_size);
+  }
+}
+
 // How the FFN of every layer is spread over F partitions (docs/model.md):
 //  - routed expert e lives on partition e % F;
 //  - the dense FFN and the shared expert are split by columns of their

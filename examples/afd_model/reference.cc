@@ -46,12 +46,7 @@ void ReferenceModel::ComputeFfnOutput(int layer, StepState* state) {
     return;
   }
   const A2FSizes sizes{n, config_.hidden_size, config_.top_k, config_.fp8_group};
-  a2f_codes_.resize(sizes.codes_bytes());
-  a2f_scales_.resize(sizes.scales_bytes() / sizeof(float));
-  a2f_topk_ids_.resize(sizes.topk_ids_bytes() / sizeof(int32_t));
-  a2f_topk_weights_.resize(sizes.topk_weights_bytes() / sizeof(float));
-  const A2FBuffers a2f{a2f_codes_.data(), a2f_scales_.data(), a2f_topk_ids_.data(),
-                       a2f_topk_weights_.data()};
+  const A2FBuffers a2f = a2f_.Resize(sizes);
   attention_.WriteA2F(*state, a2f);
   std::vector<const uint16_t*> partials;
   std::vector<FfnSide>& layout = layouts_.at(partitions_now_);

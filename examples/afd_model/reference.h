@@ -91,10 +91,7 @@ class ReferenceModel {
   int partitions_now_ = 1;  // the F the next ComputeFfnOutput runs
   FfnWorkspace ffn_workspace_;
   // The emulated wire of the single micro-batch.
-  std::vector<uint8_t> a2f_codes_;
-  std::vector<float> a2f_scales_;
-  std::vector<int32_t> a2f_topk_ids_;
-  std::vector<float> a2f_topk_weights_;
+  A2FStorage a2f_;
   std::vector<std::vector<uint16_t>> f2a_partials_;
   LayerObserver observer_;
 };

@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace afd {
 
@@ -61,5 +62,23 @@ struct A2FView {
 inline A2FView AsView(const A2FBuffers& buffers, int64_t tokens) {
   return {tokens, buffers.codes, buffers.scales, buffers.topk_ids, buffers.topk_weights};
 }
+
+// Host storage of the four A2F tensors, for the AFD wire emulated in one
+// process (the references).
+struct A2FStorage {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales;
+  std::vector<int32_t> topk_ids;
+  std::vector<float> topk_weights;
+
+  // Sized for `sizes`; views of the four tensors.
+  A2FBuffers Resize(const A2FSizes& sizes) {
+    codes.resize(sizes.codes_bytes());
+    scales.resize(sizes.scales_bytes() / sizeof(float));
+    topk_ids.resize(sizes.topk_ids_bytes() / sizeof(int32_t));
+    topk_weights.resize(sizes.topk_weights_bytes() / sizeof(float));
+    return {codes.data(), scales.data(), topk_ids.data(), topk_weights.data()};
+  }
+};
 
 }  // namespace afd

@@ -21,17 +21,10 @@
 #include "examples/afd_model/reference.h"
 #include "stepmesh/cuda.h"
 #include "stepmesh/stepmesh.h"
+#include "tests/afd/afd_test_config.h"
 
 namespace afd::example {
 namespace {
-
-ModelConfig Tiny() {
-  std::string error;
-  auto config = LoadModelConfig("tiny", BundledConfigDir(), &error);
-  INFO(error);
-  REQUIRE(config.has_value());
-  return *config;
-}
 
 RunShape SmallShape() {
   RunShape s;
@@ -52,19 +45,8 @@ AttentionResults ReferenceResults(const RunShape& shape, const ModelConfig& conf
   const int total = shape.attention * shape.requests;
   ReferenceModel model(config, ReferenceOptions{Codec::kAfd, shape.ffn, total,
                                                 int64_t{shape.prompt_len} + shape.decode_steps});
-  AttentionResults r;
-  r.instance = 0;
-  r.requests = shape.requests;
-  r.steps = shape.steps();
-  r.layers = config.num_layers;
-  r.micro_batches = shape.micro_batches;
-  r.servers = shape.ffn;
-  r.hidden = config.hidden_size;
-  r.vocab = config.vocab_size;
-  r.step_end_ns.assign(size_t(r.steps) * r.micro_batches, 1);
-  r.attention.assign(size_t(r.steps) * r.layers * r.micro_batches, {});
-  r.traces.assign(r.attention.size() * r.servers, {});
-  r.selection_blocks.assign(kSelectionBlockCounts, 0);  // a dense model
+  AttentionResults r = SizedResults(0, shape, config);
+  std::fill(r.step_end_ns.begin(), r.step_end_ns.end(), 1);
   if (dump_layers) {
     // [step][layer][rows of the step][H], in the order the observer sees them.
     model.set_layer_observer([&](int, const StepState& state) {
@@ -109,6 +91,14 @@ TEST_CASE("gate A passes only on bitwise equality", "[afd][gate_a]") {
   const RunShape shape = SmallShape();
   const AttentionResults good = ReferenceResults(shape, config, true);
   REQUIRE(ValidateResults(good, Expect(shape, config, true)).ok());
+  // Gate A (per-layer dumps asked for) on `results`: passes or not, and the
+  // summary says `says`.
+  auto gate = [&](const AttentionResults& results, bool pass, const std::string& says) {
+    const ReferenceCheck check = CheckAgainstReference(shape, AsModel(config), {results}, true);
+    INFO(check.summary);
+    CHECK(check.pass == pass);
+    CHECK(check.summary.find(says) != std::string::npos);
+  };
 
   SECTION("the reference's own results pass") {
     const ReferenceCheck check = CheckAgainstReference(shape, AsModel(config), {good}, true);
@@ -125,33 +115,23 @@ TEST_CASE("gate A passes only on bitwise equality", "[afd][gate_a]") {
     const size_t v = config.vocab_size;
     const size_t row = (bad.logits.size() / 2 + 7) / v;
     CHECK(RelativeL2({bad.logits.data() + row * v, v}, {good.logits.data() + row * v, v}) < 1e-6);
-    const ReferenceCheck check = CheckAgainstReference(shape, AsModel(config), {bad}, true);
-    INFO(check.summary);
-    CHECK_FALSE(check.pass);
-    CHECK(check.summary.find("logits 1 of 12 differ") != std::string::npos);
+    gate(bad, false, "logits 1 of 12 differ");
   }
   SECTION("one residual element one ulp off fails") {
     AttentionResults bad = good;
     float& x = bad.layer_hidden[bad.layer_hidden.size() - 3];
     x = std::nextafter(x, INFINITY);
-    const ReferenceCheck check = CheckAgainstReference(shape, AsModel(config), {bad}, true);
-    INFO(check.summary);
-    CHECK_FALSE(check.pass);
-    CHECK(check.summary.find("per-layer residuals 1 of") != std::string::npos);
+    gate(bad, false, "per-layer residuals 1 of");
   }
   SECTION("a wrong token fails") {
     AttentionResults bad = good;
     bad.tokens[4] = (bad.tokens[4] + 1) % config.vocab_size;
-    const ReferenceCheck check = CheckAgainstReference(shape, AsModel(config), {bad}, true);
-    CHECK_FALSE(check.pass);
-    CHECK(check.summary.find("11/12 tokens identical") != std::string::npos);
+    gate(bad, false, "11/12 tokens identical");
   }
   SECTION("missing per-layer dumps fail when they were asked for") {
     AttentionResults bad = good;
     bad.layer_hidden.clear();
-    const ReferenceCheck check = CheckAgainstReference(shape, AsModel(config), {bad}, true);
-    CHECK_FALSE(check.pass);
-    CHECK(check.summary.find("did not dump its per-layer residuals") != std::string::npos);
+    gate(bad, false, "did not dump its per-layer residuals");
     CHECK_FALSE(ValidateResults(bad, Expect(shape, config, true)).ok());
   }
   SECTION("without dumps asked for, tokens and logits still decide") {

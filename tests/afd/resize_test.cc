@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cstdio>
 #include <fstream>
@@ -19,6 +20,7 @@
 #include "examples/afd_model/reference.h"
 #include "examples/afd_model/resize_launch.h"
 #include "examples/afd_model/resize_plan.h"
+#include "tests/afd/afd_test_config.h"
 
 namespace afd::example {
 namespace {
@@ -97,14 +99,6 @@ TEST_CASE("resize lines: the exact format with epochs and times from the logs", 
   for (const std::string& p : {epochs, log0, log2}) std::remove(p.c_str());
 }
 
-ModelConfig Tiny() {
-  std::string error;
-  auto config = LoadModelConfig("tiny", BundledConfigDir(), &error);
-  INFO(error);
-  REQUIRE(config.has_value());
-  return *config;
-}
-
 // What attention instance `rank` of the elastic run `run` writes, made by the
 // monolithic ReferenceModel on that instance's requests alone: prefilled at
 // the instance's first step, the expert layout of each global step of its
@@ -118,19 +112,8 @@ AttentionResults ReferenceResults(const RunShape& run, const ModelConfig& config
   options.partitions_per_step.assign(partitions.begin() + span.begin,
                                      partitions.begin() + span.end);
   ReferenceModel model(config, options);
-  AttentionResults r;
-  r.instance = rank;
-  r.requests = shape.requests;
-  r.steps = shape.steps();
-  r.layers = config.num_layers;
-  r.micro_batches = shape.micro_batches;
-  r.servers = shape.ffn;
-  r.hidden = config.hidden_size;
-  r.vocab = config.vocab_size;
-  r.step_end_ns.assign(size_t(r.steps) * r.micro_batches, 1);
-  r.attention.assign(size_t(r.steps) * r.layers * r.micro_batches, {});
-  r.traces.assign(r.attention.size() * r.servers, {});
-  r.selection_blocks.assign(kSelectionBlockCounts, 0);
+  AttentionResults r = SizedResults(rank, shape, config);
+  std::fill(r.step_end_ns.begin(), r.step_end_ns.end(), 1);
   model.set_layer_observer([&](int, const StepState& state) {
     r.layer_hidden.insert(r.layer_hidden.end(), state.hidden.begin(), state.hidden.end());
   });

@@ -55,52 +55,45 @@ class DeviceBuffer {
   cudaError_t status_ = cudaSuccess;
 };
 
-class Stream {
+// One CUDA or cuBLAS handle: made at construction by `create(&handle)`
+// (status() says how that went), destroyed by `Destroy` unless null.
+template <typename Handle, typename Status, Status kSuccess, auto Destroy>
+class UniqueHandle {
  public:
-  Stream() { status_ = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking); }
-  ~Stream() {
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  template <typename Create>
+  explicit UniqueHandle(Create create) {
+    status_ = create(&handle_);
   }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-  cudaStream_t get() const { return stream_; }
-  cudaError_t status() const { return status_; }
+  ~UniqueHandle() {
+    if (handle_ != nullptr) Destroy(handle_);
+  }
+  UniqueHandle(const UniqueHandle&) = delete;
+  UniqueHandle& operator=(const UniqueHandle&) = delete;
+  Handle get() const { return handle_; }
+  Status status() const { return status_; }
 
  private:
-  cudaStream_t stream_ = nullptr;
-  cudaError_t status_ = cudaSuccess;
+  Handle handle_ = nullptr;
+  Status status_ = kSuccess;
 };
 
-class Event {
+// A non-blocking stream.
+class Stream : public UniqueHandle<cudaStream_t, cudaError_t, cudaSuccess, &cudaStreamDestroy> {
  public:
-  Event() { status_ = cudaEventCreate(&event_); }
-  ~Event() {
-    if (event_ != nullptr) cudaEventDestroy(event_);
-  }
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
-  cudaEvent_t get() const { return event_; }
-  cudaError_t status() const { return status_; }
-
- private:
-  cudaEvent_t event_ = nullptr;
-  cudaError_t status_ = cudaSuccess;
+  Stream()
+      : UniqueHandle(
+            [](cudaStream_t* s) { return cudaStreamCreateWithFlags(s, cudaStreamNonBlocking); }) {}
 };
 
-class CublasHandle {
+class Event : public UniqueHandle<cudaEvent_t, cudaError_t, cudaSuccess, &cudaEventDestroy> {
  public:
-  CublasHandle() { status_ = cublasCreate(&handle_); }
-  ~CublasHandle() {
-    if (handle_ != nullptr) cublasDestroy(handle_);
-  }
-  CublasHandle(const CublasHandle&) = delete;
-  CublasHandle& operator=(const CublasHandle&) = delete;
-  cublasHandle_t get() const { return handle_; }
-  cublasStatus_t status() const { return status_; }
+  Event() : UniqueHandle([](cudaEvent_t* e) { return cudaEventCreate(e); }) {}
+};
 
- private:
-  cublasHandle_t handle_ = nullptr;
-  cublasStatus_t status_ = CUBLAS_STATUS_SUCCESS;
+class CublasHandle
+    : public UniqueHandle<cublasHandle_t, cublasStatus_t, CUBLAS_STATUS_SUCCESS, &cublasDestroy> {
+ public:
+  CublasHandle() : UniqueHandle([](cublasHandle_t* h) { return cublasCreate(h); }) {}
 };
 
 }  // namespace afd::cuda

@@ -259,22 +259,28 @@ cudaError_t AddInPlace(const float* x, int64_t count, float* acc, cudaStream_t s
   return LaunchStatus();
 }
 
-cudaError_t GenerateWeights(WeightKind kind, uint64_t key, int64_t fan_in, int64_t first,
-                            int64_t count, float* out, cudaStream_t stream) {
+namespace {
+
+template <typename T>
+cudaError_t LaunchGenerateWeights(WeightKind kind, uint64_t key, int64_t fan_in, int64_t first,
+                                  int64_t count, T* out, cudaStream_t stream) {
   if (count <= 0) return cudaSuccess;
   const float step = PowerOfTwoInverse(WeightExponent(kind, fan_in));
-  GenerateWeightsKernel<float><<<ElementwiseBlocks(count), kElementwiseThreads, 0, stream>>>(
+  GenerateWeightsKernel<T><<<ElementwiseBlocks(count), kElementwiseThreads, 0, stream>>>(
       kind, key, step, first, count, out);
   return LaunchStatus();
 }
 
+}  // namespace
+
+cudaError_t GenerateWeights(WeightKind kind, uint64_t key, int64_t fan_in, int64_t first,
+                            int64_t count, float* out, cudaStream_t stream) {
+  return LaunchGenerateWeights(kind, key, fan_in, first, count, out, stream);
+}
+
 cudaError_t GenerateWeightsBf16(WeightKind kind, uint64_t key, int64_t fan_in, int64_t first,
                                 int64_t count, uint16_t* out, cudaStream_t stream) {
-  if (count <= 0) return cudaSuccess;
-  const float step = PowerOfTwoInverse(WeightExponent(kind, fan_in));
-  GenerateWeightsKernel<uint16_t><<<ElementwiseBlocks(count), kElementwiseThreads, 0, stream>>>(
-      kind, key, step, first, count, out);
-  return LaunchStatus();
+  return LaunchGenerateWeights(kind, key, fan_in, first, count, out, stream);
 }
 
 cudaError_t FillTensor(const TensorSpec& spec, uint64_t seed, int64_t first, int64_t count,

@@ -199,6 +199,32 @@ cudaError_t LaunchTiledGemm(const GemmParams& p, int64_t max_m_tiles, cudaStream
   return LaunchStatus();
 }
 
+// The tiled GEMM of one weight pair over `rows` packed rows: c[rows, n] =
+// a[rows, k] x [b0; b1]^T with B rows n < n_split from b0 (b1 null: all of
+// them), ldc = n.
+GemmParams DenseGemm(const uint16_t* a, const uint16_t* b0, const uint16_t* b1, int64_t n_split,
+                     int64_t n, int64_t k, float* c, int64_t rows) {
+  GemmParams p;
+  p.a = a;
+  p.b0 = b0;
+  p.b1 = b1;
+  p.n_split = n_split;
+  p.c = c;
+  p.ldc = n;
+  p.n = n;
+  p.k = k;
+  p.rows = rows;
+  return p;
+}
+
+// cuBLAS (options.backend kCublas) on `stream`: INVALID_VALUE without a
+// handle, UNKNOWN when cuBLAS refuses the stream.
+cudaError_t BindCublas(const GemmOptions& options, cudaStream_t stream) {
+  if (options.cublas == nullptr) return cudaErrorInvalidValue;
+  if (cublasSetStream(options.cublas, stream) != CUBLAS_STATUS_SUCCESS) return cudaErrorUnknown;
+  return cudaSuccess;
+}
+
 // C[rows, m] (row-major, ldc) = A[rows, k] W^T with W [m, k], bf16 in, fp32
 // out, through cuBLAS's column-major view: C^T = W^T' A^T'.
 cudaError_t CublasGemm(cublasHandle_t handle, const uint16_t* w, int64_t m, int64_t k,
@@ -450,22 +476,11 @@ cudaError_t Linear(const float* x, int64_t rows, int64_t in, const uint16_t* w, 
                                                                                      a);
   AFD_RETURN_IF_ERROR(LaunchStatus());
   if (options.backend == GemmBackend::kCublas) {
-    if (options.cublas == nullptr) return cudaErrorInvalidValue;
-    if (cublasSetStream(options.cublas, stream) != CUBLAS_STATUS_SUCCESS) {
-      return cudaErrorUnknown;
-    }
+    AFD_RETURN_IF_ERROR(BindCublas(options, stream));
     return CublasGemm(options.cublas, w, out, in, a, rows, y, out);
   }
-  GemmParams p;
-  p.a = a;
-  p.b0 = w;
-  p.n_split = out;
-  p.c = y;
-  p.ldc = out;
-  p.n = out;
-  p.k = in;
-  p.rows = rows;
-  return LaunchTiledGemm(p, (rows + kBm - 1) / kBm, stream);
+  return LaunchTiledGemm(DenseGemm(a, w, nullptr, out, out, in, y, rows), (rows + kBm - 1) / kBm,
+                         stream);
 }
 
 size_t SwiGluWorkspaceBytes(int64_t rows, int64_t hidden, int64_t inter) {
@@ -489,26 +504,15 @@ cudaError_t SwiGlu(const float* x, int64_t rows, int64_t hidden, const uint16_t*
   AFD_RETURN_IF_ERROR(LaunchStatus());
   const bool cublas = options.backend == GemmBackend::kCublas;
   if (cublas) {
-    if (options.cublas == nullptr) return cudaErrorInvalidValue;
-    if (cublasSetStream(options.cublas, stream) != CUBLAS_STATUS_SUCCESS) {
-      return cudaErrorUnknown;
-    }
+    AFD_RETURN_IF_ERROR(BindCublas(options, stream));
     AFD_RETURN_IF_ERROR(
         CublasGemm(options.cublas, w_gate, inter, hidden, s.a, rows, s.gate_up, 2 * inter));
     AFD_RETURN_IF_ERROR(
         CublasGemm(options.cublas, w_up, inter, hidden, s.a, rows, s.gate_up + inter, 2 * inter));
   } else {
-    GemmParams p;
-    p.a = s.a;
-    p.b0 = w_gate;
-    p.b1 = w_up;
-    p.n_split = inter;
-    p.c = s.gate_up;
-    p.ldc = 2 * inter;
-    p.n = 2 * inter;
-    p.k = hidden;
-    p.rows = rows;
-    AFD_RETURN_IF_ERROR(LaunchTiledGemm(p, (rows + kBm - 1) / kBm, stream));
+    AFD_RETURN_IF_ERROR(
+        LaunchTiledGemm(DenseGemm(s.a, w_gate, w_up, inter, 2 * inter, hidden, s.gate_up, rows),
+                        (rows + kBm - 1) / kBm, stream));
   }
   SiluMulToBf16Kernel<<<ElementwiseBlocks(rows * inter), kElementwiseThreads, 0, stream>>>(
       s.gate_up, rows, inter, nullptr, s.act);
@@ -516,16 +520,8 @@ cudaError_t SwiGlu(const float* x, int64_t rows, int64_t hidden, const uint16_t*
   if (cublas) {
     return CublasGemm(options.cublas, w_down, hidden, inter, s.act, rows, y, hidden);
   }
-  GemmParams p;
-  p.a = s.act;
-  p.b0 = w_down;
-  p.n_split = hidden;
-  p.c = y;
-  p.ldc = hidden;
-  p.n = hidden;
-  p.k = inter;
-  p.rows = rows;
-  return LaunchTiledGemm(p, (rows + kBm - 1) / kBm, stream);
+  return LaunchTiledGemm(DenseGemm(s.act, w_down, nullptr, hidden, hidden, inter, y, rows),
+                         (rows + kBm - 1) / kBm, stream);
 }
 
 size_t GroupedExpertWorkspaceBytes(int64_t tokens, int k, int64_t hidden, int64_t inter,
@@ -564,10 +560,7 @@ cudaError_t GroupedExpertSwiGlu(const float* x, int64_t tokens, int64_t hidden,
   AFD_RETURN_IF_ERROR(LaunchStatus());
 
   if (options.backend == GemmBackend::kCublas) {
-    if (options.cublas == nullptr) return cudaErrorInvalidValue;
-    if (cublasSetStream(options.cublas, stream) != CUBLAS_STATUS_SUCCESS) {
-      return cudaErrorUnknown;
-    }
+    AFD_RETURN_IF_ERROR(BindCublas(options, stream));
     // cuBLAS takes the per-expert sizes on the host: one sync.
     std::vector<int32_t> offsets(slots + 1);
     AFD_RETURN_IF_ERROR(cudaMemcpyAsync(offsets.data(), s.slot_offsets,
@@ -595,33 +588,24 @@ cudaError_t GroupedExpertSwiGlu(const float* x, int64_t tokens, int64_t hidden,
                                      s.expert_out + offsets[slot] * hidden, hidden));
     }
   } else {
-    GemmParams p;
-    p.a = s.dense.a;
-    p.b0 = w_gate;
-    p.b1 = w_up;
-    p.n_split = inter;
-    p.b_group_stride = expert_matrix;
-    p.c = s.dense.gate_up;
-    p.ldc = 2 * inter;
-    p.n = 2 * inter;
-    p.k = hidden;
-    p.tile_group = s.tile_group;
-    p.tile_row0 = s.tile_row0;
-    p.group_offsets = s.slot_offsets;
-    p.num_tiles = s.num_tiles;
-    AFD_RETURN_IF_ERROR(LaunchTiledGemm(p, s.max_tiles, stream));
+    // Each expert slot is a group: its weights at slot * expert_matrix, its
+    // rows scheduled on the device (tile_group, tile_row0).
+    auto grouped = [&](GemmParams p) {
+      p.rows = 0;
+      p.b_group_stride = expert_matrix;
+      p.tile_group = s.tile_group;
+      p.tile_row0 = s.tile_row0;
+      p.group_offsets = s.slot_offsets;
+      p.num_tiles = s.num_tiles;
+      return LaunchTiledGemm(p, s.max_tiles, stream);
+    };
+    AFD_RETURN_IF_ERROR(
+        grouped(DenseGemm(s.dense.a, w_gate, w_up, inter, 2 * inter, hidden, s.dense.gate_up, 0)));
     SiluMulToBf16Kernel<<<ElementwiseBlocks(pairs * inter), kElementwiseThreads, 0, stream>>>(
         s.dense.gate_up, pairs, inter, live_rows, s.dense.act);
     AFD_RETURN_IF_ERROR(LaunchStatus());
-    p.a = s.dense.act;
-    p.b0 = w_down;
-    p.b1 = nullptr;
-    p.n_split = hidden;
-    p.c = s.expert_out;
-    p.ldc = hidden;
-    p.n = hidden;
-    p.k = inter;
-    AFD_RETURN_IF_ERROR(LaunchTiledGemm(p, s.max_tiles, stream));
+    AFD_RETURN_IF_ERROR(
+        grouped(DenseGemm(s.dense.act, w_down, nullptr, hidden, hidden, inter, s.expert_out, 0)));
   }
   CombineKernel<<<static_cast<unsigned int>(tokens), kElementwiseThreads, 0, stream>>>(
       s.expert_out, hidden, k, topk_ids, topk_weights, expert_to_slot, num_experts, s.row_of_pair,

@@ -68,16 +68,21 @@ int Step5Config::num_global_layers() const {
   return count;
 }
 
-int64_t Step5Config::ParameterCount() const {
-  const ModelConfig& m = model;
+namespace {
+
+// Every parameter, or (`active_only`) those one token touches: top_k routed
+// experts per MoE layer, no embedding table.
+int64_t CountParameters(const Step5Config& c, bool active_only) {
+  const ModelConfig& m = c.model;
   const int64_t h = m.hidden_size;
-  int64_t total = 2 * m.vocab_size * h + h;
+  const int64_t experts = active_only ? m.top_k : m.num_experts;
+  int64_t total = (active_only ? 1 : 2) * m.vocab_size * h + h;
   for (int l = 0; l < m.num_layers; ++l) {
-    total += AttentionParameters(*this);
-    if (is_global_layer[l]) total += IndexerParameters(*this);
+    total += AttentionParameters(c);
+    if (c.is_global_layer[l]) total += IndexerParameters(c);
     if (m.is_moe_layer[l]) {
       total += m.num_experts * (h + 1) + 3 * h * m.shared_intermediate +
-               int64_t{m.num_experts} * 3 * h * m.expert_intermediate;
+               experts * 3 * h * m.expert_intermediate;
     } else {
       total += 3 * h * m.dense_intermediate;
     }
@@ -85,22 +90,11 @@ int64_t Step5Config::ParameterCount() const {
   return total;
 }
 
-int64_t Step5Config::ActiveParameterCount() const {
-  const ModelConfig& m = model;
-  const int64_t h = m.hidden_size;
-  int64_t total = m.vocab_size * h + h;
-  for (int l = 0; l < m.num_layers; ++l) {
-    total += AttentionParameters(*this);
-    if (is_global_layer[l]) total += IndexerParameters(*this);
-    if (m.is_moe_layer[l]) {
-      total += m.num_experts * (h + 1) + 3 * h * m.shared_intermediate +
-               int64_t{m.top_k} * 3 * h * m.expert_intermediate;
-    } else {
-      total += 3 * h * m.dense_intermediate;
-    }
-  }
-  return total;
-}
+}  // namespace
+
+int64_t Step5Config::ParameterCount() const { return CountParameters(*this, false); }
+
+int64_t Step5Config::ActiveParameterCount() const { return CountParameters(*this, true); }
 
 std::optional<Step5Config> ParseStep5Config(std::string_view text, std::string* error) {
   std::string scratch;
@@ -156,40 +150,22 @@ std::optional<Step5Config> ParseStep5Config(std::string_view text, std::string* 
 }
 
 std::optional<Step5Config> LoadStep5ConfigFile(const std::string& path, std::string* error) {
-  std::ifstream file(path);
-  if (!file) {
-    if (error != nullptr) *error = "cannot open " + path;
-    return std::nullopt;
-  }
-  std::stringstream contents;
-  contents << file.rdbuf();
-  std::string parse_error;
-  auto config = ParseStep5Config(contents.str(), &parse_error);
-  if (!config && error != nullptr) *error = path + ": " + parse_error;
-  return config;
+  return LoadConfigFile(path, error, &ParseStep5Config);
 }
 
 namespace {
-constexpr std::pair<const char*, const char*> kBundled[] = {
+constexpr BundledConfig kBundled[] = {
     {"tiny-step5", "tiny_step5.cfg"},
     {"full-width-step5", "full_width_step5.cfg"},
     {"step5", "step5.cfg"},
 };
 }  // namespace
 
-bool IsStep5ConfigName(std::string_view name) {
-  for (const auto& [alias, file] : kBundled) {
-    if (name == alias) return true;
-  }
-  return false;
-}
+bool IsStep5ConfigName(std::string_view name) { return IsBundledConfig(kBundled, name); }
 
 std::optional<Step5Config> LoadStep5Config(const std::string& name_or_path,
                                            const std::string& config_dir, std::string* error) {
-  for (const auto& [alias, file] : kBundled) {
-    if (name_or_path == alias) return LoadStep5ConfigFile(config_dir + "/" + file, error);
-  }
-  return LoadStep5ConfigFile(name_or_path, error);
+  return LoadStep5ConfigFile(ConfigPath(kBundled, name_or_path, config_dir), error);
 }
 
 }  // namespace afd::step5

@@ -32,15 +32,10 @@ Step5AttentionWeights GenerateStep5AttentionWeights(const Step5Config& config) {
   const int64_t p = config.index_dim;
   const uint64_t seed = m.weight_seed;
   Step5AttentionWeights weights;
-  weights.embedding = GenerateTensor({"model.embed_tokens.weight", WeightKind::kEmbedding, h}, seed,
-                                     m.vocab_size * h);
-  weights.final_norm = GenerateTensor(GammaSpec("model.norm.weight"), seed, h);
-  weights.lm_head = GenerateTensor(LinearSpec("lm_head.weight", h), seed, m.vocab_size * h);
-  weights.layers.resize(m.num_layers);
+  GenerateSharedAttentionWeights(m, &weights);
   for (int l = 0; l < m.num_layers; ++l) {
     Step5LayerWeights& layer = weights.layers[l];
     auto name = [l](const char* suffix) { return LayerTensorName(l, suffix); };
-    layer.input_norm = GenerateTensor(GammaSpec(name("input_layernorm.weight")), seed, h);
     layer.qkvg.reserve(FusedQkvgRows(config) * h);
     AppendRows(LinearSpec(name("self_attn.q_proj.weight"), h), seed, config.q_width(), &layer.qkvg);
     AppendRows(LinearSpec(name("self_attn.k_proj.weight"), h), seed, config.kv_width(),
