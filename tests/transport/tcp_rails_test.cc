@@ -20,12 +20,16 @@
 #include "src/transport/tcp_fallback/tcp_transport.h"
 #include "stepmesh/status.h"
 #include "tests/support/status.h"
+#include "tests/transport/tcp_pair.h"
 
 namespace stepmesh {
 namespace {
 
 using core::FrameHeader;
 using core::NodeId;
+using testing::BufferSink;
+using testing::Pattern;
+using testing::TcpPair;
 
 constexpr size_t kStripeMin = 256 << 10;
 constexpr size_t kReply = 1835008;  // 1.75 MiB
@@ -41,74 +45,11 @@ MeshOptions RailOptions(const std::string& rails) {
   return o;
 }
 
-// Lands frame i (its request_id) in buffer i; records the order, the losses.
-class BufferSink final : public core::TransportSink {
- public:
-  explicit BufferSink(std::vector<std::vector<std::byte>>* buffers) : buffers_(buffers) {}
-  absl::Status Resolve(NodeId, const FrameHeader& header, core::Destination& out,
-                       core::FrameContext*) override {
-    if (header.request_id >= buffers_->size()) return absl::OutOfRangeError("no buffer");
-    auto& b = (*buffers_)[header.request_id];
-    out.data = b.data();
-    out.capacity = b.size();
-    return absl::OkStatus();
-  }
-  void OnFrame(NodeId, const FrameHeader& header, core::FrameContext,
-               absl::Status status) override {
-    delivered.push_back(header.request_id);
-    statuses.push_back(status);
-  }
-  void OnPeerLost(NodeId peer, absl::Status why) override {
-    lost.push_back(peer);
-    reasons.push_back(std::string(why.message()));
-  }
-  std::vector<uint64_t> delivered;
-  std::vector<absl::Status> statuses;
-  std::vector<NodeId> lost;
-  std::vector<std::string> reasons;
-
- private:
-  std::vector<std::vector<std::byte>>* buffers_;
-};
-
-struct RailPair {
-  std::unique_ptr<core::Transport> server;
-  std::unique_ptr<core::Transport> worker;
-  NodeId s = core::ServerId(0);
-  NodeId w = core::WorkerId(0);
-};
-
-absl::StatusOr<RailPair> Connect(const std::string& server_rails, const std::string& worker_rails) {
-  RailPair p;
-  STEPMESH_ASSIGN_OR_RETURN(p.server, tcp::CreateTcpTransport(RailOptions(server_rails)));
-  STEPMESH_ASSIGN_OR_RETURN(p.worker, tcp::CreateTcpTransport(RailOptions(worker_rails)));
-  STEPMESH_ASSIGN_OR_RETURN(std::string server_at, p.server->LocalEndpoint());
-  STEPMESH_ASSIGN_OR_RETURN(std::string worker_at, p.worker->LocalEndpoint());
-  auto accepted = std::async(std::launch::async, [&] {
-    const core::PeerInfo peer{p.w, worker_at};
-    return p.server->Connect(p.s, {&peer, 1}, absl::Now() + absl::Seconds(5));
-  });
-  const core::PeerInfo peer{p.s, server_at};
-  absl::Status dialled = p.worker->Connect(p.w, {&peer, 1}, absl::Now() + absl::Seconds(5));
-  absl::Status accepted_status = accepted.get();
-  STEPMESH_RETURN_IF_ERROR(dialled);
-  STEPMESH_RETURN_IF_ERROR(accepted_status);
-  return p;
+absl::StatusOr<TcpPair> Connect(const std::string& server_rails, const std::string& worker_rails) {
+  return testing::ConnectTcpPair(RailOptions(server_rails), RailOptions(worker_rails));
 }
 
-std::vector<std::byte> Pattern(size_t bytes, uint64_t seed) {
-  std::vector<std::byte> out(bytes);
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (size_t i = 0; i < bytes; ++i) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    out[i] = static_cast<std::byte>(x);
-  }
-  return out;
-}
-
-FrameHeader Push(const RailPair& p, uint64_t id, size_t bytes) {
+FrameHeader Push(const TcpPair& p, uint64_t id, size_t bytes) {
   FrameHeader h;
   h.type = core::FrameType::kPush;
   h.src = p.w;
@@ -121,7 +62,7 @@ FrameHeader Push(const RailPair& p, uint64_t id, size_t bytes) {
 }
 
 // Polls both ends until the server delivered `frames` or lost its peer.
-void PollUntil(RailPair& p, BufferSink& server_sink, BufferSink& worker_sink, size_t frames,
+void PollUntil(TcpPair& p, BufferSink& server_sink, BufferSink& worker_sink, size_t frames,
                absl::Duration within) {
   const absl::Time deadline = absl::Now() + within;
   while (server_sink.delivered.size() < frames && server_sink.lost.empty() &&
@@ -133,9 +74,9 @@ void PollUntil(RailPair& p, BufferSink& server_sink, BufferSink& worker_sink, si
 
 TEST_CASE("tcp rails: frames around the stripe threshold and 1.75 MiB are byte-exact over 2 rails",
           "[rails]") {
-  absl::StatusOr<RailPair> pair = Connect("127.0.0.1,127.0.0.2", "127.0.0.1,127.0.0.2");
+  absl::StatusOr<TcpPair> pair = Connect("127.0.0.1,127.0.0.2", "127.0.0.1,127.0.0.2");
   REQUIRE_OK(pair.status());
-  RailPair& p = *pair;
+  TcpPair& p = *pair;
   const std::vector<size_t> sizes = {
       0, 1, 4095, kStripeMin - 1, kStripeMin, kStripeMin + 1, kReply, kReply + 3};
   std::vector<std::vector<std::byte>> sources;
@@ -176,9 +117,9 @@ TEST_CASE("tcp rails: frames around the stripe threshold and 1.75 MiB are byte-e
 }
 
 TEST_CASE("tcp rails: a peer with one rail meets one with two on the common count", "[rails]") {
-  absl::StatusOr<RailPair> pair = Connect("127.0.0.1,127.0.0.2", "127.0.0.1");
+  absl::StatusOr<TcpPair> pair = Connect("127.0.0.1,127.0.0.2", "127.0.0.1");
   REQUIRE_OK(pair.status());
-  RailPair& p = *pair;
+  TcpPair& p = *pair;
   std::vector<std::byte> source = Pattern(kReply, 9);
   std::vector<std::vector<std::byte>> landed(1, std::vector<std::byte>(kReply));
   BufferSink server_sink(&landed);
@@ -197,9 +138,9 @@ TEST_CASE(
     "[rails]") {
   const int dead = GENERATE(0, 1);
   INFO("rail " << dead << " is shut");
-  absl::StatusOr<RailPair> pair = Connect("127.0.0.1,127.0.0.2", "127.0.0.1,127.0.0.2");
+  absl::StatusOr<TcpPair> pair = Connect("127.0.0.1,127.0.0.2", "127.0.0.1,127.0.0.2");
   REQUIRE_OK(pair.status());
-  RailPair& p = *pair;
+  TcpPair& p = *pair;
   constexpr size_t kFrames = 24;
   std::vector<std::vector<std::byte>> sources;
   std::vector<std::vector<std::byte>> landed;
@@ -241,9 +182,9 @@ TEST_CASE(
 }
 
 TEST_CASE("tcp rails: the peer is lost only with its last rail and only once", "[rails]") {
-  absl::StatusOr<RailPair> pair = Connect("127.0.0.1,127.0.0.2", "127.0.0.1,127.0.0.2");
+  absl::StatusOr<TcpPair> pair = Connect("127.0.0.1,127.0.0.2", "127.0.0.1,127.0.0.2");
   REQUIRE_OK(pair.status());
-  RailPair& p = *pair;
+  TcpPair& p = *pair;
   std::vector<std::vector<std::byte>> landed(2, std::vector<std::byte>(64));
   BufferSink server_sink(&landed);
   std::vector<std::vector<std::byte>> none;

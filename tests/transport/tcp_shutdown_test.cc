@@ -22,12 +22,16 @@
 #include "stepmesh/status.h"
 #include "tests/support/status.h"
 #include "tests/support/stderr_capture.h"
+#include "tests/transport/tcp_pair.h"
 
 namespace stepmesh {
 namespace {
 
 using core::FrameHeader;
 using core::NodeId;
+using testing::BufferSink;
+using testing::Pattern;
+using testing::TcpPair;
 
 constexpr int kSmallBuffers = 64 << 10;
 constexpr size_t kLarge = 4 << 20;  // 4 MiB
@@ -41,71 +45,8 @@ MeshOptions Options(absl::Duration timeout) {
   return o;
 }
 
-// Lands frame i (its request_id) in buffer i; records deliveries and losses.
-class RecordingSink final : public core::TransportSink {
- public:
-  explicit RecordingSink(std::vector<std::vector<std::byte>>* buffers) : buffers_(buffers) {}
-  absl::Status Resolve(NodeId, const FrameHeader& header, core::Destination& out,
-                       core::FrameContext*) override {
-    if (header.request_id >= buffers_->size()) return absl::OutOfRangeError("no buffer");
-    auto& b = (*buffers_)[header.request_id];
-    out.data = b.data();
-    out.capacity = b.size();
-    return absl::OkStatus();
-  }
-  void OnFrame(NodeId, const FrameHeader& header, core::FrameContext,
-               absl::Status status) override {
-    delivered.push_back(header.request_id);
-    statuses.push_back(std::move(status));
-  }
-  void OnPeerLost(NodeId peer, absl::Status why) override {
-    lost.push_back(peer);
-    reasons.push_back(std::move(why));
-  }
-  std::vector<uint64_t> delivered;
-  std::vector<absl::Status> statuses;
-  std::vector<NodeId> lost;
-  std::vector<absl::Status> reasons;
-
- private:
-  std::vector<std::vector<std::byte>>* buffers_;
-};
-
-struct Pair {
-  std::unique_ptr<core::Transport> server;
-  std::unique_ptr<core::Transport> worker;
-  NodeId s = core::ServerId(0);
-  NodeId w = core::WorkerId(0);
-};
-
-absl::StatusOr<Pair> Connect(absl::Duration timeout) {
-  Pair p;
-  STEPMESH_ASSIGN_OR_RETURN(p.server, tcp::CreateTcpTransport(Options(timeout)));
-  STEPMESH_ASSIGN_OR_RETURN(p.worker, tcp::CreateTcpTransport(Options(timeout)));
-  STEPMESH_ASSIGN_OR_RETURN(std::string server_at, p.server->LocalEndpoint());
-  STEPMESH_ASSIGN_OR_RETURN(std::string worker_at, p.worker->LocalEndpoint());
-  auto accepted = std::async(std::launch::async, [&] {
-    const core::PeerInfo peer{p.w, worker_at};
-    return p.server->Connect(p.s, {&peer, 1}, absl::Now() + absl::Seconds(5));
-  });
-  const core::PeerInfo peer{p.s, server_at};
-  absl::Status dialled = p.worker->Connect(p.w, {&peer, 1}, absl::Now() + absl::Seconds(5));
-  absl::Status accepted_status = accepted.get();
-  STEPMESH_RETURN_IF_ERROR(dialled);
-  STEPMESH_RETURN_IF_ERROR(accepted_status);
-  return p;
-}
-
-std::vector<std::byte> Pattern(size_t bytes, uint64_t seed) {
-  std::vector<std::byte> out(bytes);
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (size_t i = 0; i < bytes; ++i) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    out[i] = static_cast<std::byte>(x);
-  }
-  return out;
+absl::StatusOr<TcpPair> Connect(absl::Duration timeout) {
+  return testing::ConnectTcpPair(Options(timeout), Options(timeout));
 }
 
 // A push (worker to server) or a reply (server to worker) of `bytes`.
@@ -138,9 +79,9 @@ TEST_CASE(
   const bool server_leaves = GENERATE(true, false);
   INFO((server_leaves ? "the server leaves after a reply" : "the worker leaves after a push"));
   testing::StderrCapture capture("tcp_shutdown");
-  absl::StatusOr<Pair> pair = Connect(absl::Seconds(10));
+  absl::StatusOr<TcpPair> pair = Connect(absl::Seconds(10));
   REQUIRE_OK(pair.status());
-  Pair& p = *pair;
+  TcpPair& p = *pair;
   std::unique_ptr<core::Transport>& leaver = server_leaves ? p.server : p.worker;
   std::unique_ptr<core::Transport>& reader = server_leaves ? p.worker : p.server;
   const NodeId leaver_id = server_leaves ? p.s : p.w;
@@ -167,7 +108,7 @@ TEST_CASE(
   });
   absl::SleepFor(absl::Milliseconds(100));
   std::vector<std::vector<std::byte>> landed(1, std::vector<std::byte>(kLarge));
-  RecordingSink sink(&landed);
+  BufferSink sink(&landed);
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
   while (sink.lost.empty() && absl::Now() < deadline) {
     REQUIRE_OK(reader->Poll(sink, absl::Milliseconds(1)));
@@ -195,9 +136,9 @@ TEST_CASE(
   INFO((reads ? "the frame fits: the peer never closes its end" : "the peer never reads"));
   const absl::Duration bound = absl::Milliseconds(800);
   testing::StderrCapture capture("tcp_shutdown_silent");
-  absl::StatusOr<Pair> pair = Connect(bound);
+  absl::StatusOr<TcpPair> pair = Connect(bound);
   REQUIRE_OK(pair.status());
-  Pair& p = *pair;
+  TcpPair& p = *pair;
   const size_t bytes = reads ? 1024 : kLarge;
   REQUIRE_OK(tcp::SetSocketBuffersForTesting(*p.server, p.w, kSmallBuffers));
   REQUIRE_OK(tcp::SetSocketBuffersForTesting(*p.worker, p.s, kSmallBuffers));
