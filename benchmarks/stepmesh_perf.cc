@@ -493,10 +493,11 @@ struct Accumulated {
 // Differences of stamps from two hosts are only meaningful on one host (the
 // launcher's default); the two-host tables omit them.
 constexpr const char* kStageNames[] = {
-    "submit",    // PushPull() -> send thread posts (send-queue hand-off)
+    "submit",    // PushPull() -> the push posted (inline, or the send-queue hand-off)
     "push",      // posted -> last push byte at the server (write, wire, read)
     "dispatch",  // arrival -> GetBatch() returns it (server receive -> application)
-    "respond",   // GetBatch() returned -> server send thread posts the reply
+    "handle",    // GetBatch() returned -> Respond() called (the server application)
+    "respond",   // Respond() called -> the reply posted (inline, or the send-thread hand-off)
     "reply",     // reply posted -> landed at the worker
     "complete",  // reply landed -> request complete (all servers)
     "wake",      // complete -> Wait() returned to the caller
@@ -512,9 +513,9 @@ void AddStages(const TraceRecord& t, uint64_t returned_ns,
   }
   if (last == nullptr) return;
   const TraceStamps& x = last->stamps;
-  const uint64_t points[] = {x.enqueue_ns,        x.post_ns,         x.server_arrival_ns,
-                             x.server_handler_ns, x.server_reply_ns, x.reply_arrival_ns,
-                             t.complete_ns,       returned_ns};
+  const uint64_t points[] = {x.enqueue_ns,        x.post_ns,           x.server_arrival_ns,
+                             x.server_handler_ns, x.server_respond_ns, x.server_reply_ns,
+                             x.reply_arrival_ns,  t.complete_ns,       returned_ns};
   for (uint64_t p : points) {
     if (p == 0) return;  // tracing off
   }

@@ -336,15 +336,21 @@ absl::Status MeshNode::EnqueueSend(SendItem item) {
 }
 
 bool MeshNode::TrySendInline(const SendItem& item) {
-  if (item.ready != nullptr || !transport_->SendNeverWaits()) return false;
-  if (unsent_.load(std::memory_order_acquire) != 0) return false;
-  std::unique_lock<std::mutex> lock(send_mu_, std::try_to_lock);
+  std::unique_lock<std::mutex> lock = ClaimInlineSend(item);
   if (!lock.owns_lock()) return false;
-  // Under the lock: the send thread holds it from before it executes an item
-  // until after it counted it sent, so none is in progress or waiting now.
-  if (unsent_.load(std::memory_order_acquire) != 0 || stopped()) return false;
   logic_->Execute(item, absl::OkStatus());
   return true;
+}
+
+std::unique_lock<std::mutex> MeshNode::ClaimInlineSend(const SendItem& item) {
+  if (item.ready != nullptr || !transport_->SendNeverWaits()) return {};
+  if (unsent_.load(std::memory_order_acquire) != 0) return {};
+  std::unique_lock<std::mutex> lock(send_mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return {};
+  // Under the lock: the send thread holds it from before it executes an item
+  // until after it counted it sent, so none is in progress or waiting now.
+  if (unsent_.load(std::memory_order_acquire) != 0 || stopped()) return {};
+  return lock;
 }
 
 void MeshNode::WaitForSendWork() {

@@ -96,6 +96,13 @@ class MeshNode final {
   // never waits, nothing queued or being sent. False: the caller enqueues.
   // Call holding no lock Execute takes.
   bool TrySendInline(const SendItem& item);
+  // TrySendInline's test alone: a lock that owns the send lock when `item`
+  // may run on the calling thread now (nothing queued or being sent, no ready
+  // event, a Send that never waits, not stopping), empty otherwise (enqueue
+  // it). Its holder runs RoleLogic::Execute(item) before letting go, having
+  // released every lock Execute takes; never blocks, so any lock may be held
+  // while claiming.
+  std::unique_lock<std::mutex> ClaimInlineSend(const SendItem& item);
 
   // Blocks until done() or the deadline, per the poll mode. Returns done().
   template <typename Done>

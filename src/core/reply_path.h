@@ -1,8 +1,9 @@
 #pragma once
 // The server's outgoing side: checks a Respond against the batch it answers,
-// sends each worker its own slot of the reply region (send thread), and
-// carries requests the receive path rejected back to their workers as kError
-// frames through a ring of messages, so the receive thread only enqueues.
+// sends each worker its own slot of the reply region (send thread, or inline
+// on Respond's caller), and carries requests the receive path rejected back to
+// their workers as kError frames through a ring of messages, so the receive
+// thread only enqueues.
 
 #include <cstdint>
 #include <string>
@@ -39,9 +40,10 @@ class ReplyPath {
   absl::Status Prepare(BatchSlot& slot, absl::Span<const Reply> replies,
                        const ReplyTensors& reply_tensors) const;
 
-  // Send thread: each worker of `slot` gets its reply (or `ready`'s failure as
-  // a kError frame), its receive slots freed just before. `rank`: this
-  // server's, which rotates the order.
+  // Send thread, or Respond's caller sending inline (ServerLogic::Respond):
+  // each worker of `slot` gets its reply (or `ready`'s failure as a kError
+  // frame), its receive slots freed just before. `rank`: this server's, which
+  // rotates the order.
   void SendReplies(Transport& transport, NodeId self, int rank, BatchSlot& slot,
                    const absl::Status& ready) const;
 

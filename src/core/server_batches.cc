@@ -7,6 +7,7 @@
 #include <cstring>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -153,17 +154,28 @@ absl::Status ServerLogic::StreamWaitNextBatch(Stream& stream) {
 absl::Status ServerLogic::Respond(const Batch& batch, absl::Span<const Reply> replies,
                                   const SendOptions& send_options) {
   if (node_.stopped()) return absl::FailedPreconditionError("server is shut down");
-  base::ReaderMutexLock reg_lock(&reg_mu_);
-  const ReplyTensors& reply_tensors = reply_regs_;
-  const uint64_t respond_ns = options_.trace.enabled ? MonotonicNowNs() : 0;
-  absl::Status responded = assembler_.Respond(batch.handle, [&](BatchSlot& slot, uint32_t index) {
-    STEPMESH_RETURN_IF_ERROR(replies_.Prepare(slot, replies, reply_tensors));
-    slot.respond_ns = respond_ns;
-    return node_.EnqueueSend(
-        {SendKind::kReplies, index, batch.handle.generation(), send_options.ready});
-  });
-  if (responded.ok()) stats_.Request(absl::StatusCode::kOk);
-  return responded;
+  SendItem item{SendKind::kReplies, 0, batch.handle.generation(), send_options.ready};
+  // Owned: this thread sends the replies itself (the send thread is idle and
+  // nothing waits before them), once the locks Execute takes are let go.
+  std::unique_lock<std::mutex> inline_send;
+  absl::Status responded;
+  {
+    base::ReaderMutexLock reg_lock(&reg_mu_);
+    const ReplyTensors& reply_tensors = reply_regs_;
+    const uint64_t respond_ns = options_.trace.enabled ? MonotonicNowNs() : 0;
+    responded = assembler_.Respond(batch.handle, [&](BatchSlot& slot, uint32_t index) {
+      STEPMESH_RETURN_IF_ERROR(replies_.Prepare(slot, replies, reply_tensors));
+      slot.respond_ns = respond_ns;
+      item.index = index;
+      inline_send = node_.ClaimInlineSend(item);
+      if (inline_send.owns_lock()) return absl::OkStatus();
+      return node_.EnqueueSend(item);
+    });
+  }
+  if (!responded.ok()) return responded;
+  stats_.Request(absl::StatusCode::kOk);
+  if (inline_send.owns_lock()) Execute(item, absl::OkStatus());
+  return absl::OkStatus();
 }
 
 uint64_t ServerLogic::InFlight() {
