@@ -36,10 +36,10 @@ absl::Status CheckProcessFlags(const Flags& flags, const ProcessFlags& process,
   const RunShape most = process.shape.ForFfn();  // every instance of the schedule
   const int instances = attention ? most.attention : most.ffn;
   if (process.scheduler.empty() || process.rank < 0 || process.rank >= instances) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "need --scheduler and --rank (or STEPMESH_RANK) in [0, ",
-        attention ? "--attention" : "--ffn", ") (with --resize: the most ",
-        attention ? "attention" : "FFN", " instances of the schedule)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("need --scheduler and --rank (or STEPMESH_RANK) in [0, ",
+                     attention ? "--attention" : "--ffn", ") (with --resize: the most ",
+                     attention ? "attention" : "FFN", " instances of the schedule)"));
   }
   return absl::OkStatus();
 }
