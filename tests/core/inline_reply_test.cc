@@ -108,24 +108,25 @@ void RunRounds(int rounds, bool pass_never_waits, ReplyThreads& seen) {
   CHECK(failures.load() == 0);
 }
 
+// Runs `rounds` round trips of one worker; every reply must arrive. Returns
+// how many of them the responder's own thread sent.
+int RepliesSentByResponder(int rounds, bool pass_never_waits) {
+  ReplyThreads seen;
+  RunRounds(rounds, pass_never_waits, seen);
+  CHECK(seen.replies.load() == rounds);
+  return seen.on_responder.load();
+}
+
 TEST_CASE("inline reply: an idle server's Respond sends the replies on its own thread (tcp)",
           "[mesh][tcp][inline]") {
-  constexpr int kRounds = 50;
-  ReplyThreads seen;
-  RunRounds(kRounds, /*pass_never_waits=*/true, seen);
   // The send thread is idle between round trips of one worker: every reply
   // goes out inline (the old path handed each to the send thread).
-  CHECK(seen.replies.load() == kRounds);
-  CHECK(seen.on_responder.load() == kRounds);
+  CHECK(RepliesSentByResponder(50, /*pass_never_waits=*/true) == 50);
 }
 
 TEST_CASE("inline reply: a transport whose Send may wait keeps the replies on the send thread",
           "[mesh][tcp][inline]") {
-  constexpr int kRounds = 20;
-  ReplyThreads seen;
-  RunRounds(kRounds, /*pass_never_waits=*/false, seen);
-  CHECK(seen.replies.load() == kRounds);
-  CHECK(seen.on_responder.load() == 0);
+  CHECK(RepliesSentByResponder(20, /*pass_never_waits=*/false) == 0);
 }
 
 }  // namespace

@@ -29,9 +29,6 @@ namespace {
 
 using core::FrameHeader;
 using core::NodeId;
-using testing::BufferSink;
-using testing::Pattern;
-using testing::TcpPair;
 
 constexpr int kSmallBuffers = 64 << 10;
 constexpr size_t kLarge = 4 << 20;  // 4 MiB
@@ -45,7 +42,7 @@ MeshOptions Options(absl::Duration timeout) {
   return o;
 }
 
-absl::StatusOr<TcpPair> Connect(absl::Duration timeout) {
+absl::StatusOr<testing::TcpPair> Connect(absl::Duration timeout) {
   return testing::ConnectTcpPair(Options(timeout), Options(timeout));
 }
 
@@ -79,9 +76,9 @@ TEST_CASE(
   const bool server_leaves = GENERATE(true, false);
   INFO((server_leaves ? "the server leaves after a reply" : "the worker leaves after a push"));
   testing::StderrCapture capture("tcp_shutdown");
-  absl::StatusOr<TcpPair> pair = Connect(absl::Seconds(10));
+  absl::StatusOr<testing::TcpPair> pair = Connect(absl::Seconds(10));
   REQUIRE_OK(pair.status());
-  TcpPair& p = *pair;
+  testing::TcpPair& p = *pair;
   std::unique_ptr<core::Transport>& leaver = server_leaves ? p.server : p.worker;
   std::unique_ptr<core::Transport>& reader = server_leaves ? p.worker : p.server;
   const NodeId leaver_id = server_leaves ? p.s : p.w;
@@ -93,10 +90,10 @@ TEST_CASE(
   REQUIRE_OK(tcp::SetSocketBuffersForTesting(*reader, leaver_id, kSmallBuffers));
   // The reader's frame is never read by the leaver (it does not poll): a
   // close with it unread is what turns into a reset.
-  const std::vector<std::byte> small = Pattern(256, 1);
+  const std::vector<std::byte> small = testing::Pattern(256, 1);
   REQUIRE_OK(reader->Send(leaver_id, Frame(reader_id, leaver_id, 0, small.size()), small.data(), 1,
                           small.size()));
-  const std::vector<std::byte> large = Pattern(kLarge, 2);
+  const std::vector<std::byte> large = testing::Pattern(kLarge, 2);
   REQUIRE_OK(
       leaver->Send(reader_id, Frame(leaver_id, reader_id, 0, kLarge), large.data(), 1, kLarge));
 
@@ -108,7 +105,7 @@ TEST_CASE(
   });
   absl::SleepFor(absl::Milliseconds(100));
   std::vector<std::vector<std::byte>> landed(1, std::vector<std::byte>(kLarge));
-  BufferSink sink(&landed);
+  testing::BufferSink sink(&landed);
   const absl::Time deadline = absl::Now() + absl::Seconds(30);
   while (sink.lost.empty() && absl::Now() < deadline) {
     REQUIRE_OK(reader->Poll(sink, absl::Milliseconds(1)));
@@ -136,13 +133,13 @@ TEST_CASE(
   INFO((reads ? "the frame fits: the peer never closes its end" : "the peer never reads"));
   const absl::Duration bound = absl::Milliseconds(800);
   testing::StderrCapture capture("tcp_shutdown_silent");
-  absl::StatusOr<TcpPair> pair = Connect(bound);
+  absl::StatusOr<testing::TcpPair> pair = Connect(bound);
   REQUIRE_OK(pair.status());
-  TcpPair& p = *pair;
+  testing::TcpPair& p = *pair;
   const size_t bytes = reads ? 1024 : kLarge;
   REQUIRE_OK(tcp::SetSocketBuffersForTesting(*p.server, p.w, kSmallBuffers));
   REQUIRE_OK(tcp::SetSocketBuffersForTesting(*p.worker, p.s, kSmallBuffers));
-  const std::vector<std::byte> payload = Pattern(bytes, 3);
+  const std::vector<std::byte> payload = testing::Pattern(bytes, 3);
   REQUIRE_OK(p.server->Send(p.w, Frame(p.s, p.w, 0, bytes), payload.data(), 1, bytes));
   const absl::Time start = absl::Now();
   p.server->Shutdown();
