@@ -14,31 +14,21 @@ const core::NodeId kWorker = core::WorkerId(0);
 const core::NodeId kServer = core::ServerId(0);
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<FabricPair>> FabricPair::Make(const MeshOptions& options,
-                                                             libfabric::LibfabricHooks worker_hooks,
-                                                             size_t bytes, Device device) {
+absl::StatusOr<std::unique_ptr<FabricPair>> FabricPair::Make(
+    const MeshOptions& options, libfabric::LibfabricHooks worker_hooks, size_t bytes, Device device,
+    core::TransportFactory server_control) {
   std::unique_ptr<FabricPair> p(new FabricPair(bytes));
+  p->options_ = options;
   libfabric::LibfabricHooks server_hooks;
   server_hooks.api = worker_hooks.api;
   STEPMESH_ASSIGN_OR_RETURN(p->worker_,
                             libfabric::CreateLibfabricTransport(options, tcp::CreateTcpTransport,
                                                                 std::move(worker_hooks)));
-  STEPMESH_ASSIGN_OR_RETURN(p->server_, libfabric::CreateLibfabricTransport(
-                                            options, tcp::CreateTcpTransport, server_hooks));
-  STEPMESH_ASSIGN_OR_RETURN(std::string wep, p->worker_->LocalEndpoint());
-  STEPMESH_ASSIGN_OR_RETURN(std::string sep, p->server_->LocalEndpoint());
-  const absl::Time deadline = absl::Now() + absl::Seconds(5);
-  absl::Status server_connect;
-  std::thread accept([&] {
-    const core::PeerInfo peer{kWorker, wep};
-    server_connect = p->server_->Connect(kServer, absl::MakeConstSpan(&peer, 1), deadline);
-  });
-  const core::PeerInfo to_server{kServer, sep};
-  absl::Status worker_connect =
-      p->worker_->Connect(kWorker, absl::MakeConstSpan(&to_server, 1), deadline);
-  accept.join();
-  STEPMESH_RETURN_IF_ERROR(worker_connect);
-  STEPMESH_RETURN_IF_ERROR(server_connect);
+  STEPMESH_ASSIGN_OR_RETURN(
+      p->server_, libfabric::CreateLibfabricTransport(
+                      options, server_control ? std::move(server_control) : tcp::CreateTcpTransport,
+                      server_hooks));
+  STEPMESH_RETURN_IF_ERROR(p->ConnectBoth());
   for (size_t i = 0; i < bytes; ++i) p->src_[i] = static_cast<std::byte>(i * 7 + 3);
   core::RegionInfo recv{.id = 1, .key = kKey, .base = p->slot_.data(), .slot_bytes = bytes};
   recv.device = device;
@@ -49,6 +39,46 @@ absl::StatusOr<std::unique_ptr<FabricPair>> FabricPair::Make(const MeshOptions& 
   STEPMESH_RETURN_IF_ERROR(p->server_->RegisterRegion(recv));
   STEPMESH_RETURN_IF_ERROR(p->worker_->RegisterRegion(send));
   return p;
+}
+
+absl::Status FabricPair::ConnectBoth() {
+  STEPMESH_ASSIGN_OR_RETURN(std::string wep, worker_->LocalEndpoint());
+  STEPMESH_ASSIGN_OR_RETURN(std::string sep, server_->LocalEndpoint());
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  absl::Status server_connect;
+  std::thread accept([&] {
+    const core::PeerInfo peer{kWorker, wep};
+    server_connect = server_->Connect(kServer, absl::MakeConstSpan(&peer, 1), deadline);
+  });
+  const core::PeerInfo to_server{kServer, sep};
+  absl::Status worker_connect =
+      worker_->Connect(kWorker, absl::MakeConstSpan(&to_server, 1), deadline);
+  accept.join();
+  STEPMESH_RETURN_IF_ERROR(worker_connect);
+  return server_connect;
+}
+
+absl::Status FabricPair::RestartWorker(libfabric::LibfabricHooks hooks, absl::Duration wait) {
+  // The server's receive side runs while the old worker leaves (it reads the
+  // goodbye) and while the two connect (its hello handling is what a rejoin
+  // races with); the new worker's starts after.
+  stop_.store(false);
+  pollers_.emplace_back([this, wait] {
+    while (!stop_.load()) (void)server_->Poll(server_sink_, wait);
+  });
+  worker_->Shutdown();
+  worker_.reset();
+  absl::StatusOr<std::unique_ptr<core::Transport>> made =
+      libfabric::CreateLibfabricTransport(options_, tcp::CreateTcpTransport, std::move(hooks));
+  if (!made.ok()) return made.status();
+  worker_ = *std::move(made);
+  absl::Status connected = ConnectBoth();
+  pollers_.emplace_back([this, wait] {
+    while (!stop_.load()) (void)worker_->Poll(worker_sink_, wait);
+  });
+  STEPMESH_RETURN_IF_ERROR(connected);
+  core::RegionInfo send{.id = 1, .key = kKey, .base = src_.data(), .slot_bytes = src_.size()};
+  return worker_->RegisterRegion(send);
 }
 
 FabricPair::~FabricPair() {

@@ -63,10 +63,9 @@ class FabricPair {
   // worker, `worker_hooks.api` to both. Registers a `bytes` source (a
   // pattern) and receive slot, as memory of `device` (host memory that
   // stands in for it: the tests of FI_HMEM registration run without a GPU).
-  static absl::StatusOr<std::unique_ptr<FabricPair>> Make(const MeshOptions& options,
-                                                          libfabric::LibfabricHooks worker_hooks,
-                                                          size_t bytes,
-                                                          Device device = Device::Cpu());
+  static absl::StatusOr<std::unique_ptr<FabricPair>> Make(
+      const MeshOptions& options, libfabric::LibfabricHooks worker_hooks, size_t bytes,
+      Device device = Device::Cpu(), core::TransportFactory server_control = {});
   ~FabricPair();
 
   // Polls both sides on threads of their own, each Poll waiting at most `wait`.
@@ -77,6 +76,10 @@ class FabricPair {
   // Waits (bounded) until the server delivered or failed `n` frames in all.
   bool AwaitFrames(int n, absl::Duration within);
   bool SlotMatchesSource() const;
+  // Shuts the worker down and starts a new process's transport at its rank
+  // (a new epoch), connected to the server as a rejoiner is: both Connect
+  // side by side. Polling must be stopped; it is started again with `wait`.
+  absl::Status RestartWorker(libfabric::LibfabricHooks hooks, absl::Duration wait);
 
   core::Transport& worker() { return *worker_; }
   core::Transport& server() { return *server_; }
@@ -85,7 +88,9 @@ class FabricPair {
 
  private:
   FabricPair(size_t bytes) : slot_(bytes), src_(bytes) {}
+  absl::Status ConnectBoth();
 
+  MeshOptions options_;
   std::unique_ptr<core::Transport> worker_, server_;
   std::vector<std::byte> slot_, src_;
   SlotSink server_sink_{slot_};

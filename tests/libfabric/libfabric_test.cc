@@ -213,12 +213,16 @@ TEST_CASE("libfabric: frame assembler completes by count in any order, delivers 
 }
 
 TEST_CASE("libfabric: control messages round-trip and garbage is refused", "[libfabric][wire]") {
-  libfabric::Hello hello{
-      .epoch = 42, .your_tag = 7, .provider = "shm", .addresses = {"fi_shm://1", "fi_shm://2"}};
+  libfabric::Hello hello{.epoch = 42,
+                         .your_tag = 7,
+                         .your_epoch = 0x1234567890abcdefull,
+                         .provider = "shm",
+                         .addresses = {"fi_shm://1", "fi_shm://2"}};
   auto m = libfabric::DecodeControl(libfabric::EncodeHello(hello));
   REQUIRE_OK(m.status());
   CHECK(m->hello.epoch == 42);
   CHECK(m->hello.your_tag == 7);
+  CHECK(m->hello.your_epoch == 0x1234567890abcdefull);
   CHECK(m->hello.addresses == std::vector<std::string>{"fi_shm://1", "fi_shm://2"});
   FrameDescriptor d = Descriptor(9, 0);
   d.header.payload_bytes = 3;

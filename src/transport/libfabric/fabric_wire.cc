@@ -34,6 +34,7 @@ std::string EncodeHello(const Hello& hello) {
   AppendLittleEndian(out, hello.version);
   AppendLittleEndian(out, hello.epoch);
   AppendLittleEndian(out, hello.your_tag);
+  AppendLittleEndian(out, hello.your_epoch);
   AppendBytes(out, hello.provider);
   AppendLittleEndian<uint8_t>(out, static_cast<uint8_t>(hello.addresses.size()));
   for (const std::string& a : hello.addresses) AppendBytes(out, a);
@@ -96,8 +97,9 @@ absl::StatusOr<ControlMessage> DecodeControl(absl::string_view bytes) {
         return absl::FailedPreconditionError(absl::StrCat("libfabric: peer speaks version ",
                                                           m.hello.version, ", not ", kWireVersion));
       }
-      if (!r.Get(m.hello.epoch) || !r.Get(m.hello.your_tag) || !GetBytes(r, m.hello.provider) ||
-          !r.Get(rails) || rails == 0 || rails > kMaxWireRails || m.hello.your_tag >= kMaxTags) {
+      if (!r.Get(m.hello.epoch) || !r.Get(m.hello.your_tag) || !r.Get(m.hello.your_epoch) ||
+          !GetBytes(r, m.hello.provider) || !r.Get(rails) || rails == 0 || rails > kMaxWireRails ||
+          m.hello.your_tag >= kMaxTags) {
         return bad("hello");
       }
       m.hello.addresses.resize(rails);

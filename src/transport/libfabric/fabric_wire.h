@@ -39,7 +39,7 @@ inline constexpr uint32_t ImmediateSeq(uint64_t data) {
 inline constexpr uint64_t kCarrierKey = 0x4952424146424C49ull;
 // The most rails a hello or advert may list (kMaxRails, fabric_endpoint.h).
 inline constexpr uint8_t kMaxWireRails = 32;
-inline constexpr uint32_t kWireVersion = 2;  // 2: rails (a list of addresses, keys)
+inline constexpr uint32_t kWireVersion = 3;  // 2: rails (a list of addresses, keys); 3: your_epoch
 // A carrier's body is an error frame's text, at most core::kMaxErrorTextBytes.
 inline constexpr size_t kMaxControlBytes = 4096;
 
@@ -56,6 +56,10 @@ struct Hello {
   uint32_t version = kWireVersion;
   uint64_t epoch = 0;     // random per transport instance: a restart is a new peer
   uint32_t your_tag = 0;  // the tag the receiver of this hello writes to the sender with
+  // The receiver's process the tag was given to (its hello's epoch), 0 when
+  // none had said hello yet: a hello made for a process that has since been
+  // restarted reaches the new one with the old one's epoch and is ignored.
+  uint64_t your_epoch = 0;
   std::string provider;
   std::vector<std::string> addresses;  // raw fi_getname bytes, one per rail
 };

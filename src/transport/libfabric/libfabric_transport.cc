@@ -224,10 +224,20 @@ std::string LibfabricTransport::HelloFor(NodeId peer) {
     if (!rp.has_tag) STEPMESH_LOG(kError, "libfabric: no writer tag left for ", PeerName(peer));
   }
   hello.your_tag = rp.tag;
+  hello.your_epoch = rp.epoch;
   return EncodeHello(hello);
 }
 
 void LibfabricTransport::OnHello(NodeId peer, const Hello& hello) {
+  if (hello.your_epoch != 0 && hello.your_epoch != epoch_) {
+    // Made for the process this one replaced (the peer's Connect for a
+    // rejoiner can read its state before the rejoiner's hello arrives): its
+    // tag is that process's, released since. The peer answers this
+    // process's hello with one of its own.
+    STEPMESH_LOG(kDebug, "libfabric: ", PeerName(peer),
+                 "'s hello was made for this rank's previous process; ignored");
+    return;
+  }
   if (hello.provider != first().provider()) {
     STEPMESH_LOG_LIMITED(warnings_, kWarning, "libfabric: ", PeerName(peer), " uses provider '",
                          hello.provider, "', this node '", first().provider(),
