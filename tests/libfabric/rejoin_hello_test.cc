@@ -16,9 +16,9 @@
 #include "absl/time/clock.h"
 #include "src/transport/libfabric/fabric_wire.h"
 #include "src/transport/tcp_fallback/tcp_transport.h"
+#include "stepmesh/status.h"
 #include "tests/libfabric/fabric_pair.h"
 #include "tests/support/forwarding_transport.h"
-#include "stepmesh/status.h"
 #include "tests/support/status.h"
 
 namespace stepmesh::testing {
