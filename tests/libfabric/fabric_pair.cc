@@ -62,10 +62,9 @@ absl::Status FabricPair::RestartWorker(libfabric::LibfabricHooks hooks, absl::Du
   // The server's receive side runs while the old worker leaves (it reads the
   // goodbye) and while the two connect (its hello handling is what a rejoin
   // races with); the new worker's starts after.
+  if (!pollers_.empty()) return absl::FailedPreconditionError("RestartWorker: polling still runs");
   stop_.store(false);
-  pollers_.emplace_back([this, wait] {
-    while (!stop_.load()) (void)server_->Poll(server_sink_, wait);
-  });
+  PollServer(wait);
   worker_->Shutdown();
   worker_.reset();
   absl::StatusOr<std::unique_ptr<core::Transport>> made =
@@ -73,9 +72,7 @@ absl::Status FabricPair::RestartWorker(libfabric::LibfabricHooks hooks, absl::Du
   if (!made.ok()) return made.status();
   worker_ = *std::move(made);
   absl::Status connected = ConnectBoth();
-  pollers_.emplace_back([this, wait] {
-    while (!stop_.load()) (void)worker_->Poll(worker_sink_, wait);
-  });
+  PollWorker(wait);
   STEPMESH_RETURN_IF_ERROR(connected);
   core::RegionInfo send{.id = 1, .key = kKey, .base = src_.data(), .slot_bytes = src_.size()};
   return worker_->RegisterRegion(send);
@@ -89,9 +86,17 @@ FabricPair::~FabricPair() {
 
 void FabricPair::StartPolling(absl::Duration wait) {
   stop_.store(false);
+  PollServer(wait);
+  PollWorker(wait);
+}
+
+void FabricPair::PollServer(absl::Duration wait) {
   pollers_.emplace_back([this, wait] {
     while (!stop_.load()) (void)server_->Poll(server_sink_, wait);
   });
+}
+
+void FabricPair::PollWorker(absl::Duration wait) {
   pollers_.emplace_back([this, wait] {
     while (!stop_.load()) (void)worker_->Poll(worker_sink_, wait);
   });

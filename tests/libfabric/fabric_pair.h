@@ -89,6 +89,8 @@ class FabricPair {
  private:
   FabricPair(size_t bytes) : slot_(bytes), src_(bytes) {}
   absl::Status ConnectBoth();
+  void PollServer(absl::Duration wait);  // a thread polling one side until StopPolling
+  void PollWorker(absl::Duration wait);
 
   MeshOptions options_;
   std::unique_ptr<core::Transport> worker_, server_;
