@@ -80,7 +80,16 @@ absl::Status FabricPair::RestartWorker(libfabric::LibfabricHooks hooks, absl::Du
 
 FabricPair::~FabricPair() {
   StopPolling();
-  if (worker_ != nullptr) worker_->Shutdown();
+  if (worker_ != nullptr) {
+    // The server reads the worker's goodbye and closes its end while the
+    // worker leaves; unpolled, it would make the worker wait out its drain
+    // deadline and log that the server never closed.
+    stop_.store(false);
+    if (server_ != nullptr) PollServer(absl::Milliseconds(1));
+    worker_->Shutdown();
+    worker_.reset();
+    StopPolling();
+  }
   if (server_ != nullptr) server_->Shutdown();
 }
 

@@ -12,8 +12,8 @@
 #include <utility>
 
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "src/base/sync.h"
 #include "src/transport/libfabric/fabric_wire.h"
 #include "src/transport/tcp_fallback/tcp_transport.h"
 #include "stepmesh/status.h"
@@ -33,28 +33,29 @@ const core::NodeId kWorker = core::WorkerId(0);
 class HelloGate {
  public:
   void Arm() {
-    absl::MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     armed_ = true;
   }
   bool reordered() {
-    absl::MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     return released_;
   }
   bool AwaitReleased(absl::Duration within) {
-    absl::MutexLock lock(&mu_);
-    return mu_.AwaitWithTimeout(absl::Condition(&released_), within);
+    base::MutexLock lock(&mu_);
+    return mu_.AwaitWithTimeout([this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return released_; },
+                                within);
   }
   // Receive side: a carrier from the worker waits (bounded) for the stash.
   void BeforeDelivery(core::NodeId peer) {
-    absl::MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     if (!armed_ || peer != kWorker) return;
-    auto stashed = [this] { return has_stash_; };
-    (void)mu_.AwaitWithTimeout(absl::Condition(&stashed), absl::Seconds(2));
+    (void)mu_.AwaitWithTimeout([this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return has_stash_; },
+                               absl::Seconds(2));
   }
   // Send side: true when `body` was kept back; `release` gets it back once
   // the first advert went out.
   bool Stash(core::NodeId peer, const core::FrameHeader& h, absl::string_view body) {
-    absl::MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     if (!armed_ || has_stash_ || peer != kWorker) return false;
     absl::StatusOr<libfabric::ControlMessage> m = libfabric::DecodeControl(body);
     if (!m.ok() || m->type != libfabric::ControlType::kHello) return false;
@@ -65,7 +66,7 @@ class HelloGate {
   }
   bool TakeAfterAdvert(core::NodeId peer, absl::string_view body, core::FrameHeader& h,
                        std::string& stash) {
-    absl::MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     if (!has_stash_ || released_ || peer != kWorker) return false;
     absl::StatusOr<libfabric::ControlMessage> m = libfabric::DecodeControl(body);
     if (!m.ok() || m->type != libfabric::ControlType::kAdvert) return false;
@@ -76,7 +77,7 @@ class HelloGate {
   }
 
  private:
-  absl::Mutex mu_;
+  base::Mutex mu_;
   bool armed_ ABSL_GUARDED_BY(mu_) = false;
   bool has_stash_ ABSL_GUARDED_BY(mu_) = false;
   bool released_ ABSL_GUARDED_BY(mu_) = false;
