@@ -1,0 +1,210 @@
+"""The FFN side of the connector: one stepmesh Server per mesh, a batch per
+micro-batch stage from the attention ranks it serves, the reply written into
+registered rows. A mixin of :class:`stepmesh.vllm.StepMeshAFDConnector`."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, List
+
+import torch
+
+import stepmesh
+from stepmesh._vllm_types import (
+    NAME,
+    AFDA2FTransferPayload,
+    AFDTransferContext,
+    AFDTransferMetadata,
+    AFDTransferState,
+)
+from stepmesh._vllm_wire import (
+    _HIDDEN,
+    _LOGITS,
+    _META,
+    _META_WORDS,
+    _OUT,
+    CONTROL_KEY,
+    FLAG_GRAPH_CAPTURE,
+    FLAG_WARMUP,
+    _dtype_name,
+    _element_size,
+    _is_compiling,
+    _key,
+    _torch_dtype,
+)
+
+
+@dataclass
+class StepMeshTransferState(AFDTransferState):
+    """Our state on ``AFDTransferContext.states`` (FFN side): the stepmesh batch
+    the context answers, its stage, and the mesh-local worker order."""
+
+    batch: Any = None
+    stage: int = 0
+    workers: List[int] = dataclasses.field(default_factory=list)
+    is_warmup: bool = False  # the sender's flags (from its last control payload)
+    is_graph_capturing: bool = False
+    op_id: int = 0  # names the context to torch.ops.stepmesh.afd_send_ffn
+
+
+class FfnSide:
+    """The connector's FFN-side methods (see the module docstring)."""
+
+    def _init_ffn(self, options: Any) -> None:
+        srv = self._node = stepmesh.Server(options)
+        W, M, H = self.mesh_workers, self.max_tokens, self.hidden_size
+        self._regions, self._replies, self._gathers = [], [], []
+        self._meta_regions, self._logit_regions, self._logit_gathers = [], [], []
+        for s in range(self.num_stages):
+            region = self._empty((W * M, H), self.dtype)
+            meta = torch.zeros(W * _META_WORDS, dtype=torch.int64)
+            srv.register_recv(_key(s, _HIDDEN), region)
+            srv.register_recv(_key(s, _META), meta)
+            logits = gather_logits = None
+            if self._logit_row_bytes:
+                logits = self._empty((W * M * self._logit_row_bytes,), torch.uint8)
+                gather_logits = self._empty((W * M * self._logit_row_bytes,), torch.uint8)
+                srv.register_recv(_key(s, _LOGITS), logits)
+            reply = self._empty((W * M, H), self.dtype)
+            srv.register_reply(_key(s, _OUT), reply)
+            self._regions.append(region)
+            self._meta_regions.append(memoryview(meta.numpy()))  # plain int reads
+            self._logit_regions.append(logits)
+            self._logit_gathers.append(gather_logits)
+            self._replies.append(reply)
+            self._gathers.append(self._empty((W * M, H), self.dtype))
+        words = self._control_words()
+        self._control_region = torch.zeros(W * words, dtype=torch.int32)
+        srv.register_recv(CONTROL_KEY, self._control_region)
+
+    def _next_batch(self, group: int, what: str):
+        """The next batch of `group`, keeping the other groups' batches that
+        arrive first (stages out of order, the control payload)."""
+        stash = self._stash.get(group)
+        if stash:
+            return stash.popleft()
+        while True:
+            try:
+                batch = self._node.get_batch(self.extra_info.timeout)
+            except stepmesh.Error as e:
+                raise self._worker_error(what, e) from e
+            if batch.group == group:
+                return batch
+            self._stash[batch.group].append(batch)
+
+    def _worker_error(self, what: str, e: Exception) -> Exception:
+        m = re.search(r"worker (\d+)", str(e))
+        if m is not None:
+            ranks = [self._attention_rank_of_worker(int(m.group(1)))]
+        else:
+            ranks = [self._attention_rank_of_worker(w) for w in range(self.mesh_workers)]
+        names = ", ".join(f"attention rank {r}" for r in ranks)
+        self._peer_lost = True
+        kind = TimeoutError if isinstance(e, TimeoutError) else ConnectionError
+        return kind(f"{NAME} FFN rank {self.role_rank}: {what}: waiting for {names} "
+                    f"({e.__class__.__name__}: {e})")
+
+    def recv_attn_output(self, ubatch_idx: int = 0, **kwargs: Any) -> Any:
+        """The stage's hidden states from this FFN rank's attention ranks
+        (``[sum(seq_lens), hidden]`` in rank order), their router logits when a
+        ``routing_spec`` (AFDExpertRoutingSpec) is given, and the context to
+        hand back to ``send_ffn_output``."""
+        self._live("ffn")
+        s = self._stage(ubatch_idx, "ubatch_idx")
+        spec = kwargs.get("routing_spec")
+        batch = self._next_batch(_key(s, _HIDDEN), f"recv_attn_output(ubatch_idx={s})")
+        hidden_t = batch.tensor(_key(s, _HIDDEN))
+        M = self.max_tokens
+        workers = list(batch.workers)
+        seq_lens = [hidden_t.rows(w) for w in workers]
+        for w, n in zip(workers, seq_lens):
+            if n <= 0:  # the plugin pads an idle rank to one dummy token
+                raise RuntimeError(f"stage {s}: attention rank "
+                                   f"{self._attention_rank_of_worker(w)} sent 0 tokens "
+                                   "(every rank must send >= 1; pad an idle rank to 1 token)")
+        region, gather = self._regions[s], self._gathers[s]
+        if len(workers) == 1:
+            hidden = region[workers[0] * M: workers[0] * M + seq_lens[0]]
+        else:
+            row = 0
+            for w, n in zip(workers, seq_lens):
+                gather[row: row + n].copy_(region[w * M: w * M + n])
+                row += n
+            hidden = gather[:row]
+        total = sum(seq_lens)
+        logits = None
+        if spec is not None:
+            logits = self._gather_logits(batch, s, workers, seq_lens, spec)
+        meta = self._meta_regions[s]
+        layer_idx = meta[workers[0] * _META_WORDS]
+        flags = meta[workers[0] * _META_WORDS + 2]
+        metadata = AFDTransferMetadata(layer_idx=layer_idx, stage_idx=s, seq_lens=seq_lens)
+        state = StepMeshTransferState(batch=batch, stage=s, workers=workers,
+                                      is_warmup=bool(flags & FLAG_WARMUP),
+                                      is_graph_capturing=bool(flags & FLAG_GRAPH_CAPTURE))
+        context = AFDTransferContext(metadata=metadata, states=state)
+        state.op_id = self._next_ffn_op = self._next_ffn_op + 1
+        self._ffn_contexts[state.op_id] = context
+        assert hidden.shape[0] == total
+        return AFDA2FTransferPayload(hidden_states=hidden, context=context, router_logits=logits)
+
+    def _gather_logits(self, batch, s, workers, seq_lens, spec) -> torch.Tensor:
+        width = int(spec.router_logits_width)
+        dtype = _torch_dtype(spec.router_logits_dtype, "routing_spec.router_logits_dtype")
+        row_bytes = width * _element_size(dtype)
+        if not 0 < row_bytes <= self._logit_row_bytes:
+            raise ValueError(f"routing_spec.router_logits_width={width} "
+                             f"({_dtype_name(dtype)}): the connector registered "
+                             f"{self._logit_row_bytes} bytes per token "
+                             "(connector_extra_config.router_logits_width)")
+        lt = batch.tensor(_key(s, _LOGITS))
+        region, gather = self._logit_regions[s], self._logit_gathers[s]
+        slot = self.max_tokens * self._logit_row_bytes
+        at = 0
+        for w, n in zip(workers, seq_lens):
+            got = lt.valid_bytes[w]
+            if got != n * row_bytes:
+                raise ValueError(
+                    f"stage {s}: attention rank {self._attention_rank_of_worker(w)} sent "
+                    f"{got} bytes of router_logits for {n} tokens; routing_spec wants "
+                    f"{n * row_bytes} ({width} x {_dtype_name(dtype)} per token)")
+            gather[at: at + got].copy_(region[w * slot: w * slot + got])
+            at += got
+        return gather[:at].view(dtype).view(sum(seq_lens), width)
+
+    def send_ffn_output(self, ffn_output: torch.Tensor, context: Any, **kwargs: Any) -> None:
+        """Returns ``ffn_output`` (``[sum(seq_lens), hidden]``, rank order) to the
+        attention ranks: rank ``a``'s rows to rank ``a``."""
+        srv = self._live("ffn")
+        state = getattr(context, "states", None)
+        if not isinstance(state, StepMeshTransferState):
+            raise RuntimeError("send_ffn_output: context.states is not a StepMeshTransferState "
+                               "(pass the context recv_attn_output returned)")
+        if state.batch is None or state.batch.answered:
+            raise RuntimeError(f"send_ffn_output: stage {state.stage}: context already answered")
+        total = context.metadata.total_tokens
+        shape = tuple(ffn_output.shape)
+        if not _is_compiling() and (shape != (total, self.hidden_size)
+                                    or ffn_output.dtype != self.dtype):
+            raise ValueError(f"ffn_output {shape} {_dtype_name(ffn_output.dtype)}: want "
+                             f"({total}, {self.hidden_size}) {_dtype_name(self.dtype)} "
+                             "(context.metadata.total_tokens)")
+        if _is_compiling() or self._always_ops:
+            torch.ops.stepmesh.afd_send_ffn(ffn_output, self._id, state.op_id)
+        else:
+            self._ffn_contexts.pop(state.op_id, None)
+            self._send_ffn(ffn_output, context)
+
+    def _send_ffn(self, ffn_output: torch.Tensor, context: Any) -> None:
+        state = context.states
+        reply = self._replies[state.stage]
+        M = self.max_tokens
+        row = 0
+        rows = {}
+        for w, n in zip(state.workers, context.metadata.seq_lens):
+            reply[w * M: w * M + n].copy_(ffn_output[row: row + n])
+            rows[w] = n
+            row += n
+        self._node.respond(state.batch, rows=rows, stream=self._current_stream())
