@@ -63,10 +63,7 @@ absl::Status FabricPair::RestartWorker(libfabric::LibfabricHooks hooks, absl::Du
   // goodbye) and while the two connect (its hello handling is what a rejoin
   // races with); the new worker's starts after.
   if (!pollers_.empty()) return absl::FailedPreconditionError("RestartWorker: polling still runs");
-  stop_.store(false);
-  PollServer(wait);
-  worker_->Shutdown();
-  worker_.reset();
+  RetireWorker(wait);
   absl::StatusOr<std::unique_ptr<core::Transport>> made =
       libfabric::CreateLibfabricTransport(options_, tcp::CreateTcpTransport, std::move(hooks));
   if (!made.ok()) return made.status();
@@ -80,17 +77,22 @@ absl::Status FabricPair::RestartWorker(libfabric::LibfabricHooks hooks, absl::Du
 
 FabricPair::~FabricPair() {
   StopPolling();
-  if (worker_ != nullptr) {
-    // The server reads the worker's goodbye and closes its end while the
-    // worker leaves; unpolled, it would make the worker wait out its drain
-    // deadline and log that the server never closed.
-    stop_.store(false);
-    if (server_ != nullptr) PollServer(absl::Milliseconds(1));
-    worker_->Shutdown();
-    worker_.reset();
+  if (worker_ != nullptr && server_ != nullptr) {
+    RetireWorker(absl::Milliseconds(1));
     StopPolling();
   }
+  if (worker_ != nullptr) worker_->Shutdown();  // Make failed before the server existed
   if (server_ != nullptr) server_->Shutdown();
+}
+
+void FabricPair::RetireWorker(absl::Duration wait) {
+  // The server reads the worker's goodbye and closes its end while the
+  // worker leaves; unpolled, it would make the worker wait out its drain
+  // deadline and log that the server never closed.
+  stop_.store(false);
+  PollServer(wait);
+  worker_->Shutdown();
+  worker_.reset();
 }
 
 void FabricPair::StartPolling(absl::Duration wait) {

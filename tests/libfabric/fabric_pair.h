@@ -89,6 +89,9 @@ class FabricPair {
  private:
   FabricPair(size_t bytes) : slot_(bytes), src_(bytes) {}
   absl::Status ConnectBoth();
+  // Shuts the worker down and drops it while a new poller drives the server
+  // (left running).
+  void RetireWorker(absl::Duration wait);
   void PollServer(absl::Duration wait);  // a thread polling one side until StopPolling
   void PollWorker(absl::Duration wait);
 
