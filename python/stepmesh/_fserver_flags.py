@@ -14,9 +14,9 @@ from stepmesh._fserver_tensors import _torch
 # and wait for its acknowledgement: flags are int64 tensors in mapped pinned
 # host memory, `seq` an int64 counter. Here, on host tensors, they run on the
 # calling thread in program order (the cpu_mock's stream is the caller), with
-# the same meaning; on CUDA tensors write_flag and seq_add_one are queued on
-# torch's current stream (graph-capturable), and wait_flag, which needs a spin
-# kernel, is refused (docs/python.md).
+# the same meaning; on CUDA tensors write_flag, seq_add_one and wait_flag are
+# queued on torch's current stream (graph-capturable; wait_flag is a one-thread
+# kernel reading both words when it runs, and needs backend cuda; docs/python.md).
 
 
 def _is_cuda(t) -> bool:
