@@ -184,7 +184,7 @@ Usage ProcessUsage() {
 TEST_CASE(
     "libfabric: in blocking mode an idle transport sleeps on its CQ wait fd (tcp) and still "
     "delivers, and shm (no wait object) polls",
-    "[libfabric][blocking]") {
+    "[libfabric][blocking][cpu-budget]") {
   MeshOptions o;
   o.transport = "libfabric";
   o.timeout = absl::Seconds(10);
