@@ -422,6 +422,15 @@ bool BatchAssembler::NothingToHandOut() {
   return true;
 }
 
+bool BatchAssembler::MoreThanOneToHandOut() {
+  base::MutexLock lock(&mu_);
+  if (ready_.size() > 1) return true;
+  for (const auto& slot : slots_) {
+    if (slot->state == BatchState::kCollecting) return true;
+  }
+  return false;
+}
+
 bool BatchAssembler::Idle() {
   base::MutexLock lock(&mu_);
   return free_slots_.size() == slots_.size();

@@ -175,6 +175,9 @@ class BatchAssembler {
   bool StopAwaiting(int w);
   // No batch collecting or ready: nothing received is left to hand out.
   bool NothingToHandOut();
+  // A batch collecting, or more than one ready: more is on its way than the
+  // one batch a caller is about to take (GetBatch's `more_coming`).
+  bool MoreThanOneToHandOut();
   // Every slot free: everything received was answered and its replies sent.
   bool Idle();
 

@@ -101,6 +101,7 @@ absl::Status MeshNode::Start(const TransportFactory& factory) {
     }
   }
   STEPMESH_ASSIGN_OR_RETURN(transport_, factory(transport_options));
+  drive_ = transport_->PollFromAnyThread();
   STEPMESH_ASSIGN_OR_RETURN(std::string endpoint, transport_->LocalEndpoint());
   STEPMESH_ASSIGN_OR_RETURN(rendezvous_, rendezvous_factory_
                                              ? rendezvous_factory_(mesh_options_, endpoint)
@@ -192,7 +193,13 @@ void MeshNode::Stop() {
   { std::lock_guard<std::mutex> lock(send_mu_); }
   if (transport_ != nullptr) transport_->Shutdown();
   if (recv_thread_.joinable()) recv_thread_.join();
-  if (logic_ != nullptr) logic_->CancelAll(absl::CancelledError("the mesh participant shut down"));
+  {
+    // A waiter still driving the poll sees the stop within one Poll and lets go.
+    std::lock_guard<std::mutex> poll(poll_mu_);
+    if (logic_ != nullptr) {
+      logic_->CancelAll(absl::CancelledError("the mesh participant shut down"));
+    }
+  }
   membership_.Close();
   NotifyWaiters();
   base::MutexLock lock(&clock_mu_);  // not while an export uses it
@@ -440,19 +447,39 @@ void MeshNode::RecvLoop() {
   absl::Time last_busy = absl::Now();
   bool spin = mode != PollMode::kBlocking;  // after the latest frame
   while (!stopped()) {
+    if (drivers_.load(std::memory_order_seq_cst) > 0) {
+      StepAside();
+      continue;
+    }
     absl::Duration wait = absl::Milliseconds(50);
     if (mode == PollMode::kSpin ||
         (spin && absl::Now() - last_busy < options_.threads.spin_budget)) {
       wait = absl::ZeroDuration();
     }
-    const uint64_t activity_before = activity_;
-    absl::Status s = transport_->Poll(*logic_, wait);
+    absl::Status s;
+    bool active = false;
+    {
+      std::lock_guard<std::mutex> poll(poll_mu_);
+      const uint64_t activity_before = activity_;
+      // Announce a blocking Poll, then re-check (Dekker with AwaitDriving,
+      // which counts itself in drivers_ before it reads recv_blocked_): a
+      // driver either is seen here or sees this and wakes the Poll.
+      const bool blocking = wait > absl::ZeroDuration();
+      if (blocking) recv_blocked_.store(true, std::memory_order_seq_cst);
+      if (!blocking || drivers_.load(std::memory_order_seq_cst) == 0) {
+        s = transport_->Poll(*logic_, wait);
+        logic_->AfterPoll();
+      }
+      if (blocking) recv_blocked_.store(false, std::memory_order_relaxed);
+      active = activity_ != activity_before;
+    }
+    if (drivers_.load(std::memory_order_seq_cst) > 0)
+      WakeIfSleeping(poll_free_, poll_free_sleepers_);
     if (!s.ok()) {
       STEPMESH_LOG(kError, "receive loop: ", s.ToString());
       absl::SleepFor(absl::Milliseconds(1));
     }
-    logic_->AfterPoll();
-    if (activity_ != activity_before) {
+    if (active) {
       const absl::Time now = absl::Now();
       if (mode == PollMode::kAdaptive) {
         // The gap since the previous frame: whether polling through gaps like it pays.
@@ -466,9 +493,115 @@ void MeshNode::RecvLoop() {
   }
 }
 
+void MeshNode::StepAside() {
+  // Announce, then re-check (see WakeWord): a driver leaving after the
+  // announcement bumps the word, one leaving before it is seen in drivers_.
+  recv_resume_sleepers_.fetch_add(1, std::memory_order_seq_cst);
+  for (;;) {
+    const uint32_t seen = recv_resume_.Load();
+    if (drivers_.load(std::memory_order_seq_cst) == 0 || stopped()) break;
+    // Bounded, as every wait here.
+    recv_resume_.WaitWhile(seen, absl::Milliseconds(2));
+  }
+  recv_resume_sleepers_.fetch_sub(1, std::memory_order_acq_rel);
+}
+
+void MeshNode::WakeIfSleeping(base::WakeWord& word, const std::atomic<int>& sleepers) {
+  if (sleepers.load(std::memory_order_seq_cst) > 0) word.Bump();
+}
+
+bool MeshNode::AwaitDriving(absl::FunctionRef<bool()> done, absl::Time deadline,
+                            absl::FunctionRef<bool()> more_coming) {
+  if (done()) return true;
+  if (!drive_ || driver_.load(std::memory_order_relaxed) == std::this_thread::get_id()) {
+    return AwaitUntil(done, deadline);
+  }
+  drivers_.fetch_add(1, std::memory_order_seq_cst);
+  // A receive thread asleep in Poll holds the poll until woken.
+  if (recv_blocked_.load(std::memory_order_seq_cst)) transport_->Wake();
+  bool result = false;
+  bool poll_ok = true;
+  for (;;) {
+    if (done()) {
+      result = true;
+      break;
+    }
+    const absl::Time now = absl::Now();
+    if (now >= deadline || stopped()) break;
+    // Announce, then try (see WakeWord): whoever lets the poll go after the
+    // announcement bumps the word; a NotifyWaiters does too (another driver
+    // may have completed what this one waits for).
+    poll_free_sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t seen = poll_free_.Load();
+    bool owned = poll_mu_.try_lock();
+    // The receive thread lets go within one non-blocking Poll (a microsecond
+    // or so) once it sees drivers_: a short spin saves the futex round trip.
+    for (int i = 0; i < 256 && !owned; ++i) {
+      base::CpuRelax();
+      owned = poll_mu_.try_lock();
+    }
+    if (!owned && !done()) {
+      poll_free_.WaitWhile(seen, std::min(deadline - now, absl::Milliseconds(1)));
+    }
+    poll_free_sleepers_.fetch_sub(1, std::memory_order_acq_rel);
+    if (owned) {
+      result = DriveLocked(done, deadline, &poll_ok);
+      poll_mu_.unlock();
+      break;
+    }
+  }
+  drivers_.fetch_sub(1, std::memory_order_seq_cst);
+  // Another driver may take the poll now; the receive thread too, at once
+  // when frames nobody waits for are coming (or this wait failed).
+  WakeIfSleeping(poll_free_, poll_free_sleepers_);
+  if (!result || more_coming()) WakeIfSleeping(recv_resume_, recv_resume_sleepers_);
+  // A failed Poll is the receive thread's to report; a stop completes what
+  // is pending (CancelAll) after this caller let go of the poll.
+  if (!result && (!poll_ok || stopped())) return AwaitUntil(done, deadline);
+  return result;
+}
+
+bool MeshNode::DriveLocked(absl::FunctionRef<bool()> done, absl::Time deadline, bool* poll_ok) {
+  driver_.store(std::this_thread::get_id(), std::memory_order_relaxed);
+  const PollMode mode = options_.threads.poll_mode;
+  // As the receive thread: non-blocking polls while the latest frame (or the
+  // start of the wait) is less than the spin budget ago, the transport's own
+  // sleep otherwise, in bounded slices for what other threads change. Not by
+  // the wait's whole length (AwaitUntil's advice): a 2A2F wait outlasts the
+  // budget, yet its frames come back to back once they come, and a sleep per
+  // chunk between them cost 2A2F ~8% (docs/benchmarks.md).
+  absl::Time busy = absl::Now();
+  bool result = false;
+  for (;;) {
+    if (done()) {
+      result = true;
+      break;
+    }
+    const absl::Time now = absl::Now();
+    if (now >= deadline || stopped()) break;
+    const bool spinning = mode == PollMode::kSpin || (mode == PollMode::kAdaptive &&
+                                                      now - busy < options_.threads.spin_budget);
+    const uint64_t activity_before = activity_;
+    const absl::Status s = transport_->Poll(
+        *logic_, spinning ? absl::ZeroDuration() : std::min(deadline - now, absl::Milliseconds(2)));
+    logic_->AfterPoll();
+    if (!s.ok()) {
+      *poll_ok = false;
+      break;
+    }
+    if (activity_ != activity_before) {
+      busy = absl::Now();
+    } else if (spinning) {
+      std::this_thread::yield();  // see AwaitUntil
+    }
+  }
+  driver_.store(std::thread::id(), std::memory_order_relaxed);
+  return result;
+}
+
 void MeshNode::NotifyWaiters() {
-  if (sleepers_.load(std::memory_order_seq_cst) == 0) return;
-  wait_wake_.Bump();
+  WakeIfSleeping(wait_wake_, sleepers_);
+  WakeIfSleeping(poll_free_, poll_free_sleepers_);
 }
 
 }  // namespace stepmesh::core

@@ -16,6 +16,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/clock.h"
@@ -107,9 +108,31 @@ class MeshNode final {
   // Blocks until done() or the deadline, per the poll mode. Returns done().
   template <typename Done>
   bool AwaitUntil(Done done, absl::Time deadline);
+  // AwaitUntil for the application's waits on the data path (Wait,
+  // GetBatch): where the transport may be polled from any thread
+  // (Transport::PollFromAnyThread), the caller polls it itself until done(),
+  // and the receive thread steps aside meanwhile, so the frame that ends the
+  // wait is read, delivered and seen by the thread waiting for it, without a
+  // wake-up in between. One caller polls at a time; others wait for the poll
+  // (or their done()). `more_coming`, asked once done(): whether frames no
+  // caller waits for are still on their way (other requests in flight,
+  // batches collecting), so the receive thread must resume at once; else it
+  // resumes when a wait that does not poll needs it (ResumeReceiver) or
+  // within its 2 ms slice -- waking it costs the caller a preemption on a
+  // busy machine. Call holding no lock the receive path takes, never from
+  // the receive path itself (it then only waits). Returns done().
+  bool AwaitDriving(absl::FunctionRef<bool()> done, absl::Time deadline,
+                    absl::FunctionRef<bool()> more_coming);
+  // For waits that do not poll (Test, the stream waits, AwaitUntil): the
+  // receive thread, if it stepped aside for a caller that has left, resumes now.
+  void ResumeReceiver() {
+    if (drivers_.load(std::memory_order_seq_cst) == 0) {
+      WakeIfSleeping(recv_resume_, recv_resume_sleepers_);
+    }
+  }
   void NotifyWaiters();
   // The logic's receive path calls this per frame so the adaptive receive
-  // loop knows the link is busy (receive thread only).
+  // loop knows the link is busy (the poller only).
   void MarkActivity() { ++activity_; }
 
   // Registers `view` with the transport as `num_slots` equal slots; `writers`
@@ -176,8 +199,16 @@ class MeshNode final {
   void SendLoop();
   void RecvLoop();
   void WaitForSendWork();
+  // AwaitDriving's poll, holding poll_mu_: Poll until done(), the deadline or
+  // a stop. False in `*poll_ok` when a Poll failed (the receive thread, which
+  // logs it, takes over again).
+  bool DriveLocked(absl::FunctionRef<bool()> done, absl::Time deadline, bool* poll_ok);
+  // The receive thread's pause while AwaitDriving callers poll.
+  void StepAside();
+  // Wakes whoever sleeps on `word` (counted by `sleepers`), if anyone does.
+  static void WakeIfSleeping(base::WakeWord& word, const std::atomic<int>& sleepers);
 
-  uint64_t activity_ = 0;     // receive thread only
+  uint64_t activity_ = 0;     // the poller only (poll_mu_'s holder)
   SpinAdvisor await_advice_;  // AwaitUntil (Wait, GetBatch)
   SpinAdvisor send_advice_;   // the send thread waiting for work
   SpinAdvisor recv_advice_;   // the receive thread between frames
@@ -211,6 +242,22 @@ class MeshNode final {
   base::WakeWord wait_wake_;  // AwaitUntil sleeps on it; NotifyWaiters bumps it
   std::atomic<int> sleepers_{0};
 
+  // The poll (AwaitDriving). poll_mu_ is held around every Transport::Poll
+  // and RoleLogic::AfterPoll, by the receive thread or by one driving
+  // waiter: the receive path's "receive thread only" state belongs to its
+  // holder, and the lock hands it over with its memory. A std::mutex for
+  // try_lock (and visible to TSan).
+  bool drive_ = false;  // the transport's PollFromAnyThread; set by Start()
+  std::mutex poll_mu_;
+  std::atomic<int> drivers_{0};            // AwaitDriving callers wanting or holding the poll
+  std::atomic<std::thread::id> driver_{};  // the one holding it, while it polls
+  // Set while the receive thread sleeps in a Poll that a driver must Wake.
+  std::atomic<bool> recv_blocked_{false};
+  base::WakeWord recv_resume_;  // the receive thread steps aside on it; drivers leaving bump it
+  std::atomic<int> recv_resume_sleepers_{0};
+  base::WakeWord poll_free_;  // drivers wait on it for the poll (or their done())
+  std::atomic<int> poll_free_sleepers_{0};
+
   // Last: destroyed first, after the destructor stopped the threads that call it.
   std::unique_ptr<RoleLogic> logic_;
 };
@@ -218,6 +265,7 @@ class MeshNode final {
 template <typename Done>
 bool MeshNode::AwaitUntil(Done done, absl::Time deadline) {
   if (done()) return true;
+  ResumeReceiver();  // this wait needs the receive thread
   const PollMode mode = options_.threads.poll_mode;
   const absl::Time start = absl::Now();
   const auto finish = [&](bool result) {

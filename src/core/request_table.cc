@@ -51,6 +51,7 @@ RequestHandle RequestTable::Commit(int addressed, uint64_t enqueue_ns) {
     r.stamps[s] = TraceStamps{};
   }
   r.outstanding.store(addressed + 1, std::memory_order_relaxed);
+  pending_.fetch_add(1, std::memory_order_relaxed);
   r.enqueue_ns = enqueue_ns;
   r.complete_ns = 0;
   {
@@ -153,6 +154,7 @@ void RequestTable::FailIfOk(Request& r, const absl::Status& why) {
 void RequestTable::MarkDone(Request& r, uint64_t complete_ns) {
   r.complete_ns = complete_ns;
   r.state.store(RequestState::kDone, std::memory_order_seq_cst);
+  pending_.fetch_sub(1, std::memory_order_release);
   if (r.done_flag != nullptr) r.done_flag->Store(r.generation.load(std::memory_order_relaxed));
 }
 

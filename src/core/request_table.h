@@ -111,6 +111,8 @@ class RequestTable {
   Request* NextFree();
   // Slots taken (pending, done or not yet collected).
   size_t in_use() const { return requests_.size() - free_.size(); }
+  // Requests committed and not yet done (any thread).
+  int pending() const { return pending_.load(std::memory_order_acquire); }
   // Takes NextFree() as a pending request for `addressed` servers (its
   // `addressed` vector filled in): a new generation, every addressed server
   // unsettled, the send thread's reference counted.
@@ -154,6 +156,7 @@ class RequestTable {
  private:
   std::vector<std::unique_ptr<Request>> requests_;
   std::vector<uint32_t> free_;  // the owner's lock
+  std::atomic<int> pending_{0};
 };
 
 }  // namespace stepmesh::core

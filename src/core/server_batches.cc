@@ -124,11 +124,11 @@ absl::StatusOr<Batch> ServerLogic::GetBatch(absl::Duration timeout, BatchPolicy 
   if (node_.stopped()) return absl::FailedPreconditionError("server is shut down");
   const absl::Time deadline = absl::Now() + timeout;
   // Also wakes when the last worker is gone: nothing can arrive any more.
-  node_.AwaitUntil(
+  node_.AwaitDriving(
       [this] {
         return assembler_.HasReady() || node_.stopped() || lost_.live() == 0 || DrainedOut();
       },
-      deadline);
+      deadline, [this] { return assembler_.MoreThanOneToHandOut(); });
   if (std::optional<Batch> batch = assembler_.TakeReady()) return *batch;
   if (node_.stopped()) return absl::CancelledError("server shut down while waiting for a batch");
   if (DrainedOut()) {
@@ -148,6 +148,7 @@ absl::StatusOr<Batch> ServerLogic::GetBatch(absl::Duration timeout, BatchPolicy 
 
 absl::Status ServerLogic::StreamWaitNextBatch(Stream& stream) {
   if (node_.stopped()) return absl::FailedPreconditionError("server is shut down");
+  node_.ResumeReceiver();  // the device waits: the receive thread assembles
   return stream.WaitHostFlagNext(*batches_ready_, *batch_cursor_);
 }
 

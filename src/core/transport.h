@@ -144,9 +144,17 @@ class Transport {
   // ready event may send on the caller's thread (MeshNode::TrySendInline).
   virtual bool SendNeverWaits() const { return false; }
 
-  // Receive-thread only: makes progress, calling `sink`, waiting at most `max_wait`
-  // when idle (zero: never blocks).
+  // Makes progress, calling `sink`, waiting at most `max_wait` when idle
+  // (zero: never blocks). One caller at a time: the receive thread, or, where
+  // PollFromAnyThread, whichever thread the core gave its poll to.
   virtual absl::Status Poll(TransportSink& sink, absl::Duration max_wait) = 0;
+  // True when Poll may be called from any thread, one at a time, each call
+  // seeing what the previous caller did (the core serializes callers with a
+  // lock, which orders their memory): nothing in Poll belongs to one thread
+  // (TCP). Then an application thread waiting for a frame polls the
+  // transport itself (MeshNode::AwaitDriving) while the receive thread steps
+  // aside, so the frame that ends the wait is read by the thread awaiting it.
+  virtual bool PollFromAnyThread() const { return false; }
   // Wakes a Poll blocked in the kernel (from any thread).
   virtual void Wake() = 0;
   // A descriptor that is readable while Poll has something to do (an epoll

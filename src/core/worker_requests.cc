@@ -160,9 +160,9 @@ absl::StatusOr<RequestHandle> WorkerLogic::PushPull(absl::Span<const Push> pushe
 absl::Status WorkerLogic::Wait(RequestHandle handle, absl::Duration timeout) {
   STEPMESH_ASSIGN_OR_RETURN(Request * r, requests_.Lookup(handle));
   const absl::Time deadline = absl::Now() + timeout;
-  if (!node_.AwaitUntil(
+  if (!node_.AwaitDriving(
           [r] { return r->state.load(std::memory_order_acquire) != RequestState::kPending; },
-          deadline)) {
+          deadline, [this] { return requests_.pending() > 0; })) {
     return absl::DeadlineExceededError(absl::StrCat(
         "request not complete after ", absl::FormatDuration(timeout), " (still pending)"));
   }
@@ -179,15 +179,18 @@ absl::Status WorkerLogic::Wait(RequestHandle handle, absl::Duration timeout) {
 
 absl::StatusOr<bool> WorkerLogic::Test(RequestHandle handle) {
   STEPMESH_ASSIGN_OR_RETURN(Request * r, requests_.Lookup(handle));
+  node_.ResumeReceiver();  // a caller that polls with Test reads nothing itself
   return r->state.load(std::memory_order_acquire) == RequestState::kDone;
 }
 
 absl::Status WorkerLogic::StreamWaitReply(RequestHandle handle, Stream& stream) {
   STEPMESH_ASSIGN_OR_RETURN(Request * r, requests_.Lookup(handle));
+  node_.ResumeReceiver();  // the device waits: the receive thread delivers
   return stream.WaitHostFlag(*r->done_flag, handle.generation());
 }
 
 absl::Status WorkerLogic::StreamWaitNextPull(Key key, int server, Stream& stream) {
+  node_.ResumeReceiver();
   base::MutexLock lock(&reg_mu_);  // Unregister must not free the flags meanwhile
   auto it = pull_regs_.find({key, server});
   if (it == pull_regs_.end()) {

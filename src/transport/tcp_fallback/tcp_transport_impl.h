@@ -4,6 +4,12 @@
 // the receive thread's wait on base::EventLoop, tcp_send.cc the send path, tcp_receive.cc the
 // receive path, tcp_accept.cc the listener and handshakes, tcp_connections.cc dialling, adopting
 // and losing connections).
+//
+// "The receive thread" below is whoever calls Poll: the core's receive thread,
+// or an application thread the core let poll while it waits
+// (PollFromAnyThread; MeshNode::AwaitDriving). One at a time, handed over
+// under the core's lock, so "receive thread only" state has one owner at a
+// time and each sees what the previous one wrote.
 
 #include <sys/epoll.h>
 #include <sys/uio.h>
@@ -280,6 +286,8 @@ class TcpTransport final : public Transport {
   absl::Status UnregisterRegion(RegionId id) override;
 
   bool SendNeverWaits() const override { return true; }  // a full queue is RESOURCE_EXHAUSTED
+  // Its receive state is guarded by the caller's serialization (Poll's contract), no thread's own.
+  bool PollFromAnyThread() const override { return true; }
 
   absl::Status Send(NodeId peer, const FrameHeader& header, const void* src, RegionId region,
                     size_t bytes) override;
