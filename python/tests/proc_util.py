@@ -89,3 +89,19 @@ def free_port_run(n: int) -> int:
         except OSError:
             continue
     raise RuntimeError(f"no run of {n} free ports on 127.0.0.1 in 100 tries")
+
+
+def run_on_free_ports(n: int, make_children, run, attempts: int = 3):
+    """Runs the processes make_children(port) makes (they bind the n ports
+    from `port`) with run(children) -> results (dicts with "output"); returns
+    (children, results). free_port_run's ports are free only when looked at:
+    a test running beside this one, or an outgoing connection's ephemeral
+    port, may take one before a child binds it. A run whose output says so
+    ("Address already in use") is made again on new ports, at most
+    `attempts` times; the last run is returned whatever it says."""
+    for attempt in range(attempts):
+        children = make_children(free_port_run(n))
+        results = run(children)
+        taken = any("Address already in use" in r["output"] for r in results)
+        if not taken or attempt + 1 == attempts:
+            return children, results

@@ -216,17 +216,26 @@ def runner():
 
 def run_mesh(runner, A, F, topology, mode="normal", plugin="standin", steps=4, layers=2,
              timeout=5.0, custom_ops="auto"):
-    port = proc_util.free_port_run(F)
-    children = []
-    for role, n in (("ffn", F), ("attention", A)):
-        for r in range(n):
-            spec = dict(role=role, rank=r, A=A, F=F, topology=topology, port=port, steps=steps,
-                        layers=layers, mode=mode, timeout=timeout, custom_ops=custom_ops,
-                        standin=STANDIN if plugin == "standin" else "")
-            children.append({"program": PEER, "env": {"VLLM_PEER_SPEC": json.dumps(spec)}})
-    t0 = time.monotonic()
-    results = runner(children, timeout_s=60)
-    took = time.monotonic() - t0
+    def make(port):
+        children = []
+        for role, n in (("ffn", F), ("attention", A)):
+            for r in range(n):
+                spec = dict(role=role, rank=r, A=A, F=F, topology=topology, port=port,
+                            steps=steps, layers=layers, mode=mode, timeout=timeout,
+                            custom_ops=custom_ops, standin=STANDIN if plugin == "standin" else "")
+                children.append({"program": PEER, "env": {"VLLM_PEER_SPEC": json.dumps(spec)}})
+        return children
+
+    took = 0.0
+
+    def run(children):
+        nonlocal took
+        t0 = time.monotonic()
+        results = runner(children, timeout_s=60)
+        took = time.monotonic() - t0  # of the last run
+        return results
+
+    children, results = proc_util.run_on_free_ports(F, make, run)
     report = "\n----\n".join(f"[{c['env']['VLLM_PEER_SPEC']}] rc={r['rc']} "
                              f"timed_out={r['timed_out']}\n{r['output']}"
                              for c, r in zip(children, results))
@@ -283,14 +292,19 @@ def test_graph_capture_replays_post_every_send(runner, A, F, topology):
     numpy, and every FFN rank serves 100 x 4 batches. With the sends posted
     from host code at capture (the ops' old path) a replay sends nothing."""
     replays = 100
-    port = proc_util.free_port_run(F)
-    children = []
-    for role, n in (("ffn", F), ("attention", A)):
-        for r in range(n):
-            spec = dict(role=role, rank=r, A=A, F=F, topology=topology, port=port,
-                        replays=replays, standin=STANDIN)
-            children.append({"program": GRAPH_PEER, "env": {"VLLM_GRAPH_SPEC": json.dumps(spec)}})
-    results = runner(children, timeout_s=120)
+
+    def make(port):
+        children = []
+        for role, n in (("ffn", F), ("attention", A)):
+            for r in range(n):
+                spec = dict(role=role, rank=r, A=A, F=F, topology=topology, port=port,
+                            replays=replays, standin=STANDIN)
+                children.append({"program": GRAPH_PEER,
+                                 "env": {"VLLM_GRAPH_SPEC": json.dumps(spec)}})
+        return children
+
+    children, results = proc_util.run_on_free_ports(
+        F, make, lambda children: runner(children, timeout_s=120))
     report = "\n----\n".join(f"[{c['env']['VLLM_GRAPH_SPEC']}] rc={r['rc']}\n{r['output']}"
                              for c, r in zip(children, results))
     for r in results:
@@ -305,16 +319,26 @@ def test_graph_replay_send_to_a_lost_ffn_rank_is_raised_by_the_next_host_call(ru
     """FFN rank 1 killed at replay 10's control payload (2A2F all_to_all, graph
     mode): the replay's sends fail on the trigger's thread, the replay is
     released (not hung), and the next host call raises naming FFN rank 1."""
-    port = proc_util.free_port_run(2)
-    children = []
-    for role, n in (("ffn", 2), ("attention", 2)):
-        for r in range(n):
-            spec = dict(role=role, rank=r, A=2, F=2, topology="all_to_all", port=port,
-                        replays=100, standin=STANDIN, mode="lost")
-            children.append({"program": GRAPH_PEER, "env": {"VLLM_GRAPH_SPEC": json.dumps(spec)}})
-    t0 = time.monotonic()
-    results = runner(children, timeout_s=60)
-    took = time.monotonic() - t0
+    def make(port):
+        children = []
+        for role, n in (("ffn", 2), ("attention", 2)):
+            for r in range(n):
+                spec = dict(role=role, rank=r, A=2, F=2, topology="all_to_all", port=port,
+                            replays=100, standin=STANDIN, mode="lost")
+                children.append({"program": GRAPH_PEER,
+                                 "env": {"VLLM_GRAPH_SPEC": json.dumps(spec)}})
+        return children
+
+    took = 0.0
+
+    def run(children):
+        nonlocal took
+        t0 = time.monotonic()
+        results = runner(children, timeout_s=60)
+        took = time.monotonic() - t0  # of the last run
+        return results
+
+    children, results = proc_util.run_on_free_ports(2, make, run)
     report = "\n----\n".join(f"[{c['env']['VLLM_GRAPH_SPEC']}] rc={r['rc']}\n{r['output']}"
                              for c, r in zip(children, results))
     ffn0, ffn1, att0, att1 = results
