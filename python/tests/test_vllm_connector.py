@@ -214,6 +214,20 @@ def runner():
             p.wait()
 
 
+class TimedRun:
+    """run(children) for proc_util.run_on_free_ports: the runner's, keeping
+    how long the last run took (a run retried on new ports is not counted)."""
+
+    def __init__(self, runner, timeout_s):
+        self.runner, self.timeout_s, self.took = runner, timeout_s, 0.0
+
+    def __call__(self, children):
+        t0 = time.monotonic()
+        results = self.runner(children, timeout_s=self.timeout_s)
+        self.took = time.monotonic() - t0
+        return results
+
+
 def run_mesh(runner, A, F, topology, mode="normal", plugin="standin", steps=4, layers=2,
              timeout=5.0, custom_ops="auto"):
     def make(port):
@@ -226,16 +240,9 @@ def run_mesh(runner, A, F, topology, mode="normal", plugin="standin", steps=4, l
                 children.append({"program": PEER, "env": {"VLLM_PEER_SPEC": json.dumps(spec)}})
         return children
 
-    took = 0.0
-
-    def run(children):
-        nonlocal took
-        t0 = time.monotonic()
-        results = runner(children, timeout_s=60)
-        took = time.monotonic() - t0  # of the last run
-        return results
-
+    run = TimedRun(runner, timeout_s=60)
     children, results = proc_util.run_on_free_ports(F, make, run)
+    took = run.took
     report = "\n----\n".join(f"[{c['env']['VLLM_PEER_SPEC']}] rc={r['rc']} "
                              f"timed_out={r['timed_out']}\n{r['output']}"
                              for c, r in zip(children, results))
@@ -303,8 +310,7 @@ def test_graph_capture_replays_post_every_send(runner, A, F, topology):
                                  "env": {"VLLM_GRAPH_SPEC": json.dumps(spec)}})
         return children
 
-    children, results = proc_util.run_on_free_ports(
-        F, make, lambda children: runner(children, timeout_s=120))
+    children, results = proc_util.run_on_free_ports(F, make, TimedRun(runner, timeout_s=120))
     report = "\n----\n".join(f"[{c['env']['VLLM_GRAPH_SPEC']}] rc={r['rc']}\n{r['output']}"
                              for c, r in zip(children, results))
     for r in results:
@@ -329,16 +335,9 @@ def test_graph_replay_send_to_a_lost_ffn_rank_is_raised_by_the_next_host_call(ru
                                  "env": {"VLLM_GRAPH_SPEC": json.dumps(spec)}})
         return children
 
-    took = 0.0
-
-    def run(children):
-        nonlocal took
-        t0 = time.monotonic()
-        results = runner(children, timeout_s=60)
-        took = time.monotonic() - t0  # of the last run
-        return results
-
+    run = TimedRun(runner, timeout_s=60)
     children, results = proc_util.run_on_free_ports(2, make, run)
+    took = run.took
     report = "\n----\n".join(f"[{c['env']['VLLM_GRAPH_SPEC']}] rc={r['rc']}\n{r['output']}"
                              for c, r in zip(children, results))
     ffn0, ffn1, att0, att1 = results

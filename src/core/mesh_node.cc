@@ -510,6 +510,15 @@ void MeshNode::WakeIfSleeping(base::WakeWord& word, const std::atomic<int>& slee
   if (sleepers.load(std::memory_order_seq_cst) > 0) word.Bump();
 }
 
+bool MeshNode::WaitOver(absl::FunctionRef<bool()> done, absl::Time deadline, absl::Time now,
+                        bool* result) const {
+  if (done()) {
+    *result = true;
+    return true;
+  }
+  return now >= deadline || stopped();
+}
+
 bool MeshNode::AwaitDriving(absl::FunctionRef<bool()> done, absl::Time deadline,
                             absl::FunctionRef<bool()> more_coming) {
   if (done()) return true;
@@ -522,12 +531,8 @@ bool MeshNode::AwaitDriving(absl::FunctionRef<bool()> done, absl::Time deadline,
   bool result = false;
   bool poll_ok = true;
   for (;;) {
-    if (done()) {
-      result = true;
-      break;
-    }
     const absl::Time now = absl::Now();
-    if (now >= deadline || stopped()) break;
+    if (WaitOver(done, deadline, now, &result)) break;
     // Announce, then try (see WakeWord): whoever lets the poll go after the
     // announcement bumps the word; a NotifyWaiters does too (another driver
     // may have completed what this one waits for).
@@ -573,12 +578,8 @@ bool MeshNode::DriveLocked(absl::FunctionRef<bool()> done, absl::Time deadline, 
   absl::Time busy = absl::Now();
   bool result = false;
   for (;;) {
-    if (done()) {
-      result = true;
-      break;
-    }
     const absl::Time now = absl::Now();
-    if (now >= deadline || stopped()) break;
+    if (WaitOver(done, deadline, now, &result)) break;
     const bool spinning = mode == PollMode::kSpin || (mode == PollMode::kAdaptive &&
                                                       now - busy < options_.threads.spin_budget);
     const uint64_t activity_before = activity_;

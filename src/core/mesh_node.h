@@ -203,6 +203,10 @@ class MeshNode final {
   // a stop. False in `*poll_ok` when a Poll failed (the receive thread, which
   // logs it, takes over again).
   bool DriveLocked(absl::FunctionRef<bool()> done, absl::Time deadline, bool* poll_ok);
+  // Whether a driven wait is over at `now`: done() (then `*result` is true),
+  // the deadline passed or the node stops.
+  bool WaitOver(absl::FunctionRef<bool()> done, absl::Time deadline, absl::Time now,
+                bool* result) const;
   // The receive thread's pause while AwaitDriving callers poll.
   void StepAside();
   // Wakes whoever sleeps on `word` (counted by `sleepers`), if anyone does.

@@ -107,12 +107,7 @@ void RunLaggedRounds(int rounds, bool pass_any_thread, Deliveries& replies, Deli
   std::atomic<int> failures{0};
   auto serve = [&](AFTensorServer& server) -> absl::Status {
     pushes.waiter.store(std::this_thread::get_id());
-    const Shape shape{1, kBytes};
-    STEPMESH_RETURN_IF_ERROR(
-        server.RegisterRecvTensor(1, {buffers.recv[0].data(), DType::kUInt8, shape}));
-    STEPMESH_RETURN_IF_ERROR(
-        server.RegisterReplyTensor(2, {buffers.reply[0].data(), DType::kUInt8, shape}));
-    STEPMESH_RETURN_IF_ERROR(server.Barrier());
+    STEPMESH_RETURN_IF_ERROR(testing::RegisterKeyPair(server, buffers, kBytes));
     const Reply answer[1] = {{0}};
     for (;;) {  // ends when the worker has left
       absl::StatusOr<Batch> batch = server.GetBatch(absl::Seconds(30));
@@ -125,14 +120,8 @@ void RunLaggedRounds(int rounds, bool pass_any_thread, Deliveries& replies, Deli
   };
   auto work = [&](AFTensorWorker& worker) -> absl::Status {
     replies.waiter.store(std::this_thread::get_id());
-    STEPMESH_RETURN_IF_ERROR(
-        worker.RegisterPushTensor(1, BytesView(buffers.push[0].data(), kBytes)));
-    STEPMESH_RETURN_IF_ERROR(
-        worker.RegisterPullTensor(2, 0, BytesView(buffers.pull[0].data(), kBytes)));
-    STEPMESH_RETURN_IF_ERROR(worker.Barrier());
-    const Push push{1};
-    const Pull pull{2, 0};
-    STEPMESH_ASSIGN_OR_RETURN(const PreparedRequest plan, worker.Prepare({&push, 1}, {&pull, 1}));
+    STEPMESH_ASSIGN_OR_RETURN(const PreparedRequest plan,
+                              testing::RegisterKeyPair(worker, buffers, kBytes));
     for (int r = 0; r < rounds; ++r) {
       for (size_t i = 0; i < kBytes; ++i) buffers.push[0][i] = static_cast<uint8_t>(i * 7 + r);
       absl::SleepFor(kLag);
@@ -267,12 +256,7 @@ TEST_CASE("driven wait: Shutdown ends a Wait that is polling, with CANCELLED",
   absl::Status waited;
   absl::Duration took;
   auto serve = [&](AFTensorServer& server) -> absl::Status {
-    const Shape shape{1, kBytes};
-    STEPMESH_RETURN_IF_ERROR(
-        server.RegisterRecvTensor(1, {buffers.recv[0].data(), DType::kUInt8, shape}));
-    STEPMESH_RETURN_IF_ERROR(
-        server.RegisterReplyTensor(2, {buffers.reply[0].data(), DType::kUInt8, shape}));
-    STEPMESH_RETURN_IF_ERROR(server.Barrier());
+    STEPMESH_RETURN_IF_ERROR(testing::RegisterKeyPair(server, buffers, kBytes));
     // Takes the request and never answers it; ends when the worker is gone.
     for (int i = 0; i < 100; ++i) {
       absl::StatusOr<Batch> batch = server.GetBatch(absl::Seconds(30));
@@ -281,14 +265,9 @@ TEST_CASE("driven wait: Shutdown ends a Wait that is polling, with CANCELLED",
     return server.Shutdown();
   };
   auto work = [&](AFTensorWorker& worker) -> absl::Status {
-    STEPMESH_RETURN_IF_ERROR(
-        worker.RegisterPushTensor(1, BytesView(buffers.push[0].data(), kBytes)));
-    STEPMESH_RETURN_IF_ERROR(
-        worker.RegisterPullTensor(2, 0, BytesView(buffers.pull[0].data(), kBytes)));
-    STEPMESH_RETURN_IF_ERROR(worker.Barrier());
-    const Push push{1};
-    const Pull pull{2, 0};
-    STEPMESH_ASSIGN_OR_RETURN(const RequestHandle h, worker.PushPull({&push, 1}, {&pull, 1}));
+    STEPMESH_ASSIGN_OR_RETURN(const PreparedRequest plan,
+                              testing::RegisterKeyPair(worker, buffers, kBytes));
+    STEPMESH_ASSIGN_OR_RETURN(const RequestHandle h, worker.Post(plan));
     std::thread stopper([&worker] {
       absl::SleepFor(absl::Milliseconds(200));
       (void)worker.Shutdown();

@@ -72,12 +72,7 @@ void RunRounds(int rounds, bool pass_never_waits, ReplyThreads& seen) {
   std::atomic<int> failures{0};
   auto serve = [&](AFTensorServer& server) -> absl::Status {
     seen.responder.store(std::this_thread::get_id());
-    const Shape shape{1, kBytes};
-    STEPMESH_RETURN_IF_ERROR(
-        server.RegisterRecvTensor(1, {buffers.recv[0].data(), DType::kUInt8, shape}));
-    STEPMESH_RETURN_IF_ERROR(
-        server.RegisterReplyTensor(2, {buffers.reply[0].data(), DType::kUInt8, shape}));
-    STEPMESH_RETURN_IF_ERROR(server.Barrier());
+    STEPMESH_RETURN_IF_ERROR(testing::RegisterKeyPair(server, buffers, kBytes));
     const Reply answer[1] = {{0}};
     for (;;) {  // ends when the worker has left
       absl::StatusOr<Batch> batch = server.GetBatch(absl::Seconds(30));
@@ -88,14 +83,8 @@ void RunRounds(int rounds, bool pass_never_waits, ReplyThreads& seen) {
     return server.Shutdown();
   };
   auto work = [&](AFTensorWorker& worker) -> absl::Status {
-    STEPMESH_RETURN_IF_ERROR(
-        worker.RegisterPushTensor(1, BytesView(buffers.push[0].data(), kBytes)));
-    STEPMESH_RETURN_IF_ERROR(
-        worker.RegisterPullTensor(2, 0, BytesView(buffers.pull[0].data(), kBytes)));
-    STEPMESH_RETURN_IF_ERROR(worker.Barrier());
-    const Push push{1};
-    const Pull pull{2, 0};
-    STEPMESH_ASSIGN_OR_RETURN(const PreparedRequest plan, worker.Prepare({&push, 1}, {&pull, 1}));
+    STEPMESH_ASSIGN_OR_RETURN(const PreparedRequest plan,
+                              testing::RegisterKeyPair(worker, buffers, kBytes));
     for (int i = 0; i < rounds; ++i) {
       buffers.push[0][0] = static_cast<uint8_t>(i);
       STEPMESH_ASSIGN_OR_RETURN(const RequestHandle h, worker.Post(plan));

@@ -127,6 +127,26 @@ absl::Status LoopbackMesh::RestartWorker(int w) {
                       absl::StrCat(last.message(), " (first attempt: ", first.ToString(), ")"));
 }
 
+absl::Status RegisterKeyPair(AFTensorServer& server, MeshBuffers& buffers, size_t bytes) {
+  const Shape shape{1, bytes};
+  STEPMESH_RETURN_IF_ERROR(
+      server.RegisterRecvTensor(1, {buffers.recv[0].data(), DType::kUInt8, shape}));
+  STEPMESH_RETURN_IF_ERROR(
+      server.RegisterReplyTensor(2, {buffers.reply[0].data(), DType::kUInt8, shape}));
+  return server.Barrier();
+}
+
+absl::StatusOr<PreparedRequest> RegisterKeyPair(AFTensorWorker& worker, MeshBuffers& buffers,
+                                                size_t bytes) {
+  STEPMESH_RETURN_IF_ERROR(worker.RegisterPushTensor(1, BytesView(buffers.push[0].data(), bytes)));
+  STEPMESH_RETURN_IF_ERROR(
+      worker.RegisterPullTensor(2, 0, BytesView(buffers.pull[0].data(), bytes)));
+  STEPMESH_RETURN_IF_ERROR(worker.Barrier());
+  const Push push{1};
+  const Pull pull{2, 0};
+  return worker.Prepare({&push, 1}, {&pull, 1});
+}
+
 absl::Status RunParticipants(LoopbackMesh& mesh,
                              const std::function<absl::Status(AFTensorWorker&)>& worker_body,
                              const std::function<absl::Status(AFTensorServer&)>& server_body) {

@@ -39,6 +39,14 @@ struct MeshBuffers {
   std::vector<std::vector<uint8_t>> recv, reply, push, pull;
 };
 
+// The one round trip of a 1 x 1 mesh over `buffers` (slots of `bytes`): the
+// server registers recv key 1 and reply key 2, the worker push key 1 and
+// pull key 2 from server 0; each then waits in Barrier. The worker's
+// PushPull of both, prepared.
+absl::Status RegisterKeyPair(AFTensorServer& server, MeshBuffers& buffers, size_t bytes);
+absl::StatusOr<PreparedRequest> RegisterKeyPair(AFTensorWorker& worker, MeshBuffers& buffers,
+                                                size_t bytes);
+
 class LoopbackMesh {
  public:
   // The backend participant (role, rank) runs on; null: a cpu_mock backend.
