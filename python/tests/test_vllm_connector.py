@@ -348,3 +348,41 @@ def test_graph_replay_send_to_a_lost_ffn_rank_is_raised_by_the_next_host_call(ru
         assert "lost detected" in r["output"] and "FFN rank 1" in r["output"], report
     assert took < 40, report
 
+
+
+def test_a_mesh_whose_port_was_taken_runs_again_on_new_ports(monkeypatch):
+    """The mesh tests above pick ports with free_port_run and bind them later:
+    one taken in between (a test beside them, an ephemeral port) made the run
+    fail with "Address already in use" (ctest -j2). run_on_free_ports runs it
+    again on new ports; a run that keeps failing is returned as it is."""
+    import socket
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    offered = [taken.getsockname()[1]]  # the first port offered is already bound
+    real = proc_util.free_port_run
+    monkeypatch.setattr(proc_util, "free_port_run",
+                        lambda n: offered.pop() if offered else real(n))
+
+    def run(children):  # a child that binds its port, as the scheduler does
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", children[0]))
+            return [{"output": "bound"}]
+        except OSError as e:
+            return [{"output": f"bind: {e.strerror}"}]
+        finally:
+            s.close()
+
+    try:
+        children, results = proc_util.run_on_free_ports(1, lambda port: [port], run)
+        assert results == [{"output": "bound"}]
+        assert children[0] != taken.getsockname()[1]
+        # Every port taken: the last attempt's failure comes back, after 3 runs.
+        runs = []
+        monkeypatch.setattr(proc_util, "free_port_run", lambda n: taken.getsockname()[1])
+        _, results = proc_util.run_on_free_ports(
+            1, lambda port: [port], lambda ch: (runs.append(ch), run(ch))[1])
+        assert len(runs) == 3 and "Address already in use" in results[0]["output"]
+    finally:
+        taken.close()
