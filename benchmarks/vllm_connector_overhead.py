@@ -38,7 +38,10 @@ Each row: the median over rounds of (block median - the same round's
 matter: connector and post_wait_sum in turn every N round trips.
 
 A last row, in this process: the connector's Python alone (the two calls with
-the node and plan replaced by stand-ins that return at once), best of 5.
+the node and plan replaced by stand-ins that return at once), best of 5; and
+the same cold (--evict-mb MB written between round trips, as a layer's
+compute or the processes sharing the CPUs leave the caches) against the
+stand-in post + wait cold, paired per round trip.
 The verdict:
 ``connector`` - ``plan_sum`` (paired the same way) <= 10 us.
 """
@@ -239,6 +242,8 @@ def python_path(args) -> float:
     conn._recv_bufs = [[torch.empty(n, h, dtype=torch.bfloat16)]]
     conn._meta_bufs = [memoryview(torch.zeros(4, dtype=torch.int64).numpy())]
     conn._plan_rows, conn._meta_flags = [n], [0]
+    conn._send_ptrs = [conn._send_bufs[0].data_ptr()]
+    conn._recv_ptrs = [conn._recv_bufs[0][0].data_ptr()]
     send, recv = conn._send_bufs[0][:n], conn._recv_bufs[0][0][:n]
     ctx = sv.AFDTransferContext(metadata=sv.AFDTransferMetadata(0, 0, [n]))
     best = float("inf")
@@ -249,7 +254,24 @@ def python_path(args) -> float:
             conn.recv_ffn_output(recv, 0)
         if rep:
             best = min(best, (time.perf_counter_ns() - t0) / args.python_iters / 1e3)
-    return best
+    # Cold: what a layer's compute (or the other processes sharing the CPUs)
+    # leaves of the caches, modelled by writing --evict-mb MB between round
+    # trips; the same stand-in node.wait(plan.post()) in turn is the floor.
+    node, plan = conn._node, conn._plans[0]
+    junk = np.ones(max(args.evict_mb, 1) << 20, np.uint8)
+    clock = time.perf_counter_ns
+    diffs = np.empty(min(args.python_iters, 2000))
+    for i in range(len(diffs)):
+        junk += 1
+        t0 = clock()
+        conn.send_attn_output(send, ctx)
+        conn.recv_ffn_output(recv, 0)
+        t1 = clock()
+        junk += 1
+        t2 = clock()
+        node.wait(plan.post(), TIMEOUT_S)
+        diffs[i] = ((t1 - t0) - (clock() - t2)) / 1e3
+    return best, median_ci_large(diffs)
 
 
 def run_pattern(args, pattern: str, work: str) -> np.ndarray:
@@ -357,6 +379,8 @@ def main() -> int:
                          "round trips (as many round trips in all), paired per window pair")
     ap.add_argument("--python-iters", type=int, default=50000,
                     help="round trips per run of the in-process Python-only row (0: skip it)")
+    ap.add_argument("--evict-mb", type=int, default=16,
+                    help="MB written between round trips of the cold Python-only row")
     ap.add_argument("--json")
     ap.add_argument("--role", choices=["ffn", "attention"])
     ap.add_argument("--rank", type=int, default=0)
@@ -378,10 +402,14 @@ def main() -> int:
             result["patterns"][pattern] = (report_alternate(pattern, blocks, args.alternate)
                                            if args.alternate else report(pattern, blocks))
     if args.python_iters > 0:
-        us = python_path(args)
+        us, (cold, lo, hi) = python_path(args)
         result["python_only_us"] = us
+        result["python_only_cold_us"] = {"added_us": cold, "ci95_us": [lo, hi],
+                                         "evict_mb": args.evict_mb}
         print(f"the connector's Python alone (send_attn_output + recv_ffn_output on stand-in "
               f"node and plan, in process, best of 5 x {args.python_iters}): {us:.2f} us")
+        print(f"  cold ({args.evict_mb} MB written between round trips), minus the stand-in "
+              f"post + wait: {cold:+.2f} us [{lo:+.2f}, {hi:+.2f}]")
     print(f"load {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs")
     write_json(args.json, result)
     return 0

@@ -381,6 +381,12 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
             self._recv_bufs.append(recv)
             self._plans.append(w.prepare(pushes, [(_key(s, _OUT), f)
                                                   for f in range(self.mesh_servers)]))
+        # Each stage's buffer addresses, read once: the hot path compares ints.
+        self._send_ptrs = [b.data_ptr() for b in self._send_bufs]
+        self._recv_ptrs = [r[0].data_ptr() for r in self._recv_bufs]
+        # all_to_all: the other FFN ranks' partials as [:n] views, made again only
+        # when n changes (a slice is a torch call, ~2 us with cold caches).
+        self._sum_views: List[Any] = [(None, ())] * self.num_stages
         self._plan_rows = [self.max_tokens] * self.num_stages  # what each plan's push 0 holds
         self._meta_flags = [0] * self.num_stages  # what each stage's words[2] holds
         control = torch.zeros(self._control_words(), dtype=torch.int32)
@@ -446,7 +452,7 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
             torch.ops.stepmesh.afd_send_attn(hidden_states, router_logits, self._id,
                                              int(metadata.layer_idx), s)
         else:
-            self._send(hidden_states, router_logits, metadata.layer_idx, s)
+            self._send(hidden_states, router_logits, metadata.layer_idx, s, shape[0])
 
     def _send_op(self, hidden_states, router_logits, layer_idx: int, s: int) -> None:
         """The op's kernel: the graph path while a capture is in progress."""
@@ -462,22 +468,18 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
         else:
             self._recv(out, s)
 
-    def _send(self, hidden_states, router_logits, layer_idx: int, s: int) -> None:
-        n = hidden_states.shape[0]
-        send = self._send_bufs[s]
-        if hidden_states.data_ptr() != send.data_ptr():  # not computed in place: copy in
-            send[:n].copy_(hidden_states)
+    def _send(self, hidden_states, router_logits, layer_idx: int, s: int,
+              n: Optional[int] = None) -> None:
+        # This runs with cold caches (the layer's compute evicted them), where
+        # each torch accessor (shape, dtype, data_ptr) costs ~1.5 us: n comes
+        # from the caller's shape read (docs/benchmarks.md).
+        if n is None:
+            n = hidden_states.shape[0]
+        if hidden_states.data_ptr() != self._send_ptrs[s]:  # not computed in place: copy in
+            self._send_bufs[s][:n].copy_(hidden_states)
         plan = self._plans[s]
-        if self._logit_row_bytes:
-            nbytes = 0
-            if router_logits is not None:
-                flat = router_logits.contiguous().view(-1).view(torch.uint8)
-                nbytes = flat.numel()
-                self._logit_bufs[s][:nbytes].copy_(flat)
-            plan.set_bytes(2, nbytes)
-        elif router_logits is not None:
-            raise ValueError("router_logits given, but the connector has no router logits "
-                             "(connector_extra_config.router_logits_width is 0)")
+        if self._logit_row_bytes or router_logits is not None:
+            self._set_logits(plan, router_logits, s)
         words = self._meta_bufs[s]
         words[0] = layer_idx  # [1] is the stage, written at init
         if self._meta_flags[s] != self._flags:  # [2]: the flags, when they changed
@@ -491,6 +493,17 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
         except stepmesh.Error as e:
             raise self._peer_error(f"stage {s}: send_attn_output", e) from e
         self._rows[s] = n
+
+    def _set_logits(self, plan, router_logits, s: int) -> None:
+        if not self._logit_row_bytes:
+            raise ValueError("router_logits given, but the connector has no router logits "
+                             "(connector_extra_config.router_logits_width is 0)")
+        nbytes = 0
+        if router_logits is not None:
+            flat = router_logits.contiguous().view(-1).view(torch.uint8)
+            nbytes = flat.numel()
+            self._logit_bufs[s][:nbytes].copy_(flat)
+        plan.set_bytes(2, nbytes)
 
     def recv_ffn_output(self, ref_tensor: Optional[torch.Tensor] = None, ubatch_idx: int = 0,
                         **kwargs: Any) -> torch.Tensor:
@@ -531,13 +544,16 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
         except stepmesh.Error as e:
             raise self._peer_error(f"stage {s}: recv_ffn_output", e) from e
         parts = self._recv_bufs[s]
-        first = parts[0]
-        if out.data_ptr() != first.data_ptr():  # not received in place (recv_buffer): copy
-            out.copy_(first[:self._rows[s]])
+        if out.data_ptr() != self._recv_ptrs[s]:  # not received in place (recv_buffer): copy
+            out.copy_(parts[0][:self._rows[s]])
         if len(parts) > 1:
             n = self._rows[s]
-            for p in parts[1:]:
-                out.add_(p[:n])
+            rows, views = self._sum_views[s]
+            if rows != n:
+                views = tuple(p[:n] for p in parts[1:])
+                self._sum_views[s] = (n, views)
+            for p in views:
+                out.add_(p)
 
     # ------------------------------------------------------------ control plane
     def _control_words(self) -> int:
