@@ -67,7 +67,7 @@ struct SizeResult {
   double overhead_p50_us = 0;
   double overhead_mean_us = 0;
   double overhead_p50_pct = 0;  // of the raw p50
-  // Where ours spends a request (one host only; see kStageNames in stepmesh_perf.cc).
+  // Where ours spends a request (one host only; see kStageNames in perf_roles.cc).
   struct Stage {
     std::string name;
     double p50_us = 0, p99_us = 0, mean_us = 0;
