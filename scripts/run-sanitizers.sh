@@ -7,7 +7,9 @@
 #
 # TSan works with Debian's (uninstrumented) Abseil because stepmesh locks with
 # std::mutex (src/base/sync.h), which TSan intercepts; absl::Mutex would be
-# invisible to it. Abseil code we call holds no shared state.
+# invisible to it. The one Abseil state we share between threads is a failed
+# absl::Status's reference-counted rep, counted down in uninstrumented code:
+# a request's result gets a rep of its own (src/core/request_table.cc).
 #
 # What runs where (CI time is paid for; every program below is built only for
 # the sanitizer that runs it, with -g1 line tables, see CMakePresets.json):

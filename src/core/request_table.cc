@@ -1,10 +1,31 @@
 #include "src/core/request_table.h"
 
 #include <algorithm>
+#include <string>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace stepmesh::core {
+namespace {
+
+// A status equal to `s` that shares no storage with it. A failed status's
+// message lives in a reference-counted rep, which Debian's Abseil counts in
+// code built without TSan: if the request's result shared the receive
+// thread's rep, the application's copy (counted in our, instrumented, code)
+// and that thread's last release of its own copy (not) would look unordered
+// to TSan. With a rep of its own, every count of the result's rep is taken
+// under `status_mu` or by the application after Collect.
+absl::Status Unshared(const absl::Status& s) {
+  absl::Status copy(s.code(), s.message());
+  s.ForEachPayload([&copy](absl::string_view type_url, const absl::Cord& payload) {
+    copy.SetPayload(type_url, absl::Cord(std::string(payload)));
+  });
+  return copy;
+}
+
+}  // namespace
 
 Request::Request(int num_servers)
     : targets(kMaxPushesPerRequest * num_servers, 0),
@@ -148,7 +169,7 @@ bool RequestTable::Release(Request& r) {
 
 void RequestTable::FailIfOk(Request& r, const absl::Status& why) {
   base::MutexLock lock(&r.status_mu);
-  if (r.status.ok()) r.status = why;
+  if (r.status.ok()) r.status = Unshared(why);
 }
 
 void RequestTable::MarkDone(Request& r, uint64_t complete_ns) {

@@ -147,7 +147,9 @@ class RequestTable {
                             bool* first = nullptr);
   // Drops a reference (the send thread's); true when it was the last.
   [[nodiscard]] bool Release(Request& r);
-  // Sets the result unless an error is already recorded.
+  // Sets the result unless an error is already recorded: a copy of `why`
+  // that shares nothing with it (the caller's thread may drop `why` at any
+  // time, unordered with the application reading the result).
   void FailIfOk(Request& r, const absl::Status& why);
   // The request is done (the owner released its tensors first); streams
   // waiting for it on the device may go.

@@ -3,11 +3,15 @@
 
 #include "src/core/request_table.h"
 
+#include <atomic>
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <cstdint>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/cord.h"
 
 namespace stepmesh::core {
 namespace {
@@ -131,6 +135,54 @@ TEST_CASE("request table: a reply finds its request only while the request await
   REQUIRE(next.index() == h.index());  // the free list is last in, first out
   CHECK_FALSE(table.IsCurrent(**r, id));
   CHECK(table.IsCurrent(**r, RequestId(next.index(), next.generation())));
+}
+
+// The receive thread settles a request with an error it built and drops its
+// own copy of that error after the application has collected the result,
+// dropped it and reused the slot. Nothing orders that last drop after the
+// application's reads but the status's reference count, which Debian's
+// Abseil keeps in code TSan does not see: the result must share no storage
+// with the receive thread's copy (under TSan, sharing it is a reported race
+// between the application's copy and the receive thread's delete). The
+// hand-back below is a relaxed flag, which orders nothing for TSan either,
+// as on the real path, where the receive thread's return from OnFrame is
+// unordered with the application.
+TEST_CASE("request table: a result shares nothing with the settling thread's status",
+          "[requests]") {
+  RequestTable table(1, 1, 1);
+  const RequestHandle h = Start(table, {0});
+  Request& r = **table.Lookup(h);
+  CHECK_FALSE(table.Release(r));  // the send thread's reference
+  std::atomic<bool> reused{false};
+  std::thread receive([&] {
+    absl::Status why = absl::DataLossError("server 0: checksum mismatch on key 7");
+    why.SetPayload("stepmesh/test", absl::Cord("payload kept"));
+    if (table.Settle(r, 0, why)) table.MarkDone(r, 1);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!reused.load(std::memory_order_relaxed) && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::yield();
+    }
+    // `why` goes out of scope here, after the application is done with the result.
+  });
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (r.state.load(std::memory_order_acquire) != RequestState::kDone &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::yield();
+  }
+  REQUIRE(r.state.load() == RequestState::kDone);
+  {
+    absl::Status result;
+    REQUIRE(table.Collect(r, &result).ok());
+    CHECK(result.code() == absl::StatusCode::kDataLoss);
+    CHECK(result.message() == "server 0: checksum mismatch on key 7");
+    const absl::optional<absl::Cord> payload = result.GetPayload("stepmesh/test");
+    REQUIRE(payload.has_value());
+    CHECK(*payload == "payload kept");
+  }
+  table.Free(h.index());
+  Start(table, {0});  // resets the slot's result
+  reused.store(true, std::memory_order_relaxed);
+  receive.join();
 }
 
 }  // namespace
