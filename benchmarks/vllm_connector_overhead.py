@@ -92,7 +92,7 @@ def make_connector(args):
     import stepmesh.vllm as sv
     extra = {"topology": args.topology, "transport": "tcp", "backend": "cpu_mock",
              "max_tokens": args.tokens, "num_stages": 1, "timeout": TIMEOUT_S,
-             "custom_ops": args.custom_ops}
+             "custom_ops": args.custom_ops, "poll_mode": args.poll_mode}
     vcfg = types.SimpleNamespace(
         model_config=types.SimpleNamespace(
             hf_config=types.SimpleNamespace(hidden_size=args.hidden), dtype=torch.bfloat16,
@@ -285,6 +285,8 @@ def run_pattern(args, pattern: str, work: str) -> np.ndarray:
               "--rounds", str(args.rounds), "--warmup-rounds", str(args.warmup_rounds),
               "--block-iters", str(args.block_iters), "--custom-ops", args.custom_ops,
               "--alternate", str(args.alternate), "--out", out]
+    if args.poll_mode:
+        common += ["--poll-mode", args.poll_mode]
     env = dict(os.environ)
     env.setdefault("STEPMESH_AUTH", "off")  # loopback only
     procs = []
@@ -381,6 +383,10 @@ def main() -> int:
                     help="round trips per run of the in-process Python-only row (0: skip it)")
     ap.add_argument("--evict-mb", type=int, default=16,
                     help="MB written between round trips of the cold Python-only row")
+    ap.add_argument("--poll-mode", choices=["spin", "adaptive", "blocking"],
+                    help="every connector's poll_mode (default: the library's, adaptive); "
+                    "blocking keeps idle send and receive threads off a machine with fewer "
+                    "cores than the benchmark has processes")
     ap.add_argument("--json")
     ap.add_argument("--role", choices=["ffn", "attention"])
     ap.add_argument("--rank", type=int, default=0)
@@ -395,7 +401,9 @@ def main() -> int:
         (ffn if args.role == "ffn" else attention)(args)
         return 0
     result = {"tool": "vllm_connector_overhead", "tokens": args.tokens, "hidden": args.hidden,
-              "dtype": "bfloat16", "custom_ops": args.custom_ops, "target_added_us": TARGET_ADDED_US, "patterns": {}}
+              "dtype": "bfloat16", "custom_ops": args.custom_ops,
+              "poll_mode": args.poll_mode or "adaptive", "target_added_us": TARGET_ADDED_US,
+              "patterns": {}}
     with tempfile.TemporaryDirectory() as work:
         for pattern in args.patterns.split(","):
             blocks = run_pattern(args, pattern, work)
