@@ -4,7 +4,6 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <sys/time.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -19,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "benchmarks/perf_baselines_io.h"
 #include "stepmesh/status.h"
 
 #ifdef STEPMESH_HAVE_ZMQ
@@ -28,15 +28,13 @@
 namespace stepmesh::bench {
 namespace {
 
-// Size header of both baselines (host order: both ends are this program on the
-// same architecture).
-struct SizeHeader {
-  uint64_t push_bytes = 0;
-  uint64_t pull_bytes = 0;
-  uint64_t batch = 1;      // clients the server hears from before it answers any (an AF batch)
-  uint64_t mode = 0;       // RawMode: how the echo side receives
-  uint64_t low_water = 0;  // 1: with the receive low-water mark
-};
+using baseline_io::ConfigureRaw;
+using baseline_io::LowWater;
+using baseline_io::ReadAll;
+using baseline_io::ReceiveQueued;
+using baseline_io::SizeHeader;
+using baseline_io::SpinReadAll;
+using baseline_io::WriteAll;
 
 // How long a spinning echo connection busy-polls for the next header before it
 // falls back to a blocking receive (the library's adaptive mode does the same):
@@ -80,161 +78,6 @@ class CyclicBarrier {
   std::atomic<uint64_t> generation_{0};
 };
 constexpr size_t kMaxBaselineBytes = size_t{1} << 30;  // refuse absurd sizes from a stray peer
-
-// Blocking sockets with kernel timeouts: a stuck peer fails the call instead
-// of hanging the benchmark. The spinning paths use MSG_DONTWAIT per call.
-absl::Status SetTimeouts(int fd, absl::Duration timeout) {
-  timeval tv = absl::ToTimeval(timeout);
-  if (::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv)) != 0 ||
-      ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv)) != 0) {
-    return absl::InternalError(base::ErrnoMessage("setsockopt timeouts", errno));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status WriteAll(int fd, iovec* iov, int iovcnt) {
-  while (iovcnt > 0) {
-    const ssize_t n = ::writev(fd, iov, iovcnt);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return absl::UnavailableError(base::ErrnoMessage("raw-tcp writev", errno));
-    }
-    size_t left = static_cast<size_t>(n);
-    while (iovcnt > 0 && left >= iov->iov_len) {
-      left -= iov->iov_len;
-      ++iov;
-      --iovcnt;
-    }
-    if (iovcnt > 0) {
-      iov->iov_base = static_cast<char*>(iov->iov_base) + left;
-      iov->iov_len -= left;
-    }
-  }
-  return absl::OkStatus();
-}
-
-// The receive low-water mark, as the TCP transport sets it (tcp_transport.cc,
-// SetLowWater): the kernel reports a socket readable, and wakes a sleeping
-// receiver, only once the rest of the current message or kLowWaterCap of it
-// is queued. Without it a receiver chases the sender 64 KiB segment by
-// segment, each wake-up or busy recv taking the socket lock the sender's
-// loopback delivery needs; with it, one copy per 256 KiB. Set only when the
-// wanted mark changes.
-constexpr size_t kLowWaterCap = 256 << 10;
-
-class LowWater {
- public:
-  // `enabled` false: the kernel's default mark of one byte.
-  explicit LowWater(int fd, bool enabled = true) : fd_(fd), enabled_(enabled) {}
-  // The mark for `left` more bytes of the message being read. A mark above
-  // what will still arrive would never report the socket readable.
-  void Want(size_t left) {
-    if (enabled_) Set(static_cast<int>(std::clamp<size_t>(left, 1, kLowWaterCap)));
-  }
-  // Switched per request on the echo side; off restores the default mark.
-  void Enable(bool on) {
-    enabled_ = on;
-    if (!on) Set(1);
-  }
-  int fd() const { return fd_; }
-  bool enabled() const { return enabled_; }
-
- private:
-  void Set(int want) {
-    if (want == current_) return;
-    if (::setsockopt(fd_, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof(want)) == 0) current_ = want;
-  }
-  int fd_;
-  bool enabled_;
-  int current_ = 1;  // the kernel's default
-};
-
-// Blocking receive of exactly `bytes`. With the low-water mark: sleep in
-// poll() until the mark is reached, copy what is queued without blocking,
-// lower the mark to what is left, again (the library's blocking mode sleeps
-// in epoll_wait the same way). Not recv(MSG_WAITALL): a receive that already
-// copied part of a chunk waits for the kernel's wake-up, which comes only
-// once a whole mark's worth more is queued, so at the end of a message it
-// would sleep until the timeout. Without the mark (raw-naive): MSG_WAITALL,
-// one wake-up per segment.
-absl::Status ReadAll(LowWater& lw, void* data, size_t bytes, absl::Time deadline) {
-  auto* p = static_cast<char*>(data);
-  while (bytes > 0) {
-    lw.Want(bytes);
-    if (lw.enabled()) {
-      const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
-      if (left_ms <= 0) return absl::DeadlineExceededError("raw-tcp receive timed out");
-      pollfd pfd{lw.fd(), POLLIN, 0};
-      const int ready = ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left_ms, INT32_MAX)));
-      if (ready < 0 && errno != EINTR) {
-        return absl::UnavailableError(base::ErrnoMessage("raw-tcp poll", errno));
-      }
-      if (ready <= 0) continue;
-    }
-    const ssize_t n = ::recv(lw.fd(), p, bytes, lw.enabled() ? MSG_DONTWAIT : MSG_WAITALL);
-    if (n == 0) return absl::UnavailableError("raw-tcp peer closed");
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        if (lw.enabled()) continue;  // woken without bytes: poll again
-        return absl::DeadlineExceededError("raw-tcp receive timed out");  // SO_RCVTIMEO
-      }
-      return absl::UnavailableError(base::ErrnoMessage("raw-tcp recv", errno));
-    }
-    p += n;
-    bytes -= static_cast<size_t>(n);
-  }
-  return absl::OkStatus();
-}
-
-// Whether `fd` is readable now (honouring its low-water mark), without taking
-// the socket lock a recv() would: the library's spinning receive thread polls
-// readiness the same way (epoll_wait with a zero timeout).
-bool ReadableNow(int fd) {
-  pollfd pfd{fd, POLLIN, 0};
-  return ::poll(&pfd, 1, 0) > 0;  // POLLIN, or POLLHUP/POLLERR that recv() reports
-}
-
-// Busy-polled receive of exactly `bytes`: readiness polled in a loop, then a
-// non-blocking recv of whatever is queued. After `spin_for` without any byte
-// it finishes with a blocking ReadAll (infinite: spin until `deadline`).
-absl::Status SpinReadAll(LowWater& lw, void* data, size_t bytes, absl::Duration spin_for,
-                         absl::Time deadline) {
-  auto* p = static_cast<char*>(data);
-  absl::Time idle_since = absl::InfinitePast();
-  for (uint32_t idle = 0; bytes > 0;) {
-    lw.Want(bytes);
-    if (!lw.enabled() || ReadableNow(lw.fd())) {
-      const ssize_t n = ::recv(lw.fd(), p, bytes, MSG_DONTWAIT);
-      if (n > 0) {
-        p += n;
-        bytes -= static_cast<size_t>(n);
-        idle = 0;
-        continue;
-      }
-      if (n == 0) return absl::UnavailableError("raw-tcp peer closed");
-      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-        return absl::UnavailableError(base::ErrnoMessage("raw-tcp recv", errno));
-      }
-    }
-    if (++idle % 1024 == 0) {
-      const absl::Time now = absl::Now();
-      if (idle == 1024) idle_since = now;
-      if (now - idle_since > spin_for) return ReadAll(lw, p, bytes, deadline);
-      if (now > deadline) return absl::DeadlineExceededError("raw-tcp receive timed out");
-    }
-    // An empty round: let the thread we wait for run (the library's receive
-    // loop does the same, src/core/mesh_node.cc).
-    std::this_thread::yield();
-  }
-  return absl::OkStatus();
-}
-
-absl::Status ConfigureRaw(int fd, int sockbuf, absl::Duration timeout) {
-  STEPMESH_RETURN_IF_ERROR(base::SetNoDelay(fd));
-  if (sockbuf > 0) STEPMESH_RETURN_IF_ERROR(base::SetBufferSizes(fd, sockbuf));
-  return SetTimeouts(fd, timeout);
-}
 
 class BaselineServersImpl final : public BaselineServers {
  public:
@@ -391,21 +234,6 @@ class BaselineServersImpl final : public BaselineServers {
   std::vector<std::thread> conns_ ABSL_GUARDED_BY(mu_);
   std::vector<int> conn_fds_ ABSL_GUARDED_BY(mu_);
 };
-
-// Non-blocking recv of what is queued, up to `want` bytes, into `into`; adds
-// the bytes to *received. False when nothing was queued.
-absl::StatusOr<bool> ReceiveQueued(int fd, char* into, size_t want, size_t* received) {
-  const ssize_t n = ::recv(fd, into, want, MSG_DONTWAIT);
-  if (n > 0) {
-    *received += static_cast<size_t>(n);
-    return true;
-  }
-  if (n == 0) return absl::UnavailableError("raw-tcp peer closed");
-  if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-    return absl::UnavailableError(base::ErrnoMessage("raw-tcp recv", errno));
-  }
-  return false;
-}
 
 class RawTcpClient final : public BaselineClient {
  public:
@@ -694,112 +522,7 @@ class RawTcpTwoThreadClient final : public BaselineClient {
   std::thread sender_;
 };
 
-#ifdef STEPMESH_HAVE_ZMQ
-class ZmqClient final : public BaselineClient {
- public:
-  ~ZmqClient() override {
-    for (void* s : sockets_) zmq_close(s);
-    if (ctx_ != nullptr) zmq_ctx_term(ctx_);
-  }
-
-  absl::Status Init(const std::vector<base::HostPort>& servers, absl::Duration timeout, int batch) {
-    batch_ = batch;
-    timeout_ = timeout;
-    ctx_ = zmq_ctx_new();
-    const int linger = 0, buffer = kZmqSocketBuffer;
-    const int ms = static_cast<int>(absl::ToInt64Milliseconds(timeout));
-    for (const base::HostPort& hp : servers) {
-      void* dealer = zmq_socket(ctx_, ZMQ_DEALER);
-      zmq_setsockopt(dealer, ZMQ_LINGER, &linger, sizeof(linger));
-      zmq_setsockopt(dealer, ZMQ_SNDTIMEO, &ms, sizeof(ms));
-      zmq_setsockopt(dealer, ZMQ_SNDBUF, &buffer, sizeof(buffer));
-      zmq_setsockopt(dealer, ZMQ_RCVBUF, &buffer, sizeof(buffer));
-      sockets_.push_back(dealer);
-      items_.push_back({dealer, 0, ZMQ_POLLIN, 0});
-      const std::string endpoint = absl::StrCat("tcp://", hp.host, ":", hp.port);
-      if (zmq_connect(dealer, endpoint.c_str()) != 0) {
-        return absl::UnavailableError(
-            absl::StrCat("zmq connect ", endpoint, ": ", zmq_strerror(zmq_errno())));
-      }
-    }
-    done_.resize(sockets_.size());
-    return absl::OkStatus();
-  }
-
-  absl::Status Exchange(const void* push, size_t push_bytes, absl::Span<void* const> pull,
-                        size_t pull_bytes) override {
-    const SizeHeader h{push_bytes, pull_bytes, static_cast<uint64_t>(batch_), 0};
-    for (void* s : sockets_) {
-      if (zmq_send(s, &h, sizeof(h), ZMQ_SNDMORE) < 0) return Error("zmq_send header");
-      // Zero-copy, as StepMesh's ZMQ van sends tensors (zmq_msg_init_data).
-      zmq_msg_t msg;
-      zmq_msg_init_data(&msg, const_cast<void*>(push), push_bytes, nullptr, nullptr);
-      if (zmq_msg_send(&msg, s, 0) < 0) {
-        zmq_msg_close(&msg);
-        return Error("zmq_msg_send");
-      }
-    }
-    // Every server's reply, whichever lands first; each stays in ZeroMQ's
-    // message (zero-copy receive), checked and released.
-    std::fill(done_.begin(), done_.end(), false);
-    size_t left = sockets_.size();
-    const absl::Time deadline = absl::Now() + timeout_;
-    while (left > 0) {
-      const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
-      if (ms <= 0) return absl::DeadlineExceededError("zmq exchange timed out");
-      for (size_t i = 0; i < items_.size(); ++i) {
-        items_[i].events = done_[i] ? 0 : ZMQ_POLLIN;
-        items_[i].revents = 0;
-      }
-      if (zmq_poll(items_.data(), static_cast<int>(items_.size()), ms) < 0) {
-        if (zmq_errno() == EINTR) continue;
-        return Error("zmq_poll");
-      }
-      for (size_t i = 0; i < items_.size(); ++i) {
-        if (done_[i] || !(items_[i].revents & ZMQ_POLLIN)) continue;
-        zmq_msg_t reply;
-        zmq_msg_init(&reply);
-        if (zmq_msg_recv(&reply, sockets_[i], ZMQ_DONTWAIT) < 0) {
-          zmq_msg_close(&reply);
-          if (zmq_errno() == EAGAIN) continue;
-          return Error("zmq_msg_recv");
-        }
-        const size_t n = zmq_msg_size(&reply);
-        const bool marked = n == 0 || *static_cast<const uint8_t*>(zmq_msg_data(&reply)) == 1;
-        zmq_msg_close(&reply);
-        if (n != pull_bytes || !marked) {
-          return absl::DataLossError(absl::StrCat("zmq reply of ", n, " bytes from server ", i,
-                                                  ", expected ", pull_bytes));
-        }
-        done_[i] = true;
-        --left;
-      }
-    }
-    return absl::OkStatus();
-  }
-
- private:
-  static absl::Status Error(absl::string_view what) {
-    return absl::UnavailableError(absl::StrCat(what, ": ", zmq_strerror(zmq_errno())));
-  }
-  void* ctx_ = nullptr;
-  int batch_ = 1;
-  absl::Duration timeout_;
-  std::vector<void*> sockets_;
-  std::vector<zmq_pollitem_t> items_;
-  std::vector<bool> done_;
-};
-#endif
-
 }  // namespace
-
-bool ZmqAvailable() {
-#ifdef STEPMESH_HAVE_ZMQ
-  return true;
-#else
-  return false;
-#endif
-}
 
 absl::StatusOr<std::unique_ptr<BaselineServers>> BaselineServers::Start(const std::string& host,
                                                                         uint16_t raw_port,
@@ -826,17 +549,6 @@ absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectRawTcp(
     return std::make_unique<RawTcpTwoThreadClient>(std::move(fds), batch, timeout);
   }
   return std::make_unique<RawTcpClient>(std::move(fds), batch, discipline, timeout);
-}
-
-absl::StatusOr<std::unique_ptr<BaselineClient>> ConnectZmq(
-    const std::vector<base::HostPort>& servers, absl::Duration timeout, int batch) {
-#ifdef STEPMESH_HAVE_ZMQ
-  auto client = std::make_unique<ZmqClient>();
-  STEPMESH_RETURN_IF_ERROR(client->Init(servers, timeout, batch));
-  return client;
-#else
-  return absl::UnimplementedError("built without libzmq");
-#endif
 }
 
 }  // namespace stepmesh::bench
