@@ -46,6 +46,16 @@ int ThreadCount() {
   return n;
 }
 
+int ThreadCountSettled(int want, absl::Duration deadline) {
+  const absl::Time until = absl::Now() + deadline;
+  int n = ThreadCount();
+  while (n != want && absl::Now() < until) {
+    absl::SleepFor(absl::Milliseconds(1));
+    n = ThreadCount();
+  }
+  return n;
+}
+
 Harness::Harness(const HarnessConfig& config, const core::TransportFactory& transport)
     : config_(config) {
   const int W = config.workers, S = config.servers, M = config.keys;

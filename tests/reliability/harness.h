@@ -107,5 +107,12 @@ class Harness {
 // Open file descriptors of this process and stepmesh threads ("sm-*") in it (leak checks).
 int OpenFdCount();
 int ThreadCount();
+// ThreadCount() once it equals `want`, or at `deadline` whatever it is then. A
+// joined thread can still be listed in /proc/self/task for a moment: the
+// kernel wakes pthread_join when it clears the thread's tid, early in the
+// thread's exit, and drops the task from the list only at its end (seen once
+// under TSan on 2 cores: "servers first", 1 == 0). A thread that is still
+// running stays listed, so a leak is still caught.
+int ThreadCountSettled(int want, absl::Duration deadline);
 
 }  // namespace stepmesh::testing

@@ -80,7 +80,7 @@ void QuietAndLeakFree(const std::function<void()>& body) {
     CHECK(Lines(log) <= 12);
   }
   CHECK(OpenFdCount() == fds);
-  CHECK(ThreadCount() == threads);
+  CHECK(ThreadCountSettled(threads, absl::Seconds(2)) == threads);
 }
 
 TEST_CASE("shutdown: workers first", "[shutdown]") {
