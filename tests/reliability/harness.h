@@ -107,12 +107,13 @@ class Harness {
 // Open file descriptors of this process and stepmesh threads ("sm-*") in it (leak checks).
 int OpenFdCount();
 int ThreadCount();
-// ThreadCount() once it equals `want`, or at `deadline` whatever it is then. A
-// joined thread can still be listed in /proc/self/task for a moment: the
-// kernel wakes pthread_join when it clears the thread's tid, early in the
-// thread's exit, and drops the task from the list only at its end (seen once
-// under TSan on 2 cores: "servers first", 1 == 0). A thread that is still
-// running stays listed, so a leak is still caught.
+// ThreadCount() once it equals `want`, or at `deadline` whatever it is then.
+// The kernel wakes pthread_join when it clears the exiting thread's tid, before
+// the task leaves /proc/self/task, so a joined thread may be listed for a
+// moment. "servers first" failed once under TSan on 2 cores (1 == 0, CI of
+// f0669ee); 5000 joins of a bare thread, with and without TSan, never showed
+// the window, so that window is a candidate cause, not an established one. A
+// thread that keeps running stays listed past the deadline: a leak still fails.
 int ThreadCountSettled(int want, absl::Duration deadline);
 
 }  // namespace stepmesh::testing
