@@ -37,8 +37,11 @@ Each row: the median over rounds of (block median - the same round's
 ``plan`` block median), with a distribution-free 95% interval. ``--alternate N`` replaces the blocks by a finer pairing of the two rows that
 matter: connector and post_wait_sum in turn every N round trips.
 
-A last row, in this process: the connector's Python alone (the two calls with
-the node and plan replaced by stand-ins that return at once), best of 5; and
+The ``connector`` row takes the lanes' one-call common case (the registered
+buffers, eager, host-ordered: python/src/attention_lanes.h). A last row, in
+this process: the connector's Python path, which every other call takes (CUDA
+streams, copies, router logits), with the lanes replaced by stand-ins that
+return at once, best of 5; and
 the same cold (--evict-mb MB written between round trips, as a layer's
 compute or the processes sharing the CPUs leave the caches) against the
 stand-in post + wait cold, paired per round trip.
@@ -204,9 +207,10 @@ def attention(args) -> None:
 
 
 def python_path(args) -> float:
-    """The connector's own Python per round trip, without the binding: a 1A1F
-    attention connector whose node and plan are stand-ins that do nothing
-    (post returns at once, wait returns at once), in place buffers; the best of
+    """The connector's Python path per round trip, without the binding (what
+    calls outside the lanes' one-call common case run: CUDA streams, copies,
+    router logits): a 1A1F attention connector whose lanes are stand-ins that
+    do nothing (post and wait return at once), in place buffers; the best of
     5 runs of --python-iters round trips, in us."""
     import importlib.util
     if importlib.util.find_spec("afd_plugin") is None:
@@ -223,25 +227,25 @@ def python_path(args) -> float:
                                  host="127.0.0.1", port=1)
     conn = sv.StepMeshAFDConnector(0, 0, vcfg, acfg, 0)
 
-    class Node:  # what the connector calls on a Worker, doing nothing
+    class Node:  # what the connector reads of a Worker
         closed = False
 
-        @staticmethod
-        def wait(request, timeout):
-            return None
+    class Lanes:  # what the Python path calls on the lanes, doing nothing
+        rows = None
 
-    class Plan:
-        def set_rows(self, index, rows):
-            return None
+        def pending(self, s):
+            return self.rows
 
-        def post(self, stream=None):
-            return 1
+        def post(self, s, rows, layer, flags, stream=None):
+            self.rows = rows
 
-    conn._node, conn._plans, conn._live_role = Node(), [Plan()], "attention"
+        def wait(self, s):
+            rows, self.rows = self.rows, None
+            return rows
+
+    conn._node, conn._lanes, conn._fast, conn._live_role = Node(), Lanes(), None, "attention"
     conn._send_bufs = [torch.empty(n, h, dtype=torch.bfloat16)]
     conn._recv_bufs = [[torch.empty(n, h, dtype=torch.bfloat16)]]
-    conn._meta_bufs = [memoryview(torch.zeros(4, dtype=torch.int64).numpy())]
-    conn._plan_rows, conn._meta_flags = [n], [0]
     conn._send_ptrs = [conn._send_bufs[0].data_ptr()]
     conn._recv_ptrs = [conn._recv_bufs[0][0].data_ptr()]
     send, recv = conn._send_bufs[0][:n], conn._recv_bufs[0][0][:n]
@@ -256,8 +260,8 @@ def python_path(args) -> float:
             best = min(best, (time.perf_counter_ns() - t0) / args.python_iters / 1e3)
     # Cold: what a layer's compute (or the other processes sharing the CPUs)
     # leaves of the caches, modelled by writing --evict-mb MB between round
-    # trips; the same stand-in node.wait(plan.post()) in turn is the floor.
-    node, plan = conn._node, conn._plans[0]
+    # trips; the same stand-in lanes' post + wait in turn is the floor.
+    lanes = conn._lanes
     junk = np.ones(max(args.evict_mb, 1) << 20, np.uint8)
     clock = time.perf_counter_ns
     diffs = np.empty(min(args.python_iters, 2000))
@@ -269,7 +273,8 @@ def python_path(args) -> float:
         t1 = clock()
         junk += 1
         t2 = clock()
-        node.wait(plan.post(), TIMEOUT_S)
+        lanes.post(0, n, 0, 0)
+        lanes.wait(0)
         diffs[i] = ((t1 - t0) - (clock() - t2)) / 1e3
     return best, median_ci_large(diffs)
 
@@ -414,8 +419,9 @@ def main() -> int:
         result["python_only_us"] = us
         result["python_only_cold_us"] = {"added_us": cold, "ci95_us": [lo, hi],
                                          "evict_mb": args.evict_mb}
-        print(f"the connector's Python alone (send_attn_output + recv_ffn_output on stand-in "
-              f"node and plan, in process, best of 5 x {args.python_iters}): {us:.2f} us")
+        print(f"the connector's Python path (send_attn_output + recv_ffn_output outside the "
+              f"lanes' common case, on stand-in lanes, in process, best of 5 x "
+              f"{args.python_iters}): {us:.2f} us")
         print(f"  cold ({args.evict_mb} MB written between round trips), minus the stand-in "
               f"post + wait: {cold:+.2f} us [{lo:+.2f}, {hi:+.2f}]")
     print(f"load {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs")

@@ -1,5 +1,6 @@
 #include "python/src/mesh_binding.h"
 
+#include "python/src/attention_lanes.h"
 #include "python/src/batch_binding.h"
 #include "python/src/plan_binding.h"
 #include "python/src/scheduler_binding.h"
@@ -16,6 +17,7 @@ void BindMesh(pybind11::module_& m) {
   BindBatch(m);
   BindPlan(m);
   BindWorker(m);
+  BindAttentionLanes(m);
   BindServer(m);
   BindScheduler(m);
 }

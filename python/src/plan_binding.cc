@@ -66,16 +66,21 @@ void PyPlan::SetBytes(size_t i, py::handle bytes_arg) {
 
 void PyPlan::SetRows(size_t i, py::handle rows_arg) {
   const long long r = CountArg(i, rows_arg, "set_rows", "rows");
-  const TensorView tensor = prepared_.push_tensor(i);
-  const int64_t rows = tensor.shape.rank() > 0 ? tensor.shape[0] : 1;
-  const size_t row_bytes = rows > 0 ? tensor.bytes() / static_cast<size_t>(rows) : 0;
-  const long long max_rows = row_bytes == 0 ? 0 : static_cast<long long>(rows);
+  const size_t row_bytes = RowBytes(i);
+  const long long max_rows =
+      row_bytes == 0 ? 0 : static_cast<long long>(prepared_.registered_bytes(i) / row_bytes);
   if (r < 0 || r > max_rows) {
     ThrowInvalidArgument(absl::StrCat("set_rows: push ", i, " (key ", prepared_.push_key(i),
                                       "): rows = ", std::string(py::str(rows_arg)),
                                       " is not in [0, ", max_rows, "]"));
   }
   ThrowIfError(prepared_.SetBytes(i, static_cast<size_t>(r) * row_bytes));
+}
+
+size_t PyPlan::RowBytes(size_t i) const {
+  const TensorView tensor = prepared_.push_tensor(i);
+  const int64_t rows = tensor.shape.rank() > 0 ? tensor.shape[0] : 1;
+  return rows > 0 ? tensor.bytes() / static_cast<size_t>(rows) : 0;
 }
 
 size_t PyPlan::bytes(size_t i) const {

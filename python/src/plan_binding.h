@@ -42,6 +42,15 @@ class PyPlan {
   void SetRows(size_t i, pybind11::handle rows_arg);
   size_t bytes(size_t i) const;
 
+  // For stepmesh.vllm's attention lanes (python/src/attention_lanes.h), which
+  // check their counts against their own buffers first: push `i`'s row size,
+  // and push `i` sends `bytes` bytes (refused while another thread posts).
+  size_t RowBytes(size_t i) const;
+  void SetCount(size_t i, size_t bytes) {
+    CheckWritable("send");
+    ThrowIfError(prepared_.SetBytes(i, bytes));
+  }
+
   std::optional<RequestRef> last() const {
     if (!last_.valid()) return std::nullopt;
     return RequestRef{last_};

@@ -126,13 +126,17 @@ void PyWorker::Wait(const RequestRef& request, py::handle timeout, py::handle st
     ThrowIfError(node.StreamWaitReply(request.handle, *s));
     return;
   }
-  const absl::Duration t = TimeoutArg(timeout, options_.timeout);
+  WaitFor(request.handle, TimeoutArg(timeout, options_.timeout));
+}
+
+void PyWorker::WaitFor(RequestHandle h, absl::Duration timeout) {
+  auto& node = live();  // may raise: do it holding the GIL
   absl::Status s;
   {
     py::gil_scoped_release release;
-    s = node.Wait(request.handle, t);
+    s = node.Wait(h, timeout);
   }
-  Finished(request.handle, s);
+  Finished(h, s);
   ThrowIfError(s);
 }
 

@@ -54,6 +54,10 @@ class PyWorker : public PyNode<AFTensorWorker> {
   // at once; the handle stays pending for a later host wait().
   void Wait(const RequestRef& request, pybind11::handle timeout, pybind11::handle stream);
 
+  // The host wait of wait(stream=None) (GIL released), for stepmesh.vllm's
+  // attention lanes too: raises the request's failure.
+  void WaitFor(RequestHandle h, absl::Duration timeout);
+
   void StreamWaitNextPull(pybind11::handle key_arg, int server, pybind11::handle stream);
 
   bool Test(const RequestRef& request) { return ValueOrThrow(live().Test(request.handle)); }

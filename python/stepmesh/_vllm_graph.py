@@ -47,6 +47,7 @@ class GraphMode:
     def _ensure_trigger(self) -> Any:
         if self._trigger is None:
             self._trigger = self._live("attention").create_trigger(timeout=self._timeout)
+            self._fast = None  # from now on every call runs the trigger's checks
         return self._trigger
 
     def _send_graph(self, hidden_states, router_logits, layer_idx: int, s: int) -> None:
@@ -81,11 +82,8 @@ class GraphMode:
         elif router_logits is not None:
             raise ValueError("router_logits given, but the connector has no router logits "
                              "(connector_extra_config.router_logits_width is 0)")
-        words = self._meta_bufs[s]
-        if self._meta_flags[s] != self._flags:
-            words[2] = self._meta_flags[s] = self._flags
+        self._meta_bufs[s][2] = self._flags  # [0], the layer, is the trigger's
         plan.set_rows(0, n)
-        self._plan_rows[s] = n
         trigger = self._ensure_trigger()
         try:
             slot = trigger.arm(plan.trigger_target(),
@@ -163,6 +161,7 @@ class StepMeshGraphCapture:
     def __enter__(self) -> "StepMeshGraphCapture":
         self.stream.begin_capture()
         self.connector._capture_stream = self.stream
+        self.connector._fast = None  # captured calls take the graph path
         return self
 
     def __exit__(self, *exc: Any) -> None:

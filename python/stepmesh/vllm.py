@@ -61,7 +61,7 @@ from typing import Any, Deque, Dict, List, Mapping, Optional
 import torch
 
 import stepmesh
-from stepmesh import _vllm_ops, _vllm_wire
+from stepmesh import _stepmesh, _vllm_ops, _vllm_wire
 from stepmesh._connector import join as join_mesh
 from stepmesh._vllm_control import StepMeshAFDControlPlane
 from stepmesh._vllm_ffn import FfnSide, StepMeshTransferState
@@ -198,7 +198,12 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
         self._scheduler: Any = None
         self._id = 0
         self._plans: List[Any] = []
-        self._requests: Dict[int, Any] = {}
+        # The attention side's stages in C++ (_stepmesh._AttentionLanes: each
+        # stage's request in flight and its rows); _fast is the same object
+        # while send/recv may take its one-call common case (eager, host
+        # ordered, no graph mode used), else None.
+        self._lanes: Any = None
+        self._fast: Any = None
         # Graph mode (docs/python.md, "CUDA graphs"): the trigger posting the
         # captured sends, the slots armed, the stage -> (slot, rows) captured
         # but not yet received, the cpu_mock stream a capture records.
@@ -207,7 +212,6 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
         self._graph_pending: Dict[int, Any] = {}
         self._capture_stream: Any = None
         self._graph_stream_obj: Any = None
-        self._rows: Dict[int, int] = {}
         self._stash: Dict[int, Deque[Any]] = collections.defaultdict(collections.deque)
         self._ffn_contexts: Dict[int, Any] = {}  # op_id -> context not yet answered
         self._next_ffn_op = 0
@@ -298,9 +302,9 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
         self._live_role = None
         _vllm_ops._CONNECTORS.pop(self._id, None)
         self._id = 0
+        self._fast = self._lanes = None
         self._plans = []
         self._control_plan = None
-        self._requests.clear()
         self._graph_pending.clear()
         self._ffn_contexts.clear()
         self._graph_slots = []
@@ -376,7 +380,7 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
             self._meta_tensors.append(meta)
             words = memoryview(meta.numpy())  # element writes: ~20 ns each
             words[1] = s
-            self._meta_bufs.append(words)
+            self._meta_bufs.append(words)  # the graph path's layer / flags words
             self._logit_bufs.append(logits)
             self._recv_bufs.append(recv)
             self._plans.append(w.prepare(pushes, [(_key(s, _OUT), f)
@@ -384,11 +388,14 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
         # Each stage's buffer addresses, read once: the hot path compares ints.
         self._send_ptrs = [b.data_ptr() for b in self._send_bufs]
         self._recv_ptrs = [r[0].data_ptr() for r in self._recv_bufs]
+        self._lanes = _stepmesh._AttentionLanes(
+            w, self._plans, self._send_bufs, [r[0] for r in self._recv_bufs],
+            self._meta_tensors, self.hidden_size, self.max_tokens, self.dtype,
+            2 if self._logit_row_bytes else -1, self._timeout)
+        self._fast = None if self._stream or self._always_ops else self._lanes
         # all_to_all: the other FFN ranks' partials as [:n] views, made again only
         # when n changes (a slice is a torch call, ~2 us with cold caches).
         self._sum_views: List[Any] = [(None, ())] * self.num_stages
-        self._plan_rows = [self.max_tokens] * self.num_stages  # what each plan's push 0 holds
-        self._meta_flags = [0] * self.num_stages  # what each stage's words[2] holds
         control = torch.zeros(self._control_words(), dtype=torch.int32)
         w.register_push(CONTROL_KEY, control)
         self._control_buf = control.numpy()
@@ -406,7 +413,16 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
         return self._recv_bufs[self._stage(stage_idx, "stage_idx")][0]
 
     def send_attn_output(self, hidden_states: torch.Tensor, context: Any, **kwargs: Any) -> None:
-        # The hot path: attribute reads and compares only (docs/benchmarks.md).
+        fast = self._fast  # the common case in one binding call (docs/benchmarks.md)
+        if fast is not None and not kwargs and (_vllm_wire._IS_COMPILING is None
+                                                or not _vllm_wire._IS_COMPILING()):
+            try:
+                if fast.send(hidden_states, context.metadata, self._flags):
+                    return
+            except stepmesh.Error as e:
+                raise self._peer_error(f"stage {context.metadata.stage_idx}: send_attn_output",
+                                       e) from e
+        # Everything else: attribute reads and compares, then the lanes' post.
         if self._live_role != "attention":
             self._live("attention")
         metadata = context.metadata
@@ -440,7 +456,7 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
                         f"router_logits row of {nbytes} bytes exceeds the registered "
                         f"{self._logit_row_bytes} (connector_extra_config.router_logits_width="
                         f"{self.router_logits_width} x 4 bytes)")
-        if s in self._requests:
+        if self._lanes.pending(s) is not None:
             raise RuntimeError(f"stage {s}: recv_ffn_output() of the previous send is pending")
         if self._trigger is not None:  # graph mode was used: its checks
             self._check_trigger("send_attn_output")
@@ -477,22 +493,14 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
             n = hidden_states.shape[0]
         if hidden_states.data_ptr() != self._send_ptrs[s]:  # not computed in place: copy in
             self._send_bufs[s][:n].copy_(hidden_states)
-        plan = self._plans[s]
         if self._logit_row_bytes or router_logits is not None:
-            self._set_logits(plan, router_logits, s)
-        words = self._meta_bufs[s]
-        words[0] = layer_idx  # [1] is the stage, written at init
-        if self._meta_flags[s] != self._flags:  # [2]: the flags, when they changed
-            words[2] = self._meta_flags[s] = self._flags
-        if self._plan_rows[s] != n:  # a binding call (~1 us): only when the count changes
-            plan.set_rows(0, n)
-            self._plan_rows[s] = n
-        try:
-            self._requests[s] = plan.post(
-                torch.cuda.current_stream(self._device).cuda_stream if self._stream else None)
+            self._set_logits(self._plans[s], router_logits, s)
+        try:  # the metadata words, the row count, the post: the lanes' one definition
+            self._lanes.post(s, n, layer_idx, self._flags,
+                             torch.cuda.current_stream(self._device).cuda_stream
+                             if self._stream else None)
         except stepmesh.Error as e:
             raise self._peer_error(f"stage {s}: send_attn_output", e) from e
-        self._rows[s] = n
 
     def _set_logits(self, plan, router_logits, s: int) -> None:
         if not self._logit_row_bytes:
@@ -510,12 +518,23 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
         """Waits for the stage's FFN output and writes it into ``ref_tensor``
         (same storage returned; allocated when None): the subgroup's FFN rank's
         output, or the FFN ranks' partial outputs summed in rank order."""
+        fast = self._fast
+        if fast is not None and ref_tensor is not None and (_vllm_wire._IS_COMPILING is None
+                                                            or not _vllm_wire._IS_COMPILING()):
+            try:
+                n = fast.recv(ref_tensor, ubatch_idx)
+            except stepmesh.Error as e:
+                raise self._peer_error(f"stage {ubatch_idx}: recv_ffn_output", e) from e
+            if n is not None:  # received in place
+                if self.mesh_servers > 1:
+                    self._add_partials(ref_tensor, ubatch_idx, n)
+                return ref_tensor
         if self._live_role != "attention":
             self._live("attention")
         s = ubatch_idx
         if type(s) is not int or not 0 <= s < self.num_stages:
             s = self._stage(s, "ubatch_idx")
-        n = self._rows.get(s) if s in self._requests else None
+        n = self._lanes.pending(s)
         graph = False
         if self._trigger is not None:  # graph mode was used: its checks
             self._check_trigger("recv_ffn_output")
@@ -538,22 +557,23 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
         return ref_tensor
 
     def _recv(self, out: torch.Tensor, s: int) -> None:
-        req = self._requests.pop(s)
         try:
-            self._node.wait(req, self._timeout)
+            n = self._lanes.wait(s)
         except stepmesh.Error as e:
             raise self._peer_error(f"stage {s}: recv_ffn_output", e) from e
-        parts = self._recv_bufs[s]
         if out.data_ptr() != self._recv_ptrs[s]:  # not received in place (recv_buffer): copy
-            out.copy_(parts[0][:self._rows[s]])
-        if len(parts) > 1:
-            n = self._rows[s]
-            rows, views = self._sum_views[s]
-            if rows != n:
-                views = tuple(p[:n] for p in parts[1:])
-                self._sum_views[s] = (n, views)
-            for p in views:
-                out.add_(p)
+            out.copy_(self._recv_bufs[s][0][:n])
+        if self.mesh_servers > 1:
+            self._add_partials(out, s, n)
+
+    def _add_partials(self, out: torch.Tensor, s: int, n: int) -> None:
+        """all_to_all: FFN ranks 1.. partial outputs added to ``out`` in rank order."""
+        rows, views = self._sum_views[s]
+        if rows != n:
+            views = tuple(p[:n] for p in self._recv_bufs[s][1:])
+            self._sum_views[s] = (n, views)
+        for p in views:
+            out.add_(p)
 
     # ------------------------------------------------------------ control plane
     def _control_words(self) -> int:

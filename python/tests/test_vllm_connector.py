@@ -229,14 +229,14 @@ class TimedRun:
 
 
 def run_mesh(runner, A, F, topology, mode="normal", plugin="standin", steps=4, layers=2,
-             timeout=5.0, custom_ops="auto"):
+             timeout=5.0, custom_ops="auto", logits=True):
     def make(port):
         children = []
         for role, n in (("ffn", F), ("attention", A)):
             for r in range(n):
                 spec = dict(role=role, rank=r, A=A, F=F, topology=topology, port=port,
                             steps=steps, layers=layers, mode=mode, timeout=timeout,
-                            custom_ops=custom_ops, standin=STANDIN if plugin == "standin" else "")
+                            custom_ops=custom_ops, logits=logits, standin=STANDIN if plugin == "standin" else "")
                 children.append({"program": PEER, "env": {"VLLM_PEER_SPEC": json.dumps(spec)}})
         return children
 
@@ -266,12 +266,29 @@ def test_contract_over_processes(runner, A, F, topology, custom_ops, plugin):
     assert sum("] ok" in r["output"] for r in results) == A + F, report
 
 
-@pytest.mark.parametrize("mode", ["lost", "hung"])
-def test_lost_ffn_rank_is_named_within_the_timeout(runner, mode):
+@pytest.mark.parametrize("A,F,topology", [(2, 1, "subgroup"), (2, 2, "all_to_all")])
+def test_the_common_case_is_one_binding_call(runner, A, F, topology):
+    """No router logits, hidden states computed in send_buffer(s), outputs
+    received in recv_buffer(s): send and receive are the lanes' one binding
+    call each (python/src/attention_lanes.h), bytes checked as everywhere;
+    the attention peers count the calls that took the Python path (only the
+    other layer's copies), and the registered buffer with a wrong row count,
+    stage, dtype, logits or a stage pending gets the Python path's error and
+    changes nothing."""
+    results, _, report = run_mesh(runner, A, F, topology, logits=False)
+    for r in results:
+        assert r["rc"] == 0 and " ok" in r["output"], report
+    assert sum("] ok" in r["output"] for r in results) == A + F, report
+
+
+@pytest.mark.parametrize("mode,logits", [("lost", True), ("hung", True), ("lost", False)])
+def test_lost_ffn_rank_is_named_within_the_timeout(runner, mode, logits):
     """FFN rank 1 killed (its connections close) or stopped (silent: the
-    library's peer-silence deadline, options.timeout) at the start of step 1."""
+    library's peer-silence deadline, options.timeout) at the start of step 1;
+    without logits the in-place layer's receive fails in the lanes' call."""
     timeout = 5.0 if mode == "lost" else 2.0
-    results, took, report = run_mesh(runner, 2, 2, "all_to_all", mode=mode, timeout=timeout)
+    results, took, report = run_mesh(runner, 2, 2, "all_to_all", mode=mode, timeout=timeout,
+                                     logits=logits)
     ffn0, ffn1, att0, att1 = results
     assert ffn1["rc"] == -signal.SIGKILL, report
     for r in (ffn0, att0, att1):

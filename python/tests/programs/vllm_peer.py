@@ -2,7 +2,8 @@
 fork_runner.py (torch imported once in the parent). The spec is the JSON in
 VLLM_PEER_SPEC: role, rank, A, F, topology, port, steps, layers, mode
 ("normal", "lost": FFN rank 1 killed, "hung": FFN rank 1 stopped, or
-"fallback"), standin (a path put first on sys.path so
+"fallback"), logits (false: no router logits configured, and layer 1 sent and
+received in the registered buffers: the lanes' one-call common case), standin (a path put first on sys.path so
 `afd_plugin` is the stand-in; empty: whatever is importable).
 
 Both sides derive every tensor from (step, layer, stage, attention rank) with
@@ -31,6 +32,8 @@ TOPO, STEPS, LAYERS = SPEC["topology"], SPEC["steps"], SPEC["layers"]
 H, MAX, STAGES, WIDTH = 16, 12, 2, 8
 BF16 = torch.bfloat16
 RATIO = A // F if TOPO == "subgroup" else A
+LOGITS = SPEC.get("logits", True)
+IN_PLACE_LAYER = 1  # sent from send_buffer(s) (and, without logits, received in recv_buffer(s))
 
 
 def log(*a):
@@ -62,12 +65,12 @@ def flags(step):
 
 def ffn_fn(x, logits, f):
     """What FFN rank f returns: integers, exact in bf16."""
-    return 2 * x + (f + 1) + logits[:, :1]
+    return 2 * x + (f + 1) + (logits[:, :1] if LOGITS else 0)
 
 
 def vllm_config():
     extra = {"topology": TOPO, "transport": "tcp", "backend": "cpu_mock", "max_tokens": MAX,
-             "num_stages": STAGES, "router_logits_width": WIDTH, "timeout": SPEC["timeout"],
+             "num_stages": STAGES, "router_logits_width": WIDTH if LOGITS else 0, "timeout": SPEC["timeout"],
              "poll_mode": "blocking", "custom_ops": SPEC.get("custom_ops", "auto")}
     return types.SimpleNamespace(
         model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(hidden_size=H),
@@ -160,37 +163,88 @@ def attention_step(conn, cp, step):
                 expect_error(RuntimeError, ["stage 0", "no send_attn_output"],
                              conn.recv_ffn_output, x, 0)
             ctx = Ctx(metadata=Meta(layer_idx=layer, stage_idx=s, seq_lens=[len(x)]))
-            if layer == 1 and s == 0:  # computed in the registered buffer: sent without a copy
-                buf = conn.send_buffer(0)[: len(x)]
+            kw = {"router_logits": logits} if LOGITS else {}
+            if layer == IN_PLACE_LAYER and (s == 0 or not LOGITS):
+                # computed in the registered buffer: sent without a copy
+                buf = conn.send_buffer(s)[: len(x)]
                 buf.copy_(x)
-                conn.send_attn_output(buf, ctx, router_logits=logits)
+                if not LOGITS and step == 0 and s == 0 and RANK == 0:
+                    declined_sends(conn, x, ctx)
+                conn.send_attn_output(buf, ctx, **kw)
+                if not LOGITS and step == 0 and s == 0 and RANK == 0:
+                    expect_error(RuntimeError, ["stage 0", "pending"], conn.send_attn_output,
+                                 buf, ctx)
             else:
-                conn.send_attn_output(x, ctx, router_logits=logits)
+                conn.send_attn_output(x, ctx, **kw)
             sent_x.append((x, logits))
         for s in range(STAGES):
             x, logits = sent_x[s]
             xs, ls = x.float().numpy().copy(), logits.float().numpy()  # before x is overwritten
             ref = x  # the runner passes the tensor it sent as ref_tensor
-            if layer == 1 and s == 0:  # or received in place
-                ref = conn.recv_buffer(0)[: len(x)]
+            in_place = layer == IN_PLACE_LAYER and (s == 0 or not LOGITS)
+            if in_place:  # or received in place
+                ref = conn.recv_buffer(s)[: len(x)]
             ptr = ref.data_ptr()
             if step == 0 and layer == 0 and s == 0:
                 expect_error(ValueError, ["ref_tensor"], conn.recv_ffn_output,
                              torch.empty(len(x) + 1, H, dtype=BF16), s)
-            out = conn.recv_ffn_output(ref_tensor=ref if s == 0 else None, ubatch_idx=s)
-            if s == 0:
+            if step == 0 and in_place and s == 0 and not LOGITS:  # the lanes decline these
+                other = len(x) - 1 if len(x) > 1 else 2
+                expect_error(ValueError, ["ref_tensor"], conn.recv_ffn_output,
+                             conn.recv_buffer(0)[:other], 0)
+                expect_error(ValueError, ["ref_tensor", "float16"], conn.recv_ffn_output,
+                             conn.recv_buffer(0)[: len(x)].view(torch.float16), 0)
+            keep = s == 0 or in_place
+            out = conn.recv_ffn_output(ref_tensor=ref if keep else None, ubatch_idx=s)
+            if keep:
                 assert out.data_ptr() == ptr and out is ref, "ref_tensor storage not reused"
             fs = [RANK // RATIO] if TOPO == "subgroup" else range(F)
-            want = sum(2 * xs + (f + 1) + ls[:, :1] for f in fs)
+            want = sum(2 * xs + (f + 1) + (ls[:, :1] if LOGITS else 0) for f in fs)
             got = out.float().numpy()
             assert out.dtype == BF16 and got.shape == want.shape, (out.dtype, got.shape)
             np.testing.assert_array_equal(got, want)
+
+
+def declined_sends(conn, x, ctx):
+    """The registered buffer, but not the common case: the lanes decline, the
+    Python path raises its error, and nothing changed (the send after works)."""
+    Ctx, Meta = sv.AFDTransferContext, sv.AFDTransferMetadata
+    n = len(x)
+    other = n - 1 if n > 1 else 2
+    expect_error(ValueError, ["hidden_states", "total_tokens"], conn.send_attn_output,
+                 conn.send_buffer(0)[:other], ctx)
+    bad = Ctx(metadata=Meta(layer_idx=IN_PLACE_LAYER, stage_idx=STAGES, seq_lens=[n]))
+    expect_error(ValueError, ["stage_idx"], conn.send_attn_output, conn.send_buffer(0)[:n], bad)
+    expect_error(ValueError, ["hidden_states", "dtype"], conn.send_attn_output,
+                 conn.send_buffer(0)[:n].view(torch.float16), ctx)
+    expect_error(ValueError, ["router_logits", "router_logits_width=0"],
+                 conn.send_attn_output, conn.send_buffer(0)[:n], ctx,
+                 router_logits=torch.zeros(n, WIDTH, dtype=BF16))
+
+
+def count_python_path(conn):
+    """Counts the connector's Python-path sends and receives (instance
+    attributes shadow the methods)."""
+    calls = {"send": 0, "recv": 0}
+    send, recv = conn._send, conn._recv
+
+    def counted_send(*a, **k):
+        calls["send"] += 1
+        return send(*a, **k)
+
+    def counted_recv(*a, **k):
+        calls["recv"] += 1
+        return recv(*a, **k)
+
+    conn._send, conn._recv = counted_send, counted_recv
+    return calls
 
 
 def ffn(conn):
     cp = conn.control_plane
     served = list(range(RANK * RATIO, (RANK + 1) * RATIO)) if TOPO == "subgroup" else list(range(A))
     spec = sv.AFDExpertRoutingSpec(router_logits_width=WIDTH, router_logits_dtype=BF16)
+    routing = {"routing_spec": spec} if LOGITS else {}
     for step in range(STEPS):
         try:
             p = cp.recv_dp_metadata_list()
@@ -220,7 +274,7 @@ def ffn(conn):
         try:
             for layer in range(LAYERS):
                 for s in reversed(range(STAGES)):  # out of order: stage 0 is kept meanwhile
-                    got = conn.recv_attn_output(ubatch_idx=s, routing_spec=spec)
+                    got = conn.recv_attn_output(ubatch_idx=s, **routing)
                     assert isinstance(got, sv.AFDA2FTransferPayload)
                     md = got.context.metadata
                     st = got.context.states
@@ -233,8 +287,11 @@ def ffn(conn):
                     want = [data(step, layer, s, a) for a in served]
                     assert torch.equal(got.hidden_states, torch.cat([w[0] for w in want]))
                     lg = got.router_logits
-                    assert lg.dtype == BF16 and lg.shape == (md.total_tokens, WIDTH), lg.shape
-                    assert torch.equal(lg, torch.cat([w[1] for w in want]))
+                    if LOGITS:
+                        assert lg.dtype == BF16 and lg.shape == (md.total_tokens, WIDTH), lg.shape
+                        assert torch.equal(lg, torch.cat([w[1] for w in want]))
+                    else:
+                        assert lg is None, lg
                     out = ffn_fn(got.hidden_states, lg, RANK)
                     if step == 0 and layer == 0:
                         expect_error(ValueError, ["ffn_output", "total_tokens"],
@@ -268,12 +325,21 @@ def main():
     conn.init_afd_connector()
     conn.init_afd_connector()  # idempotent
     assert conn.is_initialized
+    python_path = count_python_path(conn) if ROLE == "attention" else None
     (attention if ROLE == "attention" else ffn)(conn)
     if ROLE == "attention" and SPEC["mode"] == "normal":  # the data path took the ops, or not
         calls = STEPS * LAYERS * STAGES
         want = calls if SPEC.get("custom_ops") == "always" else 0
         assert sv.OP_CALLS["afd_send_attn"] == want, (sv.OP_CALLS, want)
         assert sv.OP_CALLS["afd_recv_ffn"] == want, (sv.OP_CALLS, want)
+        # The in-place calls are the lanes' (one binding call each) unless
+        # every call goes through the ops: the receives in recv_buffer(s), the
+        # sends from send_buffer(s) without logits; the rest the Python path's.
+        total = STEPS * LAYERS * STAGES
+        lanes = SPEC.get("custom_ops") != "always" and LAYERS > IN_PLACE_LAYER
+        in_place = STEPS * (STAGES if not LOGITS else 1) if lanes else 0
+        want = {"send": total - (in_place if not LOGITS else 0), "recv": total - in_place}
+        assert python_path == want, (python_path, want)
     if ROLE == "ffn" and SPEC["mode"] == "normal":  # the FFN side's send, likewise
         calls = STEPS * LAYERS * STAGES
         want = calls if SPEC.get("custom_ops") == "always" else 0
