@@ -125,6 +125,8 @@ def ffn(args) -> None:
 
 def attention(args) -> None:
     conn, sv, torch = make_connector(args)
+    if args.python_path:  # every call through the connector's Python path (the A/B of the lanes)
+        conn._fast = None
     n, h = args.tokens, args.hidden
     ctx = sv.AFDTransferContext(metadata=sv.AFDTransferMetadata(0, 0, [n]))
     send, recv = conn.send_buffer(0)[:n], conn.recv_buffer(0)[:n]
@@ -290,6 +292,8 @@ def run_pattern(args, pattern: str, work: str) -> np.ndarray:
               "--rounds", str(args.rounds), "--warmup-rounds", str(args.warmup_rounds),
               "--block-iters", str(args.block_iters), "--custom-ops", args.custom_ops,
               "--alternate", str(args.alternate), "--out", out]
+    if args.python_path:
+        common.append("--python-path")
     if args.poll_mode:
         common += ["--poll-mode", args.poll_mode]
     env = dict(os.environ)
@@ -392,6 +396,9 @@ def main() -> int:
                     help="every connector's poll_mode (default: the library's, adaptive); "
                     "blocking keeps idle send and receive threads off a machine with fewer "
                     "cores than the benchmark has processes")
+    ap.add_argument("--python-path", action="store_true",
+                    help="the connector row through the Python path, not the lanes' one-call "
+                         "common case (what the connector did before it; the A/B of the lanes)")
     ap.add_argument("--json")
     ap.add_argument("--role", choices=["ffn", "attention"])
     ap.add_argument("--rank", type=int, default=0)
@@ -408,6 +415,7 @@ def main() -> int:
     result = {"tool": "vllm_connector_overhead", "tokens": args.tokens, "hidden": args.hidden,
               "dtype": "bfloat16", "custom_ops": args.custom_ops,
               "poll_mode": args.poll_mode or "adaptive", "target_added_us": TARGET_ADDED_US,
+              "connector_path": "python" if args.python_path else "lanes",
               "patterns": {}}
     with tempfile.TemporaryDirectory() as work:
         for pattern in args.patterns.split(","):
