@@ -229,14 +229,14 @@ class TimedRun:
 
 
 def run_mesh(runner, A, F, topology, mode="normal", plugin="standin", steps=4, layers=2,
-             timeout=5.0, custom_ops="auto", logits=True):
+             timeout=5.0, custom_ops="auto", logits=True, device="cpu"):
     def make(port):
         children = []
         for role, n in (("ffn", F), ("attention", A)):
             for r in range(n):
                 spec = dict(role=role, rank=r, A=A, F=F, topology=topology, port=port,
                             steps=steps, layers=layers, mode=mode, timeout=timeout,
-                            custom_ops=custom_ops, logits=logits, standin=STANDIN if plugin == "standin" else "")
+                            custom_ops=custom_ops, logits=logits, device=device, standin=STANDIN if plugin == "standin" else "")
                 children.append({"program": PEER, "env": {"VLLM_PEER_SPEC": json.dumps(spec)}})
         return children
 
@@ -276,6 +276,20 @@ def test_the_common_case_is_one_binding_call(runner, A, F, topology):
     stage, dtype, logits or a stage pending gets the Python path's error and
     changes nothing."""
     results, _, report = run_mesh(runner, A, F, topology, logits=False)
+    for r in results:
+        assert r["rc"] == 0 and " ok" in r["output"], report
+    assert sum("] ok" in r["output"] for r in results) == A + F, report
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: backend=cuda, CUDA tensors")
+@pytest.mark.parametrize("A,F,topology,logits", [(2, 2, "subgroup", True),
+                                                 (2, 2, "all_to_all", False)])
+def test_contract_with_cuda_tensors(runner, A, F, topology, logits):
+    """The contract on backend=cuda, every tensor on cuda:0 (all ranks on one
+    GPU): outputs back on the caller's device, bytes against numpy; the calls
+    are stream-ordered, so every one takes the Python path (the peers count
+    them). Needs a _stepmesh built for the GPU host's python (docs/cuda.md)."""
+    results, _, report = run_mesh(runner, A, F, topology, logits=logits, device="cuda")
     for r in results:
         assert r["rc"] == 0 and " ok" in r["output"], report
     assert sum("] ok" in r["output"] for r in results) == A + F, report

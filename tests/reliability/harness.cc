@@ -5,7 +5,9 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "stepmesh/status.h"
@@ -29,22 +31,27 @@ int CountEntries(const char* dir) {
 int OpenFdCount() { return CountEntries("/proc/self/fd"); }
 // stepmesh's own threads (all named "sm-..."): sanitizer runtimes and the test
 // framework start threads of their own at times this count must not see.
-int ThreadCount() {
+std::vector<std::string> ThreadNames() {
+  std::vector<std::string> names;
   DIR* d = ::opendir("/proc/self/task");
-  if (d == nullptr) return -1;
-  int n = 0;
+  if (d == nullptr) return names;
   while (dirent* e = ::readdir(d)) {
     if (e->d_name[0] == '.') continue;
     const std::string path = absl::StrCat("/proc/self/task/", e->d_name, "/comm");
     if (FILE* f = std::fopen(path.c_str(), "r")) {
       char name[32] = {};
-      if (std::fgets(name, sizeof(name), f) != nullptr && std::strncmp(name, "sm-", 3) == 0) ++n;
+      if (std::fgets(name, sizeof(name), f) != nullptr && std::strncmp(name, "sm-", 3) == 0) {
+        names.push_back(
+            absl::StrCat(absl::StripTrailingAsciiWhitespace(name), " (tid ", e->d_name, ")"));
+      }
       std::fclose(f);
     }
   }
   ::closedir(d);
-  return n;
+  return names;
 }
+
+int ThreadCount() { return static_cast<int>(ThreadNames().size()); }
 
 int ThreadCountSettled(int want, absl::Duration deadline) {
   const absl::Time until = absl::Now() + deadline;

@@ -107,6 +107,8 @@ class Harness {
 // Open file descriptors of this process and stepmesh threads ("sm-*") in it (leak checks).
 int OpenFdCount();
 int ThreadCount();
+// Those threads' names and tids ("sm-recv (tid 1234)"), for a failed leak check.
+std::vector<std::string> ThreadNames();
 // ThreadCount() once it equals `want`, or at `deadline` whatever it is then.
 // The kernel wakes pthread_join when it clears the exiting thread's tid, before
 // the task leaves /proc/self/task, so a joined thread may be listed for a

@@ -14,6 +14,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "src/compose/transports.h"
 #include "src/core/mesh.h"
@@ -80,7 +81,9 @@ void QuietAndLeakFree(const std::function<void()>& body) {
     CHECK(Lines(log) <= 12);
   }
   CHECK(OpenFdCount() == fds);
-  CHECK(ThreadCountSettled(threads, absl::Seconds(2)) == threads);
+  const int left = ThreadCountSettled(threads, absl::Seconds(2));
+  INFO("stepmesh threads now: " << absl::StrJoin(ThreadNames(), ", "));
+  CHECK(left == threads);
 }
 
 TEST_CASE("shutdown: workers first", "[shutdown]") {

@@ -3,7 +3,9 @@ fork_runner.py (torch imported once in the parent). The spec is the JSON in
 VLLM_PEER_SPEC: role, rank, A, F, topology, port, steps, layers, mode
 ("normal", "lost": FFN rank 1 killed, "hung": FFN rank 1 stopped, or
 "fallback"), logits (false: no router logits configured, and layer 1 sent and
-received in the registered buffers: the lanes' one-call common case), standin (a path put first on sys.path so
+received in the registered buffers: the lanes' one-call common case), device
+("cpu", the default, on cpu_mock; "cuda": backend=cuda, every tensor on cuda:0, outputs checked
+to come back there; GPU hosts only), standin (a path put first on sys.path so
 `afd_plugin` is the stand-in; empty: whatever is importable).
 
 Both sides derive every tensor from (step, layer, stage, attention rank) with
@@ -33,6 +35,7 @@ H, MAX, STAGES, WIDTH = 16, 12, 2, 8
 BF16 = torch.bfloat16
 RATIO = A // F if TOPO == "subgroup" else A
 LOGITS = SPEC.get("logits", True)
+DEVICE = torch.device(SPEC.get("device", "cpu"))
 IN_PLACE_LAYER = 1  # sent from send_buffer(s) (and, without logits, received in recv_buffer(s))
 
 
@@ -56,7 +59,7 @@ def data(step, layer, stage, a):
     n = sent(step, stage, a)
     x = torch.randint(-8, 9, (n, H), generator=g).to(BF16)
     logits = torch.randint(-4, 5, (n, WIDTH), generator=g).to(BF16)
-    return x, logits
+    return x.to(DEVICE), logits.to(DEVICE)
 
 
 def flags(step):
@@ -69,7 +72,8 @@ def ffn_fn(x, logits, f):
 
 
 def vllm_config():
-    extra = {"topology": TOPO, "transport": "tcp", "backend": "cpu_mock", "max_tokens": MAX,
+    extra = {"topology": TOPO, "transport": "tcp",
+             "backend": "cuda" if DEVICE.type == "cuda" else "cpu_mock", "max_tokens": MAX,
              "num_stages": STAGES, "router_logits_width": WIDTH if LOGITS else 0, "timeout": SPEC["timeout"],
              "poll_mode": "blocking", "custom_ops": SPEC.get("custom_ops", "auto")}
     return types.SimpleNamespace(
@@ -179,7 +183,8 @@ def attention_step(conn, cp, step):
             sent_x.append((x, logits))
         for s in range(STAGES):
             x, logits = sent_x[s]
-            xs, ls = x.float().numpy().copy(), logits.float().numpy()  # before x is overwritten
+            # before x is overwritten
+            xs, ls = x.float().cpu().numpy().copy(), logits.float().cpu().numpy()
             ref = x  # the runner passes the tensor it sent as ref_tensor
             in_place = layer == IN_PLACE_LAYER and (s == 0 or not LOGITS)
             if in_place:  # or received in place
@@ -187,7 +192,7 @@ def attention_step(conn, cp, step):
             ptr = ref.data_ptr()
             if step == 0 and layer == 0 and s == 0:
                 expect_error(ValueError, ["ref_tensor"], conn.recv_ffn_output,
-                             torch.empty(len(x) + 1, H, dtype=BF16), s)
+                             torch.empty(len(x) + 1, H, dtype=BF16, device=DEVICE), s)
             if step == 0 and in_place and s == 0 and not LOGITS:  # the lanes decline these
                 other = len(x) - 1 if len(x) > 1 else 2
                 expect_error(ValueError, ["ref_tensor"], conn.recv_ffn_output,
@@ -200,8 +205,9 @@ def attention_step(conn, cp, step):
                 assert out.data_ptr() == ptr and out is ref, "ref_tensor storage not reused"
             fs = [RANK // RATIO] if TOPO == "subgroup" else range(F)
             want = sum(2 * xs + (f + 1) + (ls[:, :1] if LOGITS else 0) for f in fs)
-            got = out.float().numpy()
+            got = out.float().cpu().numpy()
             assert out.dtype == BF16 and got.shape == want.shape, (out.dtype, got.shape)
+            assert out.device == DEVICE, out.device  # on the caller's device
             np.testing.assert_array_equal(got, want)
 
 
@@ -219,7 +225,7 @@ def declined_sends(conn, x, ctx):
                  conn.send_buffer(0)[:n].view(torch.float16), ctx)
     expect_error(ValueError, ["router_logits", "router_logits_width=0"],
                  conn.send_attn_output, conn.send_buffer(0)[:n], ctx,
-                 router_logits=torch.zeros(n, WIDTH, dtype=BF16))
+                 router_logits=torch.zeros(n, WIDTH, dtype=BF16, device=DEVICE))
 
 
 def count_python_path(conn):
@@ -285,6 +291,7 @@ def ffn(conn):
                     assert md.seq_lens == [sent(step, s, a) for a in served], md.seq_lens
                     assert md.seq_lens == [cp.expected_tokens(s, a) for a in served]
                     want = [data(step, layer, s, a) for a in served]
+                    assert got.hidden_states.device == DEVICE, got.hidden_states.device
                     assert torch.equal(got.hidden_states, torch.cat([w[0] for w in want]))
                     lg = got.router_logits
                     if LOGITS:
@@ -318,7 +325,7 @@ def main():
     assert sv.PLUGIN_BASE, "the stand-in (or the plugin) should be importable here"
     conn = make_connector()
     assert not conn.is_initialized
-    x = torch.zeros(1, H, dtype=BF16)
+    x = torch.zeros(1, H, dtype=BF16, device=DEVICE)
     ctx = sv.AFDTransferContext(metadata=sv.AFDTransferMetadata(0, 0, [1]))
     expect_error(RuntimeError, ["not initialised"], conn.send_attn_output, x, ctx)
     expect_error(RuntimeError, ["not initialised"], conn.recv_attn_output, 0)
@@ -336,7 +343,8 @@ def main():
         # every call goes through the ops: the receives in recv_buffer(s), the
         # sends from send_buffer(s) without logits; the rest the Python path's.
         total = STEPS * LAYERS * STAGES
-        lanes = SPEC.get("custom_ops") != "always" and LAYERS > IN_PLACE_LAYER
+        lanes = (SPEC.get("custom_ops") != "always" and LAYERS > IN_PLACE_LAYER
+                 and DEVICE.type == "cpu")  # CUDA calls are stream-ordered: the Python path
         in_place = STEPS * (STAGES if not LOGITS else 1) if lanes else 0
         want = {"send": total - (in_place if not LOGITS else 0), "recv": total - in_place}
         assert python_path == want, (python_path, want)
