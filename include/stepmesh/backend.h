@@ -116,7 +116,11 @@ class STEPMESH_EXPORT Stream {
   // increments) are recorded instead of run, and host code between them is not
   // part of the graph; EndCapture returns what was recorded. Events cannot be
   // recorded and the stream cannot be synchronised while capturing
-  // (FAILED_PRECONDITION). cpu_mock models it; on CUDA capture with CUDA itself
+  // (FAILED_PRECONDITION). While any stream of a backend captures, its
+  // allocations (Backend::Allocate, CreateHostFlag) are refused and break the
+  // capture, whose EndCapture then fails: CUDA's global capture mode (the
+  // default, torch.cuda.graph's) refuses cudaMalloc / cudaHostAlloc on every
+  // thread. cpu_mock models it; on CUDA capture with CUDA itself
   // (torch.cuda.graph, cudaStreamBeginCapture on NativeCudaStream): these
   // return UNIMPLEMENTED there.
   virtual absl::Status BeginCapture() {

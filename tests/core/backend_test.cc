@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <catch2/catch.hpp>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -180,6 +181,50 @@ TEST_CASE("cpu_mock capture records stream ops, a launch replays exactly those, 
   CHECK(order.size() == 10);
   for (size_t i = 0; i < order.size(); ++i) CHECK(order[i] == (i % 2 == 0 ? 1 : 2));
   CHECK(absl::IsInvalidArgument(replay->IncrementCounter(nullptr)));
+}
+
+TEST_CASE("cpu_mock: an allocation while a stream captures is refused and breaks the capture",
+          "[backend]") {
+  // CUDA's global capture mode (torch.cuda.graph's default) refuses cudaMalloc
+  // and cudaHostAlloc from any thread while a capture is in progress, and the
+  // capture then fails at its end: the mock is no more permissive.
+  auto backend = CreateCpuMockBackend();
+  auto capture = *backend->CreateStream();
+  auto other = *backend->CreateStream();
+  int64_t go = 0;
+  REQUIRE(capture->BeginCapture().ok());
+  REQUIRE(capture->IncrementCounter(&go).ok());
+  absl::StatusOr<std::unique_ptr<Memory>> memory = backend->Allocate(64, MemoryKind::kHostMapped);
+  CHECK(absl::IsFailedPrecondition(memory.status()));
+  CHECK_THAT(std::string(memory.status().message()),
+             Catch::Contains("Allocate(64 bytes) while a stream was being captured"));
+  std::thread elsewhere([&] {  // another thread: refused too (global mode)
+    CHECK(absl::IsFailedPrecondition(backend->CreateHostFlag().status()));
+  });
+  elsewhere.join();
+  REQUIRE(other->CopyAsync(&go, &go, 0).ok());  // stream work elsewhere is fine
+  absl::StatusOr<std::unique_ptr<StreamGraph>> graph = capture->EndCapture();
+  CHECK(absl::IsFailedPrecondition(graph.status()));
+  CHECK_THAT(std::string(graph.status().message()),
+             Catch::Contains("invalidated by Allocate(64 bytes)"));
+  CHECK_FALSE(capture->IsCapturing());
+  // Allocated before the capture, the same work captures and replays.
+  auto flag = *backend->CreateHostFlag();
+  memory = backend->Allocate(64, MemoryKind::kHostMapped);
+  REQUIRE(memory.ok());
+  REQUIRE(capture->BeginCapture().ok());
+  REQUIRE(capture->IncrementCounter(&go).ok());
+  REQUIRE(capture->SignalHostFlag(*flag, 7).ok());
+  graph = capture->EndCapture();
+  REQUIRE(graph.ok());
+  REQUIRE((*graph)->Launch(*other).ok());
+  REQUIRE(other->Synchronize(absl::Seconds(5)).ok());
+  CHECK(std::atomic_ref<int64_t>(go).load() == 1);
+  CHECK(flag->Load() == 7);
+  // A stream destroyed mid-capture leaves no capture behind.
+  REQUIRE(other->BeginCapture().ok());
+  other.reset();
+  CHECK(backend->Allocate(64, MemoryKind::kHostMapped).ok());
 }
 
 TEST_CASE("cpu_mock: a replayed WaitCounterAtLeast(done, go) waits for that replay's go",

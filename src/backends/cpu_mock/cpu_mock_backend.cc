@@ -4,16 +4,23 @@
 // Graph capture is modelled too: while a stream captures, its operations are
 // recorded instead of run (host code between them is not part of the graph),
 // and a launch re-enqueues exactly those operations on a stream, where they
-// run asynchronously like any other work.
+// run asynchronously like any other work. As in CUDA's default (global)
+// capture mode, which torch.cuda.graph uses, an allocation (Allocate,
+// CreateHostFlag: cudaMalloc / cudaHostAlloc on CUDA) while any stream of the
+// backend captures is refused and breaks every capture in progress: their
+// EndCapture fails.
 
 #include <atomic>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -84,12 +91,52 @@ class MockHostFlag final : public HostFlag {
   const std::shared_ptr<FlagWord> word_ = std::make_shared<FlagWord>();
 };
 
+// The backend's captures in progress, and what broke each (empty: nothing).
+// Its own lock, never held while taking a stream's.
+class Captures {
+ public:
+  void Begin(const void* stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    active_.emplace_back(stream, std::string());
+  }
+  // What broke the stream's capture ("" when nothing did); forgets it.
+  std::string End(const void* stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < active_.size(); ++i) {
+      if (active_[i].first != stream) continue;
+      std::string broken = std::move(active_[i].second);
+      active_.erase(active_.begin() + static_cast<std::ptrdiff_t>(i));
+      return broken;
+    }
+    return std::string();
+  }
+  // FAILED_PRECONDITION, and every capture in progress broken, when one is.
+  absl::Status Unsafe(absl::string_view call) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (active_.empty()) return absl::OkStatus();
+    const std::string what = absl::StrCat(call, " while a stream was being captured");
+    for (auto& [stream, broken] : active_) {
+      if (broken.empty()) broken = what;
+    }
+    return absl::FailedPreconditionError(
+        absl::StrCat("cpu_mock: ", what,
+                     " (CUDA refuses allocations during a global-mode capture, "
+                     "torch.cuda.graph's, and invalidates it): allocate before capturing"));
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::pair<const void*, std::string>> active_;
+};
+
 class MockStream final : public Stream {
  public:
-  explicit MockStream(absl::Duration injected_delay) : injected_delay_(injected_delay) {
+  MockStream(absl::Duration injected_delay, std::shared_ptr<Captures> captures)
+      : injected_delay_(injected_delay), captures_(std::move(captures)) {
     worker_ = base::StartNamedThread("sm-mock-stream", {}, [this] { Run(); });
   }
   ~MockStream() override {
+    (void)captures_->End(this);  // a capture never ended
     {
       std::lock_guard<std::mutex> lock(mu_);
       stopping_ = true;
@@ -142,10 +189,13 @@ class MockStream final : public Stream {
   }
 
   absl::Status BeginCapture() override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (capturing_) return absl::FailedPreconditionError("BeginCapture: already capturing");
-    capturing_ = true;
-    captured_.clear();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (capturing_) return absl::FailedPreconditionError("BeginCapture: already capturing");
+      capturing_ = true;
+      captured_.clear();
+    }
+    captures_->Begin(this);
     return absl::OkStatus();
   }
   absl::StatusOr<std::unique_ptr<StreamGraph>> EndCapture() override;
@@ -255,6 +305,7 @@ class MockStream final : public Stream {
   }
 
   const absl::Duration injected_delay_;
+  const std::shared_ptr<Captures> captures_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> queue_;
@@ -291,6 +342,11 @@ absl::StatusOr<std::unique_ptr<StreamGraph>> MockStream::EndCapture() {
     capturing_ = false;
     ops.swap(captured_);
   }
+  const std::string broken = captures_->End(this);
+  if (!broken.empty()) {  // cudaErrorStreamCaptureInvalidated
+    return absl::FailedPreconditionError(
+        absl::StrCat("EndCapture: the capture was invalidated by ", broken));
+  }
   return std::unique_ptr<StreamGraph>(std::make_unique<MockGraph>(std::move(ops)));
 }
 
@@ -325,6 +381,10 @@ class CpuMockBackend final : public Backend {
   Device device() const override { return Device::Cpu(); }
 
   absl::StatusOr<std::unique_ptr<Memory>> Allocate(size_t bytes, MemoryKind) override {
+    if (absl::Status unsafe = captures_->Unsafe(absl::StrCat("Allocate(", bytes, " bytes)"));
+        !unsafe.ok()) {
+      return unsafe;
+    }
     const size_t rounded = (std::max<size_t>(bytes, 1) + kAlignment - 1) / kAlignment * kAlignment;
     void* data = std::aligned_alloc(kAlignment, rounded);
     if (data == nullptr) {
@@ -334,12 +394,13 @@ class CpuMockBackend final : public Backend {
     return std::make_unique<HostMemory>(data, bytes);
   }
   absl::StatusOr<std::unique_ptr<Stream>> CreateStream() override {
-    return std::make_unique<MockStream>(options_.injected_delay);
+    return std::make_unique<MockStream>(options_.injected_delay, captures_);
   }
   absl::StatusOr<std::unique_ptr<Event>> CreateEvent() override {
     return std::make_unique<MockEvent>();
   }
   absl::StatusOr<std::unique_ptr<HostFlag>> CreateHostFlag() override {
+    if (absl::Status unsafe = captures_->Unsafe("CreateHostFlag"); !unsafe.ok()) return unsafe;
     return std::make_unique<MockHostFlag>();
   }
   absl::Status Copy(void* dst, const void* src, size_t bytes) override {
@@ -352,6 +413,7 @@ class CpuMockBackend final : public Backend {
 
  private:
   const CpuMockOptions options_;
+  const std::shared_ptr<Captures> captures_ = std::make_shared<Captures>();
 };
 
 }  // namespace
