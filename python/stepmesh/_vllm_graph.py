@@ -44,11 +44,14 @@ class GraphMode:
             return self._capture_stream
         return torch.cuda.current_stream(self._device).cuda_stream
 
-    def _ensure_trigger(self) -> Any:
+    def _make_trigger(self) -> None:
+        """The trigger that posts captured sends, made before any capture: its
+        words are an allocation (cudaHostAlloc on CUDA), which CUDA refuses while
+        a stream captures in global mode (torch.cuda.graph's) and which breaks
+        that capture (cpu_mock refuses it too). Its thread sleeps until a slot
+        is armed."""
         if self._trigger is None:
-            self._trigger = self._live("attention").create_trigger(timeout=self._timeout)
-            self._fast = None  # from now on every call runs the trigger's checks
-        return self._trigger
+            self._trigger = self._node.create_trigger(timeout=self._timeout)
 
     def _send_graph(self, hidden_states, router_logits, layer_idx: int, s: int) -> None:
         """Captured send: the copy in and the go increment are stream work, the
@@ -84,7 +87,14 @@ class GraphMode:
                              "(connector_extra_config.router_logits_width is 0)")
         self._meta_bufs[s][2] = self._flags  # [0], the layer, is the trigger's
         plan.set_rows(0, n)
-        trigger = self._ensure_trigger()
+        trigger = self._trigger
+        if trigger is None:  # a CUDA capture (graph_capture() makes it for cpu_mock)
+            raise RuntimeError(
+                f"{NAME}: send_attn_output inside a CUDA graph capture, but the connector was "
+                "initialised with model_config.enforce_eager=True: the trigger that posts a "
+                "graph's sends is made by init_afd_connector() unless enforce_eager (CUDA "
+                "refuses its allocation during a capture)")
+        self._fast = None  # from now on every call runs the trigger's checks
         try:
             slot = trigger.arm(plan.trigger_target(),
                                [(self._meta_tensors[s].data_ptr(), int(layer_idx))])
@@ -155,6 +165,7 @@ class StepMeshGraphCapture:
 
     def __init__(self, connector: StepMeshAFDConnector) -> None:
         self.connector = connector
+        connector._make_trigger()  # before the capture: an allocation
         self.stream = connector.graph_stream()
         self.graph: Any = None
 

@@ -167,8 +167,8 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
             width = int(getattr(hf, "n_routed_experts", 0) or getattr(hf, "num_experts", 0) or 0)
         self.router_logits_width = width
         self._logit_row_bytes = 4 * width  # room for float32 logits; bf16 uses half
-        # Graph mode, recorded (buffers are always preallocated, so eager and
-        # graph mode take the same path here).
+        # Graph mode: buffers are always preallocated; unless enforce_eager the
+        # attention side makes its graph trigger at init_afd_connector().
         self.enforce_eager = bool(_attr(vllm_config, "model_config.enforce_eager", False))
         self.compilation_config = _attr(vllm_config, "compilation_config")
         # Mesh placement.
@@ -279,6 +279,12 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
         if self.role == "ffn" and self.mesh_rank == 0:
             self._scheduler = stepmesh.Scheduler(options.copy(role="scheduler"))
         join_mesh(self, self.role == "attention", options)
+        if self.role == "attention" and not self.enforce_eager:
+            try:  # vLLM will capture graphs: the trigger is made now, not inside a capture
+                self._make_trigger()
+            except BaseException:
+                self._teardown()
+                raise
         self._id = _vllm_ops._NEXT_ID[0]
         _vllm_ops._NEXT_ID[0] += 1
         _vllm_ops._CONNECTORS[self._id] = self

@@ -9,7 +9,11 @@ layer index; each reports how many batches it served.
 VLLM_GRAPH_SPEC: role, rank, A, F, topology, port, replays, standin, mode
 ("normal", or "lost": FFN rank 1 kills itself when replay LOST_AT's control
 payload arrives; the attention ranks' replay LOST_AT is released, not hung,
-and their next host call raises naming FFN rank 1)."""
+and their next host call raises naming FFN rank 1), device ("cpu": cpu_mock
+and graph_capture(), the default; "cuda": backend=cuda, CUDA tensors, one
+torch.cuda.graph capture in torch's default global mode, as vLLM's), eager
+(steps run eagerly before the capture, default 0; the attention ranks then
+print the median eager step and replay times, "step_us")."""
 import json
 import os
 import signal
@@ -31,6 +35,10 @@ H, MAX, STAGES, WIDTH, LAYERS = 16, 12, 2, 8, 2
 BF16 = torch.bfloat16
 RATIO = A // F if TOPO == "subgroup" else A
 MODE = SPEC.get("mode", "normal")
+# cuda:0, not "cuda": a tensor's device has its index, and torch.device("cuda") != it.
+DEVICE = torch.device("cuda", 0) if SPEC.get("device") == "cuda" else torch.device("cpu")
+EAGER = SPEC.get("eager", 0)
+assert MODE == "normal" or (EAGER == 0 and DEVICE.type == "cpu"), SPEC
 LOST_AT = 10
 TIMEOUT = 5.0 if MODE == "lost" else 10.0
 
@@ -69,7 +77,8 @@ def reference(replay, stage, a):
 
 
 def connector():
-    extra = {"topology": TOPO, "transport": "tcp", "backend": "cpu_mock", "max_tokens": MAX,
+    extra = {"topology": TOPO, "transport": "tcp",
+             "backend": "cuda" if DEVICE.type == "cuda" else "cpu_mock", "max_tokens": MAX,
              "num_stages": STAGES, "router_logits_width": WIDTH, "timeout": TIMEOUT,
              "poll_mode": "blocking"}
     vcfg = types.SimpleNamespace(
@@ -93,11 +102,12 @@ def attention(conn):
     Ctx, Meta = sv.AFDTransferContext, sv.AFDTransferMetadata
     cp = conn.control_plane
     # Static buffers, as a captured model has: inputs, logits, per-layer outputs.
-    x_in = [inputs(0, s, RANK)[0].clone() for s in range(STAGES)]
-    lg_in = [inputs(0, s, RANK)[1].clone() for s in range(STAGES)]
-    outs = [[torch.zeros(tokens(s, RANK), H, dtype=BF16) for s in range(STAGES)]
+    x_in = [inputs(0, s, RANK)[0].to(DEVICE) for s in range(STAGES)]
+    lg_in = [inputs(0, s, RANK)[1].to(DEVICE) for s in range(STAGES)]
+    outs = [[torch.zeros(tokens(s, RANK), H, dtype=BF16, device=DEVICE) for s in range(STAGES)]
             for _ in range(LAYERS)]
-    with conn.graph_capture() as g:
+
+    def step():  # one decode step's sends and receives, as the model's forward makes them
         for layer in range(LAYERS):
             for s in range(STAGES):
                 src = x_in[s] if layer == 0 else outs[layer - 1][s]
@@ -106,9 +116,48 @@ def attention(conn):
             for s in range(STAGES):
                 out = conn.recv_ffn_output(outs[layer][s], ubatch_idx=s)
                 assert out is outs[layer][s]
+
+    def load_inputs(r):  # step r's inputs into the static tensors
+        for s in range(STAGES):
+            x, lg = inputs(r, s, RANK)
+            x_in[s].copy_(x)
+            lg_in[s].copy_(lg)
+            for layer in range(LAYERS):
+                outs[layer][s].fill_(-99)
+
+    def check(r):
+        for s in range(STAGES):
+            want0, want1 = reference(r, s, RANK)
+            np.testing.assert_array_equal(outs[0][s].float().cpu().numpy(), want0, f"step {r}")
+            np.testing.assert_array_equal(outs[1][s].float().cpu().numpy(), want1, f"step {r}")
+
+    sync = torch.cuda.synchronize if DEVICE.type == "cuda" else (lambda: None)
+    eager_us = []
+    for r in range(EAGER):  # vLLM runs eagerly (warm-up) before it captures
+        cp.send_dp_metadata_list(payload())
+        load_inputs(r)
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        eager_us.append((time.perf_counter() - t0) * 1e6)
+        check(r)
+    if DEVICE.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # capture_error_mode "global", as vLLM's
+            step()
+        replay = graph.replay
+    else:
+        with conn.graph_capture() as g:
+            step()
+        assert len(g.graph) > 0
+        replay = g.replay
+
+        def sync():
+            g.synchronize(4 * TIMEOUT)  # never hangs: a failed send releases the stream
     assert conn._trigger.posts == 0, "capturing posted a send"
-    assert len(g.graph) > 0
-    for r in range(REPLAYS):
+    replay_us = []
+    for r in range(EAGER, EAGER + REPLAYS):
         if MODE == "lost" and r == LOST_AT + 1:
             t0 = time.monotonic()
             try:
@@ -120,25 +169,25 @@ def attention(conn):
                 return
             raise AssertionError("the failed device-triggered send was not raised")
         cp.send_dp_metadata_list(payload())  # host code per step, as vLLM's runner
-        for s in range(STAGES):  # this replay's inputs into the captured tensors
-            x, lg = inputs(r, s, RANK)
-            x_in[s].copy_(x)
-            lg_in[s].copy_(lg)
-            for layer in range(LAYERS):
-                outs[layer][s].fill_(-99)
-        g.replay()
-        g.synchronize(4 * TIMEOUT)  # never hangs: a failed send releases the stream
+        load_inputs(r)
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        replay()
+        sync()
+        replay_us.append((time.perf_counter() - t0) * 1e6)
         if MODE == "lost" and r >= LOST_AT:
             continue
-        for s in range(STAGES):
-            want0, want1 = reference(r, s, RANK)
-            np.testing.assert_array_equal(outs[0][s].float().numpy(), want0, f"replay {r}")
-            np.testing.assert_array_equal(outs[1][s].float().numpy(), want1, f"replay {r}")
+        check(r)
     if MODE == "lost":
         raise AssertionError("FFN rank 1's loss was not detected")
     posts = conn._trigger.posts
     assert posts == REPLAYS * LAYERS * STAGES, posts
     log(f"replays {REPLAYS} posts {posts}")
+    if EAGER:
+        log(f"step_us ({LAYERS} layers x {STAGES} stages, {DEVICE.type}): eager p50 "
+            f"{np.median(eager_us):.1f} over {EAGER}, replay p50 {np.median(replay_us):.1f} "
+            f"p90 {np.percentile(replay_us, 90):.1f} over {REPLAYS}")
 
 
 def ffn(conn):
@@ -146,7 +195,7 @@ def ffn(conn):
     served = list(range(RANK * RATIO, (RANK + 1) * RATIO)) if TOPO == "subgroup" else list(range(A))
     spec = sv.AFDExpertRoutingSpec(router_logits_width=WIDTH, router_logits_dtype=BF16)
     batches = 0
-    for r in range(REPLAYS):
+    for r in range(EAGER + REPLAYS):
         try:
             p = cp.recv_dp_metadata_list()
         except (ConnectionError, TimeoutError) as e:
@@ -175,9 +224,10 @@ def ffn(conn):
                     if layer == 1:
                         x = torch.from_numpy(reference(r, s, a)[0]).to(BF16)
                     want.append((x, lg))
-                assert torch.equal(got.hidden_states, torch.cat([w[0] for w in want])), \
-                    f"replay {r} layer {layer} stage {s}: wrong hidden states"
-                assert torch.equal(got.router_logits, torch.cat([w[1] for w in want]))
+                assert got.hidden_states.device == DEVICE, got.hidden_states.device
+                assert torch.equal(got.hidden_states.cpu(), torch.cat([w[0] for w in want])), \
+                    f"step {r} layer {layer} stage {s}: wrong hidden states"
+                assert torch.equal(got.router_logits.cpu(), torch.cat([w[1] for w in want]))
                 conn.send_ffn_output(ffn_fn(got.hidden_states, got.router_logits, RANK),
                                      got.context)
                 batches += 1

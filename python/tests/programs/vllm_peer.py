@@ -35,7 +35,8 @@ H, MAX, STAGES, WIDTH = 16, 12, 2, 8
 BF16 = torch.bfloat16
 RATIO = A // F if TOPO == "subgroup" else A
 LOGITS = SPEC.get("logits", True)
-DEVICE = torch.device(SPEC.get("device", "cpu"))
+# cuda:0, not "cuda": a tensor's device has its index, and torch.device("cuda") != it.
+DEVICE = torch.device("cuda", 0) if SPEC.get("device") == "cuda" else torch.device("cpu")
 IN_PLACE_LAYER = 1  # sent from send_buffer(s) (and, without logits, received in recv_buffer(s))
 
 
