@@ -117,10 +117,11 @@ class STEPMESH_EXPORT Stream {
   // part of the graph; EndCapture returns what was recorded. Events cannot be
   // recorded and the stream cannot be synchronised while capturing
   // (FAILED_PRECONDITION). While any stream of a backend captures, its
-  // allocations (Backend::Allocate, CreateHostFlag) are refused and break the
-  // capture, whose EndCapture then fails: CUDA's global capture mode (the
-  // default, torch.cuda.graph's) refuses cudaMalloc / cudaHostAlloc on every
-  // thread. cpu_mock models it; on CUDA capture with CUDA itself
+  // allocations (Backend::Allocate, CreateHostFlag) are refused on every
+  // thread and break the capture, whose EndCapture then fails: CUDA's global
+  // capture mode (the default, torch.cuda.graph's) refuses cudaMalloc /
+  // cudaHostAlloc process-wide; cpu_mock models it per backend object. On
+  // CUDA capture with CUDA itself
   // (torch.cuda.graph, cudaStreamBeginCapture on NativeCudaStream): these
   // return UNIMPLEMENTED there.
   virtual absl::Status BeginCapture() {

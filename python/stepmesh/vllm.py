@@ -464,7 +464,7 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
                         f"{self.router_logits_width} x 4 bytes)")
         if self._lanes.pending(s) is not None:
             raise RuntimeError(f"stage {s}: recv_ffn_output() of the previous send is pending")
-        if self._trigger is not None:  # graph mode was used: its checks
+        if self._trigger is not None:  # graph mode on (a trigger): a replay's failure, raised
             self._check_trigger("send_attn_output")
             if s in self._graph_pending:
                 raise RuntimeError(f"stage {s}: recv_ffn_output() of the previous (captured) "
@@ -542,7 +542,7 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
             s = self._stage(s, "ubatch_idx")
         n = self._lanes.pending(s)
         graph = False
-        if self._trigger is not None:  # graph mode was used: its checks
+        if self._trigger is not None:  # graph mode on (a trigger): a replay's failure, raised
             self._check_trigger("recv_ffn_output")
             if s in self._graph_pending:
                 n, graph = self._graph_pending[s][1], True

@@ -324,7 +324,7 @@ GRAPH_PEER = os.path.join(HERE, "programs", "vllm_graph_peer.py")
 
 
 def run_graph_mesh(runner, A, F, topology, replays=100, mode="normal", device="cpu", eager=0,
-                   timeout_s=120):
+                   enforce_eager=False, timeout_s=120):
     """vllm_graph_peer.py's mesh: F FFN ranks, then A attention ranks."""
     def make(port):
         children = []
@@ -332,7 +332,7 @@ def run_graph_mesh(runner, A, F, topology, replays=100, mode="normal", device="c
             for r in range(n):
                 spec = dict(role=role, rank=r, A=A, F=F, topology=topology, port=port,
                             replays=replays, standin=STANDIN, mode=mode, device=device,
-                            eager=eager)
+                            eager=eager, enforce_eager=enforce_eager)
                 children.append({"program": GRAPH_PEER,
                                  "env": {"VLLM_GRAPH_SPEC": json.dumps(spec)}})
         return children
@@ -353,15 +353,17 @@ def check_graph_run(results, F, replays, eager, report):
         assert f"replays {replays} posts {replays * 4}" in r["output"], report
 
 
-@pytest.mark.parametrize("A,F,topology", [(2, 1, "subgroup"), (2, 2, "all_to_all")])
-def test_graph_capture_replays_post_every_send(runner, A, F, topology):
+@pytest.mark.parametrize("A,F,topology,enforce_eager", [
+    (2, 1, "subgroup", False), (2, 2, "all_to_all", False), (2, 1, "subgroup", True)])
+def test_graph_capture_replays_post_every_send(runner, A, F, topology, enforce_eager):
     """Graph mode on cpu_mock: one captured step (2 layers x 2 stages of
     send + receive), replayed 100 times; every replay's outputs checked against
     numpy, and every FFN rank serves 100 x 4 batches. With the sends posted
     from host code at capture (the ops' old path) a replay sends nothing; with
     the trigger made inside the capture (an allocation, which CUDA and now
-    cpu_mock refuse while capturing) the capture breaks."""
-    results, _, report = run_graph_mesh(runner, A, F, topology)
+    cpu_mock refuse while capturing) the capture breaks. The trigger comes from
+    init_afd_connector(), or with enforce_eager from graph_capture()."""
+    results, _, report = run_graph_mesh(runner, A, F, topology, enforce_eager=enforce_eager)
     check_graph_run(results, F, 100, 0, report)
 
 
@@ -374,7 +376,7 @@ def test_cuda_graph_capture_replays_100_times(runner, A, F, topology):
     peers print the eager step's and the replay's median time (docs/cuda.md).
     Needs a _stepmesh built for the GPU host's python (docs/cuda.md)."""
     results, _, report = run_graph_mesh(runner, A, F, topology, device="cuda", eager=20,
-                                        timeout_s=240)
+                                        timeout_s=90)
     check_graph_run(results, F, 100, 20, report)
     for r in results[F:]:
         print(next(line for line in r["output"].splitlines() if "step_us" in line))

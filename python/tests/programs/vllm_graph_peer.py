@@ -13,7 +13,9 @@ and their next host call raises naming FFN rank 1), device ("cpu": cpu_mock
 and graph_capture(), the default; "cuda": backend=cuda, CUDA tensors, one
 torch.cuda.graph capture in torch's default global mode, as vLLM's), eager
 (steps run eagerly before the capture, default 0; the attention ranks then
-print the median eager step and replay times, "step_us")."""
+print the median eager step and replay times, "step_us"), enforce_eager
+(model_config's, default False: the trigger is made at init; True on cpu_mock:
+by graph_capture())."""
 import json
 import os
 import signal
@@ -83,7 +85,7 @@ def connector():
              "poll_mode": "blocking"}
     vcfg = types.SimpleNamespace(
         model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(hidden_size=H),
-                                           dtype=BF16, enforce_eager=False),
+                                           dtype=BF16, enforce_eager=SPEC.get("enforce_eager", False)),
         scheduler_config=types.SimpleNamespace(max_num_batched_tokens=4096),
         compilation_config=types.SimpleNamespace(cudagraph_mode="FULL"),
         additional_config={"afd": {"connector": sv.NAME, "connector_extra_config": extra}})

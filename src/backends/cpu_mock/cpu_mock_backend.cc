@@ -92,7 +92,9 @@ class MockHostFlag final : public HostFlag {
 };
 
 // The backend's captures in progress, and what broke each (empty: nothing).
-// Its own lock, never held while taking a stream's.
+// Streams call in holding their own lock; this one never takes a stream's.
+// Per backend (no process-wide state): CUDA's global mode spans the process,
+// and in-process meshes here each have their own backend.
 class Captures {
  public:
   void Begin(const void* stream) {
@@ -189,12 +191,10 @@ class MockStream final : public Stream {
   }
 
   absl::Status BeginCapture() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (capturing_) return absl::FailedPreconditionError("BeginCapture: already capturing");
-      capturing_ = true;
-      captured_.clear();
-    }
+    std::lock_guard<std::mutex> lock(mu_);  // then the registry's: it never takes a stream's
+    if (capturing_) return absl::FailedPreconditionError("BeginCapture: already capturing");
+    capturing_ = true;
+    captured_.clear();
     captures_->Begin(this);
     return absl::OkStatus();
   }
@@ -335,14 +335,15 @@ class MockGraph final : public StreamGraph {
 
 absl::StatusOr<std::unique_ptr<StreamGraph>> MockStream::EndCapture() {
   std::vector<std::function<void()>> ops;
+  std::string broken;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!capturing_)
       return absl::FailedPreconditionError("EndCapture: the stream is not capturing");
     capturing_ = false;
     ops.swap(captured_);
+    broken = captures_->End(this);
   }
-  const std::string broken = captures_->End(this);
   if (!broken.empty()) {  // cudaErrorStreamCaptureInvalidated
     return absl::FailedPreconditionError(
         absl::StrCat("EndCapture: the capture was invalidated by ", broken));
