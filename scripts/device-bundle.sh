@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Packs the GPU checks (issues 3, 5, 16, 19, 20 and 31) for a lent GPU machine. Its image has
+# Packs the GPU checks (issues 3, 5, 16, 19, 20, 28 and 31) for a lent GPU machine. Its image has
 # CUDA but none of stepmesh's C++ dependencies (Abseil, hwloc, rdma-core,
 # Catch2) and nothing can be installed there, so the test programs are built
 # here (nvcc, sm_90) and carried with the shared libraries they need.
@@ -20,7 +20,7 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DSTEPMESH_BUILD_TESTS=ON -DSTEPMESH_BUILD_BENCHMARKS=ON -DSTEPMESH_BUILD_EXAMPLES=ON \
   -DSTEPMESH_ENABLE_CUDA=ON -DSTEPMESH_ENABLE_RDMA=ON >/dev/null
 cmake --build "$build" -j "$jobs" --target cuda_gpu_tests cuda_graph_trigger_gpu_test cuda_latency cuda_probe stepmesh_doctor \
-  model_gpu_tests step5_gpu_tests afd_launch afd_attention afd_ffn
+  model_gpu_tests step5_gpu_tests afd_launch afd_attention afd_ffn _stepmesh
 
 # afd_launch starts afd_attention and afd_ffn from its own directory.
 programs=("$build/tests/cuda/cuda_gpu_tests" "$build/tests/cuda/cuda_graph_trigger_gpu_test"
@@ -40,4 +40,17 @@ for program in "${programs[@]}"; do
   ldd "$program" | awk '$3 ~ /^\// {print $3}'
 done | sort -u | grep -v -E '/(libc|libm|libdl|libpthread|librt|libgcc_s|libstdc\+\+)\.so|/usr/local/cuda' |
   while read -r library; do cp -L "$library" "$bundle/lib/"; done
+# The Python package's parts (issue 28). The device's python3 is another
+# CPython (3.12) than the one this build's module is for, so
+# benchmarks/gpu/build_python_module.sh compiles the binding there, linking what
+# the module's link line here names: the archives (libstepmesh.a, Abseil's,
+# CUDA's static runtime) and shared libraries, carried, in link.txt.
+module=$(cd "$build" && ls python/stepmesh/_stepmesh*.so)  # for the build's interpreter
+mkdir -p "$bundle/python/lib" "$bundle/python/include"
+cp -r /usr/include/absl /usr/include/pybind11 "$bundle/python/include/"
+ldd "$build/$module" | awk '$3 ~ /^\// {print $3}' |
+  grep -v -E '/(libc|libm|libdl|libpthread|librt|libgcc_s|libstdc\+\+)\.so|/usr/local/cuda' |
+  while read -r library; do cp -L "$library" "$bundle/lib/"; done
+ninja -C "$build" -t commands "$module" | tail -1 |
+  /usr/bin/python3 scripts/device-bundle-link.py "$build" "$bundle" > "$bundle/python/link.txt"
 echo "device bundle: $(du -sh "$bundle" | cut -f1) in $bundle ($(ls "$bundle/lib" | wc -l) libraries)"

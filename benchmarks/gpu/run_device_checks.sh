@@ -40,10 +40,19 @@
 #   cuda_graph_trigger one captured CUDA graph [copy in, go increment, wait
 #                    done >= go, copy out] replayed 100 times, a stepmesh::Trigger
 #                    posting once per replay; bytes checked each replay
+#   python_module    the Python package built for the device's python3 (CPython
+#                    3.12, torch 2.11) by build_python_module.sh out of the bundle
+#   vllm_cuda        the vLLM connector's GPU tests (python/tests/test_vllm_connector.py
+#                    -k cuda): the contract with CUDA tensors on backend=cuda, and one
+#                    torch.cuda.graph capture of the step's send/receive ops replayed
+#                    100 times (eager and replay step times printed: "step_us")
+#   gpu_streams      python/tests/gpu_streams.py: the stream= paths with torch CUDA tensors
+#   vllm_torch2      the rest of test_vllm_connector.py on torch 2.11 (custom ops,
+#                    fake implementations, cpu_mock graph mode; CI has torch 1.13)
 # Logs go to $OUT (the device tool brings them back) or .device-bundle/out.
 # Each step has its own time limit; one failing does not stop the others.
 #
-# The limits add up to ~2110 s, more than one device call (600 s) and one
+# The limits add up to ~2920 s, more than one device call (600 s) and one
 # session's device time (900 s with the start), so the checks come in parts,
 # each under 600 s of limits; run the most important first:
 #   run_device_checks.sh backend   cuda_gpu_issue16, cuda_gpu_tests, cuda_latency,
@@ -53,13 +62,16 @@
 #   run_device_checks.sh issue31   cuda_gpu_full, cuda_gpu_conn2, cuda_gpu_conn1,
 #                                  cuda_probe, doctor, cuda_latency_31 (530 s)
 #   run_device_checks.sh graph     cuda_graph_trigger        (60 s)
+#   run_device_checks.sh python    python_module, vllm_cuda, gpu_streams (540 s)
+#   run_device_checks.sh torch2    python_module, vllm_torch2 (420 s)
 #   run_device_checks.sh all       everything (default; only with a long lease)
 set -uo pipefail
 part=${1:-all}
 case $part in
-  all | backend | model | gate-c | issue31 | graph) ;;
+  all | backend | model | gate-c | issue31 | graph | python | torch2) ;;
   *)
-    echo "run_device_checks: unknown part '$part' (all|backend|model|gate-c|issue31|graph)" >&2
+    echo "run_device_checks: unknown part '$part'" \
+      "(all|backend|model|gate-c|issue31|graph|python|torch2)" >&2
     exit 2
     ;;
 esac
@@ -72,6 +84,7 @@ if [[ ! -x $bundle/bin/cuda_gpu_tests ]]; then
   echo "run_device_checks: no $bundle; run scripts/device-bundle.sh first and carry it" >&2
   exit 2
 fi
+own_ld_path=${LD_LIBRARY_PATH:-}  # the machine's: for python3 and torch
 export LD_LIBRARY_PATH="$PWD/$bundle/lib:/usr/local/cuda/lib64:/usr/local/cuda/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 {
   date -u
@@ -123,6 +136,31 @@ if want graph; then
     step cuda_graph_trigger 60 "$bundle/bin/cuda_graph_trigger_gpu_test" --durations yes
   else
     summary+=("cuda_graph_trigger: not in the bundle (rebuild it with scripts/device-bundle.sh)")
+  fi
+fi
+# Issue 28: the vLLM connector on the device's own python3 (torch 2.11), with
+# the package built there (a module built here is for Debian's CPython 3.11).
+if want python || want torch2; then
+  step python_module 150 benchmarks/gpu/build_python_module.sh python3
+  site=$PWD/$bundle/python/site
+  # The machine's library path (the module finds the carried libraries by its
+  # RPATH; the bundle's first would shadow the CUDA libraries torch brings), and
+  # one BLAS / OpenMP thread: fork_runner.py refuses to fork a process with
+  # threads, and pip's numpy starts OpenBLAS's pool at import.
+  pyenv=(env "LD_LIBRARY_PATH=$own_ld_path" "PYTHONPATH=$site" PYTHONDONTWRITEBYTECODE=1
+    PYTHONUNBUFFERED=1 STEPMESH_AUTH=off OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
+    MKL_NUM_THREADS=1)
+  pytest=(python3 -m pytest -q -s -p no:cacheprovider python/tests/test_vllm_connector.py)
+  if [[ -d $site/stepmesh ]] && ls "$site"/stepmesh/_stepmesh*.so > /dev/null 2>&1; then
+    if want python; then
+      # Longer than the four tests' own deadlines (2 x 60 s, 2 x 90 s), so a hung
+      # run's peers are reaped and their output comes back.
+      step vllm_cuda 330 "${pyenv[@]}" "${pytest[@]}" -k cuda
+      step gpu_streams 60 "${pyenv[@]}" python3 python/tests/gpu_streams.py
+    fi
+    want torch2 && step vllm_torch2 270 "${pyenv[@]}" "${pytest[@]}" -k "not cuda"
+  else
+    summary+=("vllm_cuda, gpu_streams, vllm_torch2: not run (python_module failed)")
   fi
 fi
 want model && step model_gpu_tests 300 "$bundle/bin/model_gpu_tests"
