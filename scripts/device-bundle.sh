@@ -34,9 +34,10 @@ mkdir -p "$bundle/bin" "$bundle/lib"
 for program in "${programs[@]}"; do
   objcopy --strip-debug "$program" "$bundle/bin/$(basename "$program")"
 done
+module=$(cd "$build" && ls python/stepmesh/_stepmesh*.so)  # for the build's interpreter
 # Every shared library but the C/C++ runtime (newer on the image) and CUDA's
-# own (the image's toolkit and driver provide those).
-for program in "${programs[@]}"; do
+# own (the image's toolkit and driver provide those), the Python module's too.
+for program in "${programs[@]}" "$build/$module"; do
   ldd "$program" | awk '$3 ~ /^\// {print $3}'
 done | sort -u | grep -v -E '/(libc|libm|libdl|libpthread|librt|libgcc_s|libstdc\+\+)\.so|/usr/local/cuda' |
   while read -r library; do cp -L "$library" "$bundle/lib/"; done
@@ -45,12 +46,8 @@ done | sort -u | grep -v -E '/(libc|libm|libdl|libpthread|librt|libgcc_s|libstdc
 # benchmarks/gpu/build_python_module.sh compiles the binding there, linking what
 # the module's link line here names: the archives (libstepmesh.a, Abseil's,
 # CUDA's static runtime) and shared libraries, carried, in link.txt.
-module=$(cd "$build" && ls python/stepmesh/_stepmesh*.so)  # for the build's interpreter
 mkdir -p "$bundle/python/lib" "$bundle/python/include"
 cp -r /usr/include/absl /usr/include/pybind11 "$bundle/python/include/"
-ldd "$build/$module" | awk '$3 ~ /^\// {print $3}' |
-  grep -v -E '/(libc|libm|libdl|libpthread|librt|libgcc_s|libstdc\+\+)\.so|/usr/local/cuda' |
-  while read -r library; do cp -L "$library" "$bundle/lib/"; done
 ninja -C "$build" -t commands "$module" | tail -1 |
   /usr/bin/python3 scripts/device-bundle-link.py "$build" "$bundle" > "$bundle/python/link.txt"
 echo "device bundle: $(du -sh "$bundle" | cut -f1) in $bundle ($(ls "$bundle/lib" | wc -l) libraries)"

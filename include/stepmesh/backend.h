@@ -118,7 +118,8 @@ class STEPMESH_EXPORT Stream {
   // recorded and the stream cannot be synchronised while capturing
   // (FAILED_PRECONDITION). While any stream of a backend captures, its
   // allocations (Backend::Allocate, CreateHostFlag) are refused on every
-  // thread and break the capture, whose EndCapture then fails: CUDA's global
+  // thread and break the capture, whose later operations and EndCapture then
+  // fail: CUDA's global
   // capture mode (the default, torch.cuda.graph's) refuses cudaMalloc /
   // cudaHostAlloc process-wide; cpu_mock models it per backend object. On
   // CUDA capture with CUDA itself

@@ -57,6 +57,12 @@ class GraphMode:
         """Captured send: the copy in and the go increment are stream work, the
         post is the trigger's (once per replay, the layer index written
         before each); the request is frozen now (token count, logits bytes)."""
+        if self._trigger is None:  # a CUDA capture (graph_capture() makes it for cpu_mock)
+            raise RuntimeError(  # before any stream work: the capture is left as it was
+                f"{NAME}: send_attn_output inside a CUDA graph capture, but the connector was "
+                "initialised with model_config.enforce_eager=True: the trigger that posts a "
+                "graph's sends is made by init_afd_connector() unless enforce_eager (CUDA "
+                "refuses its allocation during a capture)")
         n = hidden_states.shape[0]
         stream = self._graph_target_stream()
         on_stream = self._capture_stream is not None  # cpu_mock: our stream records
@@ -88,12 +94,6 @@ class GraphMode:
         self._meta_bufs[s][2] = self._flags  # [0], the layer, is the trigger's
         plan.set_rows(0, n)
         trigger = self._trigger
-        if trigger is None:  # a CUDA capture (graph_capture() makes it for cpu_mock)
-            raise RuntimeError(
-                f"{NAME}: send_attn_output inside a CUDA graph capture, but the connector was "
-                "initialised with model_config.enforce_eager=True: the trigger that posts a "
-                "graph's sends is made by init_afd_connector() unless enforce_eager (CUDA "
-                "refuses its allocation during a capture)")
         self._fast = None  # from now on every call runs the trigger's checks
         try:
             slot = trigger.arm(plan.trigger_target(),

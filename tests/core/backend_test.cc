@@ -203,6 +203,9 @@ TEST_CASE("cpu_mock: an allocation while a stream captures is refused and breaks
   elsewhere.join();
   CHECK(absl::IsFailedPrecondition(elsewhere_status));  // another thread: refused too (global)
   REQUIRE(other->CopyAsync(&go, &go, 0).ok());          // stream work elsewhere is fine
+  absl::Status after = capture->IncrementCounter(&go);  // the broken capture records no more
+  CHECK(absl::IsFailedPrecondition(after));
+  CHECK_THAT(std::string(after.message()), Catch::Contains("invalidated by Allocate(64 bytes)"));
   absl::StatusOr<std::unique_ptr<StreamGraph>> graph = capture->EndCapture();
   CHECK(absl::IsFailedPrecondition(graph.status()));
   CHECK_THAT(std::string(graph.status().message()),

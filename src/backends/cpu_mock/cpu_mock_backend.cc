@@ -8,7 +8,7 @@
 // capture mode, which torch.cuda.graph uses, an allocation (Allocate,
 // CreateHostFlag: cudaMalloc / cudaHostAlloc on CUDA) while any stream of the
 // backend captures is refused and breaks every capture in progress: their
-// EndCapture fails.
+// later captured operations and their EndCapture fail.
 
 #include <atomic>
 #include <condition_variable>
@@ -112,6 +112,14 @@ class Captures {
     }
     return std::string();
   }
+  // What broke the stream's capture so far ("" when nothing did).
+  std::string Broken(const void* stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [s, broken] : active_) {
+      if (s == stream) return broken;
+    }
+    return std::string();
+  }
   // FAILED_PRECONDITION, and every capture in progress broken, when one is.
   absl::Status Unsafe(absl::string_view call) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -156,6 +164,7 @@ class MockStream final : public Stream {
       std::lock_guard<std::mutex> lock(mu_);
       if (stopping_) return absl::FailedPreconditionError("stream is being destroyed");
       if (capturing_) {
+        if (absl::Status broken = CaptureBroken(); !broken.ok()) return broken;
         captured_.push_back(std::move(fn));
         return absl::OkStatus();
       }
@@ -174,6 +183,7 @@ class MockStream final : public Stream {
       std::lock_guard<std::mutex> lock(mu_);
       if (stopping_) return absl::FailedPreconditionError("stream is being destroyed");
       if (capturing_) {
+        if (absl::Status broken = CaptureBroken(); !broken.ok()) return broken;
         captured_.insert(captured_.end(), ops.begin(), ops.end());
         return absl::OkStatus();
       }
@@ -282,6 +292,15 @@ class MockStream final : public Stream {
   }
 
  private:
+  // With mu_ held, capturing: a broken capture records nothing more
+  // (cudaErrorStreamCaptureInvalidated for every later captured call).
+  absl::Status CaptureBroken() {
+    const std::string broken = captures_->Broken(this);
+    if (broken.empty()) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat("the stream's capture was invalidated by ", broken));
+  }
+
   void Run() {
     tls_stopping = &stopping_;
     for (;;) {
