@@ -115,11 +115,55 @@ def total_round_trips(args) -> int:
     return (args.warmup_rounds + args.rounds) * len(KINDS) * args.block_iters + 1  # + the check
 
 
+def connector_round_trips(args):
+    """For every round trip the attention processes make, in order: whether
+    it goes through the connector (the connector and runner rows) or is a
+    baseline's (Plan.run, post + wait, their sums), the last (the check) the
+    connector's."""
+    if args.alternate:
+        for i in range(total_round_trips(args) - 1):
+            yield (i // args.alternate) % 2 == 1 and not args.null
+    else:
+        for r in list(range(args.warmup_rounds)) + list(range(args.rounds)):
+            for k in ORDERS[r % len(ORDERS)]:
+                for _ in range(args.block_iters):
+                    yield k in (2, 3)
+    yield True
+
+
 def ffn(args) -> None:
+    """Answers every round trip with the attention ranks' hidden states. With
+    --ffn-side alternate (the default) a baseline's round trip is answered
+    without the connector, as a program on stepmesh.Server would (the batch,
+    the contract's work -- the ranks' rows gathered into one [sum(n), hidden]
+    input when there are several, the output copied into the reply rows --
+    on views made once, then respond), so the connector's FFN-side code is in
+    the connector's rows only; with --ffn-side connector every round trip is
+    the connector's (what the rows measured until 2026-12-05)."""
     conn, _, _ = make_connector(args)
-    for _ in range(total_round_trips(args)):
-        p = conn.recv_attn_output(0)
-        conn.send_ffn_output(p.hidden_states, p.context)
+    srv, n, M = conn._node, args.tokens, args.tokens
+    workers = range(conn.mesh_workers)
+    region, gather, reply = conn._regions[0], conn._gathers[0], conn._replies[0]
+    if len(workers) == 1:
+        gathers, output = [], region[:n]
+    else:
+        gathers = [(gather[i * n:(i + 1) * n], region[w * M:w * M + n])
+                   for i, w in enumerate(workers)]
+        output = gather[:n * len(workers)]
+    replies = [(reply[w * M:w * M + n], output[i * n:(i + 1) * n])
+               for i, w in enumerate(workers)]
+    rows = {w: n for w in workers}
+    for through_connector in connector_round_trips(args):
+        if through_connector or args.ffn_side == "connector":
+            p = conn.recv_attn_output(0)
+            conn.send_ffn_output(p.hidden_states, p.context)
+            continue
+        batch = srv.get_batch(TIMEOUT_S)
+        for dst, src in gathers:
+            dst.copy_(src)
+        for dst, src in replies:
+            dst.copy_(src)
+        srv.respond(batch, rows=rows)
     conn.close()
 
 
@@ -144,7 +188,7 @@ def attention(args) -> None:
         for i in range(total):
             connector = (i // args.alternate) % 2 == 1
             t0 = clock()
-            if connector:
+            if connector and not args.null:
                 conn.send_attn_output(send, ctx)
                 conn.recv_ffn_output(recv, 0)
             else:
@@ -294,6 +338,9 @@ def run_pattern(args, pattern: str, work: str) -> np.ndarray:
               "--alternate", str(args.alternate), "--out", out]
     if args.python_path:
         common.append("--python-path")
+    if args.null:
+        common.append("--null")
+    common += ["--ffn-side", args.ffn_side]
     if args.poll_mode:
         common += ["--poll-mode", args.poll_mode]
     env = dict(os.environ)
@@ -399,6 +446,16 @@ def main() -> int:
     ap.add_argument("--python-path", action="store_true",
                     help="the connector row through the Python path, not the lanes' one-call "
                          "common case (what the connector did before it; the A/B of the lanes)")
+    ap.add_argument("--null", action="store_true",
+                    help="with --alternate: the connector's windows run post_wait_sum too (an "
+                         "A/A run: the pairing's own bias, which should be 0 within the "
+                         "interval)")
+    ap.add_argument("--ffn-side", choices=["alternate", "connector"], default="alternate",
+                    help="alternate: the FFN processes answer the baselines' round trips "
+                         "without the connector (a program on stepmesh.Server doing the same "
+                         "copies), so the rows include the connector's FFN-side code; "
+                         "connector: the FFN processes always use the connector (the rows "
+                         "measure the attention side's code only)")
     ap.add_argument("--json")
     ap.add_argument("--role", choices=["ffn", "attention"])
     ap.add_argument("--rank", type=int, default=0)
@@ -408,6 +465,8 @@ def main() -> int:
     ap.add_argument("--port", type=int)
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.null and not args.alternate:
+        ap.error("--null needs --alternate N")
     if args.role:
         die_with_parent()
         (ffn if args.role == "ffn" else attention)(args)
@@ -415,7 +474,9 @@ def main() -> int:
     result = {"tool": "vllm_connector_overhead", "tokens": args.tokens, "hidden": args.hidden,
               "dtype": "bfloat16", "custom_ops": args.custom_ops,
               "poll_mode": args.poll_mode or "adaptive", "target_added_us": TARGET_ADDED_US,
-              "connector_path": "python" if args.python_path else "lanes",
+              "ffn_side": args.ffn_side,
+              "connector_path": ("none (--null)" if args.null else
+                                 "python" if args.python_path else "lanes"),
               "patterns": {}}
     with tempfile.TemporaryDirectory() as work:
         for pattern in args.patterns.split(","):

@@ -54,6 +54,20 @@ void BindBatch(py::module_& m) {
           "part", [](const PyBatch& b, py::handle key, int w) { return b.TensorFor(key).Part(w); },
           py::arg("key"), py::arg("worker"))
       .def(
+          "rows",
+          [](const PyBatch& b, py::handle key) {
+            // What part(key, w).rows is for every present worker, without the slices.
+            const PyBatchTensor& t = b.TensorFor(key);
+            const size_t row_bytes = t.owner->row_bytes();
+            py::list out(b.workers.size());
+            for (size_t i = 0; i < b.workers.size(); ++i) {
+              const size_t valid = t.valid_bytes[static_cast<size_t>(b.workers[i])];
+              out[i] = py::int_(row_bytes > 0 ? valid / row_bytes : 0);
+            }
+            return out;
+          },
+          py::arg("key"), "part(key, w).rows of every present worker, in `workers` order.")
+      .def(
           "parts",
           [](const PyBatch& b, int w) {
             std::vector<TensorSlice> out;

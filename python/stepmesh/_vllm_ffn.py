@@ -47,6 +47,26 @@ class StepMeshTransferState(AFDTransferState):
     is_warmup: bool = False  # the sender's flags (from its last control payload)
     is_graph_capturing: bool = False
     op_id: int = 0  # names the context to torch.ops.stepmesh.afd_send_ffn
+    shape: Any = None  # the batch's _FfnShape: its views and reply rows
+
+
+class _FfnShape:
+    """What the FFN side's copies and reply need for one batch shape (which
+    workers sent, how many tokens each) of a stage: the views of the
+    registered buffers, made once per shape and reused while the shape
+    repeats (a torch slice costs ~7 us with the caches a round trip leaves,
+    docs/benchmarks.md)."""
+
+    __slots__ = ("workers", "seq_lens", "total", "hidden", "gathers", "replies", "rows")
+
+    def __init__(self, workers, seq_lens, total, hidden, gathers, replies, rows) -> None:
+        self.workers = workers  # our copies: the caller gets its own lists
+        self.seq_lens = seq_lens
+        self.total = total
+        self.hidden = hidden  # the model's input: a region slot, or the gathered rows
+        self.gathers = gathers  # (gather rows, region slot) pairs copied per batch
+        self.replies = replies  # each worker's reply rows, in worker order
+        self.rows = rows  # respond()'s {worker: rows}
 
 
 class FfnSide:
@@ -75,6 +95,8 @@ class FfnSide:
             self._logit_gathers.append(gather_logits)
             self._replies.append(reply)
             self._gathers.append(self._empty((W * M, H), self.dtype))
+        self._ffn_shapes: List[Any] = [None] * self.num_stages  # the last _FfnShape per stage
+        self._recv_what = [f"recv_attn_output(ubatch_idx={s})" for s in range(self.num_stages)]
         words = self._control_words()
         self._control_region = torch.zeros(W * words, dtype=torch.int32)
         srv.register_recv(CONTROL_KEY, self._control_region)
@@ -110,45 +132,64 @@ class FfnSide:
         """The stage's hidden states from this FFN rank's attention ranks
         (``[sum(seq_lens), hidden]`` in rank order), their router logits when a
         ``routing_spec`` (AFDExpertRoutingSpec) is given, and the context to
-        hand back to ``send_ffn_output``."""
-        self._live("ffn")
-        s = self._stage(ubatch_idx, "ubatch_idx")
-        spec = kwargs.get("routing_spec")
-        batch = self._next_batch(_key(s, _HIDDEN), f"recv_attn_output(ubatch_idx={s})")
-        hidden_t = batch.tensor(_key(s, _HIDDEN))
-        M = self.max_tokens
-        workers = list(batch.workers)
-        seq_lens = [hidden_t.rows(w) for w in workers]
+        hand back to ``send_ffn_output``. The hidden states are a view of the
+        connector's registered rows, valid until that call (the same view
+        object while the batch shape repeats: do not resize it in place)."""
+        if self._live_role != "ffn":
+            self._live("ffn")
+        s = ubatch_idx
+        if type(s) is not int or not 0 <= s < self.num_stages:
+            s = self._stage(s, "ubatch_idx")
+        key = _key(s, _HIDDEN)
+        batch = self._next_batch(key, self._recv_what[s])
+        workers = batch.workers
+        seq_lens = batch.rows(key)
+        shape = self._ffn_shapes[s]
+        if shape is None or shape.seq_lens != seq_lens or shape.workers != workers:
+            shape = self._ffn_shapes[s] = self._ffn_shape(s, workers, seq_lens)
+        for dst, src in shape.gathers:
+            dst.copy_(src)
+        logits = None
+        if kwargs:
+            spec = kwargs.get("routing_spec")
+            if spec is not None:
+                logits = self._gather_logits(batch, s, workers, seq_lens, spec)
+        meta = self._meta_regions[s]
+        first = workers[0] * _META_WORDS
+        flags = meta[first + 2]
+        metadata = AFDTransferMetadata(layer_idx=meta[first], stage_idx=s, seq_lens=seq_lens)
+        state = StepMeshTransferState(batch=batch, stage=s, workers=workers,
+                                      is_warmup=bool(flags & FLAG_WARMUP),
+                                      is_graph_capturing=bool(flags & FLAG_GRAPH_CAPTURE),
+                                      shape=shape)
+        context = AFDTransferContext(metadata=metadata, states=state)
+        state.op_id = self._next_ffn_op = self._next_ffn_op + 1
+        self._ffn_contexts[state.op_id] = context
+        return AFDA2FTransferPayload(hidden_states=shape.hidden, context=context,
+                                     router_logits=logits)
+
+    def _ffn_shape(self, s: int, workers: List[int], seq_lens: List[int]) -> _FfnShape:
+        """The views for a batch of stage `s` from `workers` with `seq_lens`
+        tokens each (checked: every rank sends >= 1, the dummy-token rule)."""
         for w, n in zip(workers, seq_lens):
-            if n <= 0:  # the plugin pads an idle rank to one dummy token
+            if n <= 0:
                 raise RuntimeError(f"stage {s}: attention rank "
                                    f"{self._attention_rank_of_worker(w)} sent 0 tokens "
                                    "(every rank must send >= 1; pad an idle rank to 1 token)")
-        region, gather = self._regions[s], self._gathers[s]
+        M = self.max_tokens
+        region, gather, reply = self._regions[s], self._gathers[s], self._replies[s]
+        gathers = []
         if len(workers) == 1:
             hidden = region[workers[0] * M: workers[0] * M + seq_lens[0]]
         else:
             row = 0
             for w, n in zip(workers, seq_lens):
-                gather[row: row + n].copy_(region[w * M: w * M + n])
+                gathers.append((gather[row: row + n], region[w * M: w * M + n]))
                 row += n
             hidden = gather[:row]
-        total = sum(seq_lens)
-        logits = None
-        if spec is not None:
-            logits = self._gather_logits(batch, s, workers, seq_lens, spec)
-        meta = self._meta_regions[s]
-        layer_idx = meta[workers[0] * _META_WORDS]
-        flags = meta[workers[0] * _META_WORDS + 2]
-        metadata = AFDTransferMetadata(layer_idx=layer_idx, stage_idx=s, seq_lens=seq_lens)
-        state = StepMeshTransferState(batch=batch, stage=s, workers=workers,
-                                      is_warmup=bool(flags & FLAG_WARMUP),
-                                      is_graph_capturing=bool(flags & FLAG_GRAPH_CAPTURE))
-        context = AFDTransferContext(metadata=metadata, states=state)
-        state.op_id = self._next_ffn_op = self._next_ffn_op + 1
-        self._ffn_contexts[state.op_id] = context
-        assert hidden.shape[0] == total
-        return AFDA2FTransferPayload(hidden_states=hidden, context=context, router_logits=logits)
+        replies = tuple(reply[w * M: w * M + n] for w, n in zip(workers, seq_lens))
+        return _FfnShape(list(workers), list(seq_lens), sum(seq_lens), hidden, tuple(gathers),
+                         replies, dict(zip(workers, seq_lens)))
 
     def _gather_logits(self, batch, s, workers, seq_lens, spec) -> torch.Tensor:
         width = int(spec.router_logits_width)
@@ -177,21 +218,23 @@ class FfnSide:
     def send_ffn_output(self, ffn_output: torch.Tensor, context: Any, **kwargs: Any) -> None:
         """Returns ``ffn_output`` (``[sum(seq_lens), hidden]``, rank order) to the
         attention ranks: rank ``a``'s rows to rank ``a``."""
-        srv = self._live("ffn")
+        if self._live_role != "ffn":
+            self._live("ffn")
         state = getattr(context, "states", None)
-        if not isinstance(state, StepMeshTransferState):
+        if not isinstance(state, StepMeshTransferState) or state.shape is None:
             raise RuntimeError("send_ffn_output: context.states is not a StepMeshTransferState "
                                "(pass the context recv_attn_output returned)")
-        if state.batch is None or state.batch.answered:
+        batch = state.batch
+        if batch is None or batch.answered:
             raise RuntimeError(f"send_ffn_output: stage {state.stage}: context already answered")
-        total = context.metadata.total_tokens
-        shape = tuple(ffn_output.shape)
-        if not _is_compiling() and (shape != (total, self.hidden_size)
-                                    or ffn_output.dtype != self.dtype):
-            raise ValueError(f"ffn_output {shape} {_dtype_name(ffn_output.dtype)}: want "
-                             f"({total}, {self.hidden_size}) {_dtype_name(self.dtype)} "
+        compiling = _is_compiling()
+        if not compiling and (ffn_output.shape != (state.shape.total, self.hidden_size)
+                              or ffn_output.dtype != self.dtype):
+            raise ValueError(f"ffn_output {tuple(ffn_output.shape)} "
+                             f"{_dtype_name(ffn_output.dtype)}: want ({state.shape.total}, "
+                             f"{self.hidden_size}) {_dtype_name(self.dtype)} "
                              "(context.metadata.total_tokens)")
-        if _is_compiling() or self._always_ops:
+        if compiling or self._always_ops:
             torch.ops.stepmesh.afd_send_ffn(ffn_output, self._id, state.op_id)
         else:
             self._ffn_contexts.pop(state.op_id, None)
@@ -199,12 +242,12 @@ class FfnSide:
 
     def _send_ffn(self, ffn_output: torch.Tensor, context: Any) -> None:
         state = context.states
-        reply = self._replies[state.stage]
-        M = self.max_tokens
-        row = 0
-        rows = {}
-        for w, n in zip(state.workers, context.metadata.seq_lens):
-            reply[w * M: w * M + n].copy_(ffn_output[row: row + n])
-            rows[w] = n
-            row += n
-        self._node.respond(state.batch, rows=rows, stream=self._current_stream())
+        shape = state.shape
+        replies = shape.replies
+        if len(replies) == 1:
+            replies[0].copy_(ffn_output)
+        else:
+            for dst, src in zip(replies, ffn_output.split(shape.seq_lens)):
+                dst.copy_(src)
+        self._node.respond(state.batch, rows=shape.rows,
+                           stream=self._current_stream() if self._stream else None)
