@@ -118,6 +118,10 @@ class StepMeshAFDControlPlane(AFDControlPlane):
                 num_tokens_across_dp_cpu=mine[at + 1: at + 1 + width].clone())
             at += 1 + width
         c._node.respond(batch)
-        return AFDControlPayload(dp_metadata_list=dp,
-                                 is_graph_capturing=bool(flags & FLAG_GRAPH_CAPTURE),
-                                 is_warmup=bool(flags & FLAG_WARMUP))
+        payload = AFDControlPayload(dp_metadata_list=dp,
+                                    is_graph_capturing=bool(flags & FLAG_GRAPH_CAPTURE),
+                                    is_warmup=bool(flags & FLAG_WARMUP))
+        # Applied here too: the step's receives follow it (a capture step's
+        # receive no data) whether or not the caller applies it itself.
+        self.update_state_from_dp_metadata(payload)
+        return payload

@@ -48,6 +48,7 @@ class StepMeshTransferState(AFDTransferState):
     is_graph_capturing: bool = False
     op_id: int = 0  # names the context to torch.ops.stepmesh.afd_send_ffn
     shape: Any = None  # the batch's _FfnShape: its views and reply rows
+    dummy: bool = False  # a capture step's: nothing was received, nothing is sent
 
 
 class _FfnShape:
@@ -67,6 +68,11 @@ class _FfnShape:
         self.gathers = gathers  # (gather rows, region slot) pairs copied per batch
         self.replies = replies  # each worker's reply rows, in worker order
         self.rows = rows  # respond()'s {worker: rows}
+
+
+def _check_answerable(state: StepMeshTransferState) -> None:
+    if not state.dummy and (state.batch is None or state.batch.answered):
+        raise RuntimeError(f"send_ffn_output: stage {state.stage}: context already answered")
 
 
 class FfnSide:
@@ -140,6 +146,8 @@ class FfnSide:
         s = ubatch_idx
         if type(s) is not int or not 0 <= s < self.num_stages:
             s = self._stage(s, "ubatch_idx")
+        if self.is_graph_capturing:  # the attention ranks capture: no data comes (docs/python.md)
+            return self._capture_step_payload(s, kwargs)
         key = _key(s, _HIDDEN)
         batch = self._next_batch(key, self._recv_what[s])
         workers = batch.workers
@@ -162,6 +170,53 @@ class FfnSide:
                                       is_warmup=bool(flags & FLAG_WARMUP),
                                       is_graph_capturing=bool(flags & FLAG_GRAPH_CAPTURE),
                                       shape=shape)
+        context = AFDTransferContext(metadata=metadata, states=state)
+        state.op_id = self._next_ffn_op = self._next_ffn_op + 1
+        self._ffn_contexts[state.op_id] = context
+        return AFDA2FTransferPayload(hidden_states=shape.hidden, context=context,
+                                     router_logits=logits)
+
+    def _capture_step_payload(self, s: int, kwargs: Any) -> Any:
+        """recv_attn_output while the control payload says the attention ranks
+        capture a graph: their captured sends post nothing (a replay does), so
+        nothing is waited for. The hidden states are the stage's buffer rows
+        at the token counts the payload announces (contents unspecified), the
+        context answers nothing (send_ffn_output returns at once)."""
+        cp = self.control_plane
+        workers = list(range(self.mesh_workers))
+        seq_lens = []
+        for w in workers:
+            a = self._attention_rank_of_worker(w)
+            try:
+                n = cp.expected_tokens(s, a)
+            except (KeyError, IndexError):
+                raise RuntimeError(
+                    f"recv_attn_output(ubatch_idx={s}) in a graph-capture step: the control "
+                    f"payload applied has no token count for stage {s}, attention rank {a} "
+                    "(update_state_from_dp_metadata / recv_dp_metadata_list)") from None
+            if n > self.max_tokens:
+                raise ValueError(f"stage {s}: the control payload gives attention rank {a} "
+                                 f"{n} tokens, more than max_tokens={self.max_tokens}")
+            seq_lens.append(n)
+        shape = self._ffn_shapes[s]
+        if shape is None or shape.seq_lens != seq_lens or shape.workers != workers:
+            shape = self._ffn_shapes[s] = self._ffn_shape(s, workers, seq_lens)
+        logits = None
+        spec = kwargs.get("routing_spec") if kwargs else None
+        if spec is not None:
+            width = int(spec.router_logits_width)
+            dtype = _torch_dtype(spec.router_logits_dtype, "routing_spec.router_logits_dtype")
+            row_bytes = width * _element_size(dtype)
+            if not 0 < row_bytes <= self._logit_row_bytes:
+                raise ValueError(f"routing_spec.router_logits_width={width} "
+                                 f"({_dtype_name(dtype)}): the connector registered "
+                                 f"{self._logit_row_bytes} bytes per token "
+                                 "(connector_extra_config.router_logits_width)")
+            logits = self._logit_gathers[s][:shape.total * row_bytes].view(dtype).view(
+                shape.total, width)
+        metadata = AFDTransferMetadata(layer_idx=0, stage_idx=s, seq_lens=seq_lens)
+        state = StepMeshTransferState(stage=s, workers=workers, is_warmup=self.is_warmup,
+                                      is_graph_capturing=True, shape=shape, dummy=True)
         context = AFDTransferContext(metadata=metadata, states=state)
         state.op_id = self._next_ffn_op = self._next_ffn_op + 1
         self._ffn_contexts[state.op_id] = context
@@ -218,30 +273,35 @@ class FfnSide:
     def send_ffn_output(self, ffn_output: torch.Tensor, context: Any, **kwargs: Any) -> None:
         """Returns ``ffn_output`` (``[sum(seq_lens), hidden]``, rank order) to the
         attention ranks: rank ``a``'s rows to rank ``a``."""
-        if self._live_role != "ffn":
-            self._live("ffn")
         state = getattr(context, "states", None)
         if not isinstance(state, StepMeshTransferState) or state.shape is None:
             raise RuntimeError("send_ffn_output: context.states is not a StepMeshTransferState "
                                "(pass the context recv_attn_output returned)")
-        batch = state.batch
-        if batch is None or batch.answered:
-            raise RuntimeError(f"send_ffn_output: stage {state.stage}: context already answered")
-        compiling = _is_compiling()
-        if not compiling and (ffn_output.shape != (state.shape.total, self.hidden_size)
-                              or ffn_output.dtype != self.dtype):
+        if _is_compiling():  # traced: the op alone, its kernel checks and replies (_send_ffn)
+            torch.ops.stepmesh.afd_send_ffn(ffn_output, self._id, state.op_id)
+            return
+        if self._live_role != "ffn":
+            self._live("ffn")
+        if ffn_output.shape != (state.shape.total, self.hidden_size) or \
+                ffn_output.dtype != self.dtype:
             raise ValueError(f"ffn_output {tuple(ffn_output.shape)} "
                              f"{_dtype_name(ffn_output.dtype)}: want ({state.shape.total}, "
                              f"{self.hidden_size}) {_dtype_name(self.dtype)} "
                              "(context.metadata.total_tokens)")
-        if compiling or self._always_ops:
+        if self._always_ops:
+            _check_answerable(state)  # before the dispatch: a refused call changes nothing
             torch.ops.stepmesh.afd_send_ffn(ffn_output, self._id, state.op_id)
         else:
-            self._ffn_contexts.pop(state.op_id, None)
             self._send_ffn(ffn_output, context)
 
     def _send_ffn(self, ffn_output: torch.Tensor, context: Any) -> None:
+        """Copies each worker's rows into its reply rows and replies (the op's
+        kernel too: the answered check is here, where every path passes)."""
         state = context.states
+        _check_answerable(state)
+        self._ffn_contexts.pop(state.op_id, None)
+        if state.dummy:  # a capture step's: no attention rank waits for it
+            return
         shape = state.shape
         replies = shape.replies
         if len(replies) == 1:

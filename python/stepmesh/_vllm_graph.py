@@ -12,6 +12,9 @@ import torch
 
 import stepmesh
 from stepmesh._vllm_types import NAME
+from stepmesh._vllm_wire import _attr
+
+_DEFAULT_SLOTS = 4096  # the library's Trigger default (include/stepmesh/trigger.h)
 
 if TYPE_CHECKING:
     from stepmesh.vllm import StepMeshAFDConnector
@@ -51,7 +54,20 @@ class GraphMode:
         that capture (cpu_mock refuses it too). Its thread sleeps until a slot
         is armed."""
         if self._trigger is None:
-            self._trigger = self._node.create_trigger(timeout=self._timeout)
+            self._trigger = self._node.create_trigger(capacity=self._graph_slot_capacity(),
+                                                      timeout=self._timeout)
+
+    def _graph_slot_capacity(self) -> int:
+        """Slots the trigger holds: every captured send keeps one, so vLLM's
+        capture of every batch size needs sizes x layers x stages (e.g. 51 x 58
+        x 2 = 5916 for a large MoE model); at least the library's 4096."""
+        sizes = _attr(self.compilation_config, "cudagraph_capture_sizes")
+        layers = _attr(self.vllm_config, "model_config.hf_config.num_hidden_layers")
+        try:
+            need = len(sizes) * int(layers) * self.num_stages
+        except (TypeError, ValueError):  # not given: the library's default
+            need = 0
+        return max(_DEFAULT_SLOTS, need)
 
     def _send_graph(self, hidden_states, router_logits, layer_idx: int, s: int) -> None:
         """Captured send: the copy in and the go increment are stream work, the
@@ -91,14 +107,23 @@ class GraphMode:
         elif router_logits is not None:
             raise ValueError("router_logits given, but the connector has no router logits "
                              "(connector_extra_config.router_logits_width is 0)")
-        self._meta_bufs[s][2] = self._flags  # [0], the layer, is the trigger's
         plan.set_rows(0, n)
         trigger = self._trigger
         self._fast = None  # from now on every call runs the trigger's checks
+        meta = self._meta_tensors[s].data_ptr()
+        try:  # before each post the trigger writes the layer and the flags (a replay is
+            # a decode step: neither warm-up nor capture, whatever this step's payload says)
+            slot = trigger.arm(plan.trigger_target(), [(meta, int(layer_idx)), (meta + 16, 0)])
+        except stepmesh.ResourceExhausted as e:
+            raise RuntimeError(
+                f"stage {s}: send_attn_output (graph capture): the graph trigger's "
+                f"{len(self._graph_slots)} slots are all armed (one per captured send: "
+                "compilation_config.cudagraph_capture_sizes x hf_config.num_hidden_layers x "
+                f"num_stages; {e})") from e
+        except stepmesh.Error as e:
+            raise self._peer_error(f"stage {s}: send_attn_output (graph capture)", e) from e
+        self._graph_slots.append(slot)
         try:
-            slot = trigger.arm(plan.trigger_target(),
-                               [(self._meta_tensors[s].data_ptr(), int(layer_idx))])
-            self._graph_slots.append(slot)
             trigger.post_on(slot, stream)
         except stepmesh.Error as e:
             raise self._peer_error(f"stage {s}: send_attn_output (graph capture)", e) from e

@@ -49,10 +49,10 @@ def _recv_ffn_impl(out, connector_id: int, stage_idx: int) -> None:
 def _send_ffn_impl(ffn_output, connector_id: int, context_id: int) -> None:
     OP_CALLS["afd_send_ffn"] += 1
     conn = _connector(connector_id)
-    context = conn._ffn_contexts.pop(int(context_id), None)
+    context = conn._ffn_contexts.get(int(context_id))
     if context is None:
-        raise RuntimeError(f"afd_send_ffn: context {context_id} is not pending (answered "
-                           "already, or not from this connector's recv_attn_output)")
+        raise RuntimeError(f"send_ffn_output (afd_send_ffn): context {context_id} already "
+                           "answered, or not from this connector's recv_attn_output")
     conn._send_ffn(ffn_output, context)
 
 

@@ -55,6 +55,7 @@ construction, lifecycle and attention side, and registration.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 from typing import Any, Deque, Dict, List, Mapping, Optional
 
@@ -273,18 +274,28 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
             return
         register_ops()
         options = self._mesh_options()
-        self._stream = options.backend == "cuda"
+        stream = options.backend == "cuda"
+        if stream and self.role == "ffn" and not self.enforce_eager:
+            raise RuntimeError(
+                f"{NAME} FFN rank {self.role_rank}: model_config.enforce_eager is False, so the "
+                "plugin would capture the FFN forward in a CUDA graph and replay it without "
+                "calling the connector; the FFN side receives and replies from host code: start "
+                "the FFN instance with --enforce-eager (the attention instances may use graphs)")
+        self._stream = stream
         self._device = (torch.device("cuda", int(self.local_rank)) if self._stream
                         else torch.device("cpu"))
-        if self.role == "ffn" and self.mesh_rank == 0:
-            self._scheduler = stepmesh.Scheduler(options.copy(role="scheduler"))
-        join_mesh(self, self.role == "attention", options)
-        if self.role == "attention" and not self.enforce_eager:
-            try:  # vLLM will capture graphs: the trigger is made now, not inside a capture
-                self._make_trigger()
-            except BaseException:
-                self._teardown()
-                raise
+        # Registration exports CUDA tensors through DLPack, which torch 2.x refuses
+        # for a device other than the current one: local_rank's is made current.
+        with torch.cuda.device(self._device) if self._stream else contextlib.nullcontext():
+            if self.role == "ffn" and self.mesh_rank == 0:
+                self._scheduler = stepmesh.Scheduler(options.copy(role="scheduler"))
+            join_mesh(self, self.role == "attention", options)
+            if self.role == "attention" and not self.enforce_eager:
+                try:  # vLLM will capture graphs: the trigger is made now, not inside a capture
+                    self._make_trigger()
+                except BaseException:
+                    self._teardown()
+                    raise
         self._id = _vllm_ops._NEXT_ID[0]
         _vllm_ops._NEXT_ID[0] += 1
         _vllm_ops._CONNECTORS[self._id] = self
@@ -420,14 +431,22 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
 
     def send_attn_output(self, hidden_states: torch.Tensor, context: Any, **kwargs: Any) -> None:
         fast = self._fast  # the common case in one binding call (docs/benchmarks.md)
-        if fast is not None and not kwargs and (_vllm_wire._IS_COMPILING is None
-                                                or not _vllm_wire._IS_COMPILING()):
+        if fast is not None and not kwargs and not self.is_graph_capturing and (
+                _vllm_wire._IS_COMPILING is None or not _vllm_wire._IS_COMPILING()):
             try:
                 if fast.send(hidden_states, context.metadata, self._flags):
                     return
             except stepmesh.Error as e:
                 raise self._peer_error(f"stage {context.metadata.stage_idx}: send_attn_output",
                                        e) from e
+        router_logits = kwargs.get("router_logits") if kwargs else None
+        if _vllm_wire._IS_COMPILING is not None and _vllm_wire._IS_COMPILING():
+            # Traced by torch.compile: the op alone, no binding call or state read
+            # (a graph break); its kernel checks the state when it runs (_send_op).
+            metadata = context.metadata
+            torch.ops.stepmesh.afd_send_attn(hidden_states, router_logits, self._id,
+                                             int(metadata.layer_idx), int(metadata.stage_idx))
+            return
         # Everything else: attribute reads and compares, then the lanes' post.
         if self._live_role != "attention":
             self._live("attention")
@@ -436,32 +455,41 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
         if type(s) is not int or not 0 <= s < self.num_stages:
             s = self._stage(s, "context.metadata.stage_idx")
         shape = hidden_states.shape
-        compiling = _vllm_wire._IS_COMPILING is not None and _vllm_wire._IS_COMPILING()
-        router_logits = kwargs.get("router_logits") if kwargs else None
-        if not compiling:
-            if len(shape) != 2 or shape[1] != self.hidden_size:
-                raise ValueError(f"hidden_states shape {tuple(shape)}: want [tokens, "
-                                 f"{self.hidden_size}] (hf_config.hidden_size)")
-            if shape[0] != metadata.total_tokens:
-                raise ValueError(f"hidden_states shape {tuple(shape)} does not match "
-                                 f"context.metadata.total_tokens={metadata.total_tokens}")
-            if shape[0] > self.max_tokens:
-                raise ValueError(f"hidden_states has {shape[0]} tokens, more than max_tokens="
-                                 f"{self.max_tokens}")
-            if hidden_states.dtype != self.dtype:
-                raise ValueError(f"hidden_states dtype {_dtype_name(hidden_states.dtype)}: the "
-                                 f"connector carries {_dtype_name(self.dtype)} "
-                                 "(model_config.dtype)")
-            if router_logits is not None:
-                if router_logits.dim() != 2 or router_logits.shape[0] != shape[0]:
-                    raise ValueError(f"router_logits shape {tuple(router_logits.shape)}: want "
-                                     f"[{shape[0]}, width] (the token count of hidden_states)")
-                nbytes = router_logits.shape[1] * router_logits.element_size()
-                if nbytes > self._logit_row_bytes:
-                    raise ValueError(
-                        f"router_logits row of {nbytes} bytes exceeds the registered "
-                        f"{self._logit_row_bytes} (connector_extra_config.router_logits_width="
-                        f"{self.router_logits_width} x 4 bytes)")
+        if len(shape) != 2 or shape[1] != self.hidden_size:
+            raise ValueError(f"hidden_states shape {tuple(shape)}: want [tokens, "
+                             f"{self.hidden_size}] (hf_config.hidden_size)")
+        if shape[0] != metadata.total_tokens:
+            raise ValueError(f"hidden_states shape {tuple(shape)} does not match "
+                             f"context.metadata.total_tokens={metadata.total_tokens}")
+        if shape[0] > self.max_tokens:
+            raise ValueError(f"hidden_states has {shape[0]} tokens, more than max_tokens="
+                             f"{self.max_tokens}")
+        if hidden_states.dtype != self.dtype:
+            raise ValueError(f"hidden_states dtype {_dtype_name(hidden_states.dtype)}: the "
+                             f"connector carries {_dtype_name(self.dtype)} "
+                             "(model_config.dtype)")
+        if router_logits is not None:
+            if router_logits.dim() != 2 or router_logits.shape[0] != shape[0]:
+                raise ValueError(f"router_logits shape {tuple(router_logits.shape)}: want "
+                                 f"[{shape[0]}, width] (the token count of hidden_states)")
+            nbytes = router_logits.shape[1] * router_logits.element_size()
+            if nbytes > self._logit_row_bytes:
+                raise ValueError(
+                    f"router_logits row of {nbytes} bytes exceeds the registered "
+                    f"{self._logit_row_bytes} (connector_extra_config.router_logits_width="
+                    f"{self.router_logits_width} x 4 bytes)")
+        if self._always_ops or self._capture_stream is not None or (
+                self._stream and torch.cuda.is_current_stream_capturing()):
+            torch.ops.stepmesh.afd_send_attn(hidden_states, router_logits, self._id,
+                                             int(metadata.layer_idx), s)
+        else:
+            self._check_send_state(s)
+            self._send(hidden_states, router_logits, metadata.layer_idx, s, shape[0])
+
+    def _check_send_state(self, s: int) -> None:
+        """What a send of stage `s` needs of the connector's state, checked when
+        it is posted (eagerly, or by the op's kernel): nothing pending on the
+        stage, no graph replay's failure unraised."""
         if self._lanes.pending(s) is not None:
             raise RuntimeError(f"stage {s}: recv_ffn_output() of the previous send is pending")
         if self._trigger is not None:  # graph mode on (a trigger): a replay's failure, raised
@@ -469,15 +497,14 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
             if s in self._graph_pending:
                 raise RuntimeError(f"stage {s}: recv_ffn_output() of the previous (captured) "
                                    "send is pending")
-        if compiling or self._always_ops or self._capture_stream is not None or (
-                self._stream and torch.cuda.is_current_stream_capturing()):
-            torch.ops.stepmesh.afd_send_attn(hidden_states, router_logits, self._id,
-                                             int(metadata.layer_idx), s)
-        else:
-            self._send(hidden_states, router_logits, metadata.layer_idx, s, shape[0])
 
     def _send_op(self, hidden_states, router_logits, layer_idx: int, s: int) -> None:
         """The op's kernel: the graph path while a capture is in progress."""
+        if self._live_role != "attention":
+            self._live("attention")
+        if not 0 <= s < self.num_stages:
+            s = self._stage(s, "context.metadata.stage_idx")
+        self._check_send_state(s)
         if self._capture_stream is not None or (self._stream and
                                                 torch.cuda.is_current_stream_capturing()):
             self._send_graph(hidden_states, router_logits, layer_idx, s)
@@ -485,8 +512,17 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
             self._send(hidden_states, router_logits, layer_idx, s)
 
     def _recv_op(self, out: torch.Tensor, s: int) -> None:
+        """The op's kernel: waits (or, captured, enqueues the wait) for stage s."""
+        if self._live_role != "attention":
+            self._live("attention")
+        if not 0 <= s < self.num_stages:
+            s = self._stage(s, "ubatch_idx")
+        if self._trigger is not None:
+            self._check_trigger("recv_ffn_output")
         if s in self._graph_pending:
             self._recv_graph(out, s)
+        elif self._lanes.pending(s) is None:
+            raise RuntimeError(f"stage {s}: no send_attn_output() to receive for")
         else:
             self._recv(out, s)
 
@@ -495,6 +531,11 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
         # This runs with cold caches (the layer's compute evicted them), where
         # each torch accessor (shape, dtype, data_ptr) costs ~1.5 us: n comes
         # from the caller's shape read (docs/benchmarks.md).
+        if self.is_graph_capturing:
+            raise RuntimeError(
+                f"stage {s}: send_attn_output outside a graph capture, but the control payload "
+                "applied says this step captures one (is_graph_capturing): the FFN ranks "
+                "receive nothing in a capture step (a captured send posts at its replays)")
         if n is None:
             n = hidden_states.shape[0]
         if hidden_states.data_ptr() != self._send_ptrs[s]:  # not computed in place: copy in
@@ -535,6 +576,14 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
                 if self.mesh_servers > 1:
                     self._add_partials(ref_tensor, ubatch_idx, n)
                 return ref_tensor
+        if _vllm_wire._IS_COMPILING is not None and _vllm_wire._IS_COMPILING():
+            # Traced by torch.compile: the op alone (see send_attn_output); the
+            # token count is only known when it runs, so the caller's tensor is needed.
+            if ref_tensor is None:
+                raise ValueError("recv_ffn_output under torch.compile needs ref_tensor (the "
+                                 "token count of a send is known when the graph runs)")
+            torch.ops.stepmesh.afd_recv_ffn(ref_tensor, self._id, int(ubatch_idx))
+            return ref_tensor
         if self._live_role != "attention":
             self._live("attention")
         s = ubatch_idx
@@ -548,15 +597,13 @@ class StepMeshAFDConnector(GraphMode, FfnSide, AFDConnectorBase):
                 n, graph = self._graph_pending[s][1], True
         if n is None:
             raise RuntimeError(f"stage {s}: no send_attn_output() to receive for")
-        compiling = _vllm_wire._IS_COMPILING is not None and _vllm_wire._IS_COMPILING()
         if ref_tensor is None:
             ref_tensor = self._empty((n, self.hidden_size), self.dtype)
-        elif not compiling and (ref_tensor.shape != (n, self.hidden_size)
-                                or ref_tensor.dtype != self.dtype):
+        elif ref_tensor.shape != (n, self.hidden_size) or ref_tensor.dtype != self.dtype:
             raise ValueError(f"ref_tensor {tuple(ref_tensor.shape)} "
                              f"{_dtype_name(ref_tensor.dtype)}: want ({n}, "
                              f"{self.hidden_size}) {_dtype_name(self.dtype)}")
-        if compiling or self._always_ops or graph:
+        if self._always_ops or graph:
             torch.ops.stepmesh.afd_recv_ffn(ref_tensor, self._id, s)
         else:
             self._recv(ref_tensor, s)

@@ -170,6 +170,56 @@ def test_mesh_options_come_from_the_configs(tmp_path):
         missing._mesh_options()
 
 
+def test_graph_mode_settings_from_the_configs():
+    # The plugin captures the FFN forward in a CUDA graph unless the FFN instance is
+    # enforce_eager; ours receives from host code, so init refuses it first, having
+    # started nothing (no scheduler: the port stays free, the connector uninitialised).
+    extra = {"backend": "cuda", "transport": "tcp"}
+    cfg = vllm_config(extra)
+    cfg.model_config.enforce_eager = False  # an FFN instance started without --enforce-eager
+    ffn = sv.StepMeshAFDConnector(0, 0, cfg, afd_config(role="ffn"), 0)
+    with pytest.raises(RuntimeError, match="FFN rank 0.*--enforce-eager"):
+        ffn.init_afd_connector()
+    assert not ffn.is_initialized and ffn._scheduler is None
+    # The graph trigger holds a slot per captured send: capture sizes x layers x stages.
+    cfg = vllm_config({"num_stages": 2})
+    cfg.model_config.hf_config.num_hidden_layers = 58
+    cfg.compilation_config = types.SimpleNamespace(cudagraph_capture_sizes=list(range(51)))
+    assert sv.StepMeshAFDConnector(0, 0, cfg, afd_config(), 0)._graph_slot_capacity() == 5916
+    assert sv.StepMeshAFDConnector(0, 0, vllm_config(), afd_config(),
+                                   0)._graph_slot_capacity() == 4096  # not given: the default
+
+
+def test_traced_calls_are_the_ops_alone(monkeypatch):
+    # Under torch.compile (vLLM compiles the model whole, fullgraph) a call into the
+    # binding or a read of the connector's state while tracing is a graph break: the
+    # traced data path must be the custom op and nothing else (its kernel checks the
+    # state when it runs). Torch 1.13 has no Dynamo, so the trace is modelled: the
+    # connector's "is compiling" says yes, every binding object raises when touched,
+    # and meta tensors run the ops' fakes.
+    from stepmesh import _vllm_wire
+
+    class Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"{name} touched while tracing")
+
+    sv.register_ops()
+    monkeypatch.setattr(_vllm_wire, "_IS_COMPILING", lambda: True)
+    meta = torch.empty(3, H, device="meta", dtype=torch.bfloat16)
+    ctx = sv.AFDTransferContext(metadata=sv.AFDTransferMetadata(1, 0, [3]))
+    attn = sv.StepMeshAFDConnector(0, 0, vllm_config(), afd_config(), 0)
+    attn._node = attn._lanes = attn._trigger = attn._fast = Untouchable()
+    attn.send_attn_output(meta, ctx)
+    attn.send_attn_output(meta, ctx, router_logits=torch.empty(3, 8, device="meta"))
+    assert attn.recv_ffn_output(meta, ubatch_idx=0) is meta
+    with pytest.raises(ValueError, match="needs ref_tensor"):
+        attn.recv_ffn_output(None, 0)
+    ffn = sv.StepMeshAFDConnector(0, 0, vllm_config(), afd_config(role="ffn"), 0)
+    ffn._node = Untouchable()
+    state = sv.StepMeshTransferState(batch=Untouchable(), stage=0, shape=Untouchable(), op_id=4)
+    ffn.send_ffn_output(meta, sv.AFDTransferContext(metadata=ctx.metadata, states=state))
+
+
 def test_custom_ops_have_fake_implementations():
     sv.register_ops()
     sv.register_ops()  # once per process

@@ -85,7 +85,9 @@ def connector():
              "poll_mode": "blocking"}
     vcfg = types.SimpleNamespace(
         model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(hidden_size=H),
-                                           dtype=BF16, enforce_eager=SPEC.get("enforce_eager", False)),
+                                           dtype=BF16,
+                                           # the FFN side runs eagerly (init refuses it otherwise on CUDA)
+                                           enforce_eager=ROLE == "ffn" or SPEC.get("enforce_eager", False)),
         scheduler_config=types.SimpleNamespace(max_num_batched_tokens=4096),
         compilation_config=types.SimpleNamespace(cudagraph_mode="FULL"),
         additional_config={"afd": {"connector": sv.NAME, "connector_extra_config": extra}})
@@ -94,10 +96,17 @@ def connector():
     return sv.StepMeshAFDConnector(RANK, 0, vcfg, cfg, RANK)
 
 
-def payload():
+def payload(capturing=False):
     dp = {s: sv.AFDDPMetadata(num_tokens_across_dp_cpu=torch.tensor(
         [tokens(s, a) for a in range(A)], dtype=torch.int32)) for s in range(STAGES)}
-    return sv.AFDControlPayload(dp_metadata_list=dp, is_graph_capturing=False, is_warmup=False)
+    return sv.AFDControlPayload(dp_metadata_list=dp, is_graph_capturing=capturing,
+                                is_warmup=False)
+
+
+def publish(cp, p):
+    """What the plugin's attention runner does before every forward."""
+    cp.update_state_from_dp_metadata(p)
+    cp.send_dp_metadata_list(p)
 
 
 def attention(conn):
@@ -136,7 +145,7 @@ def attention(conn):
     sync = torch.cuda.synchronize if DEVICE.type == "cuda" else (lambda: None)
     eager_us = []
     for r in range(EAGER):  # vLLM runs eagerly (warm-up) before it captures
-        cp.send_dp_metadata_list(payload())
+        publish(cp, payload())
         load_inputs(r)
         sync()
         t0 = time.perf_counter()
@@ -144,6 +153,10 @@ def attention(conn):
         sync()
         eager_us.append((time.perf_counter() - t0) * 1e6)
         check(r)
+    # As the plugin: the capture step's payload (is_graph_capturing) goes out
+    # before the capture; the FFN ranks answer that step with dummies, waiting
+    # for nothing (the captured sends post nothing).
+    publish(cp, payload(capturing=True))
     if DEVICE.type == "cuda":
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):  # capture_error_mode "global", as vLLM's
@@ -163,14 +176,14 @@ def attention(conn):
         if MODE == "lost" and r == LOST_AT + 1:
             t0 = time.monotonic()
             try:
-                cp.send_dp_metadata_list(payload())
+                publish(cp, payload())
             except ConnectionError as e:  # replay LOST_AT's send failed: raised here
                 assert "FFN rank 1" in str(e) and "graph replay" in str(e), e
                 log(f"lost detected: {e}")
                 assert time.monotonic() - t0 < TIMEOUT
                 return
             raise AssertionError("the failed device-triggered send was not raised")
-        cp.send_dp_metadata_list(payload())  # host code per step, as vLLM's runner
+        publish(cp, payload())  # host code per step, as vLLM's runner
         load_inputs(r)
         if DEVICE.type == "cuda":
             torch.cuda.synchronize()
@@ -196,8 +209,10 @@ def ffn(conn):
     cp = conn.control_plane
     served = list(range(RANK * RATIO, (RANK + 1) * RATIO)) if TOPO == "subgroup" else list(range(A))
     spec = sv.AFDExpertRoutingSpec(router_logits_width=WIDTH, router_logits_dtype=BF16)
-    batches = 0
-    for r in range(EAGER + REPLAYS):
+    batches = dummies = 0
+    # The eager steps, the capture step (its payload says capturing), the replays.
+    for r, capturing in [(r, False) for r in range(EAGER)] + [(EAGER, True)] + \
+            [(r, False) for r in range(EAGER, EAGER + REPLAYS)]:
         try:
             p = cp.recv_dp_metadata_list()
         except (ConnectionError, TimeoutError) as e:
@@ -205,20 +220,32 @@ def ffn(conn):
                 log(f"peer gone: {e}")
                 return
             raise
-        if MODE == "lost" and r == LOST_AT and RANK == 1:
+        assert p.is_graph_capturing == capturing, (r, p)
+        if MODE == "lost" and r == LOST_AT and RANK == 1 and not capturing:
             log("dying")
             os.kill(os.getpid(), signal.SIGKILL)
         cp.update_state_from_dp_metadata(p)
         for layer in range(LAYERS):
             for s in range(STAGES):
                 try:
+                    t0 = time.monotonic()
                     got = conn.recv_attn_output(ubatch_idx=s, routing_spec=spec)
                 except (ConnectionError, TimeoutError) as e:
                     if MODE == "lost" and r >= LOST_AT:
                         log(f"peer gone: {e}")
                         return
                     raise
-                md = got.context.metadata
+                md, st = got.context.metadata, got.context.states
+                if capturing:  # nothing sent: the announced shape at once, nothing answered
+                    assert time.monotonic() - t0 < 1.0, "a capture step's receive waited"
+                    assert st.is_graph_capturing and md.seq_lens == [tokens(s, a) for a in served]
+                    assert got.hidden_states.shape == (sum(md.seq_lens), H)
+                    conn.send_ffn_output(ffn_fn(got.hidden_states, got.router_logits, RANK),
+                                         got.context)
+                    dummies += 1
+                    continue
+                # A replay's batch is a decode step's, whatever the capture step's payload said.
+                assert not st.is_graph_capturing and not st.is_warmup, (r, st)
                 assert md.layer_idx == layer and md.stage_idx == s, (r, md)
                 want = []
                 for a in served:
@@ -233,6 +260,7 @@ def ffn(conn):
                 conn.send_ffn_output(ffn_fn(got.hidden_states, got.router_logits, RANK),
                                      got.context)
                 batches += 1
+    assert dummies == LAYERS * STAGES, dummies
     log(f"batches {batches}")
 
 

@@ -63,8 +63,11 @@ def data(step, layer, stage, a):
     return x.to(DEVICE), logits.to(DEVICE)
 
 
+CAPTURE_STEP = 2  # the attention ranks capture a graph: nothing is sent, the FFN gets dummies
+
+
 def flags(step):
-    return {"is_warmup": step == 0, "is_graph_capturing": step == 1}
+    return {"is_warmup": step == 0, "is_graph_capturing": step == CAPTURE_STEP}
 
 
 def ffn_fn(x, logits, f):
@@ -145,6 +148,21 @@ def attention_step(conn, cp, step):
     Ctx, Meta = sv.AFDTransferContext, sv.AFDTransferMetadata
     cp.update_state_from_dp_metadata(payload(step))
     cp.send_dp_metadata_list(payload(step))
+    if step == CAPTURE_STEP:
+        # As vLLM's capture step: the payload says capturing, the forward's sends
+        # and receives are captured (nothing posted: see vllm_graph_peer.py). An
+        # eager send now is refused, naming the reason, and changes nothing.
+        x, logits = data(step, 0, 0, RANK)
+        ctx = Ctx(metadata=Meta(layer_idx=0, stage_idx=0, seq_lens=[len(x)]))
+        kw = {"router_logits": logits} if LOGITS else {}
+        expect_error(RuntimeError, ["graph capture", "is_graph_capturing"],
+                     conn.send_attn_output, x, ctx, **kw)
+        if not LOGITS:  # the registered buffer (the lanes' case) is refused the same way
+            buf = conn.send_buffer(0)[: len(x)]
+            expect_error(RuntimeError, ["graph capture"], conn.send_attn_output, buf, ctx)
+        expect_error(RuntimeError, ["stage 0", "no send_attn_output"],
+                     conn.recv_ffn_output, x, 0)
+        return
     for layer in range(LAYERS):
         sent_x = []
         for s in range(STAGES):
@@ -286,6 +304,9 @@ def ffn(conn):
                     md = got.context.metadata
                     st = got.context.states
                     assert isinstance(st, sv.AFDTransferState)
+                    if step == CAPTURE_STEP:  # nothing was sent: a dummy of the announced shape
+                        check_capture_step(conn, cp, got, s, served, routing)
+                        continue
                     assert (st.is_warmup, st.is_graph_capturing) == \
                         (flags(step)["is_warmup"], flags(step)["is_graph_capturing"]), st
                     assert md.layer_idx == layer and md.stage_idx == s
@@ -316,6 +337,23 @@ def ffn(conn):
             raise
 
 
+def check_capture_step(conn, cp, got, s, served, routing):
+    """recv_attn_output in a capture step returned at once (nothing waited
+    for) with the token counts the payload announced; send_ffn_output of it
+    sends nothing (a real batch would be answered out of order otherwise)."""
+    md, st = got.context.metadata, got.context.states
+    assert st.is_graph_capturing and md.stage_idx == s, (st, md)
+    assert md.seq_lens == [cp.expected_tokens(s, a) for a in served], md.seq_lens
+    assert tuple(got.hidden_states.shape) == (md.total_tokens, H), got.hidden_states.shape
+    assert got.hidden_states.device == DEVICE and got.hidden_states.dtype == BF16
+    if routing:
+        assert tuple(got.router_logits.shape) == (md.total_tokens, WIDTH)
+        assert got.router_logits.dtype == BF16
+    else:
+        assert got.router_logits is None
+    conn.send_ffn_output(ffn_fn(got.hidden_states, got.router_logits, RANK), got.context)
+
+
 def main():
     if SPEC["mode"] == "fallback":  # no afd_plugin importable: our own base
         assert not sv.PLUGIN_BASE
@@ -336,18 +374,23 @@ def main():
     python_path = count_python_path(conn) if ROLE == "attention" else None
     (attention if ROLE == "attention" else ffn)(conn)
     if ROLE == "attention" and SPEC["mode"] == "normal":  # the data path took the ops, or not
-        calls = STEPS * LAYERS * STAGES
-        want = calls if SPEC.get("custom_ops") == "always" else 0
-        assert sv.OP_CALLS["afd_send_attn"] == want, (sv.OP_CALLS, want)
-        assert sv.OP_CALLS["afd_recv_ffn"] == want, (sv.OP_CALLS, want)
+        # The capture step sends nothing; its refused eager sends (1, or 2
+        # without logits) reach the Python path's post, which refuses them.
+        data_steps = STEPS - (1 if STEPS > CAPTURE_STEP else 0)
+        refused = (1 if LOGITS else 2) if STEPS > CAPTURE_STEP else 0
+        calls = data_steps * LAYERS * STAGES
+        always = SPEC.get("custom_ops") == "always"
+        assert sv.OP_CALLS["afd_send_attn"] == (calls + refused if always else 0), sv.OP_CALLS
+        assert sv.OP_CALLS["afd_recv_ffn"] == (calls if always else 0), sv.OP_CALLS
         # The in-place calls are the lanes' (one binding call each) unless
         # every call goes through the ops: the receives in recv_buffer(s), the
         # sends from send_buffer(s) without logits; the rest the Python path's.
-        total = STEPS * LAYERS * STAGES
-        lanes = (SPEC.get("custom_ops") != "always" and LAYERS > IN_PLACE_LAYER
+        total = calls
+        lanes = (not always and LAYERS > IN_PLACE_LAYER
                  and DEVICE.type == "cpu")  # CUDA calls are stream-ordered: the Python path
-        in_place = STEPS * (STAGES if not LOGITS else 1) if lanes else 0
-        want = {"send": total - (in_place if not LOGITS else 0), "recv": total - in_place}
+        in_place = data_steps * (STAGES if not LOGITS else 1) if lanes else 0
+        want = {"send": total - (in_place if not LOGITS else 0) + refused,
+                "recv": total - in_place}
         assert python_path == want, (python_path, want)
     if ROLE == "ffn" and SPEC["mode"] == "normal":  # the FFN side's send, likewise
         calls = STEPS * LAYERS * STAGES
