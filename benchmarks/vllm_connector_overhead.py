@@ -136,8 +136,8 @@ def ffn(args) -> None:
     --ffn-side alternate (the default) a baseline's round trip is answered
     without the connector, as a program on stepmesh.Server would (the batch,
     the contract's work -- the ranks' rows gathered into one [sum(n), hidden]
-    input when there are several, the output copied into the reply rows --
-    on views made once, then respond), so the connector's FFN-side code is in
+    input when there are several, the output copied into the reply region's
+    first rows, the replies packed there -- on views made once, then respond), so the connector's FFN-side code is in
     the connector's rows only; with --ffn-side connector every round trip is
     the connector's (what the rows measured until 2026-12-05)."""
     conn, _, _ = make_connector(args)
@@ -150,9 +150,9 @@ def ffn(args) -> None:
         gathers = [(gather[i * n:(i + 1) * n], region[w * M:w * M + n])
                    for i, w in enumerate(workers)]
         output = gather[:n * len(workers)]
-    replies = [(reply[w * M:w * M + n], output[i * n:(i + 1) * n])
-               for i, w in enumerate(workers)]
+    packed = reply[:n * len(workers)]  # the replies back to back: one copy, as the connector
     rows = {w: n for w in workers}
+    offsets = {w: i * n for i, w in enumerate(workers)}
     for through_connector in connector_round_trips(args):
         if through_connector or args.ffn_side == "connector":
             p = conn.recv_attn_output(0)
@@ -161,9 +161,8 @@ def ffn(args) -> None:
         batch = srv.get_batch(TIMEOUT_S)
         for dst, src in gathers:
             dst.copy_(src)
-        for dst, src in replies:
-            dst.copy_(src)
-        srv.respond(batch, rows=rows)
+        packed.copy_(output)
+        srv.respond(batch, rows=rows, offsets=offsets)
     conn.close()
 
 

@@ -51,6 +51,12 @@ struct Batch {
 struct Reply {
   int worker = 0;
   size_t bytes = kWholeTensor;  // of the worker's slot in the reply region
+  // Where in the reply region the reply starts, in bytes: kSlot is the
+  // worker's slot (worker * slot bytes). Another offset lets replies be
+  // packed back to back (one copy of a batch's output, whatever its split);
+  // offset + bytes must lie inside the region.
+  size_t offset = kSlot;
+  static constexpr size_t kSlot = ~size_t{0};
 };
 
 // Rank, backend, stats, traces, Barrier, Shutdown, the membership and Leave:

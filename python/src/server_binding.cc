@@ -119,7 +119,8 @@ class PyServer : public PyNode<AFTensorServer> {
     ThrowIfError(node.StreamWaitNextBatch(*s));
   }
 
-  void Respond(PyBatch& batch, py::handle rows, py::handle nbytes, py::handle stream) {
+  void Respond(PyBatch& batch, py::handle rows, py::handle nbytes, py::handle stream,
+               py::handle offsets) {
     if (batch.answered) {
       ThrowStatus(absl::FailedPreconditionError("batch already answered"));
     }
@@ -146,20 +147,43 @@ class PyServer : public PyNode<AFTensorServer> {
     };
     collect(rows, true);
     collect(nbytes, false);
+    // offsets={worker: row}: where in the reply region that worker's reply starts
+    // (rows of the reply tensor), e.g. replies packed back to back.
+    std::map<int, size_t> offset_bytes;
+    if (!offsets.is_none()) {
+      if (!PyDict_Check(offsets.ptr())) ThrowInvalidArgument("offsets: expected {worker: row}");
+      for (const auto& [w_obj, r_obj] : py::reinterpret_borrow<py::dict>(offsets)) {
+        const int w = w_obj.cast<int>();
+        const int64_t r = r_obj.cast<int64_t>();
+        if (r < 0) ThrowInvalidArgument(absl::StrCat("offsets: worker ", w, ": negative row"));
+        offset_bytes[w] = static_cast<size_t>(r) * ReplyRowBytes(batch, w);
+      }
+    }
+    auto offset_of = [&](int w) {
+      auto it = offset_bytes.find(w);
+      if (it == offset_bytes.end()) return Reply::kSlot;
+      const size_t b = it->second;
+      offset_bytes.erase(it);
+      return b;
+    };
     std::vector<Reply>& replies = replies_;  // reused: no allocation per batch
     replies.clear();
     for (size_t i = 0; i < batch.workers.size(); ++i) {
       const int w = batch.workers[i];
       auto it = explicit_bytes.find(w);
       if (it != explicit_bytes.end()) {
-        replies.push_back({w, it->second});
+        replies.push_back({w, it->second, offset_of(w)});
         explicit_bytes.erase(it);
       } else if (batch.pull_keys[i].has_value()) {
-        replies.push_back({w, kWholeTensor});
+        replies.push_back({w, kWholeTensor, offset_of(w)});
       }
     }
     // Replies to workers outside the batch: the library names the mistake.
-    for (const auto& [w, b] : explicit_bytes) replies.push_back({w, b});
+    for (const auto& [w, b] : explicit_bytes) replies.push_back({w, b, offset_of(w)});
+    if (!offset_bytes.empty()) {
+      ThrowInvalidArgument(absl::StrCat("offsets: worker ", offset_bytes.begin()->first,
+                                        " gets no reply from this batch"));
+    }
     auto& node = live();  // may raise: do it holding the GIL
     py::object keep;
     Stream* st = streams_->Resolve(stream, "respond", keep);
@@ -259,8 +283,11 @@ The FFN side (C++ AFTensorServer). Server(options=None, **fields) joins the mesh
            py::arg("policy") = py::none())
       .def("respond", &PyServer::Respond, py::arg("batch"), py::arg("rows") = py::none(),
            py::arg("bytes") = py::none(), py::arg("stream") = py::none(),
+           py::arg("offsets") = py::none(),
            "stream: None, a stepmesh.Stream or an int cudaStream_t; the replies are sent\n"
-           "once the work enqueued on it so far ran (a ready event), without blocking.")
+           "once the work enqueued on it so far ran (a ready event), without blocking.\n"
+           "offsets: {worker: row} where a worker's reply starts in the reply region\n"
+           "(default: its slot), e.g. replies packed back to back.")
       .def("stream_wait_next_batch", &PyServer::StreamWaitNextBatch, py::arg("stream"),
            "The stream waits for the next complete batch, counted on the device (pair each\n"
            "with one get_batch()).")

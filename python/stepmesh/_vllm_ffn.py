@@ -58,20 +58,25 @@ class _FfnShape:
     repeats (a torch slice costs ~7 us with the caches a round trip leaves,
     docs/benchmarks.md)."""
 
-    __slots__ = ("workers", "seq_lens", "total", "hidden", "gathers", "replies", "rows")
+    __slots__ = ("workers", "seq_lens", "total", "hidden", "gathers", "reply", "rows",
+                 "offsets")
 
-    def __init__(self, workers, seq_lens, total, hidden, gathers, replies, rows) -> None:
+    def __init__(self, workers, seq_lens, total, hidden, gathers, reply, rows, offsets) -> None:
         self.workers = workers  # our copies: the caller gets its own lists
         self.seq_lens = seq_lens
         self.total = total
         self.hidden = hidden  # the model's input: a region slot, or the gathered rows
         self.gathers = gathers  # (gather rows, region slot) pairs copied per batch
-        self.replies = replies  # each worker's reply rows, in worker order
+        self.reply = reply  # the reply region's first `total` rows: the replies packed
         self.rows = rows  # respond()'s {worker: rows}
+        self.offsets = offsets  # and {worker: first row}, in rank order
 
 
-def _check_answerable(state: StepMeshTransferState) -> None:
-    if not state.dummy and (state.batch is None or state.batch.answered):
+def _check_answerable(state: StepMeshTransferState, pending: Any) -> None:
+    """A context is answered once: a batch's until its respond, a capture
+    step's dummy while its op id is pending (`pending`: the connector's)."""
+    if (state.op_id not in pending if state.dummy
+            else state.batch is None or state.batch.answered):
         raise RuntimeError(f"send_ffn_output: stage {state.stage}: context already answered")
 
 
@@ -102,7 +107,9 @@ class FfnSide:
             self._replies.append(reply)
             self._gathers.append(self._empty((W * M, H), self.dtype))
         self._ffn_shapes: List[Any] = [None] * self.num_stages  # the last _FfnShape per stage
+        self._dummy_shapes: List[Any] = [None] * self.num_stages  # a capture step's
         self._recv_what = [f"recv_attn_output(ubatch_idx={s})" for s in range(self.num_stages)]
+        self._hidden_keys = [_key(s, _HIDDEN) for s in range(self.num_stages)]
         words = self._control_words()
         self._control_region = torch.zeros(W * words, dtype=torch.int32)
         srv.register_recv(CONTROL_KEY, self._control_region)
@@ -115,7 +122,7 @@ class FfnSide:
             return stash.popleft()
         while True:
             try:
-                batch = self._node.get_batch(self.extra_info.timeout)
+                batch = self._node.get_batch(self._timeout)
             except stepmesh.Error as e:
                 raise self._worker_error(what, e) from e
             if batch.group == group:
@@ -148,8 +155,17 @@ class FfnSide:
             s = self._stage(s, "ubatch_idx")
         if self.is_graph_capturing:  # the attention ranks capture: no data comes (docs/python.md)
             return self._capture_step_payload(s, kwargs)
-        key = _key(s, _HIDDEN)
-        batch = self._next_batch(key, self._recv_what[s])
+        key = self._hidden_keys[s]
+        if self._stash.get(key):  # arrived while another group was waited for
+            batch = self._next_batch(key, self._recv_what[s])
+        else:
+            try:
+                batch = self._node.get_batch(self._timeout)
+            except stepmesh.Error as e:
+                raise self._worker_error(self._recv_what[s], e) from e
+            if batch.group != key:  # another group's (a stage out of order, the control)
+                self._stash[batch.group].append(batch)
+                batch = self._next_batch(key, self._recv_what[s])
         workers = batch.workers
         seq_lens = batch.rows(key)
         shape = self._ffn_shapes[s]
@@ -198,9 +214,14 @@ class FfnSide:
                 raise ValueError(f"stage {s}: the control payload gives attention rank {a} "
                                  f"{n} tokens, more than max_tokens={self.max_tokens}")
             seq_lens.append(n)
-        shape = self._ffn_shapes[s]
-        if shape is None or shape.seq_lens != seq_lens or shape.workers != workers:
-            shape = self._ffn_shapes[s] = self._ffn_shape(s, workers, seq_lens)
+        # The stage's gather rows, never the receive region: nothing answers the
+        # capture step, so the next step's data may land in the region while the
+        # work queued on the dummy still runs (an FFN writing its input in place).
+        shape = self._dummy_shapes[s]
+        if shape is None or shape.seq_lens != seq_lens:
+            total = sum(seq_lens)
+            shape = self._dummy_shapes[s] = _FfnShape(
+                workers, list(seq_lens), total, self._gathers[s][:total], (), None, None, None)
         logits = None
         spec = kwargs.get("routing_spec") if kwargs else None
         if spec is not None:
@@ -242,9 +263,13 @@ class FfnSide:
                 gathers.append((gather[row: row + n], region[w * M: w * M + n]))
                 row += n
             hidden = gather[:row]
-        replies = tuple(reply[w * M: w * M + n] for w, n in zip(workers, seq_lens))
-        return _FfnShape(list(workers), list(seq_lens), sum(seq_lens), hidden, tuple(gathers),
-                         replies, dict(zip(workers, seq_lens)))
+        total = sum(seq_lens)
+        offsets, row = {}, 0
+        for w, n in zip(workers, seq_lens):  # replies packed back to back: one copy per batch
+            offsets[w] = row
+            row += n
+        return _FfnShape(list(workers), list(seq_lens), total, hidden, tuple(gathers),
+                         reply[:total], dict(zip(workers, seq_lens)), offsets)
 
     def _gather_logits(self, batch, s, workers, seq_lens, spec) -> torch.Tensor:
         width = int(spec.router_logits_width)
@@ -289,7 +314,8 @@ class FfnSide:
                              f"{self.hidden_size}) {_dtype_name(self.dtype)} "
                              "(context.metadata.total_tokens)")
         if self._always_ops:
-            _check_answerable(state)  # before the dispatch: a refused call changes nothing
+            # Before the dispatch: a refused call changes nothing.
+            _check_answerable(state, self._ffn_contexts)
             torch.ops.stepmesh.afd_send_ffn(ffn_output, self._id, state.op_id)
         else:
             self._send_ffn(ffn_output, context)
@@ -298,16 +324,11 @@ class FfnSide:
         """Copies each worker's rows into its reply rows and replies (the op's
         kernel too: the answered check is here, where every path passes)."""
         state = context.states
-        _check_answerable(state)
+        _check_answerable(state, self._ffn_contexts)
         self._ffn_contexts.pop(state.op_id, None)
         if state.dummy:  # a capture step's: no attention rank waits for it
             return
         shape = state.shape
-        replies = shape.replies
-        if len(replies) == 1:
-            replies[0].copy_(ffn_output)
-        else:
-            for dst, src in zip(replies, ffn_output.split(shape.seq_lens)):
-                dst.copy_(src)
-        self._node.respond(state.batch, rows=shape.rows,
+        shape.reply.copy_(ffn_output)  # one copy, no per-call views (~20 us each, cold)
+        self._node.respond(state.batch, rows=shape.rows, offsets=shape.offsets,
                            stream=self._current_stream() if self._stream else None)

@@ -178,7 +178,9 @@ def test_two_workers_two_servers_batch_parts_are_zero_copy_views():
         for _ in range(steps):
             b = s.get_batch(timeout=20)
             assert b.group == 10 and b.workers == [0, 1]
-            rows_back = {}
+            rows_back, offsets, at = {}, {}, 0
+            packed = s.rank == 1  # server 1 packs the replies back to back (offsets=)
+            assert b.rows(10) == [b.part(10, w).rows for w in b.workers]
             for w in b.workers:
                 part = b.part(10, w)
                 view = np.from_dlpack(part)
@@ -187,10 +189,20 @@ def test_two_workers_two_servers_batch_parts_are_zero_copy_views():
                 assert part.data_ptr == recv.ctypes.data + w * recv.nbytes // 2
                 assert part.valid_bytes == part.rows * cols * 4
                 assert view.shape == (part.rows, cols)
-                reply[w * rows: w * rows + part.rows] = view + 100 * (s.rank + 1)
-                rows_back[w] = part.rows
+                first = at if packed else w * rows
+                reply[first: first + part.rows] = view + 100 * (s.rank + 1)
+                rows_back[w], offsets[w] = part.rows, first
+                at += part.rows
                 seen.append((s.rank, w, part.rows))
-            s.respond(b, rows=rows_back)
+            if packed:  # bad offsets are refused naming them, and change nothing
+                for bad, words in (([0], "expected {worker: row}"),
+                                   ({7: 0}, "worker 7 which is not in this batch"),
+                                   ({1: 2 * rows}, "offset")):
+                    with pytest.raises(ValueError, match=words.replace("{", r"\{")):
+                        s.respond(b, rows=rows_back, offsets=bad)
+                s.respond(b, rows=rows_back, offsets=offsets)
+            else:
+                s.respond(b, rows=rows_back)
         s.barrier()
 
     mesh = Mesh(server, workers=2, servers=2)

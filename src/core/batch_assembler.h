@@ -78,6 +78,7 @@ struct WorkerEntry {
   Key pull_key = kNoPull;
   TraceStamps stamps;
   size_t reply_bytes = 0;              // set by Respond
+  size_t reply_offset = 0;             // set by Respond: into the reply region
   ReplyRegistration* reply = nullptr;  // set by Respond; null: an empty acknowledgement
   bool reply_missing = false;          // set by Respond: its pull key's tensor is gone
   uint32_t pushed_mask = 0;            // bit t: this worker filled tensors[t]

@@ -43,10 +43,19 @@ absl::Status ReplyPath::Prepare(BatchSlot& slot, absl::Span<const Reply> replies
     auto it = reply_tensors.find(e.pull_key);
     if (it == reply_tensors.end()) continue;  // answered with an error frame (below)
     const size_t bytes = reply.bytes == kWholeTensor ? it->second->slot_bytes : reply.bytes;
-    if (bytes > it->second->slot_bytes) {
-      return absl::OutOfRangeError(absl::StrCat("reply of ", bytes, " bytes exceeds the ",
-                                                it->second->slot_bytes, "-byte slot of key ",
-                                                e.pull_key));
+    if (reply.offset == Reply::kSlot) {
+      if (bytes > it->second->slot_bytes) {
+        return absl::OutOfRangeError(absl::StrCat("reply of ", bytes, " bytes exceeds the ",
+                                                  it->second->slot_bytes, "-byte slot of key ",
+                                                  e.pull_key));
+      }
+    } else {
+      const size_t region = it->second->view.bytes();
+      if (reply.offset > region || bytes > region - reply.offset) {
+        return absl::OutOfRangeError(
+            absl::StrCat("reply to worker ", reply.worker, ": offset ", reply.offset, " + ", bytes,
+                         " bytes exceeds the ", region, "-byte reply region of key ", e.pull_key));
+      }
     }
   }
   for (int w : slot.workers) {
@@ -72,6 +81,9 @@ absl::Status ReplyPath::Prepare(BatchSlot& slot, absl::Span<const Reply> replies
     if (e.reply_missing) continue;
     e.reply = reply_tensors.find(e.pull_key)->second.get();
     e.reply_bytes = reply.bytes == kWholeTensor ? e.reply->slot_bytes : reply.bytes;
+    e.reply_offset = reply.offset == Reply::kSlot
+                         ? static_cast<size_t>(reply.worker) * e.reply->slot_bytes
+                         : reply.offset;
   }
   return absl::OkStatus();
 }
@@ -121,7 +133,7 @@ void ReplyPath::SendReplies(Transport& transport, NodeId self, int rank, BatchSl
         h.key = e.pull_key;
         h.dtype = e.reply->view.dtype;
         h.payload_bytes = e.reply_bytes;
-        const size_t offset = w * e.reply->slot_bytes;
+        const size_t offset = e.reply_offset;
         src = e.reply->wire.wire + offset;
         region = e.reply->wire.region;
         sent = io_.StageOut(e.reply->wire, e.reply->view.data, offset, e.reply_bytes);

@@ -168,6 +168,38 @@ TEST_CASE("batch policies: all workers, or whoever arrived by the deadline", "[m
   CHECK(mesh->worker(1).Wait(*b, absl::Seconds(5)).ok());
 }
 
+TEST_CASE("replies may start anywhere in the reply region: packed back to back", "[mesh][reply]") {
+  std::vector<uint8_t> push(64, 1), pull0(64), pull1(64), recv(2 * 64), reply(2 * 64);
+  auto mesh = TwoByOne();
+  for (int w = 0; w < 2; ++w) {
+    REQUIRE_OK(mesh->worker(w).RegisterPushTensor(1, BytesView(push.data(), 64)));
+    REQUIRE_OK(mesh->worker(w).RegisterPullTensor(2, 0, BytesView((w ? pull1 : pull0).data(), 64)));
+  }
+  REQUIRE_OK(mesh->server(0).RegisterRecvTensor(1, {recv.data(), DType::kUInt8, Shape{2, 64}}));
+  REQUIRE_OK(mesh->server(0).RegisterReplyTensor(2, {reply.data(), DType::kUInt8, Shape{2, 64}}));
+  for (size_t i = 0; i < reply.size(); ++i) reply[i] = static_cast<uint8_t>(i);
+  const Push p{1, 64};
+  const Pull q{2, 0};
+  auto a = mesh->worker(0).PushPull({&p, 1}, {&q, 1});
+  auto b = mesh->worker(1).PushPull({&p, 1}, {&q, 1});
+  REQUIRE_OK(a);
+  REQUIRE_OK(b);
+  auto batch = mesh->server(0).GetBatch(absl::Seconds(5));
+  REQUIRE_OK(batch);
+  // Out of the region: refused, naming the worker and the offset; nothing sent.
+  const Reply bad[] = {{0, 48, 0}, {1, 64, 100}};
+  const absl::Status refused = mesh->server(0).Respond(*batch, bad);
+  CHECK(absl::IsOutOfRange(refused));
+  CHECK(absl::StrContains(refused.message(), "reply to worker 1: offset 100 + 64 bytes"));
+  // Worker 0's 48 bytes at 0, worker 1's 64 right after them (across the slot boundary).
+  const Reply packed[] = {{0, 48, 0}, {1, 64, 48}};
+  REQUIRE_OK(mesh->server(0).Respond(*batch, packed));
+  REQUIRE_OK(mesh->worker(0).Wait(*a, absl::Seconds(5)));
+  REQUIRE_OK(mesh->worker(1).Wait(*b, absl::Seconds(5)));
+  for (size_t i = 0; i < 48; ++i) CHECK(pull0[i] == i);
+  for (size_t i = 0; i < 64; ++i) CHECK(pull1[i] == 48 + i);
+}
+
 TEST_CASE("a stage batches workers whose push keys differ (without one the first key does)",
           "[mesh][batch][stage]") {
   std::vector<uint8_t> push0(64, 1), push1(64, 2), pull0(64), pull1(64);

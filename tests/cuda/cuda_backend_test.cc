@@ -801,6 +801,56 @@ TEST_CASE("cuda: a captured go increment and done wait post once per replay", "[
   CHECK(absl::IsUnimplemented(replay->BeginCapture()));  // CUDA captures with CUDA itself
 }
 
+TEST_CASE("cuda: counter kernels and event records run on the backend's device, not the caller's",
+          "[cuda]") {
+  // A multi-GPU host: the backend drives device 1 while the calling thread
+  // (vLLM's capturing thread, say) has device 0 current. A kernel launch
+  // into a device-1 stream then fails, and handle 0 is device 0's legacy
+  // stream, where a device-1 event cannot be recorded.
+  for (ReadyEventMode mode : {ReadyEventMode::kCudaEvent, ReadyEventMode::kCopyEngineFlag}) {
+    Fixture f(/*devices=*/2, Options(mode), /*device=*/1);
+    // The ops queued on `device`'s legacy stream (the fake resolves handle 0
+    // by the calling thread's current device).
+    auto legacy_pending = [&](int device) {
+      REQUIRE(f.fake->SetDevice(device) == cudaSuccess);
+      std::vector<std::string> names = f.fake->PendingNames(nullptr);
+      REQUIRE(f.fake->SetDevice(0) == cudaSuccess);
+      return names;
+    };
+    auto stream = f.NewStream();
+    auto legacy = *WrapCudaStream(*f.backend, nullptr);
+    auto words = *f.backend->Allocate(2 * sizeof(int64_t), MemoryKind::kHostMapped);
+    auto* go = static_cast<int64_t*>(words->data());
+    auto* done = go + 1;
+    *go = *done = 0;
+    REQUIRE(f.fake->SetDevice(0) == cudaSuccess);  // the application's own choice
+
+    CHECK(stream->IncrementCounter(go).ToString() == "OK");
+    CHECK(stream->WaitCounterAtLeast(done, go).ToString() == "OK");
+    CHECK(f.fake->PendingNames(f.Native(*stream)) ==
+          std::vector<std::string>{"increment_counter_kernel", "wait_counter_kernel"});
+    CHECK(legacy->IncrementCounter(done).ToString() == "OK");
+    CHECK(legacy_pending(1) == std::vector<std::string>{"increment_counter_kernel"});
+    CHECK(legacy_pending(0).empty());
+
+    auto on_stream = *f.backend->CreateEvent();
+    auto on_legacy = *f.backend->CreateEvent();
+    CHECK(on_stream->Record(*stream).ToString() == "OK");
+    CHECK(RecordOnCudaStream(*on_legacy, nullptr).ToString() == "OK");
+    const std::string record = mode == ReadyEventMode::kCudaEvent ? "event_record" : "memcpy";
+    CHECK(f.fake->PendingNames(f.Native(*stream)).back() == record);
+    CHECK(legacy_pending(1) == std::vector<std::string>{"increment_counter_kernel", record});
+    CHECK(legacy_pending(0).empty());
+    CHECK(f.fake->CurrentDeviceOfThisThread() == 0);  // the caller's device, restored
+
+    f.fake->RunAll();
+    CHECK(std::atomic_ref<int64_t>(*go).load() == 1);
+    CHECK(std::atomic_ref<int64_t>(*done).load() == 1);
+    CHECK(f.Ready(*on_stream));
+    CHECK(f.Ready(*on_legacy));
+  }
+}
+
 TEST_CASE("cuda: WaitHostFlagNext outside graphs, and released for shutdown", "[cuda]") {
   Fixture f(1, Options(ReadyEventMode::kCopyEngineFlag, StreamWaitMode::kKernel));
   auto stream = f.NewStream();

@@ -83,11 +83,11 @@ def connector():
              "backend": "cuda" if DEVICE.type == "cuda" else "cpu_mock", "max_tokens": MAX,
              "num_stages": STAGES, "router_logits_width": WIDTH, "timeout": TIMEOUT,
              "poll_mode": "blocking"}
+    # The FFN side runs eagerly (on CUDA init refuses it otherwise).
+    eager = ROLE == "ffn" or SPEC.get("enforce_eager", False)
     vcfg = types.SimpleNamespace(
         model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(hidden_size=H),
-                                           dtype=BF16,
-                                           # the FFN side runs eagerly (init refuses it otherwise on CUDA)
-                                           enforce_eager=ROLE == "ffn" or SPEC.get("enforce_eager", False)),
+                                           dtype=BF16, enforce_eager=eager),
         scheduler_config=types.SimpleNamespace(max_num_batched_tokens=4096),
         compilation_config=types.SimpleNamespace(cudagraph_mode="FULL"),
         additional_config={"afd": {"connector": sv.NAME, "connector_extra_config": extra}})

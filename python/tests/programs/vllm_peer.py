@@ -351,7 +351,11 @@ def check_capture_step(conn, cp, got, s, served, routing):
         assert got.router_logits.dtype == BF16
     else:
         assert got.router_logits is None
-    conn.send_ffn_output(ffn_fn(got.hidden_states, got.router_logits, RANK), got.context)
+    # The stage's gather rows, not the receive region the next step's data lands in.
+    assert got.hidden_states.data_ptr() == conn._gathers[s].data_ptr()
+    out = ffn_fn(got.hidden_states, got.router_logits, RANK)
+    conn.send_ffn_output(out, got.context)
+    expect_error(RuntimeError, ["already answered"], conn.send_ffn_output, out, got.context)
 
 
 def main():

@@ -175,7 +175,11 @@ absl::Status CudaStream::WaitCounterAtLeast(const int64_t* counter, const int64_
     return absl::InvalidArgumentError("WaitCounterAtLeast: a null counter or target");
   }
   CudaApi& api = context_->api();
-  STEPMESH_RETURN_IF_ERROR(BindThread(api, context_->device()));
+  // A kernel launch into a stream of another device than the current one
+  // fails (and handle 0 means the current device's legacy stream), so the
+  // backend's device is made current, and the caller's restored after.
+  ScopedDevice scoped(api, context_->device());
+  STEPMESH_RETURN_IF_ERROR(scoped.status());
   STEPMESH_ASSIGN_OR_RETURN(const int64_t* device_counter, DeviceWord(api, counter, "counter"));
   STEPMESH_ASSIGN_OR_RETURN(const int64_t* device_target, DeviceWord(api, target, "target"));
   return CudaStatus(api, api.LaunchWaitCounterKernel(stream_, device_counter, device_target),
@@ -185,7 +189,8 @@ absl::Status CudaStream::WaitCounterAtLeast(const int64_t* counter, const int64_
 absl::Status CudaStream::IncrementCounter(int64_t* counter) {
   if (counter == nullptr) return absl::InvalidArgumentError("IncrementCounter: a null counter");
   CudaApi& api = context_->api();
-  STEPMESH_RETURN_IF_ERROR(BindThread(api, context_->device()));
+  ScopedDevice scoped(api, context_->device());  // a kernel launch, as in WaitCounterAtLeast
+  STEPMESH_RETURN_IF_ERROR(scoped.status());
   STEPMESH_ASSIGN_OR_RETURN(const int64_t* device_counter,
                             DeviceWord(api, counter, "counter", "IncrementCounter"));
   return CudaStatus(api,
@@ -249,7 +254,12 @@ absl::Status CudaEvent::Record(Stream& stream) {
 absl::Status CudaEvent::RecordOn(cudaStream_t handle) {
   DeviceContext& context = pool_->context();
   CudaApi& api = context.api();
-  STEPMESH_RETURN_IF_ERROR(BindThread(api, context.device()));
+  // cudaEventRecord fails when the event and the stream belong to different
+  // devices, and handle 0 (RecordOnCudaStream's legacy stream) means the
+  // current device's: with another device current the record would fail
+  // (kCudaEvent) or land on the wrong device's stream (the flag copy).
+  ScopedDevice scoped(api, context.device());
+  STEPMESH_RETURN_IF_ERROR(scoped.status());
   // Captured, the record would happen once per graph replay at best (the
   // flag copy) or not at all: the event would mean nothing.
   STEPMESH_ASSIGN_OR_RETURN(const bool capturing, context.IsCapturing(handle));
