@@ -9,8 +9,12 @@ on the same mesh in the same process (the paired method of python_overhead.py).
 Per pattern: A attention and F FFN processes of this script, each with a
 StepMeshAFDConnector (stepmesh.vllm, the stand-in plugin base from
 python/tests/ or the real one), TCP on 127.0.0.1, cpu_mock, CPU bf16 tensors
-of [tokens, hidden]. The FFN processes answer every round trip the same way
-(recv_attn_output, then send_ffn_output of the received hidden states). Each
+of [tokens, hidden]. The FFN processes echo the hidden states: through the
+connector (recv_attn_output, then send_ffn_output of them) in the connector's
+rows, and as a program on stepmesh.Server would in the baselines' (--ffn-side
+alternate, the default: get_batch, the same copies, respond), so every row
+includes both sides' code; --ffn-side connector: the connector always (the
+attention side's code only, as the rows measured until 2026-12-04). Each
 attention process runs rounds of six blocks of --block-iters round trips,
 the block order rotating through 12 orders (every cyclic shift, forwards and
 backwards), every attention rank
