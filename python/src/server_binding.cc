@@ -148,23 +148,30 @@ class PyServer : public PyNode<AFTensorServer> {
     collect(rows, true);
     collect(nbytes, false);
     // offsets={worker: row}: where in the reply region that worker's reply starts
-    // (rows of the reply tensor), e.g. replies packed back to back.
-    std::map<int, size_t> offset_bytes;
-    if (!offsets.is_none()) {
+    // (rows of the reply tensor), e.g. replies packed back to back. Kept per
+    // worker rank in a member sized once (the connector passes it every batch).
+    const bool with_offsets = !offsets.is_none();
+    size_t offsets_left = 0;
+    if (with_offsets) {
+      offset_bytes_.assign(static_cast<size_t>(num_workers()), Reply::kSlot);
       if (!PyDict_Check(offsets.ptr())) ThrowInvalidArgument("offsets: expected {worker: row}");
       for (const auto& [w_obj, r_obj] : py::reinterpret_borrow<py::dict>(offsets)) {
         const int w = w_obj.cast<int>();
         const int64_t r = r_obj.cast<int64_t>();
         if (r < 0) ThrowInvalidArgument(absl::StrCat("offsets: worker ", w, ": negative row"));
-        offset_bytes[w] = static_cast<size_t>(r) * ReplyRowBytes(batch, w);
+        const size_t row_bytes = ReplyRowBytes(batch, w);  // w is in the batch (or it raises)
+        offset_bytes_[static_cast<size_t>(w)] = static_cast<size_t>(r) * row_bytes;
+        ++offsets_left;
       }
     }
     auto offset_of = [&](int w) {
-      auto it = offset_bytes.find(w);
-      if (it == offset_bytes.end()) return Reply::kSlot;
-      const size_t b = it->second;
-      offset_bytes.erase(it);
-      return b;
+      if (!with_offsets || w < 0 || static_cast<size_t>(w) >= offset_bytes_.size())
+        return Reply::kSlot;
+      size_t& b = offset_bytes_[static_cast<size_t>(w)];
+      const size_t out = b;
+      if (b != Reply::kSlot) --offsets_left;
+      b = Reply::kSlot;
+      return out;
     };
     std::vector<Reply>& replies = replies_;  // reused: no allocation per batch
     replies.clear();
@@ -180,9 +187,13 @@ class PyServer : public PyNode<AFTensorServer> {
     }
     // Replies to workers outside the batch: the library names the mistake.
     for (const auto& [w, b] : explicit_bytes) replies.push_back({w, b, offset_of(w)});
-    if (!offset_bytes.empty()) {
-      ThrowInvalidArgument(absl::StrCat("offsets: worker ", offset_bytes.begin()->first,
-                                        " gets no reply from this batch"));
+    if (offsets_left != 0) {  // a worker of the batch that only pushed
+      for (size_t w = 0; w < offset_bytes_.size(); ++w) {
+        if (offset_bytes_[w] != Reply::kSlot) {
+          ThrowInvalidArgument(
+              absl::StrCat("offsets: worker ", w, " gets no reply from this batch"));
+        }
+      }
     }
     auto& node = live();  // may raise: do it holding the GIL
     py::object keep;
@@ -253,7 +264,8 @@ class PyServer : public PyNode<AFTensorServer> {
     ThrowInvalidArgument(absl::StrCat("reply to worker ", worker, " which is not in this batch"));
   }
 
-  std::vector<Reply> replies_;  // Respond's scratch
+  std::vector<Reply> replies_;        // Respond's scratch
+  std::vector<size_t> offset_bytes_;  // and its offsets, per worker rank
   struct GroupReady {
     Event* event = nullptr;
     py::object stream;  // what it was last recorded on

@@ -225,14 +225,7 @@ class FfnSide:
         logits = None
         spec = kwargs.get("routing_spec") if kwargs else None
         if spec is not None:
-            width = int(spec.router_logits_width)
-            dtype = _torch_dtype(spec.router_logits_dtype, "routing_spec.router_logits_dtype")
-            row_bytes = width * _element_size(dtype)
-            if not 0 < row_bytes <= self._logit_row_bytes:
-                raise ValueError(f"routing_spec.router_logits_width={width} "
-                                 f"({_dtype_name(dtype)}): the connector registered "
-                                 f"{self._logit_row_bytes} bytes per token "
-                                 "(connector_extra_config.router_logits_width)")
+            width, dtype, row_bytes = self._logit_spec(spec)
             logits = self._logit_gathers[s][:shape.total * row_bytes].view(dtype).view(
                 shape.total, width)
         metadata = AFDTransferMetadata(layer_idx=0, stage_idx=s, seq_lens=seq_lens)
@@ -254,24 +247,20 @@ class FfnSide:
                                    "(every rank must send >= 1; pad an idle rank to 1 token)")
         M = self.max_tokens
         region, gather, reply = self._regions[s], self._gathers[s], self._replies[s]
-        gathers = []
-        if len(workers) == 1:
-            hidden = region[workers[0] * M: workers[0] * M + seq_lens[0]]
-        else:
-            row = 0
-            for w, n in zip(workers, seq_lens):
+        one = len(workers) == 1  # its slot is the input; several ranks' rows are gathered
+        gathers, offsets, row = [], {}, 0
+        for w, n in zip(workers, seq_lens):
+            if not one:
                 gathers.append((gather[row: row + n], region[w * M: w * M + n]))
-                row += n
-            hidden = gather[:row]
-        total = sum(seq_lens)
-        offsets, row = {}, 0
-        for w, n in zip(workers, seq_lens):  # replies packed back to back: one copy per batch
-            offsets[w] = row
+            offsets[w] = row  # the replies packed back to back: one copy per batch
             row += n
-        return _FfnShape(list(workers), list(seq_lens), total, hidden, tuple(gathers),
-                         reply[:total], dict(zip(workers, seq_lens)), offsets)
+        hidden = region[workers[0] * M: workers[0] * M + row] if one else gather[:row]
+        return _FfnShape(list(workers), list(seq_lens), row, hidden, tuple(gathers),
+                         reply[:row], dict(zip(workers, seq_lens)), offsets)
 
-    def _gather_logits(self, batch, s, workers, seq_lens, spec) -> torch.Tensor:
+    def _logit_spec(self, spec: Any):
+        """(width, dtype, bytes per token) of a routing spec, checked against
+        the registered logits rows."""
         width = int(spec.router_logits_width)
         dtype = _torch_dtype(spec.router_logits_dtype, "routing_spec.router_logits_dtype")
         row_bytes = width * _element_size(dtype)
@@ -280,6 +269,10 @@ class FfnSide:
                              f"({_dtype_name(dtype)}): the connector registered "
                              f"{self._logit_row_bytes} bytes per token "
                              "(connector_extra_config.router_logits_width)")
+        return width, dtype, row_bytes
+
+    def _gather_logits(self, batch, s, workers, seq_lens, spec) -> torch.Tensor:
+        width, dtype, row_bytes = self._logit_spec(spec)
         lt = batch.tensor(_key(s, _LOGITS))
         region, gather = self._logit_regions[s], self._logit_gathers[s]
         slot = self.max_tokens * self._logit_row_bytes
